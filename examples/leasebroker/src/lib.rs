@@ -1,0 +1,1 @@
+//! leasebroker: work in progress.

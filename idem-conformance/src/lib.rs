@@ -1,0 +1,1 @@
+//! idem-conformance: work in progress.

@@ -1,0 +1,66 @@
+//! # idem-core
+//!
+//! The pure core of idem: everything that decides what a retried request gets, with no
+//! I/O, no runtime and no clock reads (`now` is always an argument). Backends implement
+//! [`Store`]; the HTTP layer calls [`decide`]; the conformance suite checks every backend
+//! against [`Model`].
+//!
+//! ```
+//! use std::time::Duration;
+//! use idem_core::{decide, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey,
+//!     Model, RequestParts, Scope, UnixMillis};
+//!
+//! let key = IdempotencyKey::parse(b"\"7c3f5d1e-91a4\"").unwrap();
+//! let scope = Scope::new("token:ml-eval", Endpoint::new("POST", "/v1/workers")).unwrap();
+//! let fp = Fingerprint::of(&RequestParts {
+//!     method: "POST", path: "/v1/workers", query: None, headers: &[], body: b"{}",
+//! });
+//! let mut model = Model::new();
+//! let now = UnixMillis(1_000);
+//! assert_eq!(decide(None, &fp, now), Decision::Claim);
+//! let req = ClaimRequest::new(scope, key, fp, Duration::from_secs(300), Duration::from_secs(86_400));
+//! let idem_core::ClaimOutcome::Claimed(record) = model.claim(&req, now) else { unreachable!() };
+//! // A retry while the first attempt runs: 409 with Retry-After.
+//! assert_eq!(decide(Some(&record), &fp, UnixMillis(2_000)), Decision::InFlight { retry_after_secs: 299 });
+//! ```
+//!
+//! # Layout
+//! - [`key`]: parsing the `Idempotency-Key` header (bare token or RFC 8941 sf-string).
+//! - [`scope`]: principal, endpoint, scope and the 32-byte [`RecordId`].
+//! - [`fingerprint`]: what makes a retry "the same request".
+//! - [`record`]: the record, its states, the fencing token and the stored response.
+//! - [`policy`]: retention, lease TTL, cacheable statuses, header and body rules.
+//! - [`decision`]: the decision table.
+//! - [`transition`]: the state machine as pure functions, and the store requests/outcomes.
+//! - [`model`]: the reference model (oracle) over a map.
+//! - [`store`]: the [`Store`] contract and [`StoreError`].
+//! - [`codec`]: the versioned postcard byte form of a record.
+//! - [`time`]: milliseconds since the epoch and the clocks stores read.
+//! - `memory` (feature `memory`, on by default): [`MemoryStore`].
+
+pub mod codec;
+pub mod decision;
+pub mod fingerprint;
+pub mod key;
+#[cfg(feature = "memory")]
+pub mod memory;
+pub mod model;
+pub mod policy;
+pub mod record;
+pub mod scope;
+pub mod store;
+pub mod time;
+pub mod transition;
+
+pub use decision::{Decision, decide, retry_after_secs};
+pub use fingerprint::{Fingerprint, FingerprintMode, RequestParts};
+pub use key::{IdempotencyKey, KeyError};
+#[cfg(feature = "memory")]
+pub use memory::MemoryStore;
+pub use model::Model;
+pub use policy::{MismatchStatus, Policy, StoreFailureMode};
+pub use record::{FencingToken, Record, RecordState, StoredBody, StoredResponse};
+pub use scope::{Endpoint, Principal, RecordId, Scope, ScopeError};
+pub use store::{BoxError, Capabilities, Store, StoreError, SweepOutcome};
+pub use time::{Clock, ManualClock, SystemClock, UnixMillis};
+pub use transition::{ClaimOutcome, ClaimRequest, LeaseLost, ReclaimOutcome, ReclaimRequest};

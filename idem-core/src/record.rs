@@ -1,0 +1,205 @@
+//! The record: what a store keeps per (scope, key), and its stored response.
+
+use serde::{Deserialize, Serialize};
+
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+use crate::scope::{RecordId, Scope};
+use crate::time::UnixMillis;
+
+/// Where a record is in its life (DESIGN.md, "The record state machine").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub enum RecordState {
+    /// Claimed; a handler holds the lease until `lease_expires_at`.
+    InFlight,
+    /// A terminal response is stored and replayed to every retry.
+    Completed,
+    /// The handler errored, panicked or answered 5xx; a retry with the same fingerprint
+    /// may reclaim it.
+    Failed,
+}
+
+/// The fencing token: grows by one on every claim or reclaim of a record. Complete and
+/// fail are compare-and-set on (record id, token), so the holder of an older token can
+/// never overwrite a newer attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub struct FencingToken(pub u64);
+
+impl FencingToken {
+    /// The token of a first claim.
+    pub const FIRST: FencingToken = FencingToken(1);
+
+    /// The token after this one.
+    #[must_use]
+    pub fn next(self) -> FencingToken {
+        FencingToken(self.0.saturating_add(1))
+    }
+}
+
+impl std::fmt::Display for FencingToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// How a stored body is encoded.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub enum StoredBody {
+    /// The body bytes as sent.
+    Identity(Vec<u8>),
+    /// LZ4 block compression of a body of `len` bytes (bodies over the policy threshold).
+    Lz4 {
+        /// Length of the decompressed body, bytes.
+        len: u64,
+        /// The compressed block.
+        data: Vec<u8>,
+    },
+    /// The body was larger than the policy's `max_stored_body` and was not kept. The
+    /// record still completes, so a retry never runs the handler twice; the replay says
+    /// the response was not retained.
+    NotRetained {
+        /// Length of the original body in bytes, when it was known.
+        len: Option<u64>,
+    },
+}
+
+/// The response replayed to every retry: status, headers (hop-by-hop and denied headers
+/// already removed) and body.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub struct StoredResponse {
+    /// HTTP status code.
+    pub status: u16,
+    /// `(lower-case name, raw value)` pairs in the order they were sent.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// The body.
+    pub body: StoredBody,
+}
+
+/// Upper bound on a decompressed body, bytes: a corrupt or hostile record cannot make a
+/// reader allocate more than this.
+pub const MAX_DECODED_BODY: u64 = 1 << 30;
+
+impl StoredResponse {
+    /// A response whose body is kept as is.
+    #[must_use]
+    pub fn new(status: u16, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Self {
+        Self { status, headers, body: StoredBody::Identity(body) }
+    }
+
+    /// A response whose body is LZ4-compressed when it is longer than `threshold` bytes
+    /// and compression actually saves space.
+    #[must_use]
+    pub fn compressed_over(status: u16, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>, threshold: usize) -> Self {
+        let body = if body.len() > threshold {
+            let data = lz4_flex::block::compress(&body);
+            if data.len() < body.len() {
+                StoredBody::Lz4 { len: body.len() as u64, data }
+            } else {
+                StoredBody::Identity(body)
+            }
+        } else {
+            StoredBody::Identity(body)
+        };
+        Self { status, headers, body }
+    }
+
+    /// The first value of header `name` (lower-case).
+    #[must_use]
+    pub fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice())
+    }
+
+    /// The body bytes, decompressed. `Ok(None)` when the body was not retained.
+    ///
+    /// # Errors
+    /// [`crate::codec::CodecError`] when a compressed body is corrupt or claims more than
+    /// [`MAX_DECODED_BODY`] bytes.
+    pub fn body_bytes(&self) -> Result<Option<std::borrow::Cow<'_, [u8]>>, crate::codec::CodecError> {
+        use std::borrow::Cow;
+        match &self.body {
+            StoredBody::Identity(b) => Ok(Some(Cow::Borrowed(b))),
+            StoredBody::NotRetained { .. } => Ok(None),
+            StoredBody::Lz4 { len, data } => {
+                // LZ4 cannot expand more than ~255x; refuse claims beyond that before
+                // allocating.
+                let bound = (data.len() as u64).saturating_mul(255).saturating_add(16);
+                if *len > MAX_DECODED_BODY || *len > bound {
+                    return Err(crate::codec::CodecError::BodyTooLarge { len: *len });
+                }
+                let len = usize::try_from(*len).map_err(|_| crate::codec::CodecError::BodyTooLarge { len: *len })?;
+                let out =
+                    lz4_flex::block::decompress(data, len).map_err(|_| crate::codec::CodecError::BadCompression)?;
+                if out.len() != len {
+                    return Err(crate::codec::CodecError::BadCompression);
+                }
+                Ok(Some(Cow::Owned(out)))
+            }
+        }
+    }
+}
+
+/// One idempotency record (DESIGN.md, "What is stored"). All times are UTC milliseconds
+/// from the store's clock.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Record {
+    /// Hash of (principal, endpoint, key); the store's primary key.
+    pub id: RecordId,
+    /// The scope the key lives in.
+    pub scope: Scope,
+    /// The client's key.
+    pub key: IdempotencyKey,
+    /// Fingerprint of the request that first claimed the record.
+    pub fingerprint: Fingerprint,
+    /// State.
+    pub state: RecordState,
+    /// Fencing token of the current (or last) claim.
+    pub token: FencingToken,
+    /// The stored response; `Some` exactly when `state` is `Completed`.
+    pub response: Option<StoredResponse>,
+    /// When the record was first claimed.
+    pub created_at: UnixMillis,
+    /// When the current claim (or reclaim) started.
+    pub started_at: UnixMillis,
+    /// End of the in-flight lease: the claim is fresh while `now < lease_expires_at`.
+    /// Always finite (handed case C1).
+    pub lease_expires_at: UnixMillis,
+    /// End of the retention window: the record is gone once `now >= expires_at`.
+    pub expires_at: UnixMillis,
+}
+
+impl Record {
+    /// True once the retention window has passed: the record counts as absent.
+    #[must_use]
+    pub fn is_expired(&self, now: UnixMillis) -> bool {
+        now >= self.expires_at
+    }
+
+    /// True while an in-flight claim's lease is still honoured.
+    #[must_use]
+    pub fn lease_is_fresh(&self, now: UnixMillis) -> bool {
+        self.state == RecordState::InFlight && now < self.lease_expires_at
+    }
+}
+
+#[cfg(feature = "arbitrary")]
+impl<'a> arbitrary::Arbitrary<'a> for Record {
+    fn arbitrary(u: &mut arbitrary::Unstructured<'a>) -> arbitrary::Result<Self> {
+        Ok(Self {
+            id: u.arbitrary()?,
+            scope: u.arbitrary()?,
+            key: u.arbitrary()?,
+            fingerprint: u.arbitrary()?,
+            state: u.arbitrary()?,
+            token: u.arbitrary()?,
+            response: u.arbitrary()?,
+            created_at: u.arbitrary()?,
+            started_at: u.arbitrary()?,
+            lease_expires_at: u.arbitrary()?,
+            expires_at: u.arbitrary()?,
+        })
+    }
+}

@@ -1,0 +1,197 @@
+//! Scope and record id.
+//!
+//! A key is only meaningful inside its scope = (principal, endpoint). The record id is a
+//! fixed-length BLAKE3 `derive_key` hash over the length-prefixed principal, endpoint and
+//! key, so that:
+//! - the same key under another principal or endpoint is another record (tenants never see
+//!   each other's records, handed cases C10 and C11);
+//! - no split of the same bytes between fields collides: `("ab","c")` and `("a","bc")`
+//!   hash different length prefixes;
+//! - every backend indexes one 32-byte value whatever the key length.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::key::IdempotencyKey;
+
+/// BLAKE3 `derive_key` context for record ids. Changing it orphans every stored record.
+pub const RECORD_ID_CONTEXT: &str = "idem 2026-11-30 record id v1";
+
+/// The authenticated identity a request runs as (an API token's subject, an account).
+///
+/// Any non-empty string. An empty principal is refused when building a [`Scope`]: a
+/// missing identity must never become one shared bucket (handed case C11).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub struct Principal(pub String);
+
+/// Method plus route template, e.g. `POST /v1/workers/{id}/reboot`; the concrete path
+/// when no template is known.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub struct Endpoint(pub String);
+
+impl Endpoint {
+    /// `"{METHOD} {route}"`, the canonical endpoint spelling.
+    #[must_use]
+    pub fn new(method: &str, route: &str) -> Self {
+        Self(format!("{method} {route}"))
+    }
+}
+
+/// (principal, endpoint): the namespace a key lives in.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub struct Scope {
+    /// Who sends the request.
+    pub principal: Principal,
+    /// What the request targets.
+    pub endpoint: Endpoint,
+}
+
+/// Why a scope cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ScopeError {
+    /// The principal is the empty string.
+    #[error("the principal is empty; an anonymous request cannot own idempotency records")]
+    EmptyPrincipal,
+}
+
+impl Scope {
+    /// Builds a scope.
+    ///
+    /// # Errors
+    /// [`ScopeError::EmptyPrincipal`] for an empty principal.
+    pub fn new(principal: impl Into<String>, endpoint: Endpoint) -> Result<Self, ScopeError> {
+        let principal = principal.into();
+        if principal.is_empty() {
+            return Err(ScopeError::EmptyPrincipal);
+        }
+        Ok(Self { principal: Principal(principal), endpoint })
+    }
+
+    /// The record id of `key` in this scope.
+    #[must_use]
+    pub fn record_id(&self, key: &IdempotencyKey) -> RecordId {
+        RecordId::derive(&self.principal.0, &self.endpoint.0, key.as_str())
+    }
+}
+
+/// 32-byte record id: BLAKE3 `derive_key(RECORD_ID_CONTEXT, len‖principal‖len‖endpoint‖len‖key)`
+/// with each length a little-endian u64.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub struct RecordId(pub [u8; 32]);
+
+impl RecordId {
+    /// Derives the id from raw parts. Prefer [`Scope::record_id`].
+    #[must_use]
+    pub fn derive(principal: &str, endpoint: &str, key: &str) -> Self {
+        let mut h = blake3::Hasher::new_derive_key(RECORD_ID_CONTEXT);
+        for part in [principal.as_bytes(), endpoint.as_bytes(), key.as_bytes()] {
+            h.update(&(part.len() as u64).to_le_bytes());
+            h.update(part);
+        }
+        Self(*h.finalize().as_bytes())
+    }
+
+    /// Lower-case hex, 64 characters.
+    #[must_use]
+    pub fn to_hex(&self) -> String {
+        to_hex(&self.0)
+    }
+
+    /// Parses 64 hex characters.
+    #[must_use]
+    pub fn from_hex(s: &str) -> Option<Self> {
+        from_hex32(s).map(Self)
+    }
+}
+
+impl fmt::Debug for RecordId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RecordId({})", &self.to_hex()[..16])
+    }
+}
+
+impl fmt::Display for RecordId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+pub(crate) fn to_hex(bytes: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(char::from(HEX[usize::from(b >> 4)]));
+        s.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+    s
+}
+
+pub(crate) fn from_hex32(s: &str) -> Option<[u8; 32]> {
+    let b = s.as_bytes();
+    if b.len() != 64 {
+        return None;
+    }
+    let nib = |c: u8| match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    };
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = (nib(b[2 * i])? << 4) | nib(b[2 * i + 1])?;
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn field_splits_do_not_collide() {
+        assert_ne!(RecordId::derive("ab", "c", "k"), RecordId::derive("a", "bc", "k"));
+        assert_ne!(RecordId::derive("p", "ab", "c"), RecordId::derive("p", "a", "bc"));
+        assert_ne!(RecordId::derive("", "pk", ""), RecordId::derive("p", "k", ""));
+    }
+
+    #[test]
+    fn empty_principal_is_refused() {
+        assert_eq!(Scope::new("", Endpoint::new("POST", "/x")), Err(ScopeError::EmptyPrincipal));
+    }
+
+    #[test]
+    fn hex_round_trips() {
+        let id = RecordId::derive("p", "e", "k");
+        assert_eq!(RecordId::from_hex(&id.to_hex()), Some(id));
+        assert_eq!(RecordId::from_hex("zz"), None);
+    }
+
+    proptest! {
+        #[test]
+        fn distinct_triples_give_distinct_ids(
+            a in (".{0,8}", ".{0,8}", ".{0,8}"),
+            b in (".{0,8}", ".{0,8}", ".{0,8}"),
+        ) {
+            prop_assume!(a != b);
+            prop_assert_ne!(RecordId::derive(&a.0, &a.1, &a.2), RecordId::derive(&b.0, &b.1, &b.2));
+        }
+
+        #[test]
+        fn moving_bytes_between_fields_changes_the_id(s in "[a-z]{2,12}", cut1 in 0usize..12, cut2 in 0usize..12) {
+            let c1 = cut1.min(s.len());
+            let c2 = cut2.min(s.len());
+            prop_assume!(c1 != c2);
+            let x = RecordId::derive(&s[..c1], &s[c1..], "k");
+            let y = RecordId::derive(&s[..c2], &s[c2..], "k");
+            prop_assert_ne!(x, y);
+        }
+    }
+}

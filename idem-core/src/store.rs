@@ -1,0 +1,254 @@
+//! The storage contract every backend implements, and its typed outcomes.
+//!
+//! # Contract (all methods)
+//! - Every method is atomic on the backend's engine: another caller sees the record either
+//!   before or after the operation, never half of it.
+//! - Time comes from one clock per store (the server's where it has one, an injected
+//!   [`crate::Clock`] otherwise) and every comparison is in milliseconds:
+//!   a lease is fresh while `now < lease_expires_at`; a record is gone once
+//!   `now >= expires_at`, whether or not a sweep has removed it yet.
+//! - A lost race is an outcome (`ClaimOutcome::Existing`, `ReclaimOutcome::Conflict`,
+//!   `StoreError::LeaseLost`), never a generic error: a key conflict is not a store failure
+//!   (handed case C9).
+//! - Keys, principals, endpoints, header values and bodies round-trip byte-exact.
+
+use std::fmt;
+
+use async_trait::async_trait;
+
+use crate::codec::CodecError;
+use crate::record::{FencingToken, Record, StoredResponse};
+use crate::scope::RecordId;
+use crate::transition::{ClaimOutcome, ClaimRequest, LeaseLost, ReclaimOutcome, ReclaimRequest};
+
+/// A boxed driver error, kept as the `source` of a [`StoreError`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A store operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// Complete or fail presented a token that is not the record's current in-flight claim
+    /// (the lease was reclaimed by a newer attempt, the record completed, or it expired).
+    /// Nothing was changed.
+    #[error("lease lost on record {id:?}: presented token {presented}, current {current:?}")]
+    LeaseLost {
+        /// The record.
+        id: RecordId,
+        /// The token the caller presented.
+        presented: FencingToken,
+        /// The record's current token (`None`: the record is gone).
+        current: Option<FencingToken>,
+    },
+    /// The backend could not be reached or refused the operation.
+    #[error("{backend} store unavailable: {message}")]
+    Unavailable {
+        /// Backend name, e.g. `redis`.
+        backend: &'static str,
+        /// What was being done.
+        message: String,
+        /// Whether the same call may succeed if retried (connection loss, timeout,
+        /// serialization failure, failover) or not (bad credentials, schema missing).
+        retryable: bool,
+        /// The driver's error.
+        #[source]
+        source: BoxError,
+    },
+    /// A stored value does not decode.
+    #[error("record {id:?} is corrupt")]
+    Corrupt {
+        /// The record, when known.
+        id: Option<RecordId>,
+        /// Why it does not decode.
+        #[source]
+        source: CodecError,
+    },
+    /// The backend does not offer this operation (see [`Capabilities`]).
+    #[error("operation {operation} is not supported by this store")]
+    Unsupported {
+        /// The operation's name.
+        operation: &'static str,
+    },
+}
+
+impl StoreError {
+    /// Wraps a driver error.
+    pub fn unavailable(
+        backend: &'static str,
+        message: impl Into<String>,
+        retryable: bool,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        StoreError::Unavailable { backend, message: message.into(), retryable, source: source.into() }
+    }
+
+    /// Builds `LeaseLost` from the pure transition's refusal.
+    #[must_use]
+    pub fn lease_lost(id: RecordId, lost: LeaseLost) -> Self {
+        StoreError::LeaseLost { id, presented: lost.presented, current: lost.current }
+    }
+
+    /// Whether retrying the same call can help. `LeaseLost` never can: the caller's
+    /// attempt is over.
+    #[must_use]
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, StoreError::Unavailable { retryable: true, .. })
+    }
+
+    /// Whether this is the fencing refusal.
+    #[must_use]
+    pub fn is_lease_lost(&self) -> bool {
+        matches!(self, StoreError::LeaseLost { .. })
+    }
+}
+
+/// What a backend offers beyond the required behaviour. The conformance suite runs the
+/// matching scenario variants and reports which ones ran; it never skips silently.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// Records vanish on their own at `expires_at` (Redis `PEXPIREAT`); `sweep` is a no-op
+    /// that reports zero.
+    pub native_expiry: bool,
+    /// Time comes from the server rather than from an in-process clock.
+    pub server_clock: bool,
+    /// Several processes may share the store.
+    pub shared: bool,
+}
+
+impl Capabilities {
+    /// No optional capability.
+    #[must_use]
+    pub const fn new() -> Self {
+        Self { native_expiry: false, server_clock: false, shared: false }
+    }
+
+    /// Sets `native_expiry`.
+    #[must_use]
+    pub const fn with_native_expiry(mut self, v: bool) -> Self {
+        self.native_expiry = v;
+        self
+    }
+
+    /// Sets `server_clock`.
+    #[must_use]
+    pub const fn with_server_clock(mut self, v: bool) -> Self {
+        self.server_clock = v;
+        self
+    }
+
+    /// Sets `shared`.
+    #[must_use]
+    pub const fn with_shared(mut self, v: bool) -> Self {
+        self.shared = v;
+        self
+    }
+}
+
+/// What one sweep did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SweepOutcome {
+    /// Records removed.
+    pub removed: u64,
+    /// Whether expired records may remain (the batch was full); call again.
+    pub more: bool,
+}
+
+/// Idempotency record storage.
+///
+/// Object safe: the HTTP layer holds an `Arc<dyn Store>`. Later capabilities (step and
+/// intent journals) arrive as provided methods with a default that returns
+/// [`StoreError::Unsupported`], so adding them breaks no backend.
+#[async_trait]
+pub trait Store: Send + Sync + fmt::Debug + 'static {
+    /// Insert-if-absent.
+    ///
+    /// # Contract
+    /// - If no record with `req.id` exists, or the existing one is past `expires_at`,
+    ///   atomically write an in-flight record with `created_at = started_at = now`,
+    ///   `lease_expires_at = now + lease_ttl`, `expires_at = now + max(retention, lease_ttl)`
+    ///   and token 1 (or the expired record's token + 1), and return
+    ///   [`ClaimOutcome::Claimed`] with it.
+    /// - Otherwise change nothing and return [`ClaimOutcome::Existing`] with the stored
+    ///   record and the store's `now`.
+    /// - Of N concurrent claims of one id, exactly one gets `Claimed`.
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError>;
+
+    /// Compare-and-set takeover of an expired lease or a failed record.
+    ///
+    /// # Contract
+    /// Applies iff the record exists, is not past `expires_at`, carries `req.expected`,
+    /// has `req.fingerprint`, and is either failed or in flight with
+    /// `now >= lease_expires_at`. Then the record becomes in flight with token + 1,
+    /// `started_at = now`, `lease_expires_at = now + lease_ttl`,
+    /// `expires_at = max(expires_at, now + retention)`, no response; returns
+    /// [`ReclaimOutcome::Reclaimed`]. Otherwise nothing changes and
+    /// [`ReclaimOutcome::Conflict`] carries the live record (or `None`). Of N concurrent
+    /// reclaims with the same expected token, exactly one wins.
+    async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError>;
+
+    /// Stores the terminal response.
+    ///
+    /// # Contract
+    /// Applies iff the record is live, in flight, and carries `token`: the state becomes
+    /// completed with `response`; all timestamps stay. Otherwise nothing changes and the
+    /// call returns [`StoreError::LeaseLost`].
+    async fn complete(&self, id: RecordId, token: FencingToken, response: StoredResponse)
+    -> Result<Record, StoreError>;
+
+    /// Marks the attempt failed (handler error, panic, 5xx).
+    ///
+    /// # Contract
+    /// Applies iff the record is live, in flight, and carries `token`: the state becomes
+    /// failed and `lease_expires_at = min(lease_expires_at, now)`. Otherwise nothing
+    /// changes and the call returns [`StoreError::LeaseLost`].
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError>;
+
+    /// Reads a record.
+    ///
+    /// # Contract
+    /// Returns `None` for an absent record and for one past `expires_at`, swept or not.
+    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError>;
+
+    /// Deletes up to `limit` records past `expires_at`.
+    ///
+    /// # Contract
+    /// Never deletes a record with `now < expires_at` (so never a live claim: retention is
+    /// at least the lease). Bounded work per call; `more` says whether to call again. A
+    /// sweep racing a claim of the same id leaves either the old record or the new claim,
+    /// never a mix. Stores with [`Capabilities::native_expiry`] return zero.
+    async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError>;
+
+    /// What this store offers.
+    fn capabilities(&self) -> Capabilities;
+}
+
+#[async_trait]
+impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        (**self).claim(req).await
+    }
+    async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
+        (**self).reclaim(req).await
+    }
+    async fn complete(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        response: StoredResponse,
+    ) -> Result<Record, StoreError> {
+        (**self).complete(id, token, response).await
+    }
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
+        (**self).fail(id, token).await
+    }
+    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        (**self).get(id).await
+    }
+    async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
+        (**self).sweep(limit).await
+    }
+    fn capabilities(&self) -> Capabilities {
+        (**self).capabilities()
+    }
+}

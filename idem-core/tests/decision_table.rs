@@ -1,0 +1,203 @@
+//! The decision table and the state machine, row by row, on the pure model.
+
+use std::time::Duration;
+
+use idem_core::*;
+use proptest::prelude::*;
+
+const LEASE: Duration = Duration::from_secs(5);
+const RETENTION: Duration = Duration::from_secs(60);
+
+fn fp(b: &[u8]) -> Fingerprint {
+    Fingerprint::of_bytes(b)
+}
+
+fn req(key: &str, body: &[u8]) -> ClaimRequest {
+    let scope = Scope::new("p", Endpoint::new("POST", "/e")).unwrap();
+    ClaimRequest::new(scope, IdempotencyKey::parse(key.as_bytes()).unwrap(), fp(body), LEASE, RETENTION)
+}
+
+fn claimed(m: &mut Model, r: &ClaimRequest, now: i64) -> Record {
+    match m.claim(r, UnixMillis(now)) {
+        ClaimOutcome::Claimed(rec) => rec,
+        other => panic!("expected Claimed, got {other:?}"),
+    }
+}
+
+fn reclaim_req(r: &Record, body: &[u8]) -> ReclaimRequest {
+    ReclaimRequest { id: r.id, expected: r.token, fingerprint: fp(body), lease_ttl: LEASE, retention: RETENTION }
+}
+
+#[test]
+fn row_none_claims() {
+    assert_eq!(decide(None, &fp(b"x"), UnixMillis(0)), Decision::Claim);
+}
+
+#[test]
+fn row_in_flight_fresh_same_is_busy_with_retry_after() {
+    let mut m = Model::new();
+    let r = claimed(&mut m, &req("k", b"x"), 0);
+    assert_eq!(r.token, FencingToken::FIRST);
+    assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(0)), Decision::InFlight { retry_after_secs: 5 });
+    assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(4_001)), Decision::InFlight { retry_after_secs: 1 });
+    // Never below one second, even in the last millisecond.
+    assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(4_999)), Decision::InFlight { retry_after_secs: 1 });
+}
+
+#[test]
+fn row_in_flight_fresh_different_is_mismatch() {
+    let mut m = Model::new();
+    let r = claimed(&mut m, &req("k", b"x"), 0);
+    assert_eq!(decide(Some(&r), &fp(b"y"), UnixMillis(1)), Decision::Mismatch);
+}
+
+#[test]
+fn row_in_flight_expired_same_reclaims_exactly_at_lease_end() {
+    let mut m = Model::new();
+    let r = claimed(&mut m, &req("k", b"x"), 0);
+    assert!(matches!(decide(Some(&r), &fp(b"x"), UnixMillis(4_999)), Decision::InFlight { .. }));
+    assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(5_000)), Decision::Reclaim { expected: r.token });
+    assert!(matches!(m.reclaim(&reclaim_req(&r, b"x"), UnixMillis(4_999)), ReclaimOutcome::Conflict { .. }));
+    let ReclaimOutcome::Reclaimed(n) = m.reclaim(&reclaim_req(&r, b"x"), UnixMillis(5_001)) else { panic!() };
+    assert_eq!(n.token, FencingToken(2));
+    assert_eq!(n.lease_expires_at, UnixMillis(10_001));
+}
+
+#[test]
+fn row_in_flight_expired_different_is_mismatch() {
+    let mut m = Model::new();
+    let r = claimed(&mut m, &req("k", b"x"), 0);
+    assert_eq!(decide(Some(&r), &fp(b"y"), UnixMillis(9_000)), Decision::Mismatch);
+    assert!(matches!(m.reclaim(&reclaim_req(&r, b"y"), UnixMillis(9_000)), ReclaimOutcome::Conflict { .. }));
+}
+
+#[test]
+fn row_completed_same_replays_different_mismatches() {
+    let mut m = Model::new();
+    let r = claimed(&mut m, &req("k", b"x"), 0);
+    let done = m.complete(r.id, r.token, StoredResponse::new(201, vec![], b"ok".to_vec()), UnixMillis(10)).unwrap();
+    assert_eq!(decide(Some(&done), &fp(b"x"), UnixMillis(20)), Decision::Replay);
+    assert_eq!(decide(Some(&done), &fp(b"y"), UnixMillis(20)), Decision::Mismatch);
+    // A completed record is never reclaimable, even after its lease time.
+    assert!(matches!(m.reclaim(&reclaim_req(&done, b"x"), UnixMillis(50_000)), ReclaimOutcome::Conflict { .. }));
+}
+
+#[test]
+fn row_failed_same_reclaims_different_mismatches() {
+    let mut m = Model::new();
+    let r = claimed(&mut m, &req("k", b"x"), 0);
+    let failed = m.fail(r.id, r.token, UnixMillis(10)).unwrap();
+    assert_eq!(failed.state, RecordState::Failed);
+    assert_eq!(decide(Some(&failed), &fp(b"x"), UnixMillis(11)), Decision::Reclaim { expected: r.token });
+    assert_eq!(decide(Some(&failed), &fp(b"y"), UnixMillis(11)), Decision::Mismatch);
+    assert!(matches!(m.reclaim(&reclaim_req(&failed, b"x"), UnixMillis(11)), ReclaimOutcome::Reclaimed(_)));
+}
+
+#[test]
+fn retention_end_makes_the_record_absent_and_a_new_claim_gets_a_higher_token() {
+    let mut m = Model::new();
+    let r = claimed(&mut m, &req("k", b"x"), 0);
+    m.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(1)).unwrap();
+    assert!(m.get(r.id, UnixMillis(59_999)).is_some());
+    assert!(m.get(r.id, UnixMillis(60_000)).is_none());
+    assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(60_000)), Decision::Claim);
+    let again = claimed(&mut m, &req("k", b"y"), 60_000);
+    assert_eq!(again.token, FencingToken(2));
+}
+
+#[test]
+fn stale_token_writes_are_lease_lost_and_change_nothing() {
+    let mut m = Model::new();
+    let r = claimed(&mut m, &req("k", b"x"), 0);
+    let ReclaimOutcome::Reclaimed(n) = m.reclaim(&reclaim_req(&r, b"x"), UnixMillis(6_000)) else { panic!() };
+    let before = m.clone();
+    let e = m.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(6_001)).unwrap_err();
+    assert!(matches!(e, StoreError::LeaseLost { current: Some(FencingToken(2)), .. }), "{e:?}");
+    assert!(m.fail(r.id, r.token, UnixMillis(6_001)).unwrap_err().is_lease_lost());
+    assert_eq!(m, before);
+    assert!(m.complete(n.id, n.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(6_002)).is_ok());
+}
+
+#[test]
+fn zero_lease_is_finite_and_expires_at_once() {
+    // C1: a zero budget must never mean "no deadline".
+    let mut m = Model::new();
+    let mut r0 = req("k", b"x");
+    r0.lease_ttl = Duration::ZERO;
+    let r = claimed(&mut m, &r0, 1_000);
+    assert_eq!(r.lease_expires_at, UnixMillis(1_000));
+    assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(1_000)), Decision::Reclaim { expected: r.token });
+}
+
+#[test]
+fn sweep_is_bounded_and_spares_live_records() {
+    let mut m = Model::new();
+    for i in 0..10 {
+        claimed(&mut m, &req(&format!("k{i}"), b"x"), i);
+    }
+    // Nothing has expired at t=59_999.
+    assert_eq!(m.sweep(100, UnixMillis(59_999)).removed, 0);
+    let s = m.sweep(4, UnixMillis(60_005));
+    assert_eq!((s.removed, s.more), (4, true));
+    // Records 0..=5 expired by t=60_005 (retention 60 s from t=i): two are left to sweep.
+    let s = m.sweep(4, UnixMillis(60_005));
+    assert_eq!((s.removed, s.more), (2, false));
+    assert_eq!(m.len(), 4);
+}
+
+#[test]
+fn codec_round_trips_and_rejects_garbage() {
+    let mut m = Model::new();
+    let r = claimed(&mut m, &req("k", b"x"), 0);
+    let body = vec![b'a'; 10_000];
+    let done = m
+        .complete(
+            r.id,
+            r.token,
+            StoredResponse::compressed_over(201, vec![("location".into(), b"/w/1".to_vec())], body.clone(), 4096),
+            UnixMillis(1),
+        )
+        .unwrap();
+    assert!(matches!(done.response.as_ref().unwrap().body, StoredBody::Lz4 { .. }));
+    let bytes = codec::encode(&done);
+    let back = codec::decode(&bytes).unwrap();
+    assert_eq!(back, done);
+    assert_eq!(back.response.unwrap().body_bytes().unwrap().unwrap().as_ref(), &body[..]);
+    assert!(matches!(codec::decode(&[]), Err(codec::CodecError::Empty)));
+    assert!(matches!(codec::decode(&[9, 1, 2]), Err(codec::CodecError::UnknownVersion(9))));
+    assert!(codec::decode(&bytes[..bytes.len() - 1]).is_err());
+}
+
+proptest! {
+    #[test]
+    fn decoder_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let _ = codec::decode(&bytes);
+    }
+
+    #[test]
+    fn tokens_only_grow(ops in proptest::collection::vec((0u8..5, 0i64..20_000), 1..60)) {
+        // Whatever the sequence, a record's token never decreases and every successful
+        // claim or reclaim raises it.
+        let mut m = Model::new();
+        let r = req("k", b"x");
+        let mut now = 0i64;
+        let mut last = 0u64;
+        for (op, dt) in ops {
+            now += dt;
+            let t = UnixMillis(now);
+            let cur = m.get(r.id, t);
+            match op {
+                0 => { let _ = m.claim(&r, t); }
+                1 => if let Some(c) = &cur { let _ = m.reclaim(&reclaim_req(c, b"x"), t); },
+                2 => if let Some(c) = &cur { let _ = m.complete(c.id, c.token, StoredResponse::new(200, vec![], vec![]), t); },
+                3 => if let Some(c) = &cur { let _ = m.fail(c.id, c.token, t); },
+                _ => { let _ = m.sweep(10, t); }
+            }
+            if let Some(after) = m.get(r.id, t) {
+                prop_assert!(after.token.0 >= last || cur.is_none());
+                prop_assert!(after.lease_expires_at <= after.expires_at || after.state != RecordState::InFlight);
+                last = after.token.0;
+            }
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! idem-http: work in progress.

@@ -1,0 +1,1 @@
+//! idem-postgres: work in progress.

@@ -1,0 +1,1 @@
+//! idem-redb: work in progress.

@@ -1,0 +1,1 @@
+//! idem-redis: work in progress.

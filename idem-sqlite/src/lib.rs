@@ -1,0 +1,1 @@
+//! idem-sqlite: work in progress.
