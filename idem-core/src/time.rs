@@ -95,6 +95,12 @@ impl ManualClock {
         self.now.fetch_add(ms, Ordering::SeqCst);
     }
 
+    /// The current reading in milliseconds (shorthand for `self.now().0`).
+    #[must_use]
+    pub fn now_ms(&self) -> i64 {
+        self.now.load(Ordering::SeqCst)
+    }
+
     /// Sets the clock to `t`.
     pub fn set(&self, t: UnixMillis) {
         self.now.store(t.0, Ordering::SeqCst);
