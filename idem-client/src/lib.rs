@@ -1,1 +1,36 @@
-//! idem-client: work in progress.
+//! # idem-client
+//!
+//! The client half of the idempotency contract (DESIGN.md, "The client side"):
+//! - generate the key once per logical operation, before the first attempt, and keep it
+//!   across every retry ([`OperationKey`]) and, through an optional on-disk
+//!   [`KeyJournal`], across process restarts;
+//! - retry connection errors, timeouts, 5xx and in-flight `409` answers (those carry
+//!   `Retry-After`, which is honoured) with exponential backoff and full jitter inside a
+//!   time budget ([`RetryPolicy`]);
+//! - stop on a fingerprint mismatch (a `409`/`422` without `Retry-After`) and on any other
+//!   4xx; done on 2xx.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), idem_client::ClientError> {
+//! use idem_client::{IdempotentClient, OperationKey, RetryPolicy};
+//! let client = IdempotentClient::new(reqwest::Client::new(), RetryPolicy::default());
+//! let key = OperationKey::generate(); // once per logical operation
+//! let reply = client
+//!     .post("http://127.0.0.1:8080/v1/workers", &key)
+//!     .bearer("token-a")
+//!     .json_body(br#"{"image":"worker-base:2025.11","cpu":16}"#.to_vec())
+//!     .send()
+//!     .await?;
+//! println!("{} after {} attempts (replayed: {})", reply.status, reply.stats.attempts, reply.replayed);
+//! # Ok(()) }
+//! ```
+//!
+//! # Layout
+//! - [`retry`]: [`RetryPolicy`], [`IdempotentClient`], [`Reply`], [`ClientError`].
+//! - [`journal`]: [`KeyJournal`], keys that survive a restart.
+
+pub mod journal;
+pub mod retry;
+
+pub use journal::{JournalError, KeyJournal};
+pub use retry::{AttemptStats, ClientError, IdempotentClient, OperationKey, Reply, RequestBuilder, RetryPolicy};

@@ -1,0 +1,392 @@
+//! Retrying one logical operation under one idempotency key.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use rand::Rng;
+use tokio::time::Instant;
+
+/// The header the key travels in (draft-ietf-httpapi-idempotency-key-header §2).
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// The header a server sets on a replayed response.
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+
+/// The key of one logical operation. Create it once, before the first attempt, and pass
+/// the same value to every retry; never derive it from the attempt, the time or a
+/// per-attempt id (handed case C14).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct OperationKey(String);
+
+impl OperationKey {
+    /// A fresh random key: a version-4 UUID (36 visible ASCII bytes).
+    #[must_use]
+    pub fn generate() -> Self {
+        Self(uuid::Uuid::new_v4().to_string())
+    }
+
+    /// A key the caller already has (from a journal, a job id). It must be visible ASCII,
+    /// 1..=255 bytes, or the server answers 400.
+    #[must_use]
+    pub fn from_string(key: impl Into<String>) -> Self {
+        Self(key.into())
+    }
+
+    /// The key.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// When and how long to retry.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct RetryPolicy {
+    /// Total time allowed for all attempts and waits (default 60 s). No new attempt starts
+    /// once a wait would cross it.
+    pub budget: Duration,
+    /// Upper bound on attempts, the first included (default 20).
+    pub max_attempts: u32,
+    /// First backoff (default 50 ms); doubles per retry.
+    pub initial_backoff: Duration,
+    /// Largest backoff (default 5 s). A server's `Retry-After` may ask for longer; it is
+    /// honoured as long as the budget allows.
+    pub max_backoff: Duration,
+    /// Timeout of one attempt (default 10 s); a timeout is retried under the same key.
+    pub attempt_timeout: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            budget: Duration::from_secs(60),
+            max_attempts: 20,
+            initial_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_secs(5),
+            attempt_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Sets the total budget.
+    #[must_use]
+    pub fn with_budget(mut self, d: Duration) -> Self {
+        self.budget = d;
+        self
+    }
+
+    /// Sets the attempt cap.
+    #[must_use]
+    pub fn with_max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = n.max(1);
+        self
+    }
+
+    /// Sets the first and the largest backoff.
+    #[must_use]
+    pub fn with_backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.initial_backoff = initial;
+        self.max_backoff = max.max(initial);
+        self
+    }
+
+    /// Sets the per-attempt timeout.
+    #[must_use]
+    pub fn with_attempt_timeout(mut self, d: Duration) -> Self {
+        self.attempt_timeout = d;
+        self
+    }
+
+    /// Backoff before retry number `retry` (1-based): full jitter over
+    /// `min(max_backoff, initial * 2^(retry-1))`.
+    fn backoff(&self, retry: u32) -> Duration {
+        let exp = self.initial_backoff.saturating_mul(1u32 << retry.saturating_sub(1).min(20));
+        let cap = exp.min(self.max_backoff);
+        let ms = u64::try_from(cap.as_millis()).unwrap_or(u64::MAX);
+        Duration::from_millis(rand::rng().random_range(0..=ms))
+    }
+}
+
+/// What happened across the attempts of one operation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttemptStats {
+    /// Requests sent.
+    pub attempts: u32,
+    /// In-flight `409` answers (another attempt held the key).
+    pub busy: u32,
+    /// Connection errors and timeouts.
+    pub transport_errors: u32,
+    /// 5xx answers.
+    pub server_errors: u32,
+}
+
+/// The final answer of an operation.
+#[derive(Clone, Debug)]
+pub struct Reply {
+    /// Final status (2xx, or a 4xx the client does not retry).
+    pub status: StatusCode,
+    /// Final headers.
+    pub headers: HeaderMap,
+    /// Final body.
+    pub body: Bytes,
+    /// Whether the server replayed a stored response (`Idempotent-Replayed: true`).
+    pub replayed: bool,
+    /// Attempt counts.
+    pub stats: AttemptStats,
+}
+
+/// Why an operation ended without a usable reply.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// The budget or the attempt cap ran out while the answer was still retryable. The
+    /// operation may or may not have happened: retry later with the SAME key.
+    #[error("gave up after {} attempts; the last failure was: {last}", stats.attempts)]
+    GaveUp {
+        /// Attempt counts.
+        stats: AttemptStats,
+        /// The last retryable failure, as text for humans.
+        last: String,
+        /// The last transport error, when the last failure was one.
+        #[source]
+        source: Option<reqwest::Error>,
+    },
+    /// The server said the key was already used for a different request (fingerprint
+    /// mismatch). Retrying cannot help; the body is the server's problem document.
+    #[error("idempotency key reused with a different request (status {status})")]
+    Mismatch {
+        /// 409, 422 or 400 as the server is configured.
+        status: StatusCode,
+        /// The problem body.
+        body: Bytes,
+    },
+    /// The request could not be built (bad URL, bad header value).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+}
+
+/// A reqwest client that sends every request of an operation under its key.
+#[derive(Clone, Debug)]
+pub struct IdempotentClient {
+    http: reqwest::Client,
+    policy: RetryPolicy,
+}
+
+impl IdempotentClient {
+    /// Wraps `http` with `policy`.
+    #[must_use]
+    pub fn new(http: reqwest::Client, policy: RetryPolicy) -> Self {
+        Self { http, policy }
+    }
+
+    /// Starts a request of `method` to `url` under `key`.
+    #[must_use]
+    pub fn request(&self, method: Method, url: impl Into<String>, key: &OperationKey) -> RequestBuilder<'_> {
+        RequestBuilder {
+            client: self,
+            method,
+            url: url.into(),
+            key: key.clone(),
+            headers: Vec::new(),
+            body: Bytes::new(),
+            error: None,
+        }
+    }
+
+    /// `POST url` under `key`.
+    #[must_use]
+    pub fn post(&self, url: impl Into<String>, key: &OperationKey) -> RequestBuilder<'_> {
+        self.request(Method::POST, url, key)
+    }
+
+    /// `DELETE url` under `key`.
+    #[must_use]
+    pub fn delete(&self, url: impl Into<String>, key: &OperationKey) -> RequestBuilder<'_> {
+        self.request(Method::DELETE, url, key)
+    }
+}
+
+/// One operation being assembled; [`RequestBuilder::send`] runs the retry loop.
+#[derive(Debug)]
+pub struct RequestBuilder<'c> {
+    client: &'c IdempotentClient,
+    method: Method,
+    url: String,
+    key: OperationKey,
+    headers: Vec<(HeaderName, HeaderValue)>,
+    body: Bytes,
+    error: Option<String>,
+}
+
+impl RequestBuilder<'_> {
+    /// Adds a header sent on every attempt.
+    #[must_use]
+    pub fn header(mut self, name: &str, value: &str) -> Self {
+        match (HeaderName::try_from(name), HeaderValue::try_from(value)) {
+            (Ok(n), Ok(v)) => self.headers.push((n, v)),
+            _ => self.error = Some(format!("bad header {name}")),
+        }
+        self
+    }
+
+    /// `Authorization: Bearer <token>`.
+    #[must_use]
+    pub fn bearer(self, token: &str) -> Self {
+        self.header("authorization", &format!("Bearer {token}"))
+    }
+
+    /// A JSON body (bytes sent as they are on every attempt, so the fingerprint matches).
+    #[must_use]
+    pub fn json_body(self, body: impl Into<Bytes>) -> Self {
+        let mut s = self.header("content-type", "application/json");
+        s.body = body.into();
+        s
+    }
+
+    /// Runs the attempts.
+    ///
+    /// # Errors
+    /// [`ClientError::Mismatch`] on a fingerprint mismatch, [`ClientError::GaveUp`] when
+    /// the budget or attempt cap ran out, [`ClientError::InvalidRequest`] for a request
+    /// that cannot be built. Any other 4xx is a [`Reply`], not an error.
+    pub async fn send(self) -> Result<Reply, ClientError> {
+        if let Some(e) = self.error {
+            return Err(ClientError::InvalidRequest(e));
+        }
+        let policy = &self.client.policy;
+        let deadline = Instant::now() + policy.budget;
+        let mut stats = AttemptStats::default();
+        let mut last: (String, Option<reqwest::Error>);
+        loop {
+            stats.attempts += 1;
+            let mut req = self
+                .client
+                .http
+                .request(self.method.clone(), &self.url)
+                .timeout(policy.attempt_timeout)
+                .header(IDEMPOTENCY_KEY, self.key.as_str())
+                .body(self.body.clone());
+            for (n, v) in &self.headers {
+                req = req.header(n, v);
+            }
+            let mut server_wait = None;
+            match req.send().await {
+                Err(e) if e.is_builder() => return Err(ClientError::InvalidRequest(e.to_string())),
+                Err(e) => {
+                    stats.transport_errors += 1;
+                    last = (format!("transport error: {e}"), Some(e));
+                }
+                Ok(resp) => {
+                    let status = resp.status();
+                    let headers = resp.headers().clone();
+                    let body = match resp.bytes().await {
+                        Ok(b) => b,
+                        Err(e) => {
+                            // The answer was lost on the way: same as a dropped response.
+                            stats.transport_errors += 1;
+                            last = (format!("response body lost: {e}"), Some(e));
+                            if !wait_or_stop(policy, &mut stats, deadline, None).await {
+                                return Err(gave_up(stats, last));
+                            }
+                            continue;
+                        }
+                    };
+                    let retry_after = retry_after(&headers);
+                    if status.is_success() || (status.is_client_error() && !is_retryable_4xx(status, retry_after)) {
+                        if is_mismatch(status, &headers, retry_after) {
+                            return Err(ClientError::Mismatch { status, body });
+                        }
+                        let replayed =
+                            headers.get(IDEMPOTENT_REPLAYED).and_then(|v| v.to_str().ok()).is_some_and(|v| v == "true");
+                        return Ok(Reply { status, headers, body, replayed, stats });
+                    }
+                    if status == StatusCode::CONFLICT {
+                        stats.busy += 1;
+                    } else if status.is_server_error() {
+                        stats.server_errors += 1;
+                    }
+                    server_wait = retry_after;
+                    last = (format!("status {status}"), None);
+                }
+            }
+            if !wait_or_stop(policy, &mut stats, deadline, server_wait).await {
+                return Err(gave_up(stats, last));
+            }
+        }
+    }
+}
+
+fn gave_up(stats: AttemptStats, last: (String, Option<reqwest::Error>)) -> ClientError {
+    ClientError::GaveUp { stats, last: last.0, source: last.1 }
+}
+
+/// Sleeps before the next attempt; false when the budget or attempt cap says stop.
+async fn wait_or_stop(
+    policy: &RetryPolicy,
+    stats: &mut AttemptStats,
+    deadline: Instant,
+    server: Option<Duration>,
+) -> bool {
+    if stats.attempts >= policy.max_attempts {
+        return false;
+    }
+    let backoff = policy.backoff(stats.attempts);
+    // Retry-After is a lower bound from the server; jittered backoff spreads the herd.
+    let wait = server.map_or(backoff, |s| s.max(backoff));
+    if Instant::now() + wait >= deadline {
+        return false;
+    }
+    tokio::time::sleep(wait).await;
+    true
+}
+
+/// `Retry-After` as delay-seconds (RFC 9110 §10.2.3); HTTP-date forms are not used by
+/// idem servers and count as absent.
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    headers.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim().parse::<u64>().ok().map(Duration::from_secs)
+}
+
+/// 408, 425 and 429 are retried, and a 409 that carries `Retry-After` (request in flight).
+fn is_retryable_4xx(status: StatusCode, retry_after: Option<Duration>) -> bool {
+    matches!(status.as_u16(), 408 | 425 | 429) || (status == StatusCode::CONFLICT && retry_after.is_some())
+}
+
+/// A mismatch is a 409/422 answered with a problem body and no `Retry-After`.
+fn is_mismatch(status: StatusCode, headers: &HeaderMap, retry_after: Option<Duration>) -> bool {
+    let problem = headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/problem+json"));
+    problem && retry_after.is_none() && matches!(status.as_u16(), 409 | 422)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_is_capped_and_jittered() {
+        let p = RetryPolicy::default().with_backoff(Duration::from_millis(10), Duration::from_millis(100));
+        for retry in 1..30 {
+            assert!(p.backoff(retry) <= Duration::from_millis(100));
+        }
+    }
+
+    #[test]
+    fn busy_409_is_retried_mismatch_is_not() {
+        assert!(is_retryable_4xx(StatusCode::CONFLICT, Some(Duration::from_secs(1))));
+        assert!(!is_retryable_4xx(StatusCode::CONFLICT, None));
+        assert!(!is_retryable_4xx(StatusCode::NOT_FOUND, None));
+        assert!(is_retryable_4xx(StatusCode::TOO_MANY_REQUESTS, None));
+    }
+
+    #[test]
+    fn generated_keys_are_distinct_and_valid() {
+        let a = OperationKey::generate();
+        let b = OperationKey::generate();
+        assert_ne!(a, b);
+        assert!(a.as_str().bytes().all(|c| (0x21..=0x7e).contains(&c)));
+    }
+}

@@ -1,0 +1,103 @@
+//! The retry loop against a real HTTP server on loopback.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use idem_client::{ClientError, IdempotentClient, OperationKey, RetryPolicy};
+
+async fn serve(app: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}")
+}
+
+fn fast() -> RetryPolicy {
+    RetryPolicy::default()
+        .with_backoff(Duration::from_millis(1), Duration::from_millis(5))
+        .with_budget(Duration::from_secs(10))
+}
+
+#[tokio::test]
+async fn same_key_on_every_attempt_until_success() {
+    // Fails twice with 503, then answers 201; every attempt must carry one key.
+    let calls = Arc::new(AtomicU32::new(0));
+    let keys = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (c, k) = (calls.clone(), keys.clone());
+    let app = Router::new().route(
+        "/w",
+        post(move |h: HeaderMap| async move {
+            k.lock().unwrap().push(h.get("idempotency-key").unwrap().to_str().unwrap().to_string());
+            if c.fetch_add(1, Ordering::SeqCst) < 2 {
+                StatusCode::SERVICE_UNAVAILABLE.into_response()
+            } else {
+                (StatusCode::CREATED, "made").into_response()
+            }
+        }),
+    );
+    let base = serve(app).await;
+    let client = IdempotentClient::new(reqwest::Client::new(), fast());
+    let key = OperationKey::generate();
+    let reply = client.post(format!("{base}/w"), &key).json_body("{}").send().await.unwrap();
+    assert_eq!(reply.status, 201);
+    assert_eq!(reply.stats.attempts, 3);
+    assert_eq!(reply.stats.server_errors, 2);
+    let keys = keys.lock().unwrap();
+    assert_eq!(keys.len(), 3);
+    assert!(keys.iter().all(|k| k == key.as_str()));
+}
+
+#[tokio::test]
+async fn busy_409_is_retried_after_retry_after_and_mismatch_stops() {
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = calls.clone();
+    let app = Router::new()
+        .route(
+            "/busy",
+            post(move || async move {
+                if c.fetch_add(1, Ordering::SeqCst) == 0 {
+                    (StatusCode::CONFLICT, [("retry-after", "1"), ("content-type", "application/problem+json")], "{}")
+                        .into_response()
+                } else {
+                    (StatusCode::OK, "done").into_response()
+                }
+            }),
+        )
+        .route(
+            "/mismatch",
+            post(|| async {
+                (StatusCode::CONFLICT, [("content-type", "application/problem+json")], "{}").into_response()
+            }),
+        );
+    let base = serve(app).await;
+    let client = IdempotentClient::new(reqwest::Client::new(), fast());
+    let started = std::time::Instant::now();
+    let reply = client.post(format!("{base}/busy"), &OperationKey::generate()).send().await.unwrap();
+    assert_eq!((reply.status.as_u16(), reply.stats.busy), (200, 1));
+    // Retry-After: 1 was honoured even though the backoff cap is 5 ms.
+    assert!(started.elapsed() >= Duration::from_millis(990));
+    let err = client.post(format!("{base}/mismatch"), &OperationKey::generate()).send().await.unwrap_err();
+    assert!(matches!(err, ClientError::Mismatch { .. }), "{err:?}");
+}
+
+#[tokio::test]
+async fn connection_refused_gives_up_within_budget() {
+    // Nothing listens on this port once the listener is dropped.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    drop(l);
+    let client = IdempotentClient::new(
+        reqwest::Client::new(),
+        fast().with_budget(Duration::from_millis(300)).with_max_attempts(5),
+    );
+    let err = client.post(format!("http://{addr}/w"), &OperationKey::generate()).send().await.unwrap_err();
+    match err {
+        ClientError::GaveUp { stats, .. } => assert!(stats.attempts >= 2 && stats.transport_errors == stats.attempts),
+        other => panic!("{other:?}"),
+    }
+}
