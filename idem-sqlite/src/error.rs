@@ -1,0 +1,173 @@
+//! Errors of the SQLite backend.
+//!
+//! Every SQLite failure keeps rusqlite's error as its `source`. [`Error::is_retryable`]
+//! says whether the same call can succeed later: `SQLITE_BUSY` (another process held the
+//! write lock longer than the busy timeout) and `SQLITE_LOCKED` are; a missing file, a
+//! schema from a newer build, a full disk or a corrupt row are not.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use idem_core::{RecordId, StoreError};
+use rusqlite::ErrorCode;
+
+/// Name used in [`StoreError::Unavailable`].
+pub(crate) const BACKEND: &str = "sqlite";
+
+/// A failure of the SQLite store.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Opening the database file or configuring the connection (WAL, busy timeout,
+    /// `synchronous`) failed.
+    #[error("cannot open SQLite database {path}: {step}")]
+    Open {
+        /// The database file.
+        path: PathBuf,
+        /// What was being done.
+        step: &'static str,
+        /// rusqlite's error.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// The file did not switch to write-ahead logging (an in-memory database, or a file
+    /// system without shared memory); the store needs WAL so that readers never block the
+    /// writer.
+    #[error("SQLite database {path} uses journal mode {mode:?}, not WAL")]
+    NotWal {
+        /// The database file.
+        path: PathBuf,
+        /// The journal mode SQLite reported.
+        mode: String,
+    },
+    /// A schema migration failed; its transaction was rolled back.
+    #[error("SQLite migration {version} ({name}) failed")]
+    Migration {
+        /// The migration's version (`PRAGMA user_version` after it).
+        version: u32,
+        /// The migration's file name.
+        name: &'static str,
+        /// rusqlite's error.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// The file was migrated by a newer build of this crate.
+    #[error("SQLite schema version {found} is newer than this build knows ({known})")]
+    SchemaTooNew {
+        /// `PRAGMA user_version` of the file.
+        found: i64,
+        /// The newest version this build ships.
+        known: u32,
+    },
+    /// One statement failed.
+    #[error("SQLite {operation} failed")]
+    Sqlite {
+        /// What was being done, e.g. `read record`.
+        operation: &'static str,
+        /// rusqlite's error.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// A group-commit transaction could not begin or commit, or SQLite rolled it back;
+    /// every caller in the batch gets this error and none of their writes happened.
+    #[error("SQLite group commit of {batch} operations failed at {stage}")]
+    Batch {
+        /// Operations in the batch.
+        batch: usize,
+        /// `begin`, `commit`, or `statement` (SQLite rolled the transaction back).
+        stage: &'static str,
+        /// rusqlite's error, shared by every caller of the batch.
+        #[source]
+        source: Arc<rusqlite::Error>,
+    },
+    /// A stored row breaks the schema's rules (edited by hand, or written by other code).
+    #[error("record {id} has an invalid {column} column: {reason}")]
+    InvalidRow {
+        /// The record's id, hex.
+        id: String,
+        /// The column.
+        column: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The writer thread has stopped (it panicked, or the runtime is shutting down).
+    #[error("the SQLite writer thread has stopped")]
+    WriterStopped,
+    /// The writer thread could not be started.
+    #[error("cannot start the SQLite writer thread")]
+    Spawn(#[source] std::io::Error),
+}
+
+impl Error {
+    /// Whether retrying the same call can help: `SQLITE_BUSY` and `SQLITE_LOCKED` (the
+    /// lock was held by another connection for longer than the busy timeout).
+    #[must_use]
+    pub fn is_retryable(&self) -> bool {
+        matches!(self.sqlite_code(), Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked))
+    }
+
+    /// SQLite's primary result code, when the failure came from SQLite.
+    #[must_use]
+    pub fn sqlite_code(&self) -> Option<ErrorCode> {
+        match self {
+            Error::Open { source, .. } | Error::Migration { source, .. } | Error::Sqlite { source, .. } => {
+                source.sqlite_error_code()
+            }
+            Error::Batch { source, .. } => source.sqlite_error_code(),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn sqlite(operation: &'static str) -> impl FnOnce(rusqlite::Error) -> Error {
+        move |source| Error::Sqlite { operation, source }
+    }
+
+    pub(crate) fn invalid_row(id: &[u8], column: &'static str, reason: impl Into<String>) -> Error {
+        let hex = id.iter().map(|b| format!("{b:02x}")).collect();
+        Error::InvalidRow { id: hex, column, reason: reason.into() }
+    }
+
+    pub(crate) fn invalid_record(id: RecordId, column: &'static str, reason: impl Into<String>) -> Error {
+        Error::InvalidRow { id: id.to_hex(), column, reason: reason.into() }
+    }
+}
+
+impl From<Error> for StoreError {
+    fn from(err: Error) -> Self {
+        let retryable = err.is_retryable();
+        let message = err.to_string();
+        StoreError::unavailable(BACKEND, message, retryable, err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure(code: i32) -> rusqlite::Error {
+        rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(code), None)
+    }
+
+    #[test]
+    fn busy_and_locked_are_retryable_others_are_not() {
+        let busy = Error::Sqlite { operation: "claim", source: failure(rusqlite::ffi::SQLITE_BUSY) };
+        let locked = Error::Batch { batch: 3, stage: "begin", source: Arc::new(failure(rusqlite::ffi::SQLITE_LOCKED)) };
+        let full = Error::Sqlite { operation: "claim", source: failure(rusqlite::ffi::SQLITE_FULL) };
+        assert!(busy.is_retryable());
+        assert!(locked.is_retryable());
+        assert!(!full.is_retryable());
+        assert!(!Error::WriterStopped.is_retryable());
+        assert!(!Error::SchemaTooNew { found: 9, known: 1 }.is_retryable());
+    }
+
+    #[test]
+    fn store_error_keeps_the_driver_error_as_source() {
+        let busy = Error::Sqlite { operation: "claim", source: failure(rusqlite::ffi::SQLITE_BUSY) };
+        let store: StoreError = busy.into();
+        assert!(store.is_retryable());
+        let ours = std::error::Error::source(&store).expect("source");
+        let ours = ours.downcast_ref::<Error>().expect("idem_sqlite::Error");
+        let driver = std::error::Error::source(ours).expect("driver source");
+        assert!(driver.downcast_ref::<rusqlite::Error>().is_some());
+    }
+}

@@ -1,0 +1,436 @@
+//! [`SqliteStore`]: the writer thread with group commit, the reader pool, and the
+//! [`Store`] implementation.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idem_core::{
+    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, ReclaimOutcome, ReclaimRequest, Record, RecordId,
+    Store, StoreError, StoredResponse, SweepOutcome, SystemClock, transition,
+};
+use rusqlite::{Connection, OpenFlags, TransactionBehavior};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::Error;
+use crate::schema;
+
+/// `PRAGMA synchronous` for the writer: what a commit waits for before the caller hears
+/// "done". Both keep the database consistent after any crash; they differ in whether the
+/// newest commits survive a power loss or an operating-system crash.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Synchronous {
+    /// `synchronous = FULL` (default): every commit fsyncs the write-ahead log before the
+    /// callers of its batch get their outcomes. An acknowledged claim or completion
+    /// survives power loss. Costs one fsync per group commit, which group commit shares
+    /// among every operation of the batch.
+    #[default]
+    Full,
+    /// `synchronous = NORMAL`: in WAL mode the log is fsynced only at checkpoints. Commits
+    /// survive a crash of the process, but a power loss or OS crash can roll back the
+    /// last commits (never corrupt the file). For idempotency that means an acknowledged
+    /// claim can vanish, so a retry after the outage runs the handler a second time, and
+    /// a stored response can vanish, so its retry runs again instead of replaying. Choose
+    /// it only when handlers' side effects are themselves idempotent (derived sub-keys).
+    Normal,
+}
+
+impl Synchronous {
+    fn pragma(self) -> &'static str {
+        match self {
+            Synchronous::Full => "FULL",
+            Synchronous::Normal => "NORMAL",
+        }
+    }
+}
+
+/// Settings for [`SqliteStore`]; start from [`SqliteStore::builder`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct SqliteStoreBuilder {
+    path: PathBuf,
+    clock: Arc<dyn Clock>,
+    synchronous: Synchronous,
+    busy_timeout: Duration,
+    max_batch: usize,
+    queue: usize,
+    max_readers: usize,
+}
+
+impl SqliteStoreBuilder {
+    /// The clock every `now` is read from (default [`SystemClock`]); tests pass a
+    /// [`idem_core::ManualClock`].
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Durability of each commit (default [`Synchronous::Full`]).
+    pub fn synchronous(mut self, synchronous: Synchronous) -> Self {
+        self.synchronous = synchronous;
+        self
+    }
+
+    /// How long a connection waits for a lock another process holds before giving up with
+    /// a retryable `SQLITE_BUSY` (default 5 s).
+    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
+        self.busy_timeout = timeout;
+        self
+    }
+
+    /// Most operations applied in one group-commit transaction (default 256, at least 1).
+    /// Larger batches share one fsync among more callers but make each caller of a batch
+    /// wait for the whole batch.
+    pub fn max_batch(mut self, n: usize) -> Self {
+        self.max_batch = n.max(1);
+        self
+    }
+
+    /// Operations that may wait for the writer (default 4096, at least 1); beyond that,
+    /// callers wait to enqueue (back-pressure instead of unbounded memory).
+    pub fn queue_capacity(mut self, n: usize) -> Self {
+        self.queue = n.max(1);
+        self
+    }
+
+    /// Read connections kept open for [`Store::get`] (default 4). More concurrent reads
+    /// open short-lived extra connections.
+    pub fn max_readers(mut self, n: usize) -> Self {
+        self.max_readers = n;
+        self
+    }
+
+    /// Opens (creating if needed) the database file, switches it to WAL, runs the
+    /// migrations and starts the writer thread.
+    ///
+    /// This blocks on file I/O (and on another process's write lock, up to the busy
+    /// timeout): call it before the async runtime starts or inside
+    /// `tokio::task::spawn_blocking`.
+    ///
+    /// # Errors
+    /// [`Error::Open`] when the file cannot be opened or configured, [`Error::NotWal`] when
+    /// it cannot use WAL (e.g. `:memory:`), [`Error::Migration`] / [`Error::SchemaTooNew`]
+    /// for schema problems, [`Error::Spawn`] when the writer thread cannot start.
+    pub fn open(self) -> Result<SqliteStore, Error> {
+        let path = self.path.clone();
+        let open_err = |step| {
+            let path = path.clone();
+            move |source| Error::Open { path, step, source }
+        };
+        let mut conn = Connection::open(&self.path).map_err(open_err("open"))?;
+        conn.busy_timeout(self.busy_timeout).map_err(open_err("set busy_timeout"))?;
+        let mode: String = conn
+            .pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0))
+            .map_err(open_err("set journal_mode = WAL"))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(Error::NotWal { path, mode });
+        }
+        conn.pragma_update(None, "synchronous", self.synchronous.pragma()).map_err(open_err("set synchronous"))?;
+        schema::migrate(&mut conn)?;
+        conn.set_prepared_statement_cache_capacity(16);
+
+        let (tx, rx) = mpsc::channel(self.queue);
+        let writer = Writer { conn, clock: Arc::clone(&self.clock), max_batch: self.max_batch };
+        std::thread::Builder::new()
+            .name("idem-sqlite-writer".into())
+            .spawn(move || writer.run(rx))
+            .map_err(Error::Spawn)?;
+        Ok(SqliteStore {
+            inner: Arc::new(Inner {
+                path: self.path,
+                clock: self.clock,
+                busy_timeout: self.busy_timeout,
+                max_readers: self.max_readers,
+                readers: Mutex::new(Vec::new()),
+                writer: tx,
+            }),
+        })
+    }
+}
+
+/// An idempotency [`Store`] in one SQLite file.
+///
+/// Cheap to clone: clones share the writer thread and the reader pool. Writes (claim,
+/// reclaim, complete, fail, sweep) go to the one writer thread, which applies whatever is
+/// queued in one transaction (group commit); reads ([`Store::get`]) run on
+/// `spawn_blocking` with pooled read connections. When the last clone is dropped the writer
+/// finishes the queued operations and closes its connection.
+#[derive(Clone)]
+pub struct SqliteStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    path: PathBuf,
+    clock: Arc<dyn Clock>,
+    busy_timeout: Duration,
+    max_readers: usize,
+    readers: Mutex<Vec<Connection>>,
+    writer: mpsc::Sender<Op>,
+}
+
+impl fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("path", &self.inner.path)
+            .field("clock", &self.inner.clock)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SqliteStore {
+    /// Opens `path` with the defaults: system clock, `synchronous = FULL`, 5 s busy
+    /// timeout. Blocking; see [`SqliteStoreBuilder::open`].
+    ///
+    /// # Errors
+    /// As [`SqliteStoreBuilder::open`].
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
+        Self::builder(path).open()
+    }
+
+    /// Settings for a store on `path`.
+    pub fn builder(path: impl AsRef<Path>) -> SqliteStoreBuilder {
+        SqliteStoreBuilder {
+            path: path.as_ref().to_path_buf(),
+            clock: Arc::new(SystemClock),
+            synchronous: Synchronous::default(),
+            busy_timeout: Duration::from_secs(5),
+            max_batch: 256,
+            queue: 4096,
+            max_readers: 4,
+        }
+    }
+
+    /// The database file.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    async fn submit<T>(&self, make: impl FnOnce(Reply<T>) -> Op) -> Result<T, StoreError> {
+        let (reply, outcome) = oneshot::channel();
+        self.inner.writer.send(make(reply)).await.map_err(|_| StoreError::from(Error::WriterStopped))?;
+        outcome.await.map_err(|_| StoreError::from(Error::WriterStopped))?
+    }
+}
+
+impl Inner {
+    fn open_reader(&self) -> Result<Connection, Error> {
+        let open_err = |step| move |source| Error::Open { path: self.path.clone(), step, source };
+        let conn = Connection::open_with_flags(
+            &self.path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_URI,
+        )
+        .map_err(open_err("open reader"))?;
+        conn.busy_timeout(self.busy_timeout).map_err(open_err("set busy_timeout"))?;
+        conn.pragma_update(None, "query_only", true).map_err(open_err("set query_only"))?;
+        Ok(conn)
+    }
+
+    fn read(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        let pooled = self.readers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();
+        let conn = match pooled {
+            Some(conn) => conn,
+            None => self.open_reader()?,
+        };
+        let now = self.clock.now();
+        let found = schema::select(&conn, id);
+        let mut pool = self.readers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if pool.len() < self.max_readers {
+            pool.push(conn);
+        }
+        Ok(found?.filter(|r| !r.is_expired(now)))
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.submit(|reply| Op::Claim(req, reply)).await
+    }
+
+    async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
+        self.submit(|reply| Op::Reclaim(req, reply)).await
+    }
+
+    async fn complete(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        response: StoredResponse,
+    ) -> Result<Record, StoreError> {
+        self.submit(|reply| Op::Complete { id, token, response, reply }).await
+    }
+
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
+        self.submit(|reply| Op::Fail { id, token, reply }).await
+    }
+
+    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        let inner = Arc::clone(&self.inner);
+        tokio::task::spawn_blocking(move || inner.read(id))
+            .await
+            .map_err(|join| StoreError::unavailable(crate::error::BACKEND, "read task failed", false, join))?
+    }
+
+    async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
+        self.submit(|reply| Op::Sweep { limit, reply }).await
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        // Several processes may open the same file: BEGIN IMMEDIATE serialises them.
+        Capabilities::new().with_shared(true)
+    }
+}
+
+type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
+
+/// A write waiting for the writer thread.
+enum Op {
+    Claim(ClaimRequest, Reply<ClaimOutcome>),
+    Reclaim(ReclaimRequest, Reply<ReclaimOutcome>),
+    Complete { id: RecordId, token: FencingToken, response: StoredResponse, reply: Reply<Record> },
+    Fail { id: RecordId, token: FencingToken, reply: Reply<Record> },
+    Sweep { limit: usize, reply: Reply<SweepOutcome> },
+}
+
+/// An applied operation whose outcome is held back until its batch commits. Called with
+/// `Some(error)` when the batch failed: the caller gets that error instead.
+type Settle = Box<dyn FnOnce(Option<StoreError>) + Send>;
+
+fn settle<T: Send + 'static>(reply: Reply<T>, outcome: Result<T, StoreError>) -> Settle {
+    Box::new(move |failed| {
+        // A caller that gave up (dropped its future) no longer wants the outcome.
+        let _ = reply.send(match failed {
+            Some(err) => Err(err),
+            None => outcome,
+        });
+    })
+}
+
+/// The one connection that writes, on its own thread.
+struct Writer {
+    conn: Connection,
+    clock: Arc<dyn Clock>,
+    max_batch: usize,
+}
+
+impl Writer {
+    fn run(mut self, mut rx: mpsc::Receiver<Op>) {
+        let mut batch = Vec::with_capacity(self.max_batch);
+        // Group commit: block for the first operation, then take whatever else queued up
+        // while the previous commit was fsyncing, up to `max_batch`.
+        while let Some(first) = rx.blocking_recv() {
+            batch.push(first);
+            while batch.len() < self.max_batch {
+                match rx.try_recv() {
+                    Ok(op) => batch.push(op),
+                    Err(_) => break,
+                }
+            }
+            self.commit_batch(&mut batch);
+        }
+        tracing::debug!("idem-sqlite writer stopped: every store handle was dropped");
+    }
+
+    /// Applies `batch` in one `BEGIN IMMEDIATE` transaction. Each operation reads its row,
+    /// runs the pure transition from `idem_core::transition` and writes the result, so it
+    /// sees the operations before it. Outcomes go out only after the commit succeeded; if
+    /// the transaction cannot begin or commit, or SQLite rolls it back, every caller gets
+    /// the error and nothing was written.
+    fn commit_batch(&mut self, batch: &mut Vec<Op>) {
+        let size = batch.len();
+        let batch_failed = |stage, source: rusqlite::Error, settled: Vec<Settle>, rest: &mut Vec<Op>| {
+            let source = Arc::new(source);
+            let error = || StoreError::from(Error::Batch { batch: size, stage, source: Arc::clone(&source) });
+            tracing::warn!(batch = size, stage, error = %source, "idem-sqlite group commit failed");
+            for s in settled {
+                s(Some(error()));
+            }
+            for op in rest.drain(..) {
+                op.reject(error());
+            }
+        };
+        let tx = match self.conn.transaction_with_behavior(TransactionBehavior::Immediate) {
+            Ok(tx) => tx,
+            Err(source) => return batch_failed("begin", source, Vec::new(), batch),
+        };
+        let mut settled = Vec::with_capacity(size);
+        let mut ops = batch.drain(..);
+        while let Some(op) = ops.next() {
+            settled.push(op.apply(&tx, self.clock.now()));
+            // Some errors (disk full, I/O error) make SQLite roll the whole transaction
+            // back; then the outcomes computed so far describe writes that are gone.
+            if tx.is_autocommit() {
+                let mut rest: Vec<Op> = ops.collect();
+                let source = rusqlite::Error::SqliteFailure(
+                    rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_ABORT),
+                    Some("SQLite rolled the group-commit transaction back after a failed statement".into()),
+                );
+                return batch_failed("statement", source, settled, &mut rest);
+            }
+        }
+        drop(ops);
+        match tx.commit() {
+            Ok(()) => settled.into_iter().for_each(|s| s(None)),
+            Err(source) => batch_failed("commit", source, settled, &mut Vec::new()),
+        }
+    }
+}
+
+impl Op {
+    fn apply(self, conn: &Connection, now: idem_core::UnixMillis) -> Settle {
+        match self {
+            Op::Claim(req, reply) => {
+                let outcome = schema::select(conn, req.id).and_then(|current| {
+                    let (write, outcome) = transition::claim(current.as_ref(), &req, now);
+                    write.map_or(Ok(()), |r| schema::upsert(conn, &r))?;
+                    Ok(outcome)
+                });
+                settle(reply, outcome)
+            }
+            Op::Reclaim(req, reply) => {
+                let outcome = schema::select(conn, req.id).and_then(|current| {
+                    let (write, outcome) = transition::reclaim(current.as_ref(), &req, now);
+                    write.map_or(Ok(()), |r| schema::upsert(conn, &r))?;
+                    Ok(outcome)
+                });
+                settle(reply, outcome)
+            }
+            Op::Complete { id, token, response, reply } => {
+                let outcome = schema::select(conn, id).and_then(|current| {
+                    let next = transition::complete(current.as_ref(), id, token, response, now)
+                        .map_err(|lost| StoreError::lease_lost(id, lost))?;
+                    schema::upsert(conn, &next)?;
+                    Ok(next)
+                });
+                settle(reply, outcome)
+            }
+            Op::Fail { id, token, reply } => {
+                let outcome = schema::select(conn, id).and_then(|current| {
+                    let next = transition::fail(current.as_ref(), id, token, now)
+                        .map_err(|lost| StoreError::lease_lost(id, lost))?;
+                    schema::upsert(conn, &next)?;
+                    Ok(next)
+                });
+                settle(reply, outcome)
+            }
+            Op::Sweep { limit, reply } => {
+                let outcome = schema::sweep(conn, now, limit).map(|(removed, more)| SweepOutcome { removed, more });
+                settle(reply, outcome)
+            }
+        }
+    }
+
+    fn reject(self, error: StoreError) {
+        match self {
+            Op::Claim(_, reply) => settle(reply, Err(error))(None),
+            Op::Reclaim(_, reply) => settle(reply, Err(error))(None),
+            Op::Complete { reply, .. } | Op::Fail { reply, .. } => settle(reply, Err(error))(None),
+            Op::Sweep { reply, .. } => settle(reply, Err(error))(None),
+        }
+    }
+}
