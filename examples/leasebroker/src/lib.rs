@@ -1,1 +1,21 @@
-//! leasebroker: work in progress.
+//! # leasebroker
+//!
+//! A small provisioning API (the seed article's example) protected by idem: clients
+//! create workers from a simulated pool, reboot and delete them, and retry through lost
+//! responses without ever creating a phantom worker.
+//!
+//! - `leasebroker demo`: starts the server on a temporary redb file with faults on, runs
+//!   a retry storm against it, prints the table, and exits non-zero on any phantom.
+//! - `leasebroker serve`: the server (`--store redb:PATH | memory`).
+//! - `leasebroker storm --target URL`: the storm against a running server.
+//!
+//! # Layout
+//! - [`state`]: the simulated pool, leases and hypervisor, in redb tables.
+//! - [`app`]: the axum router, the idempotency layer on it, the fault layer.
+//! - [`server`]: opening the store and running the server.
+//! - [`storm`]: the retry-storm driver.
+
+pub mod app;
+pub mod server;
+pub mod state;
+pub mod storm;

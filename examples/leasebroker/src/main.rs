@@ -1,0 +1,187 @@
+//! The leasebroker command line: `demo`, `serve`, `storm`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use idem_core::Policy;
+use leasebroker::app::Faults;
+use leasebroker::server::{Server, StoreSpec, open};
+use leasebroker::storm::{self, StormConfig};
+use tokio::net::TcpListener;
+
+#[derive(Parser, Debug)]
+#[command(name = "leasebroker", about = "A provisioning API protected by idem, and a retry storm to prove it")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Start a server on a temporary redb file with faults on, storm it, print the table.
+    Demo {
+        #[command(flatten)]
+        storm: StormArgs,
+    },
+    /// Run the server.
+    Serve(ServeArgs),
+    /// Storm a running server.
+    Storm {
+        /// Base URL of the server.
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        target: String,
+        #[command(flatten)]
+        storm: StormArgs,
+    },
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// Listen address.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    addr: String,
+    /// Record store: `redb:PATH` or `memory`.
+    #[arg(long, default_value = "redb:leasebroker.redb")]
+    store: StoreSpec,
+    /// Infra state file when the store is not redb.
+    #[arg(long, default_value = "leasebroker-state.redb")]
+    state: PathBuf,
+    /// In-flight lease, ms.
+    #[arg(long, default_value_t = 5_000)]
+    lease_ms: u64,
+    /// Retention window, ms.
+    #[arg(long, default_value_t = 86_400_000)]
+    retention_ms: u64,
+    #[command(flatten)]
+    faults: FaultArgs,
+}
+
+#[derive(Args, Debug, Clone, Copy)]
+struct FaultArgs {
+    /// Share of responses held back after the work is done (0.0-1.0).
+    #[arg(long, default_value_t = 0.0)]
+    drop_rate: f64,
+    /// How long a held-back response is held, ms.
+    #[arg(long, default_value_t = 2_000)]
+    hold_ms: u64,
+    /// Upper bound of a random delay inside the create handler, ms (keep below the lease).
+    #[arg(long, default_value_t = 0)]
+    work_ms: u64,
+    /// Share of hypervisor boots that fail (answered 503).
+    #[arg(long, default_value_t = 0.0)]
+    hypervisor_fail_rate: f64,
+}
+
+impl From<FaultArgs> for Faults {
+    fn from(f: FaultArgs) -> Self {
+        Faults { drop_rate: f.drop_rate, hold_ms: f.hold_ms, work_ms: f.work_ms, hypervisor_fail_rate: f.hypervisor_fail_rate }
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+struct StormArgs {
+    /// Logical create operations.
+    #[arg(long, default_value_t = 200)]
+    operations: u32,
+    /// Principals (bearer tokens).
+    #[arg(long, default_value_t = 4)]
+    principals: u32,
+    /// Operations in flight at once.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Timeout of one attempt, ms.
+    #[arg(long, default_value_t = 400)]
+    attempt_timeout_ms: u64,
+    /// Budget per operation, ms.
+    #[arg(long, default_value_t = 30_000)]
+    budget_ms: u64,
+}
+
+impl StormArgs {
+    fn config(&self, target: String) -> StormConfig {
+        StormConfig {
+            target,
+            operations: self.operations,
+            principals: self.principals,
+            concurrency: self.concurrency,
+            attempt_timeout_ms: self.attempt_timeout_ms,
+            budget_ms: self.budget_ms,
+            token_prefix: format!("storm-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]),
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Cli::parse()).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("leasebroker: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    match cli.command {
+        Command::Serve(args) => {
+            let (store, infra) = open(&args.store, &args.state)?;
+            let policy = Policy::default()
+                .with_lease_ttl(Duration::from_millis(args.lease_ms))
+                .with_retention(Duration::from_millis(args.retention_ms));
+            let listener = TcpListener::bind(&args.addr).await?;
+            let server = Server::start(listener, store, infra, policy, args.faults.into())?;
+            eprintln!("leasebroker: listening on {} (store {:?})", server.url(), args.store);
+            tokio::select! {
+                r = server.wait() => r?,
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Storm { target, storm } => report(storm::run(storm.config(target)).await?),
+        Command::Demo { storm } => {
+            let dir = tempfile::tempdir()?;
+            let path = dir.path().join("leasebroker.redb");
+            let (store, infra) = open(&StoreSpec::Redb(path.clone()), &dir.path().join("state.redb"))?;
+            // Faults: a quarter of responses are lost after the work is done, handlers take
+            // up to 300 ms (so retries meet in-flight claims), 5% of boots fail.
+            let faults = Faults { drop_rate: 0.25, hold_ms: 1_000, work_ms: 300, hypervisor_fail_rate: 0.05 };
+            let policy = Policy::default().with_lease_ttl(Duration::from_secs(3));
+            let server = Server::start(TcpListener::bind("127.0.0.1:0").await?, store, infra, policy, faults)?;
+            println!(
+                "leasebroker demo: server on {} with store {}, {} operations from {} principals, {} at a time",
+                server.url(),
+                path.display(),
+                storm.operations,
+                storm.principals,
+                storm.concurrency
+            );
+            println!("faults: 25% of responses lost after the work, handlers up to 300 ms, 5% of boots fail");
+            let result = storm::run(storm.config(server.url())).await;
+            server.stop().await?;
+            report(result?)
+        }
+    }
+}
+
+fn report(r: storm::StormReport) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    print!("{}", r.table());
+    if r.phantoms() > 0 {
+        println!("FAIL: {} phantom workers", r.phantoms());
+        return Ok(ExitCode::FAILURE);
+    }
+    if r.failed > 0 {
+        println!("FAIL: {} operations did not complete within their budget", r.failed);
+        return Ok(ExitCode::FAILURE);
+    }
+    println!("OK: every operation created exactly one worker; phantom workers 0");
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,184 @@
+//! The retry-storm driver: many logical create operations from several principals, each
+//! with one idempotency key kept across its retries, against a server that loses
+//! responses after doing the work. It counts what the server really created.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idem_client::{ClientError, IdempotentClient, OperationKey, RetryPolicy};
+use tokio::sync::Semaphore;
+
+use crate::state::Stats;
+
+/// Storm settings.
+#[derive(Clone, Debug)]
+pub struct StormConfig {
+    /// Base URL of the server, e.g. `http://127.0.0.1:8080`.
+    pub target: String,
+    /// Logical create operations.
+    pub operations: u32,
+    /// Distinct principals (bearer tokens) the operations are spread over.
+    pub principals: u32,
+    /// Operations in flight at once.
+    pub concurrency: usize,
+    /// Timeout of one attempt, ms: a response held longer counts as lost.
+    pub attempt_timeout_ms: u64,
+    /// Total budget per operation, ms.
+    pub budget_ms: u64,
+    /// A prefix for the bearer tokens, so two storms against one server do not share
+    /// principals.
+    pub token_prefix: String,
+}
+
+/// What the storm saw.
+#[derive(Clone, Debug, Default)]
+pub struct StormReport {
+    /// Logical operations started.
+    pub operations: u32,
+    /// Operations that ended with 201.
+    pub succeeded: u32,
+    /// Operations that gave up or ended on another status.
+    pub failed: u32,
+    /// HTTP attempts sent in total.
+    pub attempts: u64,
+    /// Final answers that were replays.
+    pub replays: u64,
+    /// In-flight 409 answers seen.
+    pub busy_409: u64,
+    /// Attempts lost to timeouts or connection errors.
+    pub transport_errors: u64,
+    /// 5xx answers seen.
+    pub server_errors: u64,
+    /// Distinct worker ids the clients received.
+    pub distinct_ids: u64,
+    /// The server's counts after the storm (its delta over the storm).
+    pub server: Stats,
+    /// Wall time, ms.
+    pub elapsed_ms: u128,
+}
+
+impl StormReport {
+    /// Workers the server created beyond one per logical operation.
+    #[must_use]
+    pub fn phantoms(&self) -> u64 {
+        self.server.workers.saturating_sub(u64::from(self.operations))
+    }
+
+    /// Renders the table.
+    #[must_use]
+    pub fn table(&self) -> String {
+        let rows = [
+            ("operations", self.operations.to_string()),
+            ("succeeded (201)", self.succeeded.to_string()),
+            ("failed", self.failed.to_string()),
+            ("attempts", self.attempts.to_string()),
+            ("replays", self.replays.to_string()),
+            ("409 in flight", self.busy_409.to_string()),
+            ("lost responses / timeouts", self.transport_errors.to_string()),
+            ("5xx", self.server_errors.to_string()),
+            ("distinct worker ids seen", self.distinct_ids.to_string()),
+            ("workers that exist", self.server.workers.to_string()),
+            ("nodes allocated", self.server.allocations.to_string()),
+            ("VMs booted", self.server.boots.to_string()),
+            ("phantom workers", self.phantoms().to_string()),
+            ("elapsed", format!("{} ms", self.elapsed_ms)),
+        ];
+        let mut out = String::from("+-----------------------------+-----------+\n");
+        for (k, v) in rows {
+            out.push_str(&format!("| {k:<27} | {v:>9} |\n"));
+        }
+        out.push_str("+-----------------------------+-----------+\n");
+        out
+    }
+}
+
+/// Why the storm could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum StormError {
+    /// The stats endpoint did not answer.
+    #[error("cannot read {0}/admin/stats: {1}")]
+    Stats(String, String),
+}
+
+async fn stats(http: &reqwest::Client, target: &str) -> Result<Stats, StormError> {
+    let err = |e: reqwest::Error| StormError::Stats(target.to_string(), e.to_string());
+    http.get(format!("{target}/admin/stats")).send().await.map_err(err)?.json().await.map_err(err)
+}
+
+/// Runs the storm and returns its report.
+///
+/// # Errors
+/// [`StormError`] when the server's counters cannot be read.
+pub async fn run(cfg: StormConfig) -> Result<StormReport, StormError> {
+    let http = reqwest::Client::builder().pool_max_idle_per_host(cfg.concurrency).build().map_err(|e| {
+        StormError::Stats(cfg.target.clone(), e.to_string())
+    })?;
+    let before = stats(&http, &cfg.target).await?;
+    let policy = RetryPolicy::default()
+        .with_attempt_timeout(Duration::from_millis(cfg.attempt_timeout_ms))
+        .with_budget(Duration::from_millis(cfg.budget_ms))
+        .with_backoff(Duration::from_millis(20), Duration::from_millis(500))
+        .with_max_attempts(50);
+    let client = Arc::new(IdempotentClient::new(http.clone(), policy));
+    let gate = Arc::new(Semaphore::new(cfg.concurrency.max(1)));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for op in 0..cfg.operations {
+        let client = Arc::clone(&client);
+        let gate = Arc::clone(&gate);
+        let url = format!("{}/v1/workers", cfg.target);
+        let token = format!("{}-{}", cfg.token_prefix, op % cfg.principals.max(1));
+        tasks.push(tokio::spawn(async move {
+            let _permit = gate.acquire_owned().await;
+            // One key per logical operation, made before the first attempt.
+            let key = OperationKey::generate();
+            let body = format!(
+                r#"{{"image":"worker-base:2025.11","cpu":16,"memory_gb":64,"labels":{{"team":"ml-eval","op":"{op}"}}}}"#
+            );
+            client.post(url, &key).bearer(&token).json_body(body).send().await
+        }));
+    }
+    let mut report = StormReport { operations: cfg.operations, ..StormReport::default() };
+    let mut ids = std::collections::HashSet::new();
+    for t in tasks {
+        match t.await {
+            Ok(Ok(reply)) => {
+                report.attempts += u64::from(reply.stats.attempts);
+                report.busy_409 += u64::from(reply.stats.busy);
+                report.transport_errors += u64::from(reply.stats.transport_errors);
+                report.server_errors += u64::from(reply.stats.server_errors);
+                report.replays += u64::from(reply.replayed);
+                if reply.status == 201 {
+                    report.succeeded += 1;
+                    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&reply.body)
+                        && let Some(id) = v.get("id").and_then(|i| i.as_str())
+                    {
+                        ids.insert(id.to_string());
+                    }
+                } else {
+                    report.failed += 1;
+                }
+            }
+            Ok(Err(ClientError::GaveUp { stats, .. })) => {
+                report.failed += 1;
+                report.attempts += u64::from(stats.attempts);
+                report.busy_409 += u64::from(stats.busy);
+                report.transport_errors += u64::from(stats.transport_errors);
+                report.server_errors += u64::from(stats.server_errors);
+            }
+            Ok(Err(_)) | Err(_) => report.failed += 1,
+        }
+    }
+    report.elapsed_ms = started.elapsed().as_millis();
+    report.distinct_ids = ids.len() as u64;
+    let after = stats(&http, &cfg.target).await?;
+    report.server = Stats {
+        workers: after.workers.saturating_sub(before.workers),
+        allocations: after.allocations.saturating_sub(before.allocations),
+        leases: after.leases.saturating_sub(before.leases),
+        boots: after.boots.saturating_sub(before.boots),
+        reboots: after.reboots.saturating_sub(before.reboots),
+        deletes: after.deletes.saturating_sub(before.deletes),
+    };
+    Ok(report)
+}

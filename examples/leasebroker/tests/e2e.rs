@@ -1,0 +1,165 @@
+//! leasebroker end to end over real sockets with a real HTTP client (reqwest), on a redb
+//! file, including a server restart between an attempt and its retry.
+
+use std::path::Path;
+use std::time::Duration;
+
+use idem_core::Policy;
+use leasebroker::app::Faults;
+use leasebroker::server::{Server, StoreSpec, open};
+use leasebroker::state::Stats;
+use leasebroker::storm::{self, StormConfig};
+use tokio::net::TcpListener;
+
+const SPEC: &str = r#"{"image":"worker-base:2025.11","cpu":16,"memory_gb":64,"labels":{"team":"ml-eval"}}"#;
+
+async fn start(path: &Path, faults: Faults) -> Server {
+    let (store, infra) = open(&StoreSpec::Redb(path.to_path_buf()), &path.with_extension("state")).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    Server::start(listener, store, infra, Policy::default().with_lease_ttl(Duration::from_secs(3)), faults).unwrap()
+}
+
+async fn stats(http: &reqwest::Client, base: &str) -> Stats {
+    http.get(format!("{base}/admin/stats")).send().await.unwrap().json().await.unwrap()
+}
+
+async fn create(http: &reqwest::Client, base: &str, token: &str, key: Option<&str>, body: &str) -> reqwest::Response {
+    let mut r = http
+        .post(format!("{base}/v1/workers"))
+        .bearer_auth(token)
+        .header("content-type", "application/json")
+        .body(body.to_string());
+    if let Some(k) = key {
+        r = r.header("idempotency-key", k);
+    }
+    r.send().await.unwrap()
+}
+
+fn header(r: &reqwest::Response, name: &str) -> Option<String> {
+    r.headers().get(name).map(|v| v.to_str().unwrap().to_string())
+}
+
+#[tokio::test]
+async fn create_replay_mismatch_other_principal_and_missing_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&dir.path().join("lb.redb"), Faults::default()).await;
+    let base = server.url();
+    let http = reqwest::Client::new();
+
+    let first = create(&http, &base, "token-a", Some("op-1"), SPEC).await;
+    assert_eq!(first.status(), 201);
+    let location = header(&first, "location").unwrap();
+    assert!(header(&first, "idempotent-replayed").is_none());
+    let body1 = first.text().await.unwrap();
+
+    let again = create(&http, &base, "token-a", Some("op-1"), SPEC).await;
+    assert_eq!(again.status(), 201);
+    assert_eq!(header(&again, "location").unwrap(), location);
+    assert_eq!(header(&again, "idempotent-replayed").as_deref(), Some("true"));
+    assert_eq!(again.text().await.unwrap(), body1);
+
+    let other_body = create(&http, &base, "token-a", Some("op-1"), &SPEC.replace("16", "32")).await;
+    assert_eq!(other_body.status(), 409);
+    assert_eq!(header(&other_body, "content-type").as_deref(), Some("application/problem+json"));
+
+    let other_token = create(&http, &base, "token-b", Some("op-1"), SPEC).await;
+    assert_eq!(other_token.status(), 201);
+    assert_ne!(header(&other_token, "location").unwrap(), location);
+
+    let no_key = create(&http, &base, "token-a", None, SPEC).await;
+    assert_eq!(no_key.status(), 400);
+    assert_eq!(header(&no_key, "content-type").as_deref(), Some("application/problem+json"));
+
+    let s = stats(&http, &base).await;
+    assert_eq!((s.workers, s.allocations, s.boots), (2, 2, 2));
+    server.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn retried_delete_replays_204_and_reboot_happens_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(&dir.path().join("lb.redb"), Faults::default()).await;
+    let base = server.url();
+    let http = reqwest::Client::new();
+    let created = create(&http, &base, "t", Some("mk"), SPEC).await;
+    let location = header(&created, "location").unwrap();
+
+    for _ in 0..3 {
+        let r = http
+            .post(format!("{base}{location}/reboot"))
+            .bearer_auth("t")
+            .header("idempotency-key", "reboot-1")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 202);
+    }
+    assert_eq!(stats(&http, &base).await.reboots, 1);
+
+    for attempt in 0..2 {
+        let r = http
+            .delete(format!("{base}{location}"))
+            .bearer_auth("t")
+            .header("idempotency-key", "del-1")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 204, "attempt {attempt}: a retried DELETE must replay 204, never 404");
+    }
+    // Without a key the second DELETE is a new request and finds nothing.
+    let r = http.delete(format!("{base}{location}")).bearer_auth("t").send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    let s = stats(&http, &base).await;
+    assert_eq!((s.deletes, s.workers), (1, 0));
+    server.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn retry_after_a_server_restart_replays_from_the_redb_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("lb.redb");
+    let http = reqwest::Client::new();
+
+    let server = start(&path, Faults::default()).await;
+    let first = create(&http, &server.url(), "t", Some("restart-1"), SPEC).await;
+    assert_eq!(first.status(), 201);
+    let location = header(&first, "location").unwrap();
+    let body = first.text().await.unwrap();
+    server.stop().await.unwrap();
+
+    let server = start(&path, Faults::default()).await;
+    let retry = create(&http, &server.url(), "t", Some("restart-1"), SPEC).await;
+    assert_eq!(retry.status(), 201);
+    assert_eq!(header(&retry, "idempotent-replayed").as_deref(), Some("true"));
+    assert_eq!(header(&retry, "location").unwrap(), location);
+    assert_eq!(retry.text().await.unwrap(), body);
+    assert_eq!(stats(&http, &server.url()).await.workers, 1);
+    server.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn storm_with_lost_responses_makes_no_phantom_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = Faults { drop_rate: 0.3, hold_ms: 600, work_ms: 150, hypervisor_fail_rate: 0.05 };
+    let server = start(&dir.path().join("lb.redb"), faults).await;
+    let report = storm::run(StormConfig {
+        target: server.url(),
+        operations: 60,
+        principals: 3,
+        concurrency: 16,
+        attempt_timeout_ms: 300,
+        budget_ms: 30_000,
+        token_prefix: "e2e".into(),
+    })
+    .await
+    .unwrap();
+    println!("{}", report.table());
+    assert_eq!(report.failed, 0);
+    assert_eq!(report.succeeded, 60);
+    assert_eq!(report.phantoms(), 0);
+    assert_eq!(report.server.workers, 60);
+    assert_eq!(report.distinct_ids, 60);
+    // The faults really fired: some answers were lost and replayed.
+    assert!(report.transport_errors > 0 && report.replays > 0, "{report:?}");
+    server.stop().await.unwrap();
+}
