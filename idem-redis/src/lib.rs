@@ -1,1 +1,100 @@
-//! idem-redis: work in progress.
+//! # idem-redis
+//!
+//! The Redis (and Valkey) backend of idem: idempotency records shared by a fleet of API
+//! servers. It implements [`idem_core::Store`] with:
+//!
+//! - **one hash per record** at `<prefix>{<record id hex>}`. The braces make the record id
+//!   the Redis Cluster hash tag: everything about a record is one key, and any companion
+//!   key would share its slot, so nothing ever spans slots;
+//! - **Lua compare-and-set** for claim, reclaim, complete and fail. Each script reads the
+//!   record, checks the fencing token, state and lease, and writes, all in one atomic step,
+//!   following the rules of `idem_core::transition` exactly. A write whose token is no
+//!   longer current changes nothing and returns [`idem_core::StoreError::LeaseLost`]. The
+//!   scripts run by SHA (`EVALSHA`); the driver reloads them on `NOSCRIPT`;
+//! - **native expiry**: `PEXPIREAT` at the record's `expires_at` (ms). No sweeper is needed.
+//!   [`idem_core::Store::sweep`] reports zero. A record past `expires_at` counts as absent
+//!   at once, even if Redis has not removed the key yet;
+//! - **the server's clock**: every script reads `TIME`, so application servers with skewed
+//!   clocks still agree on when a lease ends. Tests replace it with
+//!   [`RedisConfig::with_test_clock`];
+//! - **a start-up check of `maxmemory-policy`**: an evicting policy can drop an in-flight
+//!   claim and let a duplicate run. See [`EvictionCheck`]. The safe setting is
+//!   `maxmemory-policy noeviction`;
+//! - an optional `WAIT` for replicas after claim, reclaim and complete ([`ReplicaAck`]);
+//! - a key prefix on every key it writes. It never calls `KEYS`, `SCAN` or `FLUSH*`.
+//!
+//! ```
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! use idem_core::{ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Scope, Store,
+//!     StoredResponse};
+//! use idem_redis::{RedisConfig, RedisStore};
+//!
+//! let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+//! let prefix = format!("idem-doc:{}:", std::process::id());
+//! let store = RedisStore::connect(&url, RedisConfig::new().with_prefix(prefix)).await?;
+//!
+//! let scope = Scope::new("token:ml-eval", Endpoint::new("POST", "/v1/workers"))?;
+//! let key = IdempotencyKey::parse(b"7c3f5d1e-91a4")?;
+//! let fingerprint = Fingerprint::of_bytes(b"{\"gpus\":8}");
+//! let req = ClaimRequest::new(scope, key, fingerprint, Duration::from_secs(300), Duration::from_secs(60));
+//! let id = req.id;
+//! match store.claim(req).await? {
+//!     ClaimOutcome::Claimed(record) => {
+//!         // ... run the handler, then store its response under our fencing token.
+//!         let response = StoredResponse::new(201, vec![("location".into(), b"/v1/workers/42".to_vec())], b"{}".to_vec());
+//!         store.complete(id, record.token, response).await?;
+//!     }
+//!     ClaimOutcome::Existing { record, now } => {
+//!         // A retry: idem_core::decide(Some(&record), &fingerprint, now) says what it gets.
+//!         let _ = (record, now);
+//!     }
+//! }
+//! assert!(store.get(id).await?.is_some());
+//! # Ok(())
+//! # }
+//! # tokio::runtime::Runtime::new().unwrap().block_on(demo()).unwrap();
+//! ```
+//!
+//! # Record layout
+//! | hash field | value |
+//! |---|---|
+//! | `v` | layout version, `1` |
+//! | `state` | `in_flight`, `completed` or `failed` |
+//! | `token` | fencing token, decimal |
+//! | `fingerprint` | 32 raw bytes |
+//! | `principal`, `endpoint`, `key` | the scope and idempotency key, raw |
+//! | `created_at`, `started_at`, `lease_expires_at`, `expires_at` | ms since the Unix epoch, decimal |
+//! | `response` | completed records only: `0x01` then postcard of [`idem_core::StoredResponse`] |
+//!
+//! Redis strings are binary-safe, so header values and bodies round-trip byte for byte.
+//! The scripts do all 64-bit arithmetic on decimal strings, because Lua numbers are doubles
+//! and would round timestamps and tokens past 2^53. Reading a record checks that its
+//! principal, endpoint and key hash to the id in its key name. A record that does not
+//! decode is [`idem_core::StoreError::Corrupt`]. It is never silently overwritten.
+//!
+//! # Operating it
+//! - Run with `maxmemory-policy noeviction`. With an evicting policy and a `maxmemory`
+//!   limit, [`RedisStore::connect`] refuses to start by default. Where `CONFIG` is disabled
+//!   (many managed services), it logs a warning and starts.
+//! - Persistence is the operator's choice. Without AOF (`appendfsync everysec` or
+//!   `always`), a restart loses claims and stored responses: retries then run again.
+//! - Redis Cluster: the key layout is cluster-safe (one key per operation). This crate
+//!   connects through the `redis` crate's standalone `ConnectionManager`. Cluster clients
+//!   need a cluster connection, which is not wired yet.
+//! - Errors: connection refused, reset or timed out, and `READONLY`, `LOADING`,
+//!   `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `BUSY` are retryable
+//!   ([`idem_core::StoreError::is_retryable`]). The HTTP layer answers them with 503 and
+//!   `Retry-After`.
+//!
+//! # Layout
+//! - [`store`]: [`RedisStore`], [`RedisConfig`], [`EvictionCheck`], [`ReplicaAck`].
+//! - [`error`]: [`Error`] and its retry classification.
+//! - `src/scripts/*.lua`: the scripts (`common.lua` is prepended to each): `claim`,
+//!   `reclaim`, `complete`, `fail`, `get`.
+
+pub mod error;
+pub mod store;
+
+pub use error::Error;
+pub use store::{DEFAULT_PREFIX, EvictionCheck, RedisConfig, RedisStore, ReplicaAck};

@@ -1,0 +1,173 @@
+//! Errors of the Redis backend, and which of them a retry can fix.
+
+use idem_core::StoreError;
+use redis::{ErrorKind, RedisError, ServerErrorKind};
+
+/// Backend name carried by [`StoreError::Unavailable`].
+pub(crate) const BACKEND: &str = "redis";
+
+/// What went wrong talking to Redis.
+///
+/// The store's methods return [`StoreError`]; this type is its `source` (for
+/// [`StoreError::Unavailable`]) and what [`crate::RedisStore::connect`] returns. The driver's
+/// own [`RedisError`] is kept as the source, never flattened into a string.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The connection URL does not parse or names an unsupported scheme.
+    #[error("invalid Redis URL")]
+    Url(#[source] RedisError),
+    /// The configuration is unusable (the message says why).
+    #[error("invalid idem-redis configuration: {0}")]
+    Config(&'static str),
+    /// A Redis command failed: connection refused or dropped, timeout, or an error reply.
+    #[error("Redis {operation} failed")]
+    Command {
+        /// What was being done (`connect`, `claim`, `WAIT`, ...).
+        operation: &'static str,
+        /// The driver's error.
+        #[source]
+        source: RedisError,
+    },
+    /// The server's `maxmemory-policy` may evict keys, so it can silently drop an in-flight
+    /// claim and let a duplicate request run; refused by [`crate::EvictionCheck::Refuse`].
+    #[error(
+        "Redis maxmemory-policy is {policy} with maxmemory {maxmemory} bytes: an evicting policy can drop an \
+         in-flight claim and run a request twice; set `maxmemory-policy noeviction` (or choose EvictionCheck::Warn)"
+    )]
+    EvictingPolicy {
+        /// The server's `maxmemory-policy`.
+        policy: String,
+        /// The server's `maxmemory`, bytes (0: no limit).
+        maxmemory: u64,
+    },
+    /// `WAIT` returned before enough replicas acknowledged the write. The write itself is
+    /// on the primary and stays there (WAIT never rolls back).
+    #[error("WAIT: {acked} of {wanted} replicas acknowledged the write within {timeout_ms} ms")]
+    ReplicaShortfall {
+        /// Replicas that acknowledged.
+        acked: u64,
+        /// Replicas asked for.
+        wanted: u64,
+        /// The WAIT timeout, ms.
+        timeout_ms: u64,
+    },
+    /// A script replied in a shape this build does not understand (a server-side script
+    /// of another version, or a foreign value at one of our keys).
+    #[error("Redis {operation} returned an unexpected reply: {detail}")]
+    UnexpectedReply {
+        /// The operation.
+        operation: &'static str,
+        /// What was wrong.
+        detail: &'static str,
+    },
+}
+
+impl Error {
+    pub(crate) fn command(operation: &'static str, source: RedisError) -> Self {
+        Error::Command { operation, source }
+    }
+
+    /// Whether the same call may succeed if retried: connection refused, reset or timed
+    /// out, and the server replies that mean "not now" (`READONLY` after a failover,
+    /// `LOADING`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `BUSY`), and a `WAIT` shortfall.
+    /// Bad URLs, configuration, authentication, permission and unknown replies are not.
+    #[must_use]
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Command { source, .. } => is_retryable_redis(source),
+            Error::ReplicaShortfall { .. } => true,
+            Error::Url(_) | Error::Config(_) | Error::EvictingPolicy { .. } | Error::UnexpectedReply { .. } => false,
+        }
+    }
+
+    fn operation(&self) -> &'static str {
+        match self {
+            Error::Url(_) => "connect",
+            Error::Config(_) => "configure",
+            Error::Command { operation, .. } | Error::UnexpectedReply { operation, .. } => operation,
+            Error::EvictingPolicy { .. } => "check maxmemory-policy",
+            Error::ReplicaShortfall { .. } => "WAIT",
+        }
+    }
+}
+
+/// Retry classification of a driver error (see [`Error::is_retryable`]).
+pub(crate) fn is_retryable_redis(e: &RedisError) -> bool {
+    match e.kind() {
+        // Refused, reset, broken pipe, EOF, timeouts: the connection manager reconnects.
+        ErrorKind::Io | ErrorKind::ClusterConnectionNotFound => true,
+        ErrorKind::Server(
+            ServerErrorKind::ReadOnly
+            | ServerErrorKind::BusyLoading
+            | ServerErrorKind::TryAgain
+            | ServerErrorKind::ClusterDown
+            | ServerErrorKind::MasterDown,
+        ) => true,
+        // `BUSY`: another client's script is running past the busy threshold.
+        ErrorKind::Extension => e.code() == Some("BUSY"),
+        _ => e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal(),
+    }
+}
+
+impl From<Error> for StoreError {
+    fn from(e: Error) -> Self {
+        let retryable = e.is_retryable();
+        let operation = e.operation();
+        StoreError::unavailable(BACKEND, operation, retryable, e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server(code: &str) -> RedisError {
+        // Parse a real error reply so the classification sees what the driver produces.
+        let reply = format!("-{code} detail\r\n");
+        match redis::parse_redis_value(reply.as_bytes()) {
+            Ok(redis::Value::ServerError(e)) => e.into(),
+            other => panic!("not a server error: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn failover_and_busy_replies_are_retryable() {
+        for code in ["READONLY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "BUSY"] {
+            let e = Error::command("claim", server(code));
+            assert!(e.is_retryable(), "{code} should be retryable");
+            let store: StoreError = e.into();
+            assert!(store.is_retryable(), "{code} should stay retryable as a StoreError");
+        }
+    }
+
+    #[test]
+    fn permanent_replies_are_not_retryable() {
+        for code in ["ERR", "NOPERM", "WRONGTYPE", "NOSCRIPT", "NOAUTH"] {
+            assert!(!Error::command("claim", server(code)).is_retryable(), "{code} should not be retryable");
+        }
+    }
+
+    #[test]
+    fn io_errors_are_retryable() {
+        for kind in [
+            std::io::ErrorKind::ConnectionRefused,
+            std::io::ErrorKind::ConnectionReset,
+            std::io::ErrorKind::TimedOut,
+            std::io::ErrorKind::BrokenPipe,
+            std::io::ErrorKind::UnexpectedEof,
+        ] {
+            let e = Error::command("claim", RedisError::from(std::io::Error::from(kind)));
+            assert!(e.is_retryable(), "{kind:?} should be retryable");
+        }
+    }
+
+    #[test]
+    fn driver_error_is_kept_as_source() {
+        let store: StoreError = Error::command("claim", server("READONLY")).into();
+        let ours = std::error::Error::source(&store).expect("source");
+        let ours = ours.downcast_ref::<Error>().expect("idem_redis::Error");
+        let driver = std::error::Error::source(ours).expect("driver source");
+        assert!(driver.downcast_ref::<RedisError>().is_some());
+    }
+}

@@ -1,0 +1,81 @@
+-- Shared prelude of every idem script (the Rust side prepends it to each script body).
+--
+-- Record layout: one hash per record at KEYS[1] = <prefix>{<record id hex>}, with the fields
+-- listed in FIELDS. Every integer (token, timestamps in ms since the Unix epoch) is kept as
+-- a canonical decimal string and handled as one: Lua numbers are doubles and lose precision
+-- past 2^53, while tokens and timestamps are 64-bit and saturate like the Rust model.
+
+-- Redis < 7 replicates scripts verbatim unless told otherwise, and then refuses writes
+-- after the non-deterministic TIME; Redis 7 always replicates effects and ignores this.
+if redis.replicate_commands then
+  redis.replicate_commands()
+end
+
+local FIELDS = {
+  'v', 'state', 'token', 'fingerprint', 'principal', 'endpoint', 'key',
+  'created_at', 'started_at', 'lease_expires_at', 'expires_at', 'response',
+}
+local FORMAT = '1'
+local I64_MAX = '9223372036854775807'
+local U64_MAX = '18446744073709551615'
+
+-- A canonical non-negative decimal: digits only, no leading zero, at most 20 digits.
+local function is_uint(s)
+  return type(s) == 'string' and #s > 0 and #s <= 20 and not string.find(s, '[^0-9]')
+    and (#s == 1 or string.byte(s, 1) ~= 48)
+end
+
+-- Compares two canonical decimals: -1, 0 or 1.
+local function cmp(a, b)
+  if #a ~= #b then
+    if #a < #b then return -1 end
+    return 1
+  end
+  if a == b then return 0 end
+  if a < b then return -1 end
+  return 1
+end
+
+-- a + b, saturating at max (all canonical decimals).
+local function add(a, b, max)
+  local out = {}
+  local carry = 0
+  local i, j = #a, #b
+  while i > 0 or j > 0 or carry > 0 do
+    local d = carry
+    if i > 0 then d = d + string.byte(a, i) - 48 end
+    if j > 0 then d = d + string.byte(b, j) - 48 end
+    if d >= 10 then
+      out[#out + 1] = string.char(38 + d)
+      carry = 1
+    else
+      out[#out + 1] = string.char(48 + d)
+      carry = 0
+    end
+    i = i - 1
+    j = j - 1
+  end
+  local s = string.reverse(table.concat(out))
+  if cmp(s, max) > 0 then return max end
+  return s
+end
+
+-- The store's clock in ms: the override passed by the caller (test clocks only), or the
+-- server's TIME, so every application server agrees on lease expiry whatever its own
+-- clock says.
+local function now_ms(override)
+  if override ~= '' then return override end
+  local t = redis.call('TIME')
+  return t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+end
+
+-- The whole record, in FIELDS order (HMGET gives false for a missing field).
+local function read_all(key)
+  return redis.call('HMGET', key, unpack(FIELDS))
+end
+
+-- Sets the key's native expiry: the record is logically gone at expires_at (every script
+-- checks that itself); the key may outlive it by the configured grace.
+local function expire_at(key, expires_at, grace)
+  redis.call('PEXPIREAT', key, add(expires_at, grace, I64_MAX))
+end

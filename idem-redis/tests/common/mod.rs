@@ -1,0 +1,110 @@
+//! Shared helpers of the Redis integration tests: the server URL, a clear failure when it
+//! is down, and stores on fresh random prefixes.
+
+#![allow(dead_code, reason = "each test binary uses a different subset of these helpers")]
+#![allow(unreachable_pub, reason = "test helper module, not a public API")]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::Clock;
+use idem_redis::{RedisConfig, RedisStore};
+
+/// The Redis every test talks to: `IDEM_REDIS_URL`, default `redis://127.0.0.1:6379`.
+pub fn url() -> String {
+    std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// The one message a developer without Redis sees.
+pub fn unreachable(url: &str, e: &dyn std::fmt::Display) -> ! {
+    panic!(
+        "Redis is not reachable at {url} ({e}). These tests need a real Redis: start one with\n    \
+         redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save \"\" --appendonly no\n\
+         or point IDEM_REDIS_URL at one."
+    )
+}
+
+/// A fresh namespace for one scenario.
+pub fn fresh_prefix() -> String {
+    format!("idem-test:{}:", uuid::Uuid::new_v4().simple())
+}
+
+/// How long test keys outlive their `expires_at`: tests move a manual clock ahead of the
+/// server's, and the keys must still be there when the test clock looks at them.
+pub const TEST_GRACE: Duration = Duration::from_secs(600);
+
+/// The configuration tests use: `prefix`, the test clock, a grace for native expiry.
+pub fn test_config(prefix: &str, clock: Arc<dyn Clock>) -> RedisConfig {
+    RedisConfig::new().with_prefix(prefix).with_test_clock(clock).with_expiry_grace(TEST_GRACE)
+}
+
+/// Connects to [`url`] or fails the test with the start-up hint.
+pub async fn connect(config: RedisConfig) -> RedisStore {
+    let url = url();
+    match RedisStore::connect(&url, config).await {
+        Ok(store) => store,
+        Err(e) if e.is_retryable() => unreachable(&url, &e),
+        Err(e) => panic!("cannot open the Redis store at {url}: {e:?}"),
+    }
+}
+
+/// A plain second connection to the same server, for inspecting and killing.
+pub async fn admin() -> redis::aio::MultiplexedConnection {
+    let url = url();
+    let client = redis::Client::open(url.as_str()).unwrap_or_else(|e| unreachable(&url, &e));
+    client.get_multiplexed_async_connection().await.unwrap_or_else(|e| unreachable(&url, &e))
+}
+
+/// A private `redis-server` on a free port, for tests that need a server configured
+/// differently (an evicting policy, CONFIG disabled) or that block the server, so the
+/// shared one is never disturbed. Killed (by its own pid) on drop.
+pub struct PrivateRedis {
+    child: std::process::Child,
+    /// Its URL.
+    pub url: String,
+}
+
+impl PrivateRedis {
+    /// Starts `redis-server` with `args` on a free port and waits until it answers.
+    pub async fn start(args: &[&str]) -> Self {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
+            l.local_addr().expect("addr").port()
+        };
+        let port_s = port.to_string();
+        let mut cmd = std::process::Command::new("redis-server");
+        cmd.args(["--bind", "127.0.0.1", "--port", &port_s, "--save", "", "--appendonly", "no"]);
+        cmd.args(args);
+        cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+        let child = cmd.spawn().expect(
+            "redis-server must be on PATH for this test (install Redis; the shared server alone is not enough here)",
+        );
+        let url = format!("redis://127.0.0.1:{port}");
+        let server = Self { child, url };
+        let client = redis::Client::open(server.url.as_str()).expect("url");
+        for _ in 0..200 {
+            if let Ok(mut c) = client.get_multiplexed_async_connection().await {
+                let pong: Result<String, _> = redis::cmd("PING").query_async(&mut c).await;
+                if pong.is_ok() {
+                    return server;
+                }
+            }
+            // Waiting for a child process to start listening: no clock is involved.
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("private redis-server on port {port} did not start");
+    }
+
+    /// A plain connection to it.
+    pub async fn admin(&self) -> redis::aio::MultiplexedConnection {
+        let client = redis::Client::open(self.url.as_str()).expect("url");
+        client.get_multiplexed_async_connection().await.expect("private redis connection")
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
