@@ -61,6 +61,6 @@ pub use model::Model;
 pub use policy::{MismatchStatus, Policy, StoreFailureMode};
 pub use record::{FencingToken, Record, RecordState, StoredBody, StoredResponse};
 pub use scope::{Endpoint, Principal, RecordId, Scope, ScopeError};
-pub use store::{BoxError, Capabilities, Store, StoreError, SweepOutcome};
+pub use store::{BoxError, Capabilities, JournalWrite, Store, StoreError, SweepOutcome};
 pub use time::{Clock, ManualClock, SystemClock, UnixMillis};
 pub use transition::{ClaimOutcome, ClaimRequest, LeaseLost, ReclaimOutcome, ReclaimRequest};

@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use crate::model::Model;
 use crate::record::{FencingToken, Record, StoredResponse};
 use crate::scope::RecordId;
-use crate::store::{Capabilities, Store, StoreError, SweepOutcome};
+use crate::store::{Capabilities, JournalWrite, Store, StoreError, SweepOutcome};
 use crate::time::{Clock, SystemClock};
 use crate::transition::{ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
 
@@ -83,6 +83,23 @@ impl Store for MemoryStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new()
+        Capabilities::new().with_journal(true)
+    }
+
+    async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        let now = self.clock.now();
+        self.lock().journal_put(id, token, name, value, overwrite, now)
+    }
+
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let now = self.clock.now();
+        Ok(self.lock().journal_get(id, name, now))
     }
 }

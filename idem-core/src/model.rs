@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use crate::record::{FencingToken, Record, StoredResponse};
 use crate::scope::RecordId;
-use crate::store::{StoreError, SweepOutcome};
+use crate::store::{JournalWrite, StoreError, SweepOutcome};
 use crate::time::UnixMillis;
 use crate::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
 
@@ -14,6 +14,7 @@ use crate::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, Reclai
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Model {
     records: BTreeMap<RecordId, Record>,
+    journal: BTreeMap<(RecordId, String), Vec<u8>>,
 }
 
 impl Model {
@@ -27,9 +28,53 @@ impl Model {
     pub fn claim(&mut self, req: &ClaimRequest, now: UnixMillis) -> ClaimOutcome {
         let (write, outcome) = transition::claim(self.records.get(&req.id), req, now);
         if let Some(r) = write {
+            // A claim that replaces an expired record starts with an empty journal.
+            self.drop_journal(r.id);
             self.records.insert(r.id, r);
         }
         outcome
+    }
+
+    fn drop_journal(&mut self, id: RecordId) {
+        let names: Vec<_> = self
+            .journal
+            .range((id, String::new())..)
+            .take_while(|((i, _), _)| *i == id)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in names {
+            self.journal.remove(&k);
+        }
+    }
+
+    /// See [`crate::Store::journal_put`].
+    ///
+    /// # Errors
+    /// [`StoreError::LeaseLost`] when `token` is not the current claim.
+    pub fn journal_put(
+        &mut self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+        now: UnixMillis,
+    ) -> Result<JournalWrite, StoreError> {
+        transition::check_journal_owner(self.records.get(&id), id, token, now)
+            .map_err(|l| StoreError::lease_lost(id, l))?;
+        let k = (id, name.to_string());
+        if !overwrite && let Some(v) = self.journal.get(&k) {
+            return Ok(JournalWrite::Exists(v.clone()));
+        }
+        self.journal.insert(k, value);
+        Ok(JournalWrite::Written)
+    }
+
+    /// See [`crate::Store::journal_get`].
+    #[must_use]
+    pub fn journal_get(&self, id: RecordId, name: &str, now: UnixMillis) -> Option<Vec<u8>> {
+        self.get(id, now)?;
+        self.journal.get(&(id, name.to_string())).cloned()
     }
 
     /// See [`crate::Store::reclaim`].
@@ -82,6 +127,7 @@ impl Model {
         let mut removed = 0;
         for id in expired.into_iter().take(limit) {
             self.records.remove(&id);
+            self.drop_journal(id);
             removed += 1;
         }
         SweepOutcome { removed, more }

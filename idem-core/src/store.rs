@@ -114,13 +114,16 @@ pub struct Capabilities {
     pub server_clock: bool,
     /// Several processes may share the store.
     pub shared: bool,
+    /// The store keeps a per-record journal ([`Store::journal_put`], [`Store::journal_get`])
+    /// for resumable handlers' steps and intents.
+    pub journal: bool,
 }
 
 impl Capabilities {
     /// No optional capability.
     #[must_use]
     pub const fn new() -> Self {
-        Self { native_expiry: false, server_clock: false, shared: false }
+        Self { native_expiry: false, server_clock: false, shared: false, journal: false }
     }
 
     /// Sets `native_expiry`.
@@ -137,6 +140,13 @@ impl Capabilities {
         self
     }
 
+    /// Sets `journal`.
+    #[must_use]
+    pub const fn with_journal(mut self, v: bool) -> Self {
+        self.journal = v;
+        self
+    }
+
     /// Sets `shared`.
     #[must_use]
     pub const fn with_shared(mut self, v: bool) -> Self {
@@ -144,6 +154,19 @@ impl Capabilities {
         self
     }
 }
+
+/// What a [`Store::journal_put`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum JournalWrite {
+    /// The entry was written.
+    Written,
+    /// An entry of that name already existed and `overwrite` was false: nothing was
+    /// written; this is the stored value (the step already ran in an earlier attempt).
+    Exists(Vec<u8>),
+}
+
+/// Longest journal entry name, bytes.
+pub const MAX_JOURNAL_NAME: usize = 255;
 
 /// What one sweep did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -221,6 +244,43 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 
     /// What this store offers.
     fn capabilities(&self) -> Capabilities;
+
+    /// Writes journal entry `name` of record `id` (a step's result, an intent's state).
+    ///
+    /// # Contract
+    /// - Fenced like `complete`: applies iff the record is live, in flight and carries
+    ///   `token`; otherwise nothing changes and the call returns [`StoreError::LeaseLost`].
+    /// - With `overwrite == false` an existing entry is kept and returned as
+    ///   [`JournalWrite::Exists`] (first write wins: a step runs once per record); with
+    ///   `overwrite == true` it is replaced (an intent moving from pending to done).
+    /// - Entries live and die with their record: a reclaim keeps them (that is how a retry
+    ///   resumes), a sweep or native expiry removes them with the record, and a claim that
+    ///   replaces an expired record starts with no entries.
+    /// - `name` is 1..=[`MAX_JOURNAL_NAME`] bytes; values round-trip byte-exact.
+    ///
+    /// The default returns [`StoreError::Unsupported`]; stores that implement it set
+    /// [`Capabilities::journal`].
+    async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        let _ = (id, token, name, value, overwrite);
+        Err(StoreError::Unsupported { operation: "journal_put" })
+    }
+
+    /// Reads journal entry `name` of record `id`.
+    ///
+    /// # Contract
+    /// `None` when the entry was never written, or its record is absent or past
+    /// `expires_at`. Not fenced: any attempt may read.
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let _ = (id, name);
+        Err(StoreError::Unsupported { operation: "journal_get" })
+    }
 }
 
 #[async_trait]
@@ -250,5 +310,18 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     fn capabilities(&self) -> Capabilities {
         (**self).capabilities()
+    }
+    async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        (**self).journal_put(id, token, name, value, overwrite).await
+    }
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        (**self).journal_get(id, name).await
     }
 }

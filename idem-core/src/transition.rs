@@ -206,6 +206,19 @@ fn check_owner(
     }
 }
 
+/// Journal write check: the caller must hold the record's current in-flight claim.
+///
+/// # Errors
+/// [`LeaseLost`] when `token` is not the current in-flight claim.
+pub fn check_journal_owner(
+    current: Option<&Record>,
+    id: RecordId,
+    token: FencingToken,
+    now: UnixMillis,
+) -> Result<(), LeaseLost> {
+    check_owner(current, id, token, now).map(|_| ())
+}
+
 /// Complete: compare-and-set on the token; stores the response.
 ///
 /// # Errors
