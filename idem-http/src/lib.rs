@@ -1,1 +1,127 @@
-//! idem-http: work in progress.
+//! # idem-http
+//!
+//! Tower middleware that makes retried HTTP requests safe: a client sends an
+//! `Idempotency-Key` with a request that changes something, and every retry of it with the
+//! same key gets the first attempt's response instead of doing the work again
+//! (draft-ietf-httpapi-idempotency-key-header, Stripe's semantics). Records live in any
+//! [`idem_core::Store`]; the rules come from [`idem_core::Policy`] and
+//! [`idem_core::decide`].
+//!
+//! ```
+//! use std::sync::Arc;
+//! use axum::{Router, body::Body, http::{Request, StatusCode}, routing::post};
+//! use idem_core::MemoryStore;
+//! use idem_http::IdempotencyLayer;
+//! use tower::ServiceExt;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let app = Router::new()
+//!     .route("/v1/workers", post(|| async {
+//!         (StatusCode::CREATED, [("location", "/v1/workers/7")], r#"{"id":7}"#)
+//!     }))
+//!     .layer(IdempotencyLayer::new(Arc::new(MemoryStore::new())));
+//!
+//! let request = || Request::post("/v1/workers")
+//!     .header("authorization", "Bearer token-of-ml-eval")
+//!     .header("idempotency-key", "7c3f5d1e-91a4")
+//!     .header("content-type", "application/json")
+//!     .body(Body::from(r#"{"size":"large"}"#))
+//!     .unwrap();
+//!
+//! let first = app.clone().oneshot(request()).await.unwrap();
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//! let retry = app.oneshot(request()).await.unwrap();
+//! assert_eq!(retry.status(), StatusCode::CREATED);
+//! assert_eq!(retry.headers()["location"], "/v1/workers/7");
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! # }
+//! ```
+//!
+//! # What a request gets
+//! Safe methods (GET, HEAD, OPTIONS, TRACE; RFC 9110 §9.2.1) pass through untouched. For
+//! every other method:
+//!
+//! | request | response |
+//! |---|---|
+//! | no `Idempotency-Key` | 400 `missing-idempotency-key` ([`KeyRequirement::Required`], default), or the handler runs and nothing is stored ([`KeyRequirement::Optional`]) |
+//! | empty, blank, > `max_key_len` bytes, non-ASCII or malformed key | 400 `invalid-idempotency-key` |
+//! | two or more `Idempotency-Key` fields, equal or not | 400 `duplicate-idempotency-key` |
+//! | no principal | 401 `missing-principal` ([`MissingPrincipal::Reject`], default), or run unprotected ([`MissingPrincipal::SkipIdempotency`]) |
+//! | body over `max_request_body` | 413 `body-too-large`; nothing claimed |
+//! | new key | claim, run the handler, store the response, return it |
+//! | same request, first attempt still running | 409 `in-flight` + `Retry-After` (seconds until its lease ends, at least 1) |
+//! | same request, first attempt's lease expired, or it failed | reclaim by compare-and-set; the winner runs the handler |
+//! | same request, completed | replay: stored status, headers, body + `Idempotent-Replayed: true` |
+//! | different request (method, path, query, fingerprinted headers, body) | `policy.mismatch_status` (409 default) `mismatch`; never retry |
+//! | store unreachable | 503 `store-unavailable` + `Retry-After: 1`, handler not run (fail closed, default); or the handler runs unprotected and a warning is logged (`StoreFailureMode::FailOpen`) |
+//!
+//! Every response about an existing record (run, replay, in flight, mismatch) carries
+//! [`IDEMPOTENCY_KEY_EXPIRES`], a non-standard field with the HTTP-date until which the key
+//! is retained. All problem bodies are RFC 9457 `application/problem+json` ([`problem`]).
+//!
+//! # Scope and fingerprint
+//! The record is scoped by (principal, endpoint). The principal comes from a
+//! [`PrincipalResolver`] (default [`BearerToken`]). The endpoint is the method plus axum's
+//! route template (`POST /v1/workers/{id}/reboot`) when the request went through an axum
+//! `Router` (feature `axum`, on by default, reads `MatchedPath`); otherwise the method plus
+//! the concrete path, so resolved path parameters are then part of the scope. The
+//! fingerprint always covers the method, raw path, query, the policy's
+//! `fingerprint_headers` and the raw body bytes: a key reused on another resource is a
+//! mismatch, never someone else's replay.
+//!
+//! # After the handler
+//! The whole response body is read (streamed bodies too), then, before the response is
+//! returned to the client:
+//! - status cacheable per [`idem_core::Policy::is_cacheable`] (2xx; 4xx except 401, 403,
+//!   408, 409, 423, 425, 429): `complete` with the status, headers minus hop-by-hop and
+//!   `header_deny_list` (default `set-cookie`, `date`), and body (LZ4 over
+//!   `compress_over`; over `max_stored_body` the record completes without the body and a
+//!   replay answers a `response-not-retained` problem with the original status and
+//!   `Location`);
+//! - anything else (5xx, 1xx, 3xx, uncacheable 4xx): `fail`, so the retry runs again;
+//! - the handler returns an error, panics, or its body fails, or the request future is
+//!   dropped mid-flight (client disconnect): `fail`, from a drop guard that spawns the
+//!   write on the tokio runtime if it has to. A panic is re-raised after the write; a
+//!   body failure answers 500 `response-body-failed`.
+//!
+//! When `complete` or `fail` is refused with `LeaseLost` (the lease ran out and a retry
+//! reclaimed the record), the response still goes to this client and a warning is logged;
+//! the newer attempt owns the record. When `complete` fails for any other store error, the
+//! response is still returned (the work is done; hiding it would only provoke a retry) and
+//! an error is logged; the record stays in flight until its lease ends, then a retry
+//! reclaims it and the handler runs again. Handlers whose side effects must not repeat even
+//! then should key them with sub-keys derived from [`IdempotencyContext`].
+//!
+//! Marking a record failed lets a retry run the handler again. That is only safe when the
+//! handler's side effects are transactional with its response, or keyed downstream by a
+//! stable sub-key (DESIGN.md, "Side effects").
+//!
+//! # Layout
+//! - [`layer`] holds [`IdempotencyLayer`], [`KeyRequirement`], [`MissingPrincipal`].
+//! - [`service`] holds [`Idempotency`], the request flow.
+//! - [`future`] holds [`ResponseFuture`] (a boxed `async fn`) and the drop guard that marks a
+//!   record failed.
+//! - [`body`] holds [`ResponseBody`].
+//! - [`principal`] holds [`PrincipalResolver`], [`BearerToken`].
+//! - [`problem`] holds RFC 9457 bodies, [`ProblemKind`].
+//! - [`context`] holds [`IdempotencyContext`], the request extension a claimed handler sees.
+//! - [`headers`] holds the header names.
+
+pub mod body;
+pub mod context;
+pub mod future;
+pub mod headers;
+pub mod layer;
+pub mod principal;
+pub mod problem;
+pub mod service;
+
+pub use body::ResponseBody;
+pub use context::IdempotencyContext;
+pub use future::ResponseFuture;
+pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};
+pub use layer::{IdempotencyLayer, KeyRequirement, MissingPrincipal};
+pub use principal::{BearerToken, PrincipalResolver};
+pub use problem::{PROBLEM_JSON, Problem, ProblemKind};
+pub use service::Idempotency;

@@ -1,0 +1,72 @@
+//! [`IdempotencyContext`]: what the handler learns about the claim it runs under.
+
+use std::sync::Arc;
+
+use idem_core::{FencingToken, IdempotencyKey, RecordId, Scope, Store, UnixMillis};
+
+/// Request extension the layer inserts before calling the handler of a claimed request.
+///
+/// It names the record the handler runs under and the fencing token of this attempt, and
+/// carries the store, so that code inside the handler can derive stable sub-keys for
+/// downstream calls and (in a later version) journal steps in the same store. The token
+/// grows on every reclaim: a write made with an older token is refused by the store.
+///
+/// Present only when the handler runs under a claim: not for safe methods, keyless
+/// requests, skipped principals, or fail-open runs.
+///
+/// ```
+/// use axum::Extension;
+/// use idem_http::IdempotencyContext;
+///
+/// async fn create(Extension(ctx): Extension<IdempotencyContext>) -> String {
+///     format!("record {} attempt {}", ctx.record_id(), ctx.token())
+/// }
+/// ```
+#[derive(Clone, Debug)]
+pub struct IdempotencyContext {
+    pub(crate) record_id: RecordId,
+    pub(crate) token: FencingToken,
+    pub(crate) scope: Scope,
+    pub(crate) key: IdempotencyKey,
+    pub(crate) lease_expires_at: UnixMillis,
+    pub(crate) store: Arc<dyn Store>,
+}
+
+impl IdempotencyContext {
+    /// The record this attempt runs under (hash of principal, endpoint and key).
+    #[must_use]
+    pub fn record_id(&self) -> RecordId {
+        self.record_id
+    }
+
+    /// This attempt's fencing token (1 for the first claim, +1 per reclaim).
+    #[must_use]
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// The scope: principal and endpoint.
+    #[must_use]
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// The client's idempotency key.
+    #[must_use]
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+
+    /// End of this attempt's lease (store clock, ms since the epoch). A handler still
+    /// running after it may find its record reclaimed by a retry.
+    #[must_use]
+    pub fn lease_expires_at(&self) -> UnixMillis {
+        self.lease_expires_at
+    }
+
+    /// The store the record lives in.
+    #[must_use]
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+}

@@ -1,0 +1,64 @@
+//! Header names the layer reads and writes, and the HTTP-date format.
+
+use http::HeaderName;
+use idem_core::UnixMillis;
+
+/// `Idempotency-Key` (draft-ietf-httpapi-idempotency-key-header §2), read from requests.
+/// Field names are case-insensitive; `http` stores them lower-case.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// `Idempotent-Replayed: true` on every replayed response (Stripe's name; not in the draft).
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// `Idempotency-Key-Expires: <HTTP-date>` (RFC 9110 §5.6.7 IMF-fixdate): until when the key's
+/// record is retained. After that instant the same key starts a new operation.
+///
+/// Non-standard: neither the IETF draft nor Stripe defines such a field. It is sent on
+/// every response that concerns an existing record: a handler run under a claim, a
+/// replay, a 409 in flight and a mismatch. The date is rounded down to the second, so the
+/// record lives at least until then.
+pub const IDEMPOTENCY_KEY_EXPIRES: HeaderName = HeaderName::from_static("idempotency-key-expires");
+
+/// Formats `t` as an IMF-fixdate, e.g. `Sun, 06 Nov 1994 08:49:37 GMT`.
+pub(crate) fn http_date(t: UnixMillis) -> String {
+    const DAYS: [&str; 7] = ["Thu", "Fri", "Sat", "Sun", "Mon", "Tue", "Wed"];
+    const MONTHS: [&str; 12] = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
+    let secs = t.0.div_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let in_day = secs.rem_euclid(86_400);
+    // Civil date from a day count (proleptic Gregorian, eras of 400 years = 146 097 days,
+    // year starting in March so the leap day comes last).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let day_of_era = z.rem_euclid(146_097);
+    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_from_march = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_from_march + 2) / 5 + 1;
+    let month = if month_from_march < 10 { month_from_march + 3 } else { month_from_march - 9 };
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    // Indices are in range by construction (rem_euclid of 7; month in 1..=12).
+    let weekday = DAYS[usize::try_from(days.rem_euclid(7)).unwrap_or(0)];
+    let month_name = MONTHS[usize::try_from(month - 1).unwrap_or(0)];
+    format!(
+        "{weekday}, {day:02} {month_name} {year:04} {:02}:{:02}:{:02} GMT",
+        in_day / 3600,
+        in_day % 3600 / 60,
+        in_day % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn imf_fixdate_matches_known_instants() {
+        assert_eq!(http_date(UnixMillis(0)), "Thu, 01 Jan 1970 00:00:00 GMT");
+        // RFC 9110's own example.
+        assert_eq!(http_date(UnixMillis(784_111_777_000)), "Sun, 06 Nov 1994 08:49:37 GMT");
+        // A leap day, and rounding down of milliseconds.
+        assert_eq!(http_date(UnixMillis(951_782_400_999)), "Tue, 29 Feb 2000 00:00:00 GMT");
+        assert_eq!(http_date(UnixMillis(1_798_761_599_000)), "Thu, 31 Dec 2026 23:59:59 GMT");
+    }
+}

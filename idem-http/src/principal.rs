@@ -1,0 +1,135 @@
+//! Who a request runs as: the first half of a record's scope.
+//!
+//! A key only means something inside its scope = (principal, endpoint): the same key sent
+//! by two principals names two records, so one tenant can neither read another's stored
+//! response nor block its key (handed case C11). The layer asks a [`PrincipalResolver`]
+//! for the principal of every keyed request. A request without one is never put in a
+//! shared bucket: the layer rejects it with 401 or skips idempotency for it, as chosen with
+//! [`crate::MissingPrincipal`].
+//!
+//! Resolvers are synchronous and read only the request head. Authentication usually runs
+//! earlier (a tower layer or an axum extractor middleware that validates the token); it can
+//! leave the identity in the request extensions for a closure resolver to read:
+//!
+//! ```
+//! use idem_http::{IdempotencyLayer, PrincipalResolver};
+//! # #[derive(Clone)] struct Account(String);
+//! let resolver = |req: &http::request::Parts| req.extensions.get::<Account>().map(|a| a.0.clone());
+//! # let store: std::sync::Arc<dyn idem_core::Store> = std::sync::Arc::new(idem_core::MemoryStore::new());
+//! let layer = IdempotencyLayer::new(store).with_principal_resolver(resolver);
+//! ```
+
+use http::header;
+use http::request::Parts;
+use idem_core::Principal;
+
+/// Finds the principal of a request.
+///
+/// Returning `None` (or an empty principal) means "no identity"; see
+/// [`crate::MissingPrincipal`] for what the layer then does. Implemented for closures
+/// `Fn(&http::request::Parts) -> Option<String>`.
+pub trait PrincipalResolver: Send + Sync + 'static {
+    /// The principal `request` runs as, or `None`.
+    fn resolve(&self, request: &Parts) -> Option<Principal>;
+}
+
+impl<F> PrincipalResolver for F
+where
+    F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+{
+    fn resolve(&self, request: &Parts) -> Option<Principal> {
+        self(request).filter(|p| !p.is_empty()).map(Principal)
+    }
+}
+
+/// BLAKE3 `derive_key` context for [`BearerToken`] principals.
+const BEARER_CONTEXT: &str = "idem-http 2026-11-30 bearer principal v1";
+
+/// The principal is the bearer token of `Authorization: Bearer <token>` (RFC 6750 §2.1),
+/// stored as `bearer:` plus the hex BLAKE3 hash of the token, never the token itself, so a
+/// leaked store does not leak credentials.
+///
+/// The layer's default resolver. The scheme name is matched case-insensitively (RFC 9110
+/// §11.1). No `Authorization` field, another scheme, an empty token, or more than one
+/// `Authorization` field resolve to no principal. Each token is its own principal: when
+/// several tokens act for one account and should share records, resolve the account
+/// instead with a closure.
+///
+/// This resolver does not check that the token is valid; authentication is the job of
+/// whatever runs before the handler.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BearerToken;
+
+impl BearerToken {
+    /// The principal string for `token`: `bearer:<64 hex>`.
+    #[must_use]
+    pub fn principal_for(token: &[u8]) -> String {
+        let hash = blake3::derive_key(BEARER_CONTEXT, token);
+        let mut out = String::with_capacity(7 + 64);
+        out.push_str("bearer:");
+        for b in hash {
+            out.push(char::from(b"0123456789abcdef"[usize::from(b >> 4)]));
+            out.push(char::from(b"0123456789abcdef"[usize::from(b & 0xf)]));
+        }
+        out
+    }
+}
+
+impl PrincipalResolver for BearerToken {
+    fn resolve(&self, request: &Parts) -> Option<Principal> {
+        let mut values = request.headers.get_all(header::AUTHORIZATION).iter();
+        let value = values.next()?;
+        if values.next().is_some() {
+            return None;
+        }
+        let value = value.as_bytes();
+        let scheme_len = b"bearer ".len();
+        if value.len() <= scheme_len || !value[..scheme_len].eq_ignore_ascii_case(b"bearer ") {
+            return None;
+        }
+        let token = value[scheme_len..].trim_ascii();
+        if token.is_empty() {
+            return None;
+        }
+        Some(Principal(Self::principal_for(token)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parts(auth: &[&str]) -> Parts {
+        let mut b = http::Request::builder();
+        for a in auth {
+            b = b.header(header::AUTHORIZATION, *a);
+        }
+        b.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn bearer_tokens_are_hashed_and_scheme_is_case_insensitive() {
+        let p = BearerToken.resolve(&parts(&["Bearer abc"])).unwrap();
+        assert_eq!(p, BearerToken.resolve(&parts(&["bearer abc"])).unwrap());
+        assert!(p.0.starts_with("bearer:") && p.0.len() == 7 + 64);
+        assert!(!p.0.contains("abc"));
+        assert_ne!(p, BearerToken.resolve(&parts(&["Bearer abd"])).unwrap());
+    }
+
+    #[test]
+    fn missing_or_odd_authorization_resolves_to_nobody() {
+        for a in
+            [&[][..], &["Basic dXNlcjpwYXNz"], &["Bearer "], &["Bearer    "], &["Bearer"], &["Bearer a", "Bearer b"]]
+        {
+            assert_eq!(BearerToken.resolve(&parts(a)), None, "{a:?}");
+        }
+    }
+
+    #[test]
+    fn closures_resolve_and_empty_means_none() {
+        let r = |_: &Parts| Some(String::new());
+        assert_eq!(r.resolve(&parts(&[])), None);
+        let r = |_: &Parts| Some("acct-1".to_owned());
+        assert_eq!(r.resolve(&parts(&[])), Some(Principal("acct-1".into())));
+    }
+}

@@ -1,0 +1,208 @@
+//! RFC 9457 problem details: the `application/problem+json` bodies the layer answers with.
+//!
+//! Every response the layer produces itself (400, 401, 409, 413, 503, and the replay of a
+//! response whose body was not retained) carries a body of this shape:
+//!
+//! ```json
+//! {"type":"urn:idem:problem:in-flight","title":"Request in flight","status":409,
+//!  "detail":"another request with this idempotency key is still being processed; retry after 12 s"}
+//! ```
+//!
+//! `type` (RFC 9457 §3.1.1) is a URI that names the kind of problem; clients should match on
+//! it (or on [`ProblemKind::from_type_uri`]) rather than on `title` or `detail`, which are
+//! for humans. The `urn:idem:problem:` names are not dereferenceable: they identify, they do
+//! not document. Two kinds share status 409 and must be told apart by `type`: an
+//! [`ProblemKind::InFlight`] request may be retried after `Retry-After`, a
+//! [`ProblemKind::Mismatch`] never (draft-ietf-httpapi-idempotency-key-header §2.7).
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+use crate::body::ResponseBody;
+
+/// The media type of problem bodies (RFC 9457 §3).
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// The kinds of problem the layer reports. Each has a stable `type` URI.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ProblemKind {
+    /// 400: the endpoint requires an `Idempotency-Key` and the request has none.
+    MissingKey,
+    /// 400: the `Idempotency-Key` value is empty, blank, too long, not visible ASCII, or a
+    /// malformed structured-field string.
+    InvalidKey,
+    /// 400: the request carries more than one `Idempotency-Key` field.
+    DuplicateKey,
+    /// 401: no principal could be resolved, and the layer rejects anonymous keyed requests.
+    MissingPrincipal,
+    /// 400: the request body could not be read.
+    UnreadableBody,
+    /// 413: the request body is larger than the policy's `max_request_body`.
+    BodyTooLarge,
+    /// 409 + `Retry-After`: another attempt with this key holds a fresh lease.
+    InFlight,
+    /// 409 + `Retry-After`: the record changed under this request several times in a row
+    /// (heavy contention on one key); retry.
+    Busy,
+    /// 409 (or the policy's mismatch status): the key was first used with a different
+    /// request. Never retry with this key.
+    Mismatch,
+    /// 503 + `Retry-After`: the idempotency store is unavailable; the handler did not run.
+    StoreUnavailable,
+    /// The original status: the response completed but its body was larger than the
+    /// policy's `max_stored_body`, so the replay cannot repeat it.
+    ResponseNotRetained,
+    /// 500: the handler's response body failed while being read; the record was marked
+    /// failed, so a retry runs the handler again.
+    ResponseBodyFailed,
+}
+
+const PREFIX: &str = "urn:idem:problem:";
+
+impl ProblemKind {
+    const ALL: [ProblemKind; 12] = [
+        ProblemKind::MissingKey,
+        ProblemKind::InvalidKey,
+        ProblemKind::DuplicateKey,
+        ProblemKind::MissingPrincipal,
+        ProblemKind::UnreadableBody,
+        ProblemKind::BodyTooLarge,
+        ProblemKind::InFlight,
+        ProblemKind::Busy,
+        ProblemKind::Mismatch,
+        ProblemKind::StoreUnavailable,
+        ProblemKind::ResponseNotRetained,
+        ProblemKind::ResponseBodyFailed,
+    ];
+
+    /// The short name that ends the `type` URI, e.g. `in-flight`.
+    #[must_use]
+    pub fn slug(self) -> &'static str {
+        match self {
+            ProblemKind::MissingKey => "missing-idempotency-key",
+            ProblemKind::InvalidKey => "invalid-idempotency-key",
+            ProblemKind::DuplicateKey => "duplicate-idempotency-key",
+            ProblemKind::MissingPrincipal => "missing-principal",
+            ProblemKind::UnreadableBody => "unreadable-body",
+            ProblemKind::BodyTooLarge => "body-too-large",
+            ProblemKind::InFlight => "in-flight",
+            ProblemKind::Busy => "busy",
+            ProblemKind::Mismatch => "mismatch",
+            ProblemKind::StoreUnavailable => "store-unavailable",
+            ProblemKind::ResponseNotRetained => "response-not-retained",
+            ProblemKind::ResponseBodyFailed => "response-body-failed",
+        }
+    }
+
+    /// The `type` member: `urn:idem:problem:<slug>`.
+    #[must_use]
+    pub fn type_uri(self) -> String {
+        format!("{PREFIX}{}", self.slug())
+    }
+
+    /// The kind named by a `type` member, if it is one of ours.
+    #[must_use]
+    pub fn from_type_uri(uri: &str) -> Option<Self> {
+        let slug = uri.strip_prefix(PREFIX)?;
+        Self::ALL.into_iter().find(|k| k.slug() == slug)
+    }
+
+    /// The `title` member: a short summary that does not change between occurrences
+    /// (RFC 9457 §3.1.3).
+    #[must_use]
+    pub fn title(self) -> &'static str {
+        match self {
+            ProblemKind::MissingKey => "Idempotency-Key required",
+            ProblemKind::InvalidKey => "Invalid Idempotency-Key",
+            ProblemKind::DuplicateKey => "More than one Idempotency-Key",
+            ProblemKind::MissingPrincipal => "Principal required",
+            ProblemKind::UnreadableBody => "Unreadable request body",
+            ProblemKind::BodyTooLarge => "Request body too large",
+            ProblemKind::InFlight => "Request in flight",
+            ProblemKind::Busy => "Idempotency record busy",
+            ProblemKind::Mismatch => "Idempotency-Key reused with a different request",
+            ProblemKind::StoreUnavailable => "Idempotency store unavailable",
+            ProblemKind::ResponseNotRetained => "Response not retained",
+            ProblemKind::ResponseBodyFailed => "Response body failed",
+        }
+    }
+}
+
+/// One problem details object (RFC 9457 §3): `type`, `title`, `status`, `detail`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    kind: ProblemKind,
+    status: StatusCode,
+    detail: String,
+}
+
+impl Problem {
+    /// A problem of `kind` answered with `status`; `detail` explains this occurrence.
+    #[must_use]
+    pub fn new(kind: ProblemKind, status: StatusCode, detail: impl Into<String>) -> Self {
+        Self { kind, status, detail: detail.into() }
+    }
+
+    /// The kind.
+    #[must_use]
+    pub fn kind(&self) -> ProblemKind {
+        self.kind
+    }
+
+    /// The HTTP status.
+    #[must_use]
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The human-readable explanation of this occurrence.
+    #[must_use]
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
+    /// The JSON body.
+    #[must_use]
+    pub fn to_json(&self) -> Vec<u8> {
+        let value = serde_json::json!({
+            "type": self.kind.type_uri(),
+            "title": self.kind.title(),
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        // Serialising a `Value` built from strings and integers cannot fail.
+        serde_json::to_vec(&value).unwrap_or_default()
+    }
+
+    /// The response: this status, `Content-Type: application/problem+json`, the JSON body.
+    pub(crate) fn into_response<B>(self) -> Response<ResponseBody<B>> {
+        let mut res = Response::new(ResponseBody::full(Bytes::from(self.to_json())));
+        *res.status_mut() = self.status;
+        res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        res
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn type_uris_round_trip() {
+        for k in ProblemKind::ALL {
+            assert_eq!(ProblemKind::from_type_uri(&k.type_uri()), Some(k));
+        }
+        assert_eq!(ProblemKind::from_type_uri("about:blank"), None);
+    }
+
+    #[test]
+    fn body_has_the_four_members() {
+        let p = Problem::new(ProblemKind::Mismatch, StatusCode::CONFLICT, "d");
+        let v: serde_json::Value = serde_json::from_slice(&p.to_json()).unwrap();
+        assert_eq!(v["type"], "urn:idem:problem:mismatch");
+        assert_eq!(v["status"], 409);
+        assert_eq!(v["detail"], "d");
+        assert!(v["title"].is_string());
+    }
+}

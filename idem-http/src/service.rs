@@ -1,0 +1,503 @@
+//! [`Idempotency`]: the middleware service, and the request flow it runs.
+//!
+//! The flow for a non-safe request, in order:
+//! 1. read `Idempotency-Key` (none: [`crate::KeyRequirement`]; invalid or repeated: 400);
+//! 2. resolve the principal (none: [`crate::MissingPrincipal`]);
+//! 3. buffer the body up to `policy.max_request_body` (over: 413, nothing claimed);
+//! 4. fingerprint, and `claim` the record in the store;
+//! 5. decide (DESIGN.md's table): run the handler under the claim, replay, 409, mismatch;
+//! 6. after the handler: read the whole response body, then `complete` (cacheable status)
+//!    or `fail` (anything else), and only then return the response.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use futures::FutureExt;
+use http::request::Parts;
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, header};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use idem_core::{
+    BoxError, ClaimOutcome, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey, Policy, ReclaimOutcome,
+    ReclaimRequest, Record, RequestParts, Scope, StoreError, StoreFailureMode, StoredBody, StoredResponse, UnixMillis,
+    decide,
+};
+use tower::Service;
+
+use crate::body::ResponseBody;
+use crate::context::IdempotencyContext;
+use crate::future::{FailGuard, ResponseFuture};
+use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, http_date};
+use crate::layer::{Config, KeyRequirement, MissingPrincipal};
+use crate::problem::{Problem, ProblemKind};
+
+/// How many times one request re-reads a record that changed under it (a lost reclaim, a
+/// record that expired between two reads) before it answers 409 busy. Each round follows
+/// an actual change by another request, so three is plenty outside pathological
+/// contention, and it bounds the store calls one request can make.
+const MAX_ROUNDS: usize = 3;
+
+/// `Retry-After` on a 503 from an unavailable store, and on 409 busy, in seconds.
+const RETRY_AFTER_BUSY_SECS: u64 = 1;
+
+/// The middleware made by [`crate::IdempotencyLayer`].
+///
+/// Generic over the request body `ReqBody` (rebuilt from the buffered bytes with
+/// `From<Bytes>`, as axum's `Body` and `http_body_util::Full` allow) and the response body
+/// `ResBody` (any `http_body::Body<Data = Bytes>`). Responses come back as
+/// [`ResponseBody<ResBody>`]. The error type is the inner service's: a handler error is
+/// returned as is, after the record was marked failed.
+#[derive(Clone, Debug)]
+pub struct Idempotency<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S> Idempotency<S> {
+    pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
+        Self { inner, config }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Body + From<Bytes> + Send + 'static,
+    ReqBody::Data: Send,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<ResBody, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        // The instance that was driven to readiness serves this request; a fresh clone
+        // stays behind for the next one (the usual tower pattern for async middleware).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        ResponseFuture::new(Box::pin(handle(Arc::clone(&self.config), inner, req)))
+    }
+}
+
+type Res<B> = Response<ResponseBody<B>>;
+
+async fn handle<S, ReqBody, ResBody>(
+    cfg: Arc<Config>,
+    inner: S,
+    req: Request<ReqBody>,
+) -> Result<Res<ResBody>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ReqBody: Body + From<Bytes>,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes>,
+    ResBody::Error: Into<BoxError>,
+{
+    // RFC 9110 §9.2.1: safe methods change nothing, so there is nothing to protect.
+    if req.method().is_safe() {
+        return pass_through(inner, req).await;
+    }
+    let (parts, body) = req.into_parts();
+    let key = match read_key(&parts.headers, cfg.policy.max_key_len) {
+        Ok(Some(key)) => key,
+        Ok(None) => {
+            return match cfg.key_requirement {
+                KeyRequirement::Optional => pass_through(inner, Request::from_parts(parts, body)).await,
+                KeyRequirement::Required => Ok(Problem::new(
+                    ProblemKind::MissingKey,
+                    StatusCode::BAD_REQUEST,
+                    "this endpoint requires an Idempotency-Key header; generate one unique value per operation and \
+                     send it on every retry",
+                )
+                .into_response()),
+            };
+        }
+        Err(problem) => return Ok(problem.into_response()),
+    };
+    let Some(principal) = cfg.resolver.resolve(&parts).filter(|p| !p.0.is_empty()) else {
+        return match cfg.missing_principal {
+            MissingPrincipal::SkipIdempotency => pass_through(inner, Request::from_parts(parts, body)).await,
+            MissingPrincipal::Reject => Ok(Problem::new(
+                ProblemKind::MissingPrincipal,
+                StatusCode::UNAUTHORIZED,
+                "an idempotency key is only meaningful for an authenticated principal; none was found",
+            )
+            .into_response()),
+        };
+    };
+    let endpoint = endpoint_of(&parts);
+    let bytes = match buffer(body, &parts.headers, cfg.policy.max_request_body).await {
+        Ok(bytes) => bytes,
+        Err(problem) => return Ok(problem.into_response()),
+    };
+    let fingerprint = fingerprint(&parts, &bytes, &cfg.policy);
+    let claim = ClaimRequest::new(
+        Scope { principal, endpoint },
+        key,
+        fingerprint,
+        cfg.policy.lease_ttl,
+        cfg.policy.effective_retention(),
+    );
+    match acquire(&cfg, &claim).await {
+        Acquired::Run(record) => run_claimed(&cfg, inner, parts, bytes, record).await,
+        Acquired::Answer(res) => Ok(res),
+        Acquired::StoreFailed(error) => match cfg.policy.on_store_failure {
+            StoreFailureMode::FailOpen => {
+                tracing::warn!(
+                    record = %claim.id, endpoint = %claim.scope.endpoint.0, error = %error,
+                    "idempotency store failed; running the handler WITHOUT idempotency protection (fail-open)"
+                );
+                pass_through(inner, Request::from_parts(parts, ReqBody::from(bytes))).await
+            }
+            _ => {
+                tracing::error!(
+                    record = %claim.id, endpoint = %claim.scope.endpoint.0, error = %error,
+                    "idempotency store failed; answering 503 without running the handler (fail-closed)"
+                );
+                Ok(store_unavailable("the idempotency store is unavailable; the request was not processed"))
+            }
+        },
+        Acquired::Unreadable(why) => {
+            tracing::error!(record = %claim.id, why, "stored idempotency record cannot be replayed");
+            Ok(store_unavailable("the stored response for this idempotency key cannot be read"))
+        }
+    }
+}
+
+async fn pass_through<S, ReqBody, ResBody>(mut inner: S, req: Request<ReqBody>) -> Result<Res<ResBody>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+{
+    inner.call(req).await.map(|res| res.map(ResponseBody::inner))
+}
+
+/// One `Idempotency-Key` field, parsed. Two or more fields are a 400 even when their
+/// values are equal: the field is a single sf-item (draft §2.1), and a client or proxy
+/// that repeats it is broken in a way the server should report, not guess around.
+fn read_key(headers: &HeaderMap, max_len: usize) -> Result<Option<IdempotencyKey>, Problem> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let Some(value) = values.next() else { return Ok(None) };
+    if values.next().is_some() {
+        return Err(Problem::new(
+            ProblemKind::DuplicateKey,
+            StatusCode::BAD_REQUEST,
+            "the request carries more than one Idempotency-Key field; send exactly one",
+        ));
+    }
+    IdempotencyKey::parse_with_limit(value.as_bytes(), max_len)
+        .map(Some)
+        .map_err(|e| Problem::new(ProblemKind::InvalidKey, StatusCode::BAD_REQUEST, e.to_string()))
+}
+
+/// Method plus axum's route template when the request went through an axum router (so
+/// `/v1/workers/7/reboot` and `/v1/workers/8/reboot` share the endpoint
+/// `POST /v1/workers/{id}/reboot`); otherwise method plus the concrete path, in which case
+/// resolved path parameters are part of the scope. Either way the fingerprint covers the
+/// raw path, so the same key on another resource is a mismatch, never a replay.
+fn endpoint_of(parts: &Parts) -> Endpoint {
+    #[cfg(feature = "axum")]
+    if let Some(route) = parts.extensions.get::<axum::extract::MatchedPath>() {
+        return Endpoint::new(parts.method.as_str(), route.as_str());
+    }
+    Endpoint::new(parts.method.as_str(), parts.uri.path())
+}
+
+async fn buffer<B>(body: B, headers: &HeaderMap, limit: usize) -> Result<Bytes, Problem>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let too_large = || {
+        Problem::new(
+            ProblemKind::BodyTooLarge,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is larger than {limit} bytes, the most this endpoint buffers"),
+        )
+    };
+    // Refuse a declared oversize body before reading any of it.
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<LengthLimitError>() => Err(too_large()),
+        Err(e) => Err(Problem::new(
+            ProblemKind::UnreadableBody,
+            StatusCode::BAD_REQUEST,
+            format!("the request body could not be read: {e}"),
+        )),
+    }
+}
+
+fn fingerprint(parts: &Parts, body: &[u8], policy: &Policy) -> Fingerprint {
+    let headers: Vec<(&str, &[u8])> = policy
+        .fingerprint_headers
+        .iter()
+        .flat_map(|name| parts.headers.get_all(name.as_str()).iter().map(move |v| (name.as_str(), v.as_bytes())))
+        .collect();
+    Fingerprint::of(&RequestParts {
+        method: parts.method.as_str(),
+        path: parts.uri.path(),
+        query: parts.uri.query(),
+        headers: &headers,
+        body,
+    })
+}
+
+enum Acquired<B> {
+    /// This request holds the claim (first claim or reclaim): run the handler.
+    Run(Record),
+    /// Answer without running the handler: replay, 409, mismatch.
+    Answer(Res<B>),
+    /// The store failed: fail closed or open, per policy.
+    StoreFailed(StoreError),
+    /// A completed record whose response cannot be rebuilt.
+    Unreadable(String),
+}
+
+async fn acquire<B>(cfg: &Config, claim: &ClaimRequest) -> Acquired<B> {
+    let store = &cfg.store;
+    let (mut current, mut now) = match store.claim(claim.clone()).await {
+        Ok(ClaimOutcome::Claimed(record)) => return Acquired::Run(record),
+        Ok(ClaimOutcome::Existing { record, now }) => (Some(record), now),
+        Err(e) => return Acquired::StoreFailed(e),
+    };
+    for _ in 0..MAX_ROUNDS {
+        let record = match (decide(current.as_ref(), &claim.fingerprint, now), current.as_ref()) {
+            // No live record (it expired or vanished since the claim read it): claim anew.
+            (Decision::Claim, _) | (_, None) => match store.claim(claim.clone()).await {
+                Ok(ClaimOutcome::Claimed(record)) => return Acquired::Run(record),
+                Ok(ClaimOutcome::Existing { record, now: n }) => (Some(record), n),
+                Err(e) => return Acquired::StoreFailed(e),
+            },
+            (Decision::Replay, Some(record)) => {
+                return match replay(record) {
+                    Ok(res) => Acquired::Answer(res),
+                    Err(why) => Acquired::Unreadable(why),
+                };
+            }
+            (Decision::InFlight { retry_after_secs }, Some(record)) => {
+                let detail = format!(
+                    "another request with this idempotency key is still being processed; retry after \
+                     {retry_after_secs} s"
+                );
+                let mut res = Problem::new(ProblemKind::InFlight, StatusCode::CONFLICT, detail).into_response();
+                set_retry_after(res.headers_mut(), retry_after_secs);
+                set_expires(res.headers_mut(), record.expires_at);
+                return Acquired::Answer(res);
+            }
+            (Decision::Mismatch, Some(record)) => {
+                let status = StatusCode::from_u16(cfg.policy.mismatch_status.code()).unwrap_or(StatusCode::CONFLICT);
+                let detail = "this idempotency key was already used with a different request (method, path, query, \
+                              fingerprinted headers or body); use a new key for a new operation";
+                let mut res = Problem::new(ProblemKind::Mismatch, status, detail).into_response();
+                set_expires(res.headers_mut(), record.expires_at);
+                return Acquired::Answer(res);
+            }
+            (Decision::Reclaim { expected }, Some(_)) => {
+                let req = ReclaimRequest {
+                    id: claim.id,
+                    expected,
+                    fingerprint: claim.fingerprint,
+                    lease_ttl: claim.lease_ttl,
+                    retention: claim.retention,
+                };
+                match store.reclaim(req).await {
+                    Ok(ReclaimOutcome::Reclaimed(record)) => return Acquired::Run(record),
+                    // Another retry won the compare-and-set, or the record moved on: look again.
+                    Ok(ReclaimOutcome::Conflict { current, now: n }) => (current, n),
+                    Err(e) => return Acquired::StoreFailed(e),
+                }
+            }
+        };
+        (current, now) = record;
+    }
+    let mut res = Problem::new(
+        ProblemKind::Busy,
+        StatusCode::CONFLICT,
+        "the idempotency record for this key kept changing while this request was decided; retry",
+    )
+    .into_response();
+    set_retry_after(res.headers_mut(), RETRY_AFTER_BUSY_SECS);
+    Acquired::Answer(res)
+}
+
+/// The stored status, headers and body, plus `Idempotent-Replayed: true`. A body that was
+/// not retained becomes a problem body under the original status, keeping `Location`.
+fn replay<B>(record: &Record) -> Result<Res<B>, String> {
+    let Some(stored) = &record.response else {
+        return Err("completed record without a response".into());
+    };
+    let status = StatusCode::from_u16(stored.status).map_err(|e| format!("stored status {}: {e}", stored.status))?;
+    let mut res = match stored.body_bytes().map_err(|e| e.to_string())? {
+        Some(body) => {
+            let mut res = Response::new(ResponseBody::full(Bytes::from(body.into_owned())));
+            *res.status_mut() = status;
+            append_stored_headers(res.headers_mut(), &stored.headers, |_| true);
+            res
+        }
+        None => {
+            let len = match stored.body {
+                StoredBody::NotRetained { len: Some(len) } => format!(" ({len} bytes)"),
+                _ => String::new(),
+            };
+            let detail = format!(
+                "the operation completed with status {}, but its response body{len} was larger than the \
+                 idempotency store keeps, so it cannot be replayed",
+                stored.status
+            );
+            let mut res = Problem::new(ProblemKind::ResponseNotRetained, status, detail).into_response();
+            append_stored_headers(res.headers_mut(), &stored.headers, |name| name == "location");
+            res
+        }
+    };
+    res.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    set_expires(res.headers_mut(), record.expires_at);
+    Ok(res)
+}
+
+fn append_stored_headers(out: &mut HeaderMap, stored: &[(String, Vec<u8>)], keep: impl Fn(&str) -> bool) {
+    for (name, value) in stored.iter().filter(|(name, _)| keep(name)) {
+        match (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_bytes(value)) {
+            (Ok(name), Ok(value)) => {
+                out.append(name, value);
+            }
+            _ => tracing::warn!(header = %name, "stored response header is not a valid header; not replayed"),
+        }
+    }
+}
+
+/// Runs the handler under the claim in `record`, then completes or fails the record
+/// before the response is returned.
+async fn run_claimed<S, ReqBody, ResBody>(
+    cfg: &Config,
+    mut inner: S,
+    mut parts: Parts,
+    bytes: Bytes,
+    record: Record,
+) -> Result<Res<ResBody>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ReqBody: From<Bytes>,
+    ResBody: Body<Data = Bytes>,
+    ResBody::Error: Into<BoxError>,
+{
+    let store = Arc::clone(&cfg.store);
+    let (id, token) = (record.id, record.token);
+    let mut guard = FailGuard::new(Arc::clone(&store), id, token);
+    parts.extensions.insert(IdempotencyContext {
+        record_id: id,
+        token,
+        scope: record.scope.clone(),
+        key: record.key.clone(),
+        lease_expires_at: record.lease_expires_at,
+        store: Arc::clone(&store),
+    });
+    let req = Request::from_parts(parts, ReqBody::from(bytes));
+    // The handler's own future and the reading of its body both run inside catch_unwind:
+    // a streamed body that panics half-way is a handler panic too.
+    let outcome = AssertUnwindSafe(async move {
+        let res = inner.call(req).await?;
+        let (head, body) = res.into_parts();
+        let body = body.collect().await.map(http_body_util::Collected::to_bytes).map_err(Into::<BoxError>::into);
+        Ok((head, body))
+    })
+    .catch_unwind()
+    .await;
+    let (mut head, body) = match outcome {
+        Err(panic) => {
+            // Mark failed first, deterministically, then let the panic continue to whatever
+            // catches panics above this layer (a layer must not turn a panic into a response).
+            guard.fail_now("handler panicked").await;
+            std::panic::resume_unwind(panic);
+        }
+        Ok(Err(error)) => {
+            guard.fail_now("handler returned an error").await;
+            return Err(error);
+        }
+        Ok(Ok((_, Err(error)))) => {
+            guard.fail_now("response body failed").await;
+            tracing::error!(record = %id, error = %error, "handler response body failed; record marked failed");
+            return Ok(Problem::new(
+                ProblemKind::ResponseBodyFailed,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the response failed while it was being produced; the request may be retried with the same key",
+            )
+            .into_response());
+        }
+        Ok(Ok((head, Ok(body)))) => (head, body),
+    };
+    let mut expires_at = record.expires_at;
+    let status = head.status.as_u16();
+    if cfg.policy.is_cacheable(status) {
+        match store.complete(id, token, stored_response(&cfg.policy, status, &head.headers, &body)).await {
+            Ok(done) => expires_at = done.expires_at,
+            Err(e) if e.is_lease_lost() => tracing::warn!(
+                record = %id, token = %token, error = %e,
+                "lease lost before completion: another attempt owns the record now; this response is still \
+                 returned but not stored"
+            ),
+            Err(e) => tracing::error!(
+                record = %id, token = %token, error = %e,
+                "could not store the response; it is returned anyway, and the record stays in flight until its \
+                 lease ends, after which a retry reclaims it and runs the handler again"
+            ),
+        }
+        guard.disarm();
+    } else {
+        // 5xx, 1xx, 3xx and the uncacheable 4xx: never stored, so a retry runs again.
+        guard.fail_now("response status is not cacheable").await;
+    }
+    set_expires(&mut head.headers, expires_at);
+    Ok(Response::from_parts(head, ResponseBody::full(body)))
+}
+
+fn stored_response(policy: &Policy, status: u16, headers: &HeaderMap, body: &Bytes) -> StoredResponse {
+    let headers: Vec<(String, Vec<u8>)> = headers
+        .iter()
+        .filter(|(name, _)| policy.stores_header(name.as_str()))
+        .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+        .collect();
+    if body.len() > policy.max_stored_body {
+        StoredResponse { status, headers, body: StoredBody::NotRetained { len: Some(body.len() as u64) } }
+    } else {
+        StoredResponse::compressed_over(status, headers, body.to_vec(), policy.compress_over)
+    }
+}
+
+fn set_retry_after(headers: &mut HeaderMap, secs: u64) {
+    headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+}
+
+fn set_expires(headers: &mut HeaderMap, at: UnixMillis) {
+    if let Ok(value) = HeaderValue::from_str(&http_date(at)) {
+        headers.insert(IDEMPOTENCY_KEY_EXPIRES, value);
+    }
+}
+
+fn store_unavailable<B>(detail: &str) -> Res<B> {
+    let mut res = Problem::new(ProblemKind::StoreUnavailable, StatusCode::SERVICE_UNAVAILABLE, detail).into_response();
+    set_retry_after(res.headers_mut(), RETRY_AFTER_BUSY_SECS);
+    res
+}
