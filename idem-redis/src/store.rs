@@ -152,11 +152,12 @@ impl RedisConfig {
 
     /// **Test only.** Replaces the server's `TIME` with `clock`, passed to every script as
     /// an argument, so a test can move time (the conformance suite passes its
-    /// `ManualClock`, which starts at the wall-clock time so native expiry stays sensible).
-    /// Key expiry (`PEXPIREAT`) still runs on the server's own clock, so a test that moves
-    /// `clock` ahead should also set [`RedisConfig::with_expiry_grace`] long enough for the
-    /// keys to outlive the test. In production leave it unset: the point of the server's
-    /// clock is that application servers with skewed clocks agree on lease expiry.
+    /// `ManualClock`). Key expiry then follows the test clock too: instead of `PEXPIREAT
+    /// expires_at`, a key gets `PEXPIRE` of the record's remaining time on `clock` plus the
+    /// [expiry grace](RedisConfig::with_expiry_grace). Real time keeps running while a test
+    /// clock stands still, so set a grace longer than the test, or Redis may drop a key that
+    /// the test clock still sees live. In production leave it unset: the point of the
+    /// server's clock is that application servers with skewed clocks agree on lease expiry.
     /// The clock must not read before the Unix epoch.
     #[must_use]
     pub fn with_test_clock(mut self, clock: Arc<dyn Clock>) -> Self {
@@ -419,11 +420,23 @@ fn as_bytes(v: &Value) -> Option<&[u8]> {
     }
 }
 
+/// Whether `b` is a canonical non-negative decimal (digits only, no leading zero), the only
+/// form the scripts write and the only one their string comparisons are correct for.
+fn is_canonical(b: &[u8]) -> bool {
+    !b.is_empty() && b.iter().all(u8::is_ascii_digit) && (b.len() == 1 || b[0] != b'0')
+}
+
 fn parse_i64(b: &[u8]) -> Option<i64> {
+    if !is_canonical(b) {
+        return None;
+    }
     std::str::from_utf8(b).ok()?.parse().ok()
 }
 
 fn parse_u64(b: &[u8]) -> Option<u64> {
+    if !is_canonical(b) {
+        return None;
+    }
     std::str::from_utf8(b).ok()?.parse().ok()
 }
 

@@ -28,5 +28,5 @@ redis.call('HSET', key,
   'v', FORMAT, 'state', 'in_flight', 'token', token, 'fingerprint', ARGV[5],
   'principal', ARGV[6], 'endpoint', ARGV[7], 'key', ARGV[8],
   'created_at', now, 'started_at', now, 'lease_expires_at', lease_expires_at, 'expires_at', expires_at)
-expire_at(key, expires_at, ARGV[4])
+expire_at(key, now, ARGV[1], expires_at, ARGV[4])
 return {'claimed', now, token, lease_expires_at, expires_at}

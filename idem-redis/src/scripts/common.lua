@@ -74,8 +74,40 @@ local function read_all(key)
   return redis.call('HMGET', key, unpack(FIELDS))
 end
 
--- Sets the key's native expiry: the record is logically gone at expires_at (every script
--- checks that itself); the key may outlive it by the configured grace.
-local function expire_at(key, expires_at, grace)
-  redis.call('PEXPIREAT', key, add(expires_at, grace, I64_MAX))
+-- a - b for canonical decimals with a >= b.
+local function sub(a, b)
+  local out = {}
+  local borrow = 0
+  local i, j = #a, #b
+  while i > 0 do
+    local d = string.byte(a, i) - 48 - borrow
+    if j > 0 then d = d - (string.byte(b, j) - 48) end
+    if d < 0 then
+      d = d + 10
+      borrow = 1
+    else
+      borrow = 0
+    end
+    out[#out + 1] = string.char(48 + d)
+    i = i - 1
+    j = j - 1
+  end
+  local s = string.gsub(string.reverse(table.concat(out)), '^0+', '')
+  if s == '' then return '0' end
+  return s
+end
+
+-- Largest relative TTL PEXPIRE accepts comfortably (Redis refuses now + ttl > 2^63 - 1).
+local MAX_TTL = '9000000000000000000'
+
+-- Sets the key's native expiry. The record is logically gone at expires_at (every script
+-- checks that itself); the key may outlive it by the configured grace (ms). On the server's
+-- clock that is PEXPIREAT expires_at + grace. Under a test clock, whose base may differ
+-- from the server's, the key keeps the record's remaining time on that clock, plus grace.
+local function expire_at(key, now, override, expires_at, grace)
+  if override == '' then
+    redis.call('PEXPIREAT', key, add(expires_at, grace, I64_MAX))
+  else
+    redis.call('PEXPIRE', key, add(sub(expires_at, now), grace, MAX_TTL))
+  end
 end

@@ -35,5 +35,5 @@ redis.call('HSET', key,
   'state', 'in_flight', 'token', token, 'started_at', now,
   'lease_expires_at', lease_expires_at, 'expires_at', expires_at)
 redis.call('HDEL', key, 'response')
-expire_at(key, expires_at, ARGV[6])
+expire_at(key, now, ARGV[1], expires_at, ARGV[6])
 return {'reclaimed', now, unpack(read_all(key))}

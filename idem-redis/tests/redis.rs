@@ -1,0 +1,516 @@
+//! Redis-specific behaviour the generic suite cannot see: the key layout and its native
+//! expiry, exact 64-bit arithmetic inside the scripts, byte-exact responses, corrupt and
+//! foreign values, script reloading, the `maxmemory-policy` check, `WAIT` with a real
+//! replica, `READONLY`, and a differential run against `idem_core::Model`.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{
+    ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, Model,
+    ReclaimOutcome, ReclaimRequest, Record, RecordState, Scope, Store, StoreError, StoredBody, StoredResponse,
+    SystemClock,
+};
+use idem_redis::{Error, EvictionCheck, RedisConfig, RedisStore, ReplicaAck};
+use redis::AsyncCommands;
+
+const LEASE: Duration = Duration::from_secs(5);
+const RETENTION: Duration = Duration::from_secs(60);
+
+fn req(principal: &str, key: &str, body: &[u8]) -> ClaimRequest {
+    let scope = Scope::new(principal, Endpoint::new("POST", "/v1/workers")).expect("scope");
+    ClaimRequest::new(
+        scope,
+        IdempotencyKey::parse(key.as_bytes()).expect("key"),
+        Fingerprint::of_bytes(body),
+        LEASE,
+        RETENTION,
+    )
+}
+
+async fn test_store() -> (RedisStore, ManualClock) {
+    let clock = ManualClock::starting_now();
+    let store = common::connect(common::test_config(&common::fresh_prefix(), Arc::new(clock.clone()))).await;
+    (store, clock)
+}
+
+async fn claim(store: &RedisStore, r: ClaimRequest) -> Record {
+    match store.claim(r).await.expect("claim") {
+        ClaimOutcome::Claimed(r) => r,
+        other => panic!("expected Claimed, got {other:?}"),
+    }
+}
+
+async fn pexpiretime(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
+    redis::cmd("PEXPIRETIME").arg(key).query_async(conn).await.expect("PEXPIRETIME")
+}
+
+/// The record lives at `<prefix>{<id hex>}`, and on the server's clock the key expires at
+/// exactly `expires_at` (plus the configured grace): retention is native, no sweeper.
+#[tokio::test]
+async fn key_layout_and_native_expiry_on_the_server_clock() {
+    let prefix = common::fresh_prefix();
+    let store = common::connect(RedisConfig::new().with_prefix(&prefix)).await;
+    let mut admin = common::admin().await;
+    let before = SystemClock.now().0;
+    let r = claim(&store, req("p", "k", b"b")).await;
+    let after = SystemClock.now().0;
+    let key = store.record_key(r.id);
+    assert_eq!(key, format!("{prefix}{{{}}}", r.id.to_hex()));
+    // Time came from the server (same host here, so it is within the call's window).
+    assert!(r.created_at.0 >= before - 1_000 && r.created_at.0 <= after + 1_000, "created_at {}", r.created_at);
+    assert_eq!(r.expires_at.0 - r.created_at.0, 60_000);
+    assert_eq!(pexpiretime(&mut admin, &key).await, r.expires_at.0);
+    // Completing keeps the key's expiry.
+    store.complete(r.id, r.token, StoredResponse::new(200, vec![], b"ok".to_vec())).await.expect("complete");
+    assert_eq!(pexpiretime(&mut admin, &key).await, r.expires_at.0);
+    assert_eq!(store.sweep(100).await.expect("sweep").removed, 0);
+
+    let graced = common::connect(
+        RedisConfig::new().with_prefix(common::fresh_prefix()).with_expiry_grace(Duration::from_millis(1_500)),
+    )
+    .await;
+    let g = claim(&graced, req("p", "k", b"b")).await;
+    assert_eq!(pexpiretime(&mut admin, &graced.record_key(g.id)).await, g.expires_at.0 + 1_500);
+    let _: () = admin.del(&[key, graced.record_key(g.id)]).await.expect("clean up own keys");
+}
+
+/// A reclaim that extends retention moves the key's expiry with it; a failed attempt
+/// leaves it.
+#[tokio::test]
+async fn reclaim_moves_native_expiry_forward() {
+    let prefix = common::fresh_prefix();
+    let store = common::connect(RedisConfig::new().with_prefix(&prefix)).await;
+    let mut admin = common::admin().await;
+    let r = claim(&store, req("p", "k", b"b")).await;
+    let f = store.fail(r.id, r.token).await.expect("fail");
+    assert_eq!(pexpiretime(&mut admin, &store.record_key(r.id)).await, r.expires_at.0);
+    let expected = ReclaimRequest {
+        id: r.id,
+        expected: f.token,
+        fingerprint: f.fingerprint,
+        lease_ttl: LEASE,
+        retention: Duration::from_secs(120),
+    };
+    let ReclaimOutcome::Reclaimed(n) = store.reclaim(expected).await.expect("reclaim") else {
+        panic!("failed record should be reclaimable")
+    };
+    assert!(n.expires_at > r.expires_at);
+    assert_eq!(pexpiretime(&mut admin, &store.record_key(r.id)).await, n.expires_at.0);
+}
+
+/// Under a test clock the key keeps the record's remaining time on that clock plus the
+/// grace, so a clock moved a day into the past does not make Redis drop live records.
+#[tokio::test]
+async fn test_clock_in_the_past_keeps_keys() {
+    let clock = ManualClock::starting_now();
+    clock.advance_ms(-86_400_000);
+    let store = common::connect(
+        RedisConfig::new()
+            .with_prefix(common::fresh_prefix())
+            .with_test_clock(Arc::new(clock.clone()))
+            .with_expiry_grace(Duration::from_secs(30)),
+    )
+    .await;
+    let r = claim(&store, req("p", "k", b"b")).await;
+    assert_eq!(r.created_at.0, clock.now_ms());
+    let mut admin = common::admin().await;
+    let pttl: i64 = admin.pttl(store.record_key(r.id)).await.expect("PTTL");
+    assert!(pttl > 85_000 && pttl <= 90_000, "60 s remaining + 30 s grace, got {pttl} ms");
+    assert_eq!(store.get(r.id).await.expect("get"), Some(r));
+}
+
+/// Timestamps and tokens are 64-bit and saturate like the model, with no rounding through
+/// Lua doubles: a retention of `u64::MAX` seconds ends at `i64::MAX` ms, and tokens past
+/// 2^53 count exactly.
+#[tokio::test]
+async fn scripts_do_exact_64_bit_arithmetic() {
+    let (store, clock) = test_store().await;
+    let mut r = req("p", "forever", b"b");
+    r.lease_ttl = Duration::from_secs(u64::MAX);
+    r.retention = Duration::from_secs(u64::MAX);
+    let c = claim(&store, r.clone()).await;
+    let mut model = Model::new();
+    let ClaimOutcome::Claimed(m) = model.claim(&r, clock.now()) else { panic!("model claims") };
+    assert_eq!(c, m);
+    assert_eq!((c.lease_expires_at.0, c.expires_at.0), (i64::MAX, i64::MAX));
+    assert_eq!(store.get(c.id).await.expect("get"), Some(c.clone()));
+
+    // A record whose token is past 2^53, written as a previous version of the store would.
+    let mut admin = common::admin().await;
+    let big = (1u64 << 53) + 1;
+    let r = req("p", "big-token", b"b");
+    let key = store.record_key(r.id);
+    let now = clock.now_ms();
+    write_raw(&mut admin, &key, &r, "in_flight", &big.to_string(), now).await;
+    let done = store.complete(r.id, FencingToken(big), StoredResponse::new(200, vec![], vec![])).await;
+    let done = done.expect("the exact token completes");
+    assert_eq!(done.token, FencingToken(big));
+    let stale = store.complete(r.id, FencingToken(big - 1), StoredResponse::new(200, vec![], vec![])).await;
+    assert!(matches!(stale, Err(StoreError::LeaseLost { current: Some(FencingToken(t)), .. }) if t == big));
+
+    let r2 = req("p", "max-token", b"b");
+    let key2 = store.record_key(r2.id);
+    write_raw(&mut admin, &key2, &r2, "failed", &u64::MAX.to_string(), now).await;
+    let rr = ReclaimRequest {
+        id: r2.id,
+        expected: FencingToken(u64::MAX),
+        fingerprint: r2.fingerprint,
+        lease_ttl: LEASE,
+        retention: RETENTION,
+    };
+    let ReclaimOutcome::Reclaimed(n) = store.reclaim(rr).await.expect("reclaim") else { panic!("reclaimable") };
+    assert_eq!(n.token, FencingToken(u64::MAX), "the token saturates like FencingToken::next");
+}
+
+/// Writes a record hash directly (as the scripts lay it out).
+async fn write_raw(
+    admin: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+    r: &ClaimRequest,
+    state: &str,
+    token: &str,
+    now: i64,
+) {
+    let _: () = redis::cmd("HSET")
+        .arg(key)
+        .arg("v")
+        .arg("1")
+        .arg("state")
+        .arg(state)
+        .arg("token")
+        .arg(token)
+        .arg("fingerprint")
+        .arg(&r.fingerprint.0[..])
+        .arg("principal")
+        .arg(&r.scope.principal.0)
+        .arg("endpoint")
+        .arg(&r.scope.endpoint.0)
+        .arg("key")
+        .arg(r.key.as_str())
+        .arg("created_at")
+        .arg(now)
+        .arg("started_at")
+        .arg(now)
+        .arg("lease_expires_at")
+        .arg(now)
+        .arg("expires_at")
+        .arg(now + 60_000)
+        .query_async(admin)
+        .await
+        .expect("HSET");
+    let _: () = admin.pexpire(key, 600_000).await.expect("PEXPIRE");
+}
+
+/// Status, header values and bodies come back byte for byte, whatever the bytes, for every
+/// body encoding, including a 4 MiB body.
+#[tokio::test]
+async fn responses_round_trip_byte_exact() {
+    let (store, _clock) = test_store().await;
+    let all_bytes: Vec<u8> = (0..=255u8).collect();
+    let big: Vec<u8> = (0..4 << 20).map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let responses = [
+        StoredResponse::new(201, vec![("etag".into(), all_bytes.clone()), ("x-empty".into(), vec![])], all_bytes),
+        StoredResponse::new(204, vec![], vec![]),
+        StoredResponse::new(200, vec![("content-type".into(), b"application/octet-stream".to_vec())], big),
+        StoredResponse::compressed_over(200, vec![], vec![b'a'; 10_000], 100),
+        StoredResponse { status: 201, headers: vec![], body: StoredBody::NotRetained { len: Some(1 << 40) } },
+    ];
+    for (i, response) in responses.into_iter().enumerate() {
+        let r = claim(&store, req("p", &format!("k{i}"), b"b")).await;
+        let done = store.complete(r.id, r.token, response.clone()).await.expect("complete");
+        assert_eq!(done.response.as_ref(), Some(&response));
+        let got = store.get(r.id).await.expect("get").expect("present");
+        assert_eq!(got, done, "response {i} round-trips");
+        let ClaimOutcome::Existing { record, .. } = store.claim(req("p", &format!("k{i}"), b"b")).await.expect("claim")
+        else {
+            panic!("completed record exists")
+        };
+        assert_eq!(record, done);
+    }
+}
+
+/// Scope, key and binary-looking principals survive: a key that starts with a quote, a
+/// principal with spaces and UTF-8.
+#[tokio::test]
+async fn scope_and_key_round_trip() {
+    let (store, _clock) = test_store().await;
+    let scope = Scope::new("tenant 7 / Ünïcode ✓", Endpoint::new("POST", "/v1/{id}/reboot")).expect("scope");
+    let key = IdempotencyKey::parse(br#""\"quoted\\key""#).expect("key");
+    let r = ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"b"), LEASE, RETENTION);
+    let c = claim(&store, r).await;
+    assert_eq!(store.get(c.id).await.expect("get"), Some(c));
+}
+
+/// Two prefixes are two namespaces: the same record id under another prefix is another key.
+#[tokio::test]
+async fn prefixes_isolate_stores() {
+    let (a, clock) = test_store().await;
+    let b = common::connect(common::test_config(&common::fresh_prefix(), Arc::new(clock))).await;
+    let ra = claim(&a, req("p", "k", b"a")).await;
+    let rb = claim(&b, req("p", "k", b"b")).await;
+    assert_eq!(ra.id, rb.id);
+    assert_ne!(a.record_key(ra.id), b.record_key(rb.id));
+    assert_eq!(a.get(ra.id).await.expect("get").map(|r| r.fingerprint), Some(ra.fingerprint));
+    assert_eq!(b.get(rb.id).await.expect("get").map(|r| r.fingerprint), Some(rb.fingerprint));
+}
+
+/// A record that does not decode is `Corrupt`, and a claim never overwrites it.
+#[tokio::test]
+async fn corrupt_records_are_reported_not_overwritten() {
+    let (store, clock) = test_store().await;
+    let mut admin = common::admin().await;
+    let now = clock.now_ms();
+    let cases: [(&str, &str, &[u8]); 6] = [
+        ("state", "state", b"paused"),
+        ("token", "token", b"01"),
+        ("fingerprint", "fingerprint", b"short"),
+        ("version", "v", b"2"),
+        ("key", "key", b"another-key"),
+        ("timestamp", "lease_expires_at", b"soon"),
+    ];
+    for (name, field, value) in cases {
+        let r = req("p", name, b"b");
+        let key = store.record_key(r.id);
+        write_raw(&mut admin, &key, &r, "in_flight", "3", now).await;
+        let _: () = admin.hset(&key, field, value).await.expect("HSET");
+        let before: Vec<(Vec<u8>, Vec<u8>)> = admin.hgetall(&key).await.expect("HGETALL");
+        let got = store.get(r.id).await;
+        assert!(matches!(got, Err(StoreError::Corrupt { id: Some(id), .. }) if id == r.id), "{name}: {got:?}");
+        let claimed = store.claim(r.clone()).await;
+        assert!(matches!(claimed, Err(StoreError::Corrupt { .. })), "{name}: claim gave {claimed:?}");
+        let after: Vec<(Vec<u8>, Vec<u8>)> = admin.hgetall(&key).await.expect("HGETALL");
+        assert_eq!(before, after, "{name}: the corrupt record was changed");
+    }
+    // A completed record whose response bytes are garbage.
+    let r = claim(&store, req("p", "bad-response", b"b")).await;
+    store.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![])).await.expect("complete");
+    let _: () = admin.hset(store.record_key(r.id), "response", &b"\x01\xff\xff\xff"[..]).await.expect("HSET");
+    assert!(matches!(store.get(r.id).await, Err(StoreError::Corrupt { .. })));
+}
+
+/// A foreign value of another type at a record key is a permanent (non-retryable) error.
+#[tokio::test]
+async fn foreign_value_at_a_record_key_is_not_retryable() {
+    let (store, _clock) = test_store().await;
+    let r = req("p", "k", b"b");
+    let mut admin = common::admin().await;
+    let _: () = admin.set_ex(store.record_key(r.id), "not a hash", 600).await.expect("SET");
+    let e = store.claim(r).await.expect_err("WRONGTYPE");
+    assert!(matches!(e, StoreError::Unavailable { retryable: false, .. }), "{e:?}");
+}
+
+/// Nothing listening: connecting fails fast with a retryable error that keeps the driver's
+/// error as its source.
+#[tokio::test]
+async fn unreachable_server_is_retryable() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
+    let e = RedisStore::connect(&format!("redis://127.0.0.1:{port}"), RedisConfig::new()).await.expect_err("refused");
+    assert!(e.is_retryable(), "{e:?}");
+    assert!(matches!(e, Error::Command { .. }));
+    let bad = RedisStore::connect("http://nope", RedisConfig::new()).await.expect_err("bad url");
+    assert!(matches!(bad, Error::Url(_)) && !bad.is_retryable());
+    let brace = RedisStore::connect(&common::url(), RedisConfig::new().with_prefix("a{b}")).await.expect_err("prefix");
+    assert!(matches!(brace, Error::Config(_)));
+}
+
+/// The scripts run by SHA and come back after the server forgot them (`NOSCRIPT`, as after a
+/// restart or failover). Uses a private server: flushing the script cache of the shared one
+/// would be rude.
+#[tokio::test]
+async fn scripts_are_reloaded_after_noscript() {
+    let server = common::PrivateRedis::start(&[]).await;
+    let clock = ManualClock::starting_now();
+    let store =
+        RedisStore::connect(&server.url, common::test_config("idem:", Arc::new(clock.clone()))).await.expect("connect");
+    let mut admin = server.admin().await;
+    let r = claim(&store, req("p", "k1", b"b")).await;
+    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut admin).await.expect("SCRIPT FLUSH");
+    let before: String = redis::cmd("INFO").arg("commandstats").query_async(&mut admin).await.expect("INFO");
+    store.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![])).await.expect("complete after NOSCRIPT");
+    let r2 = claim(&store, req("p", "k2", b"b")).await;
+    assert_eq!(r2.token, FencingToken::FIRST);
+    let after: String = redis::cmd("INFO").arg("commandstats").query_async(&mut admin).await.expect("INFO");
+    let loads = |s: &str| stat(s, "cmdstat_script|load");
+    assert!(loads(&after) >= loads(&before) + 2, "both scripts were loaded again:\n{after}");
+    // Calls go by SHA: EVALSHA counts, plain EVAL never.
+    assert!(stat(&after, "cmdstat_evalsha") >= 4);
+    assert_eq!(stat(&after, "cmdstat_eval"), 0);
+}
+
+fn stat(info: &str, name: &str) -> u64 {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(":calls=")))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// An evicting policy with a memory limit refuses to start by default; `Warn` starts.
+#[tokio::test]
+async fn evicting_policies_are_refused_by_default() {
+    for policy in ["allkeys-lru", "volatile-lru"] {
+        let server = common::PrivateRedis::start(&["--maxmemory", "64mb", "--maxmemory-policy", policy]).await;
+        let e = RedisStore::connect(&server.url, RedisConfig::new()).await.expect_err("refused");
+        assert!(matches!(&e, Error::EvictingPolicy { policy: p, maxmemory } if p == policy && *maxmemory == 64 << 20));
+        assert!(!e.is_retryable());
+        RedisStore::connect(&server.url, RedisConfig::new().with_eviction_check(EvictionCheck::Warn))
+            .await
+            .expect("Warn starts anyway");
+    }
+    let safe = common::PrivateRedis::start(&["--maxmemory", "64mb", "--maxmemory-policy", "noeviction"]).await;
+    RedisStore::connect(&safe.url, RedisConfig::new()).await.expect("noeviction is safe");
+}
+
+/// Where CONFIG is disabled (managed Redis), the check warns and the store starts.
+#[tokio::test]
+async fn disabled_config_command_warns_and_starts() {
+    let server = common::PrivateRedis::start(&["--rename-command", "CONFIG", ""]).await;
+    let store = RedisStore::connect(&server.url, RedisConfig::new()).await.expect("starts without CONFIG");
+    claim(&store, req("p", "k", b"b")).await;
+}
+
+/// With a real replica, `WAIT 1` after claim and complete succeeds and the replica has the
+/// record; asking for more replicas than exist fails retryably and leaves the write on the
+/// primary. Writing to the replica itself gives a retryable `READONLY`.
+#[tokio::test]
+async fn wait_for_replicas_and_readonly() {
+    let primary = common::PrivateRedis::start(&[]).await;
+    let port = primary.url.rsplit(':').next().expect("port").to_owned();
+    let replica = common::PrivateRedis::start(&["--replicaof", "127.0.0.1", &port]).await;
+    let mut padmin = primary.admin().await;
+    for _ in 0..400 {
+        let info: String = redis::cmd("INFO").arg("replication").query_async(&mut padmin).await.expect("INFO");
+        if info.contains("connected_slaves:1") && info.contains("state=online") {
+            break;
+        }
+        // Waiting for the replica's initial sync: no clock is involved.
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let ack = |replicas| Some(ReplicaAck { replicas, timeout: Duration::from_millis(1_000) });
+    let store = RedisStore::connect(&primary.url, RedisConfig::new().with_replica_ack(ack(1))).await.expect("connect");
+    let r = claim(&store, req("p", "k", b"b")).await;
+    let mut radmin = replica.admin().await;
+    let state: Option<String> = radmin.hget(store.record_key(r.id), "state").await.expect("HGET on replica");
+    assert_eq!(state.as_deref(), Some("in_flight"), "WAIT returned, so the replica has the claim");
+    store.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![])).await.expect("complete");
+    let state: Option<String> = radmin.hget(store.record_key(r.id), "state").await.expect("HGET on replica");
+    assert_eq!(state.as_deref(), Some("completed"));
+
+    let greedy = RedisStore::connect(
+        &primary.url,
+        RedisConfig::new().with_replica_ack(Some(ReplicaAck { replicas: 2, timeout: Duration::from_millis(100) })),
+    )
+    .await
+    .expect("connect");
+    let e = greedy.claim(req("p", "k2", b"b")).await.expect_err("only one replica exists");
+    assert!(e.is_retryable(), "{e:?}");
+    let src = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<Error>());
+    assert!(matches!(src, Some(Error::ReplicaShortfall { acked: 1, wanted: 2, .. })), "{src:?}");
+    assert!(greedy.get(req("p", "k2", b"b").id).await.expect("get").is_some(), "WAIT never rolls back the claim");
+
+    let on_replica = RedisStore::connect(&replica.url, RedisConfig::new()).await.expect("connect to replica");
+    let e = on_replica.claim(req("p", "k3", b"b")).await.expect_err("READONLY");
+    assert!(e.is_retryable(), "READONLY after a failover is retryable: {e:?}");
+}
+
+/// Differential test: a random sequence of claims, reclaims, completes, fails, gets and
+/// clock moves over a few keys gives exactly the model's outcomes.
+#[tokio::test]
+async fn random_operations_match_the_model() {
+    let (store, clock) = test_store().await;
+    let mut model = Model::new();
+    let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move |n: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
+    };
+    let keys = ["a", "b", "c"];
+    let bodies: [&[u8]; 2] = [b"one", b"two"];
+    for step in 0..600 {
+        let k = keys[next(3) as usize];
+        let body = bodies[next(2) as usize];
+        let now = clock.now();
+        let mut r = req("p", k, body);
+        r.lease_ttl = Duration::from_millis([0, 1, 1_000, 5_000][next(4) as usize]);
+        r.retention = Duration::from_millis([0, 2_000, 10_000][next(3) as usize]);
+        let current = model.get(r.id, now);
+        let token = current.as_ref().map_or(FencingToken::FIRST, |c| c.token);
+        let token = FencingToken(token.0.saturating_sub(next(2)));
+        match next(6) {
+            0 | 1 => {
+                let m = model.claim(&r, now);
+                let s = store.claim(r.clone()).await.expect("claim");
+                assert_eq!(s, m, "step {step}: claim");
+            }
+            2 => {
+                let rr = ReclaimRequest {
+                    id: r.id,
+                    expected: token,
+                    fingerprint: r.fingerprint,
+                    lease_ttl: r.lease_ttl,
+                    retention: r.retention,
+                };
+                let m = model.reclaim(&rr, now);
+                let s = store.reclaim(rr).await.expect("reclaim");
+                assert_eq!(s, m, "step {step}: reclaim");
+            }
+            3 => {
+                let resp = StoredResponse::new(200 + next(3) as u16, vec![("x".into(), body.to_vec())], body.to_vec());
+                let m = model.complete(r.id, token, resp.clone(), now);
+                let s = store.complete(r.id, token, resp).await;
+                assert_same(step, "complete", s, m);
+            }
+            4 => {
+                let m = model.fail(r.id, token, now);
+                let s = store.fail(r.id, token).await;
+                assert_same(step, "fail", s, m);
+            }
+            _ => {
+                assert_eq!(store.get(r.id).await.expect("get"), model.get(r.id, now), "step {step}: get");
+            }
+        }
+        clock.advance_ms([0, 1, 999, 1_000, 4_999, 5_000, 9_000][next(7) as usize] as i64);
+        assert_eq!(
+            store.get(r.id).await.expect("get"),
+            model.get(r.id, clock.now()),
+            "step {step}: get after the clock moved"
+        );
+    }
+}
+
+fn assert_same(step: usize, op: &str, s: Result<Record, StoreError>, m: Result<Record, StoreError>) {
+    match (s, m) {
+        (Ok(s), Ok(m)) => assert_eq!(s, m, "step {step}: {op}"),
+        (
+            Err(StoreError::LeaseLost { id: a, presented: b, current: c }),
+            Err(StoreError::LeaseLost { id: x, presented: y, current: z }),
+        ) => assert_eq!((a, b, c), (x, y, z), "step {step}: {op} lease lost"),
+        (s, m) => panic!("step {step}: {op}: store {s:?}, model {m:?}"),
+    }
+}
+
+/// The state names in the hash are the documented ones (operators read them).
+#[tokio::test]
+async fn state_field_names() {
+    let (store, _clock) = test_store().await;
+    let mut admin = common::admin().await;
+    let r = claim(&store, req("p", "k", b"b")).await;
+    let key = store.record_key(r.id);
+    let state = |admin: &mut redis::aio::MultiplexedConnection| {
+        let key = key.clone();
+        let mut admin = admin.clone();
+        async move {
+            let s: String = admin.hget(&key, "state").await.expect("HGET");
+            s
+        }
+    };
+    assert_eq!(state(&mut admin).await, "in_flight");
+    let f = store.fail(r.id, r.token).await.expect("fail");
+    assert_eq!(f.state, RecordState::Failed);
+    assert_eq!(state(&mut admin).await, "failed");
+}
