@@ -7,18 +7,77 @@
 //! idem_conformance::store_tests!(MyBackend::new());
 //! ```
 //!
-//! which expands into one named `#[tokio::test]` per scenario.
+//! which expands into one named `#[tokio::test]` per scenario (see [`scenarios`] for the
+//! list, grouped by what they check) plus `model_based`, a property test that drives
+//! random operation sequences from several simulated owners against the store and against
+//! [`idem_core::Model`] and compares every outcome (see [`model_test`]).
 //!
 //! # Layout
 //! - [`Backend`], [`Env`]: how a scenario gets its store and clock.
-//! - [`scenarios`]: the named scenarios, plain `pub async fn(Env)`.
+//! - [`scenarios`]: the named scenarios, plain `pub async fn(Env)`, one doc line each
+//!   saying what must hold.
+//! - [`model_test`]: the model-based (oracle) test and its operation language.
+//! - [`fuzz_targets`]: the bodies of the `fuzz/` targets, shared with the corpus replay
+//!   test so every committed corpus file runs on stable Rust.
 //! - [`store_tests!`]: the macro.
+//!
+//! # Test your own backend
+//!
+//! 1. Implement [`idem_core::Store`] for your engine. Read the contract on each method of
+//!    the trait: every write is atomic, complete and fail are compare-and-set on the
+//!    fencing token, a lost race is a typed outcome (`Existing`, `Conflict`,
+//!    `StoreError::LeaseLost`), all times are milliseconds from one clock.
+//! 2. Let the store read an injected [`idem_core::Clock`] for every `now`. In production
+//!    that may be the server's clock; under test the suite hands you a
+//!    [`ManualClock`] and moves it instead of sleeping.
+//! 3. Implement [`Backend`]: `open` returns a store on storage no other scenario uses (a
+//!    temporary file, a fresh key prefix, a fresh table or schema). If several processes
+//!    can share your storage, override [`Backend::open_peer`] to return a second,
+//!    independent handle (another connection) on the same storage.
+//! 4. Declare what the store offers in [`idem_core::Capabilities`]; the suite runs the
+//!    matching variant (for example "records vanish on their own" instead of "sweep
+//!    removes them") and prints a `variant:` line saying which one ran. Nothing is
+//!    skipped silently.
+//! 5. Add one file `tests/conformance.rs`:
+//!
+//! ```ignore
+//! struct MyBackend;
+//!
+//! #[async_trait::async_trait]
+//! impl idem_conformance::Backend for MyBackend {
+//!     async fn open(&self, clock: idem_core::ManualClock) -> std::sync::Arc<dyn idem_core::Store> {
+//!         std::sync::Arc::new(MyStore::open_temporary(std::sync::Arc::new(clock)).await)
+//!     }
+//! }
+//!
+//! idem_conformance::store_tests!(MyBackend);
+//! ```
+//!
+//! `cargo test --test conformance` then runs every scenario and the model test. Set
+//! `IDEM_MODEL_CASES=5000` for a long model run. `examples/file-store` in the repository
+//! is a complete, deliberately simple custom backend (one file per record) that does
+//! exactly this; `tests/broken.rs` in this crate shows the suite failing stores that
+//! claim by check-then-insert, complete without checking the token, or sweep live records.
+//!
+//! # Running against a shared server
+//!
+//! Every scenario works inside its own random namespace (principals start with
+//! `conformance-<uuid>/`), writes only records it made, and keeps retention windows short
+//! (at most a few minutes), so it is safe to point the suite at a server that holds other
+//! data. Sweeps are the one operation that touches records a scenario did not make, so
+//! scenarios that sweep first move their clock one day into the past
+//! ([`Env::sweep_session`]): a sweep then only removes records that had already expired in
+//! real time, and the other scenarios' records (which expire in the future) are never
+//! touched. Sweep scenarios in one test binary run one at a time, and they assert on their
+//! own records, never on global counts.
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use idem_core::{ManualClock, Store};
+use idem_core::{Capabilities, ManualClock, Store, UnixMillis};
 
+pub mod fuzz_targets;
+pub mod model_test;
 pub mod scenarios;
 
 /// How the suite opens stores of one backend.
@@ -37,7 +96,23 @@ pub trait Backend: Send + Sync + 'static {
         let _ = clock;
         Arc::clone(store)
     }
+
+    /// Opens a store that reads the server's own clock (Postgres `clock_timestamp()`,
+    /// Redis `TIME`) instead of an injected one, for the scenario that checks leases and
+    /// retention are computed from that clock. `None` (the default) means the backend has
+    /// no server clock; the scenario then reports that it ran the "no server clock"
+    /// variant.
+    async fn open_server_clock(&self) -> Option<Arc<dyn Store>> {
+        None
+    }
 }
+
+/// How far [`Env::sweep_session`] moves the clock back: one day, in ms.
+pub const SWEEP_REWIND_MS: i64 = 86_400_000;
+
+/// Sweep scenarios (and the model test) in one process run one at a time, so that no
+/// sweep removes records another sweep scenario still relies on.
+static SWEEP_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// What a scenario runs against.
 #[derive(Clone)]
@@ -49,12 +124,17 @@ pub struct Env {
     /// A random namespace for this scenario: every principal it uses starts with it, so
     /// scenarios never touch each other's (or a user's) records on a shared server.
     pub namespace: String,
+    scenario: &'static str,
     backend: Arc<dyn Backend>,
 }
 
 impl std::fmt::Debug for Env {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Env").field("store", &self.store).field("namespace", &self.namespace).finish_non_exhaustive()
+        f.debug_struct("Env")
+            .field("scenario", &self.scenario)
+            .field("store", &self.store)
+            .field("namespace", &self.namespace)
+            .finish_non_exhaustive()
     }
 }
 
@@ -62,10 +142,15 @@ impl Env {
     /// Opens a fresh store of `backend` with a manual clock started at the current wall
     /// time (plausible timestamps, so native expiry on a real server behaves).
     pub async fn open(backend: Arc<dyn Backend>) -> Self {
+        Self::open_named(backend, "scenario").await
+    }
+
+    /// [`Env::open`] for the scenario called `scenario` (used in [`Env::report`] lines).
+    pub async fn open_named(backend: Arc<dyn Backend>, scenario: &'static str) -> Self {
         let clock = ManualClock::starting_now();
         let store = backend.open(clock.clone()).await;
         let namespace = format!("conformance-{}", uuid::Uuid::new_v4().simple());
-        Self { store, clock, namespace, backend }
+        Self { store, clock, namespace, scenario, backend }
     }
 
     /// A second handle on the same storage (see [`Backend::open_peer`]).
@@ -73,19 +158,72 @@ impl Env {
         self.backend.open_peer(&self.store, self.clock.clone()).await
     }
 
+    /// The backend's server-clock store, if it has one (see [`Backend::open_server_clock`]).
+    pub async fn server_clock_store(&self) -> Option<Arc<dyn Store>> {
+        self.backend.open_server_clock().await
+    }
+
     /// A principal inside this scenario's namespace.
     #[must_use]
     pub fn principal(&self, name: &str) -> String {
         format!("{}/{name}", self.namespace)
     }
+
+    /// The store's capabilities.
+    #[must_use]
+    pub fn capabilities(&self) -> Capabilities {
+        self.store.capabilities()
+    }
+
+    /// Says which variant of a capability-dependent scenario ran, on stderr:
+    /// `idem-conformance <scenario>: variant: <what>`. Shown by `cargo test -- --nocapture`
+    /// and with every failure.
+    pub fn report(&self, variant: &str) {
+        eprintln!("idem-conformance {}: variant: {variant}", self.scenario);
+    }
+
+    /// Prepares a scenario that sweeps: waits until no other sweep scenario of this process
+    /// runs and, unless the store expires records natively (then sweep is a no-op), moves
+    /// the clock [`SWEEP_REWIND_MS`] into the past, so the scenario's sweeps can only remove
+    /// records that already expired in real time. Call it first, before making records;
+    /// keep the returned session alive until the scenario ends.
+    pub async fn sweep_session(&self) -> SweepSession {
+        let guard = SWEEP_LOCK.lock().await;
+        let native = self.capabilities().native_expiry;
+        if !native {
+            self.clock.set(UnixMillis(self.clock.now_ms() - SWEEP_REWIND_MS));
+        }
+        SweepSession { native_expiry: native, _guard: guard }
+    }
+}
+
+/// Held by a scenario that sweeps (see [`Env::sweep_session`]).
+#[derive(Debug)]
+pub struct SweepSession {
+    /// Whether the store expires records natively (sweep is then a no-op returning zero).
+    pub native_expiry: bool,
+    _guard: tokio::sync::MutexGuard<'static, ()>,
+}
+
+/// Takes the sweep lock from synchronous code (the model test), rewinding nothing.
+pub(crate) fn blocking_sweep_lock() -> tokio::sync::MutexGuard<'static, ()> {
+    SWEEP_LOCK.blocking_lock()
 }
 
 /// Expands into one `#[tokio::test]` per scenario for the backend built by `$backend`
-/// (an expression evaluated once per test).
+/// (an expression evaluated once per test), plus a `model_based` test (see
+/// [`model_test`]; `IDEM_MODEL_CASES` sets its case count).
 #[macro_export]
 macro_rules! store_tests {
     ($backend:expr) => {
         $crate::__for_each_scenario!($crate::__store_test, $backend);
+
+        /// The model-based test: random operation sequences against the store and
+        /// `idem_core::Model`, every outcome compared.
+        #[test]
+        fn model_based() {
+            $crate::model_test::run(|| -> ::std::sync::Arc<dyn $crate::Backend> { ::std::sync::Arc::new($backend) });
+        }
     };
 }
 
@@ -96,7 +234,7 @@ macro_rules! __store_test {
         #[::tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn $name() {
             let backend: ::std::sync::Arc<dyn $crate::Backend> = ::std::sync::Arc::new($backend);
-            let env = $crate::Env::open(backend).await;
+            let env = $crate::Env::open_named(backend, ::std::stringify!($name)).await;
             $crate::scenarios::$group::$name(env).await;
         }
     };

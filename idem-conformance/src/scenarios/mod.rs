@@ -1,33 +1,233 @@
 //! The named scenarios. Each is a plain `pub async fn(Env)` whose doc line says what must
 //! hold. Add a scenario: write it in its group and list it in `__for_each_scenario!`.
+//!
+//! # Groups
+//! - [`claim`] - create-if-absent.
+//! - [`replay`] - a completed record keeps its response byte-exact; mismatches change nothing.
+//! - [`inflight`] - in-flight records and lease expiry.
+//! - [`reclaim`] - compare-and-set takeover, and races between reclaimers.
+//! - [`fencing`] - a stale fencing token changes nothing and gets `LeaseLost`.
+//! - [`failed`] - the failed state and its retry.
+//! - [`retention`] - the retention window and the sweep.
+//! - [`scope`] - isolation between principals and endpoints (handed cases C10, C11).
+//! - [`limits`] - keys and values at their limits.
+//! - [`clock`] - clock edges (handed cases C1, C2).
+//! - [`handed`] - the store-level handed cases C3, C8, C9.
+//! - [`capability`] - capability variants (native expiry, server clock, peer handles).
+//!
+//! # Rules every scenario follows
+//! Its records live under `env.principal(..)` (a random namespace); it never sleeps (time
+//! moves through `env.clock`); races are real (tasks released by a barrier); sweeps happen
+//! inside [`Env::sweep_session`] and are checked on the scenario's own records only.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Record, Scope};
+use idem_core::{
+    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ReclaimOutcome, ReclaimRequest,
+    Record, RecordId, Scope, Store, StoreError, StoredResponse, UnixMillis,
+};
 
 use crate::Env;
 
+pub mod capability;
 pub mod claim;
+pub mod clock;
+pub mod failed;
+pub mod fencing;
+pub mod handed;
+pub mod inflight;
+pub mod limits;
+pub mod reclaim;
+pub mod replay;
+pub mod retention;
+pub mod scope;
 
 /// The lease used by scenarios unless they say otherwise.
 pub const LEASE: Duration = Duration::from_secs(5);
 /// The retention used by scenarios unless they say otherwise.
 pub const RETENTION: Duration = Duration::from_secs(60);
+/// Lease in ms.
+pub const LEASE_MS: i64 = 5_000;
+/// Retention in ms.
+pub const RETENTION_MS: i64 = 60_000;
+
+/// The scope of `principal` (inside the env's namespace) on `POST /e`.
+#[must_use]
+pub fn scope(env: &Env, principal: &str) -> Scope {
+    Scope::new(env.principal(principal), Endpoint::new("POST", "/e")).expect("non-empty principal")
+}
+
+/// Parses a key that the scenario knows is valid.
+#[must_use]
+pub fn key(k: &str) -> IdempotencyKey {
+    IdempotencyKey::parse(k.as_bytes()).expect("valid key")
+}
+
+/// The fingerprint scenarios use for a request with `body`.
+#[must_use]
+pub fn fp(body: &[u8]) -> Fingerprint {
+    Fingerprint::of_bytes(body)
+}
 
 /// A claim request for `key` under `principal` (inside the env's namespace) on `POST /e`.
 #[must_use]
 pub fn claim_req(env: &Env, principal: &str, key: &str, body: &[u8]) -> ClaimRequest {
-    let scope = Scope::new(env.principal(principal), Endpoint::new("POST", "/e")).expect("non-empty principal");
-    let key = IdempotencyKey::parse(key.as_bytes()).expect("valid key");
-    ClaimRequest::new(scope, key, Fingerprint::of_bytes(body), LEASE, RETENTION)
+    ClaimRequest::new(scope(env, principal), self::key(key), fp(body), LEASE, RETENTION)
+}
+
+/// A claim request with its own lease and retention.
+#[must_use]
+pub fn claim_req_timed(
+    env: &Env,
+    principal: &str,
+    key: &str,
+    body: &[u8],
+    lease: Duration,
+    retention: Duration,
+) -> ClaimRequest {
+    ClaimRequest::new(scope(env, principal), self::key(key), fp(body), lease, retention)
+}
+
+/// A reclaim of `record` that presents its token and fingerprint, with the default lease
+/// and retention.
+#[must_use]
+pub fn reclaim_req(record: &Record) -> ReclaimRequest {
+    ReclaimRequest {
+        id: record.id,
+        expected: record.token,
+        fingerprint: record.fingerprint,
+        lease_ttl: LEASE,
+        retention: RETENTION,
+    }
+}
+
+/// The response scenarios store: 201 with `Location`, `ETag`, `Content-Type` and a JSON body.
+#[must_use]
+pub fn response() -> StoredResponse {
+    StoredResponse::new(
+        201,
+        vec![
+            ("content-type".to_owned(), b"application/json".to_vec()),
+            ("location".to_owned(), b"/tickets/42".to_vec()),
+            ("etag".to_owned(), b"\"v1\"".to_vec()),
+        ],
+        br#"{"id":"tkt_42"}"#.to_vec(),
+    )
 }
 
 /// Claims and expects to win.
 pub async fn must_claim(env: &Env, req: ClaimRequest) -> Record {
-    match env.store.claim(req).await.expect("claim") {
+    claimed(env.store.as_ref(), req).await
+}
+
+/// Claims on `store` and expects to win.
+pub async fn claimed(store: &dyn Store, req: ClaimRequest) -> Record {
+    match store.claim(req).await.expect("claim") {
         ClaimOutcome::Claimed(r) => r,
         other => panic!("expected Claimed, got {other:?}"),
     }
+}
+
+/// Claims and expects to find a live record; returns it and the store's `now`.
+pub async fn existing(store: &dyn Store, req: ClaimRequest) -> (Record, UnixMillis) {
+    match store.claim(req).await.expect("claim") {
+        ClaimOutcome::Existing { record, now } => (record, now),
+        other => panic!("expected Existing, got {other:?}"),
+    }
+}
+
+/// Reclaims and expects to win.
+pub async fn reclaimed(store: &dyn Store, req: ReclaimRequest) -> Record {
+    match store.reclaim(req).await.expect("reclaim") {
+        ReclaimOutcome::Reclaimed(r) => r,
+        other => panic!("expected Reclaimed, got {other:?}"),
+    }
+}
+
+/// Reclaims and expects a conflict; returns the record the store reported.
+pub async fn conflict(store: &dyn Store, req: ReclaimRequest) -> Option<Record> {
+    match store.reclaim(req).await.expect("reclaim") {
+        ReclaimOutcome::Conflict { current, .. } => current,
+        other => panic!("expected Conflict, got {other:?}"),
+    }
+}
+
+/// Completes `record`'s claim with `resp` and expects it to apply.
+pub async fn completed(store: &dyn Store, record: &Record, resp: StoredResponse) -> Record {
+    store.complete(record.id, record.token, resp).await.expect("complete by the current owner")
+}
+
+/// Marks `record`'s claim failed and expects it to apply.
+pub async fn failed(store: &dyn Store, record: &Record) -> Record {
+    store.fail(record.id, record.token).await.expect("fail by the current owner")
+}
+
+/// Reads a record.
+pub async fn get(store: &dyn Store, id: RecordId) -> Option<Record> {
+    store.get(id).await.expect("get")
+}
+
+/// Asserts `res` is exactly `StoreError::LeaseLost { id, presented, current }`.
+#[track_caller]
+pub fn assert_lease_lost(
+    res: Result<Record, StoreError>,
+    id: RecordId,
+    presented: FencingToken,
+    current: Option<FencingToken>,
+) {
+    match res {
+        Err(StoreError::LeaseLost { id: got_id, presented: got_presented, current: got_current }) => {
+            assert_eq!(got_id, id, "LeaseLost names the record");
+            assert_eq!(got_presented, presented, "LeaseLost carries the presented token");
+            assert_eq!(got_current, current, "LeaseLost carries the current token (None: record gone)");
+        }
+        other => panic!("expected StoreError::LeaseLost, got {other:?}"),
+    }
+}
+
+/// Sweeps until the store says no expired records remain (at most `max_calls` calls of
+/// `limit`), checking each call stays within `limit`; returns the total removed.
+pub async fn sweep_until_done(store: &dyn Store, limit: usize, max_calls: usize) -> u64 {
+    let mut total = 0;
+    for _ in 0..max_calls {
+        let out = store.sweep(limit).await.expect("sweep");
+        assert!(out.removed <= limit as u64, "a sweep removed {} records with limit {limit}", out.removed);
+        total += out.removed;
+        if !out.more {
+            return total;
+        }
+    }
+    panic!("sweep still reports more after {max_calls} calls of {limit}");
+}
+
+/// Runs `n` copies of `f` released together by a barrier on the multi-threaded runtime;
+/// returns their results in spawn order.
+pub async fn race<T, F, Fut>(n: usize, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = T> + Send + 'static,
+{
+    let barrier = Arc::new(tokio::sync::Barrier::new(n));
+    let mut tasks = Vec::with_capacity(n);
+    for i in 0..n {
+        let barrier = Arc::clone(&barrier);
+        let fut = f(i);
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            fut.await
+        }));
+    }
+    let mut out = Vec::with_capacity(n);
+    for t in tasks {
+        match t.await {
+            Ok(v) => out.push(v),
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => panic!("race task cancelled: {e}"),
+        }
+    }
+    out
 }
 
 #[doc(hidden)]
@@ -37,5 +237,96 @@ macro_rules! __for_each_scenario {
         $m!($backend, claim::absent_record_is_claimed_with_token_one);
         $m!($backend, claim::second_claim_sees_existing_record);
         $m!($backend, claim::concurrent_claims_have_exactly_one_winner);
+        $m!($backend, claim::claim_stores_scope_key_and_fingerprint);
+        $m!($backend, claim::claim_of_completed_record_returns_it_with_response);
+        $m!($backend, claim::claim_of_failed_record_returns_it_failed);
+        $m!($backend, claim::claim_never_takes_over_a_stale_in_flight_record);
+        $m!($backend, claim::retention_shorter_than_lease_is_raised_to_the_lease);
+        $m!($backend, claim::distinct_keys_in_one_scope_are_distinct_records);
+        $m!($backend, claim::concurrent_claims_of_distinct_keys_all_win);
+        $m!($backend, replay::completed_record_keeps_status_headers_and_body);
+        $m!($backend, replay::completed_record_keeps_header_order_and_repeats);
+        $m!($backend, replay::complete_keeps_token_and_timestamps);
+        $m!($backend, replay::complete_returns_what_get_reads);
+        $m!($backend, replay::completed_record_reads_the_same_every_time);
+        $m!($backend, replay::mismatched_claim_leaves_completed_record_untouched);
+        $m!($backend, replay::cached_client_error_keeps_its_status);
+        $m!($backend, replay::second_complete_by_the_owner_is_lease_lost);
+        $m!($backend, inflight::fresh_lease_blocks_reclaim);
+        $m!($backend, inflight::expired_lease_is_reclaimed_with_next_token);
+        $m!($backend, inflight::reclaim_keeps_created_at_and_restarts_the_lease);
+        $m!($backend, inflight::reclaim_never_moves_expires_at_earlier);
+        $m!($backend, inflight::reclaim_extends_retention_from_now);
+        $m!($backend, inflight::owner_completes_after_lease_expiry_when_nobody_reclaimed);
+        $m!($backend, inflight::owner_fails_after_lease_expiry_when_nobody_reclaimed);
+        $m!($backend, inflight::passing_lease_leaves_the_record_unchanged);
+        $m!($backend, inflight::rejected_duplicates_leave_the_claim_untouched);
+        $m!($backend, reclaim::eight_reclaimers_of_a_stale_claim_have_one_winner);
+        $m!($backend, reclaim::eight_reclaimers_of_a_failed_record_have_one_winner);
+        $m!($backend, reclaim::reclaim_of_completed_record_conflicts);
+        $m!($backend, reclaim::reclaim_with_wrong_fingerprint_conflicts);
+        $m!($backend, reclaim::reclaim_of_absent_record_conflicts_with_none);
+        $m!($backend, reclaim::reclaim_with_a_future_token_conflicts);
+        $m!($backend, reclaim::each_reclaim_raises_the_token_by_one);
+        $m!($backend, reclaim::claims_racing_reclaims_never_replace_the_record);
+        $m!($backend, fencing::stale_complete_is_fenced_and_changes_nothing);
+        $m!($backend, fencing::stale_fail_is_fenced_and_changes_nothing);
+        $m!($backend, fencing::stale_reclaim_is_fenced_and_changes_nothing);
+        $m!($backend, fencing::complete_with_a_future_token_is_lease_lost);
+        $m!($backend, fencing::complete_of_absent_record_is_lease_lost);
+        $m!($backend, fencing::fail_of_absent_record_is_lease_lost);
+        $m!($backend, fencing::complete_after_fail_is_lease_lost);
+        $m!($backend, fencing::fail_after_complete_is_lease_lost);
+        $m!($backend, fencing::writes_to_an_expired_record_are_lease_lost);
+        $m!($backend, fencing::late_owner_racing_reclaimers_leaves_one_outcome);
+        $m!($backend, failed::failed_record_is_reclaimable_at_once);
+        $m!($backend, failed::failed_record_reclaim_needs_the_same_fingerprint);
+        $m!($backend, failed::fail_ends_the_lease_and_keeps_retention);
+        $m!($backend, failed::failed_then_reclaimed_record_completes);
+        $m!($backend, failed::repeated_failures_keep_raising_the_token);
+        $m!($backend, retention::get_is_none_from_expires_at_on_before_any_sweep);
+        $m!($backend, retention::claim_after_expiry_gets_a_new_record_with_a_higher_token);
+        $m!($backend, retention::expired_record_cannot_be_reclaimed);
+        $m!($backend, retention::sweep_keeps_live_claims);
+        $m!($backend, retention::sweep_keeps_records_until_expires_at);
+        $m!($backend, retention::sweep_removes_expired_records);
+        $m!($backend, retention::sweep_batches_are_bounded_and_say_more);
+        $m!($backend, retention::sweep_with_zero_limit_removes_nothing);
+        $m!($backend, retention::sweep_racing_claims_leaves_consistent_records);
+        $m!($backend, retention::reclaimed_record_outlives_its_first_window);
+        $m!($backend, scope::c11_same_key_other_principal_is_another_record);
+        $m!($backend, scope::c11_in_flight_claim_of_one_principal_does_not_block_another);
+        $m!($backend, scope::c10_same_key_other_endpoint_is_another_record);
+        $m!($backend, scope::c10_same_key_other_path_is_another_record);
+        $m!($backend, scope::completing_in_one_scope_leaves_the_other_untouched);
+        $m!($backend, scope::moving_bytes_between_scope_fields_is_another_record);
+        $m!($backend, limits::key_of_255_bytes_round_trips);
+        $m!($backend, limits::key_with_every_visible_ascii_byte_round_trips);
+        $m!($backend, limits::non_ascii_principal_and_endpoint_round_trip);
+        $m!($backend, limits::long_principal_and_endpoint_round_trip);
+        $m!($backend, limits::body_with_every_byte_value_round_trips);
+        $m!($backend, limits::non_ascii_text_body_round_trips);
+        $m!($backend, limits::empty_body_round_trips);
+        $m!($backend, limits::multi_mib_body_round_trips);
+        $m!($backend, limits::two_hundred_headers_round_trip);
+        $m!($backend, limits::header_values_with_non_utf8_bytes_round_trip);
+        $m!($backend, limits::compressed_body_round_trips);
+        $m!($backend, limits::not_retained_body_round_trips);
+        $m!($backend, clock::lease_is_fresh_one_ms_before_it_expires);
+        $m!($backend, clock::lease_is_stale_exactly_when_it_expires);
+        $m!($backend, clock::lease_is_stale_one_ms_after_it_expires);
+        $m!($backend, clock::c2_five_second_lease_is_live_at_4999_ms);
+        $m!($backend, clock::c2_five_second_lease_is_reclaimable_at_5001_ms);
+        $m!($backend, clock::c1_zero_lease_is_finite_and_reclaimable_at_once);
+        $m!($backend, clock::zero_lease_and_retention_record_is_gone_at_once);
+        $m!($backend, clock::record_is_gone_exactly_at_expires_at);
+        $m!($backend, clock::clock_stepping_back_never_frees_a_fresh_lease);
+        $m!($backend, handed::c3_fresh_claim_is_never_reclaimable_from_another_handle);
+        $m!($backend, handed::c8_stale_owner_is_fenced_and_the_new_claim_stays);
+        $m!($backend, handed::c9_two_handles_racing_a_first_claim_have_one_winner);
+        $m!($backend, handed::c9_loser_rereading_after_completion_gets_the_response);
+        $m!($backend, capability::declared_capabilities_hold);
+        $m!($backend, capability::peer_handle_sees_the_same_records);
+        $m!($backend, capability::server_clock_sets_leases_from_the_server);
     };
 }

@@ -1,0 +1,223 @@
+//! The bodies of the fuzz targets in `fuzz/` (a cargo-fuzz package outside the workspace).
+//!
+//! Each body takes the fuzzer's raw bytes and panics only when it finds a bug. They live
+//! here, in an ordinary crate, so the same code runs twice: under libFuzzer in `fuzz/`, and
+//! on stable Rust in this crate's `tests/fuzz_corpus.rs`, which replays every committed
+//! file of `fuzz/corpus/<target>/` as a regression test.
+
+use arbitrary::{Arbitrary, Unstructured};
+use idem_core::codec;
+use idem_core::key::DEFAULT_MAX_KEY_LEN;
+use idem_core::{
+    Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, MemoryStore, Record, RecordId, RecordState,
+    RequestParts, Scope, StoredBody, StoredResponse, UnixMillis,
+};
+
+use crate::model_test::{self, Op};
+
+/// Target names, as directories under `fuzz/corpus/` and binaries under `fuzz/fuzz_targets/`.
+pub const TARGETS: [&str; 4] = ["idempotency_key", "fingerprint", "record_decode", "model_vs_memory"];
+
+/// Runs the body of target `name` on `data`. Unknown names panic.
+pub fn run(name: &str, data: &[u8]) {
+    match name {
+        "idempotency_key" => idempotency_key(data),
+        "fingerprint" => fingerprint(data),
+        "record_decode" => record_decode(data),
+        "model_vs_memory" => model_vs_memory(data),
+        other => panic!("unknown fuzz target {other}"),
+    }
+}
+
+/// The `Idempotency-Key` parser: never panics; an accepted key is 1..=limit bytes of
+/// visible ASCII, parsing is deterministic, and the key's sf-string form (and its bare
+/// form, when that is not itself a quoted string) parse back to the same key.
+pub fn idempotency_key(data: &[u8]) {
+    let limit = if data.len().is_multiple_of(3) { DEFAULT_MAX_KEY_LEN } else { data.len() % 300 };
+    for (max, parsed) in
+        [(DEFAULT_MAX_KEY_LEN, IdempotencyKey::parse(data)), (limit, IdempotencyKey::parse_with_limit(data, limit))]
+    {
+        assert_eq!(parsed, IdempotencyKey::parse_with_limit(data, max), "parsing is deterministic");
+        let Ok(key) = parsed else { continue };
+        let bytes = key.as_bytes();
+        assert!(!bytes.is_empty() && bytes.len() <= max, "length {} outside 1..={max}", bytes.len());
+        assert!(bytes.iter().all(|b| (0x21..=0x7e).contains(b)), "non-visible byte in {key:?}");
+        assert_eq!(key.to_string(), key.as_str());
+        let mut quoted = vec![b'"'];
+        for &b in bytes {
+            if b == b'"' || b == b'\\' {
+                quoted.push(b'\\');
+            }
+            quoted.push(b);
+        }
+        quoted.push(b'"');
+        assert_eq!(IdempotencyKey::parse_with_limit(&quoted, max).as_ref(), Ok(&key), "sf-string form of {key:?}");
+        if bytes[0] != b'"' {
+            assert_eq!(IdempotencyKey::parse_with_limit(bytes, max).as_ref(), Ok(&key), "bare form of {key:?}");
+        }
+    }
+}
+
+/// Owned request parts, for generating and comparing.
+#[derive(Clone, Debug, PartialEq, Eq, Arbitrary)]
+struct Parts {
+    method: String,
+    path: String,
+    query: Option<String>,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Vec<u8>,
+}
+
+impl Parts {
+    fn fingerprint(&self) -> Fingerprint {
+        let headers: Vec<(&str, &[u8])> = self.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
+        Fingerprint::of(&RequestParts {
+            method: &self.method,
+            path: &self.path,
+            query: self.query.as_deref(),
+            headers: &headers,
+            body: &self.body,
+        })
+    }
+
+    /// Moves the first byte (char) of one field to the end of the previous one: the
+    /// same bytes, split differently. Length prefixes must tell them apart.
+    fn shifted(&self, which: u8) -> Parts {
+        let mut p = self.clone();
+        let take_first = |s: &mut String| if s.is_empty() { None } else { Some(s.remove(0)) };
+        match which % 3 {
+            0 => {
+                if let Some(c) = take_first(&mut p.path) {
+                    p.method.push(c);
+                }
+            }
+            1 => {
+                if let Some(c) = p.query.as_mut().and_then(take_first) {
+                    p.path.push(c);
+                }
+            }
+            _ => {
+                if !p.body.is_empty() {
+                    let b = p.body.remove(0);
+                    if let Some((_, v)) = p.headers.last_mut() {
+                        v.push(b);
+                    } else {
+                        p.body.insert(0, b);
+                    }
+                }
+            }
+        }
+        p
+    }
+}
+
+/// Fingerprints and record ids: deterministic, and equal only for equal inputs, including
+/// inputs that hold the same bytes split differently between fields (length prefixes).
+/// `Fingerprint::of_bytes(b)` equals the fingerprint of parts with only that body.
+pub fn fingerprint(data: &[u8]) {
+    let mut u = Unstructured::new(data);
+    let Ok(a) = Parts::arbitrary(&mut u) else { return };
+    let b = match u.arbitrary::<u8>() {
+        Ok(w) if w % 2 == 0 => a.shifted(w / 2),
+        _ => Parts::arbitrary(&mut u).unwrap_or_else(|_| a.clone()),
+    };
+    let (fa, fb) = (a.fingerprint(), b.fingerprint());
+    assert_eq!(fa, a.fingerprint(), "fingerprints are deterministic");
+    assert_eq!(fa == fb, a == b, "fingerprint equality must follow request equality:\n{a:?}\n{b:?}");
+    let body_only =
+        Parts { method: String::new(), path: String::new(), query: None, headers: vec![], body: a.body.clone() };
+    assert_eq!(Fingerprint::of_bytes(&a.body), body_only.fingerprint());
+
+    let ids = |p: &Parts| (p.method.clone(), p.path.clone(), p.query.clone().unwrap_or_default());
+    let (ia, ib) = (ids(&a), ids(&b));
+    let (ra, rb) = (RecordId::derive(&ia.0, &ia.1, &ia.2), RecordId::derive(&ib.0, &ib.1, &ib.2));
+    assert_eq!(ra == rb, ia == ib, "record id equality must follow (principal, endpoint, key) equality");
+    assert_eq!(RecordId::from_hex(&ra.to_hex()), Some(ra));
+    if let (Ok(scope), Ok(key)) =
+        (Scope::new(ia.0.clone(), Endpoint(ia.1.clone())), IdempotencyKey::parse(ia.2.as_bytes()))
+    {
+        assert_eq!(scope.record_id(&key), RecordId::derive(&ia.0, &ia.1, key.as_str()));
+    }
+}
+
+/// Builds a record from fuzzer bytes (any field values, including ones no store writes).
+fn arbitrary_record(u: &mut Unstructured<'_>) -> arbitrary::Result<Record> {
+    let principal = String::arbitrary(u)?;
+    let endpoint = String::arbitrary(u)?;
+    let key = IdempotencyKey::parse(<&[u8]>::arbitrary(u)?).unwrap_or_else(|_| IdempotencyKey::parse(b"k").expect("k"));
+    let scope = Scope::new(if principal.is_empty() { "p".to_owned() } else { principal }, Endpoint(endpoint))
+        .map_err(|_| arbitrary::Error::IncorrectFormat)?;
+    let state = *u.choose(&[RecordState::InFlight, RecordState::Completed, RecordState::Failed])?;
+    let response = if bool::arbitrary(u)? {
+        let status = u16::arbitrary(u)?;
+        let headers = Vec::<(String, Vec<u8>)>::arbitrary(u)?;
+        let body = Vec::<u8>::arbitrary(u)?;
+        Some(match u.int_in_range(0..=2u8)? {
+            0 => StoredResponse::new(status, headers, body),
+            1 => StoredResponse::compressed_over(status, headers, body, 0),
+            _ => {
+                StoredResponse { status, headers, body: StoredBody::NotRetained { len: Option::<u64>::arbitrary(u)? } }
+            }
+        })
+    } else {
+        None
+    };
+    Ok(Record {
+        id: RecordId(<[u8; 32]>::arbitrary(u)?),
+        key,
+        scope,
+        fingerprint: Fingerprint(<[u8; 32]>::arbitrary(u)?),
+        state,
+        token: FencingToken(u64::arbitrary(u)?),
+        response,
+        created_at: UnixMillis(i64::arbitrary(u)?),
+        started_at: UnixMillis(i64::arbitrary(u)?),
+        lease_expires_at: UnixMillis(i64::arbitrary(u)?),
+        expires_at: UnixMillis(i64::arbitrary(u)?),
+    })
+}
+
+/// The record decoder: arbitrary bytes decode to a record or a typed error, never a panic
+/// or a huge allocation; a decoded record re-encodes to bytes that decode to it; a record
+/// built from the same bytes round-trips, and its truncations and extensions are refused.
+pub fn record_decode(data: &[u8]) {
+    if let Ok(r) = codec::decode(data) {
+        assert_eq!(codec::decode(&codec::encode(&r)).ok().as_ref(), Some(&r), "decode . encode . decode");
+        if let Some(resp) = &r.response {
+            // A hostile compressed body gives a typed error, bounded by MAX_DECODED_BODY.
+            let _ = resp.body_bytes();
+        }
+    }
+    let mut u = Unstructured::new(data);
+    let Ok(record) = arbitrary_record(&mut u) else { return };
+    let bytes = codec::encode(&record);
+    assert_eq!(codec::decode(&bytes).ok().as_ref(), Some(&record), "encode then decode round-trips");
+    if let Some(resp @ StoredResponse { body: StoredBody::Lz4 { .. }, .. }) = &record.response {
+        assert!(resp.body_bytes().is_ok(), "a body compressed by compressed_over decompresses");
+    }
+    let step = (bytes.len() / 16).max(1);
+    for cut in (0..bytes.len()).step_by(step) {
+        assert!(codec::decode(&bytes[..cut]).is_err(), "a record truncated to {cut} of {} bytes decoded", bytes.len());
+    }
+    let mut longer = bytes.clone();
+    longer.push(0);
+    assert!(matches!(codec::decode(&longer), Err(codec::CodecError::Trailing(1))), "a trailing byte is refused");
+}
+
+/// Operation sequences on [`MemoryStore`] against [`idem_core::Model`], through the same
+/// runner as the model test ([`model_test::run_ops`]), which also checks record invariants.
+pub fn model_vs_memory(data: &[u8]) {
+    let mut u = Unstructured::new(data);
+    let mut ops: Vec<Op> = Vec::new();
+    while ops.len() < 256 {
+        match Op::arbitrary(&mut u) {
+            Ok(op) => ops.push(op),
+            Err(_) => break,
+        }
+    }
+    let clock = ManualClock::new(UnixMillis(1_764_460_800_000));
+    let store = MemoryStore::with_clock(std::sync::Arc::new(clock.clone()));
+    if let Err(e) = futures::executor::block_on(model_test::run_ops(&store, &clock, "fuzz", &ops)) {
+        panic!("{e}\nops: {ops:#?}");
+    }
+}

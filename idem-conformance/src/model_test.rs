@@ -1,0 +1,466 @@
+//! The model-based test: random sequences of claim, reclaim, complete, fail, get, sweep and
+//! clock moves (including moves to exactly a lease end or an `expires_at`, and one ms either
+//! side), issued by several simulated owners over a small key space, run against a store and
+//! against [`idem_core::Model`] (the oracle). Every outcome is compared.
+//!
+//! What the contract leaves free, and only that, is not compared exactly:
+//! - which expired records a partial sweep picks, and whether a full batch sets `more`:
+//!   after every sweep the test checks the batch stayed within its limit, that `more` was
+//!   set while expired records remained, then drains both sides and compares the totals;
+//! - stores with [`idem_core::Capabilities::native_expiry`] must sweep nothing (zero,
+//!   `more = false`); the model is then not swept either.
+//!
+//! Each case opens a fresh store (so sweep totals can be compared) and uses a random
+//! namespace; on stores without native expiry the clock starts one day in the past, like
+//! [`crate::Env::sweep_session`], so its sweeps only remove records already expired in real
+//! time.
+//!
+//! The case count is `IDEM_MODEL_CASES` (default [`DEFAULT_CASES`]); failures are shrunk
+//! to a minimal operation list by proptest and printed.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arbitrary::Arbitrary;
+use idem_core::{
+    ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, Model,
+    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredBody,
+    StoredResponse, UnixMillis,
+};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
+
+use crate::Backend;
+
+/// Cases per run unless `IDEM_MODEL_CASES` says otherwise.
+pub const DEFAULT_CASES: u32 = 128;
+/// Longest generated operation sequence.
+pub const MAX_OPS: usize = 48;
+/// Simulated owners (API servers holding tokens).
+pub const OWNERS: usize = 3;
+/// Records in play: 2 principals x 2 keys.
+pub const KEYS: usize = 4;
+/// Lease lengths an operation picks from, ms (zero is handed case C1).
+pub const LEASES_MS: [u64; 3] = [0, 1_000, 5_000];
+/// Retention windows an operation picks from, ms (1 s is shorter than a 5 s lease: raised).
+pub const RETENTIONS_MS: [u64; 3] = [1_000, 4_000, 10_000];
+/// Distinct request fingerprints.
+pub const FINGERPRINTS: u8 = 2;
+
+/// Which token an owner presents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Arbitrary)]
+pub enum TokenChoice {
+    /// The token the owner won with its last claim or reclaim of the key (1 if none).
+    Held,
+    /// The token of the last record the owner saw for the key (1 if none).
+    Seen,
+    /// A literal token (`n % 8`), often stale or from the future.
+    Literal(u8),
+}
+
+/// Which edge of a record [`Op::AdvanceTo`] moves to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Arbitrary)]
+pub enum Edge {
+    /// `lease_expires_at`.
+    Lease,
+    /// `expires_at`.
+    Expiry,
+}
+
+/// One step of a model-test sequence. Indices wrap (`owner % OWNERS`, `key % KEYS`, ...).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Arbitrary)]
+pub enum Op {
+    /// `claim` with a fingerprint, lease and retention picked by index.
+    Claim {
+        /// Owner index.
+        owner: u8,
+        /// Key index.
+        key: u8,
+        /// Fingerprint index.
+        fingerprint: u8,
+        /// Index into [`LEASES_MS`].
+        lease: u8,
+        /// Index into [`RETENTIONS_MS`].
+        retention: u8,
+    },
+    /// `reclaim` presenting a token.
+    Reclaim {
+        /// Owner index.
+        owner: u8,
+        /// Key index.
+        key: u8,
+        /// Fingerprint index.
+        fingerprint: u8,
+        /// The expected token.
+        token: TokenChoice,
+        /// Index into [`LEASES_MS`].
+        lease: u8,
+        /// Index into [`RETENTIONS_MS`].
+        retention: u8,
+    },
+    /// `complete` with a response picked by index.
+    Complete {
+        /// Owner index.
+        owner: u8,
+        /// Key index.
+        key: u8,
+        /// The token presented.
+        token: TokenChoice,
+        /// Response index.
+        response: u8,
+    },
+    /// `fail`.
+    Fail {
+        /// Owner index.
+        owner: u8,
+        /// Key index.
+        key: u8,
+        /// The token presented.
+        token: TokenChoice,
+    },
+    /// `get`.
+    Get {
+        /// Owner index.
+        owner: u8,
+        /// Key index.
+        key: u8,
+    },
+    /// `sweep(limit % 6)`.
+    Sweep {
+        /// Batch limit.
+        limit: u8,
+    },
+    /// Moves the clock forward by `ms % 12_001` ms.
+    Advance {
+        /// Milliseconds.
+        ms: u16,
+    },
+    /// Moves the clock to a live record's edge plus `delta.signum()` ms (never backwards).
+    AdvanceTo {
+        /// Key index.
+        key: u8,
+        /// Which edge.
+        edge: Edge,
+        /// -1, 0 or +1 ms around the edge.
+        delta: i8,
+    },
+}
+
+/// The responses a `Complete` picks from: plain, cached 4xx, compressed, not retained, empty.
+#[must_use]
+pub fn responses() -> [StoredResponse; 5] {
+    [
+        StoredResponse::new(201, vec![("location".to_owned(), b"/r/1".to_vec())], b"{\"id\":1}".to_vec()),
+        StoredResponse::new(422, vec![("content-type".to_owned(), b"application/problem+json".to_vec())], vec![0xff]),
+        StoredResponse::compressed_over(200, vec![], b"abc".repeat(400), 64),
+        StoredResponse { status: 201, headers: vec![], body: StoredBody::NotRetained { len: Some(1 << 30) } },
+        StoredResponse::new(204, vec![], vec![]),
+    ]
+}
+
+/// The proptest strategy for one operation; clock moves favour the interesting edges.
+pub fn op_strategy() -> impl Strategy<Value = Op> {
+    let owner = || 0..OWNERS as u8;
+    let key = || 0..KEYS as u8;
+    let token = || {
+        prop_oneof![
+            3 => Just(TokenChoice::Held),
+            2 => Just(TokenChoice::Seen),
+            1 => (0u8..5).prop_map(TokenChoice::Literal),
+        ]
+    };
+    let ms = prop_oneof![0u16..=2, 999u16..=1_001, 3_999u16..=4_001, 4_999u16..=5_001, 0u16..=12_000];
+    let edge = prop_oneof![Just(Edge::Lease), Just(Edge::Expiry)];
+    prop_oneof![
+        4 => (owner(), key(), 0..FINGERPRINTS, 0..3u8, 0..3u8).prop_map(|(owner, key, fingerprint, lease, retention)| {
+            Op::Claim { owner, key, fingerprint, lease, retention }
+        }),
+        3 => (owner(), key(), 0..FINGERPRINTS, token(), 0..3u8, 0..3u8).prop_map(
+            |(owner, key, fingerprint, token, lease, retention)| Op::Reclaim { owner, key, fingerprint, token, lease, retention }
+        ),
+        3 => (owner(), key(), token(), 0..5u8).prop_map(|(owner, key, token, response)| Op::Complete { owner, key, token, response }),
+        2 => (owner(), key(), token()).prop_map(|(owner, key, token)| Op::Fail { owner, key, token }),
+        2 => (owner(), key()).prop_map(|(owner, key)| Op::Get { owner, key }),
+        1 => (0u8..6).prop_map(|limit| Op::Sweep { limit }),
+        3 => ms.prop_map(|ms| Op::Advance { ms }),
+        2 => (key(), edge, -1i8..=1).prop_map(|(key, edge, delta)| Op::AdvanceTo { key, edge, delta }),
+    ]
+}
+
+/// The strategy for a whole sequence (1 to [`MAX_OPS`] operations).
+pub fn ops_strategy() -> impl Strategy<Value = Vec<Op>> {
+    proptest::collection::vec(op_strategy(), 1..MAX_OPS)
+}
+
+/// The case count: `IDEM_MODEL_CASES` if set and valid, else [`DEFAULT_CASES`].
+#[must_use]
+pub fn cases_from_env() -> u32 {
+    std::env::var("IDEM_MODEL_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_CASES)
+}
+
+/// Runs the model test for the backend `make` builds (called once, inside the test's own
+/// runtime) and panics with the shrunk failing sequence on a divergence. This is what
+/// `store_tests!` expands `model_based` into.
+pub fn run(make: impl FnOnce() -> Arc<dyn Backend>) {
+    let cases = cases_from_env();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime for the model test");
+    let backend = {
+        let _entered = rt.enter();
+        make()
+    };
+    let started = Instant::now();
+    if let Err(e) = check(&rt, &backend, cases) {
+        panic!("{e}");
+    }
+    eprintln!("idem-conformance model_based: {cases} cases passed in {:.2?}", started.elapsed());
+}
+
+/// Runs `cases` random sequences against fresh stores of `backend`; `Err` carries the
+/// shrunk failing sequence and the first divergence.
+///
+/// # Errors
+/// A description of the divergence when the store and the model disagree.
+pub fn check(rt: &tokio::runtime::Runtime, backend: &Arc<dyn Backend>, cases: u32) -> Result<(), String> {
+    let _sweeps = crate::blocking_sweep_lock();
+    let config = Config { cases, failure_persistence: None, ..Config::default() };
+    let mut runner = TestRunner::new(config);
+    let outcome = runner.run(&ops_strategy(), |ops| {
+        rt.block_on(async {
+            let clock = ManualClock::starting_now();
+            let store = backend.open(clock.clone()).await;
+            if !store.capabilities().native_expiry {
+                clock.set(UnixMillis(clock.now_ms() - crate::SWEEP_REWIND_MS));
+            }
+            let namespace = format!("model-{}", uuid::Uuid::new_v4().simple());
+            run_ops(store.as_ref(), &clock, &namespace, &ops).await
+        })
+        .map_err(TestCaseError::fail)
+    });
+    match outcome {
+        Ok(()) => Ok(()),
+        Err(TestError::Fail(reason, ops)) => {
+            Err(format!("the store diverged from the model: {reason}\nminimal failing sequence: {ops:#?}"))
+        }
+        Err(e) => Err(format!("model test aborted: {e}")),
+    }
+}
+
+/// The record request parts of key index `k`.
+fn key_parts(namespace: &str, k: usize) -> (Scope, IdempotencyKey) {
+    let scope =
+        Scope::new(format!("{namespace}/p{}", k / 2), Endpoint::new("POST", "/model")).expect("non-empty principal");
+    let key = IdempotencyKey::parse(format!("k{}", k % 2).as_bytes()).expect("valid key");
+    (scope, key)
+}
+
+fn fingerprint(i: u8) -> Fingerprint {
+    Fingerprint::of_bytes(&[b'f', i % FINGERPRINTS])
+}
+
+fn ms(table: &[u64; 3], i: u8) -> Duration {
+    Duration::from_millis(table[usize::from(i) % table.len()])
+}
+
+/// Record invariants that hold for every record a store returns, whatever the history.
+fn check_record(r: &Record) -> Result<(), String> {
+    if r.response.is_some() != (r.state == RecordState::Completed) {
+        return Err(format!("a response is stored iff completed: {r:?}"));
+    }
+    if r.token < FencingToken::FIRST {
+        return Err(format!("token below 1: {r:?}"));
+    }
+    if r.started_at < r.created_at || r.expires_at < r.lease_expires_at {
+        return Err(format!("timestamps out of order: {r:?}"));
+    }
+    Ok(())
+}
+
+fn same_write(op: usize, store: Result<Record, StoreError>, model: Result<Record, StoreError>) -> Result<(), String> {
+    match (&store, &model) {
+        (Ok(a), Ok(b)) if a == b => check_record(a),
+        (
+            Err(StoreError::LeaseLost { id: a, presented: b, current: c }),
+            Err(StoreError::LeaseLost { id: x, presented: y, current: z }),
+        ) if (a, b, c) == (x, y, z) => Ok(()),
+        _ => Err(format!("op #{op}: store returned {store:?}, the model {model:?}")),
+    }
+}
+
+/// Per-owner, per-key tokens the simulated owners hold and have seen.
+#[derive(Debug, Default)]
+struct Owners {
+    held: [[Option<FencingToken>; KEYS]; OWNERS],
+    seen: [[Option<FencingToken>; KEYS]; OWNERS],
+}
+
+impl Owners {
+    fn token(&self, owner: usize, key: usize, choice: TokenChoice) -> FencingToken {
+        match choice {
+            TokenChoice::Held => self.held[owner][key].unwrap_or(FencingToken::FIRST),
+            TokenChoice::Seen => self.seen[owner][key].unwrap_or(FencingToken::FIRST),
+            TokenChoice::Literal(n) => FencingToken(u64::from(n % 8)),
+        }
+    }
+}
+
+/// Runs `ops` against `store` (timed by `clock`) and a fresh [`Model`], comparing every
+/// outcome; records live under `namespace`. Used by the model test and the
+/// `model_vs_memory` fuzz target.
+///
+/// # Errors
+/// The first divergence (or store error, or broken record invariant), described.
+pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, ops: &[Op]) -> Result<(), String> {
+    let native = store.capabilities().native_expiry;
+    let mut model = Model::new();
+    let mut owners = Owners::default();
+    let parts: Vec<(Scope, IdempotencyKey)> = (0..KEYS).map(|k| key_parts(namespace, k)).collect();
+    let ids: Vec<RecordId> = parts.iter().map(|(s, k)| s.record_id(k)).collect();
+    let responses = responses();
+    for (i, op) in ops.iter().enumerate() {
+        let now = clock.now();
+        match *op {
+            Op::Claim { owner, key, fingerprint: f, lease, retention } => {
+                let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
+                let (scope, idem_key) = parts[k].clone();
+                let req = ClaimRequest::new(
+                    scope,
+                    idem_key,
+                    fingerprint(f),
+                    ms(&LEASES_MS, lease),
+                    ms(&RETENTIONS_MS, retention),
+                );
+                let m = model.claim(&req, now);
+                let s = store.claim(req).await.map_err(|e| format!("op #{i} {op:?}: claim failed: {e}"))?;
+                if s != m {
+                    return Err(format!("op #{i} {op:?}: store returned {s:?}, the model {m:?}"));
+                }
+                match m {
+                    ClaimOutcome::Claimed(r) => {
+                        check_record(&r)?;
+                        owners.held[o][k] = Some(r.token);
+                        owners.seen[o][k] = Some(r.token);
+                    }
+                    ClaimOutcome::Existing { record, .. } => {
+                        check_record(&record)?;
+                        owners.seen[o][k] = Some(record.token);
+                    }
+                }
+            }
+            Op::Reclaim { owner, key, fingerprint: f, token, lease, retention } => {
+                let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
+                let req = ReclaimRequest {
+                    id: ids[k],
+                    expected: owners.token(o, k, token),
+                    fingerprint: fingerprint(f),
+                    lease_ttl: ms(&LEASES_MS, lease),
+                    retention: ms(&RETENTIONS_MS, retention),
+                };
+                let m = model.reclaim(&req, now);
+                let s = store.reclaim(req).await.map_err(|e| format!("op #{i} {op:?}: reclaim failed: {e}"))?;
+                if s != m {
+                    return Err(format!("op #{i} {op:?}: store returned {s:?}, the model {m:?}"));
+                }
+                match m {
+                    ReclaimOutcome::Reclaimed(r) => {
+                        check_record(&r)?;
+                        owners.held[o][k] = Some(r.token);
+                        owners.seen[o][k] = Some(r.token);
+                    }
+                    ReclaimOutcome::Conflict { current: Some(r), .. } => owners.seen[o][k] = Some(r.token),
+                    ReclaimOutcome::Conflict { current: None, .. } => {}
+                }
+            }
+            Op::Complete { owner, key, token, response } => {
+                let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
+                let t = owners.token(o, k, token);
+                let resp = responses[usize::from(response) % responses.len()].clone();
+                let m = model.complete(ids[k], t, resp.clone(), now);
+                let s = store.complete(ids[k], t, resp).await;
+                same_write(i, s, m)?;
+            }
+            Op::Fail { owner, key, token } => {
+                let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
+                let t = owners.token(o, k, token);
+                let m = model.fail(ids[k], t, now);
+                let s = store.fail(ids[k], t).await;
+                same_write(i, s, m)?;
+            }
+            Op::Get { owner, key } => {
+                let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
+                let m = model.get(ids[k], now);
+                let s = store.get(ids[k]).await.map_err(|e| format!("op #{i} {op:?}: get failed: {e}"))?;
+                if s != m {
+                    return Err(format!("op #{i} {op:?}: store returned {s:?}, the model {m:?}"));
+                }
+                if let Some(r) = &m {
+                    check_record(r)?;
+                    owners.seen[o][k] = Some(r.token);
+                }
+            }
+            Op::Sweep { limit } => sweep(i, store, &mut model, now, usize::from(limit % 6), native).await?,
+            Op::Advance { ms } => clock.advance_ms(i64::from(ms % 12_001)),
+            Op::AdvanceTo { key, edge, delta } => {
+                if let Some(r) = model.get(ids[usize::from(key) % KEYS], now) {
+                    let at = match edge {
+                        Edge::Lease => r.lease_expires_at,
+                        Edge::Expiry => r.expires_at,
+                    };
+                    let target = at.0 + i64::from(delta.signum());
+                    if target > now.0 {
+                        clock.set(UnixMillis(target));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One sweep, compared as far as the contract fixes it (see the module docs).
+async fn sweep(
+    i: usize,
+    store: &dyn Store,
+    model: &mut Model,
+    now: UnixMillis,
+    limit: usize,
+    native: bool,
+) -> Result<(), String> {
+    let out = store.sweep(limit).await.map_err(|e| format!("op #{i} sweep({limit}) failed: {e}"))?;
+    if native {
+        if (out.removed, out.more) != (0, false) {
+            return Err(format!("op #{i}: a store with native expiry swept {out:?}; it must report zero"));
+        }
+        return Ok(());
+    }
+    let expired = model.clone().sweep(usize::MAX, now).removed;
+    if out.removed > expired.min(limit as u64) {
+        return Err(format!("op #{i}: sweep({limit}) removed {} with {expired} expired records", out.removed));
+    }
+    if out.removed < expired && !out.more {
+        return Err(format!(
+            "op #{i}: sweep({limit}) removed {} of {expired} expired records and said no more",
+            out.removed
+        ));
+    }
+    let mut total = out.removed;
+    let mut more = out.more;
+    let mut calls = 0;
+    while more {
+        calls += 1;
+        if calls > 100 {
+            return Err(format!("op #{i}: sweep still says more after 100 drain calls"));
+        }
+        let next = store.sweep(64).await.map_err(|e| format!("op #{i} draining sweep failed: {e}"))?;
+        total += next.removed;
+        more = next.more;
+    }
+    let removed = model.sweep(usize::MAX, now).removed;
+    if total != removed {
+        return Err(format!("op #{i}: sweeps removed {total} records in all, the model {removed}"));
+    }
+    Ok(())
+}

@@ -1,0 +1,84 @@
+//! The store-level handed cases (`/work/shared/cases/handed.md`): C3, C8, C9. C10 and C11
+//! are in [`super::scope`], C1 and C2 in [`super::clock`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{ClaimOutcome, FencingToken, RecordState, Store, StoredResponse, UnixMillis};
+
+use super::{
+    assert_lease_lost, claim_req, claim_req_timed, completed, conflict, existing, get, race, reclaim_req, reclaimed,
+    response,
+};
+use crate::Env;
+
+/// C3: a fresh claim made through one handle is never reclaimable through another, at any
+/// point of its lease, and its owner completes it.
+pub async fn c3_fresh_claim_is_never_reclaimable_from_another_handle(env: Env) {
+    let a: Arc<dyn Store> = Arc::clone(&env.store);
+    let b = env.peer().await;
+    let r = super::claimed(a.as_ref(), claim_req(&env, "P", "K", b"b")).await;
+    for at in [0, 1, 2_500, 4_999] {
+        env.clock.set(UnixMillis(r.created_at.0 + at));
+        let (seen, now) = existing(b.as_ref(), claim_req(&env, "P", "K", b"b")).await;
+        assert_eq!(seen, r);
+        assert!(seen.lease_is_fresh(now), "at +{at} ms the claim is fresh");
+        assert_eq!(conflict(b.as_ref(), reclaim_req(&seen)).await, Some(r.clone()), "reclaimed at +{at} ms");
+    }
+    let done = completed(a.as_ref(), &r, response()).await;
+    assert_eq!(existing(b.as_ref(), claim_req(&env, "P", "K", b"b")).await.0, done, "B's retry gets the replay");
+}
+
+/// C8: the stale owner's complete and fail after a reclaim are fenced; the new claim stays.
+pub async fn c8_stale_owner_is_fenced_and_the_new_claim_stays(env: Env) {
+    let lease = Duration::from_secs(1);
+    let a = super::must_claim(&env, claim_req_timed(&env, "P", "K", b"b", lease, Duration::from_secs(60))).await;
+    let t0 = a.created_at.0;
+    env.clock.set(UnixMillis(t0 + 1_500));
+    let mut req = reclaim_req(&a);
+    req.lease_ttl = Duration::from_secs(5);
+    let b = reclaimed(env.peer().await.as_ref(), req).await;
+    env.clock.set(UnixMillis(t0 + 3_000));
+    let stale = StoredResponse::new(200, vec![], b"from A".to_vec());
+    assert_lease_lost(env.store.complete(a.id, a.token, stale).await, a.id, a.token, Some(b.token));
+    assert_lease_lost(env.store.fail(a.id, a.token).await, a.id, a.token, Some(b.token));
+    env.clock.set(UnixMillis(t0 + 3_100));
+    let (seen, now) = existing(env.store.as_ref(), claim_req(&env, "P", "K", b"b")).await;
+    assert_eq!(seen, b, "B's claim is intact");
+    assert!(seen.lease_is_fresh(now), "C gets 409-busy: B's lease is fresh");
+    let done = completed(env.store.as_ref(), &b, response()).await;
+    assert_eq!(done.token, FencingToken(2));
+}
+
+/// C9: two handles race a first claim of one key: exactly one wins, the loser sees its record.
+pub async fn c9_two_handles_racing_a_first_claim_have_one_winner(env: Env) {
+    let stores: [Arc<dyn Store>; 2] = [Arc::clone(&env.store), env.peer().await];
+    for round in 0..8 {
+        let req = claim_req(&env, "P", &format!("K{round}"), b"b");
+        let outcomes = race(2, |i| {
+            let store = Arc::clone(&stores[i]);
+            let req = req.clone();
+            async move { store.claim(req).await.expect("claim: a key conflict is not a store failure") }
+        })
+        .await;
+        let winners: Vec<_> =
+            outcomes.iter().filter_map(|o| if let ClaimOutcome::Claimed(r) = o { Some(r) } else { None }).collect();
+        assert_eq!(winners.len(), 1, "round {round}: exactly one claim wins: {outcomes:?}");
+        for o in &outcomes {
+            if let ClaimOutcome::Existing { record, .. } = o {
+                assert_eq!(record, winners[0], "the loser sees the winner's claim");
+            }
+        }
+    }
+}
+
+/// C9 variant: the winner completes before the loser re-reads: the loser gets the completed record.
+pub async fn c9_loser_rereading_after_completion_gets_the_response(env: Env) {
+    let peer = env.peer().await;
+    let winner = super::must_claim(&env, claim_req(&env, "P", "K", b"b")).await;
+    let done = completed(env.store.as_ref(), &winner, response()).await;
+    let (seen, _) = existing(peer.as_ref(), claim_req(&env, "P", "K", b"b")).await;
+    assert_eq!(seen, done);
+    assert_eq!(seen.state, RecordState::Completed);
+    assert_eq!(get(peer.as_ref(), winner.id).await, Some(done));
+}
