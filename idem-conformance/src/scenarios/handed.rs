@@ -1,5 +1,5 @@
 //! The store-level handed cases (`/work/shared/cases/handed.md`): C3, C8, C9. C10 and C11
-//! are in [`super::scope`], C1 and C2 in [`super::clock`].
+//! are in [`super::scope`](mod@super::scope), C1 and C2 in [`super::clock`].
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -7,9 +7,9 @@
 //! - [`inflight`] - in-flight records and lease expiry.
 //! - [`reclaim`] - compare-and-set takeover, and races between reclaimers.
 //! - [`fencing`] - a stale fencing token changes nothing and gets `LeaseLost`.
-//! - [`failed`] - the failed state and its retry.
+//! - [`failed`](mod@failed) - the failed state and its retry.
 //! - [`retention`] - the retention window and the sweep.
-//! - [`scope`] - isolation between principals and endpoints (handed cases C10, C11).
+//! - [`scope`](mod@scope) - isolation between principals and endpoints (handed cases C10, C11).
 //! - [`limits`] - keys and values at their limits.
 //! - [`clock`] - clock edges (handed cases C1, C2).
 //! - [`handed`] - the store-level handed cases C3, C8, C9.
