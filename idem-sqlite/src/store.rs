@@ -115,23 +115,7 @@ impl SqliteStoreBuilder {
     /// it cannot use WAL (e.g. `:memory:`), [`Error::Migration`] / [`Error::SchemaTooNew`]
     /// for schema problems, [`Error::Spawn`] when the writer thread cannot start.
     pub fn open(self) -> Result<SqliteStore, Error> {
-        let path = self.path.clone();
-        let open_err = |step| {
-            let path = path.clone();
-            move |source| Error::Open { path, step, source }
-        };
-        let mut conn = Connection::open(&self.path).map_err(open_err("open"))?;
-        conn.busy_timeout(self.busy_timeout).map_err(open_err("set busy_timeout"))?;
-        let mode: String = conn
-            .pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0))
-            .map_err(open_err("set journal_mode = WAL"))?;
-        if !mode.eq_ignore_ascii_case("wal") {
-            return Err(Error::NotWal { path, mode });
-        }
-        conn.pragma_update(None, "synchronous", self.synchronous.pragma()).map_err(open_err("set synchronous"))?;
-        schema::migrate(&mut conn)?;
-        conn.set_prepared_statement_cache_capacity(16);
-
+        let conn = self.open_writer()?;
         let (tx, rx) = mpsc::channel(self.queue);
         let writer = Writer { conn, clock: Arc::clone(&self.clock), max_batch: self.max_batch };
         std::thread::Builder::new()
@@ -148,6 +132,28 @@ impl SqliteStoreBuilder {
                 writer: tx,
             }),
         })
+    }
+}
+
+impl SqliteStoreBuilder {
+    /// The writer's connection: WAL, busy timeout, `synchronous`, migrated schema.
+    fn open_writer(&self) -> Result<Connection, Error> {
+        let open_err = |step| {
+            let path = self.path.clone();
+            move |source| Error::Open { path, step, source }
+        };
+        let mut conn = Connection::open(&self.path).map_err(open_err("open"))?;
+        conn.busy_timeout(self.busy_timeout).map_err(open_err("set busy_timeout"))?;
+        let mode: String = conn
+            .pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0))
+            .map_err(open_err("set journal_mode = WAL"))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(Error::NotWal { path: self.path.clone(), mode });
+        }
+        conn.pragma_update(None, "synchronous", self.synchronous.pragma()).map_err(open_err("set synchronous"))?;
+        schema::migrate(&mut conn)?;
+        conn.set_prepared_statement_cache_capacity(16);
+        Ok(conn)
     }
 }
 
@@ -432,5 +438,152 @@ impl Op {
             Op::Complete { reply, .. } | Op::Fail { reply, .. } => settle(reply, Err(error))(None),
             Op::Sweep { reply, .. } => settle(reply, Err(error))(None),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The group commit, driven one batch at a time without the thread.
+
+    use idem_core::{ClaimOutcome, Endpoint, Fingerprint, IdempotencyKey, ManualClock, RecordState, Scope, UnixMillis};
+    use tokio::sync::oneshot::error::TryRecvError;
+
+    use super::*;
+
+    struct Fixture {
+        writer: Writer,
+        _dir: tempfile::TempDir,
+    }
+
+    fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let conn = SqliteStore::builder(dir.path().join("batch.sqlite3")).open_writer().expect("writer");
+        let clock = Arc::new(ManualClock::new(UnixMillis(1_000_000)));
+        Fixture { writer: Writer { conn, clock, max_batch: 64 }, _dir: dir }
+    }
+
+    fn req(key: &str) -> ClaimRequest {
+        let scope = Scope::new("p", Endpoint::new("POST", "/e")).expect("scope");
+        let key = IdempotencyKey::parse(key.as_bytes()).expect("key");
+        ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"b"), Duration::from_secs(5), Duration::from_secs(60))
+    }
+
+    fn claim(key: &str) -> (Op, oneshot::Receiver<Result<ClaimOutcome, StoreError>>) {
+        let (tx, rx) = oneshot::channel();
+        (Op::Claim(req(key), tx), rx)
+    }
+
+    fn outcome<T>(rx: &mut oneshot::Receiver<Result<T, StoreError>>) -> Result<T, StoreError> {
+        match rx.try_recv() {
+            Ok(result) => result,
+            Err(TryRecvError::Empty) => panic!("the batch did not settle this operation"),
+            Err(TryRecvError::Closed) => panic!("the batch dropped this operation's reply"),
+        }
+    }
+
+    fn stored(f: &Fixture, key: &str) -> Option<Record> {
+        schema::select(&f.writer.conn, req(key).id).expect("select")
+    }
+
+    #[test]
+    fn operations_later_in_a_batch_see_earlier_ones() {
+        let mut f = fixture();
+        let (first, mut first_rx) = claim("k");
+        let (second, mut second_rx) = claim("k");
+        let (complete_tx, mut complete_rx) = oneshot::channel();
+        let (fail_tx, mut fail_rx) = oneshot::channel();
+        let response = StoredResponse::new(201, vec![], b"{}".to_vec());
+        let id = req("k").id;
+        let mut batch = vec![
+            first,
+            second,
+            Op::Complete { id, token: FencingToken(1), response: response.clone(), reply: complete_tx },
+            // The completion above already ended the claim: a late fail is fenced.
+            Op::Fail { id, token: FencingToken(1), reply: fail_tx },
+        ];
+        f.writer.commit_batch(&mut batch);
+
+        assert!(matches!(outcome(&mut first_rx), Ok(ClaimOutcome::Claimed(r)) if r.token == FencingToken(1)));
+        assert!(
+            matches!(outcome(&mut second_rx), Ok(ClaimOutcome::Existing { record, .. }) if record.state == RecordState::InFlight)
+        );
+        assert_eq!(outcome(&mut complete_rx).expect("complete").response, Some(response));
+        assert!(outcome(&mut fail_rx).expect_err("fenced").is_lease_lost());
+        assert_eq!(stored(&f, "k").map(|r| r.state), Some(RecordState::Completed));
+    }
+
+    #[test]
+    fn a_failed_statement_fails_only_its_caller() {
+        //! A statement error SQLite undoes by itself (constraint, RAISE(ABORT)) must not
+        //! take the other callers of the batch down with it.
+        let mut f = fixture();
+        f.writer
+            .conn
+            .execute_batch(
+                "CREATE TRIGGER poison BEFORE INSERT ON idem_records WHEN NEW.key = 'poison' \
+                 BEGIN SELECT RAISE(ABORT, 'poisoned'); END;",
+            )
+            .expect("trigger");
+        let (a, mut a_rx) = claim("a");
+        let (p, mut p_rx) = claim("poison");
+        let (b, mut b_rx) = claim("b");
+        f.writer.commit_batch(&mut vec![a, p, b]);
+        assert!(matches!(outcome(&mut a_rx), Ok(ClaimOutcome::Claimed(_))));
+        assert!(!outcome(&mut p_rx).expect_err("poisoned").is_retryable());
+        assert!(matches!(outcome(&mut b_rx), Ok(ClaimOutcome::Claimed(_))));
+        assert!(stored(&f, "a").is_some() && stored(&f, "b").is_some());
+        assert!(stored(&f, "poison").is_none());
+    }
+
+    #[test]
+    fn a_rolled_back_transaction_fails_every_caller_and_writes_nothing() {
+        //! When SQLite rolls the whole transaction back mid-batch, outcomes already
+        //! computed describe writes that are gone: nobody may hear "claimed".
+        let mut f = fixture();
+        f.writer
+            .conn
+            .execute_batch(
+                "CREATE TRIGGER poison BEFORE INSERT ON idem_records WHEN NEW.key = 'poison' \
+                 BEGIN SELECT RAISE(ROLLBACK, 'poisoned'); END;",
+            )
+            .expect("trigger");
+        let (a, mut a_rx) = claim("a");
+        let (p, mut p_rx) = claim("poison");
+        let (b, mut b_rx) = claim("b");
+        f.writer.commit_batch(&mut vec![a, p, b]);
+        for rx in [&mut a_rx, &mut p_rx, &mut b_rx] {
+            let err = outcome(rx).expect_err("whole batch failed");
+            assert!(err.to_string().contains("group commit of 3 operations failed"), "{err}");
+        }
+        assert!(stored(&f, "a").is_none() && stored(&f, "b").is_none());
+        // The connection is usable again: the next batch commits.
+        let (a, mut a_rx) = claim("a");
+        f.writer.commit_batch(&mut vec![a]);
+        assert!(matches!(outcome(&mut a_rx), Ok(ClaimOutcome::Claimed(_))));
+    }
+
+    #[test]
+    fn a_failed_commit_fails_every_caller_and_writes_nothing() {
+        //! A COMMIT that fails (here a deferred foreign key) must reach every caller of
+        //! the batch as an error, and leave none of the batch behind.
+        let mut f = fixture();
+        f.writer
+            .conn
+            .execute_batch(
+                "PRAGMA foreign_keys = ON;
+                 CREATE TABLE parent (x INTEGER PRIMARY KEY);
+                 CREATE TABLE child (x INTEGER REFERENCES parent (x) DEFERRABLE INITIALLY DEFERRED);
+                 CREATE TRIGGER dangling AFTER INSERT ON idem_records WHEN NEW.key = 'dangling'
+                 BEGIN INSERT INTO child VALUES (42); END;",
+            )
+            .expect("schema");
+        let (a, mut a_rx) = claim("a");
+        let (d, mut d_rx) = claim("dangling");
+        f.writer.commit_batch(&mut vec![a, d]);
+        for rx in [&mut a_rx, &mut d_rx] {
+            let err = outcome(rx).expect_err("commit failed");
+            assert!(err.to_string().contains("failed at commit"), "{err}");
+        }
+        assert!(stored(&f, "a").is_none() && stored(&f, "dangling").is_none());
     }
 }

@@ -1,0 +1,137 @@
+//! Behaviour specific to the SQLite backend: the file, its schema and its locks.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{
+    ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, ManualClock, RecordState, Scope, Store,
+    StoreError, StoredResponse, UnixMillis,
+};
+use idem_sqlite::{Error, SCHEMA_VERSION, SqliteStore};
+use rusqlite::Connection;
+
+fn req(key: &str) -> ClaimRequest {
+    let scope = Scope::new("tenant-a", Endpoint::new("POST", "/v1/workers")).expect("scope");
+    let key = IdempotencyKey::parse(key.as_bytes()).expect("key");
+    ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"{}"), Duration::from_secs(5), Duration::from_secs(60))
+}
+
+async fn open(path: std::path::PathBuf, clock: &ManualClock) -> SqliteStore {
+    let clock = Arc::new(clock.clone());
+    tokio::task::spawn_blocking(move || SqliteStore::builder(path).clock(clock).open())
+        .await
+        .expect("open task")
+        .expect("open")
+}
+
+#[tokio::test]
+async fn records_survive_reopening_and_the_schema_is_versioned() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.sqlite3");
+    let clock = ManualClock::new(UnixMillis(1_700_000_000_000));
+    let response =
+        StoredResponse::new(201, vec![("location".into(), b"/v1/workers/42".to_vec())], b"{\"id\":42}".to_vec());
+    {
+        let store = open(path.clone(), &clock).await;
+        let ClaimOutcome::Claimed(r) = store.claim(req("k1")).await.expect("claim") else { panic!("not claimed") };
+        store.complete(r.id, r.token, response.clone()).await.expect("complete");
+    }
+    let store = open(path.clone(), &clock).await;
+    let record = store.get(req("k1").id).await.expect("get").expect("record survives");
+    assert_eq!((record.state, record.response), (RecordState::Completed, Some(response)));
+
+    let conn = Connection::open(&path).expect("inspect");
+    let version: u32 = conn.pragma_query_value(None, "user_version", |r| r.get(0)).expect("user_version");
+    let mode: String = conn.pragma_query_value(None, "journal_mode", |r| r.get(0)).expect("journal_mode");
+    assert_eq!((version, mode.as_str()), (SCHEMA_VERSION, "wal"));
+    let indices: Vec<String> = conn
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'idem_records' AND sql IS NOT NULL ORDER BY name")
+        .and_then(|mut s| s.query_map([], |r| r.get(0))?.collect())
+        .expect("indices");
+    assert_eq!(indices, ["idem_records_expires", "idem_records_lease", "idem_records_scope"]);
+}
+
+#[test]
+fn a_file_from_a_newer_build_is_refused() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.sqlite3");
+    drop(SqliteStore::open(&path).expect("create"));
+    Connection::open(&path).and_then(|c| c.pragma_update(None, "user_version", 99)).expect("bump version");
+    match SqliteStore::open(&path) {
+        Err(Error::SchemaTooNew { found: 99, known }) => assert_eq!(known, SCHEMA_VERSION),
+        other => panic!("expected SchemaTooNew, got {other:?}"),
+    }
+}
+
+#[test]
+fn an_in_memory_database_is_refused_because_it_cannot_use_wal() {
+    match SqliteStore::open(":memory:") {
+        Err(err @ Error::NotWal { .. }) => assert!(!err.is_retryable()),
+        other => panic!("expected NotWal, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_lock_held_past_the_busy_timeout_is_a_retryable_error_then_the_claim_succeeds() {
+    //! Another process holding the write lock longer than the busy timeout must surface as
+    //! a retryable store error (503 + Retry-After upstream), never as a claim or a panic.
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.sqlite3");
+    let clock = ManualClock::new(UnixMillis(1_700_000_000_000));
+    let store = {
+        let (path, clock) = (path.clone(), Arc::new(clock.clone()));
+        tokio::task::spawn_blocking(move || {
+            SqliteStore::builder(path).clock(clock).busy_timeout(Duration::from_millis(50)).open()
+        })
+        .await
+        .expect("task")
+        .expect("open")
+    };
+    let other = Connection::open(&path).expect("other connection");
+    other.execute_batch("BEGIN IMMEDIATE").expect("take the write lock");
+
+    let err = store.claim(req("k1")).await.expect_err("the lock is held");
+    assert!(err.is_retryable(), "{err}");
+    let source = std::error::Error::source(&err).and_then(|s| s.downcast_ref::<Error>()).expect("sqlite error");
+    assert_eq!(source.sqlite_code(), Some(rusqlite::ErrorCode::DatabaseBusy));
+
+    other.execute_batch("ROLLBACK").expect("release the write lock");
+    assert!(matches!(store.claim(req("k1")).await.expect("claim"), ClaimOutcome::Claimed(_)));
+}
+
+#[tokio::test]
+async fn a_corrupt_stored_response_is_a_typed_error_and_is_never_overwritten() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.sqlite3");
+    let clock = ManualClock::new(UnixMillis(1_700_000_000_000));
+    let store = open(path.clone(), &clock).await;
+    let ClaimOutcome::Claimed(r) = store.claim(req("k1")).await.expect("claim") else { panic!("not claimed") };
+    store.complete(r.id, r.token, StoredResponse::new(200, vec![], b"ok".to_vec())).await.expect("complete");
+    Connection::open(&path)
+        .and_then(|c| c.execute("UPDATE idem_records SET response = x'09ff' WHERE id = ?1", [&r.id.0[..]]))
+        .expect("corrupt the response");
+
+    assert!(matches!(store.get(r.id).await, Err(StoreError::Corrupt { id: Some(id), .. }) if id == r.id));
+    assert!(matches!(store.claim(req("k1")).await, Err(StoreError::Corrupt { .. })));
+    let raw: Vec<u8> = Connection::open(&path)
+        .and_then(|c| c.query_row("SELECT response FROM idem_records WHERE id = ?1", [&r.id.0[..]], |row| row.get(0)))
+        .expect("read back");
+    assert_eq!(raw, [0x09, 0xff], "the claim must not overwrite a record it cannot read");
+}
+
+#[tokio::test]
+async fn keys_and_scopes_round_trip_byte_exact_through_the_columns() {
+    let dir = tempfile::tempdir().expect("dir");
+    let clock = ManualClock::new(UnixMillis(1_700_000_000_000));
+    let store = open(dir.path().join("idem.sqlite3"), &clock).await;
+    // A key that itself starts with a quote and holds a backslash, and a non-ASCII principal.
+    let key = IdempotencyKey::parse(br#""\"a\\b""#).expect("sf-string key");
+    assert_eq!(key.as_str(), r#""a\b"#);
+    let scope = Scope::new("tenant-é/🙂", Endpoint::new("PUT", "/tickets/{id}")).expect("scope");
+    let req =
+        ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"x"), Duration::from_secs(5), Duration::from_secs(60));
+    let ClaimOutcome::Claimed(written) = store.claim(req.clone()).await.expect("claim") else { panic!("not claimed") };
+    let read = store.get(req.id).await.expect("get").expect("present");
+    assert_eq!(read, written);
+    assert_eq!((read.key, read.scope), (req.key, req.scope));
+}
