@@ -118,12 +118,12 @@ impl Store for BrokenStore {
     ) -> Result<Record, StoreError> {
         let now = self.clock.now();
         let mut records = self.lock();
-        if self.bug == Bug::CompleteIgnoresToken {
-            if let Some(r) = records.get_mut(&id).filter(|r| !r.is_expired(now)) {
-                r.state = RecordState::Completed;
-                r.response = Some(response);
-                return Ok(r.clone());
-            }
+        if self.bug == Bug::CompleteIgnoresToken
+            && let Some(r) = records.get_mut(&id).filter(|r| !r.is_expired(now))
+        {
+            r.state = RecordState::Completed;
+            r.response = Some(response);
+            return Ok(r.clone());
         }
         let next = transition::complete(records.get(&id), id, token, response, now)
             .map_err(|l| StoreError::lease_lost(id, l))?;
