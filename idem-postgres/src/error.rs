@@ -1,0 +1,147 @@
+//! Errors of the Postgres backend, and which driver failures are worth a retry.
+//!
+//! Store operations return [`idem_core::StoreError`]; a driver failure becomes
+//! [`StoreError::Unavailable`] with `backend = "postgres"`, the driver's error (a
+//! [`tokio_postgres::Error`] or a [`deadpool_postgres::PoolError`]) as `source`, and
+//! `retryable` set by [`is_retryable_pg`] / [`is_retryable_pool`]. Setting up a store
+//! (connecting, validating the schema name, migrating) returns [`Error`].
+
+use std::error::Error as _;
+
+use deadpool_postgres::PoolError;
+use idem_core::StoreError;
+use tokio_postgres::error::SqlState;
+
+/// The backend name carried by [`StoreError::Unavailable`].
+pub(crate) const BACKEND: &str = "postgres";
+
+/// Setting up a Postgres store failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The schema name is not a plain lower-case identifier (see
+    /// [`crate::PostgresConfig::with_schema`]).
+    #[error("invalid schema name {name:?}: {reason}")]
+    InvalidSchema {
+        /// The name given.
+        name: String,
+        /// Which rule it breaks.
+        reason: &'static str,
+    },
+    /// The connection URL (or key=value string) does not parse.
+    #[error("invalid PostgreSQL connection string")]
+    InvalidUrl(#[source] tokio_postgres::Error),
+    /// The connection pool could not be built.
+    #[error("could not build the PostgreSQL connection pool")]
+    Pool(#[source] deadpool_postgres::BuildError),
+    /// No connection could be taken from the pool (server down, pool exhausted).
+    #[error("could not get a PostgreSQL connection while {operation}")]
+    Connection {
+        /// What was being done.
+        operation: &'static str,
+        /// The pool's error.
+        #[source]
+        source: PoolError,
+    },
+    /// A statement failed.
+    #[error("PostgreSQL statement failed while {operation}")]
+    Postgres {
+        /// What was being done.
+        operation: &'static str,
+        /// The driver's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The schema was migrated by a newer build of this crate: this build does not know
+    /// the table layout and refuses to touch it.
+    #[error("schema {schema:?} is at migration {found}, newer than this build's {known}")]
+    SchemaTooNew {
+        /// The schema.
+        schema: String,
+        /// Highest migration recorded in the schema.
+        found: i32,
+        /// Highest migration this build ships.
+        known: i32,
+    },
+}
+
+impl Error {
+    /// Whether the same call may succeed if retried: the server is starting up, shutting
+    /// down, unreachable, or the pool timed out. Configuration mistakes and a too-new
+    /// schema are permanent.
+    #[must_use]
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Connection { source, .. } => is_retryable_pool(source),
+            Error::Postgres { source, .. } => is_retryable_pg(source),
+            Error::InvalidSchema { .. } | Error::InvalidUrl(_) | Error::Pool(_) | Error::SchemaTooNew { .. } => false,
+        }
+    }
+}
+
+/// Whether a driver error is transient.
+///
+/// Retryable: serialization failure (SQLSTATE 40001), deadlock (40P01), admin shutdown
+/// (57P01, e.g. `pg_terminate_backend`), crash shutdown (57P02), cannot connect now
+/// (57P03, the server is starting), too many connections (53300), lock not available
+/// (55P03), query canceled (57014, e.g. `statement_timeout`), every connection exception
+/// (class 08), a closed connection, and any I/O failure. Everything else (syntax, missing
+/// table, constraint violation, authentication) is permanent: retrying cannot help.
+#[must_use]
+pub fn is_retryable_pg(e: &tokio_postgres::Error) -> bool {
+    if let Some(code) = e.code() {
+        return is_retryable_code(code);
+    }
+    if e.is_closed() {
+        return true;
+    }
+    // Connection refused/reset, timeouts: the driver keeps the io::Error as its cause.
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        if c.is::<std::io::Error>() {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
+
+fn is_retryable_code(code: &SqlState) -> bool {
+    code == &SqlState::T_R_SERIALIZATION_FAILURE
+        || code == &SqlState::T_R_DEADLOCK_DETECTED
+        || code == &SqlState::ADMIN_SHUTDOWN
+        || code == &SqlState::CRASH_SHUTDOWN
+        || code == &SqlState::CANNOT_CONNECT_NOW
+        || code == &SqlState::TOO_MANY_CONNECTIONS
+        || code == &SqlState::LOCK_NOT_AVAILABLE
+        || code == &SqlState::QUERY_CANCELED
+        || code.code().starts_with("08")
+}
+
+/// Whether a pool error is transient: a wait/create/recycle timeout, or a retryable driver
+/// error while opening a connection. A closed pool or a failing hook is permanent.
+#[must_use]
+pub fn is_retryable_pool(e: &PoolError) -> bool {
+    match e {
+        PoolError::Timeout(_) => true,
+        PoolError::Backend(e) => is_retryable_pg(e),
+        PoolError::Closed | PoolError::NoRuntimeSpecified | PoolError::PostCreateHook(_) => false,
+    }
+}
+
+/// A driver error during a store operation, as the trait's error.
+pub(crate) fn store_pg(operation: &'static str, e: tokio_postgres::Error) -> StoreError {
+    let retryable = is_retryable_pg(&e);
+    let message = if e.code() == Some(&SqlState::UNDEFINED_TABLE) || e.code() == Some(&SqlState::INVALID_SCHEMA_NAME) {
+        format!("{operation}: the records table is missing; run PostgresStore::migrate() first")
+    } else {
+        operation.to_owned()
+    };
+    StoreError::unavailable(BACKEND, message, retryable, e)
+}
+
+/// A pool error during a store operation, as the trait's error.
+pub(crate) fn store_pool(operation: &'static str, e: PoolError) -> StoreError {
+    let retryable = is_retryable_pool(&e);
+    StoreError::unavailable(BACKEND, format!("{operation}: no connection"), retryable, e)
+}

@@ -1,0 +1,180 @@
+//! Shared by the Postgres test binaries: the server URL, fresh schemas that drop
+//! themselves, and the one message a developer without a running server sees.
+
+#![allow(dead_code, reason = "each test binary uses a different subset")]
+
+use std::sync::{Arc, Once};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use idem_core::{
+    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, ManualClock, ReclaimOutcome, ReclaimRequest, Record,
+    RecordId, Store, StoreError, StoredResponse, SweepOutcome,
+};
+use idem_postgres::{PostgresConfig, PostgresStore};
+
+/// Used when `IDEM_POSTGRES_URL` is not set.
+pub(crate) const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+/// Every schema a test creates starts with this, followed by the creation time in Unix
+/// seconds and a random suffix: leftovers of a crashed run are easy to find, and are
+/// dropped by the next run once they are an hour old.
+pub(crate) const SCHEMA_PREFIX: &str = "idem_test_";
+
+/// The server the tests use.
+pub(crate) fn url() -> String {
+    std::env::var("IDEM_POSTGRES_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
+}
+
+/// Fails the test with the one message that says how to get a server.
+pub(crate) fn unreachable(err: &dyn std::error::Error) -> ! {
+    let mut chain = err.to_string();
+    let mut cause = err.source();
+    while let Some(c) = cause {
+        chain.push_str(": ");
+        chain.push_str(&c.to_string());
+        cause = c.source();
+    }
+    panic!(
+        "\n\nPostgreSQL is not reachable at {} ({chain}).\n\
+         These tests need a running server; they fail rather than skip. Start it with:\n\
+         \n    pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start\n\
+         \nor point IDEM_POSTGRES_URL at another server (database must exist, trust or URL auth).\n",
+        url()
+    );
+}
+
+/// A raw driver connection (for the tests' own SQL).
+pub(crate) async fn raw() -> tokio_postgres::Client {
+    let (client, conn) = match tokio_postgres::connect(&url(), tokio_postgres::NoTls).await {
+        Ok(c) => c,
+        Err(e) => unreachable(&e),
+    };
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    client
+}
+
+/// A schema that exists for as long as this guard (shared by every handle on it) lives;
+/// dropping the last handle drops the schema with everything in it.
+#[derive(Debug)]
+pub(crate) struct SchemaGuard {
+    pub(crate) name: String,
+}
+
+impl SchemaGuard {
+    /// A fresh, unused schema name (nothing is created yet: `migrate()` creates it).
+    pub(crate) async fn fresh() -> Arc<Self> {
+        static CLEANUP: Once = Once::new();
+        let mut first = false;
+        CLEANUP.call_once(|| first = true);
+        if first {
+            drop_stale_schemas().await;
+        }
+        let secs = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_secs();
+        let rand = uuid::Uuid::new_v4().simple().to_string();
+        Arc::new(Self { name: format!("{SCHEMA_PREFIX}{secs}_{}", &rand[..12]) })
+    }
+}
+
+impl Drop for SchemaGuard {
+    fn drop(&mut self) {
+        // Drop runs synchronously, perhaps on a runtime thread or while the test's runtime
+        // shuts down: do the async work on a thread with its own small runtime.
+        let sql = format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name);
+        let url = url();
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            rt.block_on(async move {
+                let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.ok()?;
+                let task = tokio::spawn(conn);
+                let res = client.batch_execute(&sql).await.ok();
+                drop(client);
+                let _ = task.await;
+                res
+            })
+        })
+        .join();
+        if !matches!(dropped, Ok(Some(()))) {
+            eprintln!("warning: could not drop test schema {}; it will be removed by a later run", self.name);
+        }
+    }
+}
+
+/// Drops `idem_test_*` schemas created more than an hour ago (crashed runs).
+async fn drop_stale_schemas() {
+    let client = raw().await;
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_secs();
+    let Ok(rows) =
+        client.query("SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)", &[&SCHEMA_PREFIX]).await
+    else {
+        return;
+    };
+    for row in rows {
+        let name: String = row.get(0);
+        let created = name[SCHEMA_PREFIX.len()..].split('_').next().and_then(|s| s.parse::<u64>().ok());
+        if created.is_some_and(|t| t + 3600 < now) {
+            let _ = client.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE")).await;
+        }
+    }
+}
+
+/// Connects a store on `schema`, failing the test with the start hint when the server is
+/// down.
+pub(crate) async fn connect(schema: &str, clock: Option<ManualClock>, max_connections: usize) -> PostgresStore {
+    let mut config = PostgresConfig::default().with_schema(schema).with_max_connections(max_connections);
+    if let Some(clock) = clock {
+        config = config.with_clock(Arc::new(clock));
+    }
+    match PostgresStore::connect(&url(), config).await {
+        Ok(s) => s,
+        Err(e @ idem_postgres::Error::Connection { .. }) => unreachable(&e),
+        Err(e) => panic!("connecting: {e:?}"),
+    }
+}
+
+/// A store on a fresh, migrated schema that is dropped when the last handle goes.
+pub(crate) async fn fresh_store(clock: Option<ManualClock>, max_connections: usize) -> TestStore {
+    let guard = SchemaGuard::fresh().await;
+    let store = connect(&guard.name, clock, max_connections).await;
+    store.migrate().await.expect("migrate");
+    TestStore { inner: store, guard }
+}
+
+/// A [`PostgresStore`] that keeps its schema alive.
+#[derive(Clone, Debug)]
+pub(crate) struct TestStore {
+    pub(crate) inner: PostgresStore,
+    pub(crate) guard: Arc<SchemaGuard>,
+}
+
+#[async_trait]
+impl Store for TestStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.inner.claim(req).await
+    }
+    async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
+        self.inner.reclaim(req).await
+    }
+    async fn complete(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        response: StoredResponse,
+    ) -> Result<Record, StoreError> {
+        self.inner.complete(id, token, response).await
+    }
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
+        self.inner.fail(id, token).await
+    }
+    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        self.inner.get(id).await
+    }
+    async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
+        self.inner.sweep(limit).await
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+}
