@@ -74,7 +74,12 @@ pub struct FlakyStore {
 
 impl FlakyStore {
     pub fn new(inner: MemoryStore) -> Self {
-        Self { inner, fail_all: AtomicBool::new(false), fail_complete: AtomicBool::new(false), fails: AtomicUsize::new(0) }
+        Self {
+            inner,
+            fail_all: AtomicBool::new(false),
+            fail_complete: AtomicBool::new(false),
+            fails: AtomicUsize::new(0),
+        }
     }
 
     fn down(&self, op: &'static str) -> Result<(), StoreError> {
@@ -95,10 +100,20 @@ impl Store for FlakyStore {
         self.down("reclaim")?;
         self.inner.reclaim(req).await
     }
-    async fn complete(&self, id: RecordId, token: FencingToken, response: StoredResponse) -> Result<Record, StoreError> {
+    async fn complete(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        response: StoredResponse,
+    ) -> Result<Record, StoreError> {
         self.down("complete")?;
         if self.fail_complete.load(Ordering::SeqCst) {
-            return Err(StoreError::unavailable("flaky", "complete", true, std::io::Error::other("injected write failure")));
+            return Err(StoreError::unavailable(
+                "flaky",
+                "complete",
+                true,
+                std::io::Error::other("injected write failure"),
+            ));
         }
         self.inner.complete(id, token, response).await
     }

@@ -1,0 +1,651 @@
+//! The handed failure cases (shared/cases/handed.md) at the HTTP level: each test's first
+//! doc line names the failure it pins. Requests go through `oneshot` on an axum router over
+//! a memory store on a manual clock; time moves only when a test moves the clock.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{Counter, Env, Gate, Got, Script, Step, app, eventually, post, put, send, start_and_crash};
+use http_body_util::Full;
+use idem_core::{Policy, RecordState, StoreFailureMode};
+use idem_http::{IdempotencyLayer, KeyRequirement, MissingPrincipal};
+use std::sync::atomic::Ordering;
+use tower::{Layer, ServiceExt};
+
+const ORDERS: &str = "POST /v1/orders";
+const LEASE_MS: i64 = 300_000;
+
+fn layer(env: &Env) -> IdempotencyLayer {
+    IdempotencyLayer::new(env.dyn_store())
+}
+
+fn json(got: &Got) -> serde_json::Value {
+    serde_json::from_slice(&got.body).unwrap()
+}
+
+async fn state(env: &Env, key: &str) -> Option<RecordState> {
+    env.record("tok-p", ORDERS, key).await.map(|r| r.state)
+}
+
+/// C1: an in-flight claim with zero remaining time had no deadline, so retries were blocked until retention expired.
+#[tokio::test]
+async fn c1_zero_lease_is_finite_and_a_retry_reclaims_after_it() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    s.then(Step::Hold(Gate::default()));
+    let app = app(layer(&env).with_policy(Policy::default().with_lease_ttl(Duration::ZERO)), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    start_and_crash(&app, &req).await;
+    let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
+    assert_eq!(record.state, RecordState::InFlight);
+    assert_eq!(record.lease_expires_at, record.started_at, "a zero lease expires at once, it is not 'no expiry'");
+    assert_eq!(record.expires_at.0 - record.created_at.0, 24 * 3_600_000);
+
+    env.advance(Duration::from_secs(1));
+    let retry = send(&app, &req).await;
+    assert_eq!(retry.status, 201, "the retry reclaims instead of waiting out the retention: {}", retry.text());
+    assert_eq!(json(&retry)["token"], 2);
+    assert_eq!(n.get(), 2);
+}
+
+/// C3: a live in-flight record was reclaimed as an orphan by a second server, so two requests ran.
+#[tokio::test]
+async fn c3_two_layers_sharing_one_store_never_run_twice() {
+    let env = Env::new();
+    let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
+    s.then(Step::Hold(gate.clone()));
+    // Two API servers: two routers, two layers, one store.
+    let server_a = app(layer(&env), &n, &s);
+    let server_b = app(IdempotencyLayer::new(env.dyn_store()), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    let a = tokio::spawn({
+        let (app, req) = (server_a.clone(), req.clone());
+        async move { send(&app, &req).await }
+    });
+    gate.started().await;
+
+    let b = send(&server_b, &req).await;
+    b.problem(409, "in-flight");
+    assert_eq!(b.retry_after(), 300);
+    // However close to its end, a lease that has not passed is never taken over.
+    env.advance_ms(LEASE_MS - 1);
+    let b = send(&server_b, &req).await;
+    b.problem(409, "in-flight");
+    assert_eq!(b.retry_after(), 1);
+
+    gate.release();
+    let a = a.await.unwrap();
+    assert_eq!(a.status, 201);
+    let b = send(&server_b, &req).await;
+    assert!(b.replayed());
+    assert_eq!(b.body, a.body);
+    assert_eq!(n.get(), 1);
+}
+
+/// C4: a rejected duplicate deleted the owner's in-flight claim, and a rejected mismatch deleted the completed record.
+#[tokio::test]
+async fn c4_rejected_duplicates_and_mismatches_never_touch_the_owners_record() {
+    let env = Env::new();
+    let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
+    s.then(Step::Hold(gate.clone()));
+    let app = app(layer(&env), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{\"b\":1}");
+    let a = tokio::spawn({
+        let (app, req) = (app.clone(), req.clone());
+        async move { send(&app, &req).await }
+    });
+    gate.started().await;
+    let claimed = env.record("tok-p", ORDERS, "k1").await.unwrap();
+
+    env.advance_ms(1_000);
+    send(&app, &req).await.problem(409, "in-flight");
+    env.advance_ms(1_000);
+    send(&app, &req).await.problem(409, "in-flight");
+    send(&app, &post("/v1/orders").key("k1").body("{\"b\":2}")).await.problem(409, "mismatch");
+    assert_eq!(env.record("tok-p", ORDERS, "k1").await.unwrap(), claimed, "rejections wrote nothing");
+    assert_eq!(env.store.fails.load(Ordering::SeqCst), 0, "no rejection tried to mark the record failed");
+
+    gate.release();
+    let a = a.await.unwrap();
+    let completed = env.record("tok-p", ORDERS, "k1").await.unwrap();
+    assert_eq!(completed.state, RecordState::Completed);
+    send(&app, &post("/v1/orders").key("k1").body("{\"b\":2}")).await.problem(409, "mismatch");
+    assert_eq!(env.record("tok-p", ORDERS, "k1").await.unwrap(), completed);
+
+    let e = send(&app, &req).await;
+    assert!(e.replayed());
+    assert_eq!(e.body, a.body);
+    assert_eq!(n.get(), 1);
+}
+
+/// C5: a handler panic left the record in flight, so every retry got 409 until the retention ended.
+#[tokio::test]
+async fn c5_panic_marks_the_record_failed_and_the_retry_runs() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    s.then(Step::Panic);
+    let app = app(layer(&env), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    let joined = tokio::spawn({
+        let (app, req) = (app.clone(), req.clone());
+        async move { send(&app, &req).await }
+    })
+    .await;
+    assert!(joined.unwrap_err().is_panic(), "the layer re-raises the handler's panic");
+    assert_eq!(state(&env, "k1").await, Some(RecordState::Failed), "failed before the panic went on");
+
+    env.advance_ms(1_000);
+    let retry = send(&app, &req).await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed());
+    env.advance_ms(LEASE_MS + 1_000);
+    let later = send(&app, &req).await;
+    assert!(later.replayed());
+    assert_eq!(later.body, retry.body);
+    assert_eq!(n.get(), 2);
+}
+
+/// C5: a handler error (the service's `Err`) left the record in flight instead of marking it failed.
+#[tokio::test]
+async fn c5_service_error_marks_the_record_failed_and_the_retry_runs() {
+    let env = Env::new();
+    let n = Counter::default();
+    // A plain tower service (no axum): its errors are real `Service::Error`s.
+    let svc = tower::service_fn({
+        let n = n.clone();
+        move |_req: http::Request<Full<Bytes>>| {
+            let call = n.bump();
+            async move {
+                if call == 1 {
+                    Err(std::io::Error::other("database connection reset"))
+                } else {
+                    Ok(http::Response::builder().status(201).body(Full::new(Bytes::from("made"))).unwrap())
+                }
+            }
+        }
+    });
+    let svc = layer(&env).layer(svc);
+    let req = || {
+        http::Request::post("/jobs/1")
+            .header("authorization", "Bearer tok-p")
+            .header("idempotency-key", "k1")
+            .body(Full::new(Bytes::from("{}")))
+            .unwrap()
+    };
+    let err = svc.clone().oneshot(req()).await.unwrap_err();
+    assert_eq!(err.to_string(), "database connection reset");
+    // Without an axum router the endpoint is the concrete path.
+    let record = env.record("tok-p", "POST /jobs/1", "k1").await.unwrap();
+    assert_eq!(record.state, RecordState::Failed);
+
+    env.advance_ms(1_000);
+    let retry = Got::read(svc.clone().oneshot(req()).await.unwrap()).await;
+    assert_eq!((retry.status.as_u16(), &retry.body[..]), (201, &b"made"[..]));
+    env.advance_ms(LEASE_MS + 1_000);
+    let later = Got::read(svc.oneshot(req()).await.unwrap()).await;
+    assert!(later.replayed());
+    assert_eq!(n.get(), 2);
+}
+
+/// C5: a streamed response bypassed the completion path, so its record was never completed.
+#[tokio::test]
+async fn c5_streamed_bodies_go_through_completion() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    s.then(Step::Stream(vec!["{\"parts\":", "[1,", "2,3]", "}"]));
+    let app = app(layer(&env), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    let first = send(&app, &req).await;
+    assert_eq!((first.status.as_u16(), first.text()), (201, "{\"parts\":[1,2,3]}"));
+    let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
+    assert_eq!(record.state, RecordState::Completed);
+    assert_eq!(record.response.unwrap().body_bytes().unwrap().unwrap().as_ref(), first.body.as_ref());
+
+    env.advance_ms(1_000);
+    let replay = send(&app, &req).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(n.get(), 1);
+}
+
+/// C5: a streamed response that failed half-way left the record in flight (or stored half a body).
+#[tokio::test]
+async fn c5_a_stream_that_fails_marks_the_record_failed() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    s.then(Step::BrokenStream);
+    let app = app(layer(&env), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    send(&app, &req).await.problem(500, "response-body-failed");
+    assert_eq!(state(&env, "k1").await, Some(RecordState::Failed));
+    env.advance_ms(1_000);
+    let retry = send(&app, &req).await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(n.get(), 2);
+}
+
+/// C5: a silently failed "complete" write left the record in flight for the whole retention window.
+#[tokio::test]
+async fn c5_a_failed_complete_blocks_retries_only_until_the_lease_ends() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    let app = app(layer(&env), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    env.store.fail_complete.store(true, Ordering::SeqCst);
+    let first = send(&app, &req).await;
+    assert_eq!(first.status, 201, "the work is done, so the response is returned anyway");
+    assert_eq!(state(&env, "k1").await, Some(RecordState::InFlight));
+    env.store.fail_complete.store(false, Ordering::SeqCst);
+
+    env.advance_ms(1_000);
+    let busy = send(&app, &req).await;
+    busy.problem(409, "in-flight");
+    assert_eq!(busy.retry_after(), 299);
+    env.advance_ms(LEASE_MS);
+    let retry = send(&app, &req).await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed(), "after the lease, a retry reclaims and runs (documented)");
+    assert_eq!(json(&retry)["token"], 2);
+    let replay = send(&app, &req).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, retry.body);
+    assert_eq!(n.get(), 2);
+}
+
+/// C5: a client that disconnected mid-handler left an orphaned in-flight record.
+#[tokio::test]
+async fn c5_a_dropped_request_future_marks_the_record_failed() {
+    let env = Env::new();
+    let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
+    s.then(Step::Hold(gate.clone()));
+    let app = app(layer(&env), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    let task = tokio::spawn({
+        let (app, req) = (app.clone(), req.clone());
+        async move { send(&app, &req).await }
+    });
+    gate.started().await;
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+    eventually(|| async { state(&env, "k1").await == Some(RecordState::Failed) }).await;
+
+    env.advance_ms(1_000);
+    assert_eq!(send(&app, &req).await.status, 201);
+    assert_eq!(n.get(), 2);
+}
+
+/// C5: a killed process left its claim in flight; retries must get 409 only until the lease TTL, not the retention.
+#[tokio::test]
+async fn c5_a_killed_process_frees_its_claim_when_the_lease_ends() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    s.then(Step::Hold(Gate::default()));
+    let app = app(layer(&env), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    start_and_crash(&app, &req).await;
+    env.advance_ms(1_000);
+    send(&app, &req).await.problem(409, "in-flight");
+    env.advance_ms(LEASE_MS);
+    assert_eq!(send(&app, &req).await.status, 201);
+    assert_eq!(n.get(), 2);
+}
+
+/// C6: replay lost the status code, Location and ETag, or replayed per-exchange headers such as Set-Cookie.
+#[tokio::test]
+async fn c6_replay_keeps_status_body_and_entity_headers_and_drops_per_exchange_ones() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    let app = app(layer(&env), &n, &s);
+    let req = post("/v1/tickets").key("k1").body("{\"title\":\"disk full\"}");
+    let app = app.route(
+        "/v1/tickets",
+        axum::routing::post(|| async {
+            (
+                http::StatusCode::CREATED,
+                [
+                    ("location", "/tickets/42"),
+                    ("etag", "\"t42-v1\""),
+                    ("content-type", "application/json"),
+                    ("set-cookie", "session=abc; HttpOnly"),
+                    ("date", "Thu, 01 Jan 2026 00:00:00 GMT"),
+                ],
+                "{\"id\":42}",
+            )
+        })
+        .layer(layer(&env)),
+    );
+    let first = send(&app, &req).await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.header("set-cookie"), Some("session=abc; HttpOnly"), "the first client gets everything");
+    let replay = send(&app, &req).await;
+    assert_eq!(replay.status, 201, "a 201 replays as 201");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.header("location"), Some("/tickets/42"));
+    assert_eq!(replay.header("etag"), Some("\"t42-v1\""));
+    assert_eq!(replay.header("content-type"), Some("application/json"));
+    assert!(replay.replayed());
+    assert_eq!(replay.header("set-cookie"), None);
+    assert_eq!(replay.header("date"), None);
+    assert_eq!(n.get(), 0, "the scripted handler is not on this route");
+}
+
+/// C6: the handler ran again on the retry, so no replay happened at all.
+#[tokio::test]
+async fn c6_the_retry_is_a_replay_and_the_handler_count_stays_at_one() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    // Request ids are per exchange too; an operator adds them to the deny list.
+    let mut policy = Policy::default();
+    policy.header_deny_list.push("x-request-id".into());
+    let app = app(layer(&env).with_policy(policy), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    let first = send(&app, &req).await;
+    assert_eq!(first.header("x-request-id"), Some("req-1"));
+    let replay = send(&app, &req).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.header("x-request-id"), None);
+    assert_eq!(replay.header("location"), Some("/v1/orders/1"));
+    assert_eq!(n.get(), 1);
+}
+
+/// C7: a 5xx was cached, so the retry could never succeed (and a cached 503 came back as 500).
+#[tokio::test]
+async fn c7_a_5xx_is_never_stored_and_the_retry_runs() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    s.then(Step::Status(503));
+    let app = app(layer(&env), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    let first = send(&app, &req).await;
+    assert_eq!((first.status.as_u16(), first.header("retry-after")), (503, Some("2")), "the 503 itself goes through");
+    let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
+    assert_eq!(record.state, RecordState::Failed, "failed, not stuck in flight");
+    assert!(record.response.is_none());
+    let retry = send(&app, &req).await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed());
+    assert_eq!(n.get(), 2);
+}
+
+/// C7: a cached 4xx came back with a normalised status instead of exactly what was stored.
+#[tokio::test]
+async fn c7_a_422_is_replayed_exactly() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    s.then(Step::Status(422));
+    let app = app(layer(&env), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    let first = send(&app, &req).await;
+    assert_eq!(first.status, 422);
+    let replay = send(&app, &req).await;
+    assert_eq!(replay.status, 422);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.header("content-type"), Some("application/json"));
+    assert!(replay.replayed());
+    assert_eq!(n.get(), 1);
+}
+
+/// C7: uncacheable 4xx (429, 409, 401...) were stored, pinning a transient refusal to the key.
+#[tokio::test]
+async fn c7_uncacheable_4xx_mark_the_record_failed() {
+    for code in [401, 403, 408, 409, 423, 425, 429] {
+        let env = Env::new();
+        let (n, s) = (Counter::default(), Script::default());
+        s.then(Step::Status(code));
+        let app = app(layer(&env), &n, &s);
+        let req = post("/v1/orders").key("k1").body("{}");
+        assert_eq!(send(&app, &req).await.status.as_u16(), code);
+        assert_eq!(state(&env, "k1").await, Some(RecordState::Failed), "{code}");
+        assert_eq!(send(&app, &req).await.status, 201, "{code}");
+        assert_eq!(n.get(), 2);
+    }
+}
+
+/// C8: a slow request whose lease expired overwrote (or released) the claim of the retry that took over.
+#[tokio::test]
+async fn c8_a_stale_owner_cannot_complete_over_the_new_attempt() {
+    let env = Env::new();
+    let (n, s, slow, retry_gate) = (Counter::default(), Script::default(), Gate::default(), Gate::default());
+    s.then(Step::Hold(slow.clone())).then(Step::Hold(retry_gate.clone()));
+    let app = app(layer(&env).with_policy(Policy::default().with_lease_ttl(Duration::from_secs(1))), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    let a = tokio::spawn({
+        let (app, req) = (app.clone(), req.clone());
+        async move { send(&app, &req).await }
+    });
+    slow.started().await;
+    env.advance_ms(1_500);
+    let b = tokio::spawn({
+        let (app, req) = (app.clone(), req.clone());
+        async move { send(&app, &req).await }
+    });
+    retry_gate.started().await;
+    // t = 2 s: A finishes while B (lease until 2.5 s) is still running.
+    env.advance_ms(500);
+    slow.release();
+    let a = a.await.unwrap();
+    assert_eq!(a.status, 201, "the stale owner's client still gets its response");
+    let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
+    assert_eq!((record.state, record.token.0), (RecordState::InFlight, 2), "A's complete was fenced off");
+    // t = 2.1 s: C finds B's claim intact, not A's response.
+    env.advance_ms(100);
+    send(&app, &req).await.problem(409, "in-flight");
+    retry_gate.release();
+    let b = b.await.unwrap();
+    let c = send(&app, &req).await;
+    assert!(c.replayed());
+    assert_eq!(c.body, b.body, "the record holds B's response, not A's");
+    assert_eq!(n.get(), 2);
+}
+
+/// C9: two concurrent first requests: the loser got a 5xx, or both ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c9_concurrent_first_requests_run_the_handler_once() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    let app = app(layer(&env), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    let barrier = Arc::new(tokio::sync::Barrier::new(16));
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let (app, req, barrier) = (app.clone(), req.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                send(&app, &req).await
+            })
+        })
+        .collect();
+    let mut ran = 0;
+    for t in tasks {
+        let got = t.await.unwrap();
+        match got.status.as_u16() {
+            201 if !got.replayed() => ran += 1,
+            201 => {}
+            409 => {
+                got.problem(409, "in-flight");
+            }
+            other => panic!("a loser got {other}: {}", got.text()),
+        }
+    }
+    assert_eq!((ran, n.get()), (1, 1));
+}
+
+/// C9: two concurrent first requests while the winner is still running: the loser must get 409 busy, never 5xx.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c9_losers_of_a_held_claim_get_409_busy() {
+    let env = Env::new();
+    let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
+    s.then(Step::Hold(gate.clone()));
+    let app = app(layer(&env), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    let barrier = Arc::new(tokio::sync::Barrier::new(8));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for _ in 0..8 {
+        let (app, req, barrier, tx) = (app.clone(), req.clone(), barrier.clone(), tx.clone());
+        tokio::spawn(async move {
+            barrier.wait().await;
+            tx.send(send(&app, &req).await).unwrap();
+        });
+    }
+    // While the winner is held, every other request must come back, and as 409 busy.
+    for _ in 0..7 {
+        rx.recv().await.unwrap().problem(409, "in-flight");
+    }
+    gate.release();
+    let winner = rx.recv().await.unwrap();
+    assert_eq!(winner.status, 201);
+    assert!(!winner.replayed());
+    assert_eq!(n.get(), 1);
+}
+
+/// C10: keys were not scoped per endpoint, so another endpoint's response was replayed.
+#[tokio::test]
+async fn c10_the_same_key_on_different_endpoints_runs_both() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    let app = app(layer(&env), &n, &s);
+    let project = send(&app, &post("/v1/projects").key("k1").body("{\"name\":\"p\"}")).await;
+    let application = send(&app, &post("/v1/applications").key("k1").body("{\"name\":\"a\"}")).await;
+    assert_eq!((project.status.as_u16(), application.status.as_u16()), (201, 201));
+    assert!(!application.replayed());
+    assert_eq!(json(&application)["path"], "/v1/applications", "never the project's response");
+    assert_eq!(n.get(), 2);
+
+    // Variant: one route template, two resources. The scope is the template (documented), the
+    // fingerprint has the raw path, so the second is a mismatch: it never gets ticket 1's response.
+    send(&app, &put("/tickets/1").key("k2").body("{}")).await;
+    let other = send(&app, &put("/tickets/2").key("k2").body("{}")).await;
+    other.problem(409, "mismatch");
+    assert_eq!(n.get(), 3);
+}
+
+/// C11: keys were not scoped per principal, so one user got another's response or blocked their key.
+#[tokio::test]
+async fn c11_the_same_key_from_two_principals_runs_both_and_leaks_nothing() {
+    let env = Env::new();
+    let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
+    let app = app(layer(&env), &n, &s);
+    let p = send(&app, &post("/v1/orders").token("tok-p").key("k1").body("{}")).await;
+    let q = send(&app, &post("/v1/orders").token("tok-q").key("k1").body("{}")).await;
+    assert_eq!((p.status.as_u16(), q.status.as_u16()), (201, 201));
+    assert!(!q.replayed());
+    assert_ne!(q.body, p.body);
+    assert_eq!(n.get(), 2);
+
+    // Variant: Q holds k2 in flight; P is not blocked by it.
+    s.then(Step::Hold(gate.clone()));
+    let q = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, &post("/v1/orders").token("tok-q").key("k2").body("{}")).await }
+    });
+    gate.started().await;
+    let p = send(&app, &post("/v1/orders").token("tok-p").key("k2").body("{}")).await;
+    assert_eq!(p.status, 201);
+    gate.release();
+    assert_eq!(q.await.unwrap().status, 201);
+    assert_eq!(n.get(), 4);
+
+    // Variant: no principal. Default: 401. Documented alternative: run without idempotency.
+    let anon = post("/v1/orders").anonymous().key("k1").body("{}");
+    send(&app, &anon).await.problem(401, "missing-principal");
+    let skip = common::app(layer(&env).on_missing_principal(MissingPrincipal::SkipIdempotency), &n, &s);
+    let a = send(&skip, &anon).await;
+    let b = send(&skip, &anon).await;
+    assert!(!a.replayed() && !b.replayed());
+    assert_ne!(a.body, b.body);
+    assert_eq!(n.get(), 6);
+}
+
+/// C12: with the key optional, keyless requests shared one record and got the first response.
+#[tokio::test]
+async fn c12_keyless_requests_run_and_store_nothing_and_bad_keys_are_400() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    let app = app(layer(&env).with_key_requirement(KeyRequirement::Optional), &n, &s);
+    let a = send(&app, &post("/v1/orders").body("{}")).await;
+    let b = send(&app, &post("/v1/orders").body("{}")).await;
+    assert_eq!((a.status.as_u16(), b.status.as_u16()), (201, 201));
+    assert_ne!(a.body, b.body);
+    assert!(!a.replayed() && !b.replayed());
+    assert!(a.header("idempotency-key-expires").is_none(), "nothing was stored");
+    assert_eq!(n.get(), 2);
+
+    for blank in ["", "   ", "\"\"", "\" K\""] {
+        send(&app, &post("/v1/orders").key(blank).body("{}")).await.problem(400, "invalid-idempotency-key");
+    }
+    for key in ["注文-🙂", "\u{e9}", "e\u{301}"] {
+        send(&app, &post("/v1/orders").key(key).body("{}")).await.problem(400, "invalid-idempotency-key");
+    }
+    send(&app, &post("/v1/orders").key("k1").key("k2").body("{}")).await.problem(400, "duplicate-idempotency-key");
+    assert_eq!(n.get(), 2);
+    for key in ["K", "k1", "k2"] {
+        assert!(env.record("tok-p", ORDERS, key).await.is_none(), "{key}: a rejected request stored nothing");
+    }
+
+    // Field whitespace (RFC 9110 §5.5 OWS) is not part of the value; whitespace inside is
+    // refused above. So " K" on the wire is the key "K", the same as what hyper delivers.
+    let k = send(&app, &post("/v1/orders").key("K").body("{}")).await;
+    let spaced = send(&app, &post("/v1/orders").key(" K").body("{}")).await;
+    assert!(spaced.replayed());
+    assert_eq!(spaced.body, k.body);
+}
+
+/// C13: JSON key order or whitespace changed the fingerprint; in raw mode (the default) that must be a mismatch, not a merge.
+#[tokio::test]
+async fn c13_raw_mode_treats_every_non_identical_body_as_a_mismatch() {
+    let pairs = [
+        (r#"{"a":1,"b":2}"#, r#"{"b":2, "a":1}"#),
+        (r#"{"a":1,"b":2}"#, "{\n  \"a\": 1,\n  \"b\": 2\n}"),
+        (r#"{"x":[1,2]}"#, r#"{"x":[2,1]}"#),
+        (r#"{"a":null}"#, r#"{}"#),
+        ("", "{}"),
+        ("{}", "null"),
+    ];
+    for (i, (first, second)) in pairs.into_iter().enumerate() {
+        let env = Env::new();
+        let (n, s) = (Counter::default(), Script::default());
+        let app = app(layer(&env), &n, &s);
+        let key = format!("k{i}");
+        send(&app, &post("/v1/orders").key(&key).body(first)).await;
+        send(&app, &post("/v1/orders").key(&key).body(second)).await.problem(409, "mismatch");
+        assert!(send(&app, &post("/v1/orders").key(&key).body(first)).await.replayed(), "byte-identical replays");
+        assert_eq!(n.get(), 1);
+    }
+}
+
+/// Store outage: the handler ran without a claim when the store was down (must fail closed by default).
+#[tokio::test]
+async fn store_outage_fails_closed_with_503_and_never_runs_the_handler() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    let app = app(layer(&env), &n, &s);
+    env.store.fail_all.store(true, Ordering::SeqCst);
+    for _ in 0..3 {
+        let got = send(&app, &post("/v1/orders").key("k1").body("{}")).await;
+        got.problem(503, "store-unavailable");
+        assert_eq!(got.retry_after(), 1);
+    }
+    assert_eq!(n.get(), 0);
+    env.store.fail_all.store(false, Ordering::SeqCst);
+    assert_eq!(send(&app, &post("/v1/orders").key("k1").body("{}")).await.status, 201);
+    assert_eq!(n.get(), 1);
+}
+
+/// Store outage, fail-open: an operator who chose fail-open gets the handler run, unprotected.
+#[tokio::test]
+async fn store_outage_fail_open_runs_the_handler_unprotected() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    let app =
+        app(layer(&env).with_policy(Policy::default().with_store_failure_mode(StoreFailureMode::FailOpen)), &n, &s);
+    env.store.fail_all.store(true, Ordering::SeqCst);
+    let a = send(&app, &post("/v1/orders").key("k1").body("{}")).await;
+    let b = send(&app, &post("/v1/orders").key("k1").body("{}")).await;
+    assert_eq!((a.status.as_u16(), b.status.as_u16()), (201, 201));
+    assert!(!b.replayed());
+    assert!(a.header("idempotency-key-expires").is_none());
+    assert_eq!(n.get(), 2);
+}
