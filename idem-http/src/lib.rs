@@ -54,11 +54,25 @@
 //! | same request, first attempt's lease expired, or it failed | reclaim by compare-and-set; the winner runs the handler |
 //! | same request, completed | replay: stored status, headers, body + `Idempotent-Replayed: true` |
 //! | different request (method, path, query, fingerprinted headers, body) | `policy.mismatch_status` (409 default) `mismatch`; never retry |
+//! | the record changed under the request three times in a row | 409 `busy` + `Retry-After: 1` |
 //! | store unreachable | 503 `store-unavailable` + `Retry-After: 1`, handler not run (fail closed, default); or the handler runs unprotected and a warning is logged (`StoreFailureMode::FailOpen`) |
 //!
 //! Every response about an existing record (run, replay, in flight, mismatch) carries
 //! [`IDEMPOTENCY_KEY_EXPIRES`], a non-standard field with the HTTP-date until which the key
 //! is retained. All problem bodies are RFC 9457 `application/problem+json` ([`problem`]).
+//!
+//! # Keys
+//! The key is parsed by [`idem_core::IdempotencyKey::parse_with_limit`] with the policy's
+//! `max_key_len` (default 255 bytes): a bare token or an RFC 8941 sf-string (`"abc"` and
+//! `abc` are the same key), visible ASCII only, case-sensitive. Whitespace inside the key
+//! is refused, never trimmed; the optional whitespace around a field value (RFC 9110 §5.5)
+//! is not part of the value, so ` K` on the wire is the key `K` (hyper strips it before the
+//! layer sees the request anyway). Non-ASCII keys are refused, so Unicode normalisation
+//! forms can never merge. The header name is matched case-insensitively.
+//!
+//! Two or more `Idempotency-Key` fields are a 400 even when they carry the same value: the
+//! field is a single item (draft §2.1), and a repeated field means a broken client or
+//! proxy, which the server reports rather than guesses around.
 //!
 //! # Scope and fingerprint
 //! The record is scoped by (principal, endpoint). The principal comes from a
@@ -69,6 +83,11 @@
 //! fingerprint always covers the method, raw path, query, the policy's
 //! `fingerprint_headers` and the raw body bytes: a key reused on another resource is a
 //! mismatch, never someone else's replay.
+//!
+//! With axum, put the layer on the router with `Router::layer` (or `route_layer`), as in the
+//! example above: axum sets `MatchedPath` before route middleware runs. A layer wrapped
+//! around the whole `Router` from outside (`IdempotencyLayer::layer(router)`, or a
+//! `ServiceBuilder` in front of it) runs before routing and scopes by concrete path.
 //!
 //! # After the handler
 //! The whole response body is read (streamed bodies too), then, before the response is

@@ -354,3 +354,21 @@ async fn lease_and_retention_follow_the_policy() {
     env.advance_ms(1);
     assert_eq!(send(&app, &req).await.status, 201);
 }
+
+#[tokio::test]
+async fn a_layer_wrapped_around_the_whole_router_scopes_by_concrete_path() {
+    use tower::Layer;
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    let router =
+        app(IdempotencyLayer::new(env.dyn_store()).with_key_requirement(idem_http::KeyRequirement::Optional), &n, &s);
+    // An outer layer over a second store sees the request before axum routes it.
+    let outer_env = Env::new();
+    let outer = layer(&outer_env).layer(router);
+    let got =
+        Got::read(tower::ServiceExt::oneshot(outer, post("/v1/workers/7/reboot").key("k1").build()).await.unwrap())
+            .await;
+    assert_eq!(got.status, 201);
+    assert!(outer_env.record("tok-p", "POST /v1/workers/7/reboot", "k1").await.is_some());
+    assert!(env.record("tok-p", "POST /v1/workers/{id}/reboot", "k1").await.is_some());
+}
