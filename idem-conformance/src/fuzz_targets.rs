@@ -16,9 +16,12 @@ use idem_core::{
 use crate::model_test::{self, Op};
 
 /// Target names, as directories under `fuzz/corpus/` and binaries under `fuzz/fuzz_targets/`.
-pub const TARGETS: [&str; 4] = ["idempotency_key", "fingerprint", "record_decode", "model_vs_memory"];
+pub const TARGETS: [&str; 5] =
+    ["idempotency_key", "fingerprint", "record_decode", "record_roundtrip", "model_vs_memory"];
 
-/// Runs the body of target `name` on `data`. Unknown names panic.
+/// Runs the body of byte-level target `name` on `data`. `record_roundtrip` takes a record
+/// built by idem-core's derived `Arbitrary` (feature `arbitrary`), so its replay builds
+/// that record first and calls [`record_roundtrip`]. Unknown names panic.
 pub fn run(name: &str, data: &[u8]) {
     match name {
         "idempotency_key" => idempotency_key(data),
@@ -219,5 +222,17 @@ pub fn model_vs_memory(data: &[u8]) {
     let store = MemoryStore::with_clock(std::sync::Arc::new(clock.clone()));
     if let Err(e) = futures::executor::block_on(model_test::run_ops(&store, &clock, "fuzz", &ops)) {
         panic!("{e}\nops: {ops:#?}");
+    }
+}
+
+/// Records from idem-core's derived `Arbitrary` (the `record_roundtrip` target): encode then
+/// decode gives the same record, and the bytes carry the current format version.
+pub fn record_roundtrip(record: &Record) {
+    let bytes = codec::encode(record);
+    assert_eq!(bytes.first(), Some(&codec::FORMAT_VERSION));
+    assert_eq!(codec::decode(&bytes).ok().as_ref(), Some(record), "encode then decode round-trips");
+    if let Some(resp) = &record.response {
+        // Arbitrary compressed bodies are hostile: a typed error, never a panic or a bomb.
+        let _ = resp.body_bytes();
     }
 }
