@@ -33,11 +33,11 @@
 //! ```
 //!
 //! # How it works
-//! - **One writer, on its own thread.** Claims, reclaims, completions, fails and sweeps are
-//!   queued to one `std::thread` that owns the only writing connection; nothing blocking
-//!   runs on the async executor. Reads ([`Store::get`](idem_core::Store::get)) run on
-//!   `spawn_blocking` with a small pool of read connections; WAL mode lets them read while
-//!   the writer writes.
+//! - **One writer, on its own thread.** Claims, reclaims, completions, fails, sweeps and
+//!   journal writes are queued to one `std::thread` that owns the only writing connection;
+//!   nothing blocking runs on the async executor. Reads ([`Store::get`](idem_core::Store::get),
+//!   journal reads) run on `spawn_blocking` with a small pool of read connections; WAL mode
+//!   lets them read while the writer writes.
 //! - **Group commit.** The writer takes everything queued (up to
 //!   [`SqliteStoreBuilder::max_batch`]) and applies it in one transaction, so 32 concurrent
 //!   claims cost one fsync rather than 32. Each caller still gets its own outcome; an
@@ -79,9 +79,12 @@
 //! ## Schema
 //! One table, `idem_records`, one column per record field (the response as a postcard
 //! blob), with three indices: the scope key `(principal, endpoint, key)`, `expires_at` for
-//! the sweep, and a partial index on `lease_expires_at` of in-flight records. The SQL lives
-//! in `migrations/` ([`MIGRATIONS`]); the store applies what is missing on open and tracks
-//! the version in `PRAGMA user_version`.
+//! the sweep, and a partial index on `lease_expires_at` of in-flight records. A second
+//! table, `idem_journal`, holds the per-record journal of resumable handlers
+//! ([`Store::journal_put`](idem_core::Store::journal_put)); a trigger deletes a record's
+//! entries with it. The SQL lives in `migrations/` ([`MIGRATIONS`]); the store applies
+//! what is missing on open, in one `BEGIN IMMEDIATE` transaction, and tracks the version
+//! in `PRAGMA user_version`.
 //!
 //! # Layout
 //! - [`store`]: [`SqliteStore`], its builder, [`Synchronous`], the writer thread and

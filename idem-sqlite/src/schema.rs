@@ -30,11 +30,13 @@ pub struct Migration {
 
 /// Every migration, oldest first. The store applies the ones newer than the file's
 /// `user_version` on open; operators who manage schemas by hand can apply the same SQL.
-pub const MIGRATIONS: &[Migration] =
-    &[Migration { version: 1, name: "0001_records.sql", sql: include_str!("../migrations/0001_records.sql") }];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration { version: 1, name: "0001_records.sql", sql: include_str!("../migrations/0001_records.sql") },
+    Migration { version: 2, name: "0002_journal.sql", sql: include_str!("../migrations/0002_journal.sql") },
+];
 
 /// The schema version this build writes.
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// Brings `conn`'s file to [`SCHEMA_VERSION`].
 pub(crate) fn migrate(conn: &mut Connection) -> Result<(), Error> {
@@ -98,8 +100,56 @@ pub(crate) fn upsert(conn: &Connection, record: &Record) -> Result<(), StoreErro
     Ok(())
 }
 
+/// Deletes every journal entry of record `id` (a claim replacing an expired record starts
+/// with an empty journal).
+pub(crate) fn delete_journal(conn: &Connection, id: RecordId) -> Result<(), StoreError> {
+    conn.prepare_cached("DELETE FROM idem_journal WHERE record_id = ?1")
+        .and_then(|mut stmt| stmt.execute([&id.0[..]]))
+        .map_err(Error::sqlite("delete journal"))?;
+    Ok(())
+}
+
+/// Reads journal entry `name` of record `id` in the writer's transaction.
+pub(crate) fn journal_entry(conn: &Connection, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+    let value = conn
+        .prepare_cached("SELECT value FROM idem_journal WHERE record_id = ?1 AND name = ?2")
+        .and_then(|mut stmt| stmt.query_row(params![&id.0[..], name], |row| row.get(0)).optional())
+        .map_err(Error::sqlite("read journal"))?;
+    Ok(value)
+}
+
+/// Writes (or replaces) journal entry `name` of record `id`.
+pub(crate) fn put_journal_entry(conn: &Connection, id: RecordId, name: &str, value: &[u8]) -> Result<(), StoreError> {
+    conn.prepare_cached(
+        "INSERT INTO idem_journal (record_id, name, value) VALUES (?1, ?2, ?3) \
+         ON CONFLICT (record_id, name) DO UPDATE SET value = excluded.value",
+    )
+    .and_then(|mut stmt| stmt.execute(params![&id.0[..], name, value]))
+    .map_err(Error::sqlite("write journal"))?;
+    Ok(())
+}
+
+/// Reads journal entry `name` of record `id` on a read connection, checking in the same
+/// statement (one snapshot) that the record is live at `now`.
+pub(crate) fn journal_lookup(
+    conn: &Connection,
+    id: RecordId,
+    name: &str,
+    now: UnixMillis,
+) -> Result<Option<Vec<u8>>, StoreError> {
+    let value = conn
+        .prepare_cached(
+            "SELECT j.value FROM idem_records AS r \
+             JOIN idem_journal AS j ON j.record_id = r.id AND j.name = ?2 WHERE r.id = ?1 AND r.expires_at > ?3",
+        )
+        .and_then(|mut stmt| stmt.query_row(params![&id.0[..], name, now.0], |row| row.get(0)).optional())
+        .map_err(Error::sqlite("read journal"))?;
+    Ok(value)
+}
+
 /// Deletes up to `limit` records with `expires_at <= now`, oldest first; returns how many
-/// went and whether expired records remain.
+/// went and whether expired records remain. Their journal entries go with them (trigger
+/// `idem_records_delete_journal`).
 pub(crate) fn sweep(conn: &Connection, now: UnixMillis, limit: usize) -> Result<(u64, bool), StoreError> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let removed = conn

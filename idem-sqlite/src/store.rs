@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, ReclaimOutcome, ReclaimRequest, Record, RecordId,
-    Store, StoreError, StoredResponse, SweepOutcome, SystemClock, transition,
+    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ReclaimOutcome, ReclaimRequest,
+    Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome, SystemClock, transition,
 };
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 use tokio::sync::{mpsc, oneshot};
@@ -236,19 +236,31 @@ impl Inner {
         Ok(conn)
     }
 
-    fn read(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+    /// Runs `f` on a pooled read connection (opening one if none is free) with the
+    /// store's `now`.
+    fn with_reader<T>(
+        &self,
+        f: impl FnOnce(&Connection, idem_core::UnixMillis) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
         let pooled = self.readers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();
         let conn = match pooled {
             Some(conn) => conn,
             None => self.open_reader()?,
         };
-        let now = self.clock.now();
-        let found = schema::select(&conn, id);
+        let result = f(&conn, self.clock.now());
         let mut pool = self.readers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if pool.len() < self.max_readers {
             pool.push(conn);
         }
-        Ok(found?.filter(|r| !r.is_expired(now)))
+        result
+    }
+
+    fn read(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        self.with_reader(|conn, now| Ok(schema::select(conn, id)?.filter(|r| !r.is_expired(now))))
+    }
+
+    fn read_journal(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.with_reader(|conn, now| schema::journal_lookup(conn, id, name, now))
     }
 }
 
@@ -288,7 +300,27 @@ impl Store for SqliteStore {
 
     fn capabilities(&self) -> Capabilities {
         // Several processes may open the same file: BEGIN IMMEDIATE serialises them.
-        Capabilities::new().with_shared(true)
+        Capabilities::new().with_shared(true).with_journal(true)
+    }
+
+    async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        let name = name.to_owned();
+        self.submit(|reply| Op::JournalPut { id, token, name, value, overwrite, reply }).await
+    }
+
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let inner = Arc::clone(&self.inner);
+        let name = name.to_owned();
+        tokio::task::spawn_blocking(move || inner.read_journal(id, &name))
+            .await
+            .map_err(|join| StoreError::unavailable(crate::error::BACKEND, "read task failed", false, join))?
     }
 }
 
@@ -298,9 +330,29 @@ type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 enum Op {
     Claim(ClaimRequest, Reply<ClaimOutcome>),
     Reclaim(ReclaimRequest, Reply<ReclaimOutcome>),
-    Complete { id: RecordId, token: FencingToken, response: StoredResponse, reply: Reply<Record> },
-    Fail { id: RecordId, token: FencingToken, reply: Reply<Record> },
-    Sweep { limit: usize, reply: Reply<SweepOutcome> },
+    Complete {
+        id: RecordId,
+        token: FencingToken,
+        response: StoredResponse,
+        reply: Reply<Record>,
+    },
+    Fail {
+        id: RecordId,
+        token: FencingToken,
+        reply: Reply<Record>,
+    },
+    Sweep {
+        limit: usize,
+        reply: Reply<SweepOutcome>,
+    },
+    JournalPut {
+        id: RecordId,
+        token: FencingToken,
+        name: String,
+        value: Vec<u8>,
+        overwrite: bool,
+        reply: Reply<JournalWrite>,
+    },
 }
 
 /// An applied operation whose outcome is held back until its batch commits. Called with
@@ -393,7 +445,13 @@ impl Op {
             Op::Claim(req, reply) => {
                 let outcome = schema::select(conn, req.id).and_then(|current| {
                     let (write, outcome) = transition::claim(current.as_ref(), &req, now);
-                    write.map_or(Ok(()), |r| schema::upsert(conn, &r))?;
+                    if let Some(r) = write {
+                        if current.is_some() {
+                            // Replacing an expired record: its journal is not this claim's.
+                            schema::delete_journal(conn, r.id)?;
+                        }
+                        schema::upsert(conn, &r)?;
+                    }
                     Ok(outcome)
                 });
                 settle(reply, outcome)
@@ -428,6 +486,18 @@ impl Op {
                 let outcome = schema::sweep(conn, now, limit).map(|(removed, more)| SweepOutcome { removed, more });
                 settle(reply, outcome)
             }
+            Op::JournalPut { id, token, name, value, overwrite, reply } => {
+                let outcome = schema::select(conn, id).and_then(|current| {
+                    transition::check_journal_owner(current.as_ref(), id, token, now)
+                        .map_err(|lost| StoreError::lease_lost(id, lost))?;
+                    if !overwrite && let Some(stored) = schema::journal_entry(conn, id, &name)? {
+                        return Ok(JournalWrite::Exists(stored));
+                    }
+                    schema::put_journal_entry(conn, id, &name, &value)?;
+                    Ok(JournalWrite::Written)
+                });
+                settle(reply, outcome)
+            }
         }
     }
 
@@ -437,6 +507,7 @@ impl Op {
             Op::Reclaim(_, reply) => settle(reply, Err(error))(None),
             Op::Complete { reply, .. } | Op::Fail { reply, .. } => settle(reply, Err(error))(None),
             Op::Sweep { reply, .. } => settle(reply, Err(error))(None),
+            Op::JournalPut { reply, .. } => settle(reply, Err(error))(None),
         }
     }
 }

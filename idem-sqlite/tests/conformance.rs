@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, ManualClock, ReclaimOutcome, ReclaimRequest, Record,
-    RecordId, Store, StoreError, StoredResponse, SweepOutcome,
+    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ManualClock, ReclaimOutcome, ReclaimRequest,
+    Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome,
 };
 use idem_sqlite::SqliteStore;
 
@@ -77,6 +77,19 @@ impl Store for TempStore {
     }
     fn capabilities(&self) -> Capabilities {
         self.store.capabilities()
+    }
+    async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        self.store.journal_put(id, token, name, value, overwrite).await
+    }
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.store.journal_get(id, name).await
     }
 }
 

@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, ManualClock, RecordState, Scope, Store,
-    StoreError, StoredResponse, UnixMillis,
+    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,
+    ReclaimOutcome, ReclaimRequest, RecordState, Scope, Store, StoreError, StoredResponse, UnixMillis,
 };
 use idem_sqlite::{Error, SCHEMA_VERSION, SqliteStore};
 use rusqlite::Connection;
@@ -49,6 +49,14 @@ async fn records_survive_reopening_and_the_schema_is_versioned() {
         .and_then(|mut s| s.query_map([], |r| r.get(0))?.collect())
         .expect("indices");
     assert_eq!(indices, ["idem_records_expires", "idem_records_lease", "idem_records_scope"]);
+    let tables: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name IN ('idem_records', 'idem_journal')",
+            [],
+            |r| r.get(0),
+        )
+        .expect("tables");
+    assert_eq!(tables, 2);
 }
 
 #[test]
@@ -134,4 +142,54 @@ async fn keys_and_scopes_round_trip_byte_exact_through_the_columns() {
     let read = store.get(req.id).await.expect("get").expect("present");
     assert_eq!(read, written);
     assert_eq!((read.key, read.scope), (req.key, req.scope));
+}
+
+#[tokio::test]
+async fn journal_entries_follow_their_record_through_reclaim_sweep_and_replacement() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.sqlite3");
+    let clock = ManualClock::new(UnixMillis(1_700_000_000_000));
+    let store = open(path.clone(), &clock).await;
+    let ClaimOutcome::Claimed(r) = store.claim(req("k1")).await.expect("claim") else { panic!("not claimed") };
+    assert_eq!(
+        store.journal_put(r.id, r.token, "charge", b"ch_1".to_vec(), false).await.expect("put"),
+        JournalWrite::Written
+    );
+    // First write wins without overwrite; a stale token is fenced.
+    assert_eq!(
+        store.journal_put(r.id, r.token, "charge", b"ch_2".to_vec(), false).await.expect("put"),
+        JournalWrite::Exists(b"ch_1".to_vec())
+    );
+    assert!(
+        store.journal_put(r.id, FencingToken(7), "charge", vec![], true).await.expect_err("fenced").is_lease_lost()
+    );
+
+    // The lease runs out; the retry reclaims and resumes from the journal.
+    clock.advance(Duration::from_secs(6));
+    let reclaim = ReclaimRequest {
+        id: r.id,
+        expected: r.token,
+        fingerprint: r.fingerprint,
+        lease_ttl: Duration::from_secs(5),
+        retention: Duration::from_secs(60),
+    };
+    let ReclaimOutcome::Reclaimed(r2) = store.reclaim(reclaim).await.expect("reclaim") else { panic!("not reclaimed") };
+    assert_eq!(store.journal_get(r2.id, "charge").await.expect("get"), Some(b"ch_1".to_vec()));
+    assert_eq!(store.journal_get(r2.id, "other").await.expect("get"), None);
+
+    // Past retention: invisible at once, then a new claim starts with an empty journal.
+    clock.advance(Duration::from_secs(120));
+    assert_eq!(store.journal_get(r2.id, "charge").await.expect("get"), None);
+    let ClaimOutcome::Claimed(r3) = store.claim(req("k1")).await.expect("claim") else { panic!("not claimed") };
+    assert_eq!(r3.token, FencingToken(3));
+    assert_eq!(store.journal_get(r3.id, "charge").await.expect("get"), None);
+
+    // The sweep removes a record's entries with it (trigger idem_records_delete_journal).
+    store.journal_put(r3.id, r3.token, "charge", b"ch_3".to_vec(), false).await.expect("put");
+    clock.advance(Duration::from_secs(120));
+    assert_eq!(store.sweep(10).await.expect("sweep").removed, 1);
+    let left: i64 = Connection::open(&path)
+        .and_then(|c| c.query_row("SELECT count(*) FROM idem_journal", [], |row| row.get(0)))
+        .expect("count");
+    assert_eq!(left, 0);
 }
