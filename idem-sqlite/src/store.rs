@@ -164,6 +164,10 @@ impl SqliteStoreBuilder {
 /// queued in one transaction (group commit); reads ([`Store::get`]) run on
 /// `spawn_blocking` with pooled read connections. When the last clone is dropped the writer
 /// finishes the queued operations and closes its connection.
+///
+/// Dropping a call's future does not always cancel it: a completion or fail already queued
+/// is still applied. A claim or reclaim whose caller is gone by the time its batch runs is
+/// skipped; one applied just before the caller went away stays, and its lease frees it.
 #[derive(Clone)]
 pub struct SqliteStore {
     inner: Arc<Inner>,
@@ -419,6 +423,9 @@ impl Writer {
         let mut settled = Vec::with_capacity(size);
         let mut ops = batch.drain(..);
         while let Some(op) = ops.next() {
+            if op.abandoned() {
+                continue;
+            }
             settled.push(op.apply(&tx, self.clock.now()));
             // Some errors (disk full, I/O error) make SQLite roll the whole transaction
             // back; then the outcomes computed so far describe writes that are gone.
@@ -440,6 +447,19 @@ impl Writer {
 }
 
 impl Op {
+    /// A claim or reclaim whose caller already gave up (its future was dropped: the client
+    /// disconnected, a timeout fired). Skipping it is safe and better than applying it:
+    /// nobody would run the handler, and the claim would only block retries until its
+    /// lease ran out. Completions and fails are applied regardless: a stored outcome is
+    /// worth keeping even when nobody waits for the acknowledgement.
+    fn abandoned(&self) -> bool {
+        match self {
+            Op::Claim(_, reply) => reply.is_closed(),
+            Op::Reclaim(_, reply) => reply.is_closed(),
+            _ => false,
+        }
+    }
+
     fn apply(self, conn: &Connection, now: idem_core::UnixMillis) -> Settle {
         match self {
             Op::Claim(req, reply) => {
@@ -581,6 +601,18 @@ mod tests {
         assert_eq!(outcome(&mut complete_rx).expect("complete").response, Some(response));
         assert!(outcome(&mut fail_rx).expect_err("fenced").is_lease_lost());
         assert_eq!(stored(&f, "k").map(|r| r.state), Some(RecordState::Completed));
+    }
+
+    #[test]
+    fn a_claim_whose_caller_gave_up_is_not_written() {
+        //! A claim nobody waits for anymore must not block the client's retry for a lease.
+        let mut f = fixture();
+        let (gone, gone_rx) = claim("gone");
+        drop(gone_rx);
+        let (kept, mut kept_rx) = claim("kept");
+        f.writer.commit_batch(&mut vec![gone, kept]);
+        assert!(stored(&f, "gone").is_none());
+        assert!(matches!(outcome(&mut kept_rx), Ok(ClaimOutcome::Claimed(_))));
     }
 
     #[test]
