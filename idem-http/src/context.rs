@@ -1,4 +1,5 @@
-//! [`IdempotencyContext`]: what the handler learns about the claim it runs under.
+//! The handler's side of the layer: [`IdempotencyContext`] (what it learns about the claim
+//! it runs under) and [`ResponseCaching`] (what it can say about its response).
 
 use std::sync::Arc;
 
@@ -69,4 +70,31 @@ impl IdempotencyContext {
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
     }
+}
+
+/// Response extension a handler may set to override the policy's status rule for one
+/// response (DESIGN.md, "What is stored": "a handler may override per response").
+///
+/// The policy decides by status alone; the handler sometimes knows better. A 409 that
+/// reports a final business decision ("that name is taken, and always will be") can be
+/// stored, and a 200 that reports a partial, still-changing result can be left unstored.
+///
+/// ```
+/// use axum::{http::StatusCode, response::IntoResponse, Extension};
+/// use idem_http::ResponseCaching;
+///
+/// async fn create() -> impl IntoResponse {
+///     (StatusCode::CONFLICT, Extension(ResponseCaching::Store), "name taken")
+/// }
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ResponseCaching {
+    /// Store this response and replay it to every retry, whatever its status, except a
+    /// 5xx: a server error is never stored (the record is marked failed), because the
+    /// layer cannot tell a handler's deliberate 5xx from a proxy's or a framework's.
+    Store,
+    /// Do not store this response; mark the record failed, so a retry runs the handler
+    /// again.
+    DoNotStore,
 }

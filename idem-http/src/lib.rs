@@ -99,6 +99,8 @@
 //!   replay answers a `response-not-retained` problem with the original status and
 //!   `Location`);
 //! - anything else (5xx, 1xx, 3xx, uncacheable 4xx): `fail`, so the retry runs again;
+//! - a handler may override the status rule for one response with the [`ResponseCaching`]
+//!   response extension (never to store a 5xx);
 //! - the handler returns an error, panics, or its body fails, or the request future is
 //!   dropped mid-flight (client disconnect): `fail`, from a drop guard that spawns the
 //!   write on the tokio runtime if it has to. A panic is re-raised after the write; a
@@ -124,7 +126,8 @@
 //! - [`body`] holds [`ResponseBody`].
 //! - [`principal`] holds [`PrincipalResolver`], [`BearerToken`].
 //! - [`problem`] holds RFC 9457 bodies, [`ProblemKind`].
-//! - [`context`] holds [`IdempotencyContext`], the request extension a claimed handler sees.
+//! - [`context`] holds [`IdempotencyContext`], the request extension a claimed handler sees,
+//!   and [`ResponseCaching`], the response extension it may set.
 //! - [`headers`] holds the header names.
 
 pub mod body;
@@ -137,7 +140,7 @@ pub mod problem;
 pub mod service;
 
 pub use body::ResponseBody;
-pub use context::IdempotencyContext;
+pub use context::{IdempotencyContext, ResponseCaching};
 pub use future::ResponseFuture;
 pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};
 pub use layer::{IdempotencyLayer, KeyRequirement, MissingPrincipal};

@@ -27,7 +27,7 @@ use idem_core::{
 use tower::Service;
 
 use crate::body::ResponseBody;
-use crate::context::IdempotencyContext;
+use crate::context::{IdempotencyContext, ResponseCaching};
 use crate::future::{FailGuard, ResponseFuture};
 use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, http_date};
 use crate::layer::{Config, KeyRequirement, MissingPrincipal};
@@ -450,7 +450,13 @@ where
     };
     let mut expires_at = record.expires_at;
     let status = head.status.as_u16();
-    if cfg.policy.is_cacheable(status) {
+    let cacheable = match head.extensions.remove::<ResponseCaching>() {
+        _ if head.status.is_server_error() => false,
+        Some(ResponseCaching::Store) => true,
+        Some(ResponseCaching::DoNotStore) => false,
+        None => cfg.policy.is_cacheable(status),
+    };
+    if cacheable {
         match store.complete(id, token, stored_response(&cfg.policy, status, &head.headers, &body)).await {
             Ok(done) => expires_at = done.expires_at,
             Err(e) if e.is_lease_lost() => tracing::warn!(
@@ -466,7 +472,8 @@ where
         }
         guard.disarm();
     } else {
-        // 5xx, 1xx, 3xx and the uncacheable 4xx: never stored, so a retry runs again.
+        // 5xx, 1xx, 3xx, the uncacheable 4xx, and what the handler marked `DoNotStore`:
+        // never stored, so a retry runs again.
         guard.fail_now("response status is not cacheable").await;
     }
     set_expires(&mut head.headers, expires_at);

@@ -372,3 +372,43 @@ async fn a_layer_wrapped_around_the_whole_router_scopes_by_concrete_path() {
     assert!(outer_env.record("tok-p", "POST /v1/workers/7/reboot", "k1").await.is_some());
     assert!(env.record("tok-p", "POST /v1/workers/{id}/reboot", "k1").await.is_some());
 }
+
+#[tokio::test]
+async fn a_record_that_keeps_changing_gets_409_busy_after_three_rounds() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    s.then(Step::Status(500));
+    let app = app(layer(&env), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    send(&app, &req).await;
+    env.store.lose_reclaims.store(true, std::sync::atomic::Ordering::SeqCst);
+    let got = send(&app, &req).await;
+    got.problem(409, "busy");
+    assert_eq!(got.retry_after(), 1);
+    assert_eq!(env.store.reclaims.load(std::sync::atomic::Ordering::SeqCst), 3, "bounded: three rounds");
+    assert_eq!(n.get(), 1, "the handler never ran without a claim");
+}
+
+#[tokio::test]
+async fn a_handler_can_override_the_status_rule_for_one_response() {
+    use idem_http::ResponseCaching;
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    s.then(Step::Override(409, ResponseCaching::Store))
+        .then(Step::Override(200, ResponseCaching::DoNotStore))
+        .then(Step::Override(503, ResponseCaching::Store));
+    let app = app(layer(&env), &n, &s);
+    // A final business 409 ("name taken"), stored on the handler's word.
+    let first = send(&app, &post("/v1/orders").key("k1").body("{}")).await;
+    let again = send(&app, &post("/v1/orders").key("k1").body("{}")).await;
+    assert_eq!((first.status.as_u16(), again.status.as_u16()), (409, 409));
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    // A 200 the handler does not want replayed: failed, so the retry runs.
+    send(&app, &post("/v1/orders").key("k2").body("{}")).await;
+    assert_eq!(env.record("tok-p", ORDERS, "k2").await.unwrap().state, RecordState::Failed);
+    // A 5xx is never stored, even when asked.
+    assert_eq!(send(&app, &post("/v1/orders").key("k3").body("{}")).await.status, 503);
+    assert_eq!(env.record("tok-p", ORDERS, "k3").await.unwrap().state, RecordState::Failed);
+    assert_eq!(n.get(), 3);
+}

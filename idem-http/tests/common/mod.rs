@@ -36,7 +36,7 @@ impl Env {
     pub fn new() -> Self {
         let clock = ManualClock::new(T0);
         let memory = MemoryStore::with_clock(Arc::new(clock.clone()));
-        Self { clock, store: Arc::new(FlakyStore::new(memory)) }
+        Self { store: Arc::new(FlakyStore::new(memory, clock.clone())), clock }
     }
 
     pub fn dyn_store(&self) -> Arc<dyn Store> {
@@ -64,22 +64,34 @@ impl Env {
 #[derive(Debug)]
 pub struct FlakyStore {
     pub inner: MemoryStore,
+    clock: ManualClock,
     /// Every operation returns `Unavailable`.
     pub fail_all: AtomicBool,
     /// `complete` returns `Unavailable` (and writes nothing).
     pub fail_complete: AtomicBool,
+    /// `reclaim` always loses the compare-and-set (as if another retry won every time).
+    pub lose_reclaims: AtomicBool,
     /// How many `fail` calls reached the store.
     pub fails: AtomicUsize,
+    /// How many `reclaim` calls reached the store.
+    pub reclaims: AtomicUsize,
 }
 
 impl FlakyStore {
-    pub fn new(inner: MemoryStore) -> Self {
+    pub fn new(inner: MemoryStore, clock: ManualClock) -> Self {
         Self {
             inner,
+            clock,
             fail_all: AtomicBool::new(false),
             fail_complete: AtomicBool::new(false),
+            lose_reclaims: AtomicBool::new(false),
             fails: AtomicUsize::new(0),
+            reclaims: AtomicUsize::new(0),
         }
+    }
+
+    fn inner_now(&self) -> UnixMillis {
+        idem_core::Clock::now(&self.clock)
     }
 
     fn down(&self, op: &'static str) -> Result<(), StoreError> {
@@ -98,6 +110,11 @@ impl Store for FlakyStore {
     }
     async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
         self.down("reclaim")?;
+        self.reclaims.fetch_add(1, Ordering::SeqCst);
+        if self.lose_reclaims.load(Ordering::SeqCst) {
+            let current = self.inner.get(req.id).await?;
+            return Ok(ReclaimOutcome::Conflict { current, now: self.inner_now() });
+        }
         self.inner.reclaim(req).await
     }
     async fn complete(
@@ -343,6 +360,8 @@ pub enum Step {
     Stream(Vec<&'static str>),
     /// 201 with a streamed body that fails after its first chunk.
     BrokenStream,
+    /// This status, with a [`idem_http::ResponseCaching`] override.
+    Override(u16, idem_http::ResponseCaching),
 }
 
 /// The queue of steps the handler follows, one per call.
@@ -413,6 +432,14 @@ async fn respond(counter: &Counter, script: &Script, req: Request<Body>) -> Resp
         Step::Stream(chunks) => created(Body::from_stream(futures::stream::iter(
             chunks.into_iter().map(|c| Ok::<_, std::io::Error>(Bytes::from_static(c.as_bytes()))),
         ))),
+        Step::Override(code, caching) => {
+            let mut res = Response::builder()
+                .status(code)
+                .body(Body::from(serde_json::json!({ "call": call, "status": code }).to_string()))
+                .unwrap();
+            res.extensions_mut().insert(caching);
+            res
+        }
         Step::BrokenStream => created(Body::from_stream(futures::stream::iter(vec![
             Ok(Bytes::from_static(b"{\"partial\":")),
             Err(std::io::Error::other("upstream reset")),
