@@ -1,1 +1,70 @@
-//! idem-redb: work in progress.
+//! # idem-redb
+//!
+//! The idem [`Store`](idem_core::Store) on one embedded [redb](https://docs.rs/redb) file:
+//! no server to run, records survive restarts, and concurrent requests share commits.
+//!
+//! A durable redb commit costs one fsync (about 0.4 ms on a typical disk), so a store that
+//! commits every claim and every completion on its own tops out near 1,000 requests per
+//! second. [`RedbStore`] uses group commit instead: one writer thread applies every
+//! operation that is waiting (up to [`RedbConfig::max_batch`]) in one write transaction
+//! and commits once; each caller still gets its own outcome, and only after the commit
+//! that holds its write is durable.
+//!
+//! ```
+//! use std::time::Duration;
+//! use idem_core::{ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Scope, Store,
+//!     StoredResponse};
+//! use idem_redb::{RedbConfig, RedbStore};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dir = tempfile::tempdir()?;
+//! let store = RedbStore::open(dir.path().join("idem.redb"), RedbConfig::default())?;
+//!
+//! let scope = Scope::new("token:ml-eval", Endpoint::new("POST", "/v1/workers"))?;
+//! let key = IdempotencyKey::parse(b"7c3f5d1e-91a4")?;
+//! let req = ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"{}"),
+//!     Duration::from_secs(300), Duration::from_secs(86_400));
+//!
+//! // The first request claims the key and runs the handler...
+//! let ClaimOutcome::Claimed(record) = store.claim(req.clone()).await? else { unreachable!() };
+//! let response = StoredResponse::new(201, vec![("location".into(), b"/v1/workers/w-1".to_vec())], b"{}".to_vec());
+//! store.complete(record.id, record.token, response).await?;
+//!
+//! // ...and a retry finds the stored response to replay.
+//! let ClaimOutcome::Existing { record, .. } = store.claim(req).await? else { unreachable!() };
+//! assert_eq!(record.response.map(|r| r.status), Some(201));
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Layout
+//! - [`store`]: [`RedbStore`], [`RedbConfig`], [`Durability`], and the two tables:
+//!   [`store::RECORDS`] (`idem_records`: 32-byte record id -> encoded record) and
+//!   [`store::EXPIRY`] (`idem_expiry`: (`expires_at` ms, record id) -> `()`), which `sweep`
+//!   range-scans so it deletes expired records in bounded batches without reading the rest.
+//! - `writer` (private): the group-commit writer thread. Every write is a read-compute-write
+//!   through [`idem_core::transition`], the same rules the in-memory store runs.
+//! - [`error`]: [`RedbStoreError`], redb's errors kept as `source` and mapped into
+//!   [`StoreError::Unavailable`](idem_core::StoreError::Unavailable) with a retryable flag.
+//!
+//! Records are encoded with [`idem_core::codec`]: one format-version byte, then postcard.
+//! A stored value that does not decode is
+//! [`StoreError::Corrupt`](idem_core::StoreError::Corrupt), never a panic.
+//!
+//! # Sharing the file
+//! The application may keep its own tables in the same file: open the [`redb::Database`]
+//! yourself and pass it to [`RedbStore::open_with`], or take it from
+//! [`RedbStore::database`]. The store only writes the tables named `idem_records` and
+//! `idem_expiry`.
+//!
+//! # Time
+//! Every `now` comes from [`RedbConfig::clock`] (the system clock by default), in
+//! milliseconds since the epoch; tests inject a [`idem_core::ManualClock`].
+
+pub mod error;
+pub mod store;
+mod writer;
+
+pub use error::RedbStoreError;
+pub use store::{BatchStats, Durability, RedbConfig, RedbStore};

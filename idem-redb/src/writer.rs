@@ -1,0 +1,424 @@
+//! Group commit: the one thread that owns write transactions.
+//!
+//! Callers send an [`Op`] with a oneshot reply. The writer takes the first waiting
+//! operation, everything else already queued (up to `max_batch`), optionally lingers for
+//! more, applies them in arrival order inside one write transaction, commits once and
+//! only then answers each caller. Each operation is a read-compute-write through the pure
+//! rules in [`idem_core::transition`], so later operations in a batch see the effects of
+//! earlier ones exactly as if they had committed separately: two claims of one id in one
+//! batch give `Claimed` then `Existing`.
+//!
+//! Two kinds of failure: an operation's own outcome (`LeaseLost`, `Corrupt`, a value over
+//! redb's size limit, all detected before that operation writes anything) goes to that
+//! caller only and the batch goes on; a failure of the transaction itself (begin, a table
+//! write half-way through an operation, commit) aborts the whole batch and every caller in
+//! it gets the same error, so a caller is never told "done" for a write that was rolled
+//! back.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::time::{Duration, Instant};
+
+use idem_core::codec;
+use idem_core::transition;
+use idem_core::{
+    ClaimOutcome, ClaimRequest, Clock, FencingToken, ReclaimOutcome, ReclaimRequest, Record, RecordId, StoreError,
+    StoredResponse, SweepOutcome, UnixMillis,
+};
+use redb::{Database, ReadableTable, WriteTransaction};
+use tokio::sync::oneshot;
+
+use crate::error::RedbStoreError;
+use crate::store::{Counters, Durability, EXPIRY, RECORDS, RedbConfig};
+
+/// Where a caller waits for its outcome.
+pub(crate) type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
+
+/// One write operation and its caller.
+pub(crate) enum Op {
+    Claim { req: ClaimRequest, reply: Reply<ClaimOutcome> },
+    Reclaim { req: ReclaimRequest, reply: Reply<ReclaimOutcome> },
+    Complete { id: RecordId, token: FencingToken, response: StoredResponse, reply: Reply<Record> },
+    Fail { id: RecordId, token: FencingToken, reply: Reply<Record> },
+    Sweep { limit: usize, reply: Reply<SweepOutcome> },
+}
+
+/// A caller to answer with an error.
+enum Caller {
+    Claim(Reply<ClaimOutcome>),
+    Reclaim(Reply<ReclaimOutcome>),
+    Record(Reply<Record>),
+    Sweep(Reply<SweepOutcome>),
+}
+
+impl Caller {
+    fn send_err(self, e: StoreError) {
+        // A caller that stopped waiting (its future was dropped) needs no answer.
+        let _ = match self {
+            Caller::Claim(r) => r.send(Err(e)).map_err(drop),
+            Caller::Reclaim(r) => r.send(Err(e)).map_err(drop),
+            Caller::Record(r) => r.send(Err(e)).map_err(drop),
+            Caller::Sweep(r) => r.send(Err(e)).map_err(drop),
+        };
+    }
+}
+
+/// An applied operation, answered once the batch commits.
+enum Done {
+    Claim(Reply<ClaimOutcome>, Result<ClaimOutcome, StoreError>),
+    Reclaim(Reply<ReclaimOutcome>, Result<ReclaimOutcome, StoreError>),
+    Record(Reply<Record>, Result<Record, StoreError>),
+    Sweep(Reply<SweepOutcome>, Result<SweepOutcome, StoreError>),
+}
+
+impl Done {
+    fn deliver(self) {
+        let _ = match self {
+            Done::Claim(r, v) => r.send(v).map_err(drop),
+            Done::Reclaim(r, v) => r.send(v).map_err(drop),
+            Done::Record(r, v) => r.send(v).map_err(drop),
+            Done::Sweep(r, v) => r.send(v).map_err(drop),
+        };
+    }
+
+    fn into_caller(self) -> Caller {
+        match self {
+            Done::Claim(r, _) => Caller::Claim(r),
+            Done::Reclaim(r, _) => Caller::Reclaim(r),
+            Done::Record(r, _) => Caller::Record(r),
+            Done::Sweep(r, _) => Caller::Sweep(r),
+        }
+    }
+}
+
+impl Op {
+    fn into_caller(self) -> Caller {
+        match self {
+            Op::Claim { reply, .. } => Caller::Claim(reply),
+            Op::Reclaim { reply, .. } => Caller::Reclaim(reply),
+            Op::Complete { reply, .. } | Op::Fail { reply, .. } => Caller::Record(reply),
+            Op::Sweep { reply, .. } => Caller::Sweep(reply),
+        }
+    }
+
+    /// Applies the operation inside the batch's transaction. `Err` is a transaction
+    /// failure: the batch must be aborted.
+    fn apply(self, t: &mut Tables<'_>, now: UnixMillis) -> Result<Done, (Caller, RedbStoreError)> {
+        match self {
+            Op::Claim { req, reply } => match t.claim(&req, now) {
+                Ok(v) => Ok(Done::Claim(reply, v)),
+                Err(e) => Err((Caller::Claim(reply), e)),
+            },
+            Op::Reclaim { req, reply } => match t.reclaim(&req, now) {
+                Ok(v) => Ok(Done::Reclaim(reply, v)),
+                Err(e) => Err((Caller::Reclaim(reply), e)),
+            },
+            Op::Complete { id, token, response, reply } => match t.complete(id, token, response, now) {
+                Ok(v) => Ok(Done::Record(reply, v)),
+                Err(e) => Err((Caller::Record(reply), e)),
+            },
+            Op::Fail { id, token, reply } => match t.fail(id, token, now) {
+                Ok(v) => Ok(Done::Record(reply, v)),
+                Err(e) => Err((Caller::Record(reply), e)),
+            },
+            Op::Sweep { limit, reply } => match t.sweep(limit, now) {
+                Ok(v) => Ok(Done::Sweep(reply, Ok(v))),
+                Err(e) => Err((Caller::Sweep(reply), e)),
+            },
+        }
+    }
+}
+
+/// Outer `Err`: the transaction failed. Inner `Err`: this operation's own outcome.
+type Applied<T> = Result<Result<T, StoreError>, RedbStoreError>;
+
+/// The store's two tables, open in one write transaction.
+struct Tables<'txn> {
+    records: redb::Table<'txn, &'static [u8; 32], &'static [u8]>,
+    expiry: redb::Table<'txn, (i64, [u8; 32]), ()>,
+}
+
+impl<'txn> Tables<'txn> {
+    fn open(txn: &'txn WriteTransaction) -> Result<Self, RedbStoreError> {
+        let records =
+            txn.open_table(RECORDS).map_err(|source| RedbStoreError::Table { table: "idem_records", source })?;
+        let expiry = txn.open_table(EXPIRY).map_err(|source| RedbStoreError::Table { table: "idem_expiry", source })?;
+        Ok(Self { records, expiry })
+    }
+
+    fn read(&self, id: RecordId) -> Applied<Option<Record>> {
+        let Some(value) = self.records.get(&id.0)? else {
+            return Ok(Ok(None));
+        };
+        Ok(codec::decode(value.value()).map(Some).map_err(|source| StoreError::Corrupt { id: Some(id), source }))
+    }
+
+    /// Writes `new` over `old` and moves its expiry index entry if `expires_at` changed.
+    fn write(&mut self, old: Option<&Record>, new: &Record) -> Applied<()> {
+        let bytes = codec::encode(new);
+        // The record insert is the operation's first change: if redb refuses the value
+        // (over its 3 GiB limit) nothing was written and only this caller fails.
+        match self.records.insert(&new.id.0, bytes.as_slice()) {
+            Ok(_) => {}
+            Err(e @ redb::StorageError::ValueTooLarge(_)) => return Ok(Err(RedbStoreError::Storage(e).into())),
+            Err(e) => return Err(e.into()),
+        }
+        let old_expiry = old.map(|o| o.expires_at);
+        if old_expiry != Some(new.expires_at) {
+            if let Some(o) = old {
+                self.expiry.remove((o.expires_at.0, o.id.0))?;
+            }
+            self.expiry.insert((new.expires_at.0, new.id.0), ())?;
+        }
+        Ok(Ok(()))
+    }
+
+    fn claim(&mut self, req: &ClaimRequest, now: UnixMillis) -> Applied<ClaimOutcome> {
+        let current = match self.read(req.id)? {
+            Ok(c) => c,
+            Err(e) => return Ok(Err(e)),
+        };
+        let (write, outcome) = transition::claim(current.as_ref(), req, now);
+        if let Some(new) = write
+            && let Err(e) = self.write(current.as_ref(), &new)?
+        {
+            return Ok(Err(e));
+        }
+        Ok(Ok(outcome))
+    }
+
+    fn reclaim(&mut self, req: &ReclaimRequest, now: UnixMillis) -> Applied<ReclaimOutcome> {
+        let current = match self.read(req.id)? {
+            Ok(c) => c,
+            Err(e) => return Ok(Err(e)),
+        };
+        let (write, outcome) = transition::reclaim(current.as_ref(), req, now);
+        if let Some(new) = write
+            && let Err(e) = self.write(current.as_ref(), &new)?
+        {
+            return Ok(Err(e));
+        }
+        Ok(Ok(outcome))
+    }
+
+    fn complete(
+        &mut self,
+        id: RecordId,
+        token: FencingToken,
+        response: StoredResponse,
+        now: UnixMillis,
+    ) -> Applied<Record> {
+        let current = match self.read(id)? {
+            Ok(c) => c,
+            Err(e) => return Ok(Err(e)),
+        };
+        let new = match transition::complete(current.as_ref(), id, token, response, now) {
+            Ok(new) => new,
+            Err(lost) => return Ok(Err(StoreError::lease_lost(id, lost))),
+        };
+        Ok(self.write(current.as_ref(), &new)?.map(|()| new))
+    }
+
+    fn fail(&mut self, id: RecordId, token: FencingToken, now: UnixMillis) -> Applied<Record> {
+        let current = match self.read(id)? {
+            Ok(c) => c,
+            Err(e) => return Ok(Err(e)),
+        };
+        let new = match transition::fail(current.as_ref(), id, token, now) {
+            Ok(new) => new,
+            Err(lost) => return Ok(Err(StoreError::lease_lost(id, lost))),
+        };
+        Ok(self.write(current.as_ref(), &new)?.map(|()| new))
+    }
+
+    /// Deletes up to `limit` records with `expires_at <= now`, found by a range scan of the
+    /// expiry index (never a scan of the records). The index is the authority here: a
+    /// record is not decoded before it is deleted, so a corrupt record still leaves once
+    /// its retention has passed.
+    fn sweep(&mut self, limit: usize, now: UnixMillis) -> Result<SweepOutcome, RedbStoreError> {
+        let mut expired = Vec::new();
+        for entry in self.expiry.range(..=(now.0, [u8::MAX; 32]))?.take(limit.saturating_add(1)) {
+            let (key, _) = entry?;
+            expired.push(key.value());
+        }
+        let more = expired.len() > limit;
+        expired.truncate(limit);
+        for (expires_at, id) in &expired {
+            self.expiry.remove((*expires_at, *id))?;
+            self.records.remove(id)?;
+        }
+        Ok(SweepOutcome { removed: expired.len() as u64, more })
+    }
+}
+
+/// The writer thread's state.
+pub(crate) struct Writer {
+    db: Arc<Database>,
+    clock: Arc<dyn Clock>,
+    max_batch: usize,
+    linger: Duration,
+    durability: Durability,
+    counters: Arc<Counters>,
+    receiver: Receiver<Op>,
+    /// When the oldest commit that is not yet durable was made (`Durability::Eventual`).
+    dirty_since: Option<Instant>,
+}
+
+impl Writer {
+    pub(crate) fn new(
+        db: Arc<Database>,
+        clock: Arc<dyn Clock>,
+        config: &RedbConfig,
+        counters: Arc<Counters>,
+        receiver: Receiver<Op>,
+    ) -> Self {
+        Self {
+            db,
+            clock,
+            max_batch: config.max_batch.max(1),
+            linger: config.linger,
+            durability: config.durability,
+            counters,
+            receiver,
+            dirty_since: None,
+        }
+    }
+
+    /// Runs until every sender is gone and every received operation is answered.
+    pub(crate) fn run(mut self) {
+        let mut batch = Vec::with_capacity(self.max_batch);
+        while let Some(first) = self.next_first() {
+            batch.push(first);
+            self.fill(&mut batch);
+            self.run_batch(std::mem::take(&mut batch));
+        }
+        if self.dirty_since.is_some() {
+            self.flush();
+        }
+    }
+
+    /// Waits for the first operation of the next batch; `None` once the store is dropped.
+    /// With `Durability::Eventual`, makes pending commits durable when the wait would
+    /// otherwise outlast `max_unflushed`.
+    fn next_first(&mut self) -> Option<Op> {
+        loop {
+            let (Durability::Eventual { max_unflushed }, Some(since)) = (self.durability, self.dirty_since) else {
+                return self.receiver.recv().ok();
+            };
+            match self.receiver.recv_timeout(max_unflushed.saturating_sub(since.elapsed())) {
+                Ok(op) => return Some(op),
+                Err(RecvTimeoutError::Timeout) => self.flush(),
+                Err(RecvTimeoutError::Disconnected) => return None,
+            }
+        }
+    }
+
+    /// Adds what is already queued, then lingers for more, up to `max_batch`.
+    fn fill(&mut self, batch: &mut Vec<Op>) {
+        while batch.len() < self.max_batch {
+            match self.receiver.try_recv() {
+                Ok(op) => batch.push(op),
+                Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+            }
+        }
+        if self.linger.is_zero() {
+            return;
+        }
+        let deadline = Instant::now() + self.linger;
+        while batch.len() < self.max_batch {
+            match self.receiver.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(op) => batch.push(op),
+                Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+            }
+        }
+    }
+
+    fn run_batch(&mut self, ops: Vec<Op>) {
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters.operations.fetch_add(ops.len() as u64, Ordering::Relaxed);
+        let durable = match self.durability {
+            Durability::Immediate => true,
+            Durability::Eventual { max_unflushed } => self.dirty_since.is_some_and(|s| s.elapsed() >= max_unflushed),
+        };
+        match self.apply_and_commit(ops, durable) {
+            Ok(done) => {
+                if durable {
+                    self.dirty_since = None;
+                } else if self.dirty_since.is_none() {
+                    self.dirty_since = Some(Instant::now());
+                }
+                for d in done {
+                    d.deliver();
+                }
+            }
+            Err((callers, e)) => {
+                self.counters.failed_batches.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, operations = callers.len(), "idem-redb batch failed; nothing in it was applied");
+                for c in callers {
+                    c.send_err(RedbStoreError::Batch(Arc::clone(&e)).into());
+                }
+            }
+        }
+    }
+
+    /// `Err` carries every caller of the batch and the one error they all get.
+    fn apply_and_commit(&self, ops: Vec<Op>, durable: bool) -> Result<Vec<Done>, (Vec<Caller>, Arc<RedbStoreError>)> {
+        let fail_all = |ops: Vec<Op>, e: RedbStoreError| (ops.into_iter().map(Op::into_caller).collect(), Arc::new(e));
+        let mut txn = match self.db.begin_write() {
+            Ok(t) => t,
+            Err(e) => return Err(fail_all(ops, e.into())),
+        };
+        if !durable && let Err(e) = txn.set_durability(redb::Durability::None) {
+            return Err(fail_all(ops, e.into()));
+        }
+        let mut done = Vec::with_capacity(ops.len());
+        let fault = match Tables::open(&txn) {
+            Err(e) => Some(fail_all(ops, e)),
+            Ok(mut tables) => {
+                let mut ops = ops.into_iter();
+                let mut fault = None;
+                for op in ops.by_ref() {
+                    // Each operation reads the clock when it is applied, so `now` never
+                    // runs backwards within a batch.
+                    match op.apply(&mut tables, self.clock.now()) {
+                        Ok(d) => done.push(d),
+                        Err(f) => {
+                            fault = Some(f);
+                            break;
+                        }
+                    }
+                }
+                fault.map(|(caller, e)| {
+                    let mut callers: Vec<Caller> = done.drain(..).map(Done::into_caller).collect();
+                    callers.push(caller);
+                    callers.extend(ops.map(Op::into_caller));
+                    (callers, Arc::new(e))
+                })
+            }
+        };
+        if let Some(fault) = fault {
+            // Dropping the transaction would abort it too; abort explicitly so nothing of
+            // the batch can reach the file.
+            let _ = txn.abort();
+            return Err(fault);
+        }
+        match txn.commit() {
+            Ok(()) => Ok(done),
+            Err(e) => Err((done.into_iter().map(Done::into_caller).collect(), Arc::new(e.into()))),
+        }
+    }
+
+    /// Makes pending non-durable commits durable with an empty durable commit.
+    fn flush(&mut self) {
+        let result = self.db.begin_write().map_err(RedbStoreError::from).and_then(|txn| Ok(txn.commit()?));
+        match result {
+            Ok(()) => self.dirty_since = None,
+            Err(e) => {
+                tracing::warn!(error = %e, "idem-redb could not make pending commits durable; will retry");
+                // Back off for one interval instead of retrying in a tight loop.
+                self.dirty_since = Some(Instant::now());
+            }
+        }
+    }
+}

@@ -1,0 +1,518 @@
+//! redb-specific behaviour beyond the conformance suite: persistence across reopen, the
+//! expiry index and bounded sweeps, group commit, corrupt values, commit failures and
+//! shutdown.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use idem_core::codec::{self, CodecError};
+use idem_core::{
+    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, ReclaimOutcome,
+    ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse, UnixMillis,
+};
+use idem_redb::store::{EXPIRY, RECORDS};
+use idem_redb::{Durability, RedbConfig, RedbStore};
+use redb::{ReadableDatabase, ReadableTable};
+
+const LEASE: Duration = Duration::from_secs(5);
+const RETENTION: Duration = Duration::from_secs(60);
+/// Long enough that a batch under test only closes because it is full.
+const LONG_LINGER: Duration = Duration::from_secs(30);
+
+fn clock() -> ManualClock {
+    ManualClock::new(UnixMillis(1_800_000_000_000))
+}
+
+fn req(key: &str, body: &[u8], retention: Duration) -> ClaimRequest {
+    let scope = Scope::new("tenant-a", Endpoint::new("POST", "/v1/workers")).expect("scope");
+    let key = IdempotencyKey::parse(key.as_bytes()).expect("key");
+    ClaimRequest::new(scope, key, Fingerprint::of_bytes(body), LEASE, retention)
+}
+
+fn config(clock: &ManualClock) -> RedbConfig {
+    RedbConfig::default().with_clock(Arc::new(clock.clone()))
+}
+
+fn temp_store(config: RedbConfig) -> RedbStore {
+    let file = tempfile::tempfile().expect("temporary file");
+    let backend = redb::backends::FileBackend::new(file).expect("file backend");
+    let db = redb::Database::builder().create_with_backend(backend).expect("database");
+    RedbStore::open_with(Arc::new(db), config).expect("store")
+}
+
+fn response(body: &[u8]) -> StoredResponse {
+    StoredResponse::new(201, vec![("location".into(), b"/v1/workers/w-1".to_vec())], body.to_vec())
+}
+
+async fn must_claim(store: &RedbStore, r: ClaimRequest) -> Record {
+    match store.claim(r).await.expect("claim") {
+        ClaimOutcome::Claimed(r) => r,
+        other => panic!("expected Claimed, got {other:?}"),
+    }
+}
+
+/// (`expires_at` ms, record id) pairs.
+type ExpirySet = BTreeSet<(i64, [u8; 32])>;
+
+/// Every record's (expires_at, id) and every index entry, read in one read transaction.
+fn records_and_index(store: &RedbStore) -> (ExpirySet, ExpirySet) {
+    let db = store.database();
+    let txn = db.begin_read().expect("read txn");
+    let records = txn.open_table(RECORDS).expect("records");
+    let expiry = txn.open_table(EXPIRY).expect("expiry");
+    let from_records = records
+        .iter()
+        .expect("iter")
+        .map(|e| {
+            let (k, v) = e.expect("entry");
+            let r = codec::decode(v.value()).expect("decodes");
+            assert_eq!(&r.id.0, k.value(), "a record is stored under its own id");
+            (r.expires_at.0, r.id.0)
+        })
+        .collect();
+    let index = expiry.iter().expect("iter").map(|e| e.expect("entry").0.value()).collect();
+    (from_records, index)
+}
+
+fn assert_index_consistent(store: &RedbStore) -> usize {
+    let (records, index) = records_and_index(store);
+    assert_eq!(records, index, "the expiry index holds exactly one entry per record, at its expires_at");
+    records.len()
+}
+
+// ---------------------------------------------------------------------------------------
+// Persistence
+// ---------------------------------------------------------------------------------------
+
+/// A completed record replays after the file is closed and reopened, and an in-flight claim
+/// is still in flight with the same fencing token (its owner can still complete it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_survive_close_and_reopen() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.redb");
+    let clock = clock();
+
+    let store = RedbStore::open(&path, config(&clock)).expect("open");
+    let done = must_claim(&store, req("done", b"{}", RETENTION)).await;
+    store.complete(done.id, done.token, response(b"{\"id\":\"w-1\"}")).await.expect("complete");
+    let running = must_claim(&store, req("running", b"{}", RETENTION)).await;
+    drop(store);
+
+    clock.advance(Duration::from_secs(1));
+    let store = RedbStore::open(&path, config(&clock)).expect("reopen");
+    let got = store.get(done.id).await.expect("get").expect("completed record present");
+    assert_eq!(got.state, RecordState::Completed);
+    assert_eq!(got.response, Some(response(b"{\"id\":\"w-1\"}")));
+    match store.claim(req("done", b"{}", RETENTION)).await.expect("claim") {
+        ClaimOutcome::Existing { record, .. } => assert_eq!(record, got),
+        other => panic!("a retry after reopen must find the completed record, got {other:?}"),
+    }
+    match store.claim(req("running", b"{}", RETENTION)).await.expect("claim") {
+        ClaimOutcome::Existing { record, .. } => {
+            assert_eq!(record.state, RecordState::InFlight);
+            assert_eq!(record.token, running.token);
+            assert_eq!(record, running);
+        }
+        other => panic!("the in-flight claim must survive reopen, got {other:?}"),
+    }
+    let completed = store.complete(running.id, running.token, response(b"late")).await.expect("owner completes");
+    assert_eq!(completed.state, RecordState::Completed);
+    assert_index_consistent(&store);
+}
+
+/// With `Durability::Eventual`, writes acknowledged before a clean shutdown are on disk
+/// after reopen (the writer makes them durable when it stops).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eventual_durability_flushes_on_clean_shutdown() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.redb");
+    let clock = clock();
+    let eventual = Durability::Eventual { max_unflushed: Duration::from_secs(3600) };
+
+    let store = RedbStore::open(&path, config(&clock).with_durability(eventual)).expect("open");
+    let r = must_claim(&store, req("k", b"{}", RETENTION)).await;
+    drop(store);
+
+    let store = RedbStore::open(&path, config(&clock)).expect("reopen");
+    assert_eq!(store.get(r.id).await.expect("get"), Some(r));
+}
+
+// ---------------------------------------------------------------------------------------
+// Expiry index and sweep
+// ---------------------------------------------------------------------------------------
+
+/// Sweep removes only records past `expires_at`, at most `limit` per call, reports `more`
+/// while expired records remain, and leaves the expiry index consistent after each call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweep_removes_only_expired_records_in_bounded_batches() {
+    let clock = clock();
+    let store = temp_store(config(&clock));
+    let mut short = Vec::new();
+    for i in 0..10 {
+        let r = must_claim(&store, req(&format!("short-{i}"), b"{}", RETENTION)).await;
+        if i % 2 == 0 {
+            store.complete(r.id, r.token, response(b"{}")).await.expect("complete");
+        }
+        short.push(r);
+    }
+    let mut long = Vec::new();
+    for i in 0..5 {
+        long.push(must_claim(&store, req(&format!("long-{i}"), b"{}", RETENTION * 2)).await);
+    }
+    assert_eq!(assert_index_consistent(&store), 15);
+
+    // One millisecond before expiry nothing goes.
+    clock.advance(RETENTION - Duration::from_millis(1));
+    let out = store.sweep(100).await.expect("sweep");
+    assert_eq!((out.removed, out.more), (0, false));
+
+    clock.advance(Duration::from_millis(1));
+    // Expired but not yet swept: already absent to readers.
+    assert_eq!(store.get(short[0].id).await.expect("get"), None);
+    let mut removed = Vec::new();
+    loop {
+        let out = store.sweep(3).await.expect("sweep");
+        assert!(out.removed <= 3, "a sweep never exceeds its limit");
+        assert_index_consistent(&store);
+        removed.push((out.removed, out.more));
+        if !out.more {
+            break;
+        }
+    }
+    assert_eq!(removed, vec![(3, true), (3, true), (3, true), (1, false)]);
+    assert_eq!(assert_index_consistent(&store), 5);
+    for r in &long {
+        assert_eq!(store.get(r.id).await.expect("get").map(|g| g.id), Some(r.id), "live records stay");
+    }
+    assert_eq!(store.sweep(3).await.expect("sweep").removed, 0);
+}
+
+/// A reclaim that extends `expires_at` moves the record's expiry index entry, so the sweep
+/// neither deletes the reclaimed record at its old expiry nor leaves a stale entry behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reclaim_moves_the_expiry_index_entry() {
+    let clock = clock();
+    let store = temp_store(config(&clock));
+    let t0 = clock.now_ms();
+    let first = must_claim(&store, req("k", b"{}", RETENTION)).await;
+    store.fail(first.id, first.token).await.expect("fail");
+    clock.advance(Duration::from_secs(30));
+    let reclaim = ReclaimRequest {
+        id: first.id,
+        expected: first.token,
+        fingerprint: first.fingerprint,
+        lease_ttl: LEASE,
+        retention: RETENTION,
+    };
+    let ReclaimOutcome::Reclaimed(second) = store.reclaim(reclaim).await.expect("reclaim") else {
+        panic!("a failed record is reclaimable")
+    };
+    assert_eq!(second.expires_at.0, t0 + 90_000);
+    let (_, index) = records_and_index(&store);
+    assert_eq!(index, BTreeSet::from([(t0 + 90_000, first.id.0)]), "the old entry is gone, the new one is there");
+
+    clock.set(UnixMillis(t0 + 60_000));
+    assert_eq!(store.sweep(10).await.expect("sweep").removed, 0, "the old expiry no longer applies");
+    assert!(store.get(first.id).await.expect("get").is_some());
+    clock.set(UnixMillis(t0 + 90_000));
+    assert_eq!(store.sweep(10).await.expect("sweep").removed, 1);
+    assert_eq!(assert_index_consistent(&store), 0);
+}
+
+/// A claim that replaces an expired, unswept record moves the index entry to the new
+/// record's expiry and continues the fencing token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_over_expired_record_moves_the_index_entry() {
+    let clock = clock();
+    let store = temp_store(config(&clock));
+    let old = must_claim(&store, req("k", b"{}", RETENTION)).await;
+    clock.advance(RETENTION);
+    let new = must_claim(&store, req("k", b"{}", RETENTION)).await;
+    assert_eq!(new.token, FencingToken(2));
+    let (_, index) = records_and_index(&store);
+    assert_eq!(index, BTreeSet::from([(new.expires_at.0, old.id.0)]));
+    assert_eq!(store.sweep(10).await.expect("sweep").removed, 0, "the new claim is live");
+}
+
+// ---------------------------------------------------------------------------------------
+// Group commit
+// ---------------------------------------------------------------------------------------
+
+/// 64 concurrent claims (16 keys, 4 callers each) applied in a single write transaction:
+/// exactly one winner per key, and the losers see the winner's record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_batch_of_concurrent_claims_has_one_winner_per_key() {
+    let clock = clock();
+    let store = Arc::new(temp_store(config(&clock).with_max_batch(64).with_linger(LONG_LINGER)));
+    let barrier = Arc::new(tokio::sync::Barrier::new(64));
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let store = Arc::clone(&store);
+        let barrier = Arc::clone(&barrier);
+        tasks.push(tokio::spawn(async move {
+            let r = req(&format!("key-{}", i % 16), format!("caller {i}").as_bytes(), RETENTION);
+            barrier.wait().await;
+            (r.id, store.claim(r).await.expect("claim"))
+        }));
+    }
+    let mut winners = std::collections::BTreeMap::<RecordId, Record>::new();
+    let mut losers = Vec::new();
+    for t in tasks {
+        match t.await.expect("task") {
+            (id, ClaimOutcome::Claimed(r)) => assert!(winners.insert(id, r).is_none(), "two winners for one key"),
+            (id, ClaimOutcome::Existing { record, .. }) => losers.push((id, record)),
+        }
+    }
+    assert_eq!(winners.len(), 16);
+    assert_eq!(losers.len(), 48);
+    for (id, seen) in losers {
+        assert_eq!(Some(&seen), winners.get(&id), "a loser sees the winner's record");
+    }
+    let stats = store.batch_stats();
+    assert_eq!((stats.batches, stats.operations), (1, 64), "all claims shared one write transaction");
+    assert_eq!(assert_index_consistent(&store), 16);
+}
+
+/// Within one batch, later operations see earlier ones: two claims of one id, sent in
+/// order, give `Claimed` then `Existing`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn later_operations_in_a_batch_see_earlier_ones() {
+    let clock = clock();
+    let store = temp_store(config(&clock).with_max_batch(2).with_linger(LONG_LINGER));
+    // join! polls the first future first, so its operation reaches the writer first.
+    let (a, b) = tokio::join!(store.claim(req("k", b"a", RETENTION)), store.claim(req("k", b"b", RETENTION)));
+    let ClaimOutcome::Claimed(won) = a.expect("first") else { panic!("the first claim in the batch wins") };
+    match b.expect("second") {
+        ClaimOutcome::Existing { record, .. } => assert_eq!(record, won),
+        other => panic!("the second claim must see the first, got {other:?}"),
+    }
+    assert_eq!(store.batch_stats().batches, 1);
+}
+
+/// Many concurrent callers with default settings: exactly one winner per key, and every
+/// outcome is durable and readable once returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_claims_of_distinct_and_shared_keys() {
+    let clock = clock();
+    let store = Arc::new(temp_store(config(&clock)));
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move {
+            // 100 keys of their own, plus 100 callers racing for 4 shared keys.
+            let key = if i % 2 == 0 { format!("own-{i}") } else { format!("shared-{}", i % 4) };
+            let r = req(&key, b"{}", RETENTION);
+            (r.id, store.claim(r).await.expect("claim"))
+        }));
+    }
+    let mut winners = BTreeSet::new();
+    for t in tasks {
+        let (id, outcome) = t.await.expect("task");
+        if let ClaimOutcome::Claimed(_) = outcome {
+            assert!(winners.insert(id), "two winners for one key");
+        }
+        assert!(store.get(id).await.expect("get").is_some(), "an answered claim is committed");
+    }
+    assert_eq!(winners.len(), 102);
+    assert_eq!(assert_index_consistent(&store), 102);
+}
+
+// ---------------------------------------------------------------------------------------
+// Corrupt values
+// ---------------------------------------------------------------------------------------
+
+fn write_raw(store: &RedbStore, id: RecordId, value: &[u8]) {
+    let db = store.database();
+    let txn = db.begin_write().expect("write txn");
+    {
+        let mut t = txn.open_table(RECORDS).expect("records");
+        t.insert(&id.0, value).expect("insert");
+    }
+    txn.commit().expect("commit");
+}
+
+/// A stored value that does not decode is `StoreError::Corrupt` for every operation on that
+/// record (never a panic), and does not disturb other operations in the same batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_value_is_a_typed_error() {
+    let clock = clock();
+    let store = temp_store(config(&clock).with_max_batch(2).with_linger(LONG_LINGER));
+    let bad = req("bad", b"{}", RETENTION);
+    let id = bad.id;
+    for (value, expect) in [
+        (&b""[..], "empty"),
+        (&[0x7f, 1, 2, 3][..], "version"),
+        (&[codec::FORMAT_VERSION, 0xff, 0xff, 0xff][..], "malformed"),
+    ] {
+        write_raw(&store, id, value);
+        match store.get(id).await {
+            Err(StoreError::Corrupt { id: Some(got), source }) => {
+                assert_eq!(got, id);
+                let ok = match expect {
+                    "empty" => matches!(source, CodecError::Empty),
+                    "version" => matches!(source, CodecError::UnknownVersion(0x7f)),
+                    _ => matches!(source, CodecError::Malformed(_) | CodecError::Trailing(_)),
+                };
+                assert!(ok, "{expect}: got {source:?}");
+            }
+            other => panic!("get of a corrupt value: {other:?}"),
+        }
+        // The corrupt claim and a healthy claim share one batch.
+        let (c, ok) =
+            tokio::join!(store.claim(bad.clone()), store.claim(req(&format!("good-{expect}"), b"{}", RETENTION)));
+        assert!(matches!(c, Err(StoreError::Corrupt { id: Some(got), .. }) if got == id), "claim: {c:?}");
+        assert!(matches!(ok, Ok(ClaimOutcome::Claimed(_))), "the other claim in the batch: {ok:?}");
+        let reclaim = ReclaimRequest {
+            id,
+            expected: FencingToken::FIRST,
+            fingerprint: bad.fingerprint,
+            lease_ttl: LEASE,
+            retention: RETENTION,
+        };
+        // Pairs, so that every batch fills and none waits for the linger.
+        let (r, c) = tokio::join!(store.reclaim(reclaim), store.complete(id, FencingToken::FIRST, response(b"")));
+        assert!(matches!(r, Err(StoreError::Corrupt { .. })), "reclaim: {r:?}");
+        assert!(matches!(c, Err(StoreError::Corrupt { .. })), "complete: {c:?}");
+        let (f, ok) = tokio::join!(
+            store.fail(id, FencingToken::FIRST),
+            store.claim(req(&format!("other-{expect}"), b"{}", RETENTION))
+        );
+        assert!(matches!(f, Err(StoreError::Corrupt { .. })), "fail: {f:?}");
+        assert!(matches!(ok, Ok(ClaimOutcome::Claimed(_))), "the other claim in the batch: {ok:?}");
+        assert!(!store.get(id).await.unwrap_err().is_retryable(), "corruption does not heal on retry");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Commit failure
+// ---------------------------------------------------------------------------------------
+
+/// An in-memory backend whose writes and syncs fail while `broken` is set.
+#[derive(Debug)]
+struct Flaky {
+    inner: Arc<redb::backends::InMemoryBackend>,
+    broken: Arc<AtomicBool>,
+}
+
+impl Flaky {
+    fn check(&self) -> std::io::Result<()> {
+        if self.broken.load(Ordering::SeqCst) { Err(std::io::Error::other("injected disk failure")) } else { Ok(()) }
+    }
+}
+
+impl redb::StorageBackend for Flaky {
+    fn len(&self) -> std::io::Result<u64> {
+        self.inner.len()
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+        self.inner.read(offset, out)
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.check()?;
+        self.inner.set_len(len)
+    }
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.check()?;
+        self.inner.sync_data()
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.check()?;
+        self.inner.write(offset, data)
+    }
+}
+
+/// Claims keys `{prefix}{0..n}` from `n` concurrent tasks; outcomes in key order.
+async fn claim_all(store: &Arc<RedbStore>, prefix: &str, n: usize) -> Vec<Result<ClaimOutcome, StoreError>> {
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let store = Arc::clone(store);
+            let r = req(&format!("{prefix}{i}"), b"{}", RETENTION);
+            tokio::spawn(async move { store.claim(r).await })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.expect("task"));
+    }
+    out
+}
+
+/// When a batch's commit fails, every caller in the batch gets the error (none is told its
+/// claim succeeded) and none of the batch's writes reach the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failed_commit_fails_every_caller_and_applies_nothing() {
+    let clock = clock();
+    let memory = Arc::new(redb::backends::InMemoryBackend::new());
+    let broken = Arc::new(AtomicBool::new(false));
+    let open = || {
+        let backend = Flaky { inner: Arc::clone(&memory), broken: Arc::clone(&broken) };
+        let db = redb::Database::builder().create_with_backend(backend).expect("database");
+        RedbStore::open_with(Arc::new(db), config(&clock).with_max_batch(8).with_linger(LONG_LINGER)).expect("store")
+    };
+    let store = Arc::new(open());
+    let before: Vec<Record> = claim_all(&store, "before", 8)
+        .await
+        .into_iter()
+        .map(|o| match o {
+            Ok(ClaimOutcome::Claimed(r)) => r,
+            other => panic!("healthy batch: {other:?}"),
+        })
+        .collect();
+    let batches_before = store.batch_stats().batches;
+
+    broken.store(true, Ordering::SeqCst);
+    let mut ids = Vec::new();
+    for (i, outcome) in claim_all(&store, "k", 8).await.into_iter().enumerate() {
+        match outcome {
+            Err(e @ StoreError::Unavailable { .. }) => {
+                assert!(!e.is_lease_lost());
+            }
+            other => panic!("caller {i} of a failed batch must get the error, got {other:?}"),
+        }
+        ids.push(req(&format!("k{i}"), b"{}", RETENTION).id);
+    }
+    let stats = store.batch_stats();
+    assert_eq!(stats.batches - batches_before, 1);
+    assert_eq!(stats.failed_batches, 1);
+
+    // Reopen the same bytes with a healthy disk: the batch is not there, the earlier
+    // commit is.
+    drop(store);
+    broken.store(false, Ordering::SeqCst);
+    let store = open();
+    for id in ids {
+        assert_eq!(store.get(id).await.expect("get"), None, "nothing of the failed batch was applied");
+    }
+    for r in before {
+        assert_eq!(store.get(r.id).await.expect("get"), Some(r), "earlier commits are intact");
+    }
+    assert_index_consistent(&store);
+}
+
+// ---------------------------------------------------------------------------------------
+// Shutdown
+// ---------------------------------------------------------------------------------------
+
+/// Dropping the last handle stops the writer thread without hanging and releases the file,
+/// so it can be opened again at once; dropping a clone does not stop the writer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_store_stops_the_writer_cleanly() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.redb");
+    let clock = clock();
+    let store = RedbStore::open(&path, config(&clock)).expect("open");
+    let clone = store.clone();
+    must_claim(&store, req("a", b"{}", RETENTION)).await;
+    drop(clone);
+    must_claim(&store, req("b", b"{}", RETENTION)).await;
+
+    let dropped = tokio::task::spawn_blocking(move || drop(store));
+    tokio::time::timeout(Duration::from_secs(30), dropped)
+        .await
+        .expect("dropping the store must not hang")
+        .expect("drop task");
+    let store = RedbStore::open(&path, config(&clock)).expect("the file is free again after drop");
+    assert!(store.get(req("b", b"{}", RETENTION).id).await.expect("get").is_some());
+}
