@@ -144,9 +144,7 @@ impl SqliteStoreBuilder {
         };
         let mut conn = Connection::open(&self.path).map_err(open_err("open"))?;
         conn.busy_timeout(self.busy_timeout).map_err(open_err("set busy_timeout"))?;
-        let mode: String = conn
-            .pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0))
-            .map_err(open_err("set journal_mode = WAL"))?;
+        let mode = enable_wal(&conn, self.busy_timeout).map_err(open_err("set journal_mode = WAL"))?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(Error::NotWal { path: self.path.clone(), mode });
         }
@@ -154,6 +152,37 @@ impl SqliteStoreBuilder {
         schema::migrate(&mut conn)?;
         conn.set_prepared_statement_cache_capacity(16);
         Ok(conn)
+    }
+}
+
+/// Switches the file to WAL (a persistent property of the file) and returns the journal
+/// mode SQLite reports.
+///
+/// Switching needs an exclusive lock, and SQLite answers `SQLITE_BUSY` at once, without
+/// the busy handler, when another process holds any lock at that moment: several
+/// processes opening a fresh file together would fail. So this retries until `timeout`,
+/// and skips the switch when the file already is in WAL mode (the usual case).
+fn enable_wal(conn: &Connection, timeout: Duration) -> rusqlite::Result<String> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let attempt = conn.pragma_query_value(None, "journal_mode", |row| row.get::<_, String>(0)).and_then(|mode| {
+            if mode.eq_ignore_ascii_case("wal") {
+                Ok(mode)
+            } else {
+                conn.pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0))
+            }
+        });
+        match attempt {
+            Err(e)
+                if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy)
+                    && std::time::Instant::now() < deadline =>
+            {
+                // Open is documented as blocking; this back-off only runs while another
+                // process holds the lock during its own open.
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            other => return other,
+        }
     }
 }
 
