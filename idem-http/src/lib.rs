@@ -47,7 +47,7 @@
 //! | no `Idempotency-Key` | 400 `missing-idempotency-key` ([`KeyRequirement::Required`], default), or the handler runs and nothing is stored ([`KeyRequirement::Optional`]) |
 //! | empty, blank, > `max_key_len` bytes, non-ASCII or malformed key | 400 `invalid-idempotency-key` |
 //! | two or more `Idempotency-Key` fields, equal or not | 400 `duplicate-idempotency-key` |
-//! | no principal | 401 `missing-principal` ([`MissingPrincipal::Reject`], default), or run unprotected ([`MissingPrincipal::SkipIdempotency`]) |
+//! | no principal | 401 `missing-principal` with the resolver's `WWW-Authenticate` challenge ([`MissingPrincipal::Reject`], default), or run unprotected ([`MissingPrincipal::SkipIdempotency`]) |
 //! | body over `max_request_body` | 413 `body-too-large`; nothing claimed |
 //! | new key | claim, run the handler, store the response, return it |
 //! | same request, first attempt still running | 409 `in-flight` + `Retry-After` (seconds until its lease ends, at least 1) |
@@ -56,6 +56,7 @@
 //! | different request (method, path, query, fingerprinted headers, body) | `policy.mismatch_status` (409 default) `mismatch`; never retry |
 //! | the record changed under the request three times in a row | 409 `busy` + `Retry-After: 1` |
 //! | store unreachable | 503 `store-unavailable` + `Retry-After: 1`, handler not run (fail closed, default); or the handler runs unprotected and a warning is logged (`StoreFailureMode::FailOpen`) |
+//! | completed record whose stored response does not decode | 503 `store-unavailable`, logged as an error, in both failure modes (running again could repeat a completed operation) |
 //!
 //! Every response about an existing record (run, replay, in flight, mismatch) carries
 //! [`IDEMPOTENCY_KEY_EXPIRES`], a non-standard field with the HTTP-date until which the key

@@ -19,8 +19,8 @@
 //! let layer = IdempotencyLayer::new(store).with_principal_resolver(resolver);
 //! ```
 
-use http::header;
 use http::request::Parts;
+use http::{HeaderValue, header};
 use idem_core::Principal;
 
 /// Finds the principal of a request.
@@ -31,6 +31,13 @@ use idem_core::Principal;
 pub trait PrincipalResolver: Send + Sync + 'static {
     /// The principal `request` runs as, or `None`.
     fn resolve(&self, request: &Parts) -> Option<Principal>;
+
+    /// The `WWW-Authenticate` challenge sent with the layer's 401 (RFC 9110 §11.6.1 says a
+    /// 401 carries one). Default `None`: closures do not know the scheme, and the app's own
+    /// authentication normally answers unauthenticated requests before this layer does.
+    fn challenge(&self) -> Option<HeaderValue> {
+        None
+    }
 }
 
 impl<F> PrincipalResolver for F
@@ -92,6 +99,11 @@ impl PrincipalResolver for BearerToken {
             return None;
         }
         Some(Principal(Self::principal_for(token)))
+    }
+
+    /// `Bearer` (RFC 6750 §3).
+    fn challenge(&self) -> Option<HeaderValue> {
+        Some(HeaderValue::from_static("Bearer"))
     }
 }
 

@@ -137,12 +137,18 @@ where
     let Some(principal) = cfg.resolver.resolve(&parts).filter(|p| !p.0.is_empty()) else {
         return match cfg.missing_principal {
             MissingPrincipal::SkipIdempotency => pass_through(inner, Request::from_parts(parts, body)).await,
-            MissingPrincipal::Reject => Ok(Problem::new(
-                ProblemKind::MissingPrincipal,
-                StatusCode::UNAUTHORIZED,
-                "an idempotency key is only meaningful for an authenticated principal; none was found",
-            )
-            .into_response()),
+            MissingPrincipal::Reject => {
+                let mut res = Problem::new(
+                    ProblemKind::MissingPrincipal,
+                    StatusCode::UNAUTHORIZED,
+                    "an idempotency key is only meaningful for an authenticated principal; none was found",
+                )
+                .into_response();
+                if let Some(challenge) = cfg.resolver.challenge() {
+                    res.headers_mut().insert(header::WWW_AUTHENTICATE, challenge);
+                }
+                Ok(res)
+            }
         };
     };
     let endpoint = endpoint_of(&parts);

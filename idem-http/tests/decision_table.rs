@@ -262,7 +262,9 @@ async fn missing_principal_is_rejected_by_default_or_skipped_by_choice() {
     let (n, s) = (Counter::default(), Script::default());
     let strict = app(layer(&env), &n, &s);
     let req = post("/v1/orders").anonymous().key("k1").body("{}");
-    send(&strict, &req).await.problem(401, "missing-principal");
+    let got = send(&strict, &req).await;
+    got.problem(401, "missing-principal");
+    assert_eq!(got.header("www-authenticate"), Some("Bearer"));
     send(&strict, &post("/v1/orders").token("").key("k1").body("{}")).await.problem(401, "missing-principal");
     assert_eq!(n.get(), 0);
 
