@@ -7,6 +7,8 @@
 //! prints one line per key (`won k17` or `lost k17`). The parent starts the children on a
 //! fresh file (so they also race through creating the file and running the migrations),
 //! releases them together, and checks the union of their reports and the file itself.
+//! Starting the children together also pins a second failure: processes opening one fresh
+//! file at once got `SQLITE_BUSY` from the switch to WAL, which bypasses the busy handler.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
