@@ -74,7 +74,7 @@
 //! default), read by the writer when it applies each operation. All times are stored as
 //! INTEGER milliseconds since the Unix epoch. A record past `expires_at` counts as absent
 //! at once; [`Store::sweep`](idem_core::Store::sweep) deletes up to `limit` of them, oldest
-//! first. Run it periodically (the HTTP layer's sweeper task does).
+//! first, in the writer's batches; [`SqliteStore::spawn_sweeper`] runs it on a period.
 //!
 //! ## Schema
 //! One table, `idem_records`, one column per record field (the response as a postcard

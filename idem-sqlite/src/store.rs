@@ -249,6 +249,35 @@ impl SqliteStore {
         &self.inner.path
     }
 
+    /// Spawns a task that sweeps this store every `period`: each round calls
+    /// [`Store::sweep`] with `batch` (at least 1) until it reports no `more`, so a backlog
+    /// drains in bounded transactions that other writes interleave with. The first round
+    /// runs at once. A failed sweep is logged (`tracing` warning) and tried again next
+    /// period. The task runs until the handle is aborted; it keeps the store open.
+    ///
+    /// Must be called inside a Tokio runtime.
+    pub fn spawn_sweeper(&self, period: Duration, batch: usize) -> tokio::task::JoinHandle<()> {
+        let store = self.clone();
+        let batch = batch.max(1);
+        let mut tick = tokio::time::interval(period.max(Duration::from_millis(1)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::spawn(async move {
+            loop {
+                tick.tick().await;
+                loop {
+                    match store.sweep(batch).await {
+                        Ok(SweepOutcome { more: true, .. }) => continue,
+                        Ok(_) => break,
+                        Err(error) => {
+                            tracing::warn!(%error, "idem-sqlite sweep failed; trying again next period");
+                            break;
+                        }
+                    }
+                }
+            }
+        })
+    }
+
     async fn submit<T>(&self, make: impl FnOnce(Reply<T>) -> Op) -> Result<T, StoreError> {
         let (reply, outcome) = oneshot::channel();
         self.inner.writer.send(make(reply)).await.map_err(|_| StoreError::from(Error::WriterStopped))?;

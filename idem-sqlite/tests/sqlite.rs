@@ -193,3 +193,33 @@ async fn journal_entries_follow_their_record_through_reclaim_sweep_and_replaceme
         .expect("count");
     assert_eq!(left, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweeper_task_drains_every_expired_record_in_bounded_batches() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.sqlite3");
+    let clock = ManualClock::new(UnixMillis(1_700_000_000_000));
+    let store = open(path.clone(), &clock).await;
+    for i in 0..25 {
+        store.claim(req(&format!("old-{i}"))).await.expect("claim");
+    }
+    clock.advance(Duration::from_secs(61));
+    let ClaimOutcome::Claimed(live) = store.claim(req("live")).await.expect("claim") else { panic!("not claimed") };
+
+    // Batches of 4: the sweeper must loop on `more` within one round.
+    let sweeper = store.spawn_sweeper(Duration::from_secs(3600), 4);
+    let count = || -> i64 {
+        Connection::open(&path)
+            .and_then(|c| c.query_row("SELECT count(*) FROM idem_records", [], |row| row.get(0)))
+            .expect("count")
+    };
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while count() > 1 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the first round drains the backlog");
+    sweeper.abort();
+    assert_eq!(store.get(live.id).await.expect("get").map(|r| r.token), Some(live.token));
+}
