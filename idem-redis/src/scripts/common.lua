@@ -21,8 +21,7 @@ local U64_MAX = '18446744073709551615'
 
 -- A canonical non-negative decimal: digits only, no leading zero, at most 20 digits.
 local function is_uint(s)
-  return type(s) == 'string' and #s > 0 and #s <= 20 and not string.find(s, '[^0-9]')
-    and (#s == 1 or string.byte(s, 1) ~= 48)
+  return type(s) == 'string' and #s <= 20 and (s == '0' or string.find(s, '^[1-9]%d*$') ~= nil)
 end
 
 -- Compares two canonical decimals: -1, 0 or 1.
@@ -38,6 +37,10 @@ end
 
 -- a + b, saturating at max (all canonical decimals).
 local function add(a, b, max)
+  -- Fast path: both below 10^15, so the sum is below 2^53 and a double holds it exactly.
+  if #a <= 15 and #b <= 15 then
+    return string.format('%.0f', tonumber(a) + tonumber(b))
+  end
   local out = {}
   local carry = 0
   local i, j = #a, #b
@@ -76,6 +79,9 @@ end
 
 -- a - b for canonical decimals with a >= b.
 local function sub(a, b)
+  if #a <= 15 then
+    return string.format('%.0f', tonumber(a) - tonumber(b))
+  end
   local out = {}
   local borrow = 0
   local i, j = #a, #b

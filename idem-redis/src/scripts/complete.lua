@@ -7,22 +7,22 @@
 --       | {'corrupt', now}
 local key = KEYS[1]
 local now = now_ms(ARGV[1])
-local cur = redis.call('HMGET', key, 'v', 'state', 'token', 'expires_at')
-if not (cur[1] or cur[2] or cur[3] or cur[4]) then
+local all = read_all(key)
+if not (all[1] or all[2] or all[3] or all[11]) then
   return {'lost', now}
 end
-if cur[1] ~= FORMAT or not is_uint(cur[3]) or not is_uint(cur[4]) then
+if all[1] ~= FORMAT or not is_uint(all[3]) or not is_uint(all[11]) then
   return {'corrupt', now}
 end
-if cmp(now, cur[4]) >= 0 then
+if cmp(now, all[11]) >= 0 then
   return {'lost', now}
 end
-if cur[2] ~= 'in_flight' or cur[3] ~= ARGV[2] then
-  return {'lost', now, cur[3]}
+if all[2] ~= 'in_flight' or all[3] ~= ARGV[2] then
+  return {'lost', now, all[3]}
 end
 -- All timestamps stay: the key keeps its native expiry.
 redis.call('HSET', key, 'state', 'completed', 'response', ARGV[3])
-local all = read_all(key)
+all[2] = 'completed'
 -- The caller has the response it just sent; do not ship it back.
-all[#all] = nil
+all[12] = nil
 return {'ok', now, unpack(all)}

@@ -6,24 +6,27 @@
 -- Returns {'ok', now, <FIELDS...>} | {'lost', now, current token or nil} | {'corrupt', now}
 local key = KEYS[1]
 local now = now_ms(ARGV[1])
-local cur = redis.call('HMGET', key, 'v', 'state', 'token', 'lease_expires_at', 'expires_at')
-if not (cur[1] or cur[2] or cur[3] or cur[5]) then
+local all = read_all(key)
+if not (all[1] or all[2] or all[3] or all[11]) then
   return {'lost', now}
 end
-if cur[1] ~= FORMAT or not is_uint(cur[3]) or not is_uint(cur[4]) or not is_uint(cur[5]) then
+if all[1] ~= FORMAT or not is_uint(all[3]) or not is_uint(all[10]) or not is_uint(all[11]) then
   return {'corrupt', now}
 end
-if cmp(now, cur[5]) >= 0 then
+if cmp(now, all[11]) >= 0 then
   return {'lost', now}
 end
-if cur[2] ~= 'in_flight' or cur[3] ~= ARGV[2] then
-  return {'lost', now, cur[3]}
+if all[2] ~= 'in_flight' or all[3] ~= ARGV[2] then
+  return {'lost', now, all[3]}
 end
 -- The attempt is over: its lease no longer blocks a retry.
-local lease_expires_at = cur[4]
-if cmp(now, lease_expires_at) < 0 then
-  lease_expires_at = now
+if cmp(now, all[10]) < 0 then
+  all[10] = now
 end
-redis.call('HSET', key, 'state', 'failed', 'lease_expires_at', lease_expires_at)
-redis.call('HDEL', key, 'response')
-return {'ok', now, unpack(read_all(key))}
+redis.call('HSET', key, 'state', 'failed', 'lease_expires_at', all[10])
+if all[12] then
+  redis.call('HDEL', key, 'response')
+  all[12] = false
+end
+all[2] = 'failed'
+return {'ok', now, unpack(all)}
