@@ -53,8 +53,9 @@
 //! batch runs in `BEGIN IMMEDIATE`, which takes the database's write lock (the RESERVED
 //! lock; in WAL mode the WAL write lock) *before* the first read. Only one connection, in
 //! any process that opened the file, can hold it; the others wait (busy timeout) until it
-//! commits or rolls back. A write transaction in WAL mode also always reads the newest
-//! committed snapshot. So between a claim reading "no live record" and writing its
+//! commits or rolls back. A write transaction in WAL mode also only ever starts from the
+//! newest committed snapshot (SQLite refuses a stale one with `SQLITE_BUSY_SNAPSHOT`, and
+//! `BEGIN IMMEDIATE` takes the lock before anything is read). So between a claim reading "no live record" and writing its
 //! in-flight record, no other connection can write: of N concurrent claims of one id,
 //! exactly one sees the row absent. The same holds for the compare-and-set on the fencing
 //! token in reclaim, complete and fail. Within one process the writer thread serialises the
@@ -85,6 +86,20 @@
 //! entries with it. The SQL lives in `migrations/` ([`MIGRATIONS`]); the store applies
 //! what is missing on open, in one `BEGIN IMMEDIATE` transaction, and tracks the version
 //! in `PRAGMA user_version`.
+//!
+//! ## Performance
+//! `benches/group_commit.rs` measures claim + complete pairs against a baseline that
+//! commits each statement on its own (same schema, WAL, `synchronous = FULL`). On the
+//! 2-core development VM: at 1 caller both are bound by one fsync per commit (~1,700
+//! pairs/s on a quiet disk); at 32 callers the store did ~15,900 pairs/s against ~2,600
+//! for the baseline (6x), and 20x when the disk was busy (fsync ~4 ms: ~3,800 against
+//! ~190), because the baseline's commits queue for the write lock one fsync at a time.
+//!
+//! ## Wiring it into a server
+//! Open the store once at start-up and share it: `Arc::new(SqliteStore::open(path)?)` is
+//! an `Arc<dyn Store>` for the HTTP layer (`idem_http::IdempotencyLayer::new(store)`);
+//! start [`SqliteStore::spawn_sweeper`] next to it. Several server processes may open the
+//! same file on one host (not over a network file system: WAL needs shared memory).
 //!
 //! # Layout
 //! - [`store`]: [`SqliteStore`], its builder, [`Synchronous`], the writer thread and
