@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use idem_core::{ManualClock, Store};
+use idem_redis::RedisConfig;
 
 /// Each scenario gets a backend of its own; it remembers the random prefix it opened so a
 /// peer opens a second, independent connection on the same records.
@@ -27,6 +28,12 @@ impl idem_conformance::Backend for Redis {
     async fn open_peer(&self, _store: &Arc<dyn Store>, clock: ManualClock) -> Arc<dyn Store> {
         let prefix = self.prefix.lock().expect("prefix lock").clone().expect("open ran first");
         Arc::new(common::connect(common::test_config(&prefix, Arc::new(clock))).await)
+    }
+
+    /// The production configuration: every `now` is the server's `TIME`.
+    async fn open_server_clock(&self) -> Option<Arc<dyn Store>> {
+        let config = RedisConfig::new().with_prefix(common::fresh_prefix());
+        Some(Arc::new(common::connect(config).await))
     }
 }
 
