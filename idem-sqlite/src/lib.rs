@@ -109,8 +109,9 @@
 //!   error kept as source and `is_retryable()` true for `SQLITE_BUSY` / `SQLITE_LOCKED`.
 //! - `migrations/`: the schema as SQL files.
 //! - `tests/conformance.rs`: the idem conformance suite; `tests/two_processes.rs`: child
-//!   processes racing for the same keys; `benches/group_commit.rs`: throughput against a
-//!   commit-per-statement baseline.
+//!   processes racing for the same keys; `tests/killed_process.rs`: acknowledged claims
+//!   survive SIGKILL; `tests/sqlite.rs`: file, schema, lock and journal behaviour;
+//!   `benches/group_commit.rs`: throughput against a commit-per-statement baseline.
 
 pub mod error;
 pub mod schema;
