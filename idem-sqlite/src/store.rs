@@ -194,6 +194,10 @@ fn enable_wal(conn: &Connection, timeout: Duration) -> rusqlite::Result<String> 
 /// `spawn_blocking` with pooled read connections. When the last clone is dropped the writer
 /// finishes the queued operations and closes its connection.
 ///
+/// Open one per process and clone it. A second `SqliteStore` on the same file is correct
+/// (it is how several processes share one file), but its writes wait on the other's lock
+/// through SQLite's busy handler instead of joining the same group commits.
+///
 /// Dropping a call's future does not always cancel it: a completion or fail already queued
 /// is still applied. A claim or reclaim whose caller is gone by the time its batch runs is
 /// skipped; one applied just before the caller went away stays, and its lease frees it.
