@@ -16,7 +16,17 @@ pub fn url() -> String {
 }
 
 /// The one message a developer without Redis sees.
-pub fn unreachable(url: &str, e: &dyn std::fmt::Display) -> ! {
+pub fn unreachable(url: &str, e: &(dyn std::error::Error + 'static)) -> ! {
+    let mut e: String = {
+        let mut chain = vec![e.to_string()];
+        let mut source = e.source();
+        while let Some(s) = source {
+            chain.push(s.to_string());
+            source = s.source();
+        }
+        chain.join(": ")
+    };
+    e.truncate(300);
     panic!(
         "Redis is not reachable at {url} ({e}). These tests need a real Redis: start one with\n    \
          redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save \"\" --appendonly no\n\
