@@ -58,8 +58,11 @@ pub enum EvictionCheck {
 /// It narrows the window in which a failover loses a claim or a stored response; it does
 /// not close it.
 ///
-/// WAIT blocks the (multiplexed) connection until the acknowledgement or the timeout, so
-/// every concurrent call on the same store waits behind it.
+/// WAIT goes in the same pipeline as the script, on the same connection, so it covers that
+/// write even if the connection is replaced right after (both then fail, retryably). It is
+/// sent with every claim, reclaim and complete, and checked only when the call wrote. WAIT
+/// blocks the (multiplexed) connection until the acknowledgement or the timeout, so every
+/// concurrent call on the same store waits behind it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReplicaAck {
     /// Replicas that must acknowledge.
@@ -194,9 +197,9 @@ macro_rules! script {
     };
 }
 
-/// Built once per process: `Script` hashes its source at construction, then every call is
+/// Built once per process: `Script` hashes its source at construction; every call is
 /// `EVALSHA`, and on `NOSCRIPT` (a restarted or failed-over server, a `SCRIPT FLUSH`) the
-/// driver loads the source and retries.
+/// store loads the source and sends the call again (`RedisStore::run`).
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     claim: script!("claim.lua"),
     reclaim: script!("reclaim.lua"),
@@ -335,26 +338,78 @@ impl RedisStore {
         duration_ms(self.config.expiry_grace)
     }
 
-    async fn wait_for_replicas(&self) -> Result<(), StoreError> {
-        let Some(ack) = self.config.replica_ack else { return Ok(()) };
-        let timeout_ms = u64::try_from(ack.timeout.as_millis()).unwrap_or(u64::MAX);
+    /// Runs `call`; with `wait` and [`ReplicaAck`] configured, sends `WAIT` in the same
+    /// pipeline, so it runs on the connection that made the write (a reconnect between the
+    /// two would make WAIT count nothing) and costs no extra round trip.
+    async fn run(&self, op: &'static str, call: &Call<'_>, wait: bool) -> Result<(Reply, Option<u64>), StoreError> {
         let mut conn = self.conn.clone();
-        let acked: u64 = redis::cmd("WAIT")
-            .arg(ack.replicas)
-            .arg(timeout_ms)
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| Error::command("WAIT", e))?;
-        if acked < u64::from(ack.replicas) {
-            return Err(Error::ReplicaShortfall { acked, wanted: u64::from(ack.replicas), timeout_ms }.into());
+        let ack = if wait { self.config.replica_ack } else { None };
+        let mut loaded = false;
+        loop {
+            let result = match ack {
+                None => call.evalsha().query_async::<Value>(&mut conn).await.map(|v| (v, None)),
+                Some(ack) => {
+                    let mut pipe = redis::pipe();
+                    pipe.add_command(call.evalsha());
+                    pipe.cmd("WAIT").arg(ack.replicas).arg(timeout_ms(ack.timeout));
+                    pipe.query_async::<(Value, u64)>(&mut conn).await.map(|(v, n)| (v, Some(n)))
+                }
+            };
+            match result {
+                Ok((value, acked)) => return Ok((Reply::parse(op, value)?, acked)),
+                // The server forgot the script (restart, failover, SCRIPT FLUSH): it did not
+                // run. Load it and send the call again, once.
+                Err(e) if !loaded && e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                    call.script.prepare_invoke().load_async(&mut conn).await.map_err(|e| Error::command(op, e))?;
+                    loaded = true;
+                }
+                Err(e) => return Err(Error::command(op, e).into()),
+            }
         }
-        Ok(())
     }
 
-    async fn run(&self, op: &'static str, invocation: &redis::ScriptInvocation<'_>) -> Result<Reply, StoreError> {
-        let mut conn = self.conn.clone();
-        let value: Value = invocation.invoke_async(&mut conn).await.map_err(|e| Error::command(op, e))?;
-        Reply::parse(op, value).map_err(StoreError::from)
+    /// After a write that WAIT covered: fails when too few replicas acknowledged it.
+    fn check_ack(&self, acked: Option<u64>) -> Result<(), StoreError> {
+        match (self.config.replica_ack, acked) {
+            (Some(ack), Some(acked)) if acked < u64::from(ack.replicas) => Err(Error::ReplicaShortfall {
+                acked,
+                wanted: u64::from(ack.replicas),
+                timeout_ms: timeout_ms(ack.timeout),
+            }
+            .into()),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn timeout_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// One script call: `EVALSHA sha 1 key args...`.
+struct Call<'a> {
+    script: &'a Script,
+    key: String,
+    args: Vec<Vec<u8>>,
+}
+
+impl<'a> Call<'a> {
+    fn new(script: &'a Script, key: String) -> Self {
+        Self { script, key, args: Vec::with_capacity(8) }
+    }
+
+    fn arg(mut self, arg: impl redis::ToRedisArgs) -> Self {
+        arg.write_redis_args(&mut self.args);
+        self
+    }
+
+    fn evalsha(&self) -> redis::Cmd {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.script.get_hash()).arg(1).arg(self.key.as_str());
+        for a in &self.args {
+            cmd.arg(a.as_slice());
+        }
+        cmd
     }
 }
 
@@ -578,8 +633,7 @@ impl Store for RedisStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         const OP: &str = "claim";
         let key = self.record_key(req.id);
-        let mut inv = SCRIPTS.claim.prepare_invoke();
-        inv.key(&key)
+        let call = Call::new(&SCRIPTS.claim, key)
             .arg(self.clock_arg()?)
             .arg(req.lease_ms())
             .arg(req.retention_ms())
@@ -588,7 +642,7 @@ impl Store for RedisStore {
             .arg(req.scope.principal.0.as_str())
             .arg(req.scope.endpoint.0.as_str())
             .arg(req.key.as_str());
-        let reply = self.run(OP, &inv).await?;
+        let (reply, acked) = self.run(OP, &call, true).await?;
         if reply.is("claimed") {
             let num = |i: usize| reply.rest.get(i).and_then(as_bytes).and_then(parse_i64);
             let (Some(token), Some(lease_expires_at), Some(expires_at)) = (num(0), num(1), num(2)) else {
@@ -608,7 +662,7 @@ impl Store for RedisStore {
                 lease_expires_at: UnixMillis(lease_expires_at),
                 expires_at: UnixMillis(expires_at),
             };
-            self.wait_for_replicas().await?;
+            self.check_ack(acked)?;
             Ok(ClaimOutcome::Claimed(record))
         } else if reply.is("existing") {
             let record = decode_record(req.id, &reply.rest, None)?;
@@ -623,18 +677,17 @@ impl Store for RedisStore {
     async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
         const OP: &str = "reclaim";
         let key = self.record_key(req.id);
-        let mut inv = SCRIPTS.reclaim.prepare_invoke();
-        inv.key(&key)
+        let call = Call::new(&SCRIPTS.reclaim, key)
             .arg(self.clock_arg()?)
             .arg(req.expected.0)
             .arg(&req.fingerprint.0[..])
             .arg(req.lease_ms())
             .arg(req.retention_ms())
             .arg(self.grace_ms());
-        let reply = self.run(OP, &inv).await?;
+        let (reply, acked) = self.run(OP, &call, true).await?;
         if reply.is("reclaimed") {
             let record = decode_record(req.id, &reply.rest, None)?;
-            self.wait_for_replicas().await?;
+            self.check_ack(acked)?;
             Ok(ReclaimOutcome::Reclaimed(record))
         } else if reply.is("conflict") {
             let record = decode_record(req.id, &reply.rest, None)?;
@@ -657,12 +710,11 @@ impl Store for RedisStore {
         const OP: &str = "complete";
         let key = self.record_key(id);
         let encoded = encode_response(&response);
-        let mut inv = SCRIPTS.complete.prepare_invoke();
-        inv.key(&key).arg(self.clock_arg()?).arg(token.0).arg(encoded.as_slice());
-        let reply = self.run(OP, &inv).await?;
+        let call = Call::new(&SCRIPTS.complete, key).arg(self.clock_arg()?).arg(token.0).arg(encoded.as_slice());
+        let (reply, acked) = self.run(OP, &call, true).await?;
         if reply.is("ok") {
             let record = decode_record(id, &reply.rest, Some(response))?;
-            self.wait_for_replicas().await?;
+            self.check_ack(acked)?;
             Ok(record)
         } else if reply.is("lost") {
             Err(lease_lost(OP, id, token, &reply))
@@ -676,9 +728,8 @@ impl Store for RedisStore {
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
         const OP: &str = "fail";
         let key = self.record_key(id);
-        let mut inv = SCRIPTS.fail.prepare_invoke();
-        inv.key(&key).arg(self.clock_arg()?).arg(token.0);
-        let reply = self.run(OP, &inv).await?;
+        let call = Call::new(&SCRIPTS.fail, key).arg(self.clock_arg()?).arg(token.0);
+        let (reply, _) = self.run(OP, &call, false).await?;
         if reply.is("ok") {
             decode_record(id, &reply.rest, None)
         } else if reply.is("lost") {
@@ -693,9 +744,8 @@ impl Store for RedisStore {
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
         const OP: &str = "get";
         let key = self.record_key(id);
-        let mut inv = SCRIPTS.get.prepare_invoke();
-        inv.key(&key).arg(self.clock_arg()?);
-        let reply = self.run(OP, &inv).await?;
+        let call = Call::new(&SCRIPTS.get, key).arg(self.clock_arg()?);
+        let (reply, _) = self.run(OP, &call, false).await?;
         if reply.is("found") {
             decode_record(id, &reply.rest, None).map(Some)
         } else if reply.is("absent") {

@@ -373,7 +373,7 @@ async fn disabled_config_command_warns_and_starts() {
 }
 
 /// With a real replica, `WAIT 1` after claim and complete succeeds and the replica has the
-/// record; asking for more replicas than exist fails retryably and leaves the write on the
+/// record (also when the script must be reloaded inside the pipeline); asking for more replicas than exist fails retryably and leaves the write on the
 /// primary. Writing to the replica itself gives a retryable `READONLY`.
 #[tokio::test]
 async fn wait_for_replicas_and_readonly() {
@@ -395,6 +395,8 @@ async fn wait_for_replicas_and_readonly() {
     let mut radmin = replica.admin().await;
     let state: Option<String> = radmin.hget(store.record_key(r.id), "state").await.expect("HGET on replica");
     assert_eq!(state.as_deref(), Some("in_flight"), "WAIT returned, so the replica has the claim");
+    // The script cache is gone (as after a failover): the pipelined EVALSHA + WAIT reloads it.
+    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut padmin).await.expect("SCRIPT FLUSH");
     store.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![])).await.expect("complete");
     let state: Option<String> = radmin.hget(store.record_key(r.id), "state").await.expect("HGET on replica");
     assert_eq!(state.as_deref(), Some("completed"));
