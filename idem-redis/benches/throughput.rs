@@ -119,6 +119,7 @@ async fn main() {
 
     println!("claim + complete, {secs} s per cell, {url}");
     println!("{:>8} {:>16} {:>16} {:>7}", "callers", "library ops/s", "by hand ops/s", "ratio");
+    let mut ratios = Vec::new();
     for callers in [1usize, 32] {
         let lib = {
             let (store, scope, resp, run) = (store.clone(), scope.clone(), resp.clone(), run.clone());
@@ -173,5 +174,13 @@ async fn main() {
         };
         let (lib, hand) = compare(callers, secs, lib, hand).await;
         println!("{callers:>8} {lib:>16.0} {hand:>16.0} {:>6.2}x", lib / hand);
+        ratios.push((callers, lib / hand));
     }
+    let summary: Vec<String> = ratios.iter().map(|(c, r)| format!("{r:.2}x at {c}")).collect();
+    let met = ratios.iter().all(|(_, r)| *r >= 0.9);
+    println!(
+        "library / hand-written claim+complete: {} (target >= 0.90x: {})",
+        summary.join(", "),
+        if met { "met" } else { "not met" }
+    );
 }

@@ -10,17 +10,23 @@
 //!   record, checks the fencing token, state and lease, and writes, all in one atomic step,
 //!   following the rules of `idem_core::transition` exactly. A write whose token is no
 //!   longer current changes nothing and returns [`idem_core::StoreError::LeaseLost`]. The
-//!   scripts run by SHA (`EVALSHA`); the driver reloads them on `NOSCRIPT`;
+//!   scripts are loaded at start-up and run by SHA (`EVALSHA`); after a `NOSCRIPT` reply
+//!   (the server restarted or failed over and forgot them) the store loads the script and
+//!   sends the call again;
 //! - **native expiry**: `PEXPIREAT` at the record's `expires_at` (ms). No sweeper is needed.
 //!   [`idem_core::Store::sweep`] reports zero. A record past `expires_at` counts as absent
-//!   at once, even if Redis has not removed the key yet;
+//!   at once, even if Redis has not removed the key yet. An optional
+//!   [grace](RedisConfig::with_expiry_grace) keeps the key a little longer, so a record
+//!   claimed again soon after it expired continues its fencing-token sequence;
 //! - **the server's clock**: every script reads `TIME`, so application servers with skewed
 //!   clocks still agree on when a lease ends. Tests replace it with
 //!   [`RedisConfig::with_test_clock`];
 //! - **a start-up check of `maxmemory-policy`**: an evicting policy can drop an in-flight
 //!   claim and let a duplicate run. See [`EvictionCheck`]. The safe setting is
 //!   `maxmemory-policy noeviction`;
-//! - an optional `WAIT` for replicas after claim, reclaim and complete ([`ReplicaAck`]);
+//! - an optional `WAIT` for replicas after claim, reclaim and complete, pipelined with the
+//!   script on the same connection ([`ReplicaAck`] says what it does and does not
+//!   guarantee on failover);
 //! - a key prefix on every key it writes. It never calls `KEYS`, `SCAN` or `FLUSH*`.
 //!
 //! ```
