@@ -516,3 +516,27 @@ async fn state_field_names() {
     assert_eq!(f.state, RecordState::Failed);
     assert_eq!(state(&mut admin).await, "failed");
 }
+
+/// A RESP3 connection (`?protocol=resp3`) reads the same replies: missing fields and the
+/// absent token come back as RESP3 nulls, not as errors.
+#[tokio::test]
+async fn resp3_connections_work() {
+    let clock = ManualClock::starting_now();
+    let url = format!("{}/?protocol=resp3", common::url().trim_end_matches('/'));
+    let config = common::test_config(&common::fresh_prefix(), Arc::new(clock.clone()));
+    let store = RedisStore::connect(&url, config).await.unwrap_or_else(|e| common::unreachable(&url, &e));
+    let info: String = redis::cmd("CLIENT").arg("INFO").query_async(&mut store.connection()).await.expect("INFO");
+    assert!(info.split_whitespace().any(|f| f == "resp=3"), "the connection speaks RESP3: {info}");
+    let r = claim(&store, req("p", "k", b"b")).await;
+    let ClaimOutcome::Existing { record, .. } = store.claim(req("p", "k", b"b")).await.expect("claim") else {
+        panic!("second claim sees the first")
+    };
+    assert_eq!(record, r);
+    let f = store.fail(r.id, r.token).await.expect("fail");
+    let lost = store.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![])).await;
+    assert!(matches!(lost, Err(StoreError::LeaseLost { current: Some(t), .. }) if t == r.token));
+    let gone = store.fail(req("p", "never", b"b").id, FencingToken::FIRST).await;
+    assert!(matches!(gone, Err(StoreError::LeaseLost { current: None, .. })), "{gone:?}");
+    assert_eq!(store.get(r.id).await.expect("get"), Some(f));
+    assert_eq!(store.get(req("p", "never", b"b").id).await.expect("get"), None);
+}
