@@ -58,6 +58,17 @@
 //! [`RedbStore::database`]. The store only writes the tables named `idem_records` and
 //! `idem_expiry`.
 //!
+//! # Failures
+//! - A commit that fails (I/O error, full disk) fails every operation of its batch with
+//!   [`StoreError::Unavailable`](idem_core::StoreError::Unavailable); nothing of the batch
+//!   was applied, so no caller holds a claim it was not told about.
+//! - redb then refuses every later write transaction (`PreviousIo`, reported as not
+//!   retryable) until the file is opened again; reads keep working. The HTTP layer fails
+//!   closed (503) in the meantime; restart the process, or open a new store on the file.
+//! - A process killed at any point loses no acknowledged write under
+//!   [`Durability::Immediate`] (see `tests/killed_process.rs`); redb repairs the file on
+//!   the next open.
+//!
 //! # Time
 //! Every `now` comes from [`RedbConfig::clock`] (the system clock by default), in
 //! milliseconds since the epoch; tests inject a [`idem_core::ManualClock`].

@@ -141,6 +141,10 @@ pub(crate) struct Counters {
 /// own outcome. If the commit fails, nothing in the batch was applied and every caller in
 /// it gets the error. `get` runs a read transaction on tokio's blocking pool.
 ///
+/// An operation is applied even if its caller stops waiting (drops the future) after
+/// handing it over; a claim made that way is held until its lease expires, as if the
+/// caller had crashed.
+///
 /// Clones share the writer. When the last clone is dropped the writer finishes the
 /// operations it already received and stops, and the drop waits for it (at most one
 /// batch), so the file can be opened again right after.

@@ -477,10 +477,20 @@ async fn failed_commit_fails_every_caller_and_applies_nothing() {
     assert_eq!(stats.batches - batches_before, 1);
     assert_eq!(stats.failed_batches, 1);
 
+    // redb latches an I/O failure: later writes fail, not retryable, until the file is
+    // opened again (the crate docs say so). Reads keep working.
+    broken.store(false, Ordering::SeqCst);
+    for outcome in claim_all(&store, "after", 8).await {
+        match outcome {
+            Err(e @ StoreError::Unavailable { .. }) => assert!(!e.is_retryable(), "{e:?}"),
+            other => panic!("a write after a latched I/O failure: {other:?}"),
+        }
+    }
+    assert!(store.get(before[0].id).await.expect("reads still work").is_some());
+
     // Reopen the same bytes with a healthy disk: the batch is not there, the earlier
     // commit is.
     drop(store);
-    broken.store(false, Ordering::SeqCst);
     let store = open();
     for id in ids {
         assert_eq!(store.get(id).await.expect("get"), None, "nothing of the failed batch was applied");
