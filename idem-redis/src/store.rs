@@ -338,13 +338,20 @@ impl RedisStore {
         duration_ms(self.config.expiry_grace)
     }
 
-    /// Runs `call`; with `wait` and [`ReplicaAck`] configured, sends `WAIT` in the same
-    /// pipeline, so it runs on the connection that made the write (a reconnect between the
-    /// two would make WAIT count nothing) and costs no extra round trip.
-    async fn run(&self, op: &'static str, call: &Call<'_>, wait: bool) -> Result<(Reply, Option<u64>), StoreError> {
+    /// Runs `call`. For [`Kind::AckedWrite`] with [`ReplicaAck`] configured, sends `WAIT` in
+    /// the same pipeline, so it runs on the connection that made the write (a reconnect
+    /// between the two would make WAIT count nothing) and costs no extra round trip.
+    ///
+    /// Writes are never sent twice after a connection error: whether the first one ran is
+    /// unknown, and the caller's retry goes through claim again. A [`Kind::Read`] is sent
+    /// once more after an I/O error, which covers the common case of a connection that died
+    /// while idle (a server restart, an idle timeout): the connection manager only notices
+    /// when the next command fails.
+    async fn run(&self, op: &'static str, call: &Call<'_>, kind: Kind) -> Result<(Reply, Option<u64>), StoreError> {
         let mut conn = self.conn.clone();
-        let ack = if wait { self.config.replica_ack } else { None };
+        let ack = if kind == Kind::AckedWrite { self.config.replica_ack } else { None };
         let mut loaded = false;
+        let mut resent = false;
         loop {
             let result = match ack {
                 None => call.evalsha().query_async::<Value>(&mut conn).await.map(|v| (v, None)),
@@ -363,6 +370,7 @@ impl RedisStore {
                     call.script.prepare_invoke().load_async(&mut conn).await.map_err(|e| Error::command(op, e))?;
                     loaded = true;
                 }
+                Err(e) if !resent && kind == Kind::Read && e.kind() == redis::ErrorKind::Io => resent = true,
                 Err(e) => return Err(Error::command(op, e).into()),
             }
         }
@@ -380,6 +388,17 @@ impl RedisStore {
             _ => Ok(()),
         }
     }
+}
+
+/// What a script call does, for [`RedisStore::run`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// Reads only: safe to send again.
+    Read,
+    /// Writes; never sent again after a connection error.
+    Write,
+    /// Writes that [`ReplicaAck`] covers (claim, reclaim, complete).
+    AckedWrite,
 }
 
 fn timeout_ms(d: Duration) -> u64 {
@@ -642,7 +661,7 @@ impl Store for RedisStore {
             .arg(req.scope.principal.0.as_str())
             .arg(req.scope.endpoint.0.as_str())
             .arg(req.key.as_str());
-        let (reply, acked) = self.run(OP, &call, true).await?;
+        let (reply, acked) = self.run(OP, &call, Kind::AckedWrite).await?;
         if reply.is("claimed") {
             let num = |i: usize| reply.rest.get(i).and_then(as_bytes).and_then(parse_i64);
             let (Some(token), Some(lease_expires_at), Some(expires_at)) = (num(0), num(1), num(2)) else {
@@ -684,7 +703,7 @@ impl Store for RedisStore {
             .arg(req.lease_ms())
             .arg(req.retention_ms())
             .arg(self.grace_ms());
-        let (reply, acked) = self.run(OP, &call, true).await?;
+        let (reply, acked) = self.run(OP, &call, Kind::AckedWrite).await?;
         if reply.is("reclaimed") {
             let record = decode_record(req.id, &reply.rest, None)?;
             self.check_ack(acked)?;
@@ -711,7 +730,7 @@ impl Store for RedisStore {
         let key = self.record_key(id);
         let encoded = encode_response(&response);
         let call = Call::new(&SCRIPTS.complete, key).arg(self.clock_arg()?).arg(token.0).arg(encoded.as_slice());
-        let (reply, acked) = self.run(OP, &call, true).await?;
+        let (reply, acked) = self.run(OP, &call, Kind::AckedWrite).await?;
         if reply.is("ok") {
             let record = decode_record(id, &reply.rest, Some(response))?;
             self.check_ack(acked)?;
@@ -729,7 +748,7 @@ impl Store for RedisStore {
         const OP: &str = "fail";
         let key = self.record_key(id);
         let call = Call::new(&SCRIPTS.fail, key).arg(self.clock_arg()?).arg(token.0);
-        let (reply, _) = self.run(OP, &call, false).await?;
+        let (reply, _) = self.run(OP, &call, Kind::Write).await?;
         if reply.is("ok") {
             decode_record(id, &reply.rest, None)
         } else if reply.is("lost") {
@@ -745,7 +764,7 @@ impl Store for RedisStore {
         const OP: &str = "get";
         let key = self.record_key(id);
         let call = Call::new(&SCRIPTS.get, key).arg(self.clock_arg()?);
-        let (reply, _) = self.run(OP, &call, false).await?;
+        let (reply, _) = self.run(OP, &call, Kind::Read).await?;
         if reply.is("found") {
             decode_record(id, &reply.rest, None).map(Some)
         } else if reply.is("absent") {
