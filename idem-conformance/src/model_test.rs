@@ -35,7 +35,7 @@ use crate::Backend;
 /// Cases per run unless `IDEM_MODEL_CASES` says otherwise.
 pub const DEFAULT_CASES: u32 = 128;
 /// Longest generated operation sequence.
-pub const MAX_OPS: usize = 48;
+pub const MAX_OPS: usize = 64;
 /// Simulated owners (API servers holding tokens).
 pub const OWNERS: usize = 3;
 /// Records in play: 2 principals x 2 keys.
@@ -43,7 +43,7 @@ pub const KEYS: usize = 4;
 /// Lease lengths an operation picks from, ms (zero is handed case C1).
 pub const LEASES_MS: [u64; 3] = [0, 1_000, 5_000];
 /// Retention windows an operation picks from, ms (1 s is shorter than a 5 s lease: raised).
-pub const RETENTIONS_MS: [u64; 3] = [1_000, 4_000, 10_000];
+pub const RETENTIONS_MS: [u64; 3] = [1_000, 10_000, 60_000];
 /// Distinct request fingerprints.
 pub const FINGERPRINTS: u8 = 2;
 
@@ -161,21 +161,25 @@ pub fn responses() -> [StoredResponse; 5] {
 /// The proptest strategy for one operation; clock moves favour the interesting edges.
 pub fn op_strategy() -> impl Strategy<Value = Op> {
     let owner = || 0..OWNERS as u8;
-    let key = || 0..KEYS as u8;
+    // Skewed towards key 0, so one record sees long histories; the others check isolation.
+    let key = || prop_oneof![4 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8), 1 => Just(3u8)];
+    // Weighted towards the choices that can win (the token last seen, the first
+    // fingerprint), so reclaims and completes apply often enough to matter.
     let token = || {
         prop_oneof![
             3 => Just(TokenChoice::Held),
-            2 => Just(TokenChoice::Seen),
+            3 => Just(TokenChoice::Seen),
             1 => (0u8..5).prop_map(TokenChoice::Literal),
         ]
     };
-    let ms = prop_oneof![0u16..=2, 999u16..=1_001, 3_999u16..=4_001, 4_999u16..=5_001, 0u16..=12_000];
-    let edge = prop_oneof![Just(Edge::Lease), Just(Edge::Expiry)];
+    let fingerprint = || prop_oneof![4 => Just(0u8), 1 => 0..FINGERPRINTS];
+    let ms = prop_oneof![0u16..=2, 999u16..=1_001, 4_999u16..=5_001, 0u16..=6_000];
+    let edge = prop_oneof![3 => Just(Edge::Lease), 1 => Just(Edge::Expiry)];
     prop_oneof![
-        4 => (owner(), key(), 0..FINGERPRINTS, 0..3u8, 0..3u8).prop_map(|(owner, key, fingerprint, lease, retention)| {
+        4 => (owner(), key(), fingerprint(), 0..3u8, 0..3u8).prop_map(|(owner, key, fingerprint, lease, retention)| {
             Op::Claim { owner, key, fingerprint, lease, retention }
         }),
-        3 => (owner(), key(), 0..FINGERPRINTS, token(), 0..3u8, 0..3u8).prop_map(
+        3 => (owner(), key(), fingerprint(), token(), 0..3u8, 0..3u8).prop_map(
             |(owner, key, fingerprint, token, lease, retention)| Op::Reclaim { owner, key, fingerprint, token, lease, retention }
         ),
         3 => (owner(), key(), token(), 0..5u8).prop_map(|(owner, key, token, response)| Op::Complete { owner, key, token, response }),
@@ -213,19 +217,24 @@ pub fn run(make: impl FnOnce() -> Arc<dyn Backend>) {
         make()
     };
     let started = Instant::now();
-    if let Err(e) = check(&rt, &backend, cases) {
-        panic!("{e}");
+    match check(&rt, &backend, cases) {
+        Ok(stats) => {
+            eprintln!("idem-conformance model_based: {cases} cases passed in {:.2?}: {stats:?}", started.elapsed())
+        }
+        Err(e) => panic!("{e}"),
     }
-    eprintln!("idem-conformance model_based: {cases} cases passed in {:.2?}", started.elapsed());
 }
 
 /// Runs `cases` random sequences against fresh stores of `backend`; `Err` carries the
 /// shrunk failing sequence and the first divergence.
 ///
+/// Returns the outcome counts over all cases.
+///
 /// # Errors
 /// A description of the divergence when the store and the model disagree.
-pub fn check(rt: &tokio::runtime::Runtime, backend: &Arc<dyn Backend>, cases: u32) -> Result<(), String> {
+pub fn check(rt: &tokio::runtime::Runtime, backend: &Arc<dyn Backend>, cases: u32) -> Result<RunStats, String> {
     let _sweeps = crate::blocking_sweep_lock();
+    let total = std::sync::Mutex::new(RunStats::default());
     let config = Config { cases, failure_persistence: None, ..Config::default() };
     let mut runner = TestRunner::new(config);
     let outcome = runner.run(&ops_strategy(), |ops| {
@@ -238,10 +247,11 @@ pub fn check(rt: &tokio::runtime::Runtime, backend: &Arc<dyn Backend>, cases: u3
             let namespace = format!("model-{}", uuid::Uuid::new_v4().simple());
             run_ops(store.as_ref(), &clock, &namespace, &ops).await
         })
+        .map(|stats| total.lock().unwrap_or_else(std::sync::PoisonError::into_inner).add(&stats))
         .map_err(TestCaseError::fail)
     });
     match outcome {
-        Ok(()) => Ok(()),
+        Ok(()) => Ok(total.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner)),
         Err(TestError::Fail(reason, ops)) => {
             Err(format!("the store diverged from the model: {reason}\nminimal failing sequence: {ops:#?}"))
         }
@@ -279,14 +289,63 @@ fn check_record(r: &Record) -> Result<(), String> {
     Ok(())
 }
 
-fn same_write(op: usize, store: Result<Record, StoreError>, model: Result<Record, StoreError>) -> Result<(), String> {
+fn same_write(
+    op: usize,
+    store: Result<Record, StoreError>,
+    model: Result<Record, StoreError>,
+    stats: &mut RunStats,
+) -> Result<(), String> {
     match (&store, &model) {
-        (Ok(a), Ok(b)) if a == b => check_record(a),
+        (Ok(a), Ok(b)) if a == b => {
+            stats.writes += 1;
+            check_record(a)
+        }
         (
             Err(StoreError::LeaseLost { id: a, presented: b, current: c }),
             Err(StoreError::LeaseLost { id: x, presented: y, current: z }),
-        ) if (a, b, c) == (x, y, z) => Ok(()),
+        ) if (a, b, c) == (x, y, z) => {
+            stats.lease_lost += 1;
+            Ok(())
+        }
         _ => Err(format!("op #{op}: store returned {store:?}, the model {model:?}")),
+    }
+}
+
+/// How often each outcome occurred: shows a run was not vacuous (printed by [`run`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunStats {
+    /// Operations run.
+    pub ops: u64,
+    /// Claims that won.
+    pub claimed: u64,
+    /// Claims that found a live record.
+    pub existing: u64,
+    /// Reclaims that won.
+    pub reclaimed: u64,
+    /// Reclaims that conflicted.
+    pub reclaim_conflicts: u64,
+    /// Completes and fails that applied.
+    pub writes: u64,
+    /// Completes and fails refused with `LeaseLost`.
+    pub lease_lost: u64,
+    /// Gets that found a record.
+    pub hits: u64,
+    /// Records removed by sweeps.
+    pub swept: u64,
+}
+
+impl RunStats {
+    /// Adds `other` into `self`.
+    pub fn add(&mut self, other: &RunStats) {
+        self.ops += other.ops;
+        self.claimed += other.claimed;
+        self.existing += other.existing;
+        self.reclaimed += other.reclaimed;
+        self.reclaim_conflicts += other.reclaim_conflicts;
+        self.writes += other.writes;
+        self.lease_lost += other.lease_lost;
+        self.hits += other.hits;
+        self.swept += other.swept;
     }
 }
 
@@ -311,10 +370,13 @@ impl Owners {
 /// outcome; records live under `namespace`. Used by the model test and the
 /// `model_vs_memory` fuzz target.
 ///
+/// Returns how often each outcome occurred.
+///
 /// # Errors
 /// The first divergence (or store error, or broken record invariant), described.
-pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, ops: &[Op]) -> Result<(), String> {
+pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, ops: &[Op]) -> Result<RunStats, String> {
     let native = store.capabilities().native_expiry;
+    let mut stats = RunStats { ops: ops.len() as u64, ..RunStats::default() };
     let mut model = Model::new();
     let mut owners = Owners::default();
     let parts: Vec<(Scope, IdempotencyKey)> = (0..KEYS).map(|k| key_parts(namespace, k)).collect();
@@ -340,11 +402,13 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
                 }
                 match m {
                     ClaimOutcome::Claimed(r) => {
+                        stats.claimed += 1;
                         check_record(&r)?;
                         owners.held[o][k] = Some(r.token);
                         owners.seen[o][k] = Some(r.token);
                     }
                     ClaimOutcome::Existing { record, .. } => {
+                        stats.existing += 1;
                         check_record(&record)?;
                         owners.seen[o][k] = Some(record.token);
                     }
@@ -366,12 +430,17 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
                 }
                 match m {
                     ReclaimOutcome::Reclaimed(r) => {
+                        stats.reclaimed += 1;
                         check_record(&r)?;
                         owners.held[o][k] = Some(r.token);
                         owners.seen[o][k] = Some(r.token);
                     }
-                    ReclaimOutcome::Conflict { current: Some(r), .. } => owners.seen[o][k] = Some(r.token),
-                    ReclaimOutcome::Conflict { current: None, .. } => {}
+                    ReclaimOutcome::Conflict { current, .. } => {
+                        stats.reclaim_conflicts += 1;
+                        if let Some(r) = current {
+                            owners.seen[o][k] = Some(r.token);
+                        }
+                    }
                 }
             }
             Op::Complete { owner, key, token, response } => {
@@ -380,14 +449,14 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
                 let resp = responses[usize::from(response) % responses.len()].clone();
                 let m = model.complete(ids[k], t, resp.clone(), now);
                 let s = store.complete(ids[k], t, resp).await;
-                same_write(i, s, m)?;
+                same_write(i, s, m, &mut stats)?;
             }
             Op::Fail { owner, key, token } => {
                 let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
                 let t = owners.token(o, k, token);
                 let m = model.fail(ids[k], t, now);
                 let s = store.fail(ids[k], t).await;
-                same_write(i, s, m)?;
+                same_write(i, s, m, &mut stats)?;
             }
             Op::Get { owner, key } => {
                 let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
@@ -397,11 +466,14 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
                     return Err(format!("op #{i} {op:?}: store returned {s:?}, the model {m:?}"));
                 }
                 if let Some(r) = &m {
+                    stats.hits += 1;
                     check_record(r)?;
                     owners.seen[o][k] = Some(r.token);
                 }
             }
-            Op::Sweep { limit } => sweep(i, store, &mut model, now, usize::from(limit % 6), native).await?,
+            Op::Sweep { limit } => {
+                stats.swept += sweep(i, store, &mut model, now, usize::from(limit % 6), native).await?
+            }
             Op::Advance { ms } => clock.advance_ms(i64::from(ms % 12_001)),
             Op::AdvanceTo { key, edge, delta } => {
                 if let Some(r) = model.get(ids[usize::from(key) % KEYS], now) {
@@ -417,7 +489,7 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
             }
         }
     }
-    Ok(())
+    Ok(stats)
 }
 
 /// One sweep, compared as far as the contract fixes it (see the module docs).
@@ -428,13 +500,13 @@ async fn sweep(
     now: UnixMillis,
     limit: usize,
     native: bool,
-) -> Result<(), String> {
+) -> Result<u64, String> {
     let out = store.sweep(limit).await.map_err(|e| format!("op #{i} sweep({limit}) failed: {e}"))?;
     if native {
         if (out.removed, out.more) != (0, false) {
             return Err(format!("op #{i}: a store with native expiry swept {out:?}; it must report zero"));
         }
-        return Ok(());
+        return Ok(0);
     }
     let expired = model.clone().sweep(usize::MAX, now).removed;
     if out.removed > expired.min(limit as u64) {
@@ -462,5 +534,5 @@ async fn sweep(
     if total != removed {
         return Err(format!("op #{i}: sweeps removed {total} records in all, the model {removed}"));
     }
-    Ok(())
+    Ok(total)
 }

@@ -176,7 +176,7 @@ type Scenario = fn(Env) -> Pin<Box<dyn Future<Output = ()> + Send>>;
 async fn fails(bug: Bug, scenario: Scenario) -> bool {
     let env = Env::open_named(Arc::new(Broken(bug)), "broken").await;
     match tokio::spawn(scenario(env)).await {
-        Ok(()) => false,
+        Ok(_) => false,
         Err(e) => e.is_panic(),
     }
 }
@@ -207,7 +207,7 @@ fn model_test_fails(bug: Bug) -> bool {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let backend: Arc<dyn Backend> = Arc::new(Broken(bug));
     match model_test::check(&rt, &backend, 256) {
-        Ok(()) => false,
+        Ok(_) => false,
         Err(e) => {
             eprintln!("model test on {bug:?}: {}", e.lines().next().unwrap_or_default());
             true
