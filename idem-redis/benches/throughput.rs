@@ -6,7 +6,8 @@
 //! cargo bench -p idem-redis --bench throughput
 //! ```
 //!
-//! Environment: `IDEM_REDIS_URL` (default `redis://127.0.0.1:6379`), `IDEM_BENCH_SECS`
+//! Environment: `IDEM_REDIS_URL` (default `redis://127.0.0.1:6379`), `IDEM_BENCH_CALLERS`
+//! (comma-separated caller counts, default `1,32`), `IDEM_BENCH_SECS`
 //! (seconds per cell, default 3; the library and the hand-written version alternate in
 //! ten slices each, so load changes on a shared machine hit both alike). Every key gets a fresh random prefix and a 10 s
 //! expiry, so the run cleans up after itself without deleting anything.
@@ -120,7 +121,11 @@ async fn main() {
     println!("claim + complete, {secs} s per cell, {url}");
     println!("{:>8} {:>16} {:>16} {:>7}", "callers", "library ops/s", "by hand ops/s", "ratio");
     let mut ratios = Vec::new();
-    for callers in [1usize, 32] {
+    let callers_list: Vec<usize> = std::env::var("IDEM_BENCH_CALLERS")
+        .ok()
+        .map(|s| s.split(',').filter_map(|c| c.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 32]);
+    for callers in callers_list {
         let lib = {
             let (store, scope, resp, run) = (store.clone(), scope.clone(), resp.clone(), run.clone());
             let seq = Arc::new(AtomicU64::new(0));
