@@ -93,6 +93,18 @@
 //!   ([`idem_core::StoreError::is_retryable`]). The HTTP layer answers them with 503 and
 //!   `Retry-After`.
 //!
+//! # Testing and benchmarks
+//! `cargo test -p idem-redis` runs the conformance suite (every scenario and the model
+//! test) against the Redis at `IDEM_REDIS_URL` (default `redis://127.0.0.1:6379`), each
+//! scenario under a fresh random prefix. It fails, with the command to start one, when
+//! that Redis is down:
+//! `redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no`.
+//! Tests that need a differently configured server (an evicting policy, `CONFIG`
+//! disabled, a replica) or that stall or kill connections start private `redis-server`
+//! processes on free ports, so `redis-server` must be on `PATH`.
+//! `cargo bench -p idem-redis --bench throughput` compares claim + complete against the
+//! same two round trips written by hand (`SET NX`, `SET`).
+//!
 //! # Layout
 //! - [`store`]: [`RedisStore`], [`RedisConfig`], [`EvictionCheck`], [`ReplicaAck`].
 //! - [`error`]: [`Error`] and its retry classification.
