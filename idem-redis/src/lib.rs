@@ -92,6 +92,12 @@
 //!   `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `BUSY` are retryable
 //!   ([`idem_core::StoreError::is_retryable`]). The HTTP layer answers them with 503 and
 //!   `Retry-After`.
+//! - Reconnection: the store keeps one multiplexed connection that reconnects on its own.
+//!   A connection that died while idle (server restart, idle timeout) is noticed by the
+//!   next command. A `get` is then sent once more; a claim, reclaim, complete or fail is
+//!   never sent twice, because whether the first attempt ran is unknown, so that one call
+//!   fails with a retryable error and the next one uses the new connection. A killed
+//!   connection never leaves half a record: each script runs whole or not at all.
 //!
 //! # Testing and benchmarks
 //! `cargo test -p idem-redis` runs the conformance suite (every scenario and the model
