@@ -47,8 +47,9 @@ async fn pexpiretime(conn: &mut redis::aio::MultiplexedConnection, key: &str) ->
     redis::cmd("PEXPIRETIME").arg(key).query_async(conn).await.expect("PEXPIRETIME")
 }
 
-/// The record lives at `<prefix>{<id hex>}`, and on the server's clock the key expires at
-/// exactly `expires_at` (plus the configured grace): retention is native, no sweeper.
+/// Handed case C2 (seconds and milliseconds mixed in expiry): the key expires at exactly
+/// `expires_at` in ms (plus the configured grace). Also: the record lives at
+/// `<prefix>{<id hex>}`, and retention is native, no sweeper.
 #[tokio::test]
 async fn key_layout_and_native_expiry_on_the_server_clock() {
     let prefix = common::fresh_prefix();
@@ -539,4 +540,40 @@ async fn resp3_connections_work() {
     assert!(matches!(gone, Err(StoreError::LeaseLost { current: None, .. })), "{gone:?}");
     assert_eq!(store.get(r.id).await.expect("get"), Some(f));
     assert_eq!(store.get(req("p", "never", b"b").id).await.expect("get"), None);
+}
+
+/// Handed case C9 (a plain `SETEX` let the loser of two first requests overwrite the
+/// winner): 32 claims of one key through 4 independent connections, as from 4 API servers,
+/// have exactly one winner, and every loser sees the winner's record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_first_claims_across_connections_have_one_winner() {
+    let clock = ManualClock::starting_now();
+    let prefix = common::fresh_prefix();
+    let mut stores = Vec::new();
+    for _ in 0..4 {
+        stores.push(common::connect(common::test_config(&prefix, Arc::new(clock.clone()))).await);
+    }
+    let barrier = Arc::new(tokio::sync::Barrier::new(32));
+    let tasks: Vec<_> = (0..32)
+        .map(|i| {
+            let store = stores[i % 4].clone();
+            let barrier = Arc::clone(&barrier);
+            tokio::spawn(async move {
+                let r = req("p", "first", format!("body {}", i % 2).as_bytes());
+                barrier.wait().await;
+                store.claim(r).await.expect("claim")
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    let mut losers = Vec::new();
+    for t in tasks {
+        match t.await.expect("task") {
+            ClaimOutcome::Claimed(r) => winners.push(r),
+            ClaimOutcome::Existing { record, .. } => losers.push(record),
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one first request wins");
+    assert!(losers.iter().all(|r| *r == winners[0]), "every loser sees the winner's record, unchanged");
+    assert_eq!(stores[3].get(winners[0].id).await.expect("get").as_ref(), Some(&winners[0]));
 }
