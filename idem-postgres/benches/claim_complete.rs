@@ -1,1 +1,168 @@
-fn main() {}
+//! Claim + complete throughput of `PostgresStore` against the same two statements sent by
+//! hand through the same pool, at 1 and 32 concurrent callers, in one run.
+//!
+//! ```text
+//! cargo bench -p idem-postgres --bench claim_complete
+//! IDEM_POSTGRES_URL=postgres://... IDEM_BENCH_SECS=5 cargo bench -p idem-postgres --bench claim_complete
+//! ```
+//!
+//! Each caller loops: a fresh idempotency key, claim, complete with a 201 response. The
+//! library path builds a `ClaimRequest`, runs `Store::claim`, then `Store::complete`
+//! (which encodes the response and decodes the returned rows into `Record`s). The hand
+//! path takes a pooled connection per statement (as the library does, since the handler
+//! runs between the two), sends the store's own `Statements::claim` / `Statements::complete`
+//! text with hand-built parameters and a pre-encoded response, and reads only the token.
+//! Modes alternate in rounds so that drift on the server (autovacuum, checkpoints) hits
+//! both. Runs in its own `idem_bench_*` schema, dropped at the end.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use idem_core::{
+    ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, RecordId, Scope, Store, StoredResponse,
+};
+use idem_postgres::{PostgresConfig, PostgresStore, encode_response};
+
+const ROUNDS: usize = 2;
+const LEASE: Duration = Duration::from_secs(300);
+const RETENTION: Duration = Duration::from_secs(86_400);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Library,
+    ByHand,
+}
+
+struct Fixture {
+    store: PostgresStore,
+    run_id: String,
+    counter: AtomicU64,
+    fingerprint: Fingerprint,
+    response: StoredResponse,
+    response_bytes: Vec<u8>,
+}
+
+impl Fixture {
+    fn next_key(&self) -> String {
+        format!("{}-{}", self.run_id, self.counter.fetch_add(1, Ordering::Relaxed))
+    }
+
+    async fn library_once(&self, scope: &Scope) {
+        let key = IdempotencyKey::parse(self.next_key().as_bytes()).expect("key");
+        let req = ClaimRequest::new(scope.clone(), key, self.fingerprint, LEASE, RETENTION);
+        let ClaimOutcome::Claimed(r) = self.store.claim(req).await.expect("claim") else {
+            panic!("fresh key must be claimed");
+        };
+        self.store.complete(r.id, r.token, self.response.clone()).await.expect("complete");
+    }
+
+    async fn by_hand_once(&self, scope: &Scope) {
+        let sql = self.store.statements();
+        let key = self.next_key();
+        let id = RecordId::derive(&scope.principal.0, &scope.endpoint.0, &key);
+        let none: Option<i64> = None;
+        let token: i64 = {
+            let client = self.store.pool().get().await.expect("pool");
+            let stmt = client.prepare_cached(&sql.claim).await.expect("prepare");
+            let row = client
+                .query_one(
+                    &stmt,
+                    &[
+                        &&id.0[..],
+                        &scope.principal.0.as_bytes(),
+                        &scope.endpoint.0.as_bytes(),
+                        &key.as_str(),
+                        &&self.fingerprint.0[..],
+                        &300_000i64,
+                        &86_400_000i64,
+                        &none,
+                    ],
+                )
+                .await
+                .expect("claim");
+            row.get("token")
+        };
+        let client = self.store.pool().get().await.expect("pool");
+        let stmt = client.prepare_cached(&sql.complete).await.expect("prepare");
+        let row = client.query_opt(&stmt, &[&&id.0[..], &token, &self.response_bytes, &none]).await.expect("complete");
+        assert!(row.is_some(), "complete applies");
+    }
+}
+
+/// Runs `callers` tasks in `mode` for `secs`; returns claim+complete pairs per second.
+async fn run(fx: &Arc<Fixture>, mode: Mode, callers: usize, secs: f64) -> f64 {
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for c in 0..callers {
+        let fx = Arc::clone(fx);
+        tasks.push(tokio::spawn(async move {
+            let scope = Scope::new(format!("bench-{c}"), Endpoint::new("POST", "/v1/workers")).expect("scope");
+            let mut done = 0u64;
+            while Instant::now() < deadline {
+                match mode {
+                    Mode::Library => fx.library_once(&scope).await,
+                    Mode::ByHand => fx.by_hand_once(&scope).await,
+                }
+                done += 1;
+            }
+            done
+        }));
+    }
+    let mut total = 0u64;
+    for t in tasks {
+        total += t.await.expect("caller");
+    }
+    total as f64 / start.elapsed().as_secs_f64()
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let url = std::env::var("IDEM_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let secs: f64 = std::env::var("IDEM_BENCH_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(3.0);
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    let schema = format!("idem_bench_{}_{}", now.as_secs(), now.subsec_nanos());
+    let store =
+        match PostgresStore::connect(&url, PostgresConfig::default().with_schema(&schema).with_max_connections(32))
+            .await
+        {
+            Ok(s) => s,
+            Err(e) => panic!(
+                "PostgreSQL is not reachable at {url}: {e}. Start it with: \
+             pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"
+            ),
+        };
+    store.migrate().await.expect("migrate");
+    let response = StoredResponse::new(
+        201,
+        vec![("content-type".into(), b"application/json".to_vec()), ("location".into(), b"/v1/workers/42".to_vec())],
+        br#"{"id":"wrk_42","state":"provisioning"}"#.to_vec(),
+    );
+    let fx = Arc::new(Fixture {
+        store: store.clone(),
+        run_id: format!("{}", now.as_nanos()),
+        counter: AtomicU64::new(0),
+        fingerprint: Fingerprint::of_bytes(b"{\"gpu\":\"h100\"}"),
+        response_bytes: encode_response(&response),
+        response,
+    });
+
+    println!("idem-postgres claim+complete throughput ({secs} s x {ROUNDS} rounds per cell, schema {schema})");
+    println!("{:>8} {:>14} {:>14} {:>8}", "callers", "library/s", "by hand/s", "ratio");
+    for callers in [1usize, 32] {
+        // Warm up: opens the pool's connections and prepares the statements on each.
+        run(&fx, Mode::Library, callers, 0.5).await;
+        run(&fx, Mode::ByHand, callers, 0.5).await;
+        let (mut lib, mut hand) = (0.0, 0.0);
+        for _ in 0..ROUNDS {
+            lib += run(&fx, Mode::Library, callers, secs).await;
+            hand += run(&fx, Mode::ByHand, callers, secs).await;
+        }
+        let (lib, hand) = (lib / ROUNDS as f64, hand / ROUNDS as f64);
+        println!("{callers:>8} {lib:>14.0} {hand:>14.0} {:>7.3}x", lib / hand);
+    }
+
+    let client = store.pool().get().await.expect("pool");
+    client.batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE")).await.expect("drop bench schema");
+}

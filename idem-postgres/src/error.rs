@@ -106,6 +106,20 @@ pub fn is_retryable_pg(e: &tokio_postgres::Error) -> bool {
     false
 }
 
+/// Whether the error means the connection's session is gone (terminated backend, server
+/// shutdown, closed socket, broken I/O): such a connection must not go back to the pool.
+pub(crate) fn is_session_lost(e: &tokio_postgres::Error) -> bool {
+    match e.code() {
+        Some(code) => {
+            code == &SqlState::ADMIN_SHUTDOWN
+                || code == &SqlState::CRASH_SHUTDOWN
+                || code == &SqlState::CANNOT_CONNECT_NOW
+                || code.code().starts_with("08")
+        }
+        None => e.is_closed() || is_retryable_pg(e),
+    }
+}
+
 fn is_retryable_code(code: &SqlState) -> bool {
     code == &SqlState::T_R_SERIALIZATION_FAILURE
         || code == &SqlState::T_R_DEADLOCK_DETECTED

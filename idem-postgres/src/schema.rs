@@ -78,12 +78,30 @@ pub(crate) fn quote_ident(name: &str) -> String {
 
 /// Applies the missing migrations to `schema` in one transaction; returns how many ran.
 pub(crate) async fn migrate(pool: &Pool, schema: &str) -> Result<usize, Error> {
-    let pg = |operation| move |source| Error::Postgres { operation, source };
     let mut client = pool.get().await.map_err(|source| Error::Connection { operation: "migrating", source })?;
     let tx = client.transaction().await.map_err(pg("starting the migration transaction"))?;
+    match apply(&tx, schema).await {
+        Ok(applied) => {
+            tx.commit().await.map_err(pg("committing the migrations"))?;
+            Ok(applied)
+        }
+        Err(e) => {
+            // Roll back now rather than on drop: dropping only queues the ROLLBACK, and the
+            // session would keep its locks until the pooled connection is next used.
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
+}
+
+fn pg(operation: &'static str) -> impl Fn(tokio_postgres::Error) -> Error {
+    move |source| Error::Postgres { operation, source }
+}
+
+async fn apply(tx: &deadpool_postgres::Transaction<'_>, schema: &str) -> Result<usize, Error> {
     let q = quote_ident(schema);
     // Serialise concurrent migrate() calls on this schema (several replicas starting at
-    // once); the lock is released at commit.
+    // once); the lock is released at commit or rollback.
     tx.execute("SELECT pg_advisory_xact_lock(hashtext($1))", &[&format!("idem-postgres migrate {schema}")])
         .await
         .map_err(pg("taking the migration lock"))?;
@@ -117,7 +135,6 @@ pub(crate) async fn migrate(pool: &Pool, schema: &str) -> Result<usize, Error> {
         .map_err(pg("recording a migration"))?;
         applied += 1;
     }
-    tx.commit().await.map_err(pg("committing the migrations"))?;
     Ok(applied)
 }
 

@@ -51,7 +51,7 @@ use idem_core::{
 use tokio_postgres::NoTls;
 use tokio_postgres::types::ToSql;
 
-use crate::error::{Error, store_pg, store_pool};
+use crate::error::{Error, is_session_lost, store_pg, store_pool};
 use crate::schema::{DEFAULT_SCHEMA, quote_ident, validate_schema};
 
 /// How a [`PostgresStore`] is set up. Built with `PostgresConfig::default()` and the
@@ -375,32 +375,46 @@ impl PostgresStore {
         self.inner.pool.get().await.map_err(|e| store_pool(operation, e))
     }
 
-    /// Runs `sql` (prepared once per connection) and returns at most one row.
-    async fn query_opt(
+    /// Runs `sql` (prepared once per connection) and returns at most one row, handing the
+    /// connection back for a follow-up statement. On an error that means the session is
+    /// gone (terminated backend, closed socket), the connection is detached from the pool
+    /// instead of returned to it: the driver may not have noticed the close yet, and the
+    /// pool's recycle check would then hand the dead connection to the next call.
+    async fn run(
         &self,
-        client: &Object,
+        client: Object,
         operation: &'static str,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
-    ) -> Result<Option<tokio_postgres::Row>, StoreError> {
-        let stmt = client.prepare_cached(sql).await.map_err(|e| store_pg(operation, e))?;
-        client.query_opt(&stmt, params).await.map_err(|e| store_pg(operation, e))
+    ) -> Result<(Object, Option<tokio_postgres::Row>), StoreError> {
+        let result = match client.prepare_cached(sql).await {
+            Ok(stmt) => client.query_opt(&stmt, params).await,
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(row) => Ok((client, row)),
+            Err(e) => {
+                if is_session_lost(&e) {
+                    drop(Object::take(client));
+                }
+                Err(store_pg(operation, e))
+            }
+        }
     }
 
     /// The live record and the store's `now` (the slow path of a lost compare-and-set).
-    async fn read(&self, client: &Object, id: RecordId) -> Result<(Option<Record>, UnixMillis), StoreError> {
+    async fn read(&self, client: Object, id: RecordId) -> Result<(Option<Record>, UnixMillis), StoreError> {
+        const OP: &str = "reading a record";
         let now = self.pinned_now();
-        let row = self
-            .query_opt(client, "reading a record", &self.inner.sql.read, &[&&id.0[..], &now])
-            .await?
-            .ok_or_else(|| corrupt(Some(id), postcard::Error::DeserializeUnexpectedEnd))?;
-        let now = UnixMillis(row.try_get(COLUMNS.len()).map_err(|e| store_pg("reading a record", e))?);
-        let present: Option<Vec<u8>> = row.try_get(0).map_err(|e| store_pg("reading a record", e))?;
+        let (_, row) = self.run(client, OP, &self.inner.sql.read, &[&&id.0[..], &now]).await?;
+        let row = row.ok_or_else(|| corrupt(Some(id), postcard::Error::DeserializeUnexpectedEnd))?;
+        let now = UnixMillis(row.try_get(COLUMNS.len()).map_err(|e| store_pg(OP, e))?);
+        let present: Option<&[u8]> = row.try_get(0).map_err(|e| store_pg(OP, e))?;
         let record = if present.is_some() { Some(record_at(&row, 0)?) } else { None };
         Ok((record, now))
     }
 
-    async fn lease_lost(&self, client: &Object, id: RecordId, presented: FencingToken) -> StoreError {
+    async fn lease_lost(&self, client: Object, id: RecordId, presented: FencingToken) -> StoreError {
         match self.read(client, id).await {
             Ok((current, _)) => StoreError::LeaseLost { id, presented, current: current.map(|r| r.token) },
             Err(e) => e,
@@ -520,9 +534,9 @@ impl Store for PostgresStore {
         const OP: &str = "claiming a record";
         let client = self.client(OP).await?;
         let now = self.pinned_now();
-        let row = self
-            .query_opt(
-                &client,
+        let (_, row) = self
+            .run(
+                client,
                 OP,
                 &self.inner.sql.claim,
                 &[
@@ -536,9 +550,9 @@ impl Store for PostgresStore {
                     &now,
                 ],
             )
-            .await?
-            // An upsert with RETURNING always yields its row.
-            .ok_or_else(|| corrupt(Some(req.id), postcard::Error::DeserializeUnexpectedEnd))?;
+            .await?;
+        // An upsert with RETURNING always yields its row.
+        let row = row.ok_or_else(|| corrupt(Some(req.id), postcard::Error::DeserializeUnexpectedEnd))?;
         let claimed: bool = row.try_get(1).map_err(|e| store_pg(OP, e))?;
         let record = record_at(&row, 2)?;
         if claimed {
@@ -553,9 +567,9 @@ impl Store for PostgresStore {
         const OP: &str = "reclaiming a record";
         let client = self.client(OP).await?;
         let now = self.pinned_now();
-        let row = self
-            .query_opt(
-                &client,
+        let (client, row) = self
+            .run(
+                client,
                 OP,
                 &self.inner.sql.reclaim,
                 &[
@@ -571,7 +585,7 @@ impl Store for PostgresStore {
         match row {
             Some(row) => Ok(ReclaimOutcome::Reclaimed(record_at(&row, 0)?)),
             None => {
-                let (current, now) = self.read(&client, req.id).await?;
+                let (current, now) = self.read(client, req.id).await?;
                 Ok(ReclaimOutcome::Conflict { current, now })
             }
         }
@@ -587,12 +601,11 @@ impl Store for PostgresStore {
         let client = self.client(OP).await?;
         let now = self.pinned_now();
         let bytes = encode_response(&response);
-        let row = self
-            .query_opt(&client, OP, &self.inner.sql.complete, &[&&id.0[..], &token_param(token), &bytes, &now])
-            .await?;
+        let (client, row) =
+            self.run(client, OP, &self.inner.sql.complete, &[&&id.0[..], &token_param(token), &bytes, &now]).await?;
         match row {
             Some(row) => record_at(&row, 0),
-            None => Err(self.lease_lost(&client, id, token).await),
+            None => Err(self.lease_lost(client, id, token).await),
         }
     }
 
@@ -600,16 +613,17 @@ impl Store for PostgresStore {
         const OP: &str = "marking a record failed";
         let client = self.client(OP).await?;
         let now = self.pinned_now();
-        let row = self.query_opt(&client, OP, &self.inner.sql.fail, &[&&id.0[..], &token_param(token), &now]).await?;
+        let (client, row) =
+            self.run(client, OP, &self.inner.sql.fail, &[&&id.0[..], &token_param(token), &now]).await?;
         match row {
             Some(row) => record_at(&row, 0),
-            None => Err(self.lease_lost(&client, id, token).await),
+            None => Err(self.lease_lost(client, id, token).await),
         }
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
         let client = self.client("reading a record").await?;
-        Ok(self.read(&client, id).await?.0)
+        Ok(self.read(client, id).await?.0)
     }
 
     async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
@@ -618,10 +632,8 @@ impl Store for PostgresStore {
         let now = self.pinned_now();
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let probe = limit.saturating_add(1);
-        let row = self
-            .query_opt(&client, OP, &self.inner.sql.sweep, &[&limit, &probe, &now])
-            .await?
-            .ok_or_else(|| corrupt(None, postcard::Error::DeserializeUnexpectedEnd))?;
+        let (_, row) = self.run(client, OP, &self.inner.sql.sweep, &[&limit, &probe, &now]).await?;
+        let row = row.ok_or_else(|| corrupt(None, postcard::Error::DeserializeUnexpectedEnd))?;
         let removed: i64 = row.try_get(0).map_err(|e| store_pg(OP, e))?;
         let found: i64 = row.try_get(1).map_err(|e| store_pg(OP, e))?;
         Ok(SweepOutcome { removed: u64::try_from(removed).unwrap_or(0), more: found > removed })

@@ -12,11 +12,14 @@ use idem_core::{ManualClock, Store};
 
 use common::{SchemaGuard, TestStore};
 
+/// A handle this backend opened, and the schema it lives in.
+type Opened = (Weak<dyn Store>, Weak<SchemaGuard>);
+
 /// Opens stores on fresh schemas; remembers which schema each handle uses so that
 /// `open_peer` can open a second pool on it.
 #[derive(Default)]
 struct Postgres {
-    opened: Mutex<Vec<(Weak<dyn Store>, Weak<SchemaGuard>)>>,
+    opened: Mutex<Vec<Opened>>,
 }
 
 impl Postgres {

@@ -82,7 +82,9 @@ impl Drop for SchemaGuard {
     fn drop(&mut self) {
         // Drop runs synchronously, perhaps on a runtime thread or while the test's runtime
         // shuts down: do the async work on a thread with its own small runtime.
-        let sql = format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name);
+        // A bounded lock wait: a session left holding a lock on the schema must cost a
+        // warning, never a hung test run.
+        let sql = format!("SET lock_timeout = '10s'; DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name);
         let url = url();
         let dropped = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;

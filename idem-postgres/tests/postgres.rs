@@ -1,0 +1,315 @@
+//! Postgres-specific behaviour beyond the shared suite: connection loss mid-request,
+//! migrations, schema names, corrupt rows, the server clock's unit, the sweeper task.
+//! Runs against the real server at `IDEM_POSTGRES_URL`, each test in its own schema.
+
+mod common;
+
+use std::time::Duration;
+
+use idem_core::{
+    ClaimOutcome, ClaimRequest, Clock, Endpoint, Fingerprint, IdempotencyKey, ManualClock, Record, RecordState, Scope,
+    Store, StoreError, StoredResponse, SystemClock,
+};
+use idem_postgres::{Error, PostgresConfig, PostgresStore, spawn_sweeper};
+
+fn claim_req(principal: &str, key: &str, lease: Duration, retention: Duration) -> ClaimRequest {
+    let scope = Scope::new(principal, Endpoint::new("POST", "/v1/workers")).expect("principal");
+    let key = IdempotencyKey::parse(key.as_bytes()).expect("key");
+    ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"{}"), lease, retention)
+}
+
+async fn must_claim(store: &impl Store, req: ClaimRequest) -> Record {
+    match store.claim(req).await.expect("claim") {
+        ClaimOutcome::Claimed(r) => r,
+        other => panic!("expected Claimed, got {other:?}"),
+    }
+}
+
+fn response() -> StoredResponse {
+    StoredResponse::new(201, vec![("location".into(), b"/v1/workers/42".to_vec())], b"{\"id\":42}".to_vec())
+}
+
+/// Waits (polling the server, no clock involved) until a backend of this test's schema is
+/// blocked on a row lock, and returns its pid.
+async fn blocked_backend(admin: &tokio_postgres::Client, schema: &str) -> i32 {
+    let pattern = format!("%{schema}%");
+    let found = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let row = admin
+                .query_opt(
+                    "SELECT pid FROM pg_stat_activity
+                     WHERE wait_event_type = 'Lock' AND query LIKE $1 AND pid <> pg_backend_pid()",
+                    &[&pattern],
+                )
+                .await
+                .expect("pg_stat_activity");
+            if let Some(row) = row {
+                return row.get::<_, i32>(0);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    found.expect("the store's statement never blocked on the row lock")
+}
+
+/// Holds `FOR UPDATE` on one record's row until dropped (rolled back), so a store
+/// statement on that row waits and can be caught in flight.
+async fn lock_row(schema: &str, id: &[u8]) -> tokio_postgres::Client {
+    let locker = common::raw().await;
+    locker.batch_execute("BEGIN").await.expect("begin");
+    let n = locker
+        .execute(&format!("SELECT 1 FROM \"{schema}\".records WHERE id = $1 FOR UPDATE"), &[&id])
+        .await
+        .expect("lock row");
+    assert_eq!(n, 1);
+    locker
+}
+
+/// Pins: a connection killed while a complete is in flight (`pg_terminate_backend`) must
+/// fail that call with a retryable error, leave the record exactly as it was (no
+/// half-written response), and the pool must hand out a working connection next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_connection_mid_complete_leaves_record_intact_and_pool_recovers() {
+    let clock = ManualClock::starting_now();
+    // One connection: the call after the kill must go through a replaced connection.
+    let store = common::fresh_store(Some(clock.clone()), 1).await;
+    let schema = store.guard.name.clone();
+    let r = must_claim(&store, claim_req("p", "kill-complete", Duration::from_secs(5), Duration::from_secs(60))).await;
+
+    let locker = lock_row(&schema, &r.id.0).await;
+    let in_flight = {
+        let store = store.clone();
+        tokio::spawn(async move { store.complete(r.id, r.token, response()).await })
+    };
+    let admin = common::raw().await;
+    let pid = blocked_backend(&admin, &schema).await;
+    let killed: bool = admin.query_one("SELECT pg_terminate_backend($1)", &[&pid]).await.expect("terminate").get(0);
+    assert!(killed);
+
+    let err = in_flight.await.expect("task").expect_err("the complete's connection was killed");
+    assert!(err.is_retryable(), "connection loss is retryable: {err:?}");
+    assert!(!err.is_lease_lost());
+    assert!(std::error::Error::source(&err).is_some(), "the driver error is kept as source");
+    locker.batch_execute("ROLLBACK").await.expect("rollback");
+
+    let now = store.get(r.id).await.expect("pool recovered for get").expect("record still there");
+    assert_eq!(now, r, "no half-written record: still in flight, same token, no response");
+    let done = store.complete(r.id, r.token, response()).await.expect("retry of complete succeeds");
+    assert_eq!(done.state, RecordState::Completed);
+    assert_eq!(done.response, Some(response()));
+}
+
+/// Pins: a claim killed mid-statement either never happened or happened whole; the pool
+/// recovers and the retried claim sees a consistent record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_connection_mid_claim_leaves_no_partial_claim() {
+    let clock = ManualClock::starting_now();
+    let store = common::fresh_store(Some(clock.clone()), 1).await;
+    let schema = store.guard.name.clone();
+    let req = claim_req("p", "kill-claim", Duration::from_secs(5), Duration::from_secs(10));
+    let old = must_claim(&store, req.clone()).await;
+    // Past retention: the next claim replaces the record (the path that rewrites every column).
+    clock.advance(Duration::from_secs(11));
+
+    let locker = lock_row(&schema, &old.id.0).await;
+    let in_flight = {
+        let (store, req) = (store.clone(), req.clone());
+        tokio::spawn(async move { store.claim(req).await })
+    };
+    let admin = common::raw().await;
+    let pid = blocked_backend(&admin, &schema).await;
+    admin.query_one("SELECT pg_terminate_backend($1)", &[&pid]).await.expect("terminate");
+    let err = in_flight.await.expect("task").expect_err("the claim's connection was killed");
+    assert!(err.is_retryable(), "{err:?}");
+    locker.batch_execute("ROLLBACK").await.expect("rollback");
+
+    // The killed statement rolled back: the old (expired) row is untouched in the table.
+    let raw = common::raw().await;
+    let row = raw
+        .query_one(
+            &format!("SELECT token, state, created_at FROM \"{schema}\".records WHERE id = $1"),
+            &[&&old.id.0[..]],
+        )
+        .await
+        .expect("row");
+    assert_eq!(row.get::<_, i64>(0), 1);
+    assert_eq!(row.get::<_, &str>(1), "in_flight");
+    assert_eq!(row.get::<_, i64>(2), old.created_at.0);
+
+    let new = must_claim(&store, req).await;
+    assert_eq!(new.token.0, 2, "the retried claim replaces the expired record with the next token");
+}
+
+/// `migrate()` creates the schema once, records its version, and is a no-op afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_is_idempotent_and_recorded() {
+    let store = common::fresh_store(None, 2).await;
+    assert_eq!(store.inner.migrate().await.expect("second migrate"), 0);
+    let raw = common::raw().await;
+    let versions: Vec<i32> = raw
+        .query(&format!("SELECT version FROM \"{}\".schema_migrations ORDER BY version", store.guard.name), &[])
+        .await
+        .expect("versions")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(versions, idem_postgres::MIGRATIONS.iter().map(|m| m.version).collect::<Vec<_>>());
+    let indices: i64 = raw
+        .query_one(
+            "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'records'",
+            &[&store.guard.name],
+        )
+        .await
+        .expect("indices")
+        .get(0);
+    assert_eq!(indices, 3, "primary key, expires_at, in-flight lease");
+}
+
+/// Concurrent `migrate()` calls (replicas starting together) serialise on the advisory
+/// lock: exactly one applies the migration, none fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_migrations_apply_once() {
+    let guard = common::SchemaGuard::fresh().await;
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let name = guard.name.clone();
+        tasks.push(tokio::spawn(async move { common::connect(&name, None, 1).await.migrate().await }));
+    }
+    let mut applied = 0;
+    for t in tasks {
+        applied += t.await.expect("task").expect("migrate");
+    }
+    assert_eq!(applied, idem_postgres::MIGRATIONS.len());
+}
+
+/// A schema migrated by a newer build is refused, not written to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn newer_schema_is_refused() {
+    let store = common::fresh_store(None, 2).await;
+    common::raw()
+        .await
+        .execute(
+            &format!("INSERT INTO \"{}\".schema_migrations (version, name) VALUES (999, 'future')", store.guard.name),
+            &[],
+        )
+        .await
+        .expect("insert");
+    let err = store.inner.migrate().await.expect_err("too new");
+    assert!(matches!(err, Error::SchemaTooNew { found: 999, .. }), "{err:?}");
+    assert!(!err.is_retryable());
+}
+
+/// Schema names that would need quoting, or could inject SQL, are refused before any SQL runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsafe_schema_names_are_refused() {
+    for name in ["", "Idem", "idem; DROP TABLE x", "a\"b", "pg_catalog", "idem-x"] {
+        let err =
+            PostgresStore::connect("postgres://nobody@127.0.0.1:1/none", PostgresConfig::default().with_schema(name))
+                .await
+                .expect_err(name);
+        assert!(matches!(err, Error::InvalidSchema { .. }), "{name}: {err:?}");
+    }
+}
+
+/// An unreachable server is a retryable connection error that keeps the driver's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_server_is_a_retryable_connection_error() {
+    let config = PostgresConfig::default().with_connect_timeout(Duration::from_secs(2));
+    let err = PostgresStore::connect("postgres://postgres@127.0.0.1:1/test", config).await.expect_err("port 1");
+    assert!(matches!(err, Error::Connection { .. }), "{err:?}");
+    assert!(err.is_retryable());
+    assert!(std::error::Error::source(&err).is_some());
+}
+
+/// Using a store before `migrate()` fails with a permanent error that says what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_table_says_to_migrate() {
+    let guard = common::SchemaGuard::fresh().await;
+    let store = common::connect(&guard.name, None, 1).await;
+    let err =
+        store.claim(claim_req("p", "k", Duration::from_secs(5), Duration::from_secs(60))).await.expect_err("no table");
+    assert!(!err.is_retryable());
+    assert!(err.to_string().contains("migrate"), "{err}");
+}
+
+/// A response column that does not decode is `StoreError::Corrupt` naming the record, not
+/// a panic or a generic error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undecodable_response_is_corrupt() {
+    let store = common::fresh_store(Some(ManualClock::starting_now()), 2).await;
+    let r = must_claim(&store, claim_req("p", "corrupt", Duration::from_secs(5), Duration::from_secs(60))).await;
+    store.complete(r.id, r.token, response()).await.expect("complete");
+    common::raw()
+        .await
+        .execute(
+            &format!("UPDATE \"{}\".records SET response = '\\x01ffffffff'::bytea WHERE id = $1", store.guard.name),
+            &[&&r.id.0[..]],
+        )
+        .await
+        .expect("corrupt it");
+    let err = store.get(r.id).await.expect_err("corrupt");
+    assert!(matches!(err, StoreError::Corrupt { id: Some(id), .. } if id == r.id), "{err:?}");
+}
+
+/// Without a pinned clock, `now` is the server's clock in milliseconds (not seconds or
+/// microseconds, handed case C2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_clock_is_in_milliseconds() {
+    let store = common::fresh_store(None, 2).await;
+    let before = SystemClock.now().0;
+    let r = must_claim(&store, claim_req("p", "clock", Duration::from_millis(4_999), Duration::from_secs(60))).await;
+    let after = SystemClock.now().0;
+    // Same host: allow a second of slack for rounding and scheduling.
+    assert!(
+        r.created_at.0 >= before - 1_000 && r.created_at.0 <= after + 1_000,
+        "{} not in [{before}, {after}]",
+        r.created_at
+    );
+    assert_eq!(r.lease_expires_at.0 - r.created_at.0, 4_999);
+}
+
+/// The sweeper task deletes expired records in batches and leaves live ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweeper_task_deletes_expired_records_only() {
+    // In the past, so records expired on this clock are also expired in real time.
+    let clock = ManualClock::new(idem_core::UnixMillis(SystemClock.now().0 - 86_400_000));
+    let store = common::fresh_store(Some(clock.clone()), 2).await;
+    let short = Duration::from_secs(10);
+    for i in 0..5 {
+        must_claim(&store, claim_req("p", &format!("old-{i}"), short, short)).await;
+    }
+    let live = must_claim(&store, claim_req("p", "live", Duration::from_secs(5), Duration::from_secs(3_600))).await;
+    clock.advance(Duration::from_secs(11));
+
+    let task = spawn_sweeper(store.clone(), Duration::from_millis(10), 2);
+    let raw = common::raw().await;
+    let count_sql = format!("SELECT count(*) FROM \"{}\".records", store.guard.name);
+    let emptied = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let n: i64 = raw.query_one(&count_sql, &[]).await.expect("count").get(0);
+            if n == 1 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    task.abort();
+    emptied.expect("the sweeper removed the five expired records");
+    assert_eq!(store.get(live.id).await.expect("get"), Some(live));
+}
+
+/// A store built from a caller's own pool works the same (the leasebroker wiring).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_from_own_pool() {
+    let guard = common::SchemaGuard::fresh().await;
+    let pg: idem_postgres::tokio_postgres::Config = common::url().parse().expect("url");
+    let manager = idem_postgres::deadpool_postgres::Manager::new(pg, idem_postgres::tokio_postgres::NoTls);
+    let pool = idem_postgres::deadpool_postgres::Pool::builder(manager).max_size(2).build().expect("pool");
+    let store =
+        PostgresStore::from_pool(pool, PostgresConfig::default().with_schema(guard.name.clone())).expect("store");
+    store.migrate().await.expect("migrate");
+    let r = must_claim(&store, claim_req("p", "own-pool", Duration::from_secs(5), Duration::from_secs(60))).await;
+    assert_eq!(store.get(r.id).await.expect("get"), Some(r));
+}
