@@ -223,3 +223,21 @@ async fn the_sweeper_task_drains_every_expired_record_in_bounded_batches() {
     sweeper.abort();
     assert_eq!(store.get(live.id).await.expect("get").map(|r| r.token), Some(live.token));
 }
+
+#[test]
+fn a_file_at_an_older_schema_version_is_migrated_forward_on_open() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.sqlite3");
+    {
+        let conn = Connection::open(&path).expect("create");
+        conn.execute_batch(idem_sqlite::MIGRATIONS[0].sql).expect("migration 1 by hand");
+        conn.pragma_update(None, "user_version", 1).expect("version 1");
+    }
+    drop(SqliteStore::open(&path).expect("open migrates"));
+    let conn = Connection::open(&path).expect("inspect");
+    let version: u32 = conn.pragma_query_value(None, "user_version", |r| r.get(0)).expect("user_version");
+    let journal: i64 = conn
+        .query_row("SELECT count(*) FROM sqlite_master WHERE name = 'idem_journal'", [], |r| r.get(0))
+        .expect("journal table");
+    assert_eq!((version, journal), (SCHEMA_VERSION, 1));
+}
