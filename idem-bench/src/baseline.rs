@@ -1,0 +1,389 @@
+//! The raw baselines: the same claim -> complete -> replay cycle written without the
+//! library, against the same storage.
+//!
+//! - redb: every claim and every completion is its own durable write transaction
+//!   (`Durability::Immediate`, redb's default), on the same tables and with the same
+//!   record encoding (`idem_core::codec`) and rules (`idem_core::transition`).
+//! - SQLite: every claim and every completion is its own `BEGIN IMMEDIATE` transaction
+//!   with `synchronous = FULL` on the same schema (WAL), one connection per concurrent
+//!   caller.
+//! - Redis: `SET key value NX PX` to claim, `SET key value PX` to complete,
+//!   `SET key value NX GET PX` to replay, through the store's own `ConnectionManager`.
+//! - Postgres: the store's own claim and complete statements ([`idem_postgres::Statements`])
+//!   sent by hand through the store's own pool, without decoding rows into records.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem_core::transition;
+use idem_core::{BoxError, ClaimOutcome, ClaimRequest, Clock, RecordState, StoredResponse, SystemClock, codec};
+use idem_redb::store::{EXPIRY, RECORDS};
+use redb::{Database, ReadableDatabase, ReadableTable};
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+
+use crate::workload::RETENTION;
+
+fn fail(what: &str) -> BoxError {
+    what.to_owned().into()
+}
+
+/// redb, one durable write transaction per claim and per completion.
+#[derive(Clone, Debug)]
+pub(crate) struct NaiveRedb {
+    db: Arc<Database>,
+}
+
+impl NaiveRedb {
+    /// Creates the file and both tables.
+    pub(crate) fn create(path: &Path) -> Result<Self, BoxError> {
+        let db = Database::create(path)?;
+        let txn = db.begin_write()?;
+        txn.open_table(RECORDS)?;
+        txn.open_table(EXPIRY)?;
+        txn.commit()?;
+        Ok(Self { db: Arc::new(db) })
+    }
+
+    /// Read, decide and write in one write transaction, as an atomic claim must.
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, BoxError> {
+        let db = Arc::clone(&self.db);
+        tokio::task::spawn_blocking(move || {
+            let txn = db.begin_write()?;
+            let outcome = {
+                let mut records = txn.open_table(RECORDS)?;
+                let mut expiry = txn.open_table(EXPIRY)?;
+                let current = match records.get(&req.id.0)? {
+                    Some(v) => Some(codec::decode(v.value())?),
+                    None => None,
+                };
+                let (write, outcome) = transition::claim(current.as_ref(), &req, SystemClock.now());
+                if let Some(new) = write {
+                    records.insert(&new.id.0, codec::encode(&new).as_slice())?;
+                    expiry.insert((new.expires_at.0, new.id.0), ())?;
+                }
+                outcome
+            };
+            txn.commit()?;
+            Ok::<_, BoxError>(outcome)
+        })
+        .await?
+    }
+
+    async fn complete(
+        &self,
+        req: &ClaimRequest,
+        token: idem_core::FencingToken,
+        response: StoredResponse,
+    ) -> Result<(), BoxError> {
+        let (db, id) = (Arc::clone(&self.db), req.id);
+        tokio::task::spawn_blocking(move || {
+            let txn = db.begin_write()?;
+            {
+                let mut records = txn.open_table(RECORDS)?;
+                let current = match records.get(&id.0)? {
+                    Some(v) => Some(codec::decode(v.value())?),
+                    None => None,
+                };
+                // Completion keeps expires_at, so the expiry index does not change.
+                let new = transition::complete(current.as_ref(), id, token, response, SystemClock.now())
+                    .map_err(|_| fail("redb baseline: lease lost"))?;
+                records.insert(&new.id.0, codec::encode(&new).as_slice())?;
+            }
+            txn.commit()?;
+            Ok::<_, BoxError>(())
+        })
+        .await?
+    }
+
+    /// One cycle: claim a fresh key, complete it, claim it again and see the response.
+    pub(crate) async fn cycle(
+        &self,
+        req: ClaimRequest,
+        response: StoredResponse,
+        replay: bool,
+    ) -> Result<(), BoxError> {
+        let ClaimOutcome::Claimed(record) = self.claim(req.clone()).await? else {
+            return Err(fail("redb baseline: fresh key not claimed"));
+        };
+        self.complete(&req, record.token, response).await?;
+        if !replay {
+            return Ok(());
+        }
+        match self.claim(req).await? {
+            ClaimOutcome::Existing { record, .. } if record.response.is_some() => Ok(()),
+            _ => Err(fail("redb baseline: replay did not find the response")),
+        }
+    }
+
+    /// Records in the file (a sanity check after a run).
+    pub(crate) fn len(&self) -> Result<u64, BoxError> {
+        use redb::ReadableTableMetadata;
+        let txn = self.db.begin_read()?;
+        Ok(txn.open_table(RECORDS)?.len()?)
+    }
+}
+
+/// SQLite, one `BEGIN IMMEDIATE` transaction per claim and per completion, on the store's
+/// schema, one connection per concurrent caller.
+#[derive(Clone, Debug)]
+pub(crate) struct NaiveSqlite {
+    path: Arc<Path>,
+    pool: Arc<Mutex<Vec<Connection>>>,
+}
+
+const SQLITE_COLUMNS: &str = "id, principal, endpoint, key, fingerprint, state, token, created_at, started_at, \
+                              lease_expires_at, expires_at, response";
+
+impl NaiveSqlite {
+    /// Creates the file with the store's migrations (opening a `SqliteStore` once).
+    pub(crate) fn create(path: &Path) -> Result<Self, BoxError> {
+        drop(idem_sqlite::SqliteStore::open(path)?);
+        Ok(Self { path: Arc::from(path), pool: Arc::new(Mutex::new(Vec::new())) })
+    }
+
+    fn connection(&self) -> Result<Connection, BoxError> {
+        if let Some(conn) = self.pool.lock().expect("pool lock").pop() {
+            return Ok(conn);
+        }
+        let conn = Connection::open(&self.path)?;
+        conn.busy_timeout(Duration::from_secs(60))?;
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        Ok(conn)
+    }
+
+    async fn with_connection<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> Result<T, BoxError> + Send + 'static,
+    ) -> Result<T, BoxError> {
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut conn = this.connection()?;
+            let out = f(&mut conn);
+            this.pool.lock().expect("pool lock").push(conn);
+            out
+        })
+        .await?
+    }
+
+    /// One cycle: claim a fresh key, complete it, claim it again and see the response.
+    pub(crate) async fn cycle(
+        &self,
+        req: ClaimRequest,
+        response: StoredResponse,
+        replay: bool,
+    ) -> Result<(), BoxError> {
+        let encoded = encode_sqlite_response(&response);
+        let claim = |req: ClaimRequest| {
+            move |conn: &mut Connection| {
+                let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+                let now = SystemClock.now().0;
+                let found: Option<(i64, Option<Vec<u8>>)> = tx
+                    .prepare_cached("SELECT expires_at, response FROM idem_records WHERE id = ?1")?
+                    .query_row([&req.id.0[..]], |row| Ok((row.get(0)?, row.get(1)?)))
+                    .optional()?;
+                let claimed = match found {
+                    Some((expires_at, response)) if expires_at > now => Err(response),
+                    _ => {
+                        tx.prepare_cached(&format!(
+                            "INSERT INTO idem_records ({SQLITE_COLUMNS}) \
+                             VALUES (?1, ?2, ?3, ?4, ?5, 'in_flight', 1, ?6, ?6, ?7, ?8, NULL) \
+                             ON CONFLICT (id) DO UPDATE SET state = 'in_flight', token = token + 1, \
+                             created_at = excluded.created_at, started_at = excluded.started_at, \
+                             lease_expires_at = excluded.lease_expires_at, expires_at = excluded.expires_at, \
+                             response = NULL"
+                        ))?
+                        .execute(params![
+                            &req.id.0[..],
+                            req.scope.principal.0,
+                            req.scope.endpoint.0,
+                            req.key.as_str(),
+                            &req.fingerprint.0[..],
+                            now,
+                            now + req.lease_ms(),
+                            now + req.retention_ms(),
+                        ])?;
+                        Ok(())
+                    }
+                };
+                tx.commit()?;
+                Ok::<_, BoxError>(claimed)
+            }
+        };
+        if self.with_connection(claim(req.clone())).await?.is_err() {
+            return Err(fail("sqlite baseline: fresh key not claimed"));
+        }
+        let id = req.id;
+        let completed = self
+            .with_connection(move |conn| {
+                let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+                let n = tx
+                    .prepare_cached(
+                        "UPDATE idem_records SET state = 'completed', response = ?2 \
+                         WHERE id = ?1 AND token = 1 AND state = 'in_flight' AND expires_at > ?3",
+                    )?
+                    .execute(params![&id.0[..], encoded, SystemClock.now().0])?;
+                tx.commit()?;
+                Ok::<_, BoxError>(n)
+            })
+            .await?;
+        if completed != 1 {
+            return Err(fail("sqlite baseline: lease lost"));
+        }
+        if !replay {
+            return Ok(());
+        }
+        match self.with_connection(claim(req)).await? {
+            Err(Some(_)) => Ok(()),
+            _ => Err(fail("sqlite baseline: replay did not find the response")),
+        }
+    }
+}
+
+/// The `response` column as idem-sqlite writes it: format byte 1, then postcard.
+pub(crate) fn encode_sqlite_response(response: &StoredResponse) -> Vec<u8> {
+    postcard::to_extend(response, vec![1u8]).expect("plain data serialises")
+}
+
+/// Redis, the same round trips by hand through the store's `ConnectionManager`.
+#[derive(Clone)]
+pub(crate) struct RedisByHand {
+    conn: redis::aio::ConnectionManager,
+    prefix: String,
+}
+
+impl std::fmt::Debug for RedisByHand {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisByHand").field("prefix", &self.prefix).finish_non_exhaustive()
+    }
+}
+
+impl RedisByHand {
+    /// Sends on `conn`; keys are `prefix` + hex record id.
+    pub(crate) fn new(conn: redis::aio::ConnectionManager, prefix: String) -> Self {
+        Self { conn, prefix }
+    }
+
+    /// One cycle: `SET NX PX` the in-flight record, `SET PX` the completed one, then
+    /// `SET NX GET PX` (a claim that finds the stored record and returns it).
+    pub(crate) async fn cycle(
+        &self,
+        req: ClaimRequest,
+        response: StoredResponse,
+        replay: bool,
+    ) -> Result<(), BoxError> {
+        let mut conn = self.conn.clone();
+        let key = format!("{}{}", self.prefix, hex(&req.id.0));
+        let ms = RETENTION.as_millis() as u64;
+        let now = SystemClock.now();
+        let (Some(claimed), _) = transition::claim(None, &req, now) else {
+            return Err(fail("redis baseline: transition refused a fresh claim"));
+        };
+        let ok: Option<String> = redis::cmd("SET")
+            .arg(&key)
+            .arg(codec::encode(&claimed))
+            .arg("NX")
+            .arg("PX")
+            .arg(ms)
+            .query_async(&mut conn)
+            .await?;
+        if ok.is_none() {
+            return Err(fail("redis baseline: fresh key not claimed"));
+        }
+        let done = transition::complete(Some(&claimed), req.id, claimed.token, response, now)
+            .map_err(|_| fail("redis baseline: lease lost"))?;
+        let () = redis::cmd("SET").arg(&key).arg(codec::encode(&done)).arg("PX").arg(ms).query_async(&mut conn).await?;
+        if !replay {
+            return Ok(());
+        }
+        let old: Option<Vec<u8>> = redis::cmd("SET")
+            .arg(&key)
+            .arg(codec::encode(&claimed))
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(ms)
+            .query_async(&mut conn)
+            .await?;
+        match old.map(|b| codec::decode(&b)).transpose()? {
+            Some(r) if r.state == RecordState::Completed => Ok(()),
+            _ => Err(fail("redis baseline: replay did not find the response")),
+        }
+    }
+}
+
+/// Postgres, the store's own statements by hand through the store's pool.
+#[derive(Clone, Debug)]
+pub(crate) struct PostgresByHand {
+    pool: idem_postgres::deadpool_postgres::Pool,
+    sql: idem_postgres::Statements,
+}
+
+impl PostgresByHand {
+    /// Uses `store`'s pool and SQL text.
+    pub(crate) fn new(store: &idem_postgres::PostgresStore) -> Self {
+        Self { pool: store.pool().clone(), sql: store.statements().clone() }
+    }
+
+    /// The claim statement; returns its `claimed` column.
+    async fn claim(
+        &self,
+        client: &idem_postgres::deadpool_postgres::Object,
+        req: &ClaimRequest,
+    ) -> Result<bool, BoxError> {
+        let stmt = client.prepare_cached(&self.sql.claim).await?;
+        let row = client
+            .query_one(
+                &stmt,
+                &[
+                    &&req.id.0[..],
+                    &req.scope.principal.0.as_bytes(),
+                    &req.scope.endpoint.0.as_bytes(),
+                    &req.key.as_str(),
+                    &&req.fingerprint.0[..],
+                    &req.lease_ms(),
+                    &req.retention_ms(),
+                    &None::<i64>,
+                ],
+            )
+            .await?;
+        Ok(row.try_get::<_, bool>("claimed")?)
+    }
+
+    /// One cycle: the claim statement, the complete statement, the claim statement again.
+    pub(crate) async fn cycle(
+        &self,
+        req: ClaimRequest,
+        response: StoredResponse,
+        replay: bool,
+    ) -> Result<(), BoxError> {
+        {
+            let client = self.pool.get().await?;
+            if !self.claim(&client, &req).await? {
+                return Err(fail("postgres baseline: fresh key not claimed"));
+            }
+        }
+        {
+            let client = self.pool.get().await?;
+            let stmt = client.prepare_cached(&self.sql.complete).await?;
+            let encoded = idem_postgres::encode_response(&response);
+            let row = client.query_opt(&stmt, &[&&req.id.0[..], &1i64, &encoded, &None::<i64>]).await?;
+            if row.is_none() {
+                return Err(fail("postgres baseline: lease lost"));
+            }
+        }
+        if !replay {
+            return Ok(());
+        }
+        let client = self.pool.get().await?;
+        if self.claim(&client, &req).await? {
+            return Err(fail("postgres baseline: replay claimed again"));
+        }
+        Ok(())
+    }
+}
+
+/// Lower-case hex.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

@@ -1,0 +1,231 @@
+//! `idem-bench cycles`: claim -> complete -> replay cycles through a backend's store,
+//! against that backend's raw baseline, in alternating slices of one process.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use idem_core::{BoxError, ClaimOutcome, MemoryStore, Store};
+use idem_postgres::{PostgresConfig, PostgresStore};
+use idem_redb::{RedbConfig, RedbStore};
+use idem_redis::{RedisConfig, RedisStore};
+
+use crate::baseline::{NaiveRedb, NaiveSqlite, PostgresByHand, RedisByHand};
+use crate::workload::{Summary, Workload, drive};
+use crate::{Backend, Endpoints};
+
+/// Settings of one `cycles` row.
+#[derive(Debug, clap::Args)]
+pub(crate) struct CyclesArgs {
+    /// The backend.
+    #[arg(long, value_enum)]
+    backend: Backend,
+    /// Concurrent callers (tokio tasks), each running whole cycles back to back.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Cycles measured for the library and again for the baseline.
+    #[arg(long, default_value_t = 4000)]
+    count: u64,
+    /// Alternating slices (baseline, library, library, baseline, ...) the count is split
+    /// into, so a change in machine load hits both columns.
+    #[arg(long, default_value_t = 4)]
+    rounds: u64,
+    /// Stored response body size, bytes.
+    #[arg(long, default_value_t = 256)]
+    body_bytes: usize,
+    /// Skip the replay step (claim -> complete only, as the peer comparison does).
+    #[arg(long)]
+    no_replay: bool,
+    /// Append the row to this CSV file.
+    #[arg(long)]
+    csv: Option<PathBuf>,
+    #[command(flatten)]
+    endpoints: Endpoints,
+}
+
+enum Baseline {
+    None,
+    Redb(NaiveRedb),
+    Sqlite(NaiveSqlite),
+    Redis(RedisByHand),
+    Postgres(PostgresByHand),
+}
+
+impl Baseline {
+    async fn cycle(&self, work: &Workload, i: u64, replay: bool) -> Result<(), BoxError> {
+        let req = work.request("base", i);
+        let response = work.response();
+        match self {
+            Baseline::None => Ok(()),
+            Baseline::Redb(b) => b.cycle(req, response, replay).await,
+            Baseline::Sqlite(b) => b.cycle(req, response, replay).await,
+            Baseline::Redis(b) => b.cycle(req, response, replay).await,
+            Baseline::Postgres(b) => b.cycle(req, response, replay).await,
+        }
+    }
+}
+
+/// One library cycle: claim a fresh key, complete it, claim again and find the response.
+async fn library_cycle(store: &dyn Store, work: &Workload, i: u64, replay: bool) -> Result<(), BoxError> {
+    let req = work.request("lib", i);
+    let ClaimOutcome::Claimed(record) = store.claim(req.clone()).await? else {
+        return Err("library: fresh key not claimed".into());
+    };
+    store.complete(record.id, record.token, work.response()).await?;
+    if !replay {
+        return Ok(());
+    }
+    match store.claim(req).await? {
+        ClaimOutcome::Existing { record, .. } if record.response.is_some() => Ok(()),
+        _ => Err("library: replay did not find the response".into()),
+    }
+}
+
+/// Runs one row and prints it.
+pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
+    let run = crate::run_id();
+    let dir = crate::bench_dir()?;
+    let work = Arc::new(Workload::new(&run, args.body_bytes));
+    let mut redb_store = None;
+    let mut cleanup_pg = None;
+    let (library, baseline): (Arc<dyn Store>, Baseline) = match args.backend {
+        Backend::Memory => (Arc::new(MemoryStore::new()), Baseline::None),
+        Backend::Redb => {
+            let store = RedbStore::open(dir.path().join("library.redb"), RedbConfig::default())?;
+            redb_store = Some(store.clone());
+            (Arc::new(store), Baseline::Redb(NaiveRedb::create(&dir.path().join("naive.redb"))?))
+        }
+        Backend::Sqlite => {
+            let (lib, naive) = (dir.path().join("library.sqlite3"), dir.path().join("naive.sqlite3"));
+            let store = tokio::task::spawn_blocking(move || idem_sqlite::SqliteStore::open(lib)).await??;
+            let naive = tokio::task::spawn_blocking(move || NaiveSqlite::create(&naive)).await??;
+            (Arc::new(store), Baseline::Sqlite(naive))
+        }
+        Backend::Redis => {
+            let prefix = format!("idem-bench:{run}:");
+            let store =
+                RedisStore::connect(&args.endpoints.redis_url, RedisConfig::new().with_prefix(format!("{prefix}lib:")))
+                    .await?;
+            let hand = RedisByHand::new(store.connection(), format!("{prefix}hand:"));
+            (Arc::new(store), Baseline::Redis(hand))
+        }
+        Backend::Postgres => {
+            let config =
+                PostgresConfig::default().with_schema(crate::PG_SCHEMA).with_max_connections(args.endpoints.pg_pool);
+            let store = PostgresStore::connect(&args.endpoints.postgres_url, config).await?;
+            store.migrate().await?;
+            cleanup_pg = Some(store.clone());
+            let hand = PostgresByHand::new(&store);
+            (Arc::new(store), Baseline::Postgres(hand))
+        }
+    };
+    let baseline = Arc::new(baseline);
+    let replay = !args.no_replay;
+    let lib = {
+        let (store, work) = (Arc::clone(&library), Arc::clone(&work));
+        Arc::new(move |i| {
+            let (store, work) = (Arc::clone(&store), Arc::clone(&work));
+            async move { library_cycle(&*store, &work, i, replay).await }
+        })
+    };
+    let base = {
+        let (baseline, work) = (Arc::clone(&baseline), Arc::clone(&work));
+        Arc::new(move |i| {
+            let (baseline, work) = (Arc::clone(&baseline), Arc::clone(&work));
+            async move { baseline.cycle(&work, i, replay).await }
+        })
+    };
+    let has_baseline = !matches!(*baseline, Baseline::None);
+
+    // Warm-up: files, connections, prepared statements and script caches settle first.
+    let warm = (args.count / 20).clamp(16, 500);
+    drive(Arc::clone(&lib), args.concurrency, 0, warm).await?;
+    if has_baseline {
+        drive(Arc::clone(&base), args.concurrency, 0, warm).await?;
+    }
+    let stats_before = redb_store.as_ref().map(RedbStore::batch_stats);
+
+    let rounds = args.rounds.max(1);
+    let slice = (args.count / rounds).max(1);
+    let (mut lib_sum, mut base_sum) = (Summary::default(), Summary::default());
+    for r in 0..rounds {
+        let first = warm + r * slice;
+        if r % 2 == 0 && has_baseline {
+            base_sum.merge(drive(Arc::clone(&base), args.concurrency, first, slice).await?);
+        }
+        lib_sum.merge(drive(Arc::clone(&lib), args.concurrency, first, slice).await?);
+        if r % 2 == 1 && has_baseline {
+            base_sum.merge(drive(Arc::clone(&base), args.concurrency, first, slice).await?);
+        }
+    }
+    let per_batch = match (redb_store.as_ref().map(RedbStore::batch_stats), stats_before) {
+        (Some(after), Some(before)) if after.batches > before.batches => {
+            Some((after.operations - before.operations) as f64 / (after.batches - before.batches) as f64)
+        }
+        _ => None,
+    };
+    if let Some(store) = cleanup_pg {
+        let client = store.pool().get().await?;
+        let sql = format!("DELETE FROM {}.records WHERE principal = $1", crate::PG_SCHEMA);
+        client.execute(&sql, &[&work.principal.as_bytes()]).await?;
+    }
+
+    let ratio = if has_baseline && base_sum.rate() > 0.0 { lib_sum.rate() / base_sum.rate() } else { f64::NAN };
+    let cycle = if replay { "claim+complete+replay" } else { "claim+complete" };
+    println!(
+        "{:<9} {:>5} {:>7} {:>12} {:>9} {:>9} {:>12} {:>9} {:>9} {:>7} {:>9}",
+        "backend",
+        "conc",
+        "cycles",
+        "lib cyc/s",
+        "p50 ms",
+        "p99 ms",
+        "base cyc/s",
+        "p50 ms",
+        "p99 ms",
+        "ratio",
+        "ops/batch"
+    );
+    println!(
+        "{:<9} {:>5} {:>7} {:>12.0} {:>9.3} {:>9.3} {:>12} {:>9} {:>9} {:>7} {:>9}",
+        args.backend.name(),
+        args.concurrency,
+        lib_sum.cycles,
+        lib_sum.rate(),
+        lib_sum.quantile_ms(0.5),
+        lib_sum.quantile_ms(0.99),
+        if has_baseline { format!("{:.0}", base_sum.rate()) } else { "-".into() },
+        if has_baseline { format!("{:.3}", base_sum.quantile_ms(0.5)) } else { "-".into() },
+        if has_baseline { format!("{:.3}", base_sum.quantile_ms(0.99)) } else { "-".into() },
+        if has_baseline { format!("{ratio:.2}x") } else { "-".into() },
+        per_batch.map_or_else(|| "-".into(), |b| format!("{b:.1}")),
+    );
+    println!("(one cycle = {cycle}; each store call is one op, so ops/s = {} x cycles/s)", if replay { 3 } else { 2 });
+    if let Some(path) = args.csv {
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+        writeln!(
+            f,
+            "{},{},{},{},{:.1},{:.4},{:.4},{:.1},{:.4},{:.4},{:.3},{}",
+            args.backend.name(),
+            args.concurrency,
+            cycle,
+            lib_sum.cycles,
+            lib_sum.rate(),
+            lib_sum.quantile_ms(0.5),
+            lib_sum.quantile_ms(0.99),
+            base_sum.rate(),
+            base_sum.quantile_ms(0.5),
+            base_sum.quantile_ms(0.99),
+            ratio,
+            per_batch.map_or_else(String::new, |b| format!("{b:.1}")),
+        )?;
+    }
+    if let Baseline::Redb(naive) = &*baseline {
+        let expected = warm + slice * rounds;
+        let found = naive.len()?;
+        if found != expected {
+            return Err(format!("redb baseline holds {found} records, expected {expected}").into());
+        }
+    }
+    Ok(())
+}

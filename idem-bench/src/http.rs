@@ -1,0 +1,259 @@
+//! `idem-bench http`: the HTTP overhead of `idem_http::IdempotencyLayer`.
+//!
+//! Two axum servers in this process on loopback, one trivial handler (201, a `Location`
+//! and 8 bytes of JSON), bare and behind the layer. `wrk` loads them in alternating slices
+//! with a Lua script that gives every request its own `Idempotency-Key` (mode `first`:
+//! every request is a first-time claim, complete and response) or cycles through a pool
+//! of keys completed during the warm-up (mode `replay`: every request is a replay).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::post;
+use idem_core::{BoxError, MemoryStore, Store};
+use idem_http::IdempotencyLayer;
+use idem_redb::{RedbConfig, RedbStore};
+
+/// Settings of one `http` row.
+#[derive(Debug, clap::Args)]
+pub(crate) struct HttpArgs {
+    /// The store behind the layer.
+    #[arg(long, value_enum, default_value = "memory")]
+    store: HttpStore,
+    /// First-time requests (a distinct key each) or replays of completed keys.
+    #[arg(long, value_enum, default_value = "first")]
+    mode: Mode,
+    /// Seconds of load per server, split into alternating slices.
+    #[arg(long, default_value_t = 10)]
+    seconds: u64,
+    /// Alternating slices (bare, layered, layered, bare, ...).
+    #[arg(long, default_value_t = 4)]
+    rounds: u64,
+    /// wrk connections.
+    #[arg(long, default_value_t = 32)]
+    connections: u32,
+    /// wrk threads.
+    #[arg(long, default_value_t = 1)]
+    threads: u32,
+    /// Keys in the replay pool (mode `replay`), per wrk thread.
+    #[arg(long, default_value_t = 1000)]
+    pool: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum HttpStore {
+    Memory,
+    Redb,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Mode {
+    First,
+    Replay,
+}
+
+/// Every request a fresh key (`first`), or keys from a per-thread pool (`replay`). The
+/// run id makes keys unique across runs and slices; the thread id across wrk threads.
+const SCRIPT: &str = r#"
+local threads = {}
+function setup(thread)
+  table.insert(threads, thread)
+  thread:set("tid", #threads)
+end
+local counter = 0
+local prefix = "k"
+local mode = "first"
+local pool = 1000
+function init(args)
+  mode = args[1] or "first"
+  prefix = (args[2] or "run") .. "-" .. tid .. "-"
+  pool = tonumber(args[3] or "1000")
+end
+function request()
+  counter = counter + 1
+  local n = counter
+  if mode == "replay" then n = counter % pool end
+  return wrk.format("POST", "/v1/workers", {
+    ["Authorization"] = "Bearer bench-token",
+    ["Content-Type"] = "application/json",
+    ["Idempotency-Key"] = prefix .. n,
+  }, '{"gpus":8}')
+end
+"#;
+
+fn router() -> Router {
+    Router::new()
+        .route("/v1/workers", post(|| async { (StatusCode::CREATED, [("location", "/v1/workers/7")], r#"{"id":7}"#) }))
+}
+
+async fn serve(app: Router) -> Result<SocketAddr, BoxError> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok(addr)
+}
+
+/// What one wrk run reported.
+#[derive(Clone, Copy, Debug, Default)]
+struct WrkResult {
+    requests: u64,
+    seconds: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    bad: u64,
+}
+
+fn parse_ms(s: &str) -> Option<f64> {
+    let s = s.trim();
+    let (num, mult) = if let Some(v) = s.strip_suffix("us") {
+        (v, 1e-3)
+    } else if let Some(v) = s.strip_suffix("ms") {
+        (v, 1.0)
+    } else if let Some(v) = s.strip_suffix('s') {
+        (v, 1e3)
+    } else {
+        (s, 1.0)
+    };
+    num.parse::<f64>().ok().map(|v| v * mult)
+}
+
+fn wrk(
+    args: &HttpArgs,
+    script: &Path,
+    addr: SocketAddr,
+    seconds: u64,
+    mode: &str,
+    run: &str,
+) -> Result<WrkResult, BoxError> {
+    let out = Command::new("wrk")
+        .arg(format!("-t{}", args.threads))
+        .arg(format!("-c{}", args.connections))
+        .arg(format!("-d{seconds}s"))
+        .arg("--latency")
+        .arg("-s")
+        .arg(script)
+        .arg(format!("http://{addr}/v1/workers"))
+        .arg("--")
+        .arg(mode)
+        .arg(run)
+        .arg(args.pool.to_string())
+        .output()
+        .map_err(|e| format!("running wrk (apt-get install -y wrk): {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        return Err(format!("wrk failed: {text}{}", String::from_utf8_lossy(&out.stderr)).into());
+    }
+    let mut r = WrkResult::default();
+    for line in text.lines() {
+        let t = line.trim();
+        if let Some(v) = t.strip_prefix("50%") {
+            r.p50_ms = parse_ms(v).unwrap_or(0.0);
+        } else if let Some(v) = t.strip_prefix("99%") {
+            r.p99_ms = parse_ms(v).unwrap_or(0.0);
+        } else if let Some(v) = t.strip_prefix("Non-2xx or 3xx responses:") {
+            r.bad = v.trim().parse().unwrap_or(0);
+        } else if t.contains("requests in") {
+            // "123456 requests in 10.00s, 12.34MB read"
+            let mut parts = t.split_whitespace();
+            r.requests = parts.next().and_then(|n| n.parse().ok()).unwrap_or(0);
+            r.seconds = parts.nth(2).and_then(|s| parse_ms(s.trim_end_matches(','))).unwrap_or(0.0) / 1e3;
+        }
+    }
+    Ok(r)
+}
+
+/// Runs one row and prints it.
+pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
+    let dir = crate::bench_dir()?;
+    let store: Arc<dyn Store> = match args.store {
+        HttpStore::Memory => Arc::new(MemoryStore::new()),
+        HttpStore::Redb => Arc::new(RedbStore::open(dir.path().join("http.redb"), RedbConfig::default())?),
+    };
+    let bare = serve(router()).await?;
+    let layered = serve(router().layer(IdempotencyLayer::new(store))).await?;
+    let script = dir.path().join("keys.lua");
+    std::fs::write(&script, SCRIPT)?;
+    let mode = match args.mode {
+        Mode::First => "first",
+        Mode::Replay => "replay",
+    };
+    let replay_run = crate::run_id();
+    let args = Arc::new(args);
+    let script: Arc<Path> = Arc::from(script.as_path());
+    let call = |addr: SocketAddr, seconds: u64, run: String| {
+        let (args, script) = (Arc::clone(&args), Arc::clone(&script));
+        tokio::task::spawn_blocking(move || wrk(&args, &script, addr, seconds, mode, &run))
+    };
+    let key_run = |_: u64| if args.mode == Mode::Replay { replay_run.clone() } else { crate::run_id() };
+
+    // Warm-up: both servers, and in replay mode it completes the pool's keys.
+    call(bare, 1, key_run(0)).await??;
+    let warm = call(layered, 2, key_run(0)).await??;
+    if warm.requests < u64::from(args.pool * args.threads) && args.mode == Mode::Replay {
+        return Err("warm-up did not complete every key of the replay pool; raise its length".into());
+    }
+
+    let rounds = args.rounds.max(1);
+    let slice = (args.seconds / rounds).max(1);
+    let (mut b, mut l) = (Vec::new(), Vec::new());
+    for r in 0..rounds {
+        if r % 2 == 0 {
+            b.push(call(bare, slice, key_run(r)).await??);
+            l.push(call(layered, slice, key_run(r)).await??);
+        } else {
+            l.push(call(layered, slice, key_run(r)).await??);
+            b.push(call(bare, slice, key_run(r)).await??);
+        }
+    }
+    let rate =
+        |v: &[WrkResult]| v.iter().map(|r| r.requests).sum::<u64>() as f64 / v.iter().map(|r| r.seconds).sum::<f64>();
+    let median = |v: &[WrkResult], f: fn(&WrkResult) -> f64| {
+        let mut xs: Vec<f64> = v.iter().map(f).collect();
+        xs.sort_by(f64::total_cmp);
+        xs[xs.len() / 2]
+    };
+    let (br, lr) = (rate(&b), rate(&l));
+    let (bp50, lp50) = (median(&b, |r| r.p50_ms), median(&l, |r| r.p50_ms));
+    let (bp99, lp99) = (median(&b, |r| r.p99_ms), median(&l, |r| r.p99_ms));
+    let bad: u64 = l.iter().chain(&b).map(|r| r.bad).sum();
+    println!(
+        "{:<7} {:<7} {:>11} {:>8} {:>8} {:>11} {:>8} {:>8} {:>7} {:>13} {:>6}",
+        "store",
+        "mode",
+        "bare req/s",
+        "p50 ms",
+        "p99 ms",
+        "layer req/s",
+        "p50 ms",
+        "p99 ms",
+        "ratio",
+        "p50 added ms",
+        "non2xx"
+    );
+    println!(
+        "{:<7} {:<7} {:>11.0} {:>8.3} {:>8.3} {:>11.0} {:>8.3} {:>8.3} {:>6.2}x {:>13.3} {:>6}",
+        match args.store {
+            HttpStore::Memory => "memory",
+            HttpStore::Redb => "redb",
+        },
+        mode,
+        br,
+        bp50,
+        bp99,
+        lr,
+        lp50,
+        lp99,
+        lr / br,
+        lp50 - bp50,
+        bad,
+    );
+    println!(
+        "(wrk -t{} -c{}, {} x {slice} s per server, loopback; p50/p99 are the median over slices)",
+        args.threads, args.connections, rounds
+    );
+    Ok(())
+}

@@ -1,0 +1,126 @@
+//! # idem-bench
+//!
+//! The benchmark harness behind `BENCHMARKS.md`. Every row of that file is one command of
+//! this binary; all of them are measurements, none is a test (nothing here runs under
+//! `cargo test`).
+//!
+//! ```text
+//! cargo build --release -p idem-bench
+//! idem-bench cycles --backend redb --concurrency 32        # library vs naive, one row
+//! idem-bench http --store memory --mode first              # layer vs bare handler (needs wrk)
+//! idem-bench size --backend sqlite                         # bytes per record
+//! idem-bench sweep --backend redb --records 1000000        # peak RSS while sweeping
+//! ```
+//!
+//! # Layout
+//! - `workload`: the shared request/response shape and the concurrent driver (latencies
+//!   of every cycle, sorted for p50/p99).
+//! - `baseline`: the raw baselines (naive one-commit-per-write redb and SQLite, Redis
+//!   round trips by hand, the Postgres statements by hand).
+//! - `cycles`: library against baseline, claim -> complete -> replay.
+//! - `http`: an axum handler with and without `idem_http::IdempotencyLayer`, loaded by `wrk`.
+//! - `size`: bytes per record per backend.
+//! - `sweep`: peak resident memory while sweeping expired records.
+//! - `benches/pure.rs`: divan micro-benchmarks of the pure paths.
+//!
+//! Embedded files go to a temporary directory under `$IDEM_BENCH_DIR` (default the system
+//! temporary directory): put it on the disk you want to measure, fsync on tmpfs is free.
+
+mod baseline;
+mod cycles;
+mod http;
+mod size;
+mod sweep;
+mod workload;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use idem_core::BoxError;
+
+/// The Postgres schema every benchmark uses (its own, so it never touches the tests' tables).
+pub(crate) const PG_SCHEMA: &str = "idem_bench";
+
+#[derive(Debug, Parser)]
+#[command(name = "idem-bench", about = "idem benchmarks: store cycles, HTTP overhead, storage cost, sweep memory")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Claim -> complete -> replay cycles: library against the backend's raw baseline.
+    Cycles(cycles::CyclesArgs),
+    /// A trivial axum handler with and without the idempotency layer, loaded by wrk.
+    Http(http::HttpArgs),
+    /// Bytes per record: in flight, completed with a 1 KiB body, with a 100 KiB body.
+    Size(size::SizeArgs),
+    /// Peak resident memory while sweeping expired records.
+    Sweep(sweep::SweepArgs),
+}
+
+/// A store backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Backend {
+    /// `idem_core::MemoryStore`.
+    Memory,
+    /// `idem_redb::RedbStore` (group commit, durable).
+    Redb,
+    /// `idem_sqlite::SqliteStore` (group commit, `synchronous = FULL`).
+    Sqlite,
+    /// `idem_redis::RedisStore`.
+    Redis,
+    /// `idem_postgres::PostgresStore`.
+    Postgres,
+}
+
+impl Backend {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Backend::Memory => "memory",
+            Backend::Redb => "redb",
+            Backend::Sqlite => "sqlite",
+            Backend::Redis => "redis",
+            Backend::Postgres => "postgres",
+        }
+    }
+}
+
+/// Where the servers are.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Endpoints {
+    /// Redis URL.
+    #[arg(long, default_value = "redis://127.0.0.1:6379")]
+    redis_url: String,
+    /// Postgres URL.
+    #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/test")]
+    postgres_url: String,
+    /// Postgres pool size (library and baseline share the pool).
+    #[arg(long, default_value_t = 16)]
+    pg_pool: usize,
+}
+
+/// A short random id for this run's keys, principals and prefixes.
+pub(crate) fn run_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
+}
+
+/// A temporary directory under `$IDEM_BENCH_DIR` (or the system temporary directory).
+pub(crate) fn bench_dir() -> Result<tempfile::TempDir, BoxError> {
+    Ok(match std::env::var_os("IDEM_BENCH_DIR") {
+        Some(dir) => tempfile::tempdir_in(dir)?,
+        None => tempfile::tempdir()?,
+    })
+}
+
+fn main() -> Result<(), BoxError> {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        match cli.command {
+            Command::Cycles(args) => cycles::run(args).await,
+            Command::Http(args) => http::run(args).await,
+            Command::Size(args) => size::run(args).await,
+            Command::Sweep(args) => sweep::run(args).await,
+        }
+    })
+}
