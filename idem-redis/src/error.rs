@@ -70,7 +70,8 @@ impl Error {
 
     /// Whether the same call may succeed if retried: connection refused, reset or timed
     /// out, and the server replies that mean "not now" (`READONLY` after a failover,
-    /// `LOADING`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `BUSY`), and a `WAIT` shortfall.
+    /// `LOADING`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `BUSY`, `OOM` under
+    /// `noeviction`, `NOREPLICAS`), and a `WAIT` shortfall.
     /// Bad URLs, configuration, authentication, permission and unknown replies are not.
     #[must_use]
     pub fn is_retryable(&self) -> bool {
@@ -104,8 +105,10 @@ pub(crate) fn is_retryable_redis(e: &RedisError) -> bool {
             | ServerErrorKind::ClusterDown
             | ServerErrorKind::MasterDown,
         ) => true,
-        // `BUSY`: another client's script is running past the busy threshold.
-        ErrorKind::Extension => e.code() == Some("BUSY"),
+        // `BUSY`: another client's script is running past the busy threshold. `OOM`: memory
+        // is full under `noeviction`; records expiring free it. `NOREPLICAS`: fewer replicas
+        // than `min-replicas-to-write` are connected right now.
+        ErrorKind::Extension => matches!(e.code(), Some("BUSY" | "OOM" | "NOREPLICAS")),
         _ => e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal(),
     }
 }
@@ -133,7 +136,7 @@ mod tests {
 
     #[test]
     fn failover_and_busy_replies_are_retryable() {
-        for code in ["READONLY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "BUSY"] {
+        for code in ["READONLY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "BUSY", "OOM", "NOREPLICAS"] {
             let e = Error::command("claim", server(code));
             assert!(e.is_retryable(), "{code} should be retryable");
             let store: StoreError = e.into();

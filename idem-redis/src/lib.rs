@@ -89,7 +89,7 @@
 //!   connects through the `redis` crate's standalone `ConnectionManager`. Cluster clients
 //!   need a cluster connection, which is not wired yet.
 //! - Errors: connection refused, reset or timed out, and `READONLY`, `LOADING`,
-//!   `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `BUSY` are retryable
+//!   `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `BUSY`, `OOM`, `NOREPLICAS` are retryable
 //!   ([`idem_core::StoreError::is_retryable`]). The HTTP layer answers them with 503 and
 //!   `Retry-After`.
 //! - Reconnection: the store keeps one multiplexed connection that reconnects on its own.

@@ -577,3 +577,46 @@ async fn concurrent_first_claims_across_connections_have_one_winner() {
     assert!(losers.iter().all(|r| *r == winners[0]), "every loser sees the winner's record, unchanged");
     assert_eq!(stores[3].get(winners[0].id).await.expect("get").as_ref(), Some(&winners[0]));
 }
+
+/// Memory full under `noeviction`: a write fails with a retryable `OOM` and changes
+/// nothing (the claim stays in flight, no half-stored response); once memory is freed the
+/// same calls succeed.
+#[tokio::test]
+async fn out_of_memory_under_noeviction_is_retryable_and_changes_nothing() {
+    let server = common::PrivateRedis::start(&["--maxmemory-policy", "noeviction"]).await;
+    let clock = ManualClock::starting_now();
+    let store =
+        RedisStore::connect(&server.url, common::test_config("idem:", Arc::new(clock.clone()))).await.expect("connect");
+    let r = claim(&store, req("p", "k", b"b")).await;
+    let mut admin = server.admin().await;
+    // A limit below what the server already uses: under noeviction every write is refused.
+    let info: String = redis::cmd("INFO").arg("memory").query_async(&mut admin).await.expect("INFO");
+    let used: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("used_memory");
+    let set_limit = |limit: u64| {
+        let mut admin = admin.clone();
+        async move {
+            let _: () = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("maxmemory")
+                .arg(limit)
+                .query_async(&mut admin)
+                .await
+                .expect("CONFIG SET maxmemory on the private server");
+        }
+    };
+    set_limit(used / 2).await;
+    let response = StoredResponse::new(200, vec![], vec![7; 1024]);
+    let e = store.complete(r.id, r.token, response.clone()).await.expect_err("OOM");
+    assert!(e.is_retryable(), "{e:?}");
+    let e = store.claim(req("p", "k2", b"b")).await.expect_err("OOM");
+    assert!(e.is_retryable(), "{e:?}");
+    assert_eq!(store.get(r.id).await.expect("reads still work"), Some(r.clone()));
+    assert_eq!(store.get(req("p", "k2", b"b").id).await.expect("get"), None);
+    set_limit(0).await;
+    let done = store.complete(r.id, r.token, response.clone()).await.expect("complete after memory is freed");
+    assert_eq!(done.response, Some(response));
+}
