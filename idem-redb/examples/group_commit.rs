@@ -20,7 +20,7 @@ use idem_core::{
     StoreError, StoredResponse, SystemClock,
 };
 use idem_redb::store::{EXPIRY, RECORDS};
-use idem_redb::{RedbConfig, RedbStore};
+use idem_redb::{Linger, RedbConfig, RedbStore};
 use redb::{Database, ReadableTable};
 
 /// The baseline: every operation is one durable write transaction, run on the blocking
@@ -86,7 +86,8 @@ fn response() -> StoredResponse {
 
 #[derive(Clone, Copy)]
 enum Which {
-    Group,
+    /// `RedbStore` with this linger.
+    Group(Linger),
     Naive,
 }
 
@@ -94,7 +95,11 @@ enum Which {
 async fn run(which: Which, callers: usize, secs: f64, dir: &std::path::Path, tag: &str) -> (f64, Option<f64>) {
     let path = dir.join(format!("{tag}.redb"));
     let db = Arc::new(Database::create(&path).expect("database"));
-    let group = RedbStore::open_with(Arc::clone(&db), RedbConfig::default()).expect("store");
+    let linger = match which {
+        Which::Group(linger) => linger,
+        Which::Naive => Linger::None,
+    };
+    let group = RedbStore::open_with(Arc::clone(&db), RedbConfig::default().with_linger(linger)).expect("store");
     let naive = NaiveStore { db };
     let cycles = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + Duration::from_secs_f64(secs);
@@ -108,7 +113,7 @@ async fn run(which: Which, callers: usize, secs: f64, dir: &std::path::Path, tag
                 let req = request(caller, n);
                 n += 1;
                 match which {
-                    Which::Group => {
+                    Which::Group(_) => {
                         let ClaimOutcome::Claimed(r) = group.claim(req).await? else { continue };
                         group.complete(r.id, r.token, response()).await?;
                     }
@@ -144,21 +149,40 @@ async fn main() {
     let rounds = 4;
     let base = std::env::var_os("IDEM_BENCH_DIR").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
     let dir = tempfile::tempdir_in(base).expect("temporary directory");
-    println!("claim -> complete cycles per second (2 durable writes per cycle), {secs} s per cell,");
-    println!("run as {rounds} interleaved slices so that a change in machine load hits both columns");
-    println!("{:>8} {:>14} {:>14} {:>8} {:>12}", "callers", "group commit", "naive", "ratio", "ops/batch");
+    let adaptive = RedbConfig::default().linger;
+    let columns = [
+        ("naive", Which::Naive),
+        ("group, no linger", Which::Group(Linger::None)),
+        ("group, default", Which::Group(adaptive)),
+    ];
+    println!("claim -> complete cycles per second (2 durable writes per cycle), {secs} s per cell, run as {rounds}");
+    println!("interleaved slices so that a change in machine load hits every column alike.");
+    println!("`default` is RedbConfig::default(): {adaptive:?}.");
+    println!(
+        "{:>8} {:>10} {:>18} {:>8} {:>10} {:>18} {:>8} {:>10}",
+        "callers", "naive", "group, no linger", "ratio", "ops/batch", "group, default", "ratio", "ops/batch"
+    );
     for callers in [1, 32] {
-        let (mut group, mut naive, mut batch_sizes) = (0.0, 0.0, Vec::new());
+        let mut rate = [0.0f64; 3];
+        let mut per_batch: [Vec<f64>; 3] = Default::default();
         for round in 0..rounds {
-            let slice = secs / f64::from(rounds);
-            naive += run(Which::Naive, callers, slice, dir.path(), &format!("naive-{callers}-{round}")).await.0;
-            let (rate, per_batch) =
-                run(Which::Group, callers, slice, dir.path(), &format!("group-{callers}-{round}")).await;
-            group += rate;
-            batch_sizes.extend(per_batch);
+            for (i, (name, which)) in columns.iter().enumerate() {
+                let tag = format!("{}-{callers}-{round}", name.replace([' ', ','], ""));
+                let (r, b) = run(*which, callers, secs / f64::from(rounds), dir.path(), &tag).await;
+                rate[i] += r / f64::from(rounds);
+                per_batch[i].extend(b);
+            }
         }
-        let (group, naive) = (group / f64::from(rounds), naive / f64::from(rounds));
-        let per_batch = batch_sizes.iter().sum::<f64>() / batch_sizes.len().max(1) as f64;
-        println!("{callers:>8} {group:>14.0} {naive:>14.0} {:>7.1}x {per_batch:>12.1}", group / naive);
+        let mean = |v: &Vec<f64>| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        println!(
+            "{callers:>8} {:>10.0} {:>18.0} {:>7.1}x {:>10.1} {:>18.0} {:>7.1}x {:>10.1}",
+            rate[0],
+            rate[1],
+            rate[1] / rate[0],
+            mean(&per_batch[1]),
+            rate[2],
+            rate[2] / rate[0],
+            mean(&per_batch[2]),
+        );
     }
 }

@@ -39,7 +39,7 @@
 //! ```
 //!
 //! # Layout
-//! - [`store`]: [`RedbStore`], [`RedbConfig`], [`Durability`], and the two tables:
+//! - [`store`]: [`RedbStore`], [`RedbConfig`], [`Linger`], [`Durability`], and the two tables:
 //!   [`store::RECORDS`] (`idem_records`: 32-byte record id -> encoded record) and
 //!   [`store::EXPIRY`] (`idem_expiry`: (`expires_at` ms, record id) -> `()`), which `sweep`
 //!   range-scans so it deletes expired records in bounded batches without reading the rest.
@@ -78,4 +78,4 @@ pub mod store;
 mod writer;
 
 pub use error::RedbStoreError;
-pub use store::{BatchStats, Durability, RedbConfig, RedbStore};
+pub use store::{BatchStats, Durability, Linger, RedbConfig, RedbStore};

@@ -56,6 +56,30 @@ pub enum Durability {
     },
 }
 
+/// How long the writer waits for more operations before it applies a batch.
+///
+/// Batching happens without any wait: every operation that arrives while a commit is in
+/// progress joins the next batch. A short wait only helps when callers answer a batch's
+/// replies with new operations a few microseconds apart (32 callers doing claim then
+/// complete): without it, the first caller back starts a small batch and the rest wait
+/// for the one after.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Linger {
+    /// Never wait: a batch is whatever is queued when the writer is ready.
+    None,
+    /// Wait at most `max` for the batch to grow to the size of the previous batch (the
+    /// recent concurrency), never past [`RedbConfig::max_batch`]. A lone caller (previous
+    /// batch of one) never waits; under load, batches fill up instead of splitting.
+    Adaptive {
+        /// Longest wait per batch.
+        max: Duration,
+    },
+    /// Wait up to this long after the first operation for the batch to reach
+    /// [`RedbConfig::max_batch`]: every batch that does not fill adds this much latency.
+    Fixed(Duration),
+}
+
 /// How a [`RedbStore`] batches and commits, and which clock it reads.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -64,12 +88,9 @@ pub struct RedbConfig {
     /// amortises one commit (one fsync, about 0.4 ms on a typical disk) over more callers
     /// but makes the commit, and so every caller in it, wait for more work. Zero counts as 1.
     pub max_batch: usize,
-    /// How long the writer waits for more operations after the first one of a batch
-    /// arrives (default zero). Without linger, batching still happens on its own: every
-    /// operation that arrives while a commit is in progress joins the next batch. A linger
-    /// of 50-200 µs can raise batch sizes at low concurrency at the cost of that much
-    /// latency per operation.
-    pub linger: Duration,
+    /// Whether and how long the writer waits for more operations once it has taken what
+    /// is queued (default [`Linger::Adaptive`] with 200 µs).
+    pub linger: Linger,
     /// Commit durability (default [`Durability::Immediate`]).
     pub durability: Durability,
     /// The clock every `now` is read from (default [`SystemClock`]); tests pass an
@@ -79,7 +100,12 @@ pub struct RedbConfig {
 
 impl Default for RedbConfig {
     fn default() -> Self {
-        Self { max_batch: 256, linger: Duration::ZERO, durability: Durability::Immediate, clock: Arc::new(SystemClock) }
+        Self {
+            max_batch: 256,
+            linger: Linger::Adaptive { max: Duration::from_micros(200) },
+            durability: Durability::Immediate,
+            clock: Arc::new(SystemClock),
+        }
     }
 }
 
@@ -93,7 +119,7 @@ impl RedbConfig {
 
     /// Sets [`RedbConfig::linger`].
     #[must_use]
-    pub fn with_linger(mut self, linger: Duration) -> Self {
+    pub fn with_linger(mut self, linger: Linger) -> Self {
         self.linger = linger;
         self
     }

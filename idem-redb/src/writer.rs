@@ -30,7 +30,7 @@ use redb::{Database, ReadableTable, WriteTransaction};
 use tokio::sync::oneshot;
 
 use crate::error::RedbStoreError;
-use crate::store::{Counters, Durability, EXPIRY, RECORDS, RedbConfig};
+use crate::store::{Counters, Durability, EXPIRY, Linger, RECORDS, RedbConfig};
 
 /// Where a caller waits for its outcome.
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
@@ -257,7 +257,9 @@ pub(crate) struct Writer {
     db: Arc<Database>,
     clock: Arc<dyn Clock>,
     max_batch: usize,
-    linger: Duration,
+    linger: Linger,
+    /// Size of the last batch, the adaptive linger's target.
+    last_batch: usize,
     durability: Durability,
     counters: Arc<Counters>,
     receiver: Receiver<Op>,
@@ -278,6 +280,7 @@ impl Writer {
             clock,
             max_batch: config.max_batch.max(1),
             linger: config.linger,
+            last_batch: 1,
             durability: config.durability,
             counters,
             receiver,
@@ -314,7 +317,7 @@ impl Writer {
         }
     }
 
-    /// Adds what is already queued, then lingers for more, up to `max_batch`.
+    /// Adds what is already queued, then lingers for more as [`Linger`] says.
     fn fill(&mut self, batch: &mut Vec<Op>) {
         while batch.len() < self.max_batch {
             match self.receiver.try_recv() {
@@ -322,16 +325,21 @@ impl Writer {
                 Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
             }
         }
-        if self.linger.is_zero() {
-            return;
-        }
-        let deadline = Instant::now() + self.linger;
-        while batch.len() < self.max_batch {
-            match self.receiver.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(op) => batch.push(op),
-                Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+        let (wait, target) = match self.linger {
+            Linger::None => (Duration::ZERO, 0),
+            Linger::Adaptive { max } => (max, self.last_batch.min(self.max_batch)),
+            Linger::Fixed(wait) => (wait, self.max_batch),
+        };
+        if batch.len() < target && !wait.is_zero() {
+            let deadline = Instant::now() + wait;
+            while batch.len() < target {
+                match self.receiver.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                    Ok(op) => batch.push(op),
+                    Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+                }
             }
         }
+        self.last_batch = batch.len();
     }
 
     fn run_batch(&mut self, ops: Vec<Op>) {

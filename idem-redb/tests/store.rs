@@ -13,13 +13,13 @@ use idem_core::{
     ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse, UnixMillis,
 };
 use idem_redb::store::{EXPIRY, RECORDS};
-use idem_redb::{Durability, RedbConfig, RedbStore};
+use idem_redb::{Durability, Linger, RedbConfig, RedbStore};
 use redb::{ReadableDatabase, ReadableTable};
 
 const LEASE: Duration = Duration::from_secs(5);
 const RETENTION: Duration = Duration::from_secs(60);
 /// Long enough that a batch under test only closes because it is full.
-const LONG_LINGER: Duration = Duration::from_secs(30);
+const LONG_LINGER: Linger = Linger::Fixed(Duration::from_secs(30));
 
 fn clock() -> ManualClock {
     ManualClock::new(UnixMillis(1_800_000_000_000))
@@ -289,6 +289,22 @@ async fn later_operations_in_a_batch_see_earlier_ones() {
         other => panic!("the second claim must see the first, got {other:?}"),
     }
     assert_eq!(store.batch_stats().batches, 1);
+}
+
+/// The adaptive linger never makes a lone caller wait: with a 30 s maximum, sequential
+/// operations still return at once (the previous batch held one operation).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adaptive_linger_does_not_delay_a_lone_caller() {
+    let clock = clock();
+    let store = temp_store(config(&clock).with_linger(Linger::Adaptive { max: Duration::from_secs(30) }));
+    let lone = async {
+        for i in 0..5 {
+            let r = must_claim(&store, req(&format!("k{i}"), b"{}", RETENTION)).await;
+            store.complete(r.id, r.token, response(b"{}")).await.expect("complete");
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), lone).await.expect("no operation waited for the linger");
+    assert_eq!(store.batch_stats().batches, 10);
 }
 
 /// Many concurrent callers with default settings: exactly one winner per key, and every
