@@ -12,6 +12,26 @@
 //! random operation sequences from several simulated owners against the store and against
 //! [`idem_core::Model`] and compares every outcome (see [`model_test`]).
 //!
+//! # What it checks
+//!
+//! | group | scenarios | what must hold |
+//! |---|---:|---|
+//! | [`scenarios::claim`] | 10 | create-if-absent; of N concurrent claims exactly one wins |
+//! | [`scenarios::replay`] | 8 | a completed record keeps status, headers (order, repeats) and body bytes exactly; a mismatch changes nothing |
+//! | [`scenarios::inflight`] | 9 | a fresh lease blocks takeover; an expired one is reclaimed by compare-and-set; a passing lease changes nothing by itself |
+//! | [`scenarios::reclaim`] | 8 | 8 racing reclaimers, one winner; completed, mismatched, absent and future-token reclaims conflict |
+//! | [`scenarios::fencing`] | 10 | complete, fail and reclaim with a stale token get the exact `LeaseLost`/`Conflict` and change nothing (before == after) |
+//! | [`scenarios::failed`](mod@scenarios::failed) | 5 | a failed record is reclaimable at once, by the same fingerprint only |
+//! | [`scenarios::retention`] | 10 | absent from `expires_at` on, swept or not; sweeps keep live records, batch, say `more`, and race claims safely |
+//! | [`scenarios::scope`](mod@scenarios::scope) | 6 | principals and endpoints isolate keys (handed C10, C11) |
+//! | [`scenarios::limits`] | 12 | 255-byte keys, non-ASCII scopes, all byte values, empty and 4 MiB bodies, 200 headers, compressed and not-retained bodies |
+//! | [`scenarios::clock`] | 9 | lease and retention edges to the millisecond, 4.999 s / 5.001 s (C2), zero lease (C1), clock steps back |
+//! | [`scenarios::handed`] | 4 | C3 (two handles), C8 (stale owner fenced), C9 (racing first claims) |
+//! | [`scenarios::capability`] | 3 | declared capabilities hold; peer handles; server clock |
+//!
+//! `tests/registry.rs` checks every scenario written is listed in the macro (and that
+//! there are at least 60); `tests/broken.rs` checks the suite fails stores with known bugs.
+//!
 //! # Layout
 //! - [`Backend`], [`Env`]: how a scenario gets its store and clock.
 //! - [`scenarios`]: the named scenarios, plain `pub async fn(Env)`, one doc line each
