@@ -27,6 +27,8 @@
 //! - an optional `WAIT` for replicas after claim, reclaim and complete, pipelined with the
 //!   script on the same connection ([`ReplicaAck`] says what it does and does not
 //!   guarantee on failover);
+//! - the per-record journal of resumable handlers ([`idem_core::Store::journal_put`]) as
+//!   fields of the record's own hash, so entries live and die with their record;
 //! - a key prefix on every key it writes. It never calls `KEYS`, `SCAN` or `FLUSH*`.
 //!
 //! ```
@@ -72,6 +74,7 @@
 //! | `principal`, `endpoint`, `key` | the scope and idempotency key, raw |
 //! | `created_at`, `started_at`, `lease_expires_at`, `expires_at` | ms since the Unix epoch, decimal |
 //! | `response` | completed records only: `0x01` then postcard of [`idem_core::StoredResponse`] |
+//! | `j:<name>` | journal entry `name` of a resumable handler (a step's result, an intent's state), raw |
 //!
 //! Redis strings are binary-safe, so header values and bodies round-trip byte for byte.
 //! The scripts do all 64-bit arithmetic on decimal strings, because Lua numbers are doubles
@@ -115,7 +118,7 @@
 //! - [`store`]: [`RedisStore`], [`RedisConfig`], [`EvictionCheck`], [`ReplicaAck`].
 //! - [`error`]: [`Error`] and its retry classification.
 //! - `src/scripts/*.lua`: the scripts (`common.lua` is prepended to each): `claim`,
-//!   `reclaim`, `complete`, `fail`, `get`.
+//!   `reclaim`, `complete`, `fail`, `get`, `journal_put`, `journal_get`.
 
 pub mod error;
 pub mod store;

@@ -8,8 +8,8 @@ use async_trait::async_trait;
 use idem_core::codec::CodecError;
 use idem_core::time::duration_ms;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, Principal,
-    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse,
+    Capabilities, ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite,
+    Principal, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse,
     SweepOutcome, UnixMillis,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -189,6 +189,8 @@ struct Scripts {
     complete: Script,
     fail: Script,
     get: Script,
+    journal_put: Script,
+    journal_get: Script,
 }
 
 macro_rules! script {
@@ -206,6 +208,8 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     complete: script!("complete.lua"),
     fail: script!("fail.lua"),
     get: script!("get.lua"),
+    journal_put: script!("journal_put.lua"),
+    journal_get: script!("journal_get.lua"),
 });
 
 /// Idempotency records in Redis (or Valkey): one hash per record, claim/reclaim/complete/
@@ -260,7 +264,15 @@ impl RedisStore {
         let store = Self { conn, config: Arc::new(config) };
         store.check_eviction_policy().await?;
         let mut conn = store.conn.clone();
-        for script in [&SCRIPTS.claim, &SCRIPTS.reclaim, &SCRIPTS.complete, &SCRIPTS.fail, &SCRIPTS.get] {
+        for script in [
+            &SCRIPTS.claim,
+            &SCRIPTS.reclaim,
+            &SCRIPTS.complete,
+            &SCRIPTS.fail,
+            &SCRIPTS.get,
+            &SCRIPTS.journal_put,
+            &SCRIPTS.journal_get,
+        ] {
             script.prepare_invoke().load_async(&mut conn).await.map_err(|e| Error::command("SCRIPT LOAD", e))?;
         }
         Ok(store)
@@ -780,7 +792,52 @@ impl Store for RedisStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new().with_native_expiry(true).with_server_clock(true).with_shared(true)
+        Capabilities::new().with_native_expiry(true).with_server_clock(true).with_shared(true).with_journal(true)
+    }
+
+    /// Entries are fields `j:<name>` of the record's hash (see `journal_put.lua`).
+    async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        const OP: &str = "journal_put";
+        let call = Call::new(&SCRIPTS.journal_put, self.record_key(id))
+            .arg(self.clock_arg()?)
+            .arg(token.0)
+            .arg(name)
+            .arg(value.as_slice())
+            .arg(if overwrite { "1" } else { "0" });
+        let (mut reply, _) = self.run(OP, &call, Kind::Write).await?;
+        if reply.is("written") {
+            Ok(JournalWrite::Written)
+        } else if reply.is("exists") {
+            let stored =
+                reply.rest.pop().and_then(into_bytes).ok_or_else(|| unexpected(OP, "exists without a value"))?;
+            Ok(JournalWrite::Exists(stored))
+        } else if reply.is("lost") {
+            Err(lease_lost(OP, id, token, &reply))
+        } else if reply.is("corrupt") {
+            Err(bad_field(id, "v/token/expires_at"))
+        } else {
+            Err(unexpected(OP, "unknown status"))
+        }
+    }
+
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        const OP: &str = "journal_get";
+        let call = Call::new(&SCRIPTS.journal_get, self.record_key(id)).arg(self.clock_arg()?).arg(name);
+        let (mut reply, _) = self.run(OP, &call, Kind::Read).await?;
+        if reply.is("found") {
+            reply.rest.pop().and_then(into_bytes).map(Some).ok_or_else(|| unexpected(OP, "found without a value"))
+        } else if reply.is("absent") {
+            Ok(None)
+        } else {
+            Err(unexpected(OP, "unknown status"))
+        }
     }
 }
 

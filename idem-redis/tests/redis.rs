@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, Model,
-    ReclaimOutcome, ReclaimRequest, Record, RecordState, Scope, Store, StoreError, StoredBody, StoredResponse,
+    ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,
+    Model, ReclaimOutcome, ReclaimRequest, Record, RecordState, Scope, Store, StoreError, StoredBody, StoredResponse,
     SystemClock,
 };
 use idem_redis::{Error, EvictionCheck, RedisConfig, RedisStore, ReplicaAck};
@@ -419,8 +419,9 @@ async fn wait_for_replicas_and_readonly() {
     assert!(e.is_retryable(), "READONLY after a failover is retryable: {e:?}");
 }
 
-/// Differential test: a random sequence of claims, reclaims, completes, fails, gets and
-/// clock moves over a few keys gives exactly the model's outcomes.
+/// Differential test: a random sequence of claims, reclaims, completes, fails, journal
+/// writes and reads, gets and clock moves over a few keys gives exactly the model's
+/// outcomes.
 #[tokio::test]
 async fn random_operations_match_the_model() {
     let (store, clock) = test_store().await;
@@ -434,7 +435,7 @@ async fn random_operations_match_the_model() {
     };
     let keys = ["a", "b", "c"];
     let bodies: [&[u8]; 2] = [b"one", b"two"];
-    for step in 0..600 {
+    for step in 0..1_000 {
         let k = keys[next(3) as usize];
         let body = bodies[next(2) as usize];
         let now = clock.now();
@@ -444,7 +445,7 @@ async fn random_operations_match_the_model() {
         let current = model.get(r.id, now);
         let token = current.as_ref().map_or(FencingToken::FIRST, |c| c.token);
         let token = FencingToken(token.0.saturating_sub(next(2)));
-        match next(6) {
+        match next(8) {
             0 | 1 => {
                 let m = model.claim(&r, now);
                 let s = store.claim(r.clone()).await.expect("claim");
@@ -472,6 +473,28 @@ async fn random_operations_match_the_model() {
                 let m = model.fail(r.id, token, now);
                 let s = store.fail(r.id, token).await;
                 assert_same(step, "fail", s, m);
+            }
+            5 => {
+                let name = ["step-a", "step-b"][next(2) as usize];
+                let value = format!("{name} at step {step}").into_bytes();
+                let overwrite = next(2) == 1;
+                let m = model.journal_put(r.id, token, name, value.clone(), overwrite, now);
+                let s = store.journal_put(r.id, token, name, value, overwrite).await;
+                match (s, m) {
+                    (Ok(s), Ok(m)) => assert_eq!(s, m, "step {step}: journal_put"),
+                    (Err(StoreError::LeaseLost { current: a, .. }), Err(StoreError::LeaseLost { current: b, .. })) => {
+                        assert_eq!(a, b, "step {step}: journal_put lease lost")
+                    }
+                    (s, m) => panic!("step {step}: journal_put: store {s:?}, model {m:?}"),
+                }
+            }
+            6 => {
+                let name = ["step-a", "step-b"][next(2) as usize];
+                assert_eq!(
+                    store.journal_get(r.id, name).await.expect("journal_get"),
+                    model.journal_get(r.id, name, now),
+                    "step {step}: journal_get"
+                );
             }
             _ => {
                 assert_eq!(store.get(r.id).await.expect("get"), model.get(r.id, now), "step {step}: get");
@@ -619,4 +642,52 @@ async fn out_of_memory_under_noeviction_is_retryable_and_changes_nothing() {
     set_limit(0).await;
     let done = store.complete(r.id, r.token, response.clone()).await.expect("complete after memory is freed");
     assert_eq!(done.response, Some(response));
+}
+
+/// Journal entries are fields of the record's hash: a reclaim keeps them (a retry resumes
+/// its steps), the first write wins unless overwriting, values round-trip byte-exact, and
+/// a claim that replaces an expired record starts with none.
+#[tokio::test]
+async fn journal_lives_and_dies_with_its_record() {
+    let (store, clock) = test_store().await;
+    assert!(store.capabilities().journal);
+    let r = claim(&store, req("p", "k", b"b")).await;
+    let bytes: Vec<u8> = (0..=255u8).rev().collect();
+    assert_eq!(
+        store.journal_put(r.id, r.token, "charge", bytes.clone(), false).await.expect("put"),
+        JournalWrite::Written
+    );
+    assert_eq!(
+        store.journal_put(r.id, r.token, "charge", b"second".to_vec(), false).await.expect("put"),
+        JournalWrite::Exists(bytes.clone()),
+        "the first write wins"
+    );
+    let mut admin = common::admin().await;
+    let field: Vec<u8> = admin.hget(store.record_key(r.id), "j:charge").await.expect("HGET");
+    assert_eq!(field, bytes);
+
+    let f = store.fail(r.id, r.token).await.expect("fail");
+    let stale = store.journal_put(r.id, r.token, "charge", b"late".to_vec(), true).await;
+    assert!(matches!(stale, Err(StoreError::LeaseLost { current: Some(t), .. }) if t == r.token), "{stale:?}");
+    let rr = ReclaimRequest {
+        id: r.id,
+        expected: f.token,
+        fingerprint: f.fingerprint,
+        lease_ttl: LEASE,
+        retention: RETENTION,
+    };
+    let ReclaimOutcome::Reclaimed(n) = store.reclaim(rr).await.expect("reclaim") else { panic!("reclaimable") };
+    assert_eq!(store.journal_get(r.id, "charge").await.expect("get"), Some(bytes.clone()), "a reclaim keeps entries");
+    assert_eq!(
+        store.journal_put(n.id, n.token, "charge", b"done".to_vec(), true).await.expect("overwrite"),
+        JournalWrite::Written
+    );
+    assert_eq!(store.journal_get(r.id, "charge").await.expect("get"), Some(b"done".to_vec()));
+    assert_eq!(store.journal_get(r.id, "other").await.expect("get"), None);
+
+    clock.set(n.expires_at);
+    assert_eq!(store.journal_get(r.id, "charge").await.expect("get"), None, "gone with its record");
+    let again = claim(&store, req("p", "k", b"b")).await;
+    assert!(again.token > n.token);
+    assert_eq!(store.journal_get(r.id, "charge").await.expect("get"), None, "a new claim starts with no entries");
 }
