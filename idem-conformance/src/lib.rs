@@ -26,7 +26,7 @@
 //! | [`scenarios::scope`](mod@scenarios::scope) | 6 | principals and endpoints isolate keys (handed C10, C11) |
 //! | [`scenarios::limits`] | 12 | 255-byte keys, non-ASCII scopes, all byte values, empty and 4 MiB bodies, 200 headers, compressed and not-retained bodies |
 //! | [`scenarios::clock`] | 9 | lease and retention edges to the millisecond, 4.999 s / 5.001 s (C2), zero lease (C1), clock steps back |
-//! | [`scenarios::handed`] | 4 | C3 (two handles), C8 (stale owner fenced), C9 (racing first claims) |
+//! | [`scenarios::handed`] | 5 | C3 (two handles), C5 (dead owner freed by its lease), C8 (stale owner fenced), C9 (racing first claims) |
 //! | [`scenarios::capability`] | 3 | declared capabilities hold; peer handles; server clock |
 //!
 //! `tests/registry.rs` checks every scenario written is listed in the macro (and that

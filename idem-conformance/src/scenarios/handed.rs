@@ -1,4 +1,4 @@
-//! The store-level handed cases (`/work/shared/cases/handed.md`): C3, C8, C9. C10 and C11
+//! The store-level handed failure cases (each broke a real idempotency implementation): C3, C5, C8, C9. C10 and C11
 //! are in [`super::scope`](mod@super::scope), C1 and C2 in [`super::clock`].
 
 use std::sync::Arc;
@@ -81,4 +81,22 @@ pub async fn c9_loser_rereading_after_completion_gets_the_response(env: Env) {
     assert_eq!(seen, done);
     assert_eq!(seen.state, RecordState::Completed);
     assert_eq!(get(peer.as_ref(), winner.id).await, Some(done));
+}
+
+/// C5: a claim whose process died (its handle dropped mid-request) blocks retries only
+/// until its lease passes; then a retry through another handle reclaims and completes it.
+pub async fn c5_dead_owners_claim_is_freed_by_its_lease(env: Env) {
+    let dying = env.peer().await;
+    let r = super::claimed(dying.as_ref(), claim_req(&env, "P", "K", b"b")).await;
+    drop(dying);
+    env.clock.advance_ms(1_000);
+    let (seen, now) = existing(env.store.as_ref(), claim_req(&env, "P", "K", b"b")).await;
+    assert_eq!(seen, r);
+    assert!(seen.lease_is_fresh(now), "at +1 s the retry gets 409-busy");
+    assert_eq!(conflict(env.store.as_ref(), reclaim_req(&r)).await, Some(r.clone()));
+    env.clock.set(UnixMillis(r.lease_expires_at.0 + 1_000));
+    let n = reclaimed(env.store.as_ref(), reclaim_req(&r)).await;
+    assert_eq!(n.token, FencingToken(2));
+    let done = completed(env.store.as_ref(), &n, response()).await;
+    assert_eq!(get(env.store.as_ref(), r.id).await, Some(done));
 }

@@ -12,7 +12,7 @@
 //! - [`scope`](mod@scope) - isolation between principals and endpoints (handed cases C10, C11).
 //! - [`limits`] - keys and values at their limits.
 //! - [`clock`] - clock edges (handed cases C1, C2).
-//! - [`handed`] - the store-level handed cases C3, C8, C9.
+//! - [`handed`] - the store-level handed cases C3, C5, C8, C9.
 //! - [`capability`] - capability variants (native expiry, server clock, peer handles).
 //!
 //! # Rules every scenario follows
@@ -325,6 +325,7 @@ macro_rules! __for_each_scenario {
         $m!($backend, handed::c8_stale_owner_is_fenced_and_the_new_claim_stays);
         $m!($backend, handed::c9_two_handles_racing_a_first_claim_have_one_winner);
         $m!($backend, handed::c9_loser_rereading_after_completion_gets_the_response);
+        $m!($backend, handed::c5_dead_owners_claim_is_freed_by_its_lease);
         $m!($backend, capability::declared_capabilities_hold);
         $m!($backend, capability::peer_handle_sees_the_same_records);
         $m!($backend, capability::server_clock_sets_leases_from_the_server);
