@@ -33,6 +33,8 @@
 //! - [`decision`]: the decision table.
 //! - [`transition`]: the state machine as pure functions, and the store requests/outcomes.
 //! - [`model`]: the reference model (oracle) over a map.
+//! - [`resume`]: sub-keys, steps and intents for handlers whose side effects must
+//!   converge on retry.
 //! - [`store`]: the [`Store`] contract and [`StoreError`].
 //! - [`codec`]: the versioned postcard byte form of a record.
 //! - [`time`]: milliseconds since the epoch and the clocks stores read.
@@ -47,6 +49,7 @@ pub mod memory;
 pub mod model;
 pub mod policy;
 pub mod record;
+pub mod resume;
 pub mod scope;
 pub mod store;
 pub mod time;
@@ -60,6 +63,7 @@ pub use memory::MemoryStore;
 pub use model::Model;
 pub use policy::{MismatchStatus, Policy, StoreFailureMode};
 pub use record::{FencingToken, Record, RecordState, StoredBody, StoredResponse};
+pub use resume::{Reconciled, Resumable, StepError, SubKey};
 pub use scope::{Endpoint, Principal, RecordId, Scope, ScopeError};
 pub use store::{BoxError, Capabilities, JournalWrite, Store, StoreError, SweepOutcome};
 pub use time::{Clock, ManualClock, SystemClock, UnixMillis};

@@ -1,0 +1,273 @@
+//! Resumable handlers: making the side effects inside one request converge on retry.
+//!
+//! HTTP-level idempotency stores the response of a handler that finished. A handler that
+//! dies half-way (after allocating a node, before booting it) leaves side effects the
+//! record does not know about, and the retry that reclaims the record runs the handler
+//! from the top. These tools let that retry find what the dead attempt did:
+//!
+//! - [`Resumable::subkey`]: a stable id derived from the record id and a step name, for a
+//!   downstream API that accepts a caller-supplied id or idempotency key (a payment API, a
+//!   cloud `ClientToken`). Every attempt of the same request sends the same sub-key, so
+//!   the downstream system deduplicates.
+//! - [`Resumable::step`]: runs a future once per record and journals its serialised
+//!   result in the same store, fenced by the attempt's token; a retry gets the stored
+//!   result back without running the future. For effects that are local and
+//!   transactional, or downstream calls that take the sub-key.
+//! - [`Resumable::intent`]: a two-phase record for a call that cannot take a caller id
+//!   but can be looked up afterwards (a VM booted with a tag): write `pending`, make the
+//!   call with the sub-key as the tag, record `done(real id)`. A retry that finds
+//!   `pending` asks the caller's `reconcile` (did a VM with this tag appear?) before
+//!   anything is issued again.
+//!
+//! What stays unsafe: a downstream call that neither accepts a caller id nor can be
+//! observed afterwards. No library can tell whether it happened; make such calls the last
+//! thing a handler does, or put them behind a queue that can.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::record::FencingToken;
+use crate::scope::RecordId;
+use crate::store::{JournalWrite, MAX_JOURNAL_NAME, Store, StoreError};
+
+/// BLAKE3 `derive_key` context for sub-keys.
+pub const SUBKEY_CONTEXT: &str = "idem 2026-11-30 sub-key v1";
+
+/// A sub-key: `idem-` followed by 48 lower-case hex digits (53 ASCII bytes, alphabet
+/// `[0-9a-f-]`), which fits the usual downstream limits (64-byte client tokens,
+/// 255-byte idempotency keys, cloud resource tags).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SubKey(String);
+
+impl SubKey {
+    /// The sub-key of step `name` of record `record`: BLAKE3 `derive_key` over the record id
+    /// and the length-prefixed name, truncated to 24 bytes. Never depends on the attempt,
+    /// the time or randomness, so every attempt and every process derives the same value;
+    /// different names, principals, endpoints or keys give different sub-keys.
+    #[must_use]
+    pub fn derive(record: RecordId, name: &str) -> Self {
+        let mut h = blake3::Hasher::new_derive_key(SUBKEY_CONTEXT);
+        h.update(&record.0);
+        h.update(&(name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        let digest = h.finalize();
+        Self(format!("idem-{}", crate::scope::to_hex(&digest.as_bytes()[..24])))
+    }
+
+    /// The sub-key text.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for SubKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Why a step or intent did not produce a value.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StepError<E> {
+    /// The step's own future failed; nothing was journalled, so a retry runs it again.
+    #[error("step {name} failed")]
+    Failed {
+        /// The step.
+        name: String,
+        /// The future's error.
+        #[source]
+        source: E,
+    },
+    /// The store refused or failed. `StoreError::LeaseLost` means another attempt owns the
+    /// record now: stop working and return.
+    #[error("step {name}: store error")]
+    Store {
+        /// The step.
+        name: String,
+        /// The store's error.
+        #[source]
+        source: StoreError,
+    },
+    /// A journalled value does not decode as the step's type (the code changed the type
+    /// between attempts).
+    #[error("step {name}: the journalled value does not decode")]
+    Decode {
+        /// The step.
+        name: String,
+        /// The decoder's error.
+        #[source]
+        source: postcard::Error,
+    },
+    /// A step name that is empty or longer than the journal allows.
+    #[error("step name {0:?} must be 1-250 bytes")]
+    BadName(String),
+    /// An intent was found pending and `reconcile` could not tell whether the call
+    /// happened: the request must fail rather than risk a second call.
+    #[error("intent {name} is ambiguous: a previous attempt may have made the call")]
+    Ambiguous {
+        /// The intent.
+        name: String,
+    },
+}
+
+impl<E> StepError<E> {
+    /// Whether the attempt lost its lease (another attempt now owns the record).
+    #[must_use]
+    pub fn is_lease_lost(&self) -> bool {
+        matches!(self, StepError::Store { source, .. } if source.is_lease_lost())
+    }
+}
+
+/// What a reconcile function found for a pending intent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reconciled {
+    /// The earlier call happened; this is the real id it produced. It is adopted.
+    Found(String),
+    /// The earlier call did not happen; it is issued again (with the same sub-key).
+    NotFound,
+    /// Cannot tell; the request fails with [`StepError::Ambiguous`].
+    Unknown,
+}
+
+#[derive(Serialize, serde::Deserialize)]
+enum IntentState {
+    Pending,
+    Done(String),
+}
+
+/// The handle a handler uses for steps, sub-keys and intents of the record it holds.
+#[derive(Clone)]
+pub struct Resumable {
+    store: Arc<dyn Store>,
+    id: RecordId,
+    token: FencingToken,
+}
+
+impl std::fmt::Debug for Resumable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Resumable").field("id", &self.id).field("token", &self.token).finish_non_exhaustive()
+    }
+}
+
+fn journal_name<E>(prefix: &str, name: &str) -> Result<String, StepError<E>> {
+    if name.is_empty() || name.len() + prefix.len() > MAX_JOURNAL_NAME.min(252) {
+        return Err(StepError::BadName(name.to_string()));
+    }
+    Ok(format!("{prefix}{name}"))
+}
+
+impl Resumable {
+    /// The handle for record `id` held with `token` (the HTTP layer builds it from the
+    /// claim; other callers from their own [`crate::ClaimOutcome`]).
+    #[must_use]
+    pub fn new(store: Arc<dyn Store>, id: RecordId, token: FencingToken) -> Self {
+        Self { store, id, token }
+    }
+
+    /// The record.
+    #[must_use]
+    pub fn record_id(&self) -> RecordId {
+        self.id
+    }
+
+    /// The attempt's fencing token.
+    #[must_use]
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// See [`SubKey::derive`].
+    #[must_use]
+    pub fn subkey(&self, name: &str) -> SubKey {
+        SubKey::derive(self.id, name)
+    }
+
+    /// Runs `f` once per record: returns the journalled result if an earlier attempt
+    /// finished this step, else runs `f(subkey)` and journals its `Ok` value (postcard).
+    /// If two attempts race (a stale one whose lease was reclaimed), the write of the
+    /// stale one is refused ([`StepError::Store`] with `LeaseLost`) and the current
+    /// owner's value stands.
+    ///
+    /// # Errors
+    /// [`StepError`]: the future's error (not journalled), store errors, decode errors.
+    pub async fn step<T, E, F, Fut>(&self, name: &str, f: F) -> Result<T, StepError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce(SubKey) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let jname = journal_name("s:", name)?;
+        let store_err = |source| StepError::Store { name: name.to_string(), source };
+        let decode = |bytes: &[u8]| {
+            postcard::from_bytes::<T>(bytes).map_err(|source| StepError::Decode { name: name.to_string(), source })
+        };
+        if let Some(bytes) = self.store.journal_get(self.id, &jname).await.map_err(store_err)? {
+            return decode(&bytes);
+        }
+        let value =
+            f(self.subkey(name)).await.map_err(|source| StepError::Failed { name: name.to_string(), source })?;
+        let bytes =
+            postcard::to_allocvec(&value).map_err(|source| StepError::Decode { name: name.to_string(), source })?;
+        match self.store.journal_put(self.id, self.token, &jname, bytes, false).await.map_err(store_err)? {
+            JournalWrite::Written => Ok(value),
+            JournalWrite::Exists(stored) => decode(&stored),
+        }
+    }
+
+    /// Runs a two-phase call named `name`: `issue(subkey)` makes the call (stamping the
+    /// sub-key on it as a tag) and returns the real id; `reconcile(subkey)` looks the tag
+    /// up when an earlier attempt left the intent pending.
+    ///
+    /// 1. `done(id)` journalled: returns `id`, calls nothing.
+    /// 2. `pending` journalled: `reconcile` decides: `Found(id)` adopts it (journals
+    ///    `done`), `NotFound` issues again, `Unknown` fails with [`StepError::Ambiguous`].
+    /// 3. Nothing journalled: journals `pending` (fenced), calls `issue`, journals
+    ///    `done(id)`. If `issue` fails, the intent stays pending, so the next attempt
+    ///    reconciles before issuing again.
+    ///
+    /// # Errors
+    /// [`StepError`]: `issue`'s or `reconcile`'s error, store errors, ambiguity.
+    pub async fn intent<E, I, IFut, R, RFut>(&self, name: &str, issue: I, reconcile: R) -> Result<String, StepError<E>>
+    where
+        I: FnOnce(SubKey) -> IFut,
+        IFut: Future<Output = Result<String, E>>,
+        R: FnOnce(SubKey) -> RFut,
+        RFut: Future<Output = Result<Reconciled, E>>,
+    {
+        let jname = journal_name("i:", name)?;
+        let n = || name.to_string();
+        let store_err = |source| StepError::Store { name: name.to_string(), source };
+        let put = |state: IntentState| {
+            let bytes = postcard::to_allocvec(&state).unwrap_or_default();
+            self.store.journal_put(self.id, self.token, &jname, bytes, true)
+        };
+        let subkey = self.subkey(name);
+        match self.store.journal_get(self.id, &jname).await.map_err(store_err)? {
+            Some(bytes) => match postcard::from_bytes::<IntentState>(&bytes) {
+                Ok(IntentState::Done(id)) => return Ok(id),
+                Ok(IntentState::Pending) => {
+                    match reconcile(subkey.clone()).await.map_err(|source| StepError::Failed { name: n(), source })? {
+                        Reconciled::Found(id) => {
+                            put(IntentState::Done(id.clone())).await.map_err(store_err)?;
+                            return Ok(id);
+                        }
+                        Reconciled::NotFound => {}
+                        Reconciled::Unknown => return Err(StepError::Ambiguous { name: n() }),
+                    }
+                }
+                Err(source) => return Err(StepError::Decode { name: n(), source }),
+            },
+            None => {
+                put(IntentState::Pending).await.map_err(store_err)?;
+            }
+        }
+        let id = issue(subkey).await.map_err(|source| StepError::Failed { name: n(), source })?;
+        put(IntentState::Done(id.clone())).await.map_err(store_err)?;
+        Ok(id)
+    }
+}

@@ -1,0 +1,182 @@
+//! Sub-keys, steps and intents on the memory store (the conformance suite runs the
+//! journal contract on every backend).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use idem_core::*;
+
+fn setup() -> (Arc<dyn Store>, ManualClock, ClaimRequest) {
+    let clock = ManualClock::new(UnixMillis(1_000_000));
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+    let scope = Scope::new("p", Endpoint::new("POST", "/v1/workers")).unwrap();
+    let req = ClaimRequest::new(
+        scope,
+        IdempotencyKey::parse(b"k").unwrap(),
+        Fingerprint::of_bytes(b"b"),
+        Duration::from_secs(5),
+        Duration::from_secs(60),
+    );
+    (store, clock, req)
+}
+
+async fn claimed(store: &Arc<dyn Store>, req: &ClaimRequest) -> Record {
+    match store.claim(req.clone()).await.unwrap() {
+        ClaimOutcome::Claimed(r) => r,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn subkeys_are_stable_distinct_and_short() {
+    // C14: derived only from (principal, endpoint, key, name), never from attempt or time.
+    let a = RecordId::derive("p", "POST /x", "k");
+    assert_eq!(SubKey::derive(a, "charge"), SubKey::derive(a, "charge"));
+    assert_ne!(SubKey::derive(a, "charge"), SubKey::derive(a, "refund"));
+    assert_ne!(SubKey::derive(a, "charge"), SubKey::derive(RecordId::derive("q", "POST /x", "k"), "charge"));
+    assert_ne!(SubKey::derive(a, "charge"), SubKey::derive(RecordId::derive("p", "POST /y", "k"), "charge"));
+    assert_ne!(SubKey::derive(a, "charge"), SubKey::derive(RecordId::derive("p", "POST /x", "k2"), "charge"));
+    let s = SubKey::derive(a, "charge");
+    assert_eq!(s.as_str().len(), 53);
+    assert!(s.as_str().starts_with("idem-") && s.as_str()[5..].bytes().all(|b| b.is_ascii_hexdigit()));
+}
+
+#[tokio::test]
+async fn a_step_runs_once_per_record_across_a_reclaim() {
+    let (store, clock, req) = setup();
+    let first = claimed(&store, &req).await;
+    let runs = AtomicU32::new(0);
+    let runs = &runs;
+    let r1 = Resumable::new(Arc::clone(&store), first.id, first.token);
+    let node: String = r1
+        .step("allocate", |sk| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, std::io::Error>(format!("node-for-{sk}"))
+        })
+        .await
+        .unwrap();
+    // The attempt dies; after the lease the retry reclaims and resumes.
+    clock.advance(Duration::from_secs(6));
+    let ReclaimOutcome::Reclaimed(second) = store
+        .reclaim(ReclaimRequest {
+            id: first.id,
+            expected: first.token,
+            fingerprint: first.fingerprint,
+            lease_ttl: Duration::from_secs(5),
+            retention: Duration::from_secs(60),
+        })
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let r2 = Resumable::new(Arc::clone(&store), second.id, second.token);
+    let again: String = r2
+        .step("allocate", |_| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, std::io::Error>("another node".into())
+        })
+        .await
+        .unwrap();
+    assert_eq!(again, node);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // The stale owner's new step is fenced off.
+    let stale = r1.step("lease", |_| async { Ok::<_, std::io::Error>(1u32) }).await.unwrap_err();
+    assert!(stale.is_lease_lost(), "{stale:?}");
+}
+
+#[tokio::test]
+async fn a_failed_step_is_not_journalled() {
+    let (store, _clock, req) = setup();
+    let r = claimed(&store, &req).await;
+    let h = Resumable::new(Arc::clone(&store), r.id, r.token);
+    let e = h.step::<u32, _, _, _>("x", |_| async { Err("boom") }).await.unwrap_err();
+    assert!(matches!(e, StepError::Failed { .. }));
+    assert_eq!(h.step("x", |_| async { Ok::<u32, &str>(7) }).await.unwrap(), 7);
+}
+
+#[tokio::test]
+async fn intent_reconciles_a_pending_call_before_issuing_again() {
+    let (store, clock, req) = setup();
+    let first = claimed(&store, &req).await;
+    let booted = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let h1 = Resumable::new(Arc::clone(&store), first.id, first.token);
+    // Attempt 1 issues the boot (tagged with the sub-key) but "dies" before journalling done.
+    let b = Arc::clone(&booted);
+    let e = h1
+        .intent(
+            "boot",
+            |tag| async move {
+                b.lock().unwrap().push(tag.to_string());
+                Err::<String, &str>("process killed after the call")
+            },
+            |_| async { Ok(Reconciled::NotFound) },
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StepError::Failed { .. }));
+    store.fail(first.id, first.token).await.unwrap();
+    clock.advance(Duration::from_millis(1));
+    let ReclaimOutcome::Reclaimed(second) = store
+        .reclaim(ReclaimRequest {
+            id: first.id,
+            expected: first.token,
+            fingerprint: first.fingerprint,
+            lease_ttl: Duration::from_secs(5),
+            retention: Duration::from_secs(60),
+        })
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let h2 = Resumable::new(Arc::clone(&store), second.id, second.token);
+    let (b_issue, b_find) = (Arc::clone(&booted), Arc::clone(&booted));
+    let vm = h2
+        .intent(
+            "boot",
+            |tag| async move {
+                b_issue.lock().unwrap().push(tag.to_string());
+                Ok::<_, &str>("never".to_string())
+            },
+            |tag| async move {
+                let found = b_find.lock().unwrap().iter().any(|t| *t == tag.to_string());
+                Ok(if found { Reconciled::Found(format!("vm-{tag}")) } else { Reconciled::NotFound })
+            },
+        )
+        .await
+        .unwrap();
+    assert!(vm.starts_with("vm-idem-"));
+    assert_eq!(booted.lock().unwrap().len(), 1, "the boot was adopted, not issued again");
+    // Done is final: a third look returns the same id without calling anything.
+    let again = h2
+        .intent("boot", |_| async { Err::<String, &str>("must not issue") }, |_| async { Err("must not reconcile") })
+        .await
+        .unwrap();
+    assert_eq!(again, vm);
+    // Unknown fails the request as ambiguous.
+    let h3 = Resumable::new(Arc::clone(&store), second.id, second.token);
+    h3.intent("flash", |_| async { Err::<String, &str>("lost") }, |_| async { Ok(Reconciled::NotFound) })
+        .await
+        .unwrap_err();
+    let e = h3
+        .intent("flash", |_| async { Ok::<_, &str>("x".into()) }, |_| async { Ok(Reconciled::Unknown) })
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StepError::Ambiguous { .. }));
+}
+
+#[tokio::test]
+async fn journal_dies_with_its_record() {
+    let (store, clock, req) = setup();
+    let r = claimed(&store, &req).await;
+    store.journal_put(r.id, r.token, "s:a", b"v".to_vec(), false).await.unwrap();
+    assert_eq!(store.journal_get(r.id, "s:a").await.unwrap(), Some(b"v".to_vec()));
+    clock.advance(Duration::from_secs(60));
+    assert_eq!(store.journal_get(r.id, "s:a").await.unwrap(), None);
+    // A new claim of the same id after expiry starts with an empty journal.
+    let again = claimed(&store, &req).await;
+    assert!(again.token > r.token);
+    assert_eq!(store.journal_get(r.id, "s:a").await.unwrap(), None);
+}
