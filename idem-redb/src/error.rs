@@ -46,8 +46,8 @@ pub enum RedbStoreError {
     /// The writer thread could not be started.
     #[error("could not start the redb writer thread")]
     Spawn(#[source] std::io::Error),
-    /// The writer thread has stopped (it panicked, or the store is shutting down), so no
-    /// write can be applied.
+    /// The writer thread has stopped, or dropped this operation unanswered because applying
+    /// its batch panicked (nothing of that batch was applied).
     #[error("the redb writer thread has stopped")]
     WriterStopped,
     /// The blocking task that ran a read was cancelled or panicked.

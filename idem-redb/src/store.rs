@@ -165,7 +165,8 @@ pub(crate) struct Counters {
 /// transaction (each sees the effects of the ones before it, through the shared
 /// [`idem_core::transition`] rules), commits once, and then answers each caller with its
 /// own outcome. If the commit fails, nothing in the batch was applied and every caller in
-/// it gets the error. `get` runs a read transaction on tokio's blocking pool.
+/// it gets the error. `get` runs a read transaction on tokio's blocking pool, so the store
+/// is used from inside a tokio runtime.
 ///
 /// An operation is applied even if its caller stops waiting (drops the future) after
 /// handing it over; a claim made that way is held until its lease expires, as if the

@@ -294,7 +294,15 @@ impl Writer {
         while let Some(first) = self.next_first() {
             batch.push(first);
             self.fill(&mut batch);
-            self.run_batch(std::mem::take(&mut batch));
+            let ops = std::mem::take(&mut batch);
+            // A panic while applying a batch (a bug, or a redb assertion on a damaged file)
+            // must not take the store down: the batch's transaction is dropped unapplied,
+            // its callers see their replies dropped (`WriterStopped`), and the next batch
+            // starts fresh.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_batch(ops))).is_err() {
+                self.counters.failed_batches.fetch_add(1, Ordering::Relaxed);
+                tracing::error!("idem-redb writer panicked while applying a batch; nothing in it was applied");
+            }
         }
         if self.dirty_since.is_some() {
             self.flush();

@@ -517,6 +517,39 @@ async fn failed_commit_fails_every_caller_and_applies_nothing() {
     assert_index_consistent(&store);
 }
 
+/// A clock that panics while `armed` is set: a stand-in for a bug inside a batch.
+#[derive(Debug)]
+struct PanickingClock {
+    inner: ManualClock,
+    armed: Arc<AtomicBool>,
+}
+
+impl idem_core::Clock for PanickingClock {
+    fn now(&self) -> UnixMillis {
+        assert!(!self.armed.load(Ordering::SeqCst), "injected panic inside the writer");
+        self.inner.now()
+    }
+}
+
+/// A panic while the writer applies a batch fails that batch's callers with an error
+/// (never a hang), applies nothing of it, and leaves the writer serving later batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_inside_a_batch_fails_only_that_batch() {
+    let armed = Arc::new(AtomicBool::new(false));
+    let clock = PanickingClock { inner: clock(), armed: Arc::clone(&armed) };
+    let store = temp_store(RedbConfig::default().with_clock(Arc::new(clock)));
+    armed.store(true, Ordering::SeqCst);
+    let r = req("k", b"{}", RETENTION);
+    match tokio::time::timeout(Duration::from_secs(20), store.claim(r.clone())).await.expect("no hang") {
+        Err(e @ StoreError::Unavailable { .. }) => assert!(!e.is_lease_lost()),
+        other => panic!("the caller of a panicked batch gets an error, got {other:?}"),
+    }
+    armed.store(false, Ordering::SeqCst);
+    assert_eq!(store.get(r.id).await.expect("get"), None, "nothing of the panicked batch was applied");
+    must_claim(&store, r).await;
+    assert_eq!(store.batch_stats().failed_batches, 1);
+}
+
 // ---------------------------------------------------------------------------------------
 // Shutdown
 // ---------------------------------------------------------------------------------------
