@@ -206,7 +206,7 @@ macro_rules! scenarios {
 fn model_test_fails(bug: Bug) -> bool {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let backend: Arc<dyn Backend> = Arc::new(Broken(bug));
-    match model_test::check(&rt, &backend, 256) {
+    match model_test::check(&rt, &backend, 512) {
         Ok(_) => false,
         Err(e) => {
             eprintln!("model test on {bug:?}: {}", e.lines().next().unwrap_or_default());
