@@ -42,7 +42,9 @@
 //! - [`store`]: [`RedbStore`], [`RedbConfig`], [`Linger`], [`Durability`], and the two tables:
 //!   [`store::RECORDS`] (`idem_records`: 32-byte record id -> encoded record) and
 //!   [`store::EXPIRY`] (`idem_expiry`: (`expires_at` ms, record id) -> `()`), which `sweep`
-//!   range-scans so it deletes expired records in bounded batches without reading the rest.
+//!   range-scans so it deletes expired records in bounded batches without reading the rest;
+//!   and [`store::JOURNAL`] (`idem_journal`: (record id, entry name) -> bytes), the steps
+//!   and intents of resumable handlers, removed with their record.
 //! - `writer` (private): the group-commit writer thread. Every write is a read-compute-write
 //!   through [`idem_core::transition`], the same rules the in-memory store runs.
 //! - [`error`]: [`RedbStoreError`], redb's errors kept as `source` and mapped into
@@ -55,8 +57,8 @@
 //! # Sharing the file
 //! The application may keep its own tables in the same file: open the [`redb::Database`]
 //! yourself and pass it to [`RedbStore::open_with`], or take it from
-//! [`RedbStore::database`]. The store only writes the tables named `idem_records` and
-//! `idem_expiry`.
+//! [`RedbStore::database`]. The store only writes the tables named `idem_records`,
+//! `idem_expiry` and `idem_journal`.
 //!
 //! # Failures
 //! - A commit that fails (I/O error, full disk) fails every operation of its batch with

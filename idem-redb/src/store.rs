@@ -10,11 +10,12 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::codec;
+use idem_core::store::JournalWrite;
 use idem_core::{
     Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, ReclaimOutcome, ReclaimRequest, Record, RecordId,
     Store, StoreError, StoredResponse, SweepOutcome, SystemClock,
 };
-use redb::{Database, ReadableDatabase, TableDefinition};
+use redb::{Database, ReadTransaction, ReadableDatabase, TableDefinition};
 use tokio::sync::oneshot;
 
 use crate::error::RedbStoreError;
@@ -30,6 +31,12 @@ pub const RECORDS: TableDefinition<'static, &'static [u8; 32], &'static [u8]> = 
 /// Every write that changes a record's `expires_at` moves its entry in the same write
 /// transaction, so the index holds exactly one entry per record.
 pub const EXPIRY: TableDefinition<'static, (i64, [u8; 32]), ()> = TableDefinition::new("idem_expiry");
+
+/// The journal of resumable handlers (steps, intents): (record id, entry name) -> value
+/// bytes. Entries live and die with their record: the sweep that removes a record and the
+/// claim that replaces an expired one remove its entries in the same write transaction.
+pub const JOURNAL: TableDefinition<'static, (&'static [u8; 32], &'static str), &'static [u8]> =
+    TableDefinition::new("idem_journal");
 
 /// How commits reach the disk.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -235,6 +242,7 @@ impl RedbStore {
         let txn = db.begin_write()?;
         txn.open_table(RECORDS).map_err(|source| RedbStoreError::Table { table: "idem_records", source })?;
         txn.open_table(EXPIRY).map_err(|source| RedbStoreError::Table { table: "idem_expiry", source })?;
+        txn.open_table(JOURNAL).map_err(|source| RedbStoreError::Table { table: "idem_journal", source })?;
         txn.commit()?;
 
         let counters = Arc::new(Counters::default());
@@ -292,14 +300,25 @@ impl RedbStore {
     }
 }
 
-/// Reads and decodes one record in its own read transaction (blocking).
-fn read_record(db: &Database, id: RecordId) -> Result<Option<Record>, StoreError> {
-    let txn = db.begin_read().map_err(RedbStoreError::from)?;
+/// Reads and decodes one record (blocking).
+fn read_record(txn: &ReadTransaction, id: RecordId) -> Result<Option<Record>, StoreError> {
     let table = txn.open_table(RECORDS).map_err(|source| RedbStoreError::Table { table: "idem_records", source })?;
     let Some(value) = table.get(&id.0).map_err(RedbStoreError::from)? else {
         return Ok(None);
     };
     codec::decode(value.value()).map(Some).map_err(|source| StoreError::Corrupt { id: Some(id), source })
+}
+
+/// Reads a journal entry and its record in one read transaction (blocking).
+fn read_journal(
+    txn: &ReadTransaction,
+    id: RecordId,
+    name: &str,
+) -> Result<(Option<Record>, Option<Vec<u8>>), StoreError> {
+    let record = read_record(txn, id)?;
+    let table = txn.open_table(JOURNAL).map_err(|source| RedbStoreError::Table { table: "idem_journal", source })?;
+    let value = table.get((&id.0, name)).map_err(RedbStoreError::from)?;
+    Ok((record, value.map(|v| v.value().to_vec())))
 }
 
 #[async_trait]
@@ -328,7 +347,9 @@ impl Store for RedbStore {
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
         let db = Arc::clone(&self.inner.db);
         let record =
-            tokio::task::spawn_blocking(move || read_record(&db, id)).await.map_err(RedbStoreError::Join)??;
+            tokio::task::spawn_blocking(move || read_record(&db.begin_read().map_err(RedbStoreError::from)?, id))
+                .await
+                .map_err(RedbStoreError::Join)??;
         let now = self.inner.clock.now();
         Ok(record.filter(|r| !r.is_expired(now)))
     }
@@ -338,6 +359,31 @@ impl Store for RedbStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new()
+        Capabilities::new().with_journal(true)
+    }
+
+    async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        let name = name.to_owned();
+        self.submit(|reply| Op::JournalPut { id, token, name, value, overwrite, reply }).await
+    }
+
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let db = Arc::clone(&self.inner.db);
+        let name = name.to_owned();
+        let (record, value) = tokio::task::spawn_blocking(move || {
+            read_journal(&db.begin_read().map_err(RedbStoreError::from)?, id, &name)
+        })
+        .await
+        .map_err(RedbStoreError::Join)??;
+        // The entries of an expired (not yet swept) record are gone, as the record is.
+        let now = self.inner.clock.now();
+        Ok(value.filter(|_| record.is_some_and(|r| !r.is_expired(now))))
     }
 }

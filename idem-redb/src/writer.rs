@@ -21,6 +21,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
 use idem_core::codec;
+use idem_core::store::JournalWrite;
 use idem_core::transition;
 use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, FencingToken, ReclaimOutcome, ReclaimRequest, Record, RecordId, StoreError,
@@ -30,18 +31,44 @@ use redb::{Database, ReadableTable, WriteTransaction};
 use tokio::sync::oneshot;
 
 use crate::error::RedbStoreError;
-use crate::store::{Counters, Durability, EXPIRY, Linger, RECORDS, RedbConfig};
+use crate::store::{Counters, Durability, EXPIRY, JOURNAL, Linger, RECORDS, RedbConfig};
 
 /// Where a caller waits for its outcome.
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 
 /// One write operation and its caller.
 pub(crate) enum Op {
-    Claim { req: ClaimRequest, reply: Reply<ClaimOutcome> },
-    Reclaim { req: ReclaimRequest, reply: Reply<ReclaimOutcome> },
-    Complete { id: RecordId, token: FencingToken, response: StoredResponse, reply: Reply<Record> },
-    Fail { id: RecordId, token: FencingToken, reply: Reply<Record> },
-    Sweep { limit: usize, reply: Reply<SweepOutcome> },
+    Claim {
+        req: ClaimRequest,
+        reply: Reply<ClaimOutcome>,
+    },
+    Reclaim {
+        req: ReclaimRequest,
+        reply: Reply<ReclaimOutcome>,
+    },
+    Complete {
+        id: RecordId,
+        token: FencingToken,
+        response: StoredResponse,
+        reply: Reply<Record>,
+    },
+    Fail {
+        id: RecordId,
+        token: FencingToken,
+        reply: Reply<Record>,
+    },
+    Sweep {
+        limit: usize,
+        reply: Reply<SweepOutcome>,
+    },
+    JournalPut {
+        id: RecordId,
+        token: FencingToken,
+        name: String,
+        value: Vec<u8>,
+        overwrite: bool,
+        reply: Reply<JournalWrite>,
+    },
 }
 
 /// A caller to answer with an error.
@@ -50,6 +77,7 @@ enum Caller {
     Reclaim(Reply<ReclaimOutcome>),
     Record(Reply<Record>),
     Sweep(Reply<SweepOutcome>),
+    Journal(Reply<JournalWrite>),
 }
 
 impl Caller {
@@ -60,6 +88,7 @@ impl Caller {
             Caller::Reclaim(r) => r.send(Err(e)).map_err(drop),
             Caller::Record(r) => r.send(Err(e)).map_err(drop),
             Caller::Sweep(r) => r.send(Err(e)).map_err(drop),
+            Caller::Journal(r) => r.send(Err(e)).map_err(drop),
         };
     }
 }
@@ -70,6 +99,7 @@ enum Done {
     Reclaim(Reply<ReclaimOutcome>, Result<ReclaimOutcome, StoreError>),
     Record(Reply<Record>, Result<Record, StoreError>),
     Sweep(Reply<SweepOutcome>, Result<SweepOutcome, StoreError>),
+    Journal(Reply<JournalWrite>, Result<JournalWrite, StoreError>),
 }
 
 impl Done {
@@ -79,6 +109,7 @@ impl Done {
             Done::Reclaim(r, v) => r.send(v).map_err(drop),
             Done::Record(r, v) => r.send(v).map_err(drop),
             Done::Sweep(r, v) => r.send(v).map_err(drop),
+            Done::Journal(r, v) => r.send(v).map_err(drop),
         };
     }
 
@@ -88,6 +119,7 @@ impl Done {
             Done::Reclaim(r, _) => Caller::Reclaim(r),
             Done::Record(r, _) => Caller::Record(r),
             Done::Sweep(r, _) => Caller::Sweep(r),
+            Done::Journal(r, _) => Caller::Journal(r),
         }
     }
 }
@@ -99,6 +131,7 @@ impl Op {
             Op::Reclaim { reply, .. } => Caller::Reclaim(reply),
             Op::Complete { reply, .. } | Op::Fail { reply, .. } => Caller::Record(reply),
             Op::Sweep { reply, .. } => Caller::Sweep(reply),
+            Op::JournalPut { reply, .. } => Caller::Journal(reply),
         }
     }
 
@@ -126,6 +159,12 @@ impl Op {
                 Ok(v) => Ok(Done::Sweep(reply, Ok(v))),
                 Err(e) => Err((Caller::Sweep(reply), e)),
             },
+            Op::JournalPut { id, token, name, value, overwrite, reply } => {
+                match t.journal_put(id, token, &name, &value, overwrite, now) {
+                    Ok(v) => Ok(Done::Journal(reply, v)),
+                    Err(e) => Err((Caller::Journal(reply), e)),
+                }
+            }
         }
     }
 }
@@ -133,10 +172,11 @@ impl Op {
 /// Outer `Err`: the transaction failed. Inner `Err`: this operation's own outcome.
 type Applied<T> = Result<Result<T, StoreError>, RedbStoreError>;
 
-/// The store's two tables, open in one write transaction.
+/// The store's tables, open in one write transaction.
 struct Tables<'txn> {
     records: redb::Table<'txn, &'static [u8; 32], &'static [u8]>,
     expiry: redb::Table<'txn, (i64, [u8; 32]), ()>,
+    journal: redb::Table<'txn, (&'static [u8; 32], &'static str), &'static [u8]>,
 }
 
 impl<'txn> Tables<'txn> {
@@ -144,7 +184,9 @@ impl<'txn> Tables<'txn> {
         let records =
             txn.open_table(RECORDS).map_err(|source| RedbStoreError::Table { table: "idem_records", source })?;
         let expiry = txn.open_table(EXPIRY).map_err(|source| RedbStoreError::Table { table: "idem_expiry", source })?;
-        Ok(Self { records, expiry })
+        let journal =
+            txn.open_table(JOURNAL).map_err(|source| RedbStoreError::Table { table: "idem_journal", source })?;
+        Ok(Self { records, expiry, journal })
     }
 
     fn read(&self, id: RecordId) -> Applied<Option<Record>> {
@@ -180,10 +222,14 @@ impl<'txn> Tables<'txn> {
             Err(e) => return Ok(Err(e)),
         };
         let (write, outcome) = transition::claim(current.as_ref(), req, now);
-        if let Some(new) = write
-            && let Err(e) = self.write(current.as_ref(), &new)?
-        {
-            return Ok(Err(e));
+        if let Some(new) = write {
+            if let Err(e) = self.write(current.as_ref(), &new)? {
+                return Ok(Err(e));
+            }
+            // A claim that replaces an expired record starts with an empty journal.
+            if current.is_some() {
+                self.drop_journal(new.id)?;
+            }
         }
         Ok(Ok(outcome))
     }
@@ -232,6 +278,51 @@ impl<'txn> Tables<'txn> {
         Ok(self.write(current.as_ref(), &new)?.map(|()| new))
     }
 
+    /// Removes every journal entry of record `id` (a range scan from `(id, "")`).
+    fn drop_journal(&mut self, id: RecordId) -> Result<(), RedbStoreError> {
+        let mut names = Vec::new();
+        for entry in self.journal.range((&id.0, "")..)? {
+            let (key, _) = entry?;
+            let (of, name) = key.value();
+            if of != &id.0 {
+                break;
+            }
+            names.push(name.to_owned());
+        }
+        for name in &names {
+            self.journal.remove((&id.0, name.as_str()))?;
+        }
+        Ok(())
+    }
+
+    /// Writes a journal entry, fenced on the record's current in-flight claim.
+    fn journal_put(
+        &mut self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: &[u8],
+        overwrite: bool,
+        now: UnixMillis,
+    ) -> Applied<JournalWrite> {
+        let current = match self.read(id)? {
+            Ok(c) => c,
+            Err(e) => return Ok(Err(e)),
+        };
+        if let Err(lost) = transition::check_journal_owner(current.as_ref(), id, token, now) {
+            return Ok(Err(StoreError::lease_lost(id, lost)));
+        }
+        if !overwrite && let Some(existing) = self.journal.get((&id.0, name))? {
+            return Ok(Ok(JournalWrite::Exists(existing.value().to_vec())));
+        }
+        match self.journal.insert((&id.0, name), value) {
+            Ok(_) => Ok(Ok(JournalWrite::Written)),
+            // Refused before anything was written: only this caller fails.
+            Err(e @ redb::StorageError::ValueTooLarge(_)) => Ok(Err(RedbStoreError::Storage(e).into())),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Deletes up to `limit` records with `expires_at <= now`, found by a range scan of the
     /// expiry index (never a scan of the records). The index is the authority here: a
     /// record is not decoded before it is deleted, so a corrupt record still leaves once
@@ -247,6 +338,7 @@ impl<'txn> Tables<'txn> {
         for (expires_at, id) in &expired {
             self.expiry.remove((*expires_at, *id))?;
             self.records.remove(id)?;
+            self.drop_journal(RecordId(*id))?;
         }
         Ok(SweepOutcome { removed: expired.len() as u64, more })
     }

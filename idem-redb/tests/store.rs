@@ -8,11 +8,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use idem_core::codec::{self, CodecError};
+use idem_core::store::JournalWrite;
 use idem_core::{
     ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, ReclaimOutcome,
     ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse, UnixMillis,
 };
-use idem_redb::store::{EXPIRY, RECORDS};
+use idem_redb::store::{EXPIRY, JOURNAL, RECORDS};
 use idem_redb::{Durability, Linger, RedbConfig, RedbStore};
 use redb::{ReadableDatabase, ReadableTable};
 
@@ -76,9 +77,19 @@ fn records_and_index(store: &RedbStore) -> (ExpirySet, ExpirySet) {
     (from_records, index)
 }
 
+/// Record ids that own at least one journal entry.
+fn journal_owners(store: &RedbStore) -> BTreeSet<[u8; 32]> {
+    let db = store.database();
+    let txn = db.begin_read().expect("read txn");
+    let journal = txn.open_table(JOURNAL).expect("journal");
+    journal.iter().expect("iter").map(|e| *e.expect("entry").0.value().0).collect()
+}
+
 fn assert_index_consistent(store: &RedbStore) -> usize {
     let (records, index) = records_and_index(store);
     assert_eq!(records, index, "the expiry index holds exactly one entry per record, at its expires_at");
+    let ids: BTreeSet<[u8; 32]> = records.iter().map(|(_, id)| *id).collect();
+    assert!(journal_owners(store).is_subset(&ids), "no journal entry outlives its record");
     records.len()
 }
 
@@ -234,6 +245,62 @@ async fn claim_over_expired_record_moves_the_index_entry() {
     let (_, index) = records_and_index(&store);
     assert_eq!(index, BTreeSet::from([(new.expires_at.0, old.id.0)]));
     assert_eq!(store.sweep(10).await.expect("sweep").removed, 0, "the new claim is live");
+}
+
+// ---------------------------------------------------------------------------------------
+// Journal
+// ---------------------------------------------------------------------------------------
+
+/// Journal entries are fenced on the current claim, first write wins unless overwriting,
+/// survive a reclaim and a reopen, and leave with their record (sweep, or a claim that
+/// replaces the expired record).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn journal_lives_and_dies_with_its_record() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.redb");
+    let clock = clock();
+    let store = RedbStore::open(&path, config(&clock)).expect("open");
+    let first = must_claim(&store, req("k", b"{}", RETENTION)).await;
+    let id = first.id;
+    let put = |token, value: &[u8], overwrite| store.journal_put(id, token, "step:charge", value.to_vec(), overwrite);
+    assert_eq!(put(first.token, b"ch_1", false).await.expect("put"), JournalWrite::Written);
+    assert_eq!(put(first.token, b"ch_2", false).await.expect("put"), JournalWrite::Exists(b"ch_1".to_vec()));
+    assert_eq!(put(first.token, b"ch_3", true).await.expect("put"), JournalWrite::Written);
+    assert!(put(FencingToken(9), b"x", true).await.expect_err("stale token").is_lease_lost());
+
+    // A reclaim (after a failure) keeps the journal; the old token is fenced out.
+    store.fail(id, first.token).await.expect("fail");
+    let reclaim = ReclaimRequest {
+        id,
+        expected: first.token,
+        fingerprint: first.fingerprint,
+        lease_ttl: LEASE,
+        retention: RETENTION,
+    };
+    let ReclaimOutcome::Reclaimed(second) = store.reclaim(reclaim).await.expect("reclaim") else {
+        panic!("reclaimable")
+    };
+    assert!(put(first.token, b"late", true).await.expect_err("old owner").is_lease_lost());
+    assert_eq!(store.journal_get(id, "step:charge").await.expect("get"), Some(b"ch_3".to_vec()));
+    drop(store);
+
+    let store = RedbStore::open(&path, config(&clock)).expect("reopen");
+    assert_eq!(store.journal_get(id, "step:charge").await.expect("get"), Some(b"ch_3".to_vec()));
+    assert_eq!(store.journal_get(id, "step:other").await.expect("get"), None);
+
+    // Expired: gone for readers at once; a new claim starts with an empty journal.
+    clock.set(second.expires_at);
+    assert_eq!(store.journal_get(id, "step:charge").await.expect("get"), None);
+    let third = must_claim(&store, req("k", b"{}", RETENTION)).await;
+    assert_eq!(store.journal_get(id, "step:charge").await.expect("get"), None);
+    store.journal_put(id, third.token, "step:charge", b"ch_9".to_vec(), false).await.expect("put");
+    assert_index_consistent(&store);
+
+    // The sweep removes the record and its entries together.
+    clock.set(third.expires_at);
+    assert_eq!(store.sweep(10).await.expect("sweep").removed, 1);
+    assert!(journal_owners(&store).is_empty());
+    assert_eq!(assert_index_consistent(&store), 0);
 }
 
 // ---------------------------------------------------------------------------------------
