@@ -83,6 +83,9 @@
 //! decode is [`idem_core::StoreError::Corrupt`]. It is never silently overwritten.
 //!
 //! # Operating it
+//! - Needs Redis 7.0+ or Valkey 7.2+: the scripts carry Redis 7 flags (`#!lua`), which make
+//!   the server refuse any key outside the record's slot, refuse writes up front on a
+//!   replica or when memory is full, and let the read-only scripts run anyway.
 //! - Run with `maxmemory-policy noeviction`. With an evicting policy and a `maxmemory`
 //!   limit, [`RedisStore::connect`] refuses to start by default. Where `CONFIG` is disabled
 //!   (many managed services), it logs a warning and starts.

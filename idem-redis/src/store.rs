@@ -193,9 +193,21 @@ struct Scripts {
     journal_get: Script,
 }
 
+/// A script: its shebang line (Redis 7 script flags), `common.lua`, then the body.
+///
+/// The shebang makes Redis enforce what the layout promises: a script may only touch keys
+/// in the slot of its declared key (on a Cluster node), a write script is refused up front
+/// on a replica (`READONLY`) and when memory is full (`OOM`), and read-only scripts declare
+/// `no-writes`.
 macro_rules! script {
-    ($file:literal) => {
-        Script::new(concat!(include_str!("scripts/common.lua"), "\n", include_str!(concat!("scripts/", $file))))
+    ($shebang:literal, $file:literal) => {
+        Script::new(concat!(
+            $shebang,
+            "\n",
+            include_str!("scripts/common.lua"),
+            "\n",
+            include_str!(concat!("scripts/", $file))
+        ))
     };
 }
 
@@ -203,13 +215,13 @@ macro_rules! script {
 /// `EVALSHA`, and on `NOSCRIPT` (a restarted or failed-over server, a `SCRIPT FLUSH`) the
 /// store loads the source and sends the call again (`RedisStore::run`).
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    claim: script!("claim.lua"),
-    reclaim: script!("reclaim.lua"),
-    complete: script!("complete.lua"),
-    fail: script!("fail.lua"),
-    get: script!("get.lua"),
-    journal_put: script!("journal_put.lua"),
-    journal_get: script!("journal_get.lua"),
+    claim: script!("#!lua", "claim.lua"),
+    reclaim: script!("#!lua", "reclaim.lua"),
+    complete: script!("#!lua", "complete.lua"),
+    fail: script!("#!lua", "fail.lua"),
+    get: script!("#!lua flags=no-writes", "get.lua"),
+    journal_put: script!("#!lua", "journal_put.lua"),
+    journal_get: script!("#!lua flags=no-writes", "journal_get.lua"),
 });
 
 /// Idempotency records in Redis (or Valkey): one hash per record, claim/reclaim/complete/

@@ -691,3 +691,50 @@ async fn journal_lives_and_dies_with_its_record() {
     assert!(again.token > n.token);
     assert_eq!(store.journal_get(r.id, "charge").await.expect("get"), None, "a new claim starts with no entries");
 }
+
+/// On a Redis Cluster node every script touches only its declared key (a cross-slot or
+/// undeclared key would be refused), and the record key hashes by its `{id}` tag. Runs the
+/// whole life of a record on a private single-node cluster that owns all 16384 slots.
+#[tokio::test]
+async fn cluster_node_accepts_every_script() {
+    let dir = std::env::temp_dir().join(format!("idem-redis-cluster-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let dir_s = dir.to_str().expect("utf-8 temp dir").to_owned();
+    let server = common::PrivateRedis::start(&["--cluster-enabled", "yes", "--dir", &dir_s]).await;
+    let mut admin = server.admin().await;
+    let _: () =
+        redis::cmd("CLUSTER").arg("ADDSLOTSRANGE").arg(0).arg(16383).query_async(&mut admin).await.expect("ADDSLOTS");
+    for _ in 0..200 {
+        let info: String = redis::cmd("CLUSTER").arg("INFO").query_async(&mut admin).await.expect("CLUSTER INFO");
+        if info.contains("cluster_state:ok") {
+            break;
+        }
+        // Waiting for the node to declare the cluster up: no clock is involved.
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let clock = ManualClock::starting_now();
+    let store = RedisStore::connect(&server.url, common::test_config("idem:", Arc::new(clock.clone())))
+        .await
+        .expect("connect to the cluster node");
+    let r = claim(&store, req("p", "k", b"b")).await;
+    let key = store.record_key(r.id);
+    let slot: u16 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(&key).query_async(&mut admin).await.expect("KEYSLOT");
+    let tag_slot: u16 =
+        redis::cmd("CLUSTER").arg("KEYSLOT").arg(r.id.to_hex()).query_async(&mut admin).await.expect("KEYSLOT");
+    assert_eq!(slot, tag_slot, "the record id is the hash tag");
+    store.journal_put(r.id, r.token, "step", b"v".to_vec(), false).await.expect("journal_put");
+    let f = store.fail(r.id, r.token).await.expect("fail");
+    let rr = ReclaimRequest {
+        id: r.id,
+        expected: f.token,
+        fingerprint: f.fingerprint,
+        lease_ttl: LEASE,
+        retention: RETENTION,
+    };
+    let ReclaimOutcome::Reclaimed(n) = store.reclaim(rr).await.expect("reclaim") else { panic!("reclaimable") };
+    let done = store.complete(n.id, n.token, StoredResponse::new(201, vec![], b"ok".to_vec())).await.expect("complete");
+    assert_eq!(store.get(r.id).await.expect("get"), Some(done));
+    assert_eq!(store.journal_get(r.id, "step").await.expect("journal_get"), Some(b"v".to_vec()));
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}

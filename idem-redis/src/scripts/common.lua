@@ -1,15 +1,13 @@
--- Shared prelude of every idem script (the Rust side prepends it to each script body).
+-- Shared prelude of every idem script (the Rust side puts it between the shebang line and
+-- each script body).
 --
 -- Record layout: one hash per record at KEYS[1] = <prefix>{<record id hex>}, with the fields
 -- listed in FIELDS. Every integer (token, timestamps in ms since the Unix epoch) is kept as
 -- a canonical decimal string and handled as one: Lua numbers are doubles and lose precision
 -- past 2^53, while tokens and timestamps are 64-bit and saturate like the Rust model.
 
--- Redis < 7 replicates scripts verbatim unless told otherwise, and then refuses writes
--- after the non-deterministic TIME; Redis 7 always replicates effects and ignores this.
-if redis.replicate_commands then
-  redis.replicate_commands()
-end
+-- Needs Redis 7 (or Valkey 7.2): the shebang line carries script flags, and scripts
+-- replicate their effects, so reading TIME before a write is allowed.
 
 local FIELDS = {
   'v', 'state', 'token', 'fingerprint', 'principal', 'endpoint', 'key',
