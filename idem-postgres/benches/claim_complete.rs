@@ -12,8 +12,11 @@
 //! path takes a pooled connection per statement (as the library does, since the handler
 //! runs between the two), sends the store's own `Statements::claim` / `Statements::complete`
 //! text with hand-built parameters and a pre-encoded response, and reads only the token.
-//! Modes alternate in rounds so that drift on the server (autovacuum, checkpoints) hits
-//! both. Runs in its own `idem_bench_*` schema, dropped at the end.
+//! Modes alternate in short paired rounds (which goes first alternates too) so that drift
+//! on the server and load on the machine (autovacuum, checkpoints, other processes) hit
+//! both; the ratio reported is the median of the per-round ratios, the throughputs are
+//! means. `IDEM_BENCH_SECS` (default 1.5) is the length of one mode's turn in a round,
+//! `IDEM_BENCH_ROUNDS` (default 6) the number of rounds. Runs in its own `idem_bench_*` schema, dropped at the end.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,7 +27,6 @@ use idem_core::{
 };
 use idem_postgres::{PostgresConfig, PostgresStore, encode_response};
 
-const ROUNDS: usize = 2;
 const LEASE: Duration = Duration::from_secs(300);
 const RETENTION: Duration = Duration::from_secs(86_400);
 
@@ -120,7 +122,8 @@ async fn run(fx: &Arc<Fixture>, mode: Mode, callers: usize, secs: f64) -> f64 {
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
     let url = std::env::var("IDEM_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let secs: f64 = std::env::var("IDEM_BENCH_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(3.0);
+    let secs: f64 = std::env::var("IDEM_BENCH_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(1.5);
+    let rounds: usize = std::env::var("IDEM_BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(6).max(1);
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
     let schema = format!("idem_bench_{}_{}", now.as_secs(), now.subsec_nanos());
     let store =
@@ -148,19 +151,30 @@ async fn main() {
         response,
     });
 
-    println!("idem-postgres claim+complete throughput ({secs} s x {ROUNDS} rounds per cell, schema {schema})");
-    println!("{:>8} {:>14} {:>14} {:>8}", "callers", "library/s", "by hand/s", "ratio");
+    println!("idem-postgres claim+complete throughput ({rounds} paired rounds of {secs} s per mode, schema {schema})");
+    println!("{:>8} {:>14} {:>14} {:>14}", "callers", "library/s", "by hand/s", "ratio (median)");
     for callers in [1usize, 32] {
         // Warm up: opens the pool's connections and prepares the statements on each.
         run(&fx, Mode::Library, callers, 0.5).await;
         run(&fx, Mode::ByHand, callers, 0.5).await;
-        let (mut lib, mut hand) = (0.0, 0.0);
-        for _ in 0..ROUNDS {
-            lib += run(&fx, Mode::Library, callers, secs).await;
-            hand += run(&fx, Mode::ByHand, callers, secs).await;
+        let (mut lib_sum, mut hand_sum, mut ratios) = (0.0, 0.0, Vec::new());
+        for round in 0..rounds {
+            let (lib, hand) = if round % 2 == 0 {
+                let lib = run(&fx, Mode::Library, callers, secs).await;
+                (lib, run(&fx, Mode::ByHand, callers, secs).await)
+            } else {
+                let hand = run(&fx, Mode::ByHand, callers, secs).await;
+                (run(&fx, Mode::Library, callers, secs).await, hand)
+            };
+            lib_sum += lib;
+            hand_sum += hand;
+            ratios.push(lib / hand);
         }
-        let (lib, hand) = (lib / ROUNDS as f64, hand / ROUNDS as f64);
-        println!("{callers:>8} {lib:>14.0} {hand:>14.0} {:>7.3}x", lib / hand);
+        ratios.sort_by(f64::total_cmp);
+        let median =
+            if rounds % 2 == 1 { ratios[rounds / 2] } else { (ratios[rounds / 2 - 1] + ratios[rounds / 2]) / 2.0 };
+        let n = rounds as f64;
+        println!("{callers:>8} {:>14.0} {:>14.0} {median:>13.3}x", lib_sum / n, hand_sum / n);
     }
 
     let client = store.pool().get().await.expect("pool");

@@ -143,7 +143,8 @@ pub struct Statements {
     /// retention ms, `$6` now. Returns the record columns and `now`, or no row.
     pub reclaim: String,
     /// Complete. `$1` id, `$2` token, `$3` encoded response, `$4` now. Returns the record
-    /// columns, or no row.
+    /// columns with `response` as `NULL` (the caller has it; a large body is not sent back
+    /// over the wire), or no row.
     pub complete: String,
     /// Fail. `$1` id, `$2` token, `$3` now. Returns the record columns, or no row.
     pub fail: String,
@@ -237,7 +238,7 @@ FROM n
 WHERE t.id = $1::bytea AND t.token = $2::bigint AND t.state = 'in_flight' AND n.ms < t.expires_at
 RETURNING {tcols}",
             now4 = now("$4"),
-            tcols = cols("t."),
+            tcols = cols("t.").replace("t.response", "NULL::bytea AS response"),
         );
         let fail = format!(
             "WITH n AS (SELECT {now3} AS ms)
@@ -410,7 +411,7 @@ impl PostgresStore {
         let row = row.ok_or_else(|| corrupt(Some(id), postcard::Error::DeserializeUnexpectedEnd))?;
         let now = UnixMillis(row.try_get(COLUMNS.len()).map_err(|e| store_pg(OP, e))?);
         let present: Option<&[u8]> = row.try_get(0).map_err(|e| store_pg(OP, e))?;
-        let record = if present.is_some() { Some(record_at(&row, 0)?) } else { None };
+        let record = if present.is_some() { Some(record_at(&row, 0, None)?) } else { None };
         Ok((record, now))
     }
 
@@ -462,7 +463,9 @@ fn corrupt(id: Option<RecordId>, why: postcard::Error) -> StoreError {
 
 /// Reads the record whose columns start at `base` (in [`COLUMNS`] order). Values the
 /// table's constraints should have excluded are reported as [`StoreError::Corrupt`].
-fn record_at(row: &tokio_postgres::Row, base: usize) -> Result<Record, StoreError> {
+/// `written` is the response this call just stored (complete), used instead of decoding
+/// the column back.
+fn record_at(row: &tokio_postgres::Row, base: usize, written: Option<StoredResponse>) -> Result<Record, StoreError> {
     fn get<'a, T: tokio_postgres::types::FromSql<'a>>(
         row: &'a tokio_postgres::Row,
         idx: usize,
@@ -488,9 +491,10 @@ fn record_at(row: &tokio_postgres::Row, base: usize) -> Result<Record, StoreErro
         _ => return Err(bad(postcard::Error::DeserializeBadEnum)),
     };
     let token = u64::try_from(get::<i64>(row, base + 6)?).map_err(|_| bad(postcard::Error::DeserializeBadVarint))?;
-    let response = match get::<Option<&[u8]>>(row, base + 7)? {
-        Some(b) => Some(decode_response(b).map_err(|source| StoreError::Corrupt { id: Some(id), source })?),
-        None => None,
+    let response = match (written, get::<Option<&[u8]>>(row, base + 7)?) {
+        (Some(written), _) => Some(written),
+        (None, Some(b)) => Some(decode_response(b).map_err(|source| StoreError::Corrupt { id: Some(id), source })?),
+        (None, None) => None,
     };
     if response.is_some() != (state == RecordState::Completed) {
         return Err(bad(postcard::Error::DeserializeBadOption));
@@ -554,7 +558,7 @@ impl Store for PostgresStore {
         // An upsert with RETURNING always yields its row.
         let row = row.ok_or_else(|| corrupt(Some(req.id), postcard::Error::DeserializeUnexpectedEnd))?;
         let claimed: bool = row.try_get(1).map_err(|e| store_pg(OP, e))?;
-        let record = record_at(&row, 2)?;
+        let record = record_at(&row, 2, None)?;
         if claimed {
             Ok(ClaimOutcome::Claimed(record))
         } else {
@@ -583,7 +587,7 @@ impl Store for PostgresStore {
             )
             .await?;
         match row {
-            Some(row) => Ok(ReclaimOutcome::Reclaimed(record_at(&row, 0)?)),
+            Some(row) => Ok(ReclaimOutcome::Reclaimed(record_at(&row, 0, None)?)),
             None => {
                 let (current, now) = self.read(client, req.id).await?;
                 Ok(ReclaimOutcome::Conflict { current, now })
@@ -604,7 +608,7 @@ impl Store for PostgresStore {
         let (client, row) =
             self.run(client, OP, &self.inner.sql.complete, &[&&id.0[..], &token_param(token), &bytes, &now]).await?;
         match row {
-            Some(row) => record_at(&row, 0),
+            Some(row) => record_at(&row, 0, Some(response)),
             None => Err(self.lease_lost(client, id, token).await),
         }
     }
@@ -616,7 +620,7 @@ impl Store for PostgresStore {
         let (client, row) =
             self.run(client, OP, &self.inner.sql.fail, &[&&id.0[..], &token_param(token), &now]).await?;
         match row {
-            Some(row) => record_at(&row, 0),
+            Some(row) => record_at(&row, 0, None),
             None => Err(self.lease_lost(client, id, token).await),
         }
     }
