@@ -1,0 +1,183 @@
+//! Group commit against the reference model: random operations sent as full batches (each
+//! batch one write transaction), with the clock moved between batches. Every outcome, in
+//! arrival order, and the final state must equal the [`Model`] applying the same
+//! operations one by one: a batch behaves exactly like its operations run in sequence.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::Clock;
+use idem_core::store::JournalWrite;
+use idem_core::{
+    ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, Model, ReclaimRequest, RecordId,
+    Scope, Store, StoredResponse, UnixMillis,
+};
+use idem_redb::{Linger, RedbConfig, RedbStore};
+use proptest::prelude::*;
+
+/// Operations per batch; the store closes a batch only when it is full.
+const BATCH: usize = 6;
+const KEYS: usize = 3;
+const NAMES: [&str; 2] = ["step:a", "step:b"];
+const LEASE: Duration = Duration::from_secs(5);
+const RETENTION: Duration = Duration::from_secs(60);
+
+#[derive(Clone, Debug)]
+enum Op {
+    Claim { key: usize, body: u8 },
+    Reclaim { key: usize, expected: u64, body: u8 },
+    Complete { key: usize, token: u64 },
+    Fail { key: usize, token: u64 },
+    Sweep { limit: usize },
+    JournalPut { key: usize, token: u64, name: usize, overwrite: bool },
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    /// Move the clock by this many ms.
+    Advance(i64),
+    /// Send these operations at once, in this order.
+    Batch(Vec<Op>),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let key = 0..KEYS;
+    let token = 1..4u64;
+    prop_oneof![
+        3 => (key.clone(), 0..2u8).prop_map(|(key, body)| Op::Claim { key, body }),
+        2 => (key.clone(), token.clone(), 0..2u8).prop_map(|(key, expected, body)| Op::Reclaim { key, expected, body }),
+        2 => (key.clone(), token.clone()).prop_map(|(key, token)| Op::Complete { key, token }),
+        2 => (key.clone(), token.clone()).prop_map(|(key, token)| Op::Fail { key, token }),
+        1 => (0..3usize).prop_map(|limit| Op::Sweep { limit }),
+        2 => (key, token, 0..NAMES.len(), any::<bool>())
+            .prop_map(|(key, token, name, overwrite)| Op::JournalPut { key, token, name, overwrite }),
+    ]
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        1 => prop::sample::select(vec![1, 4_999, 5_000, 30_000, 60_000]).prop_map(Step::Advance),
+        3 => prop::collection::vec(op(), BATCH).prop_map(Step::Batch),
+    ]
+}
+
+fn scope() -> Scope {
+    Scope::new("batch-model", Endpoint::new("POST", "/m")).expect("scope")
+}
+
+fn key(k: usize) -> IdempotencyKey {
+    IdempotencyKey::parse(format!("k{k}").as_bytes()).expect("key")
+}
+
+fn id(k: usize) -> RecordId {
+    scope().record_id(&key(k))
+}
+
+fn claim_req(k: usize, body: u8) -> ClaimRequest {
+    ClaimRequest::new(scope(), key(k), Fingerprint::of_bytes(&[body]), LEASE, RETENTION)
+}
+
+fn reclaim_req(k: usize, expected: u64, body: u8) -> ReclaimRequest {
+    ReclaimRequest {
+        id: id(k),
+        expected: FencingToken(expected),
+        fingerprint: Fingerprint::of_bytes(&[body]),
+        lease_ttl: LEASE,
+        retention: RETENTION,
+    }
+}
+
+fn response(token: u64) -> StoredResponse {
+    StoredResponse::new(200, vec![("x-token".into(), token.to_string().into_bytes())], vec![1, 2, 3])
+}
+
+/// What the model says, in the same shape as the store's answers.
+fn model_apply(model: &mut Model, op: &Op, now: UnixMillis) -> String {
+    match op {
+        Op::Claim { key, body } => format!("{:?}", Ok::<_, ()>(model.claim(&claim_req(*key, *body), now))),
+        Op::Reclaim { key, expected, body } => {
+            format!("{:?}", Ok::<_, ()>(model.reclaim(&reclaim_req(*key, *expected, *body), now)))
+        }
+        Op::Complete { key, token } => {
+            format!("{:?}", model.complete(id(*key), FencingToken(*token), response(*token), now))
+        }
+        Op::Fail { key, token } => format!("{:?}", model.fail(id(*key), FencingToken(*token), now)),
+        Op::Sweep { limit } => format!("{:?}", Ok::<_, ()>(model.sweep(*limit, now))),
+        Op::JournalPut { key, token, name, overwrite } => format!(
+            "{:?}",
+            model.journal_put(id(*key), FencingToken(*token), NAMES[*name], vec![*token as u8], *overwrite, now)
+        ),
+    }
+}
+
+async fn store_apply(store: &RedbStore, op: Op) -> String {
+    fn show<T: std::fmt::Debug>(r: Result<T, idem_core::StoreError>) -> String {
+        match r {
+            Ok(v) => format!("{:?}", Ok::<_, ()>(v)),
+            Err(e) => format!("{:?}", Err::<(), _>(e)),
+        }
+    }
+    match op {
+        Op::Claim { key, body } => show(store.claim(claim_req(key, body)).await),
+        Op::Reclaim { key, expected, body } => show(store.reclaim(reclaim_req(key, expected, body)).await),
+        Op::Complete { key, token } => show(store.complete(id(key), FencingToken(token), response(token)).await),
+        Op::Fail { key, token } => show(store.fail(id(key), FencingToken(token)).await),
+        Op::Sweep { limit } => show(store.sweep(limit).await),
+        Op::JournalPut { key, token, name, overwrite } => show::<JournalWrite>(
+            store.journal_put(id(key), FencingToken(token), NAMES[name], vec![token as u8], overwrite).await,
+        ),
+    }
+}
+
+async fn check(steps: Vec<Step>) -> Result<(), TestCaseError> {
+    let clock = ManualClock::new(UnixMillis(1_800_000_000_000));
+    let file = tempfile::tempfile().expect("temporary file");
+    let db = redb::Database::builder()
+        .create_with_backend(redb::backends::FileBackend::new(file).expect("backend"))
+        .expect("database");
+    let config = RedbConfig::default()
+        .with_clock(Arc::new(clock.clone()))
+        .with_max_batch(BATCH)
+        .with_linger(Linger::Fixed(Duration::from_secs(60)));
+    let store = RedbStore::open_with(Arc::new(db), config).expect("store");
+    let mut model = Model::new();
+    let mut batches = 0;
+    for step in steps {
+        match step {
+            Step::Advance(ms) => clock.advance_ms(ms),
+            Step::Batch(ops) => {
+                batches += 1;
+                let now = clock.now();
+                let expected: Vec<String> = ops.iter().map(|op| model_apply(&mut model, op, now)).collect();
+                // join_all polls the futures in order, so the operations reach the writer in
+                // this order and fill exactly one batch.
+                let got = futures::future::join_all(ops.iter().cloned().map(|op| store_apply(&store, op))).await;
+                for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+                    prop_assert_eq!(g, e, "operation {} ({:?}) of batch {}", i, ops[i], batches);
+                }
+            }
+        }
+    }
+    prop_assert_eq!(store.batch_stats().batches, batches, "every batch was one write transaction");
+    let now = clock.now();
+    for k in 0..KEYS {
+        prop_assert_eq!(store.get(id(k)).await.expect("get"), model.get(id(k), now));
+        for name in NAMES {
+            prop_assert_eq!(
+                store.journal_get(id(k), name).await.expect("journal_get"),
+                model.journal_get(id(k), name, now)
+            );
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn batches_behave_like_their_operations_in_sequence(steps in prop::collection::vec(step(), 1..8)) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        runtime.block_on(check(steps))?;
+    }
+}
