@@ -57,8 +57,12 @@
 //! 4. Declare what the store offers in [`idem_core::Capabilities`]; the suite runs the
 //!    matching variant (for example "records vanish on their own" instead of "sweep
 //!    removes them") and prints a `variant:` line saying which one ran. Nothing is
-//!    skipped silently.
-//! 5. Add one file `tests/conformance.rs`:
+//!    skipped silently. If the store can run on the server's own clock, also implement
+//!    [`Backend::open_server_clock`]; the server-clock scenario then checks leases
+//!    against that clock.
+//! 5. Add dev-dependencies on `idem-conformance`, `async-trait` and `tokio` (features
+//!    `macros`, `rt-multi-thread`; the expanded tests are `#[tokio::test]`s), and one file
+//!    `tests/conformance.rs`:
 //!
 //! ```ignore
 //! struct MyBackend;
