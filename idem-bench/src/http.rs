@@ -15,7 +15,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use idem_core::{BoxError, MemoryStore, Store};
-use idem_http::IdempotencyLayer;
+use idem_http::{HandlerExecution, IdempotencyLayer};
 use idem_redb::{RedbConfig, RedbStore};
 
 /// Settings of one `http` row.
@@ -39,6 +39,14 @@ pub(crate) struct HttpArgs {
     /// wrk threads.
     #[arg(long, default_value_t = 1)]
     threads: u32,
+    /// Where the layer runs the handler after a claim: `detached` (the default: a spawned
+    /// task, so a client disconnect cannot cancel it) or `inline` (in the response future).
+    #[arg(long, value_enum, default_value = "detached")]
+    execution: Execution,
+    /// Only serve for this many seconds, printing both addresses (to look at the responses
+    /// with curl, or to load them with another generator); no wrk.
+    #[arg(long)]
+    serve_for: Option<u64>,
     /// Keys in the replay pool (mode `replay`), per wrk thread.
     #[arg(long, default_value_t = 1000)]
     pool: u32,
@@ -48,6 +56,12 @@ pub(crate) struct HttpArgs {
 enum HttpStore {
     Memory,
     Redb,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Execution {
+    Detached,
+    Inline,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -87,7 +101,12 @@ end
 
 fn router() -> Router {
     Router::new()
-        .route("/v1/workers", post(|| async { (StatusCode::CREATED, [("location", "/v1/workers/7")], r#"{"id":7}"#) }))
+        .route("/v1/workers", post(|body: axum::body::Bytes| async move {
+        // Reads the request body, as any real POST handler does (a bare handler that
+        // ignores it would skip hyper's body channel, which the layer must always read).
+        let _ = body;
+        (StatusCode::CREATED, [("location", "/v1/workers/7")], r#"{"id":7}"#)
+    }))
 }
 
 async fn serve(app: Router) -> Result<SocketAddr, BoxError> {
@@ -174,7 +193,16 @@ pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
         HttpStore::Redb => Arc::new(RedbStore::open(dir.path().join("http.redb"), RedbConfig::default())?),
     };
     let bare = serve(router()).await?;
-    let layered = serve(router().layer(IdempotencyLayer::new(store))).await?;
+    let execution = match args.execution {
+        Execution::Detached => HandlerExecution::Detached,
+        Execution::Inline => HandlerExecution::Inline,
+    };
+    let layered = serve(router().layer(IdempotencyLayer::new(store).with_handler_execution(execution))).await?;
+    if let Some(secs) = args.serve_for {
+        println!("bare http://{bare}/v1/workers layered http://{layered}/v1/workers");
+        tokio::time::sleep(std::time::Duration::from_secs(secs)).await;
+        return Ok(());
+    }
     let script = dir.path().join("keys.lua");
     std::fs::write(&script, SCRIPT)?;
     let mode = match args.mode {
@@ -252,8 +280,8 @@ pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
         bad,
     );
     println!(
-        "(wrk -t{} -c{}, {} x {slice} s per server, loopback; p50/p99 are the median over slices)",
-        args.threads, args.connections, rounds
+        "(wrk -t{} -c{}, {} x {slice} s per server, loopback, handler {:?}; p50/p99 are the median over slices)",
+        args.threads, args.connections, rounds, args.execution
     );
     Ok(())
 }
