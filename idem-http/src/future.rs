@@ -44,9 +44,11 @@ impl<B, E> fmt::Debug for ResponseFuture<B, E> {
 }
 
 /// Owns the duty to end a claim. Armed from the claim until `complete` or `fail` has been
-/// written; if it is dropped while armed (the handler panicked through it, or the request
-/// future was dropped because the client went away), it spawns the `fail` on the current
-/// tokio runtime so a retry can reclaim at once instead of waiting out the lease.
+/// written; if it is dropped while armed (the handler panicked through it; under
+/// `HandlerExecution::Inline` the request future was dropped because the client went away;
+/// under `Detached` the runtime cancelled the handler's task while shutting down), it
+/// spawns the `fail` on the current tokio runtime so a retry can reclaim at once instead of
+/// waiting out the lease.
 pub(crate) struct FailGuard {
     armed: Option<(Arc<dyn Store>, RecordId, FencingToken)>,
 }

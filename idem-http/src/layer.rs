@@ -44,6 +44,47 @@ pub enum MissingPrincipal {
     SkipIdempotency,
 }
 
+/// Where the handler runs once a request holds the claim (first claim or reclaim).
+///
+/// The choice decides what a client disconnect does to the operation. A server (hyper,
+/// axum) drops a request's response future when its client goes away; whatever that
+/// future owns is cancelled at its next await point.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HandlerExecution {
+    /// The handler call, the reading of its whole response body and the `complete` or
+    /// `fail` write run in a task of their own (`tokio::spawn` on the current runtime); the
+    /// response future only awaits that task (default).
+    ///
+    /// A client that disconnects takes nothing with it: the work finishes, its outcome is
+    /// stored, and the client's retry gets 409 `in-flight` while it runs, then the replay.
+    /// The handler runs once. This is the right mode for infrastructure APIs, whose
+    /// handlers allocate things (a node, a lease, a VM) in steps that a cancellation can cut
+    /// in half.
+    ///
+    /// A handler panic still marks the record failed (inside the task) and is then
+    /// re-raised from the response future, if that is still alive. If the task is
+    /// cancelled (the runtime shuts down), the record is marked failed when the runtime can
+    /// still run the write, or frees itself when its lease ends; a response future still
+    /// waiting gets 503 [`crate::ProblemKind::HandlerCancelled`].
+    ///
+    /// The task does not inherit task-locals (`tokio::task_local!`); the current tracing
+    /// span is carried over. Outside a tokio runtime the handler runs inline.
+    #[default]
+    Detached,
+    /// The handler runs inside the response future, as a plain tower middleware would run
+    /// it: when the client disconnects, the handler is cancelled at its next await point
+    /// and the record is marked failed, so a retry runs the handler again.
+    ///
+    /// Only safe when a cancelled handler leaves nothing behind: its side effects are
+    /// transactional with its response, or keyed downstream by a sub-key from
+    /// [`crate::IdempotencyContext`]. Work that outlives the cancelled future (a
+    /// `spawn_blocking` transaction, a downstream call already sent, a spawned task)
+    /// completes, and the retry does it again. For handlers that must be cancellable, or
+    /// that rely on task-locals.
+    Inline,
+}
+
 /// Shared, read-only configuration of every service the layer makes.
 #[derive(Clone)]
 pub(crate) struct Config {
@@ -52,6 +93,7 @@ pub(crate) struct Config {
     pub(crate) resolver: Arc<dyn PrincipalResolver>,
     pub(crate) key_requirement: KeyRequirement,
     pub(crate) missing_principal: MissingPrincipal,
+    pub(crate) handler_execution: HandlerExecution,
 }
 
 impl fmt::Debug for Config {
@@ -61,6 +103,7 @@ impl fmt::Debug for Config {
             .field("policy", &self.policy)
             .field("key_requirement", &self.key_requirement)
             .field("missing_principal", &self.missing_principal)
+            .field("handler_execution", &self.handler_execution)
             .finish_non_exhaustive()
     }
 }
@@ -69,7 +112,7 @@ impl fmt::Debug for Config {
 ///
 /// Defaults: [`Policy::default()`] (24 h retention, 5 min lease, 1 MiB body limits, fail
 /// closed), principals from [`BearerToken`], [`KeyRequirement::Required`],
-/// [`MissingPrincipal::Reject`]. Cloning is cheap (one `Arc`).
+/// [`MissingPrincipal::Reject`], [`HandlerExecution::Detached`]. Cloning is cheap (one `Arc`).
 ///
 /// ```
 /// use std::sync::Arc;
@@ -98,6 +141,7 @@ impl IdempotencyLayer {
                 resolver: Arc::new(BearerToken),
                 key_requirement: KeyRequirement::default(),
                 missing_principal: MissingPrincipal::default(),
+                handler_execution: HandlerExecution::default(),
             }),
         }
     }
@@ -130,6 +174,14 @@ impl IdempotencyLayer {
     #[must_use]
     pub fn on_missing_principal(mut self, rule: MissingPrincipal) -> Self {
         Arc::make_mut(&mut self.config).missing_principal = rule;
+        self
+    }
+
+    /// Sets where a claimed request's handler runs (default [`HandlerExecution::Detached`]:
+    /// in its own task, so a client disconnect does not cancel it half-way).
+    #[must_use]
+    pub fn with_handler_execution(mut self, execution: HandlerExecution) -> Self {
+        Arc::make_mut(&mut self.config).handler_execution = execution;
         self
     }
 

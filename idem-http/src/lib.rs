@@ -102,10 +102,9 @@
 //! - anything else (5xx, 1xx, 3xx, uncacheable 4xx): `fail`, so the retry runs again;
 //! - a handler may override the status rule for one response with the [`ResponseCaching`]
 //!   response extension (never to store a 5xx);
-//! - the handler returns an error, panics, or its body fails, or the request future is
-//!   dropped mid-flight (client disconnect): `fail`, from a drop guard that spawns the
-//!   write on the tokio runtime if it has to. A panic is re-raised after the write; a
-//!   body failure answers 500 `response-body-failed`.
+//! - the handler returns an error, panics, or its body fails: `fail`. A panic is re-raised
+//!   after the write; a body failure answers 500 `response-body-failed`;
+//! - the client disconnects mid-handler: see [Where the handler runs](#where-the-handler-runs).
 //!
 //! When `complete` or `fail` is refused with `LeaseLost` (the lease ran out and a retry
 //! reclaimed the record), the response still goes to this client and a warning is logged;
@@ -119,8 +118,39 @@
 //! handler's side effects are transactional with its response, or keyed downstream by a
 //! stable sub-key (DESIGN.md, "Side effects").
 //!
+//! # Where the handler runs
+//! A server drops a request's response future when its client goes away, and everything
+//! that future owns is cancelled at its next await point. [`HandlerExecution`] decides
+//! whether the handler is among those things.
+//!
+//! [`HandlerExecution::Detached`] (default): after a successful claim or reclaim, the
+//! handler call, the reading of its response body and the `complete`/`fail` write run in a
+//! `tokio::spawn`ed task, and the response future awaits it. A disconnect does not reach
+//! the handler: the work finishes, its response is stored, and the client's retry gets 409
+//! `in-flight` while the task runs, then the replay. The handler runs once. A panic marks
+//! the record failed inside the task and is re-raised from the response future if it is
+//! still alive; a task cancelled by runtime shutdown marks the record failed through its
+//! drop guard, or the lease frees it.
+//!
+//! Detached is the default because infrastructure handlers do their work in steps whose
+//! effects outlive a cancelled future: a `spawn_blocking` transaction that allocates a node
+//! runs to its commit whatever happens to the future awaiting it, and a handler stopped
+//! between two downstream calls has made the first. Cancelled inline, such a handler leaves
+//! the side effect behind and the record failed, so the retry runs it again: two nodes for
+//! one request, the second one a phantom nobody tracks.
+//!
+//! [`HandlerExecution::Inline`] (`IdempotencyLayer::with_handler_execution`) runs the
+//! handler inside the response future, like any tower middleware: a disconnect cancels it
+//! at its next await point, a drop guard marks the record failed (spawning the write on the
+//! tokio runtime), and a retry runs the handler again. Use it only for handlers that are
+//! safe to cancel and repeat (side effects transactional with the response, or keyed
+//! downstream by a sub-key from [`IdempotencyContext`]), or that need task-locals, which a
+//! spawned task does not inherit. Either way the wrapped service must be `Clone + Send +
+//! 'static` with `Send` futures and bodies, as axum's are.
+//!
 //! # Layout
-//! - [`layer`] holds [`IdempotencyLayer`], [`KeyRequirement`], [`MissingPrincipal`].
+//! - [`layer`] holds [`IdempotencyLayer`], [`KeyRequirement`], [`MissingPrincipal`],
+//!   [`HandlerExecution`].
 //! - [`service`] holds [`Idempotency`], the request flow.
 //! - [`future`] holds [`ResponseFuture`] (a boxed `async fn`) and the drop guard that marks a
 //!   record failed.
@@ -144,7 +174,7 @@ pub use body::ResponseBody;
 pub use context::{IdempotencyContext, ResponseCaching};
 pub use future::ResponseFuture;
 pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};
-pub use layer::{IdempotencyLayer, KeyRequirement, MissingPrincipal};
+pub use layer::{HandlerExecution, IdempotencyLayer, KeyRequirement, MissingPrincipal};
 pub use principal::{BearerToken, PrincipalResolver};
 pub use problem::{PROBLEM_JSON, Problem, ProblemKind};
 pub use service::Idempotency;

@@ -56,12 +56,16 @@ pub enum ProblemKind {
     /// 500: the handler's response body failed while being read; the record was marked
     /// failed, so a retry runs the handler again.
     ResponseBodyFailed,
+    /// 503 + `Retry-After`: the task running the handler was cancelled before it finished
+    /// (the runtime is shutting down); the record was marked failed or frees itself when
+    /// its lease ends, so a retry may run the handler again.
+    HandlerCancelled,
 }
 
 const PREFIX: &str = "urn:idem:problem:";
 
 impl ProblemKind {
-    const ALL: [ProblemKind; 12] = [
+    const ALL: [ProblemKind; 13] = [
         ProblemKind::MissingKey,
         ProblemKind::InvalidKey,
         ProblemKind::DuplicateKey,
@@ -74,6 +78,7 @@ impl ProblemKind {
         ProblemKind::StoreUnavailable,
         ProblemKind::ResponseNotRetained,
         ProblemKind::ResponseBodyFailed,
+        ProblemKind::HandlerCancelled,
     ];
 
     /// The short name that ends the `type` URI, e.g. `in-flight`.
@@ -92,6 +97,7 @@ impl ProblemKind {
             ProblemKind::StoreUnavailable => "store-unavailable",
             ProblemKind::ResponseNotRetained => "response-not-retained",
             ProblemKind::ResponseBodyFailed => "response-body-failed",
+            ProblemKind::HandlerCancelled => "handler-cancelled",
         }
     }
 
@@ -125,6 +131,7 @@ impl ProblemKind {
             ProblemKind::StoreUnavailable => "Idempotency store unavailable",
             ProblemKind::ResponseNotRetained => "Response not retained",
             ProblemKind::ResponseBodyFailed => "Response body failed",
+            ProblemKind::HandlerCancelled => "Handler cancelled",
         }
     }
 }

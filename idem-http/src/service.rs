@@ -8,6 +8,10 @@
 //! 5. decide (DESIGN.md's table): run the handler under the claim, replay, 409, mismatch;
 //! 6. after the handler: read the whole response body, then `complete` (cacheable status)
 //!    or `fail` (anything else), and only then return the response.
+//!
+//! Steps 5 (running the handler) and 6 happen in a spawned task under
+//! [`crate::HandlerExecution::Detached`] (default), in the response future itself under
+//! [`crate::HandlerExecution::Inline`].
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -25,12 +29,13 @@ use idem_core::{
     decide,
 };
 use tower::Service;
+use tracing::Instrument;
 
 use crate::body::ResponseBody;
 use crate::context::{IdempotencyContext, ResponseCaching};
 use crate::future::{FailGuard, ResponseFuture};
 use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, http_date};
-use crate::layer::{Config, KeyRequirement, MissingPrincipal};
+use crate::layer::{Config, HandlerExecution, KeyRequirement, MissingPrincipal};
 use crate::problem::{Problem, ProblemKind};
 
 /// How many times one request re-reads a record that changed under it (a lost reclaim, a
@@ -49,6 +54,11 @@ const RETRY_AFTER_BUSY_SECS: u64 = 1;
 /// `ResBody` (any `http_body::Body<Data = Bytes>`). Responses come back as
 /// [`ResponseBody<ResBody>`]. The error type is the inner service's: a handler error is
 /// returned as is, after the record was marked failed.
+///
+/// The wrapped service must be `Clone + Send + 'static` with a `Send` future, error and
+/// body (axum's routers and handlers are): under [`crate::HandlerExecution::Detached`] a
+/// claimed request's handler runs in a task of its own, which outlives the response future
+/// if the client goes away.
 #[derive(Clone, Debug)]
 pub struct Idempotency<S> {
     inner: S,
@@ -107,10 +117,12 @@ async fn handle<S, ReqBody, ResBody>(
     req: Request<ReqBody>,
 ) -> Result<Res<ResBody>, S::Error>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ReqBody: Body + From<Bytes>,
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
+    ReqBody: Body + From<Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
     // RFC 9110 §9.2.1: safe methods change nothing, so there is nothing to protect.
@@ -165,7 +177,10 @@ where
         cfg.policy.effective_retention(),
     );
     match acquire(&cfg, &claim).await {
-        Acquired::Run(record) => run_claimed(&cfg, inner, parts, bytes, record).await,
+        Acquired::Run(record) => match cfg.handler_execution {
+            HandlerExecution::Inline => run_claimed(&cfg, inner, parts, bytes, record).await,
+            HandlerExecution::Detached => run_detached(Arc::clone(&cfg), inner, parts, bytes, record).await,
+        },
         Acquired::Answer(res) => Ok(res),
         Acquired::StoreFailed(error) => match cfg.policy.on_store_failure {
             StoreFailureMode::FailOpen => {
@@ -390,6 +405,57 @@ fn append_stored_headers(out: &mut HeaderMap, stored: &[(String, Vec<u8>)], keep
                 out.append(name, value);
             }
             _ => tracing::warn!(header = %name, "stored response header is not a valid header; not replayed"),
+        }
+    }
+}
+
+/// [`run_claimed`] in a task of its own, so that dropping the response future (a client
+/// disconnect) does not cancel the handler half-way: the task finishes the work and stores
+/// its outcome, and the client's retry finds it in flight, then replays it.
+async fn run_detached<S, ReqBody, ResBody>(
+    cfg: Arc<Config>,
+    inner: S,
+    parts: Parts,
+    bytes: Bytes,
+    record: Record,
+) -> Result<Res<ResBody>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
+    ReqBody: From<Bytes> + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        // No runtime to spawn on (an executor other than tokio): inline is all there is.
+        return run_claimed(&cfg, inner, parts, bytes, record).await;
+    };
+    let (id, token) = (record.id, record.token);
+    let work = async move { run_claimed(&cfg, inner, parts, bytes, record).await };
+    // The JoinHandle is this future's only tie to the task: dropping it (the client went
+    // away) detaches the task, it does not abort it.
+    match runtime.spawn(work.instrument(tracing::Span::current())).await {
+        Ok(result) => result,
+        // The task already marked the record failed before the panic left it; the panic
+        // goes on from here, as it would have inline.
+        Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
+        Err(join) => {
+            // Only a runtime shutdown cancels the task (its handle is never aborted); its
+            // drop guard spawned the `fail` if the runtime still could, else the lease
+            // frees the record.
+            tracing::error!(
+                record = %id, token = %token, error = %join,
+                "the task running the handler was cancelled before it finished"
+            );
+            let mut res = Problem::new(
+                ProblemKind::HandlerCancelled,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server stopped the handler before it finished; the request may be retried with the same key",
+            )
+            .into_response();
+            set_retry_after(res.headers_mut(), RETRY_AFTER_BUSY_SECS);
+            Ok(res)
         }
     }
 }

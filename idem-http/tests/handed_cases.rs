@@ -7,11 +7,12 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::Router;
 use bytes::Bytes;
 use common::{Counter, Env, Gate, Got, Script, Step, app, eventually, post, put, send, start_and_crash};
 use http_body_util::Full;
 use idem_core::{Policy, RecordState, StoreFailureMode};
-use idem_http::{IdempotencyLayer, KeyRequirement, MissingPrincipal};
+use idem_http::{HandlerExecution, IdempotencyLayer, KeyRequirement, MissingPrincipal};
 use std::sync::atomic::Ordering;
 use tower::{Layer, ServiceExt};
 
@@ -124,28 +125,35 @@ async fn c4_rejected_duplicates_and_mismatches_never_touch_the_owners_record() {
 /// C5: a handler panic left the record in flight, so every retry got 409 until the retention ended.
 #[tokio::test]
 async fn c5_panic_marks_the_record_failed_and_the_retry_runs() {
-    let env = Env::new();
-    let (n, s) = (Counter::default(), Script::default());
-    s.then(Step::Panic);
-    let app = app(layer(&env), &n, &s);
-    let req = post("/v1/orders").key("k1").body("{}");
-    let joined = tokio::spawn({
-        let (app, req) = (app.clone(), req.clone());
-        async move { send(&app, &req).await }
-    })
-    .await;
-    assert!(joined.unwrap_err().is_panic(), "the layer re-raises the handler's panic");
-    assert_eq!(state(&env, "k1").await, Some(RecordState::Failed), "failed before the panic went on");
+    for execution in [HandlerExecution::Detached, HandlerExecution::Inline] {
+        let env = Env::new();
+        let (n, s) = (Counter::default(), Script::default());
+        s.then(Step::Panic);
+        let app = app(layer(&env).with_handler_execution(execution), &n, &s);
+        let req = post("/v1/orders").key("k1").body("{}");
+        let joined = tokio::spawn({
+            let (app, req) = (app.clone(), req.clone());
+            async move { send(&app, &req).await }
+        })
+        .await;
+        let panic = joined.unwrap_err().into_panic();
+        assert_eq!(
+            panic.downcast_ref::<String>().map(String::as_str),
+            Some("handler panicked on purpose (call 1)"),
+            "the layer re-raises the handler's own panic ({execution:?})"
+        );
+        assert_eq!(state(&env, "k1").await, Some(RecordState::Failed), "failed before the panic went on");
 
-    env.advance_ms(1_000);
-    let retry = send(&app, &req).await;
-    assert_eq!(retry.status, 201);
-    assert!(!retry.replayed());
-    env.advance_ms(LEASE_MS + 1_000);
-    let later = send(&app, &req).await;
-    assert!(later.replayed());
-    assert_eq!(later.body, retry.body);
-    assert_eq!(n.get(), 2);
+        env.advance_ms(1_000);
+        let retry = send(&app, &req).await;
+        assert_eq!(retry.status, 201);
+        assert!(!retry.replayed());
+        env.advance_ms(LEASE_MS + 1_000);
+        let later = send(&app, &req).await;
+        assert!(later.replayed());
+        assert_eq!(later.body, retry.body);
+        assert_eq!(n.get(), 2);
+    }
 }
 
 /// C5: a handler error (the service's `Err`) left the record in flight instead of marking it failed.
@@ -255,9 +263,12 @@ async fn c5_a_failed_complete_blocks_retries_only_until_the_lease_ends() {
     assert_eq!(n.get(), 2);
 }
 
-/// C5: a client that disconnected mid-handler left an orphaned in-flight record.
+/// C5: a client disconnect cancelled the handler half-way and the retry repeated its side effects.
+///
+/// Under the default `HandlerExecution::Detached` the handler keeps running after the
+/// client's response future is dropped: the record completes and the retry is a replay.
 #[tokio::test]
-async fn c5_a_dropped_request_future_marks_the_record_failed() {
+async fn c5_a_client_disconnect_does_not_cancel_a_detached_handler() {
     let env = Env::new();
     let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
     s.then(Step::Hold(gate.clone()));
@@ -270,10 +281,174 @@ async fn c5_a_dropped_request_future_marks_the_record_failed() {
     gate.started().await;
     task.abort();
     assert!(task.await.unwrap_err().is_cancelled());
+    assert_eq!(state(&env, "k1").await, Some(RecordState::InFlight), "the handler still runs");
+    env.advance_ms(1_000);
+    send(&app, &req).await.problem(409, "in-flight");
+
+    gate.release();
+    eventually(|| async { state(&env, "k1").await == Some(RecordState::Completed) }).await;
+    let retry = send(&app, &req).await;
+    assert_eq!(retry.status, 201);
+    assert!(retry.replayed(), "the retry gets the outcome of the work the disconnected client started");
+    assert_eq!(json(&retry)["call"], 1);
+    assert_eq!(env.store.fails.load(Ordering::SeqCst), 0);
+    assert_eq!(n.get(), 1);
+}
+
+/// C5: a client that disconnected mid-handler left an orphaned in-flight record (`HandlerExecution::Inline`).
+#[tokio::test]
+async fn c5_inline_a_dropped_request_future_marks_the_record_failed() {
+    let env = Env::new();
+    let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
+    s.then(Step::Hold(gate.clone()));
+    let app = app(layer(&env).with_handler_execution(HandlerExecution::Inline), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    let task = tokio::spawn({
+        let (app, req) = (app.clone(), req.clone());
+        async move { send(&app, &req).await }
+    });
+    gate.started().await;
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
     eventually(|| async { state(&env, "k1").await == Some(RecordState::Failed) }).await;
 
     env.advance_ms(1_000);
     assert_eq!(send(&app, &req).await.status, 201);
+    assert_eq!(n.get(), 2);
+}
+
+/// A handler that allocates a worker: it counts its call, waits for `gate`, then allocates.
+/// With `spawned` the allocation runs in a task of its own, as a `spawn_blocking` database
+/// transaction does: cancelling the handler does not stop it.
+fn allocating_app(layer: IdempotencyLayer, calls: &Counter, workers: &Counter, gate: &Gate, spawned: bool) -> Router {
+    let (calls, workers, gate) = (calls.clone(), workers.clone(), gate.clone());
+    let handler = move || {
+        let (calls, workers, gate) = (calls.clone(), workers.clone(), gate.clone());
+        async move {
+            calls.bump();
+            let allocate = async move {
+                gate.hold().await;
+                workers.bump()
+            };
+            let worker = if spawned { tokio::spawn(allocate).await.unwrap() } else { allocate.await };
+            (http::StatusCode::CREATED, format!("{{\"worker\":{worker}}}"))
+        }
+    };
+    Router::new().route("/v1/workers", axum::routing::post(handler)).layer(layer)
+}
+
+/// Awaits `task`, failing instead of hanging when it blocks (on a handler gate nobody
+/// will release, i.e. the handler ran again). Yields, never sleeps.
+async fn unblocked<T>(task: tokio::task::JoinHandle<T>) -> T {
+    let t = &task;
+    eventually(move || async move { t.is_finished() }).await;
+    task.await.unwrap()
+}
+
+async fn workers_state(env: &Env, key: &str) -> Option<RecordState> {
+    env.record("tok-p", "POST /v1/workers", key).await.map(|r| r.state)
+}
+
+/// C5: a client disconnect cancelled the handler half-way and the retry repeated its side effects (a phantom worker).
+///
+/// The side effect comes after an await point; the client's response future is dropped
+/// before it. Detached: it happens once across the dropped attempt and the retry.
+#[tokio::test]
+async fn c5_a_side_effect_after_an_await_happens_once_across_a_disconnect_and_its_retry() {
+    let env = Env::new();
+    let (calls, workers, gate) = (Counter::default(), Counter::default(), Gate::default());
+    let app = allocating_app(layer(&env), &calls, &workers, &gate, false);
+    let req = post("/v1/workers").key("w1").body("{\"size\":\"large\"}");
+    let client = tokio::spawn({
+        let (app, req) = (app.clone(), req.clone());
+        async move { send(&app, &req).await }
+    });
+    gate.started().await;
+    client.abort();
+    assert!(client.await.unwrap_err().is_cancelled());
+    assert_eq!(workers.get(), 0, "the client went away before the side effect");
+
+    let busy = unblocked(tokio::spawn({
+        let (app, req) = (app.clone(), req.clone());
+        async move { send(&app, &req).await }
+    }))
+    .await;
+    busy.problem(409, "in-flight");
+    assert_eq!(busy.retry_after(), 300);
+    assert_eq!(calls.get(), 1, "the retry did not run the handler while the first attempt works");
+
+    gate.release();
+    eventually(|| async { workers_state(&env, "w1").await == Some(RecordState::Completed) }).await;
+    let replay = send(&app, &req).await;
+    assert_eq!((replay.status.as_u16(), replay.text()), (201, "{\"worker\":1}"));
+    assert!(replay.replayed());
+    assert_eq!((calls.get(), workers.get()), (1, 1), "one handler run, one worker");
+}
+
+/// C5: a cancelled inline handler left its spawned allocation running and the retry allocated again (a phantom worker).
+///
+/// Pins what `HandlerExecution::Inline` risks (documented) next to what `Detached`
+/// prevents, with the same handler: its allocation outlives the cancelled handler future.
+#[tokio::test]
+async fn c5_work_that_outlives_a_cancelled_handler_repeats_inline_but_not_detached() {
+    for (execution, expected_workers) in [(HandlerExecution::Inline, 2), (HandlerExecution::Detached, 1)] {
+        let env = Env::new();
+        let (calls, workers, gate) = (Counter::default(), Counter::default(), Gate::default());
+        let app = allocating_app(layer(&env).with_handler_execution(execution), &calls, &workers, &gate, true);
+        let req = post("/v1/workers").key("w1").body("{}");
+        let client = tokio::spawn({
+            let (app, req) = (app.clone(), req.clone());
+            async move { send(&app, &req).await }
+        });
+        gate.started().await;
+        client.abort();
+        assert!(client.await.unwrap_err().is_cancelled());
+        gate.release();
+        eventually(|| async { workers.get() == 1 }).await;
+        eventually(|| async { workers_state(&env, "w1").await != Some(RecordState::InFlight) }).await;
+
+        env.advance_ms(1_000);
+        let retry = tokio::spawn({
+            let (app, req) = (app.clone(), req.clone());
+            async move { send(&app, &req).await }
+        });
+        if execution == HandlerExecution::Inline {
+            // The record was marked failed, so the retry runs the handler again.
+            gate.started().await;
+            gate.release();
+        }
+        let retry = unblocked(retry).await;
+        assert_eq!(retry.status, 201, "{execution:?}");
+        assert_eq!(retry.replayed(), execution == HandlerExecution::Detached, "{execution:?}");
+        assert_eq!(workers.get(), expected_workers, "{execution:?}");
+        assert_eq!(calls.get(), expected_workers, "{execution:?}");
+    }
+}
+
+/// C5: a handler that panicked after its client went away left the record in flight until the lease ended.
+#[tokio::test]
+async fn c5_a_detached_handler_that_panics_after_a_disconnect_marks_the_record_failed() {
+    let env = Env::new();
+    let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
+    s.then(Step::HoldThenPanic(gate.clone()));
+    let app = app(layer(&env), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    let client = tokio::spawn({
+        let (app, req) = (app.clone(), req.clone());
+        async move { send(&app, &req).await }
+    });
+    gate.started().await;
+    client.abort();
+    assert!(client.await.unwrap_err().is_cancelled());
+    assert_eq!(state(&env, "k1").await, Some(RecordState::InFlight), "the handler runs on towards its panic");
+    gate.release();
+    eventually(|| async { state(&env, "k1").await == Some(RecordState::Failed) }).await;
+    assert_eq!(env.store.fails.load(Ordering::SeqCst), 1);
+
+    env.advance_ms(1_000);
+    let retry = send(&app, &req).await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed());
     assert_eq!(n.get(), 2);
 }
 

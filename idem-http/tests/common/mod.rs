@@ -318,13 +318,19 @@ impl Gate {
     }
 }
 
-/// Starts `req` on `app` and polls it once, far enough to be inside the handler (which
-/// must be waiting on something), then leaks the future: the process "died" mid-handler,
-/// so neither complete nor fail ever runs and no drop guard fires.
+/// Starts `req` on `app` and polls it once, far enough to hold the claim (the handler must
+/// then wait on something forever), then leaks the future: the process "died" mid-handler,
+/// so neither complete nor fail ever runs and no drop guard fires. Under the default
+/// `HandlerExecution::Detached` the handler's task is left blocked, as in a hung process.
 pub async fn start_and_crash(app: &Router, req: &Req) {
     let mut fut = Box::pin(app.clone().oneshot(req.build()));
     assert!(futures::poll!(fut.as_mut()).is_pending(), "the handler should be blocked");
     std::mem::forget(fut);
+    // A detached handler's task was only spawned by that poll: let it run up to its wait,
+    // as the inline handler did inside the poll. Yields, never sleeps.
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
 }
 
 /// Yields to the runtime until `cond` holds (for work the layer spawns, such as the drop
@@ -354,6 +360,8 @@ pub enum Step {
     Hold(Gate),
     /// Panic inside the handler.
     Panic,
+    /// Wait on the gate, then panic.
+    HoldThenPanic(Gate),
     /// 201 with a body of this many bytes (a repeating pattern).
     Big(usize),
     /// 201 with a streamed body of these chunks.
@@ -425,6 +433,10 @@ async fn respond(counter: &Counter, script: &Script, req: Request<Body>) -> Resp
             created(json())
         }
         Step::Panic => panic!("handler panicked on purpose (call {call})"),
+        Step::HoldThenPanic(gate) => {
+            gate.hold().await;
+            panic!("handler panicked on purpose after waiting (call {call})")
+        }
         Step::Big(n) => {
             let body: Vec<u8> = (0..n).map(|i| b"0123456789abcdef"[(i + call) % 16]).collect();
             created(Body::from(body))
