@@ -74,9 +74,9 @@ impl NaiveStore {
     }
 }
 
-fn request(caller: usize, n: u64) -> ClaimRequest {
+fn request(caller: usize, round: usize, n: u64) -> ClaimRequest {
     let scope = Scope::new(format!("bench-{caller}"), Endpoint::new("POST", "/v1/workers")).expect("scope");
-    let key = IdempotencyKey::parse(format!("k-{n}").as_bytes()).expect("key");
+    let key = IdempotencyKey::parse(format!("r{round}-k{n}").as_bytes()).expect("key");
     ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"{}"), Duration::from_secs(300), Duration::from_secs(86_400))
 }
 
@@ -84,51 +84,60 @@ fn response() -> StoredResponse {
     StoredResponse::new(201, vec![("location".into(), b"/v1/workers/w-1".to_vec())], vec![b'x'; 256])
 }
 
-#[derive(Clone, Copy)]
-enum Which {
-    /// `RedbStore` with this linger.
-    Group(Linger),
-    Naive,
+/// One column of the table: a store on its own file, kept open across the slices.
+#[derive(Clone)]
+enum Column {
+    Group(RedbStore),
+    Naive(NaiveStore),
 }
 
-/// Runs `callers` loops of claim -> complete for `secs`; returns cycles per second.
-async fn run(which: Which, callers: usize, secs: f64, dir: &std::path::Path, tag: &str) -> (f64, Option<f64>) {
-    let path = dir.join(format!("{tag}.redb"));
-    let db = Arc::new(Database::create(&path).expect("database"));
-    let linger = match which {
-        Which::Group(linger) => linger,
-        Which::Naive => Linger::None,
+impl Column {
+    fn open(path: &std::path::Path, linger: Option<Linger>) -> Self {
+        let db = Arc::new(Database::create(path).expect("database"));
+        match linger {
+            Some(linger) => {
+                Column::Group(RedbStore::open_with(db, RedbConfig::default().with_linger(linger)).expect("store"))
+            }
+            None => Column::Naive(NaiveStore { db }),
+        }
+    }
+
+    async fn cycle(&self, req: ClaimRequest) -> Result<(), StoreError> {
+        let naive_err = |e| StoreError::unavailable("redb", "naive", false, e);
+        match self {
+            Column::Group(store) => {
+                let ClaimOutcome::Claimed(r) = store.claim(req).await? else { panic!("keys are fresh") };
+                store.complete(r.id, r.token, response()).await?;
+            }
+            Column::Naive(store) => {
+                let ClaimOutcome::Claimed(r) = store.claim(req).await.map_err(naive_err)? else {
+                    panic!("keys are fresh")
+                };
+                store.complete(r.id, r.token, response()).await.map_err(naive_err)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs `callers` loops of claim -> complete for `secs`; returns cycles per second and,
+/// for the group-commit store, operations per batch in this slice.
+async fn run(column: &Column, callers: usize, secs: f64, round: usize) -> (f64, Option<f64>) {
+    let stats_before = match column {
+        Column::Group(store) => Some(store.batch_stats()),
+        Column::Naive(_) => None,
     };
-    let group = RedbStore::open_with(Arc::clone(&db), RedbConfig::default().with_linger(linger)).expect("store");
-    let naive = NaiveStore { db };
     let cycles = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + Duration::from_secs_f64(secs);
     let start = Instant::now();
     let mut tasks = Vec::new();
     for caller in 0..callers {
-        let (group, naive, cycles) = (group.clone(), naive.clone(), Arc::clone(&cycles));
+        let (column, cycles) = (column.clone(), Arc::clone(&cycles));
         tasks.push(tokio::spawn(async move {
             let mut n = 0u64;
             while Instant::now() < deadline {
-                let req = request(caller, n);
+                column.cycle(request(caller, round, n)).await?;
                 n += 1;
-                match which {
-                    Which::Group(_) => {
-                        let ClaimOutcome::Claimed(r) = group.claim(req).await? else { continue };
-                        group.complete(r.id, r.token, response()).await?;
-                    }
-                    Which::Naive => {
-                        let ClaimOutcome::Claimed(r) =
-                            naive.claim(req).await.map_err(|e| StoreError::unavailable("redb", "naive", false, e))?
-                        else {
-                            continue;
-                        };
-                        naive
-                            .complete(r.id, r.token, response())
-                            .await
-                            .map_err(|e| StoreError::unavailable("redb", "naive", false, e))?;
-                    }
-                }
                 cycles.fetch_add(1, Ordering::Relaxed);
             }
             Ok::<(), StoreError>(())
@@ -138,8 +147,14 @@ async fn run(which: Which, callers: usize, secs: f64, dir: &std::path::Path, tag
         t.await.expect("task").expect("cycle");
     }
     let elapsed = start.elapsed().as_secs_f64();
-    let stats = group.batch_stats();
-    let per_batch = (stats.batches > 0).then(|| stats.operations as f64 / stats.batches as f64);
+    let per_batch = match (column, stats_before) {
+        (Column::Group(store), Some(before)) => {
+            let after = store.batch_stats();
+            let batches = after.batches - before.batches;
+            (batches > 0).then(|| (after.operations - before.operations) as f64 / batches as f64)
+        }
+        _ => None,
+    };
     (cycles.load(Ordering::Relaxed) as f64 / elapsed, per_batch)
 }
 
@@ -150,26 +165,29 @@ async fn main() {
     let base = std::env::var_os("IDEM_BENCH_DIR").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
     let dir = tempfile::tempdir_in(base).expect("temporary directory");
     let adaptive = RedbConfig::default().linger;
-    let columns = [
-        ("naive", Which::Naive),
-        ("group, no linger", Which::Group(Linger::None)),
-        ("group, default", Which::Group(adaptive)),
-    ];
+    let lingers = [None, Some(Linger::None), Some(adaptive)];
     println!("claim -> complete cycles per second (2 durable writes per cycle), {secs} s per cell, run as {rounds}");
-    println!("interleaved slices so that a change in machine load hits every column alike.");
-    println!("`default` is RedbConfig::default(): {adaptive:?}.");
+    println!("interleaved slices on files warmed up first, so that a change in machine load hits every");
+    println!("column alike. `default` is RedbConfig::default(): {adaptive:?}.");
     println!(
         "{:>8} {:>10} {:>18} {:>8} {:>10} {:>18} {:>8} {:>10}",
         "callers", "naive", "group, no linger", "ratio", "ops/batch", "group, default", "ratio", "ops/batch"
     );
     for callers in [1, 32] {
+        let columns: Vec<Column> = lingers
+            .iter()
+            .enumerate()
+            .map(|(i, linger)| Column::open(&dir.path().join(format!("c{callers}-{i}.redb")), *linger))
+            .collect();
+        for column in &columns {
+            run(column, callers, 0.3, 0).await;
+        }
         let mut rate = [0.0f64; 3];
         let mut per_batch: [Vec<f64>; 3] = Default::default();
-        for round in 0..rounds {
-            for (i, (name, which)) in columns.iter().enumerate() {
-                let tag = format!("{}-{callers}-{round}", name.replace([' ', ','], ""));
-                let (r, b) = run(*which, callers, secs / f64::from(rounds), dir.path(), &tag).await;
-                rate[i] += r / f64::from(rounds);
+        for round in 1..=rounds {
+            for (i, column) in columns.iter().enumerate() {
+                let (r, b) = run(column, callers, secs / rounds as f64, round).await;
+                rate[i] += r / rounds as f64;
                 per_batch[i].extend(b);
             }
         }

@@ -76,6 +76,7 @@
 //! milliseconds since the epoch; tests inject a [`idem_core::ManualClock`].
 
 pub mod error;
+mod queue;
 pub mod store;
 mod writer;
 

@@ -4,7 +4,6 @@ use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -19,6 +18,7 @@ use redb::{Database, ReadTransaction, ReadableDatabase, TableDefinition};
 use tokio::sync::oneshot;
 
 use crate::error::RedbStoreError;
+use crate::queue::Queue;
 use crate::writer::{Op, Writer};
 
 /// Records: record id (32 bytes) -> [`idem_core::codec::encode`]d record (one
@@ -192,7 +192,7 @@ struct Inner {
     clock: Arc<dyn Clock>,
     config: RedbConfig,
     counters: Arc<Counters>,
-    sender: Option<mpsc::Sender<Op>>,
+    queue: Arc<Queue<Op>>,
     writer: Option<JoinHandle<()>>,
 }
 
@@ -207,9 +207,9 @@ impl fmt::Debug for RedbStore {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        // Closing the channel is the writer's signal to stop once it has answered every
-        // operation it received.
-        drop(self.sender.take());
+        // Closing the queue is the writer's signal to stop once it has answered every
+        // operation already queued.
+        self.queue.close();
         if let Some(writer) = self.writer.take() {
             // A panicked writer has already failed its callers (their replies were
             // dropped); there is nothing more to report from a destructor.
@@ -246,8 +246,9 @@ impl RedbStore {
         txn.commit()?;
 
         let counters = Arc::new(Counters::default());
-        let (sender, receiver) = mpsc::channel();
-        let writer = Writer::new(Arc::clone(&db), Arc::clone(&config.clock), &config, Arc::clone(&counters), receiver);
+        let queue = Arc::new(Queue::new());
+        let writer =
+            Writer::new(Arc::clone(&db), Arc::clone(&config.clock), &config, Arc::clone(&counters), Arc::clone(&queue));
         let handle = std::thread::Builder::new()
             .name("idem-redb-writer".into())
             .spawn(move || writer.run())
@@ -258,7 +259,7 @@ impl RedbStore {
                 clock: Arc::clone(&config.clock),
                 config,
                 counters,
-                sender: Some(sender),
+                queue,
                 writer: Some(handle),
             }),
         })
@@ -293,8 +294,7 @@ impl RedbStore {
         make: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> Op,
     ) -> Result<T, StoreError> {
         let (reply, answer) = oneshot::channel();
-        let sender = self.inner.sender.as_ref().ok_or(RedbStoreError::WriterStopped)?;
-        sender.send(make(reply)).map_err(|_| RedbStoreError::WriterStopped)?;
+        self.inner.queue.push(make(reply)).map_err(|_| RedbStoreError::WriterStopped)?;
         // A dropped reply means the writer died (panicked) before answering.
         answer.await.map_err(|_| RedbStoreError::WriterStopped)?
     }

@@ -17,7 +17,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
 use idem_core::codec;
@@ -31,6 +30,7 @@ use redb::{Database, ReadableTable, WriteTransaction};
 use tokio::sync::oneshot;
 
 use crate::error::RedbStoreError;
+use crate::queue::{Next, Queue};
 use crate::store::{Counters, Durability, EXPIRY, JOURNAL, Linger, RECORDS, RedbConfig};
 
 /// Where a caller waits for its outcome.
@@ -344,6 +344,15 @@ impl<'txn> Tables<'txn> {
     }
 }
 
+/// Closes the queue when dropped (see [`Writer::run`]).
+struct CloseOnExit(Arc<Queue<Op>>);
+
+impl Drop for CloseOnExit {
+    fn drop(&mut self) {
+        drop(self.0.close_and_take());
+    }
+}
+
 /// The writer thread's state.
 pub(crate) struct Writer {
     db: Arc<Database>,
@@ -354,7 +363,7 @@ pub(crate) struct Writer {
     last_batch: usize,
     durability: Durability,
     counters: Arc<Counters>,
-    receiver: Receiver<Op>,
+    queue: Arc<Queue<Op>>,
     /// When the oldest commit that is not yet durable was made (`Durability::Eventual`).
     dirty_since: Option<Instant>,
 }
@@ -365,7 +374,7 @@ impl Writer {
         clock: Arc<dyn Clock>,
         config: &RedbConfig,
         counters: Arc<Counters>,
-        receiver: Receiver<Op>,
+        queue: Arc<Queue<Op>>,
     ) -> Self {
         Self {
             db,
@@ -375,13 +384,16 @@ impl Writer {
             last_batch: 1,
             durability: config.durability,
             counters,
-            receiver,
+            queue,
             dirty_since: None,
         }
     }
 
-    /// Runs until every sender is gone and every received operation is answered.
+    /// Runs until the queue is closed and every queued operation is answered.
     pub(crate) fn run(mut self) {
+        // However the loop ends (even by a panic outside a batch), close the queue and drop
+        // what is left in it: those callers see `WriterStopped` instead of waiting forever.
+        let _closer = CloseOnExit(Arc::clone(&self.queue));
         let mut batch = Vec::with_capacity(self.max_batch);
         while let Some(first) = self.next_first() {
             batch.push(first);
@@ -406,25 +418,21 @@ impl Writer {
     /// otherwise outlast `max_unflushed`.
     fn next_first(&mut self) -> Option<Op> {
         loop {
-            let (Durability::Eventual { max_unflushed }, Some(since)) = (self.durability, self.dirty_since) else {
-                return self.receiver.recv().ok();
+            let deadline = match (self.durability, self.dirty_since) {
+                (Durability::Eventual { max_unflushed }, Some(since)) => Some(since + max_unflushed),
+                _ => None,
             };
-            match self.receiver.recv_timeout(max_unflushed.saturating_sub(since.elapsed())) {
-                Ok(op) => return Some(op),
-                Err(RecvTimeoutError::Timeout) => self.flush(),
-                Err(RecvTimeoutError::Disconnected) => return None,
+            match self.queue.next(deadline) {
+                Next::Item(op) => return Some(op),
+                Next::Timeout => self.flush(),
+                Next::Closed => return None,
             }
         }
     }
 
     /// Adds what is already queued, then lingers for more as [`Linger`] says.
     fn fill(&mut self, batch: &mut Vec<Op>) {
-        while batch.len() < self.max_batch {
-            match self.receiver.try_recv() {
-                Ok(op) => batch.push(op),
-                Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
-            }
-        }
+        self.queue.drain_into(batch, self.max_batch);
         let (wait, target) = match self.linger {
             Linger::None => (Duration::ZERO, 0),
             Linger::Adaptive { max } => (max, self.last_batch.min(self.max_batch)),
@@ -433,9 +441,13 @@ impl Writer {
         if batch.len() < target && !wait.is_zero() {
             let deadline = Instant::now() + wait;
             while batch.len() < target {
-                match self.receiver.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                    Ok(op) => batch.push(op),
-                    Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+                match self.queue.next(Some(deadline)) {
+                    Next::Item(op) => {
+                        batch.push(op);
+                        // Take whatever came with it in the same lock.
+                        self.queue.drain_into(batch, target);
+                    }
+                    Next::Timeout | Next::Closed => break,
                 }
             }
         }
