@@ -92,7 +92,9 @@ fn state_error(e: StateError) -> Response {
     }
 }
 
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, StateError> + Send + 'static) -> Result<T, StateError> {
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, StateError> + Send + 'static,
+) -> Result<T, StateError> {
     tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| Err(StateError::Storage(e.to_string())))
 }
 
@@ -108,7 +110,8 @@ async fn create(State(s): State<AppState>, headers: HeaderMap, body: axum::body:
         let ms = rand::rng().random_range(0..=s.faults.work_ms);
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
-    let fail = s.faults.hypervisor_fail_rate > 0.0 && rand::rng().random_bool(s.faults.hypervisor_fail_rate.clamp(0.0, 1.0));
+    let fail =
+        s.faults.hypervisor_fail_rate > 0.0 && rand::rng().random_bool(s.faults.hypervisor_fail_rate.clamp(0.0, 1.0));
     match blocking(move || s.infra.create(&owner, spec, fail)).await {
         Ok(w) => (
             StatusCode::CREATED,
@@ -145,7 +148,9 @@ async fn reboot(State(s): State<AppState>, headers: HeaderMap, Path(id): Path<St
         return problem(StatusCode::UNAUTHORIZED, "send Authorization: Bearer <token>");
     };
     match blocking(move || s.infra.reboot(&owner, &id)).await {
-        Ok(w) => (StatusCode::ACCEPTED, axum::Json(serde_json::json!({"id": w.id, "reboots": w.reboots}))).into_response(),
+        Ok(w) => {
+            (StatusCode::ACCEPTED, axum::Json(serde_json::json!({"id": w.id, "reboots": w.reboots}))).into_response()
+        }
         Err(e) => state_error(e),
     }
 }

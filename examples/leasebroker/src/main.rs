@@ -42,7 +42,7 @@ struct ServeArgs {
     /// Listen address.
     #[arg(long, default_value = "127.0.0.1:8080")]
     addr: String,
-    /// Record store: `redb:PATH` or `memory`.
+    /// Record store: `redb:PATH`, `sqlite:PATH`, `redis://HOST:PORT`, `postgres://USER@HOST/DB` or `memory`.
     #[arg(long, default_value = "redb:leasebroker.redb")]
     store: StoreSpec,
     /// Infra state file when the store is not redb.
@@ -76,7 +76,12 @@ struct FaultArgs {
 
 impl From<FaultArgs> for Faults {
     fn from(f: FaultArgs) -> Self {
-        Faults { drop_rate: f.drop_rate, hold_ms: f.hold_ms, work_ms: f.work_ms, hypervisor_fail_rate: f.hypervisor_fail_rate }
+        Faults {
+            drop_rate: f.drop_rate,
+            hold_ms: f.hold_ms,
+            work_ms: f.work_ms,
+            hypervisor_fail_rate: f.hypervisor_fail_rate,
+        }
     }
 }
 
@@ -116,9 +121,7 @@ impl StormArgs {
 #[tokio::main]
 async fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
     match run(Cli::parse()).await {
@@ -133,7 +136,7 @@ async fn main() -> ExitCode {
 async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     match cli.command {
         Command::Serve(args) => {
-            let (store, infra) = open(&args.store, &args.state)?;
+            let (store, infra) = open(&args.store, &args.state).await?;
             let policy = Policy::default()
                 .with_lease_ttl(Duration::from_millis(args.lease_ms))
                 .with_retention(Duration::from_millis(args.retention_ms));
@@ -150,7 +153,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
         Command::Demo { storm } => {
             let dir = tempfile::tempdir()?;
             let path = dir.path().join("leasebroker.redb");
-            let (store, infra) = open(&StoreSpec::Redb(path.clone()), &dir.path().join("state.redb"))?;
+            let (store, infra) = open(&StoreSpec::Redb(path.clone()), &dir.path().join("state.redb")).await?;
             // Faults: a quarter of responses are lost after the work is done, handlers take
             // up to 300 ms (so retries meet in-flight claims), 5% of boots fail.
             let faults = Faults { drop_rate: 0.25, hold_ms: 1_000, work_ms: 300, hypervisor_fail_rate: 0.05 };

@@ -14,11 +14,19 @@ use tokio::task::JoinHandle;
 use crate::app::{Faults, router};
 use crate::state::Infra;
 
-/// Where records go: `redb:PATH` (or a bare path ending in `.redb`) or `memory`.
+/// Where records go: `redb:PATH` (or a bare path ending in `.redb`), `sqlite:PATH`,
+/// `redis://…`, `postgres://…` or `memory`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StoreSpec {
     /// One redb file holding both the idempotency records and the simulated infra.
     Redb(PathBuf),
+    /// Records in a SQLite file; infra state in the `--state` redb file.
+    Sqlite(PathBuf),
+    /// Records in Redis at this URL; infra state in the `--state` redb file.
+    Redis(String),
+    /// Records in PostgreSQL at this URL (schema `idem`, migrated on start); infra state
+    /// in the `--state` redb file.
+    Postgres(String),
     /// Records in memory (lost on restart); infra state in the `--state` redb file.
     Memory,
 }
@@ -28,12 +36,20 @@ impl std::str::FromStr for StoreSpec {
     fn from_str(s: &str) -> Result<Self, String> {
         if s == "memory" {
             Ok(StoreSpec::Memory)
+        } else if let Some(p) = s.strip_prefix("sqlite:") {
+            Ok(StoreSpec::Sqlite(PathBuf::from(p)))
+        } else if s.starts_with("redis://") || s.starts_with("rediss://") {
+            Ok(StoreSpec::Redis(s.to_string()))
+        } else if s.starts_with("postgres://") || s.starts_with("postgresql://") {
+            Ok(StoreSpec::Postgres(s.to_string()))
         } else if let Some(p) = s.strip_prefix("redb:") {
             Ok(StoreSpec::Redb(PathBuf::from(p)))
         } else if s.ends_with(".redb") {
             Ok(StoreSpec::Redb(PathBuf::from(s)))
         } else {
-            Err(format!("unknown store {s:?}: use redb:PATH or memory"))
+            Err(format!(
+                "unknown store {s:?}: use redb:PATH, sqlite:PATH, redis://HOST:PORT, postgres://USER@HOST/DB or memory"
+            ))
         }
     }
 }
@@ -62,18 +78,36 @@ fn open_err(what: impl Into<String>, e: impl std::fmt::Display) -> ServerError {
 ///
 /// # Errors
 /// [`ServerError::Open`] when a file cannot be opened.
-pub fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>, Infra), ServerError> {
+pub async fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>, Infra), ServerError> {
+    let infra_file = || -> Result<Infra, ServerError> {
+        let db = Database::create(state_path).map_err(|e| open_err(state_path.display().to_string(), e))?;
+        Infra::new(Arc::new(db)).map_err(|e| open_err("infra tables", e))
+    };
     match spec {
         StoreSpec::Redb(path) => {
-            let store = RedbStore::open(path, RedbConfig::default()).map_err(|e| open_err(path.display().to_string(), e))?;
+            let store =
+                RedbStore::open(path, RedbConfig::default()).map_err(|e| open_err(path.display().to_string(), e))?;
             let infra = Infra::new(store.database()).map_err(|e| open_err("infra tables", e))?;
             Ok((Arc::new(store), infra))
         }
-        StoreSpec::Memory => {
-            let db = Database::create(state_path).map_err(|e| open_err(state_path.display().to_string(), e))?;
-            let infra = Infra::new(Arc::new(db)).map_err(|e| open_err("infra tables", e))?;
-            Ok((Arc::new(MemoryStore::new()), infra))
+        StoreSpec::Sqlite(path) => {
+            let store = idem_sqlite::SqliteStore::open(path).map_err(|e| open_err(path.display().to_string(), e))?;
+            Ok((Arc::new(store), infra_file()?))
         }
+        StoreSpec::Redis(url) => {
+            let store = idem_redis::RedisStore::connect(url, idem_redis::RedisConfig::default())
+                .await
+                .map_err(|e| open_err(url.clone(), e))?;
+            Ok((Arc::new(store), infra_file()?))
+        }
+        StoreSpec::Postgres(url) => {
+            let store = idem_postgres::PostgresStore::connect(url, idem_postgres::PostgresConfig::default())
+                .await
+                .map_err(|e| open_err(url.clone(), e))?;
+            store.migrate().await.map_err(|e| open_err("postgres migrations", e))?;
+            Ok((Arc::new(store), infra_file()?))
+        }
+        StoreSpec::Memory => Ok((Arc::new(MemoryStore::new()), infra_file()?)),
     }
 }
 

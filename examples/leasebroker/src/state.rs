@@ -204,7 +204,8 @@ impl Infra {
     pub fn stats(&self) -> Result<Stats, StateError> {
         let tx = self.db.begin_read().map_err(storage)?;
         let counters = tx.open_table(COUNTERS).map_err(storage)?;
-        let get = |n: &str| -> Result<u64, StateError> { Ok(counters.get(n).map_err(storage)?.map_or(0, |v| v.value())) };
+        let get =
+            |n: &str| -> Result<u64, StateError> { Ok(counters.get(n).map_err(storage)?.map_or(0, |v| v.value())) };
         let workers = tx.open_table(WORKERS).map_err(storage)?;
         let mut live = 0;
         for entry in workers.iter().map_err(storage)? {

@@ -110,9 +110,10 @@ async fn stats(http: &reqwest::Client, target: &str) -> Result<Stats, StormError
 /// # Errors
 /// [`StormError`] when the server's counters cannot be read.
 pub async fn run(cfg: StormConfig) -> Result<StormReport, StormError> {
-    let http = reqwest::Client::builder().pool_max_idle_per_host(cfg.concurrency).build().map_err(|e| {
-        StormError::Stats(cfg.target.clone(), e.to_string())
-    })?;
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(cfg.concurrency)
+        .build()
+        .map_err(|e| StormError::Stats(cfg.target.clone(), e.to_string()))?;
     let before = stats(&http, &cfg.target).await?;
     let policy = RetryPolicy::default()
         .with_attempt_timeout(Duration::from_millis(cfg.attempt_timeout_ms))

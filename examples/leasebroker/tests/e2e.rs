@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 const SPEC: &str = r#"{"image":"worker-base:2025.11","cpu":16,"memory_gb":64,"labels":{"team":"ml-eval"}}"#;
 
 async fn start(path: &Path, faults: Faults) -> Server {
-    let (store, infra) = open(&StoreSpec::Redb(path.to_path_buf()), &path.with_extension("state")).unwrap();
+    let (store, infra) = open(&StoreSpec::Redb(path.to_path_buf()), &path.with_extension("state")).await.unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     Server::start(listener, store, infra, Policy::default().with_lease_ttl(Duration::from_secs(3)), faults).unwrap()
 }
@@ -162,4 +162,44 @@ async fn storm_with_lost_responses_makes_no_phantom_workers() {
     // The faults really fired: some answers were lost and replayed.
     assert!(report.transport_errors > 0 && report.replays > 0, "{report:?}");
     server.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn every_store_flag_serves_create_replay_and_mismatch() {
+    // The same curl-level contract on each backend the `--store` flag accepts, against the
+    // real Redis and PostgreSQL on loopback.
+    let dir = tempfile::tempdir().unwrap();
+    let redis = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let postgres =
+        std::env::var("IDEM_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let specs = [
+        format!("sqlite:{}", dir.path().join("lb.sqlite").display()),
+        redis,
+        postgres,
+        "memory".to_string(),
+        format!("redb:{}", dir.path().join("lb.redb").display()),
+    ];
+    let http = reqwest::Client::new();
+    for (i, spec) in specs.iter().enumerate() {
+        let store_spec: StoreSpec = spec.parse().unwrap();
+        let (store, infra) = open(&store_spec, &dir.path().join(format!("state-{i}.redb")))
+            .await
+            .unwrap_or_else(|e| panic!("{spec}: {e} (scripts/services starts Redis and PostgreSQL)"));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = Server::start(listener, store, infra, Policy::default(), Faults::default()).unwrap();
+        let base = server.url();
+        // Fresh principal per run: the shared servers keep records for 24 h.
+        let token = uuid::Uuid::new_v4().to_string();
+        let first = create(&http, &base, &token, Some("k-1"), SPEC).await;
+        assert_eq!(first.status(), 201, "{spec}");
+        let location = header(&first, "location");
+        let again = create(&http, &base, &token, Some("k-1"), SPEC).await;
+        assert_eq!(again.status(), 201, "{spec}");
+        assert_eq!(header(&again, "location"), location, "{spec}");
+        assert_eq!(header(&again, "idempotent-replayed").as_deref(), Some("true"), "{spec}");
+        let mismatch = create(&http, &base, &token, Some("k-1"), &SPEC.replace("16", "8")).await;
+        assert_eq!(mismatch.status(), 409, "{spec}");
+        assert_eq!(stats(&http, &base).await.workers, 1, "{spec}");
+        server.stop().await.unwrap();
+    }
 }
