@@ -154,8 +154,43 @@ pub(crate) fn store_pg(operation: &'static str, e: tokio_postgres::Error) -> Sto
     StoreError::unavailable(BACKEND, message, retryable, e)
 }
 
+/// A compare-and-set kept losing to claims its snapshot could not see.
+#[derive(Debug, thiserror::Error)]
+#[error("the record changed under every compare-and-set attempt")]
+struct Contention;
+
+/// The retryable error for a compare-and-set that ran out of attempts.
+pub(crate) fn contention(operation: &'static str) -> StoreError {
+    StoreError::unavailable(BACKEND, format!("{operation}: contention"), true, Contention)
+}
+
 /// A pool error during a store operation, as the trait's error.
 pub(crate) fn store_pool(operation: &'static str, e: PoolError) -> StoreError {
     let retryable = is_retryable_pool(&e);
     StoreError::unavailable(BACKEND, format!("{operation}: no connection"), retryable, e)
+}
+
+#[cfg(test)]
+mod tests {
+    use deadpool_postgres::TimeoutType;
+
+    use super::*;
+
+    #[test]
+    fn pool_errors() {
+        assert!(is_retryable_pool(&PoolError::Timeout(TimeoutType::Wait)));
+        assert!(is_retryable_pool(&PoolError::Timeout(TimeoutType::Create)));
+        assert!(!is_retryable_pool(&PoolError::Closed));
+        assert!(!is_retryable_pool(&PoolError::NoRuntimeSpecified));
+    }
+
+    #[test]
+    fn codes() {
+        for code in ["40001", "40P01", "57P01", "57P02", "57P03", "53300", "08006", "08001", "55P03", "57014"] {
+            assert!(is_retryable_code(&SqlState::from_code(code)), "{code}");
+        }
+        for code in ["42601", "42P01", "23505", "28P01", "3F000", "22003"] {
+            assert!(!is_retryable_code(&SqlState::from_code(code)), "{code}");
+        }
+    }
 }

@@ -18,7 +18,9 @@
 //!   the row as it was before the upsert, so "this call claimed" is read from the
 //!   `claim_txid` column, which an insert or replacement sets to the writing transaction's
 //!   `txid_current()` and a live hit leaves alone; `xmax = 0` tells an insert from a
-//!   replacement.
+//!   replacement. The price of returning the row in one statement is that a claim which
+//!   finds a live record still writes one new row version (same values, so a HOT update
+//!   that touches no index), reclaimed by page pruning and autovacuum.
 //! - **reclaim**, **complete**, **fail** are `UPDATE ... WHERE id = $1 AND token = $2 AND
 //!   <conditions> RETURNING ...`: compare-and-set on the fencing token. When the update
 //!   matches nothing, a second statement reads the current row to build
@@ -30,6 +32,13 @@
 //!   FOR UPDATE SKIP LOCKED`: a row a claim is replacing right now is skipped, not waited
 //!   for, and the row lock means a sweep and a claim of one id leave the old record or the
 //!   new claim, never a mix. `VACUUM` of the deleted rows is left to autovacuum.
+//!
+//! # Round trips
+//! Each statement is prepared once per pooled connection (deadpool's statement cache) and
+//! then runs as one round trip. A call takes a connection for one statement (two on the
+//! lost-CAS path) and returns it at once. A connection whose session died (terminated
+//! backend, server restart, broken socket) is detached from the pool rather than returned,
+//! so the next call opens a fresh one instead of failing on the dead one.
 //!
 //! # Time
 //! `now` is the server's `clock_timestamp()` in whole milliseconds, read once per statement
@@ -43,6 +52,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
 use idem_core::codec::CodecError;
+use idem_core::transition::is_reclaimable;
 use idem_core::{
     Capabilities, ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, Principal,
     ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse,
@@ -403,24 +413,68 @@ impl PostgresStore {
         }
     }
 
-    /// The live record and the store's `now` (the slow path of a lost compare-and-set).
-    async fn read(&self, client: Object, id: RecordId) -> Result<(Option<Record>, UnixMillis), StoreError> {
+    /// The live record and the store's `now`, handing the connection back.
+    async fn read(
+        &self,
+        client: Object,
+        id: RecordId,
+        now: Option<i64>,
+    ) -> Result<(Object, Option<Record>, UnixMillis), StoreError> {
         const OP: &str = "reading a record";
-        let now = self.pinned_now();
-        let (_, row) = self.run(client, OP, &self.inner.sql.read, &[&&id.0[..], &now]).await?;
+        let (client, row) = self.run(client, OP, &self.inner.sql.read, &[&&id.0[..], &now]).await?;
         let row = row.ok_or_else(|| corrupt(Some(id), postcard::Error::DeserializeUnexpectedEnd))?;
         let now = UnixMillis(row.try_get(COLUMNS.len()).map_err(|e| store_pg(OP, e))?);
         let present: Option<&[u8]> = row.try_get(0).map_err(|e| store_pg(OP, e))?;
         let record = if present.is_some() { Some(record_at(&row, 0, None)?) } else { None };
-        Ok((record, now))
+        Ok((client, record, now))
     }
 
-    async fn lease_lost(&self, client: Object, id: RecordId, presented: FencingToken) -> StoreError {
-        match self.read(client, id).await {
-            Ok((current, _)) => StoreError::LeaseLost { id, presented, current: current.map(|r| r.token) },
-            Err(e) => e,
+    /// Runs a compare-and-set `UPDATE` (`params` end with the pinned `now`). When it
+    /// matches nothing, reads the record in a fresh statement and returns it as the state
+    /// the CAS lost against.
+    ///
+    /// One case needs care for linearizability: the `UPDATE` finds rows through its
+    /// statement snapshot, so a record inserted by a claim that committed after that
+    /// snapshot is invisible to it but visible to the follow-up read. If the read shows a
+    /// record this CAS would have applied to (`would_apply`, the pure model's rule), the
+    /// miss was that race, not a real conflict, and the `UPDATE` runs again; reporting the
+    /// read would describe an order of events that never happened (e.g. `LeaseLost` whose
+    /// current token is the presented one). Otherwise the read is a valid outcome: the
+    /// operation takes effect, as a no-op, at the read.
+    async fn compare_and_set(
+        &self,
+        operation: &'static str,
+        id: RecordId,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+        now: Option<i64>,
+        would_apply: impl Fn(&Record, UnixMillis) -> bool,
+    ) -> Result<Result<tokio_postgres::Row, (Option<Record>, UnixMillis)>, StoreError> {
+        let mut client = self.client(operation).await?;
+        for _ in 0..CAS_ATTEMPTS {
+            let (c, row) = self.run(client, operation, sql, params).await?;
+            if let Some(row) = row {
+                return Ok(Ok(row));
+            }
+            let (c, current, read_now) = self.read(c, id, now).await?;
+            match current {
+                Some(r) if would_apply(&r, read_now) => client = c,
+                current => return Ok(Err((current, read_now))),
+            }
         }
+        Err(crate::error::contention(operation))
     }
+}
+
+/// How often a compare-and-set runs again after losing only to a claim its snapshot could
+/// not see (see [`PostgresStore::compare_and_set`]). One retry is enough unless the
+/// record is replaced again and again in the same milliseconds.
+const CAS_ATTEMPTS: usize = 4;
+
+/// Whether `token` is the live record's current in-flight claim (the rule complete and fail
+/// check; the read already excludes expired records).
+fn owns(r: &Record, token: FencingToken) -> bool {
+    r.state == RecordState::InFlight && r.token == token
 }
 
 /// A token as the `bigint` column holds it. Tokens above `i64::MAX` cannot exist in the
@@ -568,13 +622,11 @@ impl Store for PostgresStore {
     }
 
     async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
-        const OP: &str = "reclaiming a record";
-        let client = self.client(OP).await?;
         let now = self.pinned_now();
-        let (client, row) = self
-            .run(
-                client,
-                OP,
+        let outcome = self
+            .compare_and_set(
+                "reclaiming a record",
+                req.id,
                 &self.inner.sql.reclaim,
                 &[
                     &&req.id.0[..],
@@ -584,14 +636,13 @@ impl Store for PostgresStore {
                     &req.retention_ms(),
                     &now,
                 ],
+                now,
+                |r, now| is_reclaimable(r, &req, now),
             )
             .await?;
-        match row {
-            Some(row) => Ok(ReclaimOutcome::Reclaimed(record_at(&row, 0, None)?)),
-            None => {
-                let (current, now) = self.read(client, req.id).await?;
-                Ok(ReclaimOutcome::Conflict { current, now })
-            }
+        match outcome {
+            Ok(row) => Ok(ReclaimOutcome::Reclaimed(record_at(&row, 0, None)?)),
+            Err((current, now)) => Ok(ReclaimOutcome::Conflict { current, now }),
         }
     }
 
@@ -601,33 +652,45 @@ impl Store for PostgresStore {
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Record, StoreError> {
-        const OP: &str = "completing a record";
-        let client = self.client(OP).await?;
         let now = self.pinned_now();
         let bytes = encode_response(&response);
-        let (client, row) =
-            self.run(client, OP, &self.inner.sql.complete, &[&&id.0[..], &token_param(token), &bytes, &now]).await?;
-        match row {
-            Some(row) => record_at(&row, 0, Some(response)),
-            None => Err(self.lease_lost(client, id, token).await),
+        let outcome = self
+            .compare_and_set(
+                "completing a record",
+                id,
+                &self.inner.sql.complete,
+                &[&&id.0[..], &token_param(token), &bytes, &now],
+                now,
+                |r, _| owns(r, token),
+            )
+            .await?;
+        match outcome {
+            Ok(row) => record_at(&row, 0, Some(response)),
+            Err((current, _)) => Err(StoreError::LeaseLost { id, presented: token, current: current.map(|r| r.token) }),
         }
     }
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
-        const OP: &str = "marking a record failed";
-        let client = self.client(OP).await?;
         let now = self.pinned_now();
-        let (client, row) =
-            self.run(client, OP, &self.inner.sql.fail, &[&&id.0[..], &token_param(token), &now]).await?;
-        match row {
-            Some(row) => record_at(&row, 0, None),
-            None => Err(self.lease_lost(client, id, token).await),
+        let outcome = self
+            .compare_and_set(
+                "marking a record failed",
+                id,
+                &self.inner.sql.fail,
+                &[&&id.0[..], &token_param(token), &now],
+                now,
+                |r, _| owns(r, token),
+            )
+            .await?;
+        match outcome {
+            Ok(row) => record_at(&row, 0, None),
+            Err((current, _)) => Err(StoreError::LeaseLost { id, presented: token, current: current.map(|r| r.token) }),
         }
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
         let client = self.client("reading a record").await?;
-        Ok(self.read(client, id).await?.0)
+        Ok(self.read(client, id, self.pinned_now()).await?.1)
     }
 
     async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {

@@ -313,3 +313,31 @@ async fn store_from_own_pool() {
     let r = must_claim(&store, claim_req("p", "own-pool", Duration::from_secs(5), Duration::from_secs(60))).await;
     assert_eq!(store.get(r.id).await.expect("get"), Some(r));
 }
+
+/// Errors the server raises are classified by SQLSTATE: a real deadlock (40P01) is
+/// retryable, a syntax error (42601) is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_errors_are_classified() {
+    let store = common::fresh_store(None, 2).await;
+    let t = format!("\"{}\".deadlock", store.guard.name);
+    let a = common::raw().await;
+    let b = common::raw().await;
+    a.batch_execute(&format!("CREATE TABLE {t} (k int PRIMARY KEY, v int); INSERT INTO {t} VALUES (1, 0), (2, 0)"))
+        .await
+        .expect("table");
+    for c in [&a, &b] {
+        c.batch_execute("SET deadlock_timeout = '20ms'; BEGIN").await.expect("begin");
+    }
+    a.execute(&format!("UPDATE {t} SET v = 1 WHERE k = 1"), &[]).await.expect("a locks 1");
+    b.execute(&format!("UPDATE {t} SET v = 1 WHERE k = 2"), &[]).await.expect("b locks 2");
+    let (sa, sb) = (format!("UPDATE {t} SET v = 2 WHERE k = 2"), format!("UPDATE {t} SET v = 2 WHERE k = 1"));
+    let (ra, rb) = tokio::join!(a.execute(&sa, &[]), b.execute(&sb, &[]));
+    let err = ra.err().or(rb.err()).expect("one side is the deadlock victim");
+    assert_eq!(err.code(), Some(&idem_postgres::tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED));
+    assert!(idem_postgres::is_retryable_pg(&err));
+    for c in [&a, &b] {
+        c.batch_execute("ROLLBACK").await.expect("rollback");
+    }
+    let syntax = a.execute("SELEC 1", &[]).await.expect_err("syntax error");
+    assert!(!idem_postgres::is_retryable_pg(&syntax));
+}
