@@ -15,8 +15,15 @@
 //! [`crate::Env::sweep_session`], so its sweeps only remove records already expired in real
 //! time.
 //!
-//! The case count is `IDEM_MODEL_CASES` (default [`DEFAULT_CASES`]); failures are shrunk
-//! to a minimal operation list by proptest and printed.
+//! A second, concurrent part ([`run_batches`]) releases two to four operations at once on
+//! their own tasks and checks the store's outcomes are those of some sequential order of
+//! the same operations on the model (linearizability); non-atomic claims and
+//! compare-and-sets fail it. One relaxation: the record a refusal reports
+//! (`Conflict::current`, `LeaseLost::current`) may be read right after the refusal, so it
+//! may show a write that landed later in the same race.
+//!
+//! The case count is `IDEM_MODEL_CASES` (default [`DEFAULT_CASES`]; the concurrent part runs
+//! half as many); failures are shrunk to a minimal operation list by proptest and printed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -158,8 +165,8 @@ pub fn responses() -> [StoredResponse; 5] {
     ]
 }
 
-/// The proptest strategy for one operation; clock moves favour the interesting edges.
-pub fn op_strategy() -> impl Strategy<Value = Op> {
+/// The proptest strategy for one store operation (claim, reclaim, complete, fail, get).
+pub fn store_op_strategy() -> impl Strategy<Value = Op> {
     let owner = || 0..OWNERS as u8;
     // Skewed towards key 0, so one record sees long histories; the others check isolation.
     let key = || prop_oneof![4 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8), 1 => Just(3u8)];
@@ -173,8 +180,6 @@ pub fn op_strategy() -> impl Strategy<Value = Op> {
         ]
     };
     let fingerprint = || prop_oneof![4 => Just(0u8), 1 => 0..FINGERPRINTS];
-    let ms = prop_oneof![0u16..=2, 999u16..=1_001, 4_999u16..=5_001, 0u16..=6_000];
-    let edge = prop_oneof![3 => Just(Edge::Lease), 1 => Just(Edge::Expiry)];
     prop_oneof![
         4 => (owner(), key(), fingerprint(), 0..3u8, 0..3u8).prop_map(|(owner, key, fingerprint, lease, retention)| {
             Op::Claim { owner, key, fingerprint, lease, retention }
@@ -185,11 +190,26 @@ pub fn op_strategy() -> impl Strategy<Value = Op> {
         3 => (owner(), key(), token(), 0..5u8).prop_map(|(owner, key, token, response)| Op::Complete { owner, key, token, response }),
         2 => (owner(), key(), token()).prop_map(|(owner, key, token)| Op::Fail { owner, key, token }),
         2 => (owner(), key()).prop_map(|(owner, key)| Op::Get { owner, key }),
+    ]
+}
+
+/// The proptest strategy for a clock move or a sweep; clock moves favour the interesting
+/// edges (a lease end or `expires_at` exactly, and one ms either side).
+pub fn time_op_strategy() -> impl Strategy<Value = Op> {
+    let key = prop_oneof![4 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8), 1 => Just(3u8)];
+    let ms = prop_oneof![0u16..=2, 999u16..=1_001, 4_999u16..=5_001, 0u16..=6_000];
+    let edge = prop_oneof![3 => Just(Edge::Lease), 1 => Just(Edge::Expiry)];
+    prop_oneof![
         1 => (0u8..6).prop_map(|limit| Op::Sweep { limit }),
         3 => ms.prop_map(|ms| Op::Advance { ms }),
-        3 => (key(), edge, prop_oneof![1 => Just(-1i8), 2 => Just(0i8), 1 => Just(1i8)])
+        3 => (key, edge, prop_oneof![1 => Just(-1i8), 2 => Just(0i8), 1 => Just(1i8)])
             .prop_map(|(key, edge, delta)| Op::AdvanceTo { key, edge, delta }),
     ]
+}
+
+/// The proptest strategy for one operation of any kind.
+pub fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![14 => store_op_strategy(), 7 => time_op_strategy()]
 }
 
 /// The strategy for a whole sequence (1 to [`MAX_OPS`] operations).
@@ -222,6 +242,15 @@ pub fn run(make: impl FnOnce() -> Arc<dyn Backend>) {
         Ok(stats) => {
             eprintln!("idem-conformance model_based: {cases} cases passed in {:.2?}: {stats:?}", started.elapsed())
         }
+        Err(e) => panic!("{e}"),
+    }
+    let concurrent = cases.div_ceil(2);
+    let started = Instant::now();
+    match check_concurrent(&rt, &backend, concurrent) {
+        Ok(stats) => eprintln!(
+            "idem-conformance model_based: {concurrent} concurrent cases passed in {:.2?}: {stats:?}",
+            started.elapsed()
+        ),
         Err(e) => panic!("{e}"),
     }
 }
@@ -536,4 +565,362 @@ async fn sweep(
         return Err(format!("op #{i}: sweeps removed {total} records in all, the model {removed}"));
     }
     Ok(total)
+}
+
+/// One step of the concurrent model test: two to four store operations released together
+/// by a barrier, each on its own task, then one clock move or sweep.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Batch {
+    /// Claim, reclaim, complete, fail or get operations racing each other.
+    pub ops: Vec<Op>,
+    /// Runs alone after the race: `Advance`, `AdvanceTo` or `Sweep`.
+    pub then: Op,
+}
+
+/// Longest generated batch list.
+pub const MAX_BATCHES: usize = 16;
+
+/// The strategy for a concurrent run (1 to [`MAX_BATCHES`] batches of 2 to 4 racing operations).
+pub fn batches_strategy() -> impl Strategy<Value = Vec<Batch>> {
+    let batch = (proptest::collection::vec(store_op_strategy(), 2..=4), time_op_strategy())
+        .prop_map(|(ops, then)| Batch { ops, then });
+    proptest::collection::vec(batch, 1..MAX_BATCHES)
+}
+
+/// A store operation with its request fixed (tokens resolved before the race).
+#[derive(Clone, Debug)]
+enum Prepared {
+    Claim(ClaimRequest),
+    Reclaim(ReclaimRequest),
+    Complete(RecordId, FencingToken, StoredResponse),
+    Fail(RecordId, FencingToken),
+    Get(RecordId),
+}
+
+impl Prepared {
+    fn id(&self) -> RecordId {
+        match self {
+            Prepared::Claim(r) => r.id,
+            Prepared::Reclaim(r) => r.id,
+            Prepared::Complete(id, ..) | Prepared::Fail(id, _) | Prepared::Get(id) => *id,
+        }
+    }
+}
+
+/// Whether the store's outcome `s` is the model's `m`. A refusal's report of the current
+/// record (`Conflict::current`, `LeaseLost::current`) may have been read just after the
+/// refusal (a second statement), so it may also be the record as it stood at any later
+/// point of the same race (`later`, in order); the refusal itself must be exact.
+fn same_outcome(m: &Outcome, s: &Outcome, later: &[Option<Record>]) -> bool {
+    if m == s {
+        return true;
+    }
+    match (m, s) {
+        (
+            Outcome::Reclaim(ReclaimOutcome::Conflict { now: a, .. }),
+            Outcome::Reclaim(ReclaimOutcome::Conflict { current, now: b }),
+        ) => a == b && later.iter().any(|r| r == current),
+        (Outcome::Write(Err((id_a, presented_a, _))), Outcome::Write(Err((id_b, presented_b, current)))) => {
+            (id_a, presented_a) == (id_b, presented_b) && later.iter().any(|r| r.as_ref().map(|r| r.token) == *current)
+        }
+        _ => false,
+    }
+}
+
+/// What one operation returned, comparable between store and model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Outcome {
+    Claim(ClaimOutcome),
+    Reclaim(ReclaimOutcome),
+    /// `Err` is `LeaseLost { id, presented, current }`.
+    Write(Result<Record, (RecordId, FencingToken, Option<FencingToken>)>),
+    Get(Option<Record>),
+}
+
+fn lease_lost_parts(e: StoreError) -> Result<(RecordId, FencingToken, Option<FencingToken>), String> {
+    match e {
+        StoreError::LeaseLost { id, presented, current } => Ok((id, presented, current)),
+        other => Err(format!("store error: {other}")),
+    }
+}
+
+fn on_model(model: &mut Model, p: &Prepared, now: UnixMillis) -> Outcome {
+    let lost = |e: StoreError| match e {
+        StoreError::LeaseLost { id, presented, current } => (id, presented, current),
+        // The model only ever refuses with LeaseLost.
+        _ => (RecordId([0; 32]), FencingToken(0), None),
+    };
+    match p {
+        Prepared::Claim(req) => Outcome::Claim(model.claim(req, now)),
+        Prepared::Reclaim(req) => Outcome::Reclaim(model.reclaim(req, now)),
+        Prepared::Complete(id, t, resp) => Outcome::Write(model.complete(*id, *t, resp.clone(), now).map_err(lost)),
+        Prepared::Fail(id, t) => Outcome::Write(model.fail(*id, *t, now).map_err(lost)),
+        Prepared::Get(id) => Outcome::Get(model.get(*id, now)),
+    }
+}
+
+async fn on_store(store: &dyn Store, p: Prepared) -> Result<Outcome, String> {
+    let write = |r: Result<Record, StoreError>| match r {
+        Ok(r) => Ok(Outcome::Write(Ok(r))),
+        Err(e) => lease_lost_parts(e).map(|l| Outcome::Write(Err(l))),
+    };
+    match p {
+        Prepared::Claim(req) => store.claim(req).await.map(Outcome::Claim).map_err(|e| format!("claim: {e}")),
+        Prepared::Reclaim(req) => store.reclaim(req).await.map(Outcome::Reclaim).map_err(|e| format!("reclaim: {e}")),
+        Prepared::Complete(id, t, resp) => write(store.complete(id, t, resp).await),
+        Prepared::Fail(id, t) => write(store.fail(id, t).await),
+        Prepared::Get(id) => store.get(id).await.map(Outcome::Get).map_err(|e| format!("get: {e}")),
+    }
+}
+
+/// Every order of `0..n`.
+fn permutations(n: usize) -> Vec<Vec<usize>> {
+    if n == 0 {
+        return vec![vec![]];
+    }
+    let mut out = Vec::new();
+    for rest in permutations(n - 1) {
+        for at in 0..=rest.len() {
+            let mut p = rest.clone();
+            p.insert(at, n - 1);
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// The shared state of a run: the model, what owners hold, the key space.
+struct World {
+    model: Model,
+    owners: Owners,
+    parts: Vec<(Scope, IdempotencyKey)>,
+    ids: Vec<RecordId>,
+    responses: [StoredResponse; 5],
+}
+
+impl World {
+    fn new(namespace: &str) -> Self {
+        let parts: Vec<(Scope, IdempotencyKey)> = (0..KEYS).map(|k| key_parts(namespace, k)).collect();
+        let ids = parts.iter().map(|(s, k)| s.record_id(k)).collect();
+        Self { model: Model::new(), owners: Owners::default(), parts, ids, responses: responses() }
+    }
+
+    /// Fixes `op`'s request; `None` for clock moves and sweeps.
+    fn prepare(&self, op: &Op) -> Option<(usize, usize, Prepared)> {
+        let ok = |owner: u8, key: u8| (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
+        Some(match *op {
+            Op::Claim { owner, key, fingerprint: f, lease, retention } => {
+                let (o, k) = ok(owner, key);
+                let (scope, idem_key) = self.parts[k].clone();
+                let req = ClaimRequest::new(
+                    scope,
+                    idem_key,
+                    fingerprint(f),
+                    ms(&LEASES_MS, lease),
+                    ms(&RETENTIONS_MS, retention),
+                );
+                (o, k, Prepared::Claim(req))
+            }
+            Op::Reclaim { owner, key, fingerprint: f, token, lease, retention } => {
+                let (o, k) = ok(owner, key);
+                let req = ReclaimRequest {
+                    id: self.ids[k],
+                    expected: self.owners.token(o, k, token),
+                    fingerprint: fingerprint(f),
+                    lease_ttl: ms(&LEASES_MS, lease),
+                    retention: ms(&RETENTIONS_MS, retention),
+                };
+                (o, k, Prepared::Reclaim(req))
+            }
+            Op::Complete { owner, key, token, response } => {
+                let (o, k) = ok(owner, key);
+                let resp = self.responses[usize::from(response) % self.responses.len()].clone();
+                (o, k, Prepared::Complete(self.ids[k], self.owners.token(o, k, token), resp))
+            }
+            Op::Fail { owner, key, token } => {
+                let (o, k) = ok(owner, key);
+                (o, k, Prepared::Fail(self.ids[k], self.owners.token(o, k, token)))
+            }
+            Op::Get { owner, key } => {
+                let (o, k) = ok(owner, key);
+                (o, k, Prepared::Get(self.ids[k]))
+            }
+            Op::Sweep { .. } | Op::Advance { .. } | Op::AdvanceTo { .. } => return None,
+        })
+    }
+
+    /// Records what owner `o` learnt about key `k` from `outcome`, and counts it.
+    fn learn(&mut self, o: usize, k: usize, outcome: &Outcome, stats: &mut RunStats) -> Result<(), String> {
+        let (held, seen, record) = match outcome {
+            Outcome::Claim(ClaimOutcome::Claimed(r)) => {
+                stats.claimed += 1;
+                (true, true, Some(r))
+            }
+            Outcome::Claim(ClaimOutcome::Existing { record, .. }) => {
+                stats.existing += 1;
+                (false, true, Some(record))
+            }
+            Outcome::Reclaim(ReclaimOutcome::Reclaimed(r)) => {
+                stats.reclaimed += 1;
+                (true, true, Some(r))
+            }
+            Outcome::Reclaim(ReclaimOutcome::Conflict { current, .. }) => {
+                stats.reclaim_conflicts += 1;
+                (false, true, current.as_ref())
+            }
+            Outcome::Write(Ok(r)) => {
+                stats.writes += 1;
+                (false, false, Some(r))
+            }
+            Outcome::Write(Err(_)) => {
+                stats.lease_lost += 1;
+                (false, false, None)
+            }
+            Outcome::Get(r) => {
+                stats.hits += u64::from(r.is_some());
+                (false, true, r.as_ref())
+            }
+        };
+        if let Some(r) = record {
+            check_record(r)?;
+            if held {
+                self.owners.held[o][k] = Some(r.token);
+            }
+            if seen {
+                self.owners.seen[o][k] = Some(r.token);
+            }
+        }
+        Ok(())
+    }
+
+    /// A clock move (the model's records give the edges).
+    fn move_clock(&self, clock: &ManualClock, op: &Op) {
+        let now = clock.now();
+        match *op {
+            Op::Advance { ms } => clock.advance_ms(i64::from(ms % 12_001)),
+            Op::AdvanceTo { key, edge, delta } => {
+                if let Some(r) = self.model.get(self.ids[usize::from(key) % KEYS], now) {
+                    let at = match edge {
+                        Edge::Lease => r.lease_expires_at,
+                        Edge::Expiry => r.expires_at,
+                    };
+                    let target = at.0 + i64::from(delta.signum());
+                    if target > now.0 {
+                        clock.set(UnixMillis(target));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Runs `batches` against `store`: each batch's operations race on their own tasks, then
+/// the outcomes must be those of some sequential order of the same operations on the model
+/// (linearizability, checked over every order of at most 4 operations); the model adopts
+/// that order. Claims, reclaims, completes and fails that are not atomic show up here.
+///
+/// # Errors
+/// The first batch no order explains (or a store error, or a broken record invariant).
+pub async fn run_batches(
+    store: Arc<dyn Store>,
+    clock: &ManualClock,
+    namespace: &str,
+    batches: &[Batch],
+) -> Result<RunStats, String> {
+    let native = store.capabilities().native_expiry;
+    let mut world = World::new(namespace);
+    let mut stats = RunStats::default();
+    for (b, batch) in batches.iter().enumerate() {
+        let now = clock.now();
+        let prepared: Vec<(usize, usize, Prepared)> = batch.ops.iter().filter_map(|op| world.prepare(op)).collect();
+        stats.ops += prepared.len() as u64 + 1;
+        let barrier = Arc::new(tokio::sync::Barrier::new(prepared.len()));
+        let tasks: Vec<_> = prepared
+            .iter()
+            .map(|(_, _, p)| {
+                let (store, barrier, p) = (Arc::clone(&store), Arc::clone(&barrier), p.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    on_store(store.as_ref(), p).await
+                })
+            })
+            .collect();
+        let mut seen = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            let outcome = t.await.map_err(|e| format!("batch #{b}: a task died: {e}"))?;
+            seen.push(outcome.map_err(|e| format!("batch #{b} {:?}: {e}", batch.ops))?);
+        }
+        let explained = permutations(prepared.len()).into_iter().find_map(|order| {
+            let mut model = world.model.clone();
+            // Each operation's model outcome, and the records its key held from its turn on.
+            let mut outcomes: Vec<Option<Outcome>> = vec![None; prepared.len()];
+            let mut later: Vec<Vec<Option<Record>>> = vec![Vec::new(); prepared.len()];
+            for (pos, &i) in order.iter().enumerate() {
+                outcomes[i] = Some(on_model(&mut model, &prepared[i].2, now));
+                for &j in &order[..=pos] {
+                    later[j].push(model.get(prepared[j].2.id(), now));
+                }
+            }
+            let explains = outcomes
+                .iter()
+                .zip(&seen)
+                .zip(&later)
+                .all(|((m, s), later)| m.as_ref().is_some_and(|m| same_outcome(m, s, later)));
+            explains.then_some((model, order))
+        });
+        let Some((model, order)) = explained else {
+            return Err(format!(
+                "batch #{b}: no sequential order of the racing operations {:?} explains what the store returned: {seen:#?}",
+                batch.ops
+            ));
+        };
+        world.model = model;
+        for i in order {
+            let (o, k, _) = prepared[i];
+            world.learn(o, k, &seen[i], &mut stats)?;
+        }
+        match batch.then {
+            Op::Sweep { limit } => {
+                stats.swept += sweep(b, store.as_ref(), &mut world.model, now, usize::from(limit % 6), native).await?;
+            }
+            ref op => world.move_clock(clock, op),
+        }
+    }
+    Ok(stats)
+}
+
+/// Runs `cases` random batch lists against fresh stores of `backend` (see [`run_batches`]).
+///
+/// # Errors
+/// The shrunk failing batch list and the first unexplained batch.
+pub fn check_concurrent(
+    rt: &tokio::runtime::Runtime,
+    backend: &Arc<dyn Backend>,
+    cases: u32,
+) -> Result<RunStats, String> {
+    let _sweeps = crate::blocking_sweep_lock();
+    let total = std::sync::Mutex::new(RunStats::default());
+    let config = Config { cases, failure_persistence: None, ..Config::default() };
+    let mut runner = TestRunner::new(config);
+    let outcome = runner.run(&batches_strategy(), |batches| {
+        rt.block_on(async {
+            let clock = ManualClock::starting_now();
+            let store = backend.open(clock.clone()).await;
+            if !store.capabilities().native_expiry {
+                clock.set(UnixMillis(clock.now_ms() - crate::SWEEP_REWIND_MS));
+            }
+            let namespace = format!("model-{}", uuid::Uuid::new_v4().simple());
+            run_batches(store, &clock, &namespace, &batches).await
+        })
+        .map(|stats| total.lock().unwrap_or_else(std::sync::PoisonError::into_inner).add(&stats))
+        .map_err(TestCaseError::fail)
+    });
+    match outcome {
+        Ok(()) => Ok(total.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner)),
+        Err(TestError::Fail(reason, batches)) => Err(format!(
+            "the store is not linearizable against the model: {reason}\nminimal failing batches: {batches:#?}"
+        )),
+        Err(e) => Err(format!("concurrent model test aborted: {e}")),
+    }
 }

@@ -283,6 +283,20 @@ async fn inclusive_lease_end_is_caught() {
 }
 
 #[test]
+fn concurrent_model_test_catches_the_check_then_insert_claim() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().expect("runtime");
+    let correct: Arc<dyn Backend> = Arc::new(Broken(Bug::None));
+    if let Err(e) = model_test::check_concurrent(&rt, &correct, 128) {
+        panic!("the concurrent model test fails the correct store: {e}");
+    }
+    let broken: Arc<dyn Backend> = Arc::new(Broken(Bug::CheckThenInsert));
+    match model_test::check_concurrent(&rt, &broken, 512) {
+        Ok(stats) => panic!("the concurrent model test passed a check-then-insert claim: {stats:?}"),
+        Err(e) => eprintln!("concurrent model test on CheckThenInsert: {}", e.lines().next().unwrap_or_default()),
+    }
+}
+
+#[test]
 fn model_test_passes_the_correct_store_and_catches_each_sequential_bug() {
     assert!(!model_test_fails(Bug::None), "the model test fails the correct store");
     for bug in [
