@@ -74,8 +74,8 @@ impl NaiveStore {
     }
 }
 
-fn request(caller: usize, round: usize, n: u64) -> ClaimRequest {
-    let scope = Scope::new(format!("bench-{caller}"), Endpoint::new("POST", "/v1/workers")).expect("scope");
+fn request(column: usize, caller: usize, round: usize, n: u64) -> ClaimRequest {
+    let scope = Scope::new(format!("bench-{column}-{caller}"), Endpoint::new("POST", "/v1/workers")).expect("scope");
     let key = IdempotencyKey::parse(format!("r{round}-k{n}").as_bytes()).expect("key");
     ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"{}"), Duration::from_secs(300), Duration::from_secs(86_400))
 }
@@ -84,7 +84,8 @@ fn response() -> StoredResponse {
     StoredResponse::new(201, vec![("location".into(), b"/v1/workers/w-1".to_vec())], vec![b'x'; 256])
 }
 
-/// One column of the table: a store on its own file, kept open across the slices.
+/// One column of the table: a store kept open across the slices. All columns share one
+/// database file, so that the file's layout and the disk's mood cannot favour one.
 #[derive(Clone)]
 enum Column {
     Group(RedbStore),
@@ -92,8 +93,7 @@ enum Column {
 }
 
 impl Column {
-    fn open(path: &std::path::Path, linger: Option<Linger>) -> Self {
-        let db = Arc::new(Database::create(path).expect("database"));
+    fn open(db: Arc<Database>, linger: Option<Linger>) -> Self {
         match linger {
             Some(linger) => {
                 Column::Group(RedbStore::open_with(db, RedbConfig::default().with_linger(linger)).expect("store"))
@@ -122,7 +122,7 @@ impl Column {
 
 /// Runs `callers` loops of claim -> complete for `secs`; returns cycles per second and,
 /// for the group-commit store, operations per batch in this slice.
-async fn run(column: &Column, callers: usize, secs: f64, round: usize) -> (f64, Option<f64>) {
+async fn run(column: &Column, index: usize, callers: usize, secs: f64, round: usize) -> (f64, Option<f64>) {
     let stats_before = match column {
         Column::Group(store) => Some(store.batch_stats()),
         Column::Naive(_) => None,
@@ -136,7 +136,7 @@ async fn run(column: &Column, callers: usize, secs: f64, round: usize) -> (f64, 
         tasks.push(tokio::spawn(async move {
             let mut n = 0u64;
             while Instant::now() < deadline {
-                column.cycle(request(caller, round, n)).await?;
+                column.cycle(request(index, caller, round, n)).await?;
                 n += 1;
                 cycles.fetch_add(1, Ordering::Relaxed);
             }
@@ -167,26 +167,23 @@ async fn main() {
     let adaptive = RedbConfig::default().linger;
     let lingers = [None, Some(Linger::None), Some(adaptive)];
     println!("claim -> complete cycles per second (2 durable writes per cycle), {secs} s per cell, run as {rounds}");
-    println!("interleaved slices on files warmed up first, so that a change in machine load hits every");
+    println!("interleaved slices on one warmed-up file, so that a change in machine load hits every");
     println!("column alike. `default` is RedbConfig::default(): {adaptive:?}.");
     println!(
         "{:>8} {:>10} {:>18} {:>8} {:>10} {:>18} {:>8} {:>10}",
         "callers", "naive", "group, no linger", "ratio", "ops/batch", "group, default", "ratio", "ops/batch"
     );
     for callers in [1, 32] {
-        let columns: Vec<Column> = lingers
-            .iter()
-            .enumerate()
-            .map(|(i, linger)| Column::open(&dir.path().join(format!("c{callers}-{i}.redb")), *linger))
-            .collect();
-        for column in &columns {
-            run(column, callers, 0.3, 0).await;
+        let db = Arc::new(Database::create(dir.path().join(format!("callers-{callers}.redb"))).expect("database"));
+        let columns: Vec<Column> = lingers.iter().map(|linger| Column::open(Arc::clone(&db), *linger)).collect();
+        for (i, column) in columns.iter().enumerate() {
+            run(column, i, callers, 0.3, 0).await;
         }
         let mut rate = [0.0f64; 3];
         let mut per_batch: [Vec<f64>; 3] = Default::default();
         for round in 1..=rounds {
             for (i, column) in columns.iter().enumerate() {
-                let (r, b) = run(column, callers, secs / rounds as f64, round).await;
+                let (r, b) = run(column, i, callers, secs / rounds as f64, round).await;
                 rate[i] += r / rounds as f64;
                 per_batch[i].extend(b);
             }
