@@ -39,14 +39,15 @@
 //! ```
 //!
 //! # Layout
-//! - [`store`]: [`RedbStore`], [`RedbConfig`], [`Linger`], [`Durability`], and the two tables:
-//!   [`store::RECORDS`] (`idem_records`: 32-byte record id -> encoded record) and
+//! - [`store`]: [`RedbStore`], [`RedbConfig`], [`Linger`], [`Durability`], and the tables:
+//!   [`store::RECORDS`] (`idem_records`: 32-byte record id -> encoded record),
 //!   [`store::EXPIRY`] (`idem_expiry`: (`expires_at` ms, record id) -> `()`), which `sweep`
 //!   range-scans so it deletes expired records in bounded batches without reading the rest;
 //!   and [`store::JOURNAL`] (`idem_journal`: (record id, entry name) -> bytes), the steps
 //!   and intents of resumable handlers, removed with their record.
 //! - `writer` (private): the group-commit writer thread. Every write is a read-compute-write
 //!   through [`idem_core::transition`], the same rules the in-memory store runs.
+//! - `queue` (private): the hand-off from async callers to the writer.
 //! - [`error`]: [`RedbStoreError`], redb's errors kept as `source` and mapped into
 //!   [`StoreError::Unavailable`](idem_core::StoreError::Unavailable) with a retryable flag.
 //!
@@ -58,7 +59,9 @@
 //! The application may keep its own tables in the same file: open the [`redb::Database`]
 //! yourself and pass it to [`RedbStore::open_with`], or take it from
 //! [`RedbStore::database`]. The store only writes the tables named `idem_records`,
-//! `idem_expiry` and `idem_journal`.
+//! `idem_expiry` and `idem_journal`. The application's write transactions take turns with
+//! the writer's batches (redb runs one write transaction at a time), so keep them short;
+//! open one [`RedbStore`] per database (two would each batch on their own and take turns).
 //!
 //! # Failures
 //! - A commit that fails (I/O error, full disk) fails every operation of its batch with
@@ -70,6 +73,16 @@
 //! - A process killed at any point loses no acknowledged write under
 //!   [`Durability::Immediate`] (see `tests/killed_process.rs`); redb repairs the file on
 //!   the next open.
+//!
+//! # Performance
+//! `cargo run --release -p idem-redb --example group_commit` prints claim -> complete
+//! cycles per second at 1 and 32 concurrent callers for this store and for a naive store
+//! that commits every write on its own, on one file, in interleaved slices. Group commit
+//! gains nothing for a lone caller (one fsync per operation either way) and, at 32
+//! callers, batches of about 30 operations. A batch's commit writes one B-tree leaf per
+//! record it touches (record ids are hashes, so they scatter), so it costs more than a
+//! single-record commit and the gain is below the batch size: 7-8.5x was measured on a
+//! busy 2-core VM whose fsync takes 0.3-5 ms.
 //!
 //! # Time
 //! Every `now` comes from [`RedbConfig::clock`] (the system clock by default), in
