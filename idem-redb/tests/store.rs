@@ -617,6 +617,26 @@ async fn a_panic_inside_a_batch_fails_only_that_batch() {
     assert_eq!(store.batch_stats().failed_batches, 1);
 }
 
+/// A second opener of a file that is in use gets a typed, non-retryable error that keeps
+/// redb's error as its source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_opener_gets_a_typed_error() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.redb");
+    let clock = clock();
+    let _first = RedbStore::open(&path, config(&clock)).expect("open");
+    let err = RedbStore::open(&path, config(&clock)).expect_err("the file is in use");
+    assert!(matches!(err, idem_redb::RedbStoreError::Open(redb::DatabaseError::DatabaseAlreadyOpen)), "{err:?}");
+    assert!(!err.is_retryable());
+    match StoreError::from(err) {
+        StoreError::Unavailable { backend, retryable, source, .. } => {
+            assert_eq!((backend, retryable), ("redb", false));
+            assert!(source.downcast_ref::<idem_redb::RedbStoreError>().is_some(), "the redb error is the source");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Shutdown
 // ---------------------------------------------------------------------------------------
