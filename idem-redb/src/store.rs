@@ -153,7 +153,8 @@ pub struct BatchStats {
     pub batches: u64,
     /// Operations it received.
     pub operations: u64,
-    /// Batches whose commit failed (every caller in them got the error).
+    /// Batches that failed as a whole (a transaction that would not begin, a write or a
+    /// commit that failed, a panic); every caller in them got an error.
     pub failed_batches: u64,
 }
 
@@ -167,7 +168,7 @@ pub(crate) struct Counters {
 /// The [`Store`] on one redb file, with group commit.
 ///
 /// One writer thread owns all write transactions. `claim`, `reclaim`, `complete`, `fail`
-/// and `sweep` hand their operation to it over a channel and wait for its reply; the
+/// and `sweep` hand their operation to it through a queue and wait for its reply; the
 /// writer applies up to [`RedbConfig::max_batch`] waiting operations in one write
 /// transaction (each sees the effects of the ones before it, through the shared
 /// [`idem_core::transition`] rules), commits once, and then answers each caller with its
@@ -179,9 +180,10 @@ pub(crate) struct Counters {
 /// handing it over; a claim made that way is held until its lease expires, as if the
 /// caller had crashed.
 ///
-/// Clones share the writer. When the last clone is dropped the writer finishes the
-/// operations it already received and stops, and the drop waits for it (at most one
-/// batch), so the file can be opened again right after.
+/// Clones share the writer. When the last clone is dropped the writer answers the
+/// operations already queued and stops, and the drop waits for it, so the file can be
+/// opened again right after (unless the application still holds the [`Database`] from
+/// [`RedbStore::database`]).
 #[derive(Clone)]
 pub struct RedbStore {
     inner: Arc<Inner>,
