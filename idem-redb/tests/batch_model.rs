@@ -2,6 +2,7 @@
 //! batch one write transaction), with the clock moved between batches. Every outcome, in
 //! arrival order, and the final state must equal the [`Model`] applying the same
 //! operations one by one: a batch behaves exactly like its operations run in sequence.
+//! Also: arbitrary bytes stored as a record never make any operation panic.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -179,5 +180,47 @@ proptest! {
     fn batches_behave_like_their_operations_in_sequence(steps in prop::collection::vec(step(), 1..8)) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
         runtime.block_on(check(steps))?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// Arbitrary bytes stored as a record (a damaged file, a foreign writer) never make the
+    /// store panic: every operation on that record answers, with `Corrupt` or (if the bytes
+    /// happen to decode) a normal outcome, and the writer keeps serving other records.
+    #[test]
+    fn arbitrary_stored_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..96), versioned in any::<bool>()) {
+        let mut value = bytes;
+        if versioned {
+            value.insert(0, idem_core::codec::FORMAT_VERSION);
+        }
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        runtime.block_on(async {
+            let clock = ManualClock::new(UnixMillis(1_800_000_000_000));
+            let file = tempfile::tempfile().expect("temporary file");
+            let db = redb::Database::builder()
+                .create_with_backend(redb::backends::FileBackend::new(file).expect("backend"))
+                .expect("database");
+            let store = RedbStore::open_with(Arc::new(db), RedbConfig::default().with_clock(Arc::new(clock))).expect("store");
+            {
+                let db = store.database();
+                let txn = db.begin_write().expect("write");
+                txn.open_table(idem_redb::store::RECORDS).expect("records").insert(&id(0).0, value.as_slice()).expect("insert");
+                txn.commit().expect("commit");
+            }
+            let ok_or_corrupt = |r: Result<String, idem_core::StoreError>| match r {
+                Ok(_) | Err(idem_core::StoreError::Corrupt { .. } | idem_core::StoreError::LeaseLost { .. }) => Ok(()),
+                Err(e) => Err(TestCaseError::fail(format!("{e:?}"))),
+            };
+            ok_or_corrupt(store.get(id(0)).await.map(|r| format!("{r:?}")))?;
+            ok_or_corrupt(store.claim(claim_req(0, 0)).await.map(|r| format!("{r:?}")))?;
+            ok_or_corrupt(store.reclaim(reclaim_req(0, 1, 0)).await.map(|r| format!("{r:?}")))?;
+            ok_or_corrupt(store.complete(id(0), FencingToken(1), response(1)).await.map(|r| format!("{r:?}")))?;
+            ok_or_corrupt(store.fail(id(0), FencingToken(1)).await.map(|r| format!("{r:?}")))?;
+            ok_or_corrupt(store.journal_get(id(0), NAMES[0]).await.map(|r| format!("{r:?}")))?;
+            prop_assert!(matches!(store.claim(claim_req(1, 0)).await, Ok(idem_core::ClaimOutcome::Claimed(_))));
+            Ok(())
+        })?;
     }
 }
