@@ -223,6 +223,9 @@ impl Drop for Inner {
 impl RedbStore {
     /// Opens (or creates) the redb file at `path` and starts the writer.
     ///
+    /// Blocks (file I/O, a repair after a crash, one commit): call it at start-up, or from
+    /// `tokio::task::spawn_blocking`.
+    ///
     /// # Errors
     /// [`RedbStoreError::Open`] when redb cannot open the file (for example it is already
     /// open, in this process or another); table and transaction errors from creating the
