@@ -1,5 +1,5 @@
-//! Group commit against the naive baseline: claim -> complete cycles per second at 1 and
-//! 32 concurrent callers, for [`RedbStore`] and for a store that runs every operation in
+//! Group commit against the naive baseline: claim -> complete cycles per second at 1, 8
+//! and 32 concurrent callers, for [`RedbStore`] and for a store that runs every operation in
 //! its own durable write transaction (one fsync per claim and per completion).
 //!
 //! ```text
@@ -173,7 +173,7 @@ async fn main() {
         "{:>8} {:>10} {:>18} {:>8} {:>10} {:>18} {:>8} {:>10}",
         "callers", "naive", "group, no linger", "ratio", "ops/batch", "group, default", "ratio", "ops/batch"
     );
-    for callers in [1, 32] {
+    for callers in [1, 8, 32] {
         let db = Arc::new(Database::create(dir.path().join(format!("callers-{callers}.redb"))).expect("database"));
         let columns: Vec<Column> = lingers.iter().map(|linger| Column::open(Arc::clone(&db), *linger)).collect();
         for (i, column) in columns.iter().enumerate() {
