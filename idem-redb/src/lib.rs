@@ -81,8 +81,8 @@
 //! gains nothing for a lone caller (one fsync per operation either way) and, at 32
 //! callers, batches of about 30 operations. A batch's commit writes one B-tree leaf per
 //! record it touches (record ids are hashes, so they scatter), so it costs more than a
-//! single-record commit and the gain is below the batch size: 7-8.5x was measured on a
-//! busy 2-core VM whose fsync takes 0.3-5 ms.
+//! single-record commit and the gain is below the batch size: 7-10x at 32 callers (3x at 8)
+//! was measured on a busy 2-core VM whose fsync takes 0.3-5 ms.
 //!
 //! # Time
 //! Every `now` comes from [`RedbConfig::clock`] (the system clock by default), in
