@@ -617,6 +617,39 @@ async fn a_panic_inside_a_batch_fails_only_that_batch() {
     assert_eq!(store.batch_stats().failed_batches, 1);
 }
 
+/// The application's own tables live in the same file: its write transactions take turns
+/// with the writer's batches, and both survive a reopen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn application_tables_share_the_file() {
+    const WORKERS: redb::TableDefinition<'static, u64, &'static str> = redb::TableDefinition::new("app_workers");
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.redb");
+    let clock = clock();
+    let db = Arc::new(redb::Database::create(&path).expect("database"));
+    let store = RedbStore::open_with(Arc::clone(&db), config(&clock)).expect("store");
+    let app = tokio::task::spawn_blocking(move || {
+        for i in 0..50u64 {
+            let txn = db.begin_write().expect("app write");
+            txn.open_table(WORKERS).expect("app table").insert(i, "w").expect("insert");
+            txn.commit().expect("app commit");
+        }
+    });
+    let mut claimed = Vec::new();
+    for i in 0..50 {
+        claimed.push(must_claim(&store, req(&format!("k{i}"), b"{}", RETENTION)).await);
+    }
+    app.await.expect("app task");
+    drop(store);
+
+    let store = RedbStore::open(&path, config(&clock)).expect("reopen");
+    for r in &claimed {
+        assert!(store.get(r.id).await.expect("get").is_some());
+    }
+    let db = store.database();
+    let txn = db.begin_read().expect("read");
+    assert_eq!(redb::ReadableTableMetadata::len(&txn.open_table(WORKERS).expect("app table")).expect("len"), 50);
+}
+
 /// A second opener of a file that is in use gets a typed, non-retryable error that keeps
 /// redb's error as its source.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
