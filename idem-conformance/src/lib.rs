@@ -10,7 +10,9 @@
 //! which expands into one named `#[tokio::test]` per scenario (see [`scenarios`] for the
 //! list, grouped by what they check) plus `model_based`, a property test that drives
 //! random operation sequences from several simulated owners against the store and against
-//! [`idem_core::Model`] and compares every outcome (see [`model_test`]).
+//! [`idem_core::Model`] and compares every outcome, then races batches of operations on
+//! separate tasks and checks every outcome is explained by some sequential order on the
+//! model (see [`model_test`]).
 //!
 //! # What it checks
 //!
