@@ -92,8 +92,28 @@ impl Fixture {
     }
 }
 
-/// Runs `callers` tasks in `mode` for `secs`; returns claim+complete pairs per second.
-async fn run(fx: &Arc<Fixture>, mode: Mode, callers: usize, secs: f64) -> f64 {
+/// CPU time this process has used (user + system), from `/proc/self/stat`; `None` off
+/// Linux. Clock ticks are 10 ms, fine over runs of a second or more.
+fn process_cpu() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(Duration::from_millis(ticks * 10))
+}
+
+/// One measured turn: pairs per second and client CPU per pair.
+#[derive(Clone, Copy, Debug)]
+struct Turn {
+    per_sec: f64,
+    cpu_us_per_pair: Option<f64>,
+}
+
+/// Runs `callers` tasks in `mode` for `secs`; returns claim+complete pairs per second and
+/// the client-side CPU each pair cost (pool, encoding, decoding, driver).
+async fn run(fx: &Arc<Fixture>, mode: Mode, callers: usize, secs: f64) -> Turn {
+    let cpu_before = process_cpu();
     let deadline = Instant::now() + Duration::from_secs_f64(secs);
     let start = Instant::now();
     let mut tasks = Vec::new();
@@ -116,7 +136,11 @@ async fn run(fx: &Arc<Fixture>, mode: Mode, callers: usize, secs: f64) -> f64 {
     for t in tasks {
         total += t.await.expect("caller");
     }
-    total as f64 / start.elapsed().as_secs_f64()
+    let cpu = process_cpu().zip(cpu_before).map(|(after, before)| after.saturating_sub(before));
+    Turn {
+        per_sec: total as f64 / start.elapsed().as_secs_f64(),
+        cpu_us_per_pair: cpu.map(|c| c.as_secs_f64() * 1e6 / total.max(1) as f64),
+    }
 }
 
 #[tokio::main(flavor = "multi_thread")]
@@ -152,12 +176,16 @@ async fn main() {
     });
 
     println!("idem-postgres claim+complete throughput ({rounds} paired rounds of {secs} s per mode, schema {schema})");
-    println!("{:>8} {:>14} {:>14} {:>14}", "callers", "library/s", "by hand/s", "ratio (median)");
+    println!(
+        "{:>8} {:>12} {:>12} {:>15} {:>16} {:>16}",
+        "callers", "library/s", "by hand/s", "ratio (median)", "lib CPU us/pair", "hand CPU us/pair"
+    );
     for callers in [1usize, 32] {
         // Warm up: opens the pool's connections and prepares the statements on each.
         run(&fx, Mode::Library, callers, 0.5).await;
         run(&fx, Mode::ByHand, callers, 0.5).await;
         let (mut lib_sum, mut hand_sum, mut ratios) = (0.0, 0.0, Vec::new());
+        let (mut lib_cpu, mut hand_cpu) = (Some(0.0), Some(0.0));
         for round in 0..rounds {
             let (lib, hand) = if round % 2 == 0 {
                 let lib = run(&fx, Mode::Library, callers, secs).await;
@@ -166,15 +194,24 @@ async fn main() {
                 let hand = run(&fx, Mode::ByHand, callers, secs).await;
                 (run(&fx, Mode::Library, callers, secs).await, hand)
             };
-            lib_sum += lib;
-            hand_sum += hand;
-            ratios.push(lib / hand);
+            lib_sum += lib.per_sec;
+            hand_sum += hand.per_sec;
+            lib_cpu = lib_cpu.zip(lib.cpu_us_per_pair).map(|(a, b)| a + b);
+            hand_cpu = hand_cpu.zip(hand.cpu_us_per_pair).map(|(a, b)| a + b);
+            ratios.push(lib.per_sec / hand.per_sec);
         }
         ratios.sort_by(f64::total_cmp);
         let median =
             if rounds % 2 == 1 { ratios[rounds / 2] } else { (ratios[rounds / 2 - 1] + ratios[rounds / 2]) / 2.0 };
         let n = rounds as f64;
-        println!("{callers:>8} {:>14.0} {:>14.0} {median:>13.3}x", lib_sum / n, hand_sum / n);
+        let cpu = |c: Option<f64>| c.map_or_else(|| "n/a".to_owned(), |c| format!("{:.0}", c / n));
+        println!(
+            "{callers:>8} {:>12.0} {:>12.0} {median:>14.3}x {:>16} {:>16}",
+            lib_sum / n,
+            hand_sum / n,
+            cpu(lib_cpu),
+            cpu(hand_cpu)
+        );
     }
 
     let client = store.pool().get().await.expect("pool");
