@@ -341,3 +341,29 @@ async fn server_errors_are_classified() {
     let syntax = a.execute("SELEC 1", &[]).await.expect_err("syntax error");
     assert!(!idem_postgres::is_retryable_pg(&syntax));
 }
+
+/// Pins: pooled connections killed while idle (server restart, `pg_terminate_backend` by
+/// an operator) cost at most one retryable error; the call after it gets a fresh
+/// connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_idle_connections_cost_at_most_one_retryable_error() {
+    let store = common::fresh_store(Some(ManualClock::starting_now()), 1).await;
+    let r = must_claim(&store, claim_req("p", "idle-kill", Duration::from_secs(5), Duration::from_secs(60))).await;
+    let admin = common::raw().await;
+    let pattern = format!("%{}%", store.guard.name);
+    let killed: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE application_name = 'idem-postgres' AND query LIKE $1 AND pid <> pg_backend_pid()) AS k",
+            &[&pattern],
+        )
+        .await
+        .expect("terminate")
+        .get(0);
+    assert_eq!(killed, 1, "the pool's one connection");
+    match store.get(r.id).await {
+        Ok(got) => assert_eq!(got, Some(r.clone())),
+        Err(e) => assert!(e.is_retryable(), "{e:?}"),
+    }
+    assert_eq!(store.get(r.id).await.expect("fresh connection"), Some(r));
+}
