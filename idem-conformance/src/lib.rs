@@ -26,7 +26,7 @@
 //! | [`scenarios::failed`](mod@scenarios::failed) | 5 | a failed record is reclaimable at once, by the same fingerprint only |
 //! | [`scenarios::retention`] | 10 | absent from `expires_at` on, swept or not; sweeps keep live records, batch, say `more`, and race claims safely |
 //! | [`scenarios::scope`](mod@scenarios::scope) | 6 | principals and endpoints isolate keys (handed C10, C11) |
-//! | [`scenarios::limits`] | 12 | 255-byte keys, non-ASCII scopes, all byte values, empty and 4 MiB bodies, 200 headers, compressed and not-retained bodies |
+//! | [`scenarios::limits`] | 13 | 255-byte keys, non-ASCII and control characters in scopes, all byte values, empty and 4 MiB bodies, 200 headers, compressed and not-retained bodies |
 //! | [`scenarios::clock`] | 9 | lease and retention edges to the millisecond, 4.999 s / 5.001 s (C2), zero lease (C1), clock steps back |
 //! | [`scenarios::handed`] | 5 | C3 (two handles), C5 (dead owner freed by its lease), C8 (stale owner fenced), C9 (racing first claims) |
 //! | [`scenarios::capability`] | 3 | declared capabilities hold; peer handles; server clock |

@@ -127,3 +127,14 @@ pub async fn not_retained_body_round_trips(env: Env) {
     let unknown = StoredResponse { status: 200, headers: vec![], body: StoredBody::NotRetained { len: None } };
     round_trip(&env, claim_req(&env, "p", "k2", b"body"), unknown).await;
 }
+
+/// Principal and endpoint strings holding control characters (NUL, newline, tab, DEL) round-trip.
+pub async fn control_characters_in_principal_and_endpoint_round_trip(env: Env) {
+    let scope = Scope::new(env.principal("nul\u{0}-nl\n-tab\t-del\u{7f}-end"), Endpoint::new("POST", "/a\u{0}b\r\nc"))
+        .expect("principal");
+    let req = ClaimRequest::new(scope.clone(), key("K"), fp(b"b"), LEASE, RETENTION);
+    round_trip(&env, req, body_response(b"ok".to_vec())).await;
+    let plain = Scope::new(env.principal("nul-nl-tab-del-end"), Endpoint::new("POST", "/abc")).expect("principal");
+    let other = ClaimRequest::new(plain, key("K"), fp(b"b"), LEASE, RETENTION);
+    assert_eq!(get(env.store.as_ref(), other.id).await, None, "control characters are not dropped");
+}
