@@ -27,7 +27,10 @@
 //!   [`ReclaimOutcome::Conflict`] or [`StoreError::LeaseLost`]. That read is a separate
 //!   statement on purpose: it takes a fresh snapshot, so it reports the record as it is
 //!   after whichever concurrent write beat this one (a CTE in the same statement would
-//!   read the statement's older snapshot).
+//!   read the statement's older snapshot). If that read shows a record the update would
+//!   have applied to, the update missed only because a claim committed after its snapshot
+//!   was taken; it runs again (a few times at most) rather than report an outcome no
+//!   order of events explains. The model-based conformance test checks exactly this.
 //! - **sweep** deletes a bounded batch picked by `SELECT ... ORDER BY expires_at LIMIT n
 //!   FOR UPDATE SKIP LOCKED`: a row a claim is replacing right now is skipped, not waited
 //!   for, and the row lock means a sweep and a claim of one id leave the old record or the
