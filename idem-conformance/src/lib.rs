@@ -24,7 +24,7 @@
 //! | [`scenarios::reclaim`] | 8 | 8 racing reclaimers, one winner; completed, mismatched, absent and future-token reclaims conflict |
 //! | [`scenarios::fencing`] | 10 | complete, fail and reclaim with a stale token get the exact `LeaseLost`/`Conflict` and change nothing (before == after) |
 //! | [`scenarios::failed`](mod@scenarios::failed) | 5 | a failed record is reclaimable at once, by the same fingerprint only |
-//! | [`scenarios::retention`] | 10 | absent from `expires_at` on, swept or not; sweeps keep live records, batch, say `more`, and race claims safely |
+//! | [`scenarios::retention`] | 11 | absent from `expires_at` on, swept or not; sweeps keep live records, batch, say `more`, and race claims safely |
 //! | [`scenarios::scope`](mod@scenarios::scope) | 6 | principals and endpoints isolate keys (handed C10, C11) |
 //! | [`scenarios::limits`] | 13 | 255-byte keys, non-ASCII and control characters in scopes, all byte values, empty and 4 MiB bodies, 200 headers, compressed and not-retained bodies |
 //! | [`scenarios::clock`] | 9 | lease and retention edges to the millisecond, 4.999 s / 5.001 s (C2), zero lease (C1), clock steps back |

@@ -294,6 +294,7 @@ macro_rules! __for_each_scenario {
         $m!($backend, retention::sweep_with_zero_limit_removes_nothing);
         $m!($backend, retention::sweep_racing_claims_leaves_consistent_records);
         $m!($backend, retention::reclaimed_record_outlives_its_first_window);
+        $m!($backend, retention::sweep_drains_many_expired_records_in_batches);
         $m!($backend, scope::c11_same_key_other_principal_is_another_record);
         $m!($backend, scope::c11_in_flight_claim_of_one_principal_does_not_block_another);
         $m!($backend, scope::c10_same_key_other_endpoint_is_another_record);

@@ -210,3 +210,29 @@ pub async fn reclaimed_record_outlives_its_first_window(env: Env) {
     env.clock.set(n.expires_at);
     assert_eq!(get(env.store.as_ref(), r.id).await, None);
 }
+
+/// 100 expired records drain in batches of 30: every batch within its limit, none left behind.
+pub async fn sweep_drains_many_expired_records_in_batches(env: Env) {
+    let s = env.sweep_session().await;
+    let env = Arc::new(env);
+    let records =
+        race(100, |i| {
+            let env = Arc::clone(&env);
+            async move {
+                claimed(env.store.as_ref(), claim_req_timed(&env, "p", &format!("k{i}"), b"b", SHORT, SHORT)).await
+            }
+        })
+        .await;
+    env.clock.set(records[0].expires_at);
+    if s.native_expiry {
+        sweep_all(&env, true).await;
+        return;
+    }
+    env.report("sweep drains 100 expired records in batches of 30");
+    // The total is not asserted: on a shared server another process may sweep some of them.
+    sweep_until_done(env.store.as_ref(), 30, 10_000).await;
+    for r in &records {
+        let n = claimed(env.store.as_ref(), claim_req(&env, "p", r.key.as_str(), b"b")).await;
+        assert_eq!(n.token, FencingToken::FIRST, "record {} was left behind", r.key);
+    }
+}
