@@ -367,3 +367,54 @@ async fn terminated_idle_connections_cost_at_most_one_retryable_error() {
     }
     assert_eq!(store.get(r.id).await.expect("fresh connection"), Some(r));
 }
+
+/// No transaction stays open after a call returns: the handler runs between claim and
+/// complete without holding a connection, a lock or a snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_transaction_is_held_across_the_handler() {
+    let store = common::fresh_store(Some(ManualClock::starting_now()), 4).await;
+    let r = must_claim(&store, claim_req("p", "held", Duration::from_secs(5), Duration::from_secs(60))).await;
+    let admin = common::raw().await;
+    let open: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE application_name = 'idem-postgres' AND query LIKE $1 AND state <> 'idle'",
+            &[&format!("%{}%", store.guard.name)],
+        )
+        .await
+        .expect("activity")
+        .get(0);
+    assert_eq!(open, 0, "every store connection is idle (not idle in transaction) while the handler runs");
+    assert_eq!(store.inner.pool().status().available, store.inner.pool().status().size);
+    store.complete(r.id, r.token, response()).await.expect("complete");
+}
+
+/// A sweep skips an expired record whose row a concurrent claim holds, instead of waiting
+/// for it, and removes the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweep_skips_rows_locked_by_a_claim_in_progress() {
+    let clock = ManualClock::new(idem_core::UnixMillis(SystemClock.now().0 - 86_400_000));
+    let store = common::fresh_store(Some(clock.clone()), 2).await;
+    let short = Duration::from_secs(1);
+    let held = must_claim(&store, claim_req("p", "held", short, short)).await;
+    let free = must_claim(&store, claim_req("p", "free", short, short)).await;
+    clock.advance(Duration::from_secs(2));
+    let locker = lock_row(&store.guard.name, &held.id.0).await;
+    let outcome = tokio::time::timeout(Duration::from_secs(5), store.sweep(10))
+        .await
+        .expect("the sweep does not wait for the locked row")
+        .expect("sweep");
+    assert_eq!(outcome.removed, 1);
+    locker.batch_execute("ROLLBACK").await.expect("rollback");
+    let raw = common::raw().await;
+    let ids: Vec<Vec<u8>> = raw
+        .query(&format!("SELECT id FROM \"{}\".records", store.guard.name), &[])
+        .await
+        .expect("ids")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(ids, vec![held.id.0.to_vec()], "the free record was swept, the locked one skipped");
+    assert_ne!(free.id, held.id);
+    assert_eq!(store.sweep(10).await.expect("sweep").removed, 1, "the next sweep takes it");
+}
