@@ -12,6 +12,10 @@ use idem_core::{ManualClock, Store};
 
 use common::{SchemaGuard, TestStore};
 
+/// Connections per store handle: enough for real races (32 tasks share them), few enough
+/// that parallel test threads stay far below the server's `max_connections` (100).
+const POOL: usize = 6;
+
 /// A handle this backend opened, and the schema it lives in.
 type Opened = (Weak<dyn Store>, Weak<SchemaGuard>);
 
@@ -41,7 +45,7 @@ impl Postgres {
 #[async_trait]
 impl idem_conformance::Backend for Postgres {
     async fn open(&self, clock: ManualClock) -> Arc<dyn Store> {
-        let store = common::fresh_store(Some(clock), 8).await;
+        let store = common::fresh_store(Some(clock), POOL).await;
         let guard = Arc::clone(&store.guard);
         let store: Arc<dyn Store> = Arc::new(store);
         self.remember(&store, &guard);
@@ -50,7 +54,7 @@ impl idem_conformance::Backend for Postgres {
 
     async fn open_peer(&self, store: &Arc<dyn Store>, clock: ManualClock) -> Arc<dyn Store> {
         let guard = self.guard_of(store).expect("open_peer is given a store this backend opened");
-        let inner = common::connect(&guard.name, Some(clock), 8).await;
+        let inner = common::connect(&guard.name, Some(clock), POOL).await;
         let peer: Arc<dyn Store> = Arc::new(TestStore { inner, guard: Arc::clone(&guard) });
         self.remember(&peer, &guard);
         peer
@@ -58,7 +62,7 @@ impl idem_conformance::Backend for Postgres {
 
     async fn open_server_clock(&self) -> Option<Arc<dyn Store>> {
         // No pinned clock: the statements fall back to the server's clock_timestamp().
-        Some(Arc::new(common::fresh_store(None, 4).await))
+        Some(Arc::new(common::fresh_store(None, 2).await))
     }
 }
 
