@@ -24,7 +24,7 @@ count() {
 for backend in "${@:-memory redb sqlite redis postgres}"; do
     for b in $backend; do
         for conc in 1 8 32 128; do
-            "$BENCH" cycles --backend "$b" --concurrency "$conc" --count "$(count "$b")" --csv "$CSV" | head -2 | tail -1
+            "$BENCH" cycles --backend "$b" --concurrency "$conc" --count "$(count "$b")" --csv "$CSV" | sed -n 2p
         done
     done
 done

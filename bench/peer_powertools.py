@@ -37,7 +37,10 @@ def main() -> None:
     # and that no Lambda context was registered (there is none outside Lambda).
     warnings.simplefilter("ignore")
     run = uuid.uuid4().hex[:12]
-    client = redis.Redis(host=args.host, port=args.port, decode_responses=True)
+    # One connection per caller, as the Rust side's multiplexed connection never runs out.
+    client = redis.Redis(
+        host=args.host, port=args.port, decode_responses=True, max_connections=args.concurrency + 8
+    )
     layer = RedisCachePersistenceLayer(client=client)
     config = IdempotencyConfig(expires_after_seconds=600)
     body = "x" * 256
@@ -55,9 +58,19 @@ def main() -> None:
         lock = threading.Lock()
         state = {"next": 0}
         latencies: list[float] = []
+        errors: list[BaseException] = []
 
         def caller() -> None:
             mine = []
+            try:
+                run_calls(mine)
+            except BaseException as e:  # noqa: BLE001 - reported after join
+                with lock:
+                    errors.append(e)
+            with lock:
+                latencies.extend(mine)
+
+        def run_calls(mine: list[float]) -> None:
             while True:
                 with lock:
                     i = state["next"]
@@ -68,8 +81,6 @@ def main() -> None:
                 out = create_worker(order={"key": f"{first + i}", "gpus": 8})
                 mine.append(time.perf_counter() - t)
                 assert out["status"] == 201
-            with lock:
-                latencies.extend(mine)
 
         threads = [threading.Thread(target=caller) for _ in range(args.concurrency)]
         started = time.perf_counter()
@@ -77,6 +88,10 @@ def main() -> None:
             t.start()
         for t in threads:
             t.join()
+        if errors:
+            raise SystemExit(f"{len(errors)} callers failed; first: {errors[0]!r}")
+        if len(latencies) != count:
+            raise SystemExit(f"{len(latencies)} calls completed, expected {count}")
         return time.perf_counter() - started, sorted(latencies)
 
     drive(10_000_000, min(200, args.count))  # warm-up: connections, imports, caches

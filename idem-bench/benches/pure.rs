@@ -43,8 +43,13 @@ fn completed(body_len: usize) -> Record {
     transition::complete(Some(&claimed), claimed.id, claimed.token, response, NOW).expect("complete")
 }
 
-#[divan::bench(args = [&b"7c3f5d1e-91a4-4b1e-9f3a-2d4c5e6f7a8b"[..], &b"\"7c3f5d1e-91a4-4b1e-9f3a-2d4c5e6f7a8b\""[..]])]
-fn key_parse(value: &[u8]) -> IdempotencyKey {
+/// A 36-byte UUID key, as a bare token and as an RFC 8941 sf-string.
+#[divan::bench(args = ["bare", "sf-string"])]
+fn key_parse(form: &str) -> IdempotencyKey {
+    let value: &[u8] = match form {
+        "bare" => b"7c3f5d1e-91a4-4b1e-9f3a-2d4c5e6f7a8b",
+        _ => b"\"7c3f5d1e-91a4-4b1e-9f3a-2d4c5e6f7a8b\"",
+    };
     IdempotencyKey::parse(black_box(value)).expect("key")
 }
 
