@@ -16,7 +16,16 @@
 //! on the server and load on the machine (autovacuum, checkpoints, other processes) hit
 //! both; the ratio reported is the median of the per-round ratios, the throughputs are
 //! means. `IDEM_BENCH_SECS` (default 1.5) is the length of one mode's turn in a round,
-//! `IDEM_BENCH_ROUNDS` (default 6) the number of rounds. Runs in its own `idem_bench_*` schema, dropped at the end.
+//! `IDEM_BENCH_ROUNDS` (default 6) the number of rounds. Runs in its own `idem_bench_*`
+//! schema, dropped at the end.
+//!
+//! Measured (2026-11-30, PostgreSQL 15 on the same 2-core VM, fsync on, load average 6-10
+//! from other builds): library/hand median ratio 0.95-1.03x at 32 callers over four runs
+//! with paired rounds (one more at 0.87x), 0.86-0.97x at 1 caller, where fsync latency
+//! dominates and throughput swings 300-1100 pairs/s between runs. Client CPU per
+//! claim+complete pair, library vs hand: 55 vs 48 us at 1 caller, 35 vs 31 us at 32
+//! callers; the library's own work (request building, response encoding, row decoding)
+//! is about 4-7 us per pair, well under 1% of a pair's latency.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
