@@ -208,6 +208,12 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// [`ReclaimOutcome::Reclaimed`]. Otherwise nothing changes and
     /// [`ReclaimOutcome::Conflict`] carries the live record (or `None`). Of N concurrent
     /// reclaims with the same expected token, exactly one wins.
+    ///
+    /// The refusal itself is atomic; the record a `Conflict` reports may be read just after
+    /// it (Postgres re-reads the row in a second statement), so it can already include a
+    /// write that raced with the reclaim. Callers only use it to decide again, which is
+    /// safe with a newer view; the conformance suite accepts any record written during the
+    /// race and checks the refusal exactly.
     async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError>;
 
     /// Stores the terminal response.
