@@ -20,12 +20,12 @@
 //! schema, dropped at the end.
 //!
 //! Measured (2026-11-30, PostgreSQL 15 on the same 2-core VM, fsync on, load average 6-10
-//! from other builds): library/hand median ratio 0.95-1.03x at 32 callers over four runs
-//! with paired rounds (one more at 0.87x), 0.86-0.97x at 1 caller, where fsync latency
-//! dominates and throughput swings 300-1100 pairs/s between runs. Client CPU per
-//! claim+complete pair, library vs hand: 55 vs 48 us at 1 caller, 35 vs 31 us at 32
-//! callers; the library's own work (request building, response encoding, row decoding)
-//! is about 4-7 us per pair, well under 1% of a pair's latency.
+//! from other builds), nine runs: library/hand ratio at 32 callers 0.87-1.10x (median of
+//! runs 0.99x); at 1 caller 0.86-2.46x (median 0.97x), where fsync latency dominates and
+//! throughput swings 150-1100 pairs/s between runs. Client CPU per claim+complete pair,
+//! library vs hand: 55 vs 48 us at 1 caller, 35 vs 31 us at 32 callers: the library's own
+//! work (request building, response encoding, row decoding) is about 4-7 us per pair,
+//! under 1% of a pair's latency.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
