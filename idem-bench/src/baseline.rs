@@ -143,7 +143,8 @@ impl NaiveSqlite {
     }
 
     fn connection(&self) -> Result<Connection, BoxError> {
-        if let Some(conn) = self.pool.lock().expect("pool lock").pop() {
+        // A poisoned pool only means another caller panicked mid-push; its Vec is intact.
+        if let Some(conn) = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop() {
             return Ok(conn);
         }
         let conn = Connection::open(&self.path)?;
@@ -160,7 +161,7 @@ impl NaiveSqlite {
         tokio::task::spawn_blocking(move || {
             let mut conn = this.connection()?;
             let out = f(&mut conn);
-            this.pool.lock().expect("pool lock").push(conn);
+            this.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(conn);
             out
         })
         .await?

@@ -100,13 +100,15 @@ end
 "#;
 
 fn router() -> Router {
-    Router::new()
-        .route("/v1/workers", post(|body: axum::body::Bytes| async move {
-        // Reads the request body, as any real POST handler does (a bare handler that
-        // ignores it would skip hyper's body channel, which the layer must always read).
-        let _ = body;
-        (StatusCode::CREATED, [("location", "/v1/workers/7")], r#"{"id":7}"#)
-    }))
+    Router::new().route(
+        "/v1/workers",
+        post(|body: axum::body::Bytes| async move {
+            // Reads the request body, as any real POST handler does (a bare handler that
+            // ignores it would skip hyper's body channel, which the layer must always read).
+            let _ = body;
+            (StatusCode::CREATED, [("location", "/v1/workers/7")], r#"{"id":7}"#)
+        }),
+    )
 }
 
 async fn serve(app: Router) -> Result<SocketAddr, BoxError> {
