@@ -30,6 +30,7 @@
 //! | [`scenarios::clock`] | 9 | lease and retention edges to the millisecond, 4.999 s / 5.001 s (C2), zero lease (C1), clock steps back |
 //! | [`scenarios::handed`] | 5 | C3 (two handles), C5 (dead owner freed by its lease), C8 (stale owner fenced), C9 (racing first claims) |
 //! | [`scenarios::capability`] | 3 | declared capabilities hold; peer handles; server clock |
+//! | [`scenarios::journal`] | 18 | journal entries are fenced like `complete`, first write wins unless overwritten, survive a reclaim, die with their record (expiry, sweep, replacing claim); `Resumable` steps and intents resume on the store; stores without the capability refuse with `Unsupported` |
 //!
 //! `tests/registry.rs` checks every scenario written is listed in the macro (and that
 //! there are at least 60); `tests/broken.rs` checks the suite fails stores with known bugs.

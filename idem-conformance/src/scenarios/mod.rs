@@ -14,6 +14,7 @@
 //! - [`clock`] - clock edges (handed cases C1, C2).
 //! - [`handed`] - the store-level handed cases C3, C5, C8, C9.
 //! - [`capability`] - capability variants (native expiry, server clock, peer handles).
+//! - [`journal`] - the per-record journal of resumable handlers' steps and intents.
 //!
 //! # Rules every scenario follows
 //! Its records live under `env.principal(..)` (a random namespace); it never sleeps (time
@@ -37,6 +38,7 @@ pub mod failed;
 pub mod fencing;
 pub mod handed;
 pub mod inflight;
+pub mod journal;
 pub mod limits;
 pub mod reclaim;
 pub mod replay;
@@ -331,5 +333,23 @@ macro_rules! __for_each_scenario {
         $m!($backend, capability::declared_capabilities_hold);
         $m!($backend, capability::peer_handle_sees_the_same_records);
         $m!($backend, capability::server_clock_sets_leases_from_the_server);
+        $m!($backend, journal::journal_values_round_trip_byte_exact);
+        $m!($backend, journal::journal_names_at_the_limits_round_trip);
+        $m!($backend, journal::journal_first_write_wins);
+        $m!($backend, journal::journal_overwrite_replaces);
+        $m!($backend, journal::journal_stale_token_is_lease_lost_and_changes_nothing);
+        $m!($backend, journal::journal_put_after_complete_is_lease_lost);
+        $m!($backend, journal::journal_put_after_fail_is_lease_lost);
+        $m!($backend, journal::journal_put_on_absent_record_is_lease_lost);
+        $m!($backend, journal::journal_entries_survive_a_reclaim);
+        $m!($backend, journal::journal_get_is_none_once_the_record_expired);
+        $m!($backend, journal::journal_sweep_removes_entries_with_their_record);
+        $m!($backend, journal::journal_claim_replacing_an_expired_record_starts_empty);
+        $m!($backend, journal::journal_concurrent_first_writes_have_one_winner);
+        $m!($backend, journal::journal_entries_are_isolated_between_records);
+        $m!($backend, journal::journal_peer_handle_sees_entries);
+        $m!($backend, journal::journal_step_memoises_across_a_reclaim);
+        $m!($backend, journal::journal_stale_owners_step_is_fenced);
+        $m!($backend, journal::journal_intent_reconcile_paths);
     };
 }
