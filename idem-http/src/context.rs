@@ -3,14 +3,16 @@
 
 use std::sync::Arc;
 
-use idem_core::{FencingToken, IdempotencyKey, RecordId, Scope, Store, UnixMillis};
+use idem_core::{FencingToken, IdempotencyKey, RecordId, Resumable, Scope, Store, SubKey, UnixMillis};
 
 /// Request extension the layer inserts before calling the handler of a claimed request.
 ///
 /// It names the record the handler runs under and the fencing token of this attempt, and
 /// carries the store, so that code inside the handler can derive stable sub-keys for
-/// downstream calls and (in a later version) journal steps in the same store. The token
-/// grows on every reclaim: a write made with an older token is refused by the store.
+/// downstream calls ([`IdempotencyContext::subkey`]) and journal steps and intents in the
+/// same store ([`IdempotencyContext::resumable`]; see the crate docs, "Resumable
+/// handlers"). The token grows on every reclaim: a write made with an older token is
+/// refused by the store.
 ///
 /// Present only when the handler runs under a claim: not for safe methods, keyless
 /// requests, skipped principals, or fail-open runs.
@@ -69,6 +71,26 @@ impl IdempotencyContext {
     #[must_use]
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
+    }
+
+    /// The sub-key of step `name` for this record: `idem-` + 48 lower-case hex digits
+    /// (53 ASCII bytes, `[0-9a-f-]`), derived from (principal, endpoint, key, `name`) only,
+    /// so every attempt, in every process, gets the same value ([`SubKey::derive`]). Send
+    /// it as the idempotency key or client token of a downstream call.
+    #[must_use]
+    pub fn subkey(&self, name: &str) -> SubKey {
+        SubKey::derive(self.record_id, name)
+    }
+
+    /// The handle for steps and intents of this record, fenced by this attempt's token:
+    /// a write after a retry has reclaimed the record is refused with
+    /// [`idem_core::StoreError::LeaseLost`]. On a store without a journal
+    /// ([`idem_core::Capabilities::journal`] false) `step` and `intent` return
+    /// [`idem_core::StepError::Store`] with [`idem_core::StoreError::Unsupported`];
+    /// [`crate::Problem::from_step_error`] turns that into a 500 `journal-unsupported`.
+    #[must_use]
+    pub fn resumable(&self) -> Resumable {
+        Resumable::new(Arc::clone(&self.store), self.record_id, self.token)
     }
 }
 

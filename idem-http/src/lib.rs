@@ -148,6 +148,115 @@
 //! spawned task does not inherit. Either way the wrapped service must be `Clone + Send +
 //! 'static` with `Send` futures and bodies, as axum's are.
 //!
+//! # Resumable handlers
+//! The layer stores the response of a handler that finished. A handler that dies half-way
+//! (the process is killed after it allocated a node and before it booted the VM) leaves side
+//! effects the record does not know about; the retry reclaims the record once the lease
+//! ends and runs the handler again from the top. [`IdempotencyContext::resumable`] gives the
+//! handler a [`Resumable`] handle on its record, so the retry finds what the dead attempt
+//! did (DESIGN.md, "Side effects"). Each tool fits one kind of downstream call:
+//!
+//! | the call | use | why it converges |
+//! |---|---|---|
+//! | takes a caller-supplied id or idempotency key (a payment API, a cloud `ClientToken`, a pool that remembers who asked) | [`IdempotencyContext::subkey`] as that key | every attempt sends the same [`SubKey`]; the downstream system deduplicates |
+//! | local and transactional, or keyed by the sub-key, and its result is needed later (the node id) | [`Resumable::step`] | the result is journalled in the store, fenced by the attempt's token; a retry gets it back without running the future |
+//! | takes no caller id but can be found afterwards (a VM booted with a tag) | [`Resumable::intent`] with the sub-key as the tag | `pending` is journalled before the call; a retry that finds it asks `reconcile` (list by tag) before issuing again, and fails as ambiguous if it cannot tell |
+//!
+//! A step alone is not enough for a call that is not idempotent: an attempt killed after
+//! the call and before the journal write leaves no trace, and the retry calls again. Give
+//! the call the step's sub-key too, as below, so that gap closes downstream.
+//!
+//! What stays unsafe: a downstream call that neither takes a caller id nor can be observed
+//! afterwards. Nothing can tell whether a killed attempt made it; make such a call the last
+//! thing the handler does, or put it behind something that can (a queue that deduplicates,
+//! an outbox written in the same transaction as the step).
+//!
+//! Sub-keys are `idem-` + 48 lower-case hex digits (53 ASCII bytes, `[0-9a-f-]`), derived
+//! from (principal, endpoint, key, step name) only, never from the attempt, the time or
+//! randomness (handed case C14). Journal entries live and die with the record. On a store
+//! without a journal, `step` and `intent` fail with `StoreError::Unsupported`, which
+//! [`Problem::from_step_error`] answers as a 500 `journal-unsupported`; every problem it
+//! returns is one the layer does not store, so a retry resumes from the journal.
+//!
+//! ```
+//! use std::sync::{Arc, Mutex};
+//! use axum::{Extension, Router, body::Body, http::{Request, StatusCode}, response::{IntoResponse, Response}, routing::post};
+//! use idem_core::MemoryStore;
+//! use idem_http::{IdempotencyContext, IdempotencyLayer, Problem, Reconciled, StepError};
+//! use tower::ServiceExt;
+//!
+//! /// Pretend infrastructure: a pool that remembers which node a sub-key got (idempotent by
+//! /// caller id) and a hypervisor whose boots take no caller id but carry a tag.
+//! #[derive(Default)]
+//! struct Infra { nodes: Vec<String>, boots: Vec<(String, String)> }
+//!
+//! async fn create(Extension(ctx): Extension<IdempotencyContext>, Extension(infra): Extension<Arc<Mutex<Infra>>>) -> Response {
+//!     let run = ctx.resumable();
+//!     // A step whose downstream call is keyed by the sub-key.
+//!     let node = run.step("allocate", |subkey| {
+//!         let infra = Arc::clone(&infra);
+//!         async move {
+//!             let mut i = infra.lock().unwrap();
+//!             if !i.nodes.contains(&subkey.to_string()) { i.nodes.push(subkey.to_string()); }
+//!             Ok::<_, std::convert::Infallible>(format!("node-{}", &subkey.as_str()[5..13]))
+//!         }
+//!     });
+//!     let node = match node.await {
+//!         Ok(n) => n,
+//!         Err(e) => return step_failed(&e),
+//!     };
+//!     // An intent for a call that cannot take a caller id: the sub-key is its tag.
+//!     let (issue, find) = (Arc::clone(&infra), Arc::clone(&infra));
+//!     let vm = run.intent(
+//!         "boot",
+//!         |tag| async move {
+//!             let mut i = issue.lock().unwrap();
+//!             let vm = format!("vm-{}", i.boots.len() + 1);
+//!             i.boots.push((vm.clone(), tag.to_string()));
+//!             Ok::<_, std::convert::Infallible>(vm)
+//!         },
+//!         |tag| async move {
+//!             let i = find.lock().unwrap();
+//!             Ok(match i.boots.iter().find(|(_, t)| *t == tag.as_str()) {
+//!                 Some((vm, _)) => Reconciled::Found(vm.clone()),
+//!                 None => Reconciled::NotFound,
+//!             })
+//!         },
+//!     ).await;
+//!     match vm {
+//!         Ok(vm) => (StatusCode::CREATED, format!("{node} {vm}")).into_response(),
+//!         Err(e) => step_failed(&e),
+//!     }
+//! }
+//!
+//! fn step_failed<E: std::fmt::Display>(e: &StepError<E>) -> Response {
+//!     match Problem::from_step_error(e) {
+//!         Some(p) => p.into_response(),
+//!         None => (StatusCode::BAD_GATEWAY, e.to_string()).into_response(),
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let infra = Arc::new(Mutex::new(Infra::default()));
+//! let app = Router::new()
+//!     .route("/v1/workers", post(create))
+//!     .layer(IdempotencyLayer::new(Arc::new(MemoryStore::new())))
+//!     .layer(Extension(Arc::clone(&infra)));
+//! let request = || Request::post("/v1/workers")
+//!     .header("authorization", "Bearer t")
+//!     .header("idempotency-key", "k-1")
+//!     .body(Body::empty())
+//!     .unwrap();
+//! let first = app.clone().oneshot(request()).await.unwrap();
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//! let retry = app.oneshot(request()).await.unwrap();
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! let i = infra.lock().unwrap();
+//! assert_eq!((i.nodes.len(), i.boots.len()), (1, 1));
+//! # }
+//! ```
+//!
 //! # Layout
 //! - [`layer`] holds [`IdempotencyLayer`], [`KeyRequirement`], [`MissingPrincipal`],
 //!   [`HandlerExecution`].
@@ -159,6 +268,8 @@
 //! - [`problem`] holds RFC 9457 bodies, [`ProblemKind`].
 //! - [`context`] holds [`IdempotencyContext`], the request extension a claimed handler sees,
 //!   and [`ResponseCaching`], the response extension it may set.
+//! - [`Resumable`], [`SubKey`], [`Reconciled`] and [`StepError`] are re-exported from
+//!   [`idem_core::resume`].
 //! - [`headers`] holds the header names.
 
 pub mod body;
@@ -174,6 +285,7 @@ pub use body::ResponseBody;
 pub use context::{IdempotencyContext, ResponseCaching};
 pub use future::ResponseFuture;
 pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};
+pub use idem_core::resume::{Reconciled, Resumable, StepError, SubKey};
 pub use layer::{HandlerExecution, IdempotencyLayer, KeyRequirement, MissingPrincipal};
 pub use principal::{BearerToken, PrincipalResolver};
 pub use problem::{PROBLEM_JSON, Problem, ProblemKind};

@@ -17,6 +17,7 @@
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
+use idem_core::{StepError, StoreError};
 
 use crate::body::ResponseBody;
 
@@ -60,12 +61,23 @@ pub enum ProblemKind {
     /// (the runtime is shutting down); the record was marked failed or frees itself when
     /// its lease ends, so a retry may run the handler again.
     HandlerCancelled,
+    /// 500: a resumable handler needs the step journal and the store has none
+    /// ([`idem_core::Capabilities::journal`] false, [`idem_core::StoreError::Unsupported`]).
+    /// Retrying does not help until the store is changed.
+    JournalUnsupported,
+    /// 500: an intent was found pending and its reconcile could not tell whether the earlier
+    /// call happened ([`idem_core::StepError::Ambiguous`]); the handler refused to risk a
+    /// second call. Needs an operator (or a later reconcile that can tell).
+    AmbiguousSideEffect,
+    /// 500: a journalled step value no longer decodes, or a step name is invalid (a code
+    /// change between attempts, or a bug).
+    ResumeFailed,
 }
 
 const PREFIX: &str = "urn:idem:problem:";
 
 impl ProblemKind {
-    const ALL: [ProblemKind; 13] = [
+    const ALL: [ProblemKind; 16] = [
         ProblemKind::MissingKey,
         ProblemKind::InvalidKey,
         ProblemKind::DuplicateKey,
@@ -79,6 +91,9 @@ impl ProblemKind {
         ProblemKind::ResponseNotRetained,
         ProblemKind::ResponseBodyFailed,
         ProblemKind::HandlerCancelled,
+        ProblemKind::JournalUnsupported,
+        ProblemKind::AmbiguousSideEffect,
+        ProblemKind::ResumeFailed,
     ];
 
     /// The short name that ends the `type` URI, e.g. `in-flight`.
@@ -98,6 +113,9 @@ impl ProblemKind {
             ProblemKind::ResponseNotRetained => "response-not-retained",
             ProblemKind::ResponseBodyFailed => "response-body-failed",
             ProblemKind::HandlerCancelled => "handler-cancelled",
+            ProblemKind::JournalUnsupported => "journal-unsupported",
+            ProblemKind::AmbiguousSideEffect => "ambiguous-side-effect",
+            ProblemKind::ResumeFailed => "resume-failed",
         }
     }
 
@@ -132,6 +150,9 @@ impl ProblemKind {
             ProblemKind::ResponseNotRetained => "Response not retained",
             ProblemKind::ResponseBodyFailed => "Response body failed",
             ProblemKind::HandlerCancelled => "Handler cancelled",
+            ProblemKind::JournalUnsupported => "Step journal unsupported by the store",
+            ProblemKind::AmbiguousSideEffect => "Side effect ambiguous",
+            ProblemKind::ResumeFailed => "Resume failed",
         }
     }
 }
@@ -182,12 +203,87 @@ impl Problem {
         serde_json::to_vec(&value).unwrap_or_default()
     }
 
+    /// The problem a resumable handler answers when a step or intent did not produce a
+    /// value for a reason other than its own future's error; `None` for
+    /// [`StepError::Failed`] (the handler decides what its own failure means).
+    ///
+    /// | error | problem |
+    /// |---|---|
+    /// | store `Unsupported` (no journal) | 500 `journal-unsupported` |
+    /// | store `LeaseLost` (a retry reclaimed the record) | 409 `in-flight` + `Retry-After: 1`: the newer attempt owns the outcome |
+    /// | any other store error | 503 `store-unavailable` + `Retry-After: 1` |
+    /// | `Ambiguous` | 500 `ambiguous-side-effect` |
+    /// | `Decode`, `BadName` | 500 `resume-failed` |
+    ///
+    /// Every one of them is a response the layer does not store (5xx, or a 409), so the
+    /// record is marked failed (or is already someone else's) and a retry resumes from the
+    /// journal.
+    #[must_use]
+    pub fn from_step_error<E>(e: &StepError<E>) -> Option<Self> {
+        let p = match e {
+            StepError::Failed { .. } => return None,
+            StepError::Store { name, source: StoreError::Unsupported { operation } } => Problem::new(
+                ProblemKind::JournalUnsupported,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("step {name}: the idempotency store does not implement {operation}"),
+            ),
+            StepError::Store { name, source } if source.is_lease_lost() => Problem::new(
+                ProblemKind::InFlight,
+                StatusCode::CONFLICT,
+                format!("step {name}: a newer attempt with this idempotency key owns the record; retry after 1 s"),
+            ),
+            StepError::Store { name, source } => Problem::new(
+                ProblemKind::StoreUnavailable,
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("step {name}: the idempotency store failed ({source}); retry"),
+            ),
+            StepError::Ambiguous { name } => Problem::new(
+                ProblemKind::AmbiguousSideEffect,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("intent {name}: an earlier attempt may have made the call and it cannot be found or ruled out"),
+            ),
+            StepError::Decode { name, .. } => Problem::new(
+                ProblemKind::ResumeFailed,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("step {name}: the journalled value does not decode"),
+            ),
+            StepError::BadName(name) => Problem::new(
+                ProblemKind::ResumeFailed,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("step name {name:?} must be 1-250 bytes"),
+            ),
+            _ => Problem::new(ProblemKind::ResumeFailed, StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        };
+        Some(p)
+    }
+
+    /// The response as plain bytes, for a handler to return: this status,
+    /// `Content-Type: application/problem+json`, `Retry-After: 1` (seconds) for
+    /// `in-flight`, `busy` and `store-unavailable`, and the JSON body.
+    #[must_use]
+    pub fn to_response(&self) -> Response<Bytes> {
+        let mut res = Response::new(Bytes::from(self.to_json()));
+        *res.status_mut() = self.status;
+        res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if matches!(self.kind, ProblemKind::InFlight | ProblemKind::Busy | ProblemKind::StoreUnavailable) {
+            res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(1u32));
+        }
+        res
+    }
+
     /// The response: this status, `Content-Type: application/problem+json`, the JSON body.
     pub(crate) fn into_response<B>(self) -> Response<ResponseBody<B>> {
         let mut res = Response::new(ResponseBody::full(Bytes::from(self.to_json())));
         *res.status_mut() = self.status;
         res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         res
+    }
+}
+
+#[cfg(feature = "axum")]
+impl axum::response::IntoResponse for Problem {
+    fn into_response(self) -> axum::response::Response {
+        self.to_response().map(axum::body::Body::from)
     }
 }
 
