@@ -1,5 +1,6 @@
-//! The model-based test: random sequences of claim, reclaim, complete, fail, get, sweep and
-//! clock moves (including moves to exactly a lease end or an `expires_at`, and one ms either
+//! The model-based test: random sequences of claim, reclaim, complete, fail, get, sweep,
+//! journal put and get (on stores with [`idem_core::Capabilities::journal`]; on others both
+//! must return `StoreError::Unsupported`) and clock moves (including moves to exactly a lease end or an `expires_at`, and one ms either
 //! side), issued by several simulated owners over a small key space, run against a store and
 //! against [`idem_core::Model`] (the oracle). Every outcome is compared.
 //!
@@ -30,8 +31,8 @@ use std::time::{Duration, Instant};
 
 use arbitrary::Arbitrary;
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, Model,
-    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredBody,
+    ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,
+    Model, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredBody,
     StoredResponse, UnixMillis,
 };
 use proptest::prelude::*;
@@ -53,6 +54,14 @@ pub const LEASES_MS: [u64; 3] = [0, 1_000, 5_000];
 pub const RETENTIONS_MS: [u64; 3] = [1_000, 10_000, 60_000];
 /// Distinct request fingerprints.
 pub const FINGERPRINTS: u8 = 2;
+/// Journal entry names an operation picks from (a step, an intent, a non-ASCII name).
+pub const JOURNAL_NAMES: [&str; 3] = ["s:allocate", "i:boot", "s:ステップ"];
+
+/// The journal values an operation picks from: empty, text, bytes that are not UTF-8.
+#[must_use]
+pub fn journal_values() -> [Vec<u8>; 4] {
+    [Vec::new(), b"node-1".to_vec(), b"node-2".to_vec(), vec![0, 0xff, 0xfe, 0]]
+}
 
 /// Which token an owner presents.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Arbitrary)]
@@ -132,6 +141,30 @@ pub enum Op {
         /// Key index.
         key: u8,
     },
+    /// `journal_put` of a name and value picked by index.
+    JournalPut {
+        /// Owner index.
+        owner: u8,
+        /// Key index.
+        key: u8,
+        /// The token presented.
+        token: TokenChoice,
+        /// Index into [`JOURNAL_NAMES`].
+        name: u8,
+        /// Index into [`journal_values`].
+        value: u8,
+        /// Replace an existing entry.
+        overwrite: bool,
+    },
+    /// `journal_get` of a name picked by index.
+    JournalGet {
+        /// Owner index.
+        owner: u8,
+        /// Key index.
+        key: u8,
+        /// Index into [`JOURNAL_NAMES`].
+        name: u8,
+    },
     /// `sweep(limit % 6)`.
     Sweep {
         /// Batch limit.
@@ -180,6 +213,16 @@ pub fn store_op_strategy() -> impl Strategy<Value = Op> {
         ]
     };
     let fingerprint = || prop_oneof![4 => Just(0u8), 1 => 0..FINGERPRINTS];
+    // Journal puts mostly present the held token, so entries get written and then read,
+    // found (`Exists`) and fenced; names favour the first, so one entry sees long histories.
+    let journal_token = || {
+        prop_oneof![
+            6 => Just(TokenChoice::Held),
+            2 => Just(TokenChoice::Seen),
+            1 => (0u8..5).prop_map(TokenChoice::Literal),
+        ]
+    };
+    let name = || prop_oneof![3 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8)];
     prop_oneof![
         4 => (owner(), key(), fingerprint(), 0..3u8, 0..3u8).prop_map(|(owner, key, fingerprint, lease, retention)| {
             Op::Claim { owner, key, fingerprint, lease, retention }
@@ -190,6 +233,10 @@ pub fn store_op_strategy() -> impl Strategy<Value = Op> {
         3 => (owner(), key(), token(), 0..5u8).prop_map(|(owner, key, token, response)| Op::Complete { owner, key, token, response }),
         2 => (owner(), key(), token()).prop_map(|(owner, key, token)| Op::Fail { owner, key, token }),
         2 => (owner(), key()).prop_map(|(owner, key)| Op::Get { owner, key }),
+        3 => (owner(), key(), journal_token(), name(), 0..4u8, prop_oneof![3 => Just(false), 1 => Just(true)]).prop_map(
+            |(owner, key, token, name, value, overwrite)| Op::JournalPut { owner, key, token, name, value, overwrite }
+        ),
+        2 => (owner(), key(), name()).prop_map(|(owner, key, name)| Op::JournalGet { owner, key, name }),
     ]
 }
 
@@ -341,6 +388,33 @@ fn same_write(
     }
 }
 
+/// A journal put's outcome, comparable between store and model: `Err` is
+/// `LeaseLost { id, presented, current }`.
+type JournalPutOutcome = Result<JournalWrite, (RecordId, FencingToken, Option<FencingToken>)>;
+
+/// Splits a journal put's result into its comparable outcome; any error other than
+/// `LeaseLost` is a failure of the run.
+fn journal_put_outcome(r: Result<JournalWrite, StoreError>) -> Result<JournalPutOutcome, String> {
+    match r {
+        Ok(w) => Ok(Ok(w)),
+        Err(e) => lease_lost_parts(e).map(Err).map_err(|e| format!("journal_put: {e}")),
+    }
+}
+
+/// A store without [`idem_core::Capabilities::journal`] must refuse journal operations as
+/// `Unsupported` (a declared capability, never a silent no-op).
+fn unsupported(op: usize, operation: &str, r: Result<(), StoreError>, stats: &mut RunStats) -> Result<(), String> {
+    match r {
+        Err(StoreError::Unsupported { .. }) => {
+            stats.journal_unsupported += 1;
+            Ok(())
+        }
+        other => Err(format!(
+            "op #{op}: a store without Capabilities::journal answered {operation} with {other:?}, not Unsupported"
+        )),
+    }
+}
+
 /// How often each outcome occurred: shows a run was not vacuous (printed by [`run`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RunStats {
@@ -362,9 +436,27 @@ pub struct RunStats {
     pub hits: u64,
     /// Records removed by sweeps.
     pub swept: u64,
+    /// Journal puts that wrote.
+    pub journal_written: u64,
+    /// Journal puts that found the entry (`Exists`).
+    pub journal_exists: u64,
+    /// Journal puts refused with `LeaseLost`.
+    pub journal_lease_lost: u64,
+    /// Journal gets that found an entry.
+    pub journal_hits: u64,
+    /// Journal operations refused as `Unsupported` (stores without the capability).
+    pub journal_unsupported: u64,
 }
 
 impl RunStats {
+    fn count_journal_put(&mut self, outcome: &JournalPutOutcome) {
+        match outcome {
+            Ok(JournalWrite::Written) => self.journal_written += 1,
+            Ok(JournalWrite::Exists(_)) => self.journal_exists += 1,
+            Err(_) => self.journal_lease_lost += 1,
+        }
+    }
+
     /// Adds `other` into `self`.
     pub fn add(&mut self, other: &RunStats) {
         self.ops += other.ops;
@@ -376,6 +468,11 @@ impl RunStats {
         self.lease_lost += other.lease_lost;
         self.hits += other.hits;
         self.swept += other.swept;
+        self.journal_written += other.journal_written;
+        self.journal_exists += other.journal_exists;
+        self.journal_lease_lost += other.journal_lease_lost;
+        self.journal_hits += other.journal_hits;
+        self.journal_unsupported += other.journal_unsupported;
     }
 }
 
@@ -406,6 +503,8 @@ impl Owners {
 /// The first divergence (or store error, or broken record invariant), described.
 pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, ops: &[Op]) -> Result<RunStats, String> {
     let native = store.capabilities().native_expiry;
+    let journal = store.capabilities().journal;
+    let values = journal_values();
     let mut stats = RunStats { ops: ops.len() as u64, ..RunStats::default() };
     let mut model = Model::new();
     let mut owners = Owners::default();
@@ -501,6 +600,38 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
                     owners.seen[o][k] = Some(r.token);
                 }
             }
+            Op::JournalPut { owner, key, token, name, value, overwrite } => {
+                let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
+                let t = owners.token(o, k, token);
+                let name = JOURNAL_NAMES[usize::from(name) % JOURNAL_NAMES.len()];
+                let value = values[usize::from(value) % values.len()].clone();
+                let s = store.journal_put(ids[k], t, name, value.clone(), overwrite).await;
+                if !journal {
+                    unsupported(i, "journal_put", s.map(|_| ()), &mut stats)?;
+                    continue;
+                }
+                let m = journal_put_outcome(model.journal_put(ids[k], t, name, value, overwrite, now))?;
+                let s = journal_put_outcome(s).map_err(|e| format!("op #{i} {op:?}: {e}"))?;
+                if s != m {
+                    return Err(format!("op #{i} {op:?}: store returned {s:?}, the model {m:?}"));
+                }
+                stats.count_journal_put(&m);
+            }
+            Op::JournalGet { owner: _, key, name } => {
+                let k = usize::from(key) % KEYS;
+                let name = JOURNAL_NAMES[usize::from(name) % JOURNAL_NAMES.len()];
+                let s = store.journal_get(ids[k], name).await;
+                if !journal {
+                    unsupported(i, "journal_get", s.map(|_| ()), &mut stats)?;
+                    continue;
+                }
+                let s = s.map_err(|e| format!("op #{i} {op:?}: journal_get failed: {e}"))?;
+                let m = model.journal_get(ids[k], name, now);
+                if s != m {
+                    return Err(format!("op #{i} {op:?}: store returned {s:?}, the model {m:?}"));
+                }
+                stats.journal_hits += u64::from(m.is_some());
+            }
             Op::Sweep { limit } => {
                 stats.swept += sweep(i, store, &mut model, now, usize::from(limit % 6), native).await?
             }
@@ -571,7 +702,7 @@ async fn sweep(
 /// by a barrier, each on its own task, then one clock move or sweep.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Batch {
-    /// Claim, reclaim, complete, fail or get operations racing each other.
+    /// Claim, reclaim, complete, fail, get and journal operations racing each other.
     pub ops: Vec<Op>,
     /// Runs alone after the race: `Advance`, `AdvanceTo` or `Sweep`.
     pub then: Op,
@@ -595,6 +726,8 @@ enum Prepared {
     Complete(RecordId, FencingToken, StoredResponse),
     Fail(RecordId, FencingToken),
     Get(RecordId),
+    JournalPut(RecordId, FencingToken, &'static str, Vec<u8>, bool),
+    JournalGet(RecordId, &'static str),
 }
 
 impl Prepared {
@@ -602,7 +735,11 @@ impl Prepared {
         match self {
             Prepared::Claim(r) => r.id,
             Prepared::Reclaim(r) => r.id,
-            Prepared::Complete(id, ..) | Prepared::Fail(id, _) | Prepared::Get(id) => *id,
+            Prepared::Complete(id, ..)
+            | Prepared::Fail(id, _)
+            | Prepared::Get(id)
+            | Prepared::JournalPut(id, ..)
+            | Prepared::JournalGet(id, _) => *id,
         }
     }
 }
@@ -620,7 +757,8 @@ fn same_outcome(m: &Outcome, s: &Outcome, later: &[Option<Record>]) -> bool {
             Outcome::Reclaim(ReclaimOutcome::Conflict { now: a, .. }),
             Outcome::Reclaim(ReclaimOutcome::Conflict { current, now: b }),
         ) => a == b && later.iter().any(|r| r == current),
-        (Outcome::Write(Err((id_a, presented_a, _))), Outcome::Write(Err((id_b, presented_b, current)))) => {
+        (Outcome::Write(Err((id_a, presented_a, _))), Outcome::Write(Err((id_b, presented_b, current))))
+        | (Outcome::JournalPut(Err((id_a, presented_a, _))), Outcome::JournalPut(Err((id_b, presented_b, current)))) => {
             (id_a, presented_a) == (id_b, presented_b) && later.iter().any(|r| r.as_ref().map(|r| r.token) == *current)
         }
         _ => false,
@@ -635,6 +773,10 @@ enum Outcome {
     /// `Err` is `LeaseLost { id, presented, current }`.
     Write(Result<Record, (RecordId, FencingToken, Option<FencingToken>)>),
     Get(Option<Record>),
+    JournalPut(JournalPutOutcome),
+    JournalGet(Option<Vec<u8>>),
+    /// A journal operation on a store without the capability.
+    Unsupported,
 }
 
 fn lease_lost_parts(e: StoreError) -> Result<(RecordId, FencingToken, Option<FencingToken>), String> {
@@ -644,7 +786,7 @@ fn lease_lost_parts(e: StoreError) -> Result<(RecordId, FencingToken, Option<Fen
     }
 }
 
-fn on_model(model: &mut Model, p: &Prepared, now: UnixMillis) -> Outcome {
+fn on_model(model: &mut Model, p: &Prepared, now: UnixMillis, journal: bool) -> Outcome {
     let lost = |e: StoreError| match e {
         StoreError::LeaseLost { id, presented, current } => (id, presented, current),
         // The model only ever refuses with LeaseLost.
@@ -656,6 +798,11 @@ fn on_model(model: &mut Model, p: &Prepared, now: UnixMillis) -> Outcome {
         Prepared::Complete(id, t, resp) => Outcome::Write(model.complete(*id, *t, resp.clone(), now).map_err(lost)),
         Prepared::Fail(id, t) => Outcome::Write(model.fail(*id, *t, now).map_err(lost)),
         Prepared::Get(id) => Outcome::Get(model.get(*id, now)),
+        Prepared::JournalPut(..) | Prepared::JournalGet(..) if !journal => Outcome::Unsupported,
+        Prepared::JournalPut(id, t, name, value, overwrite) => {
+            Outcome::JournalPut(model.journal_put(*id, *t, name, value.clone(), *overwrite, now).map_err(lost))
+        }
+        Prepared::JournalGet(id, name) => Outcome::JournalGet(model.journal_get(*id, name, now)),
     }
 }
 
@@ -670,6 +817,16 @@ async fn on_store(store: &dyn Store, p: Prepared) -> Result<Outcome, String> {
         Prepared::Complete(id, t, resp) => write(store.complete(id, t, resp).await),
         Prepared::Fail(id, t) => write(store.fail(id, t).await),
         Prepared::Get(id) => store.get(id).await.map(Outcome::Get).map_err(|e| format!("get: {e}")),
+        Prepared::JournalPut(id, t, name, value, overwrite) => {
+            match store.journal_put(id, t, name, value, overwrite).await {
+                Err(StoreError::Unsupported { .. }) => Ok(Outcome::Unsupported),
+                r => journal_put_outcome(r).map(Outcome::JournalPut),
+            }
+        }
+        Prepared::JournalGet(id, name) => match store.journal_get(id, name).await {
+            Err(StoreError::Unsupported { .. }) => Ok(Outcome::Unsupported),
+            r => r.map(Outcome::JournalGet).map_err(|e| format!("journal_get: {e}")),
+        },
     }
 }
 
@@ -696,13 +853,23 @@ struct World {
     parts: Vec<(Scope, IdempotencyKey)>,
     ids: Vec<RecordId>,
     responses: [StoredResponse; 5],
+    values: [Vec<u8>; 4],
+    journal: bool,
 }
 
 impl World {
-    fn new(namespace: &str) -> Self {
+    fn new(namespace: &str, journal: bool) -> Self {
         let parts: Vec<(Scope, IdempotencyKey)> = (0..KEYS).map(|k| key_parts(namespace, k)).collect();
         let ids = parts.iter().map(|(s, k)| s.record_id(k)).collect();
-        Self { model: Model::new(), owners: Owners::default(), parts, ids, responses: responses() }
+        Self {
+            model: Model::new(),
+            owners: Owners::default(),
+            parts,
+            ids,
+            responses: responses(),
+            values: journal_values(),
+            journal,
+        }
     }
 
     /// Fixes `op`'s request; `None` for clock moves and sweeps.
@@ -745,6 +912,16 @@ impl World {
                 let (o, k) = ok(owner, key);
                 (o, k, Prepared::Get(self.ids[k]))
             }
+            Op::JournalPut { owner, key, token, name, value, overwrite } => {
+                let (o, k) = ok(owner, key);
+                let name = JOURNAL_NAMES[usize::from(name) % JOURNAL_NAMES.len()];
+                let value = self.values[usize::from(value) % self.values.len()].clone();
+                (o, k, Prepared::JournalPut(self.ids[k], self.owners.token(o, k, token), name, value, overwrite))
+            }
+            Op::JournalGet { owner, key, name } => {
+                let (o, k) = ok(owner, key);
+                (o, k, Prepared::JournalGet(self.ids[k], JOURNAL_NAMES[usize::from(name) % JOURNAL_NAMES.len()]))
+            }
             Op::Sweep { .. } | Op::Advance { .. } | Op::AdvanceTo { .. } => return None,
         })
     }
@@ -779,6 +956,18 @@ impl World {
             Outcome::Get(r) => {
                 stats.hits += u64::from(r.is_some());
                 (false, true, r.as_ref())
+            }
+            Outcome::JournalPut(w) => {
+                stats.count_journal_put(w);
+                (false, false, None)
+            }
+            Outcome::JournalGet(v) => {
+                stats.journal_hits += u64::from(v.is_some());
+                (false, false, None)
+            }
+            Outcome::Unsupported => {
+                stats.journal_unsupported += 1;
+                (false, false, None)
             }
         };
         if let Some(r) = record {
@@ -829,7 +1018,7 @@ pub async fn run_batches(
     batches: &[Batch],
 ) -> Result<RunStats, String> {
     let native = store.capabilities().native_expiry;
-    let mut world = World::new(namespace);
+    let mut world = World::new(namespace, store.capabilities().journal);
     let mut stats = RunStats::default();
     for (b, batch) in batches.iter().enumerate() {
         let now = clock.now();
@@ -857,7 +1046,7 @@ pub async fn run_batches(
             let mut outcomes: Vec<Option<Outcome>> = vec![None; prepared.len()];
             let mut later: Vec<Vec<Option<Record>>> = vec![Vec::new(); prepared.len()];
             for (pos, &i) in order.iter().enumerate() {
-                outcomes[i] = Some(on_model(&mut model, &prepared[i].2, now));
+                outcomes[i] = Some(on_model(&mut model, &prepared[i].2, now, world.journal));
                 for &j in &order[..=pos] {
                     later[j].push(model.get(prepared[j].2.id(), now));
                 }
