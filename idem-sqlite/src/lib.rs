@@ -89,11 +89,11 @@
 //!
 //! ## Performance
 //! `benches/group_commit.rs` measures claim + complete pairs against a baseline that
-//! commits each statement on its own (same schema, WAL, `synchronous = FULL`). On the
-//! 2-core development VM: at 1 caller both are bound by one fsync per commit (~1,700
-//! pairs/s on a quiet disk); at 32 callers the store did ~15,900 pairs/s against ~2,600
-//! for the baseline (6x), and 20x when the disk was busy (fsync ~4 ms: ~3,800 against
-//! ~190), because the baseline's commits queue for the write lock one fsync at a time.
+//! commits each statement on its own (same schema, WAL, `synchronous = FULL`). At 1 caller
+//! both pay about one fsync per commit. At 32 callers the baseline's commits queue for the
+//! write lock one fsync at a time, while group commit shares each fsync among a batch: on
+//! the shared 2-core development VM the store ran 6x to 21x the baseline across runs
+//! (quiet disk: ~15,900 against ~2,600 pairs/s; busy disk: ~3,800 against ~190).
 //!
 //! ## Wiring it into a server
 //! Open the store once at start-up and share it: `Arc::new(SqliteStore::open(path)?)` is
