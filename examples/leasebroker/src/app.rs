@@ -11,10 +11,12 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use idem_core::{Policy, Store};
-use idem_http::{BearerToken, IdempotencyLayer, KeyRequirement};
+use idem_core::{Reconciled, StepError};
+use idem_http::{BearerToken, IdempotencyContext, IdempotencyLayer, KeyRequirement, Problem};
 use rand::Rng;
 
-use crate::state::{Infra, StateError, WorkerSpec};
+use crate::crash::CrashPlan;
+use crate::state::{Infra, StateError, Worker, WorkerSpec};
 
 /// Faults the server injects, each as a probability in `0.0..=1.0`.
 #[derive(Clone, Copy, Debug, Default)]
@@ -27,8 +29,11 @@ pub struct Faults {
     /// Upper bound of a random delay inside the handler, ms, while the claim is held: a
     /// retry that arrives meanwhile gets 409 + `Retry-After`. Keep it below the lease.
     pub work_ms: u64,
-    /// Share of create calls whose hypervisor boot fails (answered 503; nothing is kept).
+    /// Share of create calls whose hypervisor boot fails (answered 503; the node and the
+    /// lease stay journalled, so the retry reuses them and only boots).
     pub hypervisor_fail_rate: f64,
+    /// Crash points armed inside the create handler (none by default).
+    pub crash: CrashPlan,
 }
 
 #[derive(Clone, Debug)]
@@ -38,7 +43,8 @@ struct AppState {
 }
 
 /// Builds the router: `POST /v1/workers`, `GET|DELETE /v1/workers/{id}`,
-/// `POST /v1/workers/{id}/reboot`, and `GET /admin/stats` (unauthenticated counters).
+/// `POST /v1/workers/{id}/reboot`, `GET /admin/stats` (unauthenticated counters) and
+/// `GET /admin/inventory` (every node, lease, VM and worker, for leak checks).
 pub fn router(infra: Infra, store: Arc<dyn Store>, policy: Policy, faults: Faults) -> Router {
     let state = AppState { infra, faults };
     // POST requires a key; DELETE takes one when sent (a retried DELETE replays its 204).
@@ -53,14 +59,20 @@ pub fn router(infra: Infra, store: Arc<dyn Store>, policy: Policy, faults: Fault
         .merge(mutating)
         .merge(deleting)
         .route("/admin/stats", get(stats))
+        .route("/admin/inventory", get(inventory))
         .layer(middleware::from_fn_with_state(faults, lose_responses))
         .with_state(state)
 }
 
 /// The fault layer: runs the request (the idempotency layer has stored the outcome by
-/// the time it returns), then sometimes holds the response past the client's timeout.
+/// the time it returns), then sometimes holds the response past the client's timeout,
+/// and passes the `after_completion` crash point for creates.
 async fn lose_responses(State(faults): State<Faults>, req: Request, next: Next) -> Response {
+    let is_create = req.method() == axum::http::Method::POST && req.uri().path() == "/v1/workers";
     let response = next.run(req).await;
+    if is_create && response.status().is_success() {
+        faults.crash.point("after_completion").await;
+    }
     if faults.drop_rate > 0.0 && rand::rng().random_bool(faults.drop_rate.clamp(0.0, 1.0)) {
         tokio::time::sleep(Duration::from_millis(faults.hold_ms)).await;
     }
@@ -98,7 +110,23 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| Err(StateError::Storage(e.to_string())))
 }
 
-async fn create(State(s): State<AppState>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+/// `POST /v1/workers`: four side effects, each resumable, so a retry after a crash at any
+/// point converges on one node, one lease, one VM and one worker row:
+///
+/// 1. `allocate` (step): the pool allocates a node for the step's sub-key (the pool is
+///    idempotent by sub-key, which covers a crash between the allocation and the journal
+///    write); the node is journalled.
+/// 2. `lease` (step): the same for the lease on that node.
+/// 3. `boot` (intent): the hypervisor takes no caller id, so `pending` is journalled
+///    first and the sub-key is the VM's tag; a retry that finds `pending` lists boots by
+///    tag and adopts the VM, or boots only if none exists.
+/// 4. `worker` (step): the worker row, keyed by a sub-key-derived id.
+async fn create(
+    State(s): State<AppState>,
+    ctx: Option<axum::Extension<IdempotencyContext>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
     let Some(owner) = owner(&headers) else {
         return problem(StatusCode::UNAUTHORIZED, "send Authorization: Bearer <token>");
     };
@@ -106,21 +134,73 @@ async fn create(State(s): State<AppState>, headers: HeaderMap, body: axum::body:
         Ok(s) => s,
         Err(e) => return problem(StatusCode::UNPROCESSABLE_ENTITY, &format!("invalid worker spec: {e}")),
     };
+    // The layer requires a key on this route and fails closed, so a create always runs
+    // under a claim; without one its side effects could not be resumed.
+    let Some(axum::Extension(ctx)) = ctx else {
+        return problem(StatusCode::INTERNAL_SERVER_ERROR, "create ran without an idempotency claim");
+    };
     if s.faults.work_ms > 0 {
         let ms = rand::rng().random_range(0..=s.faults.work_ms);
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
-    let fail =
-        s.faults.hypervisor_fail_rate > 0.0 && rand::rng().random_bool(s.faults.hypervisor_fail_rate.clamp(0.0, 1.0));
-    match blocking(move || s.infra.create(&owner, spec, fail)).await {
+    match provision(&s, &ctx, owner, spec).await {
         Ok(w) => (
             StatusCode::CREATED,
             [(header::LOCATION, format!("/v1/workers/{}", w.id)), (header::CONTENT_TYPE, "application/json".into())],
             serde_json::to_string(&w).unwrap_or_default(),
         )
             .into_response(),
-        Err(e) => state_error(e),
+        Err(e) => match Problem::from_step_error(&e) {
+            Some(p) => p.into_response(),
+            None => match e {
+                StepError::Failed { source, .. } => state_error(source),
+                other => problem(StatusCode::INTERNAL_SERVER_ERROR, &other.to_string()),
+            },
+        },
     }
+}
+
+async fn provision(
+    s: &AppState,
+    ctx: &IdempotencyContext,
+    owner: String,
+    spec: WorkerSpec,
+) -> Result<Worker, StepError<StateError>> {
+    let crash = s.faults.crash;
+    let run = ctx.resumable();
+    crash.point("before_allocate").await;
+    let infra = s.infra.clone();
+    let node: String = run.step("allocate", |sk| blocking(move || infra.allocate(sk.as_str()))).await?;
+    crash.point("after_allocate").await;
+    let (infra, n) = (s.infra.clone(), node.clone());
+    let lease: String = run.step("lease", |sk| blocking(move || infra.write_lease(&n, sk.as_str()))).await?;
+    crash.point("after_lease").await;
+    let fail =
+        s.faults.hypervisor_fail_rate > 0.0 && rand::rng().random_bool(s.faults.hypervisor_fail_rate.clamp(0.0, 1.0));
+    let (issuer, finder, n) = (s.infra.clone(), s.infra.clone(), node.clone());
+    let vm = run
+        .intent(
+            "boot",
+            |tag| async move {
+                crash.point("before_boot").await;
+                let vm = blocking(move || issuer.boot(tag.as_str(), &n, fail)).await?;
+                crash.point("after_boot").await;
+                Ok(vm)
+            },
+            |tag| async move {
+                let vms = blocking(move || finder.list_boots_by_tag(tag.as_str())).await?;
+                // More than one VM per tag would be a double boot; adopt the oldest and let
+                // the counters show it.
+                Ok(vms.into_iter().next().map_or(Reconciled::NotFound, Reconciled::Found))
+            },
+        )
+        .await?;
+    crash.point("after_boot_recorded").await;
+    let infra = s.infra.clone();
+    let worker = Worker { id: String::new(), owner, node, lease, vm, spec, state: "booting".into(), reboots: 0 };
+    let worker: Worker = run.step("worker", |sk| blocking(move || infra.put_worker(sk.as_str(), worker))).await?;
+    crash.point("after_worker").await;
+    Ok(worker)
 }
 
 async fn show(State(s): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> Response {
@@ -151,6 +231,13 @@ async fn reboot(State(s): State<AppState>, headers: HeaderMap, Path(id): Path<St
         Ok(w) => {
             (StatusCode::ACCEPTED, axum::Json(serde_json::json!({"id": w.id, "reboots": w.reboots}))).into_response()
         }
+        Err(e) => state_error(e),
+    }
+}
+
+async fn inventory(State(s): State<AppState>) -> Response {
+    match blocking(move || s.infra.inventory()).await {
+        Ok(inv) => axum::Json(inv).into_response(),
         Err(e) => state_error(e),
     }
 }

@@ -11,11 +11,14 @@
 //!
 //! # Layout
 //! - [`state`]: the simulated pool, leases and hypervisor, in redb tables.
-//! - [`app`]: the axum router, the idempotency layer on it, the fault layer.
+//! - [`app`]: the axum router, the idempotency layer on it, the fault layer; the create
+//!   handler's side effects run as resumable steps and an intent.
+//! - [`crash`]: crash points inside the create handler (`serve --crash-at`).
 //! - [`server`]: opening the store and running the server.
 //! - [`storm`]: the retry-storm driver.
 
 pub mod app;
+pub mod crash;
 pub mod server;
 pub mod state;
 pub mod storm;

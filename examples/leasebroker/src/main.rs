@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use idem_core::Policy;
 use leasebroker::app::Faults;
+use leasebroker::crash::CrashPlan;
 use leasebroker::server::{Server, StoreSpec, open};
 use leasebroker::storm::{self, StormConfig};
 use tokio::net::TcpListener;
@@ -56,6 +57,34 @@ struct ServeArgs {
     retention_ms: u64,
     #[command(flatten)]
     faults: FaultArgs,
+    /// Crash points to arm inside the create handler, comma-separated, or `any`:
+    /// before_allocate, after_allocate, after_lease, before_boot, after_boot,
+    /// after_boot_recorded, after_worker, after_completion. At a point that fires the server
+    /// prints `CRASHPOINT <name>` on stdout and blocks for an outside SIGKILL (or aborts,
+    /// with --crash-abort). Default: the LEASEBROKER_CRASH_AT environment variable, else none.
+    #[arg(long)]
+    crash_at: Option<String>,
+    /// Probability that an armed point fires when a request passes it (0.0-1.0).
+    /// Default: LEASEBROKER_CRASH_RATE, else 1.0.
+    #[arg(long)]
+    crash_rate: Option<f64>,
+    /// Abort the process at a crash point instead of waiting for SIGKILL.
+    #[arg(long)]
+    crash_abort: bool,
+}
+
+impl ServeArgs {
+    fn crash_plan(&self) -> Result<CrashPlan, String> {
+        let points = self.crash_at.clone().or_else(|| std::env::var("LEASEBROKER_CRASH_AT").ok()).unwrap_or_default();
+        let rate = match self.crash_rate {
+            Some(r) => r,
+            None => match std::env::var("LEASEBROKER_CRASH_RATE") {
+                Ok(v) => v.parse().map_err(|e| format!("LEASEBROKER_CRASH_RATE={v:?}: {e}"))?,
+                Err(_) => 1.0,
+            },
+        };
+        CrashPlan::parse(&points, rate, self.crash_abort)
+    }
 }
 
 #[derive(Args, Debug, Clone, Copy)]
@@ -81,6 +110,7 @@ impl From<FaultArgs> for Faults {
             hold_ms: f.hold_ms,
             work_ms: f.work_ms,
             hypervisor_fail_rate: f.hypervisor_fail_rate,
+            crash: CrashPlan::default(),
         }
     }
 }
@@ -136,13 +166,20 @@ async fn main() -> ExitCode {
 async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
     match cli.command {
         Command::Serve(args) => {
+            let crash = args.crash_plan()?;
             let (store, infra) = open(&args.store, &args.state).await?;
             let policy = Policy::default()
                 .with_lease_ttl(Duration::from_millis(args.lease_ms))
                 .with_retention(Duration::from_millis(args.retention_ms));
             let listener = TcpListener::bind(&args.addr).await?;
-            let server = Server::start(listener, store, infra, policy, args.faults.into())?;
+            let faults = Faults { crash, ..args.faults.into() };
+            let server = Server::start(listener, store, infra, policy, faults)?;
             eprintln!("leasebroker: listening on {} (store {:?})", server.url(), args.store);
+            if crash.is_armed() {
+                eprintln!("leasebroker: crash points armed: {crash:?}");
+            }
+            // A supervisor (the crash test) reads this line to know the server is up.
+            println!("LISTENING {}", server.url());
             tokio::select! {
                 r = server.wait() => r?,
                 _ = tokio::signal::ctrl_c() => {}
@@ -156,7 +193,13 @@ async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             let (store, infra) = open(&StoreSpec::Redb(path.clone()), &dir.path().join("state.redb")).await?;
             // Faults: a quarter of responses are lost after the work is done, handlers take
             // up to 300 ms (so retries meet in-flight claims), 5% of boots fail.
-            let faults = Faults { drop_rate: 0.25, hold_ms: 1_000, work_ms: 300, hypervisor_fail_rate: 0.05 };
+            let faults = Faults {
+                drop_rate: 0.25,
+                hold_ms: 1_000,
+                work_ms: 300,
+                hypervisor_fail_rate: 0.05,
+                crash: CrashPlan::default(),
+            };
             let policy = Policy::default().with_lease_ttl(Duration::from_secs(3));
             let server = Server::start(TcpListener::bind("127.0.0.1:0").await?, store, infra, policy, faults)?;
             println!(

@@ -2,16 +2,29 @@
 //! all kept in redb tables so they survive a restart, and counted so a test can prove
 //! that no retry created anything twice.
 //!
+//! Each is a separate side effect with its own commit, as in a real provisioning backend:
+//! a process killed between two of them leaves the first one behind. The pool and the
+//! lease table are idempotent by the caller's sub-key; the hypervisor is not (each boot
+//! is a new VM) but tags every VM, so a retry can find a boot it does not remember.
+//!
 //! When the idempotency store is redb, these tables live in the same file as the records.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, MultimapTableDefinition, ReadableDatabase, ReadableTable, TableDefinition, WriteTransaction};
 use serde::{Deserialize, Serialize};
 
 const WORKERS: TableDefinition<'_, &str, &[u8]> = TableDefinition::new("leasebroker_workers");
 const COUNTERS: TableDefinition<'_, &str, u64> = TableDefinition::new("leasebroker_counters");
+/// Pool: sub-key of the allocation -> node.
+const NODES: TableDefinition<'_, &str, &str> = TableDefinition::new("leasebroker_nodes");
+/// Leases: sub-key of the lease -> `lease-id node`.
+const LEASES: TableDefinition<'_, &str, &str> = TableDefinition::new("leasebroker_leases");
+/// Hypervisor: VM id -> `tag node`.
+const VMS: TableDefinition<'_, &str, &str> = TableDefinition::new("leasebroker_vms");
+/// Hypervisor: tag -> VM ids booted with it.
+const VM_TAGS: MultimapTableDefinition<'_, &str, &str> = MultimapTableDefinition::new("leasebroker_vm_tags");
 
 /// What the client asks for in `POST /v1/workers`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -65,6 +78,20 @@ pub struct Stats {
     pub deletes: u64,
 }
 
+/// Everything the simulated infrastructure holds, for a leak check: every node, lease and
+/// VM should belong to exactly one worker.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Inventory {
+    /// Allocated nodes: (allocation sub-key, node).
+    pub nodes: Vec<(String, String)>,
+    /// Leases: (lease sub-key, lease, node).
+    pub leases: Vec<(String, String, String)>,
+    /// Booted VMs: (VM, tag, node).
+    pub vms: Vec<(String, String, String)>,
+    /// Every worker row, deleted ones included.
+    pub workers: Vec<Worker>,
+}
+
 /// Why a domain operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
@@ -83,6 +110,14 @@ fn storage(e: impl std::fmt::Display) -> StateError {
     StateError::Storage(e.to_string())
 }
 
+/// Adds one to counter `name` inside `tx`; returns the new value.
+fn bump(tx: &WriteTransaction, name: &str) -> Result<u64, StateError> {
+    let mut counters = tx.open_table(COUNTERS).map_err(storage)?;
+    let n = counters.get(name).map_err(storage)?.map_or(0, |v| v.value()) + 1;
+    counters.insert(name, n).map_err(storage)?;
+    Ok(n)
+}
+
 /// The pool, leases and hypervisor.
 #[derive(Clone, Debug)]
 pub struct Infra {
@@ -98,49 +133,136 @@ impl Infra {
         let tx = db.begin_write().map_err(storage)?;
         tx.open_table(WORKERS).map_err(storage)?;
         tx.open_table(COUNTERS).map_err(storage)?;
+        tx.open_table(NODES).map_err(storage)?;
+        tx.open_table(LEASES).map_err(storage)?;
+        tx.open_table(VMS).map_err(storage)?;
+        tx.open_multimap_table(VM_TAGS).map_err(storage)?;
         tx.commit().map_err(storage)?;
         Ok(Self { db })
     }
 
-    /// Allocates a node, writes its lease and boots a VM, in one redb transaction: a boot
-    /// failure leaves nothing allocated (the retry starts clean).
+    fn write<T>(&self, f: impl FnOnce(&WriteTransaction) -> Result<T, StateError>) -> Result<T, StateError> {
+        let tx = self.db.begin_write().map_err(storage)?;
+        let out = f(&tx)?;
+        tx.commit().map_err(storage)?;
+        Ok(out)
+    }
+
+    /// The pool: allocates a node for `subkey`, or returns the node that sub-key already
+    /// got (idempotent by the caller's id, like a cloud API's `ClientToken`). Counts
+    /// `allocations` only for a new node.
     ///
     /// # Errors
-    /// [`StateError::Hypervisor`] when `boot_fails`; storage errors.
-    pub fn create(&self, owner: &str, spec: WorkerSpec, boot_fails: bool) -> Result<Worker, StateError> {
-        let tx = self.db.begin_write().map_err(storage)?;
-        let worker = {
-            let mut counters = tx.open_table(COUNTERS).map_err(storage)?;
-            let mut bump = |name: &str| -> Result<u64, StateError> {
-                let n = counters.get(name).map_err(storage)?.map_or(0, |v| v.value()) + 1;
-                counters.insert(name, n).map_err(storage)?;
-                Ok(n)
-            };
-            let node = bump("allocations")?;
-            let lease = bump("leases")?;
-            if boot_fails {
-                // Dropping the transaction uncommitted releases the node and the lease.
-                return Err(StateError::Hypervisor);
+    /// Storage errors.
+    pub fn allocate(&self, subkey: &str) -> Result<String, StateError> {
+        self.write(|tx| {
+            let mut nodes = tx.open_table(NODES).map_err(storage)?;
+            if let Some(node) = nodes.get(subkey).map_err(storage)? {
+                return Ok(node.value().to_string());
             }
-            let vm = bump("boots")?;
-            let id = format!("wkr-{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
-            let worker = Worker {
-                id,
-                owner: owner.to_string(),
-                node: format!("node-{node:05}"),
-                lease: format!("lease-{lease:05}"),
-                vm: format!("vm-{vm:05}"),
-                spec,
-                state: "booting".into(),
-                reboots: 0,
-            };
+            let node = format!("node-{:05}", bump(tx, "allocations")?);
+            nodes.insert(subkey, node.as_str()).map_err(storage)?;
+            Ok(node)
+        })
+    }
+
+    /// Writes the lease that holds `node` for `subkey`, or returns the lease that sub-key
+    /// already wrote (idempotent by the caller's id). Counts `leases` only for a new lease.
+    ///
+    /// # Errors
+    /// Storage errors.
+    pub fn write_lease(&self, node: &str, subkey: &str) -> Result<String, StateError> {
+        self.write(|tx| {
+            let mut leases = tx.open_table(LEASES).map_err(storage)?;
+            if let Some(v) = leases.get(subkey).map_err(storage)? {
+                return Ok(v.value().split(' ').next().unwrap_or_default().to_string());
+            }
+            let lease = format!("lease-{:05}", bump(tx, "leases")?);
+            leases.insert(subkey, format!("{lease} {node}").as_str()).map_err(storage)?;
+            Ok(lease)
+        })
+    }
+
+    /// The hypervisor: boots a new VM on `node`, tagged `tag`, and returns its id. NOT
+    /// idempotent: every call boots another VM, as a hypervisor API that takes no caller
+    /// id does. Find earlier boots with [`Infra::list_boots_by_tag`].
+    ///
+    /// # Errors
+    /// [`StateError::Hypervisor`] when `fails` (nothing is booted); storage errors.
+    pub fn boot(&self, tag: &str, node: &str, fails: bool) -> Result<String, StateError> {
+        if fails {
+            return Err(StateError::Hypervisor);
+        }
+        self.write(|tx| {
+            let vm = format!("vm-{:05}", bump(tx, "boots")?);
+            tx.open_table(VMS)
+                .map_err(storage)?
+                .insert(vm.as_str(), format!("{tag} {node}").as_str())
+                .map_err(storage)?;
+            tx.open_multimap_table(VM_TAGS).map_err(storage)?.insert(tag, vm.as_str()).map_err(storage)?;
+            Ok(vm)
+        })
+    }
+
+    /// The VMs booted with `tag`, oldest first.
+    ///
+    /// # Errors
+    /// Storage errors.
+    pub fn list_boots_by_tag(&self, tag: &str) -> Result<Vec<String>, StateError> {
+        let tx = self.db.begin_read().map_err(storage)?;
+        let tags = tx.open_multimap_table(VM_TAGS).map_err(storage)?;
+        let mut out = Vec::new();
+        for vm in tags.get(tag).map_err(storage)? {
+            out.push(vm.map_err(storage)?.value().to_string());
+        }
+        Ok(out)
+    }
+
+    /// Writes the worker row for `subkey` (its id is derived from the sub-key), or returns
+    /// the row that sub-key already wrote.
+    ///
+    /// # Errors
+    /// Storage errors.
+    pub fn put_worker(&self, subkey: &str, worker: Worker) -> Result<Worker, StateError> {
+        let id = format!("wkr-{}", subkey.strip_prefix("idem-").unwrap_or(subkey).get(..16).unwrap_or(subkey));
+        self.write(|tx| {
             let mut workers = tx.open_table(WORKERS).map_err(storage)?;
+            if let Some(existing) = workers.get(id.as_str()).map_err(storage)? {
+                return serde_json::from_slice(existing.value()).map_err(storage);
+            }
+            let worker = Worker { id: id.clone(), ..worker };
             let bytes = serde_json::to_vec(&worker).map_err(storage)?;
-            workers.insert(worker.id.as_str(), bytes.as_slice()).map_err(storage)?;
-            worker
-        };
-        tx.commit().map_err(storage)?;
-        Ok(worker)
+            workers.insert(id.as_str(), bytes.as_slice()).map_err(storage)?;
+            Ok(worker)
+        })
+    }
+
+    /// Every node, lease, VM and worker.
+    ///
+    /// # Errors
+    /// Storage errors.
+    pub fn inventory(&self) -> Result<Inventory, StateError> {
+        let tx = self.db.begin_read().map_err(storage)?;
+        let mut inv = Inventory::default();
+        for e in tx.open_table(NODES).map_err(storage)?.iter().map_err(storage)? {
+            let (k, v) = e.map_err(storage)?;
+            inv.nodes.push((k.value().to_string(), v.value().to_string()));
+        }
+        for e in tx.open_table(LEASES).map_err(storage)?.iter().map_err(storage)? {
+            let (k, v) = e.map_err(storage)?;
+            let (lease, node) = v.value().split_once(' ').unwrap_or((v.value(), ""));
+            inv.leases.push((k.value().to_string(), lease.to_string(), node.to_string()));
+        }
+        for e in tx.open_table(VMS).map_err(storage)?.iter().map_err(storage)? {
+            let (k, v) = e.map_err(storage)?;
+            let (tag, node) = v.value().split_once(' ').unwrap_or((v.value(), ""));
+            inv.vms.push((k.value().to_string(), tag.to_string(), node.to_string()));
+        }
+        for e in tx.open_table(WORKERS).map_err(storage)?.iter().map_err(storage)? {
+            let (_, v) = e.map_err(storage)?;
+            inv.workers.push(serde_json::from_slice(v.value()).map_err(storage)?);
+        }
+        Ok(inv)
     }
 
     /// The worker `id` if `owner` owns it and it is not deleted.

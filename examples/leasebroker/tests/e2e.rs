@@ -140,7 +140,7 @@ async fn retry_after_a_server_restart_replays_from_the_redb_file() {
 #[tokio::test]
 async fn storm_with_lost_responses_makes_no_phantom_workers() {
     let dir = tempfile::tempdir().unwrap();
-    let faults = Faults { drop_rate: 0.3, hold_ms: 600, work_ms: 150, hypervisor_fail_rate: 0.05 };
+    let faults = Faults { drop_rate: 0.3, hold_ms: 600, work_ms: 150, hypervisor_fail_rate: 0.05, ..Faults::default() };
     let server = start(&dir.path().join("lb.redb"), faults).await;
     let report = storm::run(StormConfig {
         target: server.url(),
@@ -158,6 +158,9 @@ async fn storm_with_lost_responses_makes_no_phantom_workers() {
     assert_eq!(report.succeeded, 60);
     assert_eq!(report.phantoms(), 0);
     assert_eq!(report.server.workers, 60);
+    // A failed boot keeps its node and lease journalled; the retry reuses them and only
+    // boots, so nothing is allocated twice.
+    assert_eq!((report.server.allocations, report.server.leases, report.server.boots), (60, 60, 60), "{report:?}");
     assert_eq!(report.distinct_ids, 60);
     // The faults really fired: some answers were lost and replayed.
     assert!(report.transport_errors > 0 && report.replays > 0, "{report:?}");

@@ -1,0 +1,91 @@
+//! Crash points inside the create handler, for the crash test: at an armed point the
+//! server stops dead, as a process killed by the kernel would.
+//!
+//! At a point that fires, the server prints `CRASHPOINT <name>` on stdout and then either
+//! blocks that handler forever, waiting for the test to send SIGKILL (the default: the
+//! kill is a real `kill -9` from outside), or calls [`std::process::abort`]
+//! (`--crash-abort`, for a run without a supervisor). Either way nothing after the point
+//! runs: no journal write, no `complete`, no `fail`, no response.
+
+use std::io::Write;
+
+use rand::Rng;
+
+/// The crash points, in the order a create request passes them.
+pub const POINTS: [&str; 8] = [
+    // Claimed, nothing done yet.
+    "before_allocate",
+    // The node is allocated (and journalled); no lease.
+    "after_allocate",
+    // The lease is written (and journalled); the boot intent is not yet recorded.
+    "after_lease",
+    // The boot intent is journalled `pending`; the hypervisor has not been called.
+    "before_boot",
+    // The hypervisor booted the VM; the intent is still `pending` (only reconcile can tell).
+    "after_boot",
+    // The intent is `done(vm)`; no worker row.
+    "after_boot_recorded",
+    // The worker row is written; the response is not stored.
+    "after_worker",
+    // The response is stored (the record completed); it never reaches the client.
+    "after_completion",
+];
+
+/// Which points are armed, how often they fire, and how.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CrashPlan {
+    /// Bit `i` arms `POINTS[i]`.
+    armed: u16,
+    /// Probability in `0.0..=1.0` that an armed point fires when a request passes it.
+    pub rate: f64,
+    /// Abort the process instead of blocking for an outside SIGKILL.
+    pub abort: bool,
+}
+
+impl CrashPlan {
+    /// Parses `name[,name…]` or `any`, e.g. `after_lease,after_boot`.
+    ///
+    /// # Errors
+    /// An unknown point name.
+    pub fn parse(points: &str, rate: f64, abort: bool) -> Result<Self, String> {
+        let mut armed = 0u16;
+        for p in points.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            if p == "any" {
+                armed = (1 << POINTS.len()) - 1;
+            } else {
+                let i = POINTS
+                    .iter()
+                    .position(|n| *n == p)
+                    .ok_or_else(|| format!("unknown crash point {p:?}: use any or one of {}", POINTS.join(", ")))?;
+                armed |= 1 << i;
+            }
+        }
+        Ok(Self { armed, rate: rate.clamp(0.0, 1.0), abort })
+    }
+
+    /// Whether any point is armed.
+    #[must_use]
+    pub fn is_armed(&self) -> bool {
+        self.armed != 0 && self.rate > 0.0
+    }
+
+    /// Passes point `name`: returns at once unless it is armed and fires; then never
+    /// returns.
+    pub async fn point(&self, name: &str) {
+        let Some(i) = POINTS.iter().position(|n| *n == name) else { return };
+        let fires = self.armed & (1 << i) != 0 && rand::rng().random_bool(self.rate);
+        if !fires {
+            return;
+        }
+        {
+            let mut out = std::io::stdout().lock();
+            // Best effort: if stdout is gone the crash still happens.
+            let _ = writeln!(out, "CRASHPOINT {name}");
+            let _ = out.flush();
+        }
+        if self.abort {
+            std::process::abort();
+        }
+        std::future::pending::<()>().await;
+    }
+}
