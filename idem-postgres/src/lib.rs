@@ -1,6 +1,7 @@
 //! # idem-postgres
 //!
-//! An idem [`Store`](idem_core::Store) in PostgreSQL: one table, three indices, every
+//! An idem [`Store`](idem_core::Store) in PostgreSQL: a records table with three indices
+//! (and a journal table for resumable handlers), every
 //! operation one statement (one round trip on the common path), time from the server's
 //! `clock_timestamp()`. Use it where a control plane already keeps its state in Postgres:
 //! any number of API servers share the records, and a record lives in the same database
@@ -39,6 +40,14 @@
 //! `migrations/` and applied by [`PostgresStore::migrate`]; the schema name is
 //! configurable ([`PostgresConfig::with_schema`]) and validated ([`validate_schema`]).
 //! Responses are stored as `bytea`: a version byte and postcard, byte-exact.
+//!
+//! `<schema>.journal` (migration 2) holds the journal of resumable handlers' steps and
+//! intents ([`Store::journal_put`](idem_core::Store::journal_put)): one row per (record
+//! id, entry name), name and value `bytea`, a foreign key to `records` with `ON DELETE
+//! CASCADE` so the sweep removes a record's entries in the same statement, and the
+//! `created_at` of the record generation that wrote the row, so that a claim replacing an
+//! expired record (an upsert, which no cascade sees) starts with an empty journal: rows of
+//! an older generation read as absent and are overwritten by the next put.
 //!
 //! # Guarantees
 //! The module docs of [`store`] say how each operation is one atomic statement (the

@@ -32,8 +32,10 @@ impl Migration {
 }
 
 /// Every migration this build ships, in order.
-pub const MIGRATIONS: &[Migration] =
-    &[Migration { version: 1, name: "records", sql: include_str!("../migrations/0001_records.sql") }];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration { version: 1, name: "records", sql: include_str!("../migrations/0001_records.sql") },
+    Migration { version: 2, name: "journal", sql: include_str!("../migrations/0002_journal.sql") },
+];
 
 /// The schema used when none is configured.
 pub const DEFAULT_SCHEMA: &str = "idem";
@@ -164,5 +166,6 @@ mod tests {
             assert!(m.sql.contains("{schema}"));
         }
         assert!(MIGRATIONS[0].sql_for("idem").contains("\"idem\".records"));
+        assert!(MIGRATIONS[1].sql_for("idem").contains("REFERENCES \"idem\".records (id) ON DELETE CASCADE"));
     }
 }

@@ -31,6 +31,22 @@
 //!   have applied to, the update missed only because a claim committed after its snapshot
 //!   was taken; it runs again (a few times at most) rather than report an outcome no
 //!   order of events explains. The model-based conformance test checks exactly this.
+//! - **journal_put** is one statement: a CTE selects the parent record `FOR SHARE` where it
+//!   is live, in flight and carries the token, and `INSERT ... SELECT FROM parent ON
+//!   CONFLICT (id, name) DO UPDATE ... WHERE $overwrite OR <row of an older generation>`
+//!   writes the entry; the statement returns whether the parent matched, whether it wrote,
+//!   and the stored value. The share lock makes a reclaim, complete, fail or replacing
+//!   claim of the record wait until the put commits, and a put that waited re-checks the
+//!   owner on the row as committed. Slow paths take a second statement: when the parent
+//!   did not match, a fresh read of the record builds `LeaseLost` (or, if the record turns
+//!   out to be owned by the token after all, because its claim committed after the put's
+//!   snapshot, the put runs again); when a first write lost to an entry committed after
+//!   the snapshot, a fresh read returns it as `Exists`.
+//! - **journal_get** joins the entry to its live record on `record_created_at =
+//!   created_at`: entries of a replaced generation (a claim that replaced an expired
+//!   record) are not returned. A replacing claim sets `created_at` to a `now` at or after
+//!   the old `expires_at`, after which no entry of the old generation can be written, so
+//!   equal `created_at` means the same generation.
 //! - **sweep** deletes a bounded batch picked by `SELECT ... ORDER BY expires_at LIMIT n
 //!   FOR UPDATE SKIP LOCKED`: a row a claim is replacing right now is skipped, not waited
 //!   for, and the row lock means a sweep and a claim of one id leave the old record or the
@@ -57,8 +73,8 @@ use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, R
 use idem_core::codec::CodecError;
 use idem_core::transition::is_reclaimable;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, Principal,
-    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse,
+    Capabilities, ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite,
+    Principal, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse,
     SweepOutcome, UnixMillis,
 };
 use tokio_postgres::NoTls;
@@ -166,6 +182,14 @@ pub struct Statements {
     pub read: String,
     /// Sweep. `$1` batch size, `$2` batch size + 1, `$3` now. Returns `removed, found`.
     pub sweep: String,
+    /// Journal put. `$1` id, `$2` token, `$3` name (UTF-8 bytes), `$4` value, `$5`
+    /// overwrite, `$6` now. Returns one row: `owned` (the token holds the live in-flight
+    /// record), `written`, and `existing` (the current generation's value when not
+    /// written, if this statement's snapshot can see it).
+    pub journal_put: String,
+    /// Journal read. `$1` id, `$2` name (UTF-8 bytes), `$3` now. Returns the value of the
+    /// live record's current generation, or no row.
+    pub journal_get: String,
 }
 
 /// The record columns, in the order [`record_at`] reads them.
@@ -287,7 +311,37 @@ gone AS (
 SELECT (SELECT count(*) FROM gone) AS removed, (SELECT count(*) FROM victims) AS found",
             now3 = now("$3"),
         );
-        Self { claim, reclaim, complete, fail, read, sweep }
+        let journal = format!("{}.journal", quote_ident(schema));
+        // The parent row is locked FOR SHARE until the put commits: a reclaim, complete,
+        // fail or replacing claim of the record waits for it, so the entry is written
+        // while the token still owns the record (and FOR SHARE re-checks the conditions
+        // on the newest row version if one committed meanwhile).
+        let journal_put = format!(
+            "WITH n AS (SELECT {now6} AS ms),
+parent AS (
+    SELECT r.id, r.created_at FROM {table} AS r, n
+    WHERE r.id = $1::bytea AND r.token = $2::bigint AND r.state = 'in_flight' AND n.ms < r.expires_at
+    FOR SHARE OF r
+),
+up AS (
+    INSERT INTO {journal} AS j (id, name, value, record_created_at)
+    SELECT parent.id, $3::bytea, $4::bytea, parent.created_at FROM parent
+    ON CONFLICT (id, name) DO UPDATE SET value = EXCLUDED.value, record_created_at = EXCLUDED.record_created_at
+    WHERE $5::boolean OR j.record_created_at <> EXCLUDED.record_created_at
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM parent) AS owned, EXISTS (SELECT 1 FROM up) AS written,
+       (SELECT j.value FROM {journal} AS j, parent
+        WHERE j.id = parent.id AND j.name = $3::bytea AND j.record_created_at = parent.created_at) AS existing",
+            now6 = now("$6"),
+        );
+        let journal_get = format!(
+            "SELECT j.value FROM {table} AS r
+JOIN {journal} AS j ON j.id = r.id AND j.record_created_at = r.created_at
+WHERE r.id = $1::bytea AND j.name = $2::bytea AND {now3} < r.expires_at",
+            now3 = now("$3"),
+        );
+        Self { claim, reclaim, complete, fail, read, sweep, journal_put, journal_get }
     }
 }
 
@@ -430,6 +484,21 @@ impl PostgresStore {
         let present: Option<&[u8]> = row.try_get(0).map_err(|e| store_pg(OP, e))?;
         let record = if present.is_some() { Some(record_at(&row, 0, None)?) } else { None };
         Ok((client, record, now))
+    }
+
+    /// The journal entry `name` of the live record's current generation.
+    async fn journal_read(
+        &self,
+        client: Object,
+        id: RecordId,
+        name: &str,
+        now: Option<i64>,
+    ) -> Result<(Object, Option<Vec<u8>>), StoreError> {
+        const OP: &str = "reading a journal entry";
+        let (client, row) =
+            self.run(client, OP, &self.inner.sql.journal_get, &[&&id.0[..], &name.as_bytes(), &now]).await?;
+        let value = row.map(|row| row.try_get::<_, Vec<u8>>(0)).transpose().map_err(|e| store_pg(OP, e))?;
+        Ok((client, value))
     }
 
     /// Runs a compare-and-set `UPDATE` (`params` end with the pinned `now`). When it
@@ -710,7 +779,60 @@ impl Store for PostgresStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new().with_server_clock(true).with_shared(true)
+        Capabilities::new().with_server_clock(true).with_shared(true).with_journal(true)
+    }
+
+    async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        const OP: &str = "writing a journal entry";
+        let now = self.pinned_now();
+        let mut client = self.client(OP).await?;
+        for _ in 0..CAS_ATTEMPTS {
+            let params: [&(dyn ToSql + Sync); 6] =
+                [&&id.0[..], &token_param(token), &name.as_bytes(), &value, &overwrite, &now];
+            let (c, row) = self.run(client, OP, &self.inner.sql.journal_put, &params).await?;
+            let row = row.ok_or_else(|| corrupt(Some(id), postcard::Error::DeserializeUnexpectedEnd))?;
+            let owned: bool = row.try_get(0).map_err(|e| store_pg(OP, e))?;
+            let written: bool = row.try_get(1).map_err(|e| store_pg(OP, e))?;
+            let existing: Option<Vec<u8>> = row.try_get(2).map_err(|e| store_pg(OP, e))?;
+            if written {
+                return Ok(JournalWrite::Written);
+            }
+            if owned {
+                if let Some(v) = existing {
+                    return Ok(JournalWrite::Exists(v));
+                }
+                // The entry that won was inserted by a put that committed after this
+                // statement's snapshot: read it with a fresh one.
+                let (c, stored) = self.journal_read(c, id, name, now).await?;
+                if let Some(v) = stored {
+                    return Ok(JournalWrite::Exists(v));
+                }
+                client = c;
+                continue;
+            }
+            // Not the owner, or the record was claimed after this statement's snapshot
+            // (then the put runs again rather than report a refusal no order explains).
+            let (c, current, _) = self.read(c, id, now).await?;
+            match current {
+                Some(r) if owns(&r, token) => client = c,
+                current => {
+                    return Err(StoreError::LeaseLost { id, presented: token, current: current.map(|r| r.token) });
+                }
+            }
+        }
+        Err(crate::error::contention(OP))
+    }
+
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let client = self.client("reading a journal entry").await?;
+        Ok(self.journal_read(client, id, name, self.pinned_now()).await?.1)
     }
 }
 

@@ -1,5 +1,6 @@
 //! Postgres-specific behaviour beyond the shared suite: connection loss mid-request,
-//! migrations, schema names, corrupt rows, the server clock's unit, the sweeper task.
+//! migrations, schema names, corrupt rows, the server clock's unit, the sweeper task, journal
+//! generations and fencing under row locks.
 //! Runs against the real server at `IDEM_POSTGRES_URL`, each test in its own schema.
 
 mod common;
@@ -7,8 +8,8 @@ mod common;
 use std::time::Duration;
 
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Clock, Endpoint, Fingerprint, IdempotencyKey, ManualClock, Record, RecordState, Scope,
-    Store, StoreError, StoredResponse, SystemClock,
+    ClaimOutcome, ClaimRequest, Clock, Endpoint, Fingerprint, IdempotencyKey, JournalWrite, ManualClock, Record,
+    RecordState, Scope, Store, StoreError, StoredResponse, SystemClock,
 };
 use idem_postgres::{Error, PostgresConfig, PostgresStore, spawn_sweeper};
 
@@ -417,4 +418,77 @@ async fn sweep_skips_rows_locked_by_a_claim_in_progress() {
     assert_eq!(ids, vec![held.id.0.to_vec()], "the free record was swept, the locked one skipped");
     assert_ne!(free.id, held.id);
     assert_eq!(store.sweep(10).await.expect("sweep").removed, 1, "the next sweep takes it");
+}
+
+/// Counts the journal rows of record `id`, whatever their generation.
+async fn journal_rows(schema: &str, id: &[u8]) -> i64 {
+    common::raw()
+        .await
+        .query_one(&format!("SELECT count(*) FROM \"{schema}\".journal WHERE id = $1"), &[&id])
+        .await
+        .expect("count journal rows")
+        .get(0)
+}
+
+/// Pins: journal rows live and die with their record. A claim that replaces an expired
+/// record leaves the old rows in the table but they read as absent and a first write
+/// overwrites them (the generation check on `record_created_at`); the sweep of the record
+/// deletes every row through the foreign key's cascade.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn journal_rows_follow_their_record_generation_and_go_with_the_sweep() {
+    let clock = ManualClock::new(idem_core::UnixMillis(SystemClock.now().0 - 86_400_000));
+    let store = common::fresh_store(Some(clock.clone()), 2).await;
+    let schema = store.guard.name.clone();
+    let short = Duration::from_secs(1);
+    let req = claim_req("p", "journal", short, Duration::from_secs(2));
+    let old = must_claim(&store, req.clone()).await;
+    for name in ["s:a", "s:b"] {
+        let w = store.journal_put(old.id, old.token, name, b"old".to_vec(), false).await.expect("put");
+        assert_eq!(w, JournalWrite::Written);
+    }
+    assert_eq!(journal_rows(&schema, &old.id.0).await, 2);
+    clock.set(old.expires_at);
+    let new = must_claim(&store, req).await;
+    assert_eq!(new.token, old.token.next(), "the expired record was replaced, not swept");
+    assert_eq!(journal_rows(&schema, &old.id.0).await, 2, "the replaced generation's rows are still stored");
+    assert_eq!(store.journal_get(new.id, "s:a").await.expect("get"), None, "but read as absent");
+    let w = store.journal_put(new.id, new.token, "s:a", b"new".to_vec(), false).await.expect("put");
+    assert_eq!(w, JournalWrite::Written, "a stale generation's row is overwritten, not returned as Exists");
+    assert_eq!(store.journal_get(new.id, "s:a").await.expect("get"), Some(b"new".to_vec()));
+    assert_eq!(store.journal_get(new.id, "s:b").await.expect("get"), None);
+    clock.set(new.expires_at);
+    assert_eq!(store.sweep(10).await.expect("sweep").removed, 1);
+    assert_eq!(journal_rows(&schema, &old.id.0).await, 0, "the sweep removed every row of the record");
+}
+
+/// Pins: a journal put that waits on the record's row lock re-checks the owner on the row
+/// as committed by the lock holder: a reclaim that commits first fences the put
+/// (`LeaseLost` with the new token), and no entry is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn journal_put_waiting_on_a_reclaim_is_fenced_by_it() {
+    let clock = ManualClock::starting_now();
+    let store = common::fresh_store(Some(clock.clone()), 2).await;
+    let schema = store.guard.name.clone();
+    let r = must_claim(&store, claim_req("p", "journal-race", Duration::from_secs(5), Duration::from_secs(60))).await;
+    let locker = lock_row(&schema, &r.id.0).await;
+    let in_flight = {
+        let store = store.clone();
+        tokio::spawn(async move { store.journal_put(r.id, r.token, "s:a", b"late".to_vec(), false).await })
+    };
+    let admin = common::raw().await;
+    blocked_backend(&admin, &schema).await;
+    // What a reclaim does to the row, committed while the put waits.
+    locker
+        .execute(&format!("UPDATE \"{schema}\".records SET token = token + 1 WHERE id = $1"), &[&&r.id.0[..]])
+        .await
+        .expect("bump token");
+    locker.batch_execute("COMMIT").await.expect("commit");
+    match in_flight.await.expect("task") {
+        Err(StoreError::LeaseLost { presented, current, .. }) => {
+            assert_eq!(presented, r.token);
+            assert_eq!(current, Some(r.token.next()));
+        }
+        other => panic!("expected LeaseLost, got {other:?}"),
+    }
+    assert_eq!(journal_rows(&schema, &r.id.0).await, 0, "the fenced put wrote nothing");
 }

@@ -8,8 +8,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, ManualClock, ReclaimOutcome, ReclaimRequest, Record,
-    RecordId, Store, StoreError, StoredResponse, SweepOutcome,
+    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ManualClock, ReclaimOutcome, ReclaimRequest,
+    Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome,
 };
 use idem_postgres::{PostgresConfig, PostgresStore};
 
@@ -178,5 +178,18 @@ impl Store for TestStore {
     }
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
+    }
+    async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        self.inner.journal_put(id, token, name, value, overwrite).await
+    }
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.journal_get(id, name).await
     }
 }
