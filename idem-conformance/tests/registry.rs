@@ -42,3 +42,40 @@ fn every_scenario_is_listed_once_and_there_are_at_least_sixty() {
     let names: BTreeSet<_> = listed.iter().map(|p| p.rsplit("::").next().expect("name")).collect();
     assert_eq!(names.len(), listed.len(), "scenario names must be unique: they become test names");
 }
+
+/// Every store in this repository offers the journal, so every one of them runs the real
+/// journal scenarios, never the "journal unsupported" variant (which exists for stores
+/// written elsewhere). A store that stops declaring `Capabilities::journal` fails here.
+#[test]
+fn every_store_in_the_repository_declares_the_journal() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let stores = [
+        ("idem-core/src/memory.rs", None),
+        ("examples/file-store/src", Some("examples/file-store/tests/conformance.rs")),
+        ("idem-redb/src", Some("idem-redb/tests/conformance.rs")),
+        ("idem-sqlite/src", Some("idem-sqlite/tests/conformance.rs")),
+        ("idem-redis/src", Some("idem-redis/tests/conformance.rs")),
+        ("idem-postgres/src", Some("idem-postgres/tests/conformance.rs")),
+    ];
+    for (source, suite) in stores {
+        let path = root.join(source);
+        let files: Vec<_> = if path.is_dir() {
+            fs::read_dir(&path)
+                .expect("source dir")
+                .map(|e| e.expect("entry").path())
+                .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+                .collect()
+        } else {
+            vec![path]
+        };
+        let text: String = files.iter().map(|f| fs::read_to_string(f).expect("source file")).collect();
+        assert!(
+            text.contains("fn capabilities") && text.contains(".with_journal(true)"),
+            "{source}: the store must declare Capabilities::journal (and implement journal_put/journal_get)"
+        );
+        if let Some(suite) = suite {
+            let suite_text = fs::read_to_string(root.join(suite)).expect("conformance test file");
+            assert!(suite_text.contains("store_tests!"), "{suite} runs the conformance suite");
+        }
+    }
+}
