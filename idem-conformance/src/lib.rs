@@ -33,7 +33,8 @@
 //! | [`scenarios::journal`] | 18 | journal entries are fenced like `complete`, first write wins unless overwritten, survive a reclaim, die with their record (expiry, sweep, replacing claim); `Resumable` steps and intents resume on the store; stores without the capability refuse with `Unsupported` |
 //!
 //! `tests/registry.rs` checks every scenario written is listed in the macro (and that
-//! there are at least 60); `tests/broken.rs` checks the suite fails stores with known bugs.
+//! there are at least 60) and that every store in the repository declares the journal;
+//! `tests/broken.rs` checks the suite fails stores with known bugs.
 //!
 //! # Layout
 //! - [`Backend`], [`Env`]: how a scenario gets its store and clock.
@@ -84,7 +85,14 @@
 //! `IDEM_MODEL_CASES=5000` for a long model run. `examples/file-store` in the repository
 //! is a complete, deliberately simple custom backend (one file per record) that does
 //! exactly this; `tests/broken.rs` in this crate shows the suite failing stores that
-//! claim by check-then-insert, complete without checking the token, or sweep live records.
+//! claim by check-then-insert, complete without checking the token, or sweep live records,
+//! and journals that ignore the token, let the last write win, keep a replaced record's
+//! entries, or are declared but not implemented.
+//!
+//! The journal ([`idem_core::Store::journal_put`]) is optional for stores written
+//! elsewhere: a store that leaves [`idem_core::Capabilities::journal`] unset runs the
+//! "journal unsupported" variant (both methods must answer `StoreError::Unsupported`).
+//! Every store in this repository declares it; `tests/registry.rs` checks that.
 //!
 //! # Running against a shared server
 //!

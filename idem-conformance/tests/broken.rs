@@ -9,12 +9,12 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
-use idem_conformance::scenarios::{claim, clock, fencing, handed, inflight, replay, retention};
+use idem_conformance::scenarios::{claim, clock, fencing, handed, inflight, journal, replay, retention};
 use idem_conformance::{Backend, Env, model_test};
 use idem_core::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
 use idem_core::{
-    Capabilities, Clock, FencingToken, ManualClock, Record, RecordId, RecordState, Store, StoreError, StoredResponse,
-    SweepOutcome, UnixMillis,
+    Capabilities, Clock, FencingToken, JournalWrite, ManualClock, Record, RecordId, RecordState, Store, StoreError,
+    StoredResponse, SweepOutcome, UnixMillis,
 };
 
 /// The one bug a [`BrokenStore`] carries.
@@ -34,6 +34,18 @@ enum Bug {
     LeaseInSeconds,
     /// The lease counts as fresh up to and including `lease_expires_at` (off by one).
     InclusiveLeaseEnd,
+    /// Not a bug: the store does not offer the journal (`Capabilities::journal` unset,
+    /// both methods `Unsupported`), so the journal scenarios run their unsupported variant.
+    NoJournal,
+    /// Declares `Capabilities::journal` but never implemented the methods.
+    JournalDeclaredButMissing,
+    /// A journal put checks only that the record is live, not the token or the state: a
+    /// stale owner's step overwrites the current owner's (C8 for steps).
+    JournalIgnoresToken,
+    /// A claim that replaces an expired record keeps the old attempt's journal entries.
+    ReplacingClaimKeepsJournal,
+    /// `overwrite = false` is ignored: the last write wins, so a step can run twice.
+    JournalLastWriteWins,
 }
 
 /// A map-based store that follows `idem_core::transition` except for its bug.
@@ -42,11 +54,29 @@ struct BrokenStore {
     bug: Bug,
     clock: ManualClock,
     records: Mutex<BTreeMap<RecordId, Record>>,
+    /// Journal entries; always locked after `records` when both are held.
+    journal: Mutex<BTreeMap<(RecordId, String), Vec<u8>>>,
 }
 
 impl BrokenStore {
     fn lock(&self) -> MutexGuard<'_, BTreeMap<RecordId, Record>> {
         self.records.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn lock_journal(&self) -> MutexGuard<'_, BTreeMap<(RecordId, String), Vec<u8>>> {
+        self.journal.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Drops record `id`'s journal (a claim wrote a new record, or a sweep removed it).
+    fn drop_journal(&self, id: RecordId, replacing_claim: bool) {
+        if replacing_claim && self.bug == Bug::ReplacingClaimKeepsJournal {
+            return;
+        }
+        self.lock_journal().retain(|(i, _), _| *i != id);
+    }
+
+    fn journal_supported(&self) -> bool {
+        !matches!(self.bug, Bug::NoJournal | Bug::JournalDeclaredButMissing)
     }
 }
 
@@ -63,7 +93,9 @@ impl Store for BrokenStore {
             tokio::task::yield_now().await;
             let (write, outcome) = transition::claim(None, &req, now);
             if let Some(r) = write {
-                self.lock().insert(r.id, r);
+                let mut records = self.lock();
+                self.drop_journal(r.id, true);
+                records.insert(r.id, r);
             }
             return Ok(outcome);
         }
@@ -74,6 +106,7 @@ impl Store for BrokenStore {
                 r.lease_expires_at = UnixMillis(now.0 + req.lease_ms() / 1000);
                 outcome = ClaimOutcome::Claimed(r.clone());
             }
+            self.drop_journal(r.id, true);
             records.insert(r.id, r);
         }
         Ok(outcome)
@@ -152,12 +185,58 @@ impl Store for BrokenStore {
         let removed = ids.len().min(limit);
         for id in &ids[..removed] {
             records.remove(id);
+            self.drop_journal(*id, false);
         }
         Ok(SweepOutcome { removed: removed as u64, more: ids.len() > limit })
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new()
+        Capabilities::new().with_journal(self.bug != Bug::NoJournal)
+    }
+
+    async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        if !self.journal_supported() {
+            return Err(StoreError::Unsupported { operation: "journal_put" });
+        }
+        let now = self.clock.now();
+        let records = self.lock();
+        let current = records.get(&id);
+        if self.bug == Bug::JournalIgnoresToken {
+            if current.is_none_or(|r| r.is_expired(now)) {
+                return Err(StoreError::LeaseLost { id, presented: token, current: None });
+            }
+        } else {
+            transition::check_journal_owner(current, id, token, now).map_err(|l| StoreError::lease_lost(id, l))?;
+        }
+        let mut journal = self.lock_journal();
+        let k = (id, name.to_owned());
+        if !overwrite
+            && self.bug != Bug::JournalLastWriteWins
+            && let Some(v) = journal.get(&k)
+        {
+            return Ok(JournalWrite::Exists(v.clone()));
+        }
+        journal.insert(k, value);
+        Ok(JournalWrite::Written)
+    }
+
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        if !self.journal_supported() {
+            return Err(StoreError::Unsupported { operation: "journal_get" });
+        }
+        let now = self.clock.now();
+        let records = self.lock();
+        if records.get(&id).is_none_or(|r| r.is_expired(now)) {
+            return Ok(None);
+        }
+        Ok(self.lock_journal().get(&(id, name.to_owned())).cloned())
     }
 }
 
@@ -166,7 +245,12 @@ struct Broken(Bug);
 #[async_trait]
 impl Backend for Broken {
     async fn open(&self, clock: ManualClock) -> Arc<dyn Store> {
-        Arc::new(BrokenStore { bug: self.0, clock, records: Mutex::new(BTreeMap::new()) })
+        Arc::new(BrokenStore {
+            bug: self.0,
+            clock,
+            records: Mutex::new(BTreeMap::new()),
+            journal: Mutex::new(BTreeMap::new()),
+        })
     }
 }
 
@@ -282,6 +366,85 @@ async fn inclusive_lease_end_is_caught() {
     caught(Bug::InclusiveLeaseEnd, 1, &scenarios![clock::lease_is_stale_exactly_when_it_expires]).await;
 }
 
+/// Every journal scenario, for the capability tests below.
+fn journal_scenarios() -> Vec<(&'static str, Scenario)> {
+    scenarios![
+        journal::journal_values_round_trip_byte_exact,
+        journal::journal_names_at_the_limits_round_trip,
+        journal::journal_first_write_wins,
+        journal::journal_overwrite_replaces,
+        journal::journal_stale_token_is_lease_lost_and_changes_nothing,
+        journal::journal_put_after_complete_is_lease_lost,
+        journal::journal_put_after_fail_is_lease_lost,
+        journal::journal_put_on_absent_record_is_lease_lost,
+        journal::journal_entries_survive_a_reclaim,
+        journal::journal_get_is_none_once_the_record_expired,
+        journal::journal_sweep_removes_entries_with_their_record,
+        journal::journal_claim_replacing_an_expired_record_starts_empty,
+        journal::journal_concurrent_first_writes_have_one_winner,
+        journal::journal_entries_are_isolated_between_records,
+        journal::journal_peer_handle_sees_entries,
+        journal::journal_step_memoises_across_a_reclaim,
+        journal::journal_stale_owners_step_is_fenced,
+        journal::journal_intent_reconcile_paths,
+    ]
+    .to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn journal_scenarios_pass_a_store_without_the_journal_through_the_unsupported_variant() {
+    for (name, scenario) in journal_scenarios() {
+        assert!(!fails(Bug::None, scenario).await, "{name} fails on the correct store with a journal");
+        assert!(!fails(Bug::NoJournal, scenario).await, "{name} fails a store that does not declare the journal");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn journal_declared_but_missing_is_caught_by_every_journal_scenario() {
+    for (name, scenario) in journal_scenarios() {
+        assert!(fails(Bug::JournalDeclaredButMissing, scenario).await, "{name} passed a journal that is only declared");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn journal_ignoring_the_token_is_caught() {
+    caught(
+        Bug::JournalIgnoresToken,
+        1,
+        &scenarios![
+            journal::journal_stale_token_is_lease_lost_and_changes_nothing,
+            journal::journal_put_after_complete_is_lease_lost,
+            journal::journal_put_after_fail_is_lease_lost,
+            journal::journal_stale_owners_step_is_fenced,
+        ],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replacing_claim_keeping_the_journal_is_caught() {
+    caught(
+        Bug::ReplacingClaimKeepsJournal,
+        1,
+        &scenarios![journal::journal_claim_replacing_an_expired_record_starts_empty],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn journal_last_write_wins_is_caught() {
+    caught(
+        Bug::JournalLastWriteWins,
+        1,
+        &scenarios![
+            journal::journal_first_write_wins,
+            journal::journal_entries_survive_a_reclaim,
+            journal::journal_concurrent_first_writes_have_one_winner,
+        ],
+    )
+    .await;
+}
+
 #[test]
 fn concurrent_model_test_catches_the_check_then_insert_claim() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().expect("runtime");
@@ -299,12 +462,16 @@ fn concurrent_model_test_catches_the_check_then_insert_claim() {
 #[test]
 fn model_test_passes_the_correct_store_and_catches_each_sequential_bug() {
     assert!(!model_test_fails(Bug::None), "the model test fails the correct store");
+    assert!(!model_test_fails(Bug::NoJournal), "the model test fails a correct store without the journal");
     for bug in [
         Bug::CompleteIgnoresToken,
         Bug::SweepDeletesLive,
         Bug::ReclaimIgnoresLease,
         Bug::LeaseInSeconds,
         Bug::InclusiveLeaseEnd,
+        Bug::JournalIgnoresToken,
+        Bug::JournalLastWriteWins,
+        Bug::ReplacingClaimKeepsJournal,
     ] {
         assert!(model_test_fails(bug), "the model test passed a store with bug {bug:?}");
     }
