@@ -72,6 +72,10 @@ pub enum TokenChoice {
     Seen,
     /// A literal token (`n % 8`), often stale or from the future.
     Literal(u8),
+    /// The token of the key's live record as the model holds it (1 if none): the current
+    /// owner's token while the record is in flight. Journal puts use it so that entries
+    /// get written, then found (`Exists`) and read.
+    Current,
 }
 
 /// Which edge of a record [`Op::AdvanceTo`] moves to.
@@ -213,12 +217,13 @@ pub fn store_op_strategy() -> impl Strategy<Value = Op> {
         ]
     };
     let fingerprint = || prop_oneof![4 => Just(0u8), 1 => 0..FINGERPRINTS];
-    // Journal puts mostly present the held token, so entries get written and then read,
+    // Journal puts mostly present the current token, so entries get written and then read,
     // found (`Exists`) and fenced; names favour the first, so one entry sees long histories.
     let journal_token = || {
         prop_oneof![
-            6 => Just(TokenChoice::Held),
-            2 => Just(TokenChoice::Seen),
+            4 => Just(TokenChoice::Current),
+            2 => Just(TokenChoice::Held),
+            1 => Just(TokenChoice::Seen),
             1 => (0u8..5).prop_map(TokenChoice::Literal),
         ]
     };
@@ -233,10 +238,10 @@ pub fn store_op_strategy() -> impl Strategy<Value = Op> {
         3 => (owner(), key(), token(), 0..5u8).prop_map(|(owner, key, token, response)| Op::Complete { owner, key, token, response }),
         2 => (owner(), key(), token()).prop_map(|(owner, key, token)| Op::Fail { owner, key, token }),
         2 => (owner(), key()).prop_map(|(owner, key)| Op::Get { owner, key }),
-        3 => (owner(), key(), journal_token(), name(), 0..4u8, prop_oneof![3 => Just(false), 1 => Just(true)]).prop_map(
+        6 => (owner(), key(), journal_token(), name(), 0..4u8, prop_oneof![3 => Just(false), 1 => Just(true)]).prop_map(
             |(owner, key, token, name, value, overwrite)| Op::JournalPut { owner, key, token, name, value, overwrite }
         ),
-        2 => (owner(), key(), name()).prop_map(|(owner, key, name)| Op::JournalGet { owner, key, name }),
+        3 => (owner(), key(), name()).prop_map(|(owner, key, name)| Op::JournalGet { owner, key, name }),
     ]
 }
 
@@ -484,8 +489,9 @@ struct Owners {
 }
 
 impl Owners {
-    fn token(&self, owner: usize, key: usize, choice: TokenChoice) -> FencingToken {
+    fn token(&self, owner: usize, key: usize, choice: TokenChoice, current: Option<FencingToken>) -> FencingToken {
         match choice {
+            TokenChoice::Current => current.unwrap_or(FencingToken::FIRST),
             TokenChoice::Held => self.held[owner][key].unwrap_or(FencingToken::FIRST),
             TokenChoice::Seen => self.seen[owner][key].unwrap_or(FencingToken::FIRST),
             TokenChoice::Literal(n) => FencingToken(u64::from(n % 8)),
@@ -547,7 +553,7 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
                 let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
                 let req = ReclaimRequest {
                     id: ids[k],
-                    expected: owners.token(o, k, token),
+                    expected: owners.token(o, k, token, model.get(ids[k], now).map(|r| r.token)),
                     fingerprint: fingerprint(f),
                     lease_ttl: ms(&LEASES_MS, lease),
                     retention: ms(&RETENTIONS_MS, retention),
@@ -574,7 +580,7 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
             }
             Op::Complete { owner, key, token, response } => {
                 let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
-                let t = owners.token(o, k, token);
+                let t = owners.token(o, k, token, model.get(ids[k], now).map(|r| r.token));
                 let resp = responses[usize::from(response) % responses.len()].clone();
                 let m = model.complete(ids[k], t, resp.clone(), now);
                 let s = store.complete(ids[k], t, resp).await;
@@ -582,7 +588,7 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
             }
             Op::Fail { owner, key, token } => {
                 let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
-                let t = owners.token(o, k, token);
+                let t = owners.token(o, k, token, model.get(ids[k], now).map(|r| r.token));
                 let m = model.fail(ids[k], t, now);
                 let s = store.fail(ids[k], t).await;
                 same_write(i, s, m, &mut stats)?;
@@ -602,7 +608,7 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
             }
             Op::JournalPut { owner, key, token, name, value, overwrite } => {
                 let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
-                let t = owners.token(o, k, token);
+                let t = owners.token(o, k, token, model.get(ids[k], now).map(|r| r.token));
                 let name = JOURNAL_NAMES[usize::from(name) % JOURNAL_NAMES.len()];
                 let value = values[usize::from(value) % values.len()].clone();
                 let s = store.journal_put(ids[k], t, name, value.clone(), overwrite).await;
@@ -873,8 +879,11 @@ impl World {
     }
 
     /// Fixes `op`'s request; `None` for clock moves and sweeps.
-    fn prepare(&self, op: &Op) -> Option<(usize, usize, Prepared)> {
+    fn prepare(&self, op: &Op, now: UnixMillis) -> Option<(usize, usize, Prepared)> {
         let ok = |owner: u8, key: u8| (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
+        let resolve = |o: usize, k: usize, choice| {
+            self.owners.token(o, k, choice, self.model.get(self.ids[k], now).map(|r| r.token))
+        };
         Some(match *op {
             Op::Claim { owner, key, fingerprint: f, lease, retention } => {
                 let (o, k) = ok(owner, key);
@@ -892,7 +901,7 @@ impl World {
                 let (o, k) = ok(owner, key);
                 let req = ReclaimRequest {
                     id: self.ids[k],
-                    expected: self.owners.token(o, k, token),
+                    expected: resolve(o, k, token),
                     fingerprint: fingerprint(f),
                     lease_ttl: ms(&LEASES_MS, lease),
                     retention: ms(&RETENTIONS_MS, retention),
@@ -902,11 +911,11 @@ impl World {
             Op::Complete { owner, key, token, response } => {
                 let (o, k) = ok(owner, key);
                 let resp = self.responses[usize::from(response) % self.responses.len()].clone();
-                (o, k, Prepared::Complete(self.ids[k], self.owners.token(o, k, token), resp))
+                (o, k, Prepared::Complete(self.ids[k], resolve(o, k, token), resp))
             }
             Op::Fail { owner, key, token } => {
                 let (o, k) = ok(owner, key);
-                (o, k, Prepared::Fail(self.ids[k], self.owners.token(o, k, token)))
+                (o, k, Prepared::Fail(self.ids[k], resolve(o, k, token)))
             }
             Op::Get { owner, key } => {
                 let (o, k) = ok(owner, key);
@@ -916,7 +925,7 @@ impl World {
                 let (o, k) = ok(owner, key);
                 let name = JOURNAL_NAMES[usize::from(name) % JOURNAL_NAMES.len()];
                 let value = self.values[usize::from(value) % self.values.len()].clone();
-                (o, k, Prepared::JournalPut(self.ids[k], self.owners.token(o, k, token), name, value, overwrite))
+                (o, k, Prepared::JournalPut(self.ids[k], resolve(o, k, token), name, value, overwrite))
             }
             Op::JournalGet { owner, key, name } => {
                 let (o, k) = ok(owner, key);
@@ -1022,7 +1031,8 @@ pub async fn run_batches(
     let mut stats = RunStats::default();
     for (b, batch) in batches.iter().enumerate() {
         let now = clock.now();
-        let prepared: Vec<(usize, usize, Prepared)> = batch.ops.iter().filter_map(|op| world.prepare(op)).collect();
+        let prepared: Vec<(usize, usize, Prepared)> =
+            batch.ops.iter().filter_map(|op| world.prepare(op, now)).collect();
         stats.ops += prepared.len() as u64 + 1;
         let barrier = Arc::new(tokio::sync::Barrier::new(prepared.len()));
         let tasks: Vec<_> = prepared
