@@ -89,3 +89,26 @@ impl CrashPlan {
         std::future::pending::<()>().await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_arms_named_points_and_refuses_unknown_ones() {
+        let p = CrashPlan::parse("after_lease, after_boot", 1.0, false).unwrap();
+        assert!(p.is_armed());
+        assert_eq!(p.armed, 0b1_0100);
+        assert_eq!(CrashPlan::parse("any", 0.5, true).unwrap().armed, 0xff);
+        assert!(!CrashPlan::parse("", 1.0, false).unwrap().is_armed());
+        assert!(!CrashPlan::parse("any", 0.0, false).unwrap().is_armed());
+        assert!(CrashPlan::parse("after_lunch", 1.0, false).unwrap_err().contains("after_lunch"));
+    }
+
+    #[tokio::test]
+    async fn an_unarmed_point_returns() {
+        let p = CrashPlan::parse("after_lease", 1.0, false).unwrap();
+        p.point("before_allocate").await;
+        p.point("not_a_point").await;
+    }
+}

@@ -6,7 +6,9 @@
 //!
 //! - `leasebroker demo`: starts the server on a temporary redb file with faults on, runs
 //!   a retry storm against it, prints the table, and exits non-zero on any phantom.
-//! - `leasebroker serve`: the server (`--store redb:PATH | memory`).
+//! - `leasebroker serve`: the server (`--store redb:PATH | sqlite:PATH | redis://… |
+//!   postgres://… | memory`); `--crash-at POINTS` arms crash points inside the create
+//!   handler ([`crash`]), which `tests/crash.rs` uses to SIGKILL it mid-request.
 //! - `leasebroker storm --target URL`: the storm against a running server.
 //!
 //! # Layout
