@@ -2,7 +2,8 @@
 //! as an argument. It is the oracle the conformance suite's model test compares every
 //! backend against, and the engine of [`crate::MemoryStore`].
 
-use std::collections::BTreeMap;
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
 use crate::record::{FencingToken, Record, StoredResponse};
 use crate::scope::RecordId;
@@ -13,7 +14,10 @@ use crate::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, Reclai
 /// Records by id.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Model {
-    records: BTreeMap<RecordId, Record>,
+    // A hash map: point lookups on every operation stay flat at hundreds of thousands of
+    // records (the memory store behind the HTTP layer); the sweep, the one ordered walk,
+    // restores id order itself.
+    records: HashMap<RecordId, Record>,
     journal: BTreeMap<(RecordId, String), Vec<u8>>,
 }
 
@@ -26,25 +30,30 @@ impl Model {
 
     /// See [`crate::Store::claim`].
     pub fn claim(&mut self, req: &ClaimRequest, now: UnixMillis) -> ClaimOutcome {
-        let (write, outcome) = transition::claim(self.records.get(&req.id), req, now);
+        // One hash lookup for the read and the write.
+        let entry = self.records.entry(req.id);
+        let current = match &entry {
+            Entry::Occupied(o) => Some(o.get()),
+            Entry::Vacant(_) => None,
+        };
+        let (write, outcome) = transition::claim(current, req, now);
         if let Some(r) = write {
             // A claim that replaces an expired record starts with an empty journal.
-            self.drop_journal(r.id);
-            self.records.insert(r.id, r);
+            drop_journal(&mut self.journal, r.id);
+            match entry {
+                Entry::Occupied(mut o) => {
+                    o.insert(r);
+                }
+                Entry::Vacant(v) => {
+                    v.insert(r);
+                }
+            }
         }
         outcome
     }
 
     fn drop_journal(&mut self, id: RecordId) {
-        let names: Vec<_> = self
-            .journal
-            .range((id, String::new())..)
-            .take_while(|((i, _), _)| *i == id)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in names {
-            self.journal.remove(&k);
-        }
+        drop_journal(&mut self.journal, id);
     }
 
     /// See [`crate::Store::journal_put`].
@@ -97,9 +106,16 @@ impl Model {
         response: StoredResponse,
         now: UnixMillis,
     ) -> Result<Record, StoreError> {
-        let r = transition::complete(self.records.get(&id), id, token, response, now)
+        let slot = self.records.get_mut(&id);
+        let r = transition::complete(slot.as_deref(), id, token, response, now)
             .map_err(|l| StoreError::lease_lost(id, l))?;
-        self.records.insert(id, r.clone());
+        // The transition only succeeds on a present record, so `slot` is always `Some` here.
+        match slot {
+            Some(slot) => slot.clone_from(&r),
+            None => {
+                self.records.insert(id, r.clone());
+            }
+        }
         Ok(r)
     }
 
@@ -108,8 +124,15 @@ impl Model {
     /// # Errors
     /// [`StoreError::LeaseLost`] when `token` is not the current claim.
     pub fn fail(&mut self, id: RecordId, token: FencingToken, now: UnixMillis) -> Result<Record, StoreError> {
-        let r = transition::fail(self.records.get(&id), id, token, now).map_err(|l| StoreError::lease_lost(id, l))?;
-        self.records.insert(id, r.clone());
+        let slot = self.records.get_mut(&id);
+        let r = transition::fail(slot.as_deref(), id, token, now).map_err(|l| StoreError::lease_lost(id, l))?;
+        // The transition only succeeds on a present record, so `slot` is always `Some` here.
+        match slot {
+            Some(slot) => slot.clone_from(&r),
+            None => {
+                self.records.insert(id, r.clone());
+            }
+        }
         Ok(r)
     }
 
@@ -120,10 +143,25 @@ impl Model {
     }
 
     /// See [`crate::Store::sweep`].
+    ///
+    /// Removes the expired records with the smallest ids first (the order is not part of
+    /// the contract, but a fixed one keeps runs against other stores comparable). Memory is
+    /// bounded by `limit`, not by the number of expired records.
     pub fn sweep(&mut self, limit: usize, now: UnixMillis) -> SweepOutcome {
-        let expired: Vec<RecordId> =
-            self.records.values().filter(|r| r.is_expired(now)).map(|r| r.id).take(limit.saturating_add(1)).collect();
-        let more = expired.len() > limit;
+        // The `limit + 1` smallest expired ids (one more than the batch, to tell `more`), kept
+        // in a max-heap so the largest of them is the one a smaller id displaces.
+        let keep = limit.saturating_add(1);
+        let mut smallest: BinaryHeap<RecordId> = BinaryHeap::new();
+        for r in self.records.values().filter(|r| r.is_expired(now)) {
+            if smallest.len() < keep {
+                smallest.push(r.id);
+            } else if smallest.peek().is_some_and(|largest| r.id < *largest) {
+                smallest.pop();
+                smallest.push(r.id);
+            }
+        }
+        let more = smallest.len() > limit;
+        let expired = smallest.into_sorted_vec();
         let mut removed = 0;
         for id in expired.into_iter().take(limit) {
             self.records.remove(&id);
@@ -143,5 +181,17 @@ impl Model {
     #[must_use]
     pub fn is_empty(&self) -> bool {
         self.records.is_empty()
+    }
+}
+
+/// Removes every journal entry of record `id`.
+fn drop_journal(journal: &mut BTreeMap<(RecordId, String), Vec<u8>>, id: RecordId) {
+    if journal.is_empty() {
+        return;
+    }
+    let names: Vec<_> =
+        journal.range((id, String::new())..).take_while(|((i, _), _)| *i == id).map(|(k, _)| k.clone()).collect();
+    for k in names {
+        journal.remove(&k);
     }
 }

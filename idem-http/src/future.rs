@@ -15,6 +15,7 @@ use std::task::{Context, Poll};
 use futures::future::BoxFuture;
 use http::Response;
 use idem_core::{FencingToken, RecordId, Store};
+use tracing::Instrument;
 
 use crate::body::ResponseBody;
 
@@ -40,6 +41,62 @@ impl<B, E> Future for ResponseFuture<B, E> {
 impl<B, E> fmt::Debug for ResponseFuture<B, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+/// The claimed work under [`crate::HandlerExecution::Detached`]: polled in place, inside
+/// the response future, for as long as that future lives; handed to the tokio runtime as a
+/// task of its own only if the response future is dropped first (the client went away).
+///
+/// Either way the work runs to its end and stores its outcome, so a disconnect never
+/// cancels a handler; but the common case, a client that waits for its response, costs
+/// no task, no join handle and no cross-task wake-up.
+pub(crate) struct Detach<T: Send + 'static> {
+    /// `None` once finished, and while it is being polled: a work future that panics is
+    /// not handed to the runtime from the unwinding drop.
+    work: Option<BoxFuture<'static, T>>,
+    runtime: tokio::runtime::Handle,
+    /// The span the work would have been spawned in, carried over if it is.
+    span: tracing::Span,
+}
+
+impl<T: Send + 'static> Detach<T> {
+    pub(crate) fn new(work: BoxFuture<'static, T>, runtime: tokio::runtime::Handle) -> Self {
+        Self { work: Some(work), runtime, span: tracing::Span::current() }
+    }
+}
+
+impl<T: Send + 'static> Future for Detach<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        // `Detach` is `Unpin` (the work is boxed), so the fields can be moved freely.
+        let Some(mut work) = self.work.take() else {
+            panic!("Detach polled after it finished");
+        };
+        let poll = work.as_mut().poll(cx);
+        if poll.is_pending() {
+            self.work = Some(work);
+        }
+        poll
+    }
+}
+
+impl<T: Send + 'static> Drop for Detach<T> {
+    fn drop(&mut self) {
+        let Some(work) = self.work.take() else { return };
+        // The output is dropped: the work stores it, and the client's retry replays it. A
+        // panic in the task is the handler's own, after it marked the record failed. If the
+        // runtime is shutting down the task never runs, and the work's drop guard spawns
+        // the `fail` if it still can, else the lease frees the record.
+        let span = std::mem::replace(&mut self.span, tracing::Span::none());
+        drop(self.runtime.spawn(async move { drop(work.await) }.instrument(span)));
+    }
+}
+
+impl<T: Send + 'static> fmt::Debug for Detach<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Detach").field("finished", &self.work.is_none()).finish_non_exhaustive()
     }
 }
 

@@ -1,6 +1,8 @@
 //! Header names the layer reads and writes, and the HTTP-date format.
 
-use http::HeaderName;
+use std::cell::RefCell;
+
+use http::{HeaderName, HeaderValue};
 use idem_core::UnixMillis;
 
 /// `Idempotency-Key` (draft-ietf-httpapi-idempotency-key-header §2), read from requests.
@@ -18,6 +20,28 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 /// replay, a 409 in flight and a mismatch. The date is rounded down to the second, so the
 /// record lives at least until then.
 pub const IDEMPOTENCY_KEY_EXPIRES: HeaderName = HeaderName::from_static("idempotency-key-expires");
+
+thread_local! {
+    /// The last `Idempotency-Key-Expires` value this thread made, by its second. Retention
+    /// is the same for every record of a layer and requests arrive in time order, so nearly
+    /// every response of one second carries the same date: formatting it once per second
+    /// (and per thread) instead of per response saves a `format!` and a copy into a new
+    /// header value (cloning a `HeaderValue` only bumps a reference count).
+    static LAST_EXPIRES: RefCell<Option<(i64, HeaderValue)>> = const { RefCell::new(None) };
+}
+
+/// `t` as an `Idempotency-Key-Expires` value (an IMF-fixdate, rounded down to the second).
+pub(crate) fn expires_value(t: UnixMillis) -> HeaderValue {
+    let secs = t.0.div_euclid(1000);
+    let cached = LAST_EXPIRES.with_borrow(|last| last.as_ref().filter(|(s, _)| *s == secs).map(|(_, v)| v.clone()));
+    cached.unwrap_or_else(|| {
+        // An IMF-fixdate is ASCII letters, digits, spaces, commas and colons: always a valid value.
+        let value = HeaderValue::from_maybe_shared(bytes::Bytes::from(http_date(t)))
+            .unwrap_or_else(|_| HeaderValue::from_static("Thu, 01 Jan 1970 00:00:00 GMT"));
+        LAST_EXPIRES.set(Some((secs, value.clone())));
+        value
+    })
+}
 
 /// Formats `t` as an IMF-fixdate, e.g. `Sun, 06 Nov 1994 08:49:37 GMT`.
 pub(crate) fn http_date(t: UnixMillis) -> String {
@@ -60,5 +84,16 @@ mod tests {
         // A leap day, and rounding down of milliseconds.
         assert_eq!(http_date(UnixMillis(951_782_400_999)), "Tue, 29 Feb 2000 00:00:00 GMT");
         assert_eq!(http_date(UnixMillis(1_798_761_599_000)), "Thu, 31 Dec 2026 23:59:59 GMT");
+    }
+
+    /// The per-second cache of `Idempotency-Key-Expires` returned a stale date for another second.
+    #[test]
+    fn cached_expires_value_follows_the_second() {
+        let at = |ms| expires_value(UnixMillis(ms)).to_str().map(str::to_owned).unwrap_or_default();
+        assert_eq!(at(784_111_777_000), "Sun, 06 Nov 1994 08:49:37 GMT");
+        assert_eq!(at(784_111_777_999), "Sun, 06 Nov 1994 08:49:37 GMT");
+        assert_eq!(at(784_111_778_000), "Sun, 06 Nov 1994 08:49:38 GMT");
+        assert_eq!(at(784_111_777_500), "Sun, 06 Nov 1994 08:49:37 GMT");
+        assert_eq!(at(-1), "Wed, 31 Dec 1969 23:59:59 GMT");
     }
 }

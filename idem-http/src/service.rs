@@ -9,8 +9,9 @@
 //! 6. after the handler: read the whole response body, then `complete` (cacheable status)
 //!    or `fail` (anything else), and only then return the response.
 //!
-//! Steps 5 (running the handler) and 6 happen in a spawned task under
-//! [`crate::HandlerExecution::Detached`] (default), in the response future itself under
+//! Steps 5 (running the handler) and 6 happen in work that outlives the response future
+//! under [`crate::HandlerExecution::Detached`] (default: polled in place, moved to a task of
+//! its own if the response future is dropped), and in the response future itself under
 //! [`crate::HandlerExecution::Inline`].
 
 use std::panic::AssertUnwindSafe;
@@ -29,12 +30,11 @@ use idem_core::{
     decide,
 };
 use tower::Service;
-use tracing::Instrument;
 
 use crate::body::ResponseBody;
 use crate::context::{IdempotencyContext, ResponseCaching};
-use crate::future::{FailGuard, ResponseFuture};
-use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, http_date};
+use crate::future::{Detach, FailGuard, ResponseFuture};
+use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, expires_value};
 use crate::layer::{Config, HandlerExecution, KeyRequirement, MissingPrincipal};
 use crate::problem::{Problem, ProblemKind};
 
@@ -409,9 +409,12 @@ fn append_stored_headers(out: &mut HeaderMap, stored: &[(String, Vec<u8>)], keep
     }
 }
 
-/// [`run_claimed`] in a task of its own, so that dropping the response future (a client
-/// disconnect) does not cancel the handler half-way: the task finishes the work and stores
-/// its outcome, and the client's retry finds it in flight, then replays it.
+/// [`run_claimed`], detached from the response future: dropping the response future (a
+/// client disconnect) does not cancel the handler half-way. The work is polled in place
+/// while the response future lives and moves to a task of its own only when it is dropped
+/// (see [`Detach`]); it finishes and stores its outcome, and the client's retry finds it in
+/// flight, then replays it. A panic marks the record failed inside the work, then goes on
+/// from here, as it would have inline.
 async fn run_detached<S, ReqBody, ResBody>(
     cfg: Arc<Config>,
     inner: S,
@@ -428,36 +431,11 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        // No runtime to spawn on (an executor other than tokio): inline is all there is.
+        // No runtime to hand the work to (an executor other than tokio): inline is all there is.
         return run_claimed(&cfg, inner, parts, bytes, record).await;
     };
-    let (id, token) = (record.id, record.token);
     let work = async move { run_claimed(&cfg, inner, parts, bytes, record).await };
-    // The JoinHandle is this future's only tie to the task: dropping it (the client went
-    // away) detaches the task, it does not abort it.
-    match runtime.spawn(work.instrument(tracing::Span::current())).await {
-        Ok(result) => result,
-        // The task already marked the record failed before the panic left it; the panic
-        // goes on from here, as it would have inline.
-        Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
-        Err(join) => {
-            // Only a runtime shutdown cancels the task (its handle is never aborted); its
-            // drop guard spawned the `fail` if the runtime still could, else the lease
-            // frees the record.
-            tracing::error!(
-                record = %id, token = %token, error = %join,
-                "the task running the handler was cancelled before it finished"
-            );
-            let mut res = Problem::new(
-                ProblemKind::HandlerCancelled,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the server stopped the handler before it finished; the request may be retried with the same key",
-            )
-            .into_response();
-            set_retry_after(res.headers_mut(), RETRY_AFTER_BUSY_SECS);
-            Ok(res)
-        }
-    }
+    Detach::new(Box::pin(work), runtime).await
 }
 
 /// Runs the handler under the claim in `record`, then completes or fails the record
@@ -570,9 +548,7 @@ fn set_retry_after(headers: &mut HeaderMap, secs: u64) {
 }
 
 fn set_expires(headers: &mut HeaderMap, at: UnixMillis) {
-    if let Ok(value) = HeaderValue::from_str(&http_date(at)) {
-        headers.insert(IDEMPOTENCY_KEY_EXPIRES, value);
-    }
+    headers.insert(IDEMPOTENCY_KEY_EXPIRES, expires_value(at));
 }
 
 fn store_unavailable<B>(detail: &str) -> Res<B> {
