@@ -65,20 +65,30 @@
 //! ```
 //!
 //! # Record layout
+//! Format 2: a hash with three fields plus journal entries. The scripts decide on the
+//! header alone and never parse the rest, which keeps their server time low.
+//!
 //! | hash field | value |
 //! |---|---|
-//! | `v` | layout version, `1` |
-//! | `state` | `in_flight`, `completed` or `failed` |
-//! | `token` | fencing token, decimal |
-//! | `fingerprint` | 32 raw bytes |
-//! | `principal`, `endpoint`, `key` | the scope and idempotency key, raw |
-//! | `created_at`, `started_at`, `lease_expires_at`, `expires_at` | ms since the Unix epoch, decimal |
-//! | `response` | completed records only: `0x01` then postcard of [`idem_core::StoredResponse`] |
+//! | `h` | the header, 74 bytes, below |
+//! | `s` | scope and idempotency key: `0x01` then postcard of (principal, endpoint, key) |
+//! | `r` | completed records only: `0x01` then postcard of [`idem_core::StoredResponse`] |
 //! | `j:<name>` | journal entry `name` of a resumable handler (a step's result, an intent's state), raw |
 //!
+//! | header bytes | value |
+//! |---|---|
+//! | 0 | layout version, `2` |
+//! | 1 | state: `1` in flight, `2` completed, `3` failed |
+//! | 2..10 | fencing token, u64 big-endian |
+//! | 10..18, 18..26, 26..34, 34..42 | `created_at`, `started_at`, `lease_expires_at`, `expires_at`: ms since the Unix epoch, u64 big-endian (at most `i64::MAX`) |
+//! | 42..74 | fingerprint, 32 raw bytes |
+//!
 //! Redis strings are binary-safe, so header values and bodies round-trip byte for byte.
-//! The scripts do all 64-bit arithmetic on decimal strings, because Lua numbers are doubles
-//! and would round timestamps and tokens past 2^53. Reading a record checks that its
+//! Lua numbers are doubles and would round timestamps and tokens past 2^53, so the scripts
+//! read and write 64-bit values as two exact 32-bit halves (`struct` `>I4I4`), add them
+//! half by half with saturation, and compare fencing tokens as bytes. A deadline past 2^53 ms
+//! (about the year 287,000) leaves the key without a native expiry; every script still
+//! treats the record as gone at its `expires_at`. Reading a record checks that its
 //! principal, endpoint and key hash to the id in its key name. A record that does not
 //! decode is [`idem_core::StoreError::Corrupt`]. It is never silently overwritten.
 //!

@@ -353,6 +353,10 @@ impl RedisStore {
                 if now < 0 {
                     return Err(Error::Config("the test clock reads before the Unix epoch").into());
                 }
+                if now >= 1 << 53 {
+                    // The scripts hold the clock in a Lua double, exact below 2^53.
+                    return Err(Error::Config("the test clock reads past 2^53 ms").into());
+                }
                 Ok(now.to_string())
             }
         }
@@ -493,12 +497,20 @@ impl Reply {
         let Value::Array(items) = value else { return Err(bad("not an array")) };
         let mut items = items.into_iter();
         let status = items.next().and_then(into_bytes).ok_or_else(|| bad("no status"))?;
-        let now = items.next().as_ref().and_then(as_bytes).and_then(parse_i64).ok_or_else(|| bad("no time"))?;
+        let now = match items.next() {
+            Some(Value::Int(n)) if n >= 0 => n,
+            _ => return Err(bad("no time")),
+        };
         Ok(Self { status, now: UnixMillis(now), rest: items.collect() })
     }
 
     fn is(&self, status: &str) -> bool {
         self.status == status.as_bytes()
+    }
+
+    /// The `i`th value after the time, if it is a string (a Lua `false` comes back as nil).
+    fn bytes(&self, i: usize) -> Option<&[u8]> {
+        self.rest.get(i).and_then(as_bytes)
     }
 }
 
@@ -518,26 +530,6 @@ fn as_bytes(v: &Value) -> Option<&[u8]> {
     }
 }
 
-/// Whether `b` is a canonical non-negative decimal (digits only, no leading zero), the only
-/// form the scripts write and the only one their string comparisons are correct for.
-fn is_canonical(b: &[u8]) -> bool {
-    !b.is_empty() && b.iter().all(u8::is_ascii_digit) && (b.len() == 1 || b[0] != b'0')
-}
-
-fn parse_i64(b: &[u8]) -> Option<i64> {
-    if !is_canonical(b) {
-        return None;
-    }
-    std::str::from_utf8(b).ok()?.parse().ok()
-}
-
-fn parse_u64(b: &[u8]) -> Option<u64> {
-    if !is_canonical(b) {
-        return None;
-    }
-    std::str::from_utf8(b).ok()?.parse().ok()
-}
-
 fn unexpected(op: &'static str, detail: &'static str) -> StoreError {
     Error::UnexpectedReply { operation: op, detail }.into()
 }
@@ -552,25 +544,68 @@ fn bad_field(id: RecordId, field: &'static str) -> StoreError {
     corrupt(id, field, CodecError::Malformed(postcard::Error::DeserializeBadEncoding))
 }
 
-/// Hash fields in the order the scripts return them (`FIELDS` in `common.lua`).
-mod field {
-    pub(super) const VERSION: usize = 0;
-    pub(super) const STATE: usize = 1;
-    pub(super) const TOKEN: usize = 2;
-    pub(super) const FINGERPRINT: usize = 3;
-    pub(super) const PRINCIPAL: usize = 4;
-    pub(super) const ENDPOINT: usize = 5;
-    pub(super) const KEY: usize = 6;
-    pub(super) const CREATED_AT: usize = 7;
-    pub(super) const STARTED_AT: usize = 8;
-    pub(super) const LEASE_EXPIRES_AT: usize = 9;
-    pub(super) const EXPIRES_AT: usize = 10;
-    pub(super) const RESPONSE: usize = 11;
+fn missing_field(id: RecordId, field: &'static str) -> StoreError {
+    corrupt(id, field, CodecError::Malformed(postcard::Error::DeserializeUnexpectedEnd))
 }
 
-const STATE_IN_FLIGHT: &str = "in_flight";
-const STATE_COMPLETED: &str = "completed";
-const STATE_FAILED: &str = "failed";
+/// The header (hash field `h`, see `common.lua`): the fixed-layout part of a record that
+/// the scripts read and write. Byte 0 is this version.
+const HEADER_FORMAT: u8 = 2;
+/// Version, state, five big-endian u64 (token, created_at, started_at, lease_expires_at,
+/// expires_at), fingerprint.
+const HEADER_LEN: usize = 2 + 5 * 8 + 32;
+/// State bytes of the header.
+const STATE_IN_FLIGHT: u8 = 1;
+const STATE_COMPLETED: u8 = 2;
+const STATE_FAILED: u8 = 3;
+/// First byte of the scope field `s` (principal, endpoint and idempotency key, postcard).
+const SCOPE_FORMAT: u8 = 1;
+
+/// The header's fields, decoded.
+#[derive(Debug, PartialEq, Eq)]
+struct Header {
+    state: RecordState,
+    token: FencingToken,
+    created_at: UnixMillis,
+    started_at: UnixMillis,
+    lease_expires_at: UnixMillis,
+    expires_at: UnixMillis,
+    fingerprint: Fingerprint,
+}
+
+impl Header {
+    fn decode(id: RecordId, h: &[u8]) -> Result<Self, StoreError> {
+        let field = "h";
+        let (&version, _) = h.split_first().ok_or_else(|| corrupt(id, field, CodecError::Empty))?;
+        if version != HEADER_FORMAT {
+            return Err(corrupt(id, field, CodecError::UnknownVersion(version)));
+        }
+        let h: &[u8; HEADER_LEN] = h.try_into().map_err(|_| bad_field(id, field))?;
+        let u64_at = |at: usize| {
+            let mut b = [0; 8];
+            b.copy_from_slice(&h[at..at + 8]);
+            u64::from_be_bytes(b)
+        };
+        let time_at = |at: usize| i64::try_from(u64_at(at)).map(UnixMillis).map_err(|_| bad_field(id, field));
+        let state = match h[1] {
+            STATE_IN_FLIGHT => RecordState::InFlight,
+            STATE_COMPLETED => RecordState::Completed,
+            STATE_FAILED => RecordState::Failed,
+            _ => return Err(bad_field(id, field)),
+        };
+        let mut fingerprint = [0; 32];
+        fingerprint.copy_from_slice(&h[42..]);
+        Ok(Self {
+            state,
+            token: FencingToken(u64_at(2)),
+            created_at: time_at(10)?,
+            started_at: time_at(18)?,
+            lease_expires_at: time_at(26)?,
+            expires_at: time_at(34)?,
+            fingerprint: Fingerprint(fingerprint),
+        })
+    }
+}
 
 fn encode_response(response: &StoredResponse) -> Vec<u8> {
     // Serialising plain data into a Vec cannot fail; an empty result would decode to a
@@ -579,7 +614,7 @@ fn encode_response(response: &StoredResponse) -> Vec<u8> {
 }
 
 fn decode_response(id: RecordId, bytes: &[u8]) -> Result<StoredResponse, StoreError> {
-    let field = "response";
+    let field = "r";
     let (&version, rest) = bytes.split_first().ok_or_else(|| corrupt(id, field, CodecError::Empty))?;
     if version != RESPONSE_FORMAT {
         return Err(corrupt(id, field, CodecError::UnknownVersion(version)));
@@ -592,83 +627,75 @@ fn decode_response(id: RecordId, bytes: &[u8]) -> Result<StoredResponse, StoreEr
     Ok(response)
 }
 
-/// `IdempotencyKey` has no unchecked constructor; it deserialises from its serde form,
-/// which for postcard is the string's own encoding. The record id check in
-/// [`decode_record`] then proves principal, endpoint and key are the ones hashed.
-fn decode_key(s: &str) -> Option<IdempotencyKey> {
-    let bytes = postcard::to_allocvec(s).ok()?;
-    postcard::from_bytes(&bytes).ok()
+/// The scope field `s`: version byte, then postcard of (principal, endpoint, key).
+fn encode_scope(scope: &Scope, key: &IdempotencyKey) -> Vec<u8> {
+    let parts = (scope.principal.0.as_str(), scope.endpoint.0.as_str(), key.as_str());
+    postcard::to_extend(&parts, vec![SCOPE_FORMAT]).unwrap_or_default()
 }
 
-/// Builds a record from the script's fields (`FIELDS` order). `response`: the response the
-/// caller just stored (complete does not ship it back); otherwise it is decoded from the
-/// field.
-fn decode_record(id: RecordId, f: &[Value], response: Option<StoredResponse>) -> Result<Record, StoreError> {
-    let get = |i: usize, name: &'static str| {
-        f.get(i)
-            .and_then(as_bytes)
-            .ok_or_else(|| corrupt(id, name, CodecError::Malformed(postcard::Error::DeserializeUnexpectedEnd)))
-    };
-    let text = |i: usize, name: &'static str| {
-        get(i, name).and_then(|b| std::str::from_utf8(b).map_err(|_| bad_field(id, name)))
-    };
-    let time = |i: usize, name: &'static str| {
-        get(i, name).and_then(|b| parse_i64(b).map(UnixMillis).ok_or_else(|| bad_field(id, name)))
-    };
-
-    let version = get(field::VERSION, "v")?;
-    if version != b"1" {
-        let v = parse_u64(version).and_then(|v| u8::try_from(v).ok()).unwrap_or(u8::MAX);
-        return Err(corrupt(id, "v", CodecError::UnknownVersion(v)));
+fn decode_scope(id: RecordId, bytes: &[u8]) -> Result<(Scope, IdempotencyKey), StoreError> {
+    let field = "s";
+    let (&version, rest) = bytes.split_first().ok_or_else(|| corrupt(id, field, CodecError::Empty))?;
+    if version != SCOPE_FORMAT {
+        return Err(corrupt(id, field, CodecError::UnknownVersion(version)));
     }
-    let state = match text(field::STATE, "state")? {
-        STATE_IN_FLIGHT => RecordState::InFlight,
-        STATE_COMPLETED => RecordState::Completed,
-        STATE_FAILED => RecordState::Failed,
-        _ => return Err(bad_field(id, "state")),
-    };
-    let token = get(field::TOKEN, "token").and_then(|b| parse_u64(b).ok_or_else(|| bad_field(id, "token")))?;
-    let fingerprint = get(field::FINGERPRINT, "fingerprint")
-        .and_then(|b| <[u8; 32]>::try_from(b).map_err(|_| bad_field(id, "fingerprint")))?;
-    let principal = text(field::PRINCIPAL, "principal")?.to_owned();
-    let endpoint = text(field::ENDPOINT, "endpoint")?.to_owned();
-    let key = text(field::KEY, "key").and_then(|k| decode_key(k).ok_or_else(|| bad_field(id, "key")))?;
+    let ((principal, endpoint, key), tail) = postcard::take_from_bytes::<(String, String, IdempotencyKey)>(rest)
+        .map_err(|e| corrupt(id, field, CodecError::Malformed(e)))?;
+    if !tail.is_empty() {
+        return Err(corrupt(id, field, CodecError::Trailing(tail.len())));
+    }
     if RecordId::derive(&principal, &endpoint, key.as_str()) != id {
         // Scope and key must hash to the key the record lives at.
-        return Err(bad_field(id, "key"));
+        return Err(bad_field(id, field));
     }
-    let response = match (state, response) {
+    Ok((Scope { principal: Principal(principal), endpoint: Endpoint(endpoint) }, key))
+}
+
+/// Builds a record from a script's `header, scope[, response]` (starting at `rest[0]`).
+/// `response`: the response the caller just stored (complete does not ship it back);
+/// otherwise it is decoded from the reply.
+fn decode_record(id: RecordId, reply: &Reply, response: Option<StoredResponse>) -> Result<Record, StoreError> {
+    let header = Header::decode(id, reply.bytes(0).ok_or_else(|| missing_field(id, "h"))?)?;
+    let (scope, key) = decode_scope(id, reply.bytes(1).ok_or_else(|| missing_field(id, "s"))?)?;
+    let response = match (header.state, response) {
         (RecordState::Completed, Some(r)) => Some(r),
         (RecordState::Completed, None) => {
-            let bytes = get(field::RESPONSE, "response")?;
-            Some(decode_response(id, bytes)?)
+            Some(decode_response(id, reply.bytes(2).ok_or_else(|| missing_field(id, "r"))?)?)
         }
         (_, _) => None,
     };
     Ok(Record {
         id,
-        scope: Scope { principal: Principal(principal), endpoint: Endpoint(endpoint) },
+        scope,
         key,
-        fingerprint: Fingerprint(fingerprint),
-        state,
-        token: FencingToken(token),
+        fingerprint: header.fingerprint,
+        state: header.state,
+        token: header.token,
         response,
-        created_at: time(field::CREATED_AT, "created_at")?,
-        started_at: time(field::STARTED_AT, "started_at")?,
-        lease_expires_at: time(field::LEASE_EXPIRES_AT, "lease_expires_at")?,
-        expires_at: time(field::EXPIRES_AT, "expires_at")?,
+        created_at: header.created_at,
+        started_at: header.started_at,
+        lease_expires_at: header.lease_expires_at,
+        expires_at: header.expires_at,
     })
 }
 
 fn lease_lost(op: &'static str, id: RecordId, presented: FencingToken, reply: &Reply) -> StoreError {
     let current = match reply.rest.first() {
         None | Some(Value::Nil) => None,
-        Some(v) => match as_bytes(v).and_then(parse_u64) {
-            Some(t) => Some(FencingToken(t)),
+        Some(v) => match as_bytes(v).and_then(|b| <[u8; 8]>::try_from(b).ok()) {
+            Some(t) => Some(FencingToken(u64::from_be_bytes(t))),
             None => return unexpected(op, "lease lost without a readable token"),
         },
     };
     StoreError::LeaseLost { id, presented, current }
+}
+
+/// Lease and retention in ms as the scripts take them: two big-endian u64.
+fn ttl_arg(lease_ms: i64, retention_ms: i64) -> [u8; 16] {
+    let mut out = [0; 16];
+    out[..8].copy_from_slice(&lease_ms.max(0).to_be_bytes());
+    out[8..].copy_from_slice(&retention_ms.max(0).to_be_bytes());
+    out
 }
 
 #[async_trait]
@@ -678,40 +705,34 @@ impl Store for RedisStore {
         let key = self.record_key(req.id);
         let call = Call::new(&SCRIPTS.claim, key)
             .arg(self.clock_arg()?)
-            .arg(req.lease_ms())
-            .arg(req.retention_ms())
+            .arg(&ttl_arg(req.lease_ms(), req.retention_ms())[..])
             .arg(self.grace_ms())
             .arg(&req.fingerprint.0[..])
-            .arg(req.scope.principal.0.as_str())
-            .arg(req.scope.endpoint.0.as_str())
-            .arg(req.key.as_str());
+            .arg(encode_scope(&req.scope, &req.key));
         let (reply, acked) = self.run(OP, &call, Kind::AckedWrite).await?;
         if reply.is("claimed") {
-            let num = |i: usize| reply.rest.get(i).and_then(as_bytes).and_then(parse_i64);
-            let (Some(token), Some(lease_expires_at), Some(expires_at)) = (num(0), num(1), num(2)) else {
-                return Err(unexpected(OP, "claimed without token and times"));
-            };
-            let token = u64::try_from(token).map_err(|_| unexpected(OP, "negative token"))?;
+            let header = reply.bytes(0).ok_or_else(|| unexpected(OP, "claimed without a header"))?;
+            let h = Header::decode(req.id, header)?;
             let record = Record {
                 id: req.id,
                 scope: req.scope,
                 key: req.key,
-                fingerprint: req.fingerprint,
-                state: RecordState::InFlight,
-                token: FencingToken(token),
+                fingerprint: h.fingerprint,
+                state: h.state,
+                token: h.token,
                 response: None,
-                created_at: reply.now,
-                started_at: reply.now,
-                lease_expires_at: UnixMillis(lease_expires_at),
-                expires_at: UnixMillis(expires_at),
+                created_at: h.created_at,
+                started_at: h.started_at,
+                lease_expires_at: h.lease_expires_at,
+                expires_at: h.expires_at,
             };
             self.check_ack(acked)?;
             Ok(ClaimOutcome::Claimed(record))
         } else if reply.is("existing") {
-            let record = decode_record(req.id, &reply.rest, None)?;
+            let record = decode_record(req.id, &reply, None)?;
             Ok(ClaimOutcome::Existing { record, now: reply.now })
         } else if reply.is("corrupt") {
-            Err(bad_field(req.id, "v/token/expires_at"))
+            Err(bad_field(req.id, "h"))
         } else {
             Err(unexpected(OP, "unknown status"))
         }
@@ -722,23 +743,22 @@ impl Store for RedisStore {
         let key = self.record_key(req.id);
         let call = Call::new(&SCRIPTS.reclaim, key)
             .arg(self.clock_arg()?)
-            .arg(req.expected.0)
+            .arg(&req.expected.0.to_be_bytes()[..])
             .arg(&req.fingerprint.0[..])
-            .arg(req.lease_ms())
-            .arg(req.retention_ms())
+            .arg(&ttl_arg(req.lease_ms(), req.retention_ms())[..])
             .arg(self.grace_ms());
         let (reply, acked) = self.run(OP, &call, Kind::AckedWrite).await?;
         if reply.is("reclaimed") {
-            let record = decode_record(req.id, &reply.rest, None)?;
+            let record = decode_record(req.id, &reply, None)?;
             self.check_ack(acked)?;
             Ok(ReclaimOutcome::Reclaimed(record))
         } else if reply.is("conflict") {
-            let record = decode_record(req.id, &reply.rest, None)?;
+            let record = decode_record(req.id, &reply, None)?;
             Ok(ReclaimOutcome::Conflict { current: Some(record), now: reply.now })
         } else if reply.is("absent") {
             Ok(ReclaimOutcome::Conflict { current: None, now: reply.now })
         } else if reply.is("corrupt") {
-            Err(bad_field(req.id, "v/token/lease_expires_at/expires_at"))
+            Err(bad_field(req.id, "h"))
         } else {
             Err(unexpected(OP, "unknown status"))
         }
@@ -753,16 +773,19 @@ impl Store for RedisStore {
         const OP: &str = "complete";
         let key = self.record_key(id);
         let encoded = encode_response(&response);
-        let call = Call::new(&SCRIPTS.complete, key).arg(self.clock_arg()?).arg(token.0).arg(encoded.as_slice());
+        let call = Call::new(&SCRIPTS.complete, key)
+            .arg(self.clock_arg()?)
+            .arg(&token.0.to_be_bytes()[..])
+            .arg(encoded.as_slice());
         let (reply, acked) = self.run(OP, &call, Kind::AckedWrite).await?;
         if reply.is("ok") {
-            let record = decode_record(id, &reply.rest, Some(response))?;
+            let record = decode_record(id, &reply, Some(response))?;
             self.check_ack(acked)?;
             Ok(record)
         } else if reply.is("lost") {
             Err(lease_lost(OP, id, token, &reply))
         } else if reply.is("corrupt") {
-            Err(bad_field(id, "v/token/expires_at"))
+            Err(bad_field(id, "h"))
         } else {
             Err(unexpected(OP, "unknown status"))
         }
@@ -771,14 +794,14 @@ impl Store for RedisStore {
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
         const OP: &str = "fail";
         let key = self.record_key(id);
-        let call = Call::new(&SCRIPTS.fail, key).arg(self.clock_arg()?).arg(token.0);
+        let call = Call::new(&SCRIPTS.fail, key).arg(self.clock_arg()?).arg(&token.0.to_be_bytes()[..]);
         let (reply, _) = self.run(OP, &call, Kind::Write).await?;
         if reply.is("ok") {
-            decode_record(id, &reply.rest, None)
+            decode_record(id, &reply, None)
         } else if reply.is("lost") {
             Err(lease_lost(OP, id, token, &reply))
         } else if reply.is("corrupt") {
-            Err(bad_field(id, "v/token/lease_expires_at/expires_at"))
+            Err(bad_field(id, "h"))
         } else {
             Err(unexpected(OP, "unknown status"))
         }
@@ -790,7 +813,7 @@ impl Store for RedisStore {
         let call = Call::new(&SCRIPTS.get, key).arg(self.clock_arg()?);
         let (reply, _) = self.run(OP, &call, Kind::Read).await?;
         if reply.is("found") {
-            decode_record(id, &reply.rest, None).map(Some)
+            decode_record(id, &reply, None).map(Some)
         } else if reply.is("absent") {
             Ok(None)
         } else {
@@ -819,7 +842,7 @@ impl Store for RedisStore {
         const OP: &str = "journal_put";
         let call = Call::new(&SCRIPTS.journal_put, self.record_key(id))
             .arg(self.clock_arg()?)
-            .arg(token.0)
+            .arg(&token.0.to_be_bytes()[..])
             .arg(name)
             .arg(value.as_slice())
             .arg(if overwrite { "1" } else { "0" });
@@ -833,7 +856,7 @@ impl Store for RedisStore {
         } else if reply.is("lost") {
             Err(lease_lost(OP, id, token, &reply))
         } else if reply.is("corrupt") {
-            Err(bad_field(id, "v/token/expires_at"))
+            Err(bad_field(id, "h"))
         } else {
             Err(unexpected(OP, "unknown status"))
         }
@@ -900,7 +923,36 @@ mod tests {
         // `IdempotencyKey::parse` again; the serde path keeps it as stored.
         let key = IdempotencyKey::parse(br#""\"x""#).expect("sf-string key");
         assert_eq!(key.as_str(), "\"x");
-        assert_eq!(decode_key(key.as_str()), Some(key));
+        let scope = Scope::new("p", Endpoint::new("POST", "/x")).expect("scope");
+        let id = RecordId::derive(&scope.principal.0, &scope.endpoint.0, key.as_str());
+        assert_eq!(decode_scope(id, &encode_scope(&scope, &key)).expect("decodes"), (scope.clone(), key.clone()));
+        // Another record's scope does not decode under this id.
+        let other = RecordId::derive("q", &scope.endpoint.0, key.as_str());
+        assert!(matches!(decode_scope(other, &encode_scope(&scope, &key)), Err(StoreError::Corrupt { .. })));
+    }
+
+    #[test]
+    fn header_decodes_and_refuses_bad_layouts() {
+        let id = RecordId::derive("p", "e", "k");
+        let mut h = vec![HEADER_FORMAT, STATE_COMPLETED];
+        for v in [(1u64 << 53) + 1, 10, 11, 12, i64::MAX as u64] {
+            h.extend_from_slice(&v.to_be_bytes());
+        }
+        h.extend_from_slice(&[7; 32]);
+        let d = Header::decode(id, &h).expect("decodes");
+        assert_eq!(d.token, FencingToken((1 << 53) + 1));
+        assert_eq!((d.state, d.expires_at), (RecordState::Completed, UnixMillis(i64::MAX)));
+        let bad = |f: &dyn Fn(&mut Vec<u8>)| {
+            let mut b = h.clone();
+            f(&mut b);
+            matches!(Header::decode(id, &b), Err(StoreError::Corrupt { .. }))
+        };
+        assert!(bad(&|b| b[0] = 3), "unknown version");
+        assert!(bad(&|b| b[1] = 9), "unknown state");
+        assert!(bad(&|b| b.truncate(40)), "short");
+        assert!(bad(&|b| b.push(0)), "long");
+        assert!(bad(&|b| b[34] = 0x80), "timestamp past i64::MAX");
+        assert!(bad(&|b| b.clear()), "empty");
     }
 
     #[test]

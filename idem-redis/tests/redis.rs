@@ -145,7 +145,7 @@ async fn scripts_do_exact_64_bit_arithmetic() {
     let r = req("p", "big-token", b"b");
     let key = store.record_key(r.id);
     let now = clock.now_ms();
-    write_raw(&mut admin, &key, &r, "in_flight", &big.to_string(), now).await;
+    write_raw(&mut admin, &key, &r, IN_FLIGHT, big, now).await;
     let done = store.complete(r.id, FencingToken(big), StoredResponse::new(200, vec![], vec![])).await;
     let done = done.expect("the exact token completes");
     assert_eq!(done.token, FencingToken(big));
@@ -154,7 +154,7 @@ async fn scripts_do_exact_64_bit_arithmetic() {
 
     let r2 = req("p", "max-token", b"b");
     let key2 = store.record_key(r2.id);
-    write_raw(&mut admin, &key2, &r2, "failed", &u64::MAX.to_string(), now).await;
+    write_raw(&mut admin, &key2, &r2, FAILED, u64::MAX, now).await;
     let rr = ReclaimRequest {
         id: r2.id,
         expected: FencingToken(u64::MAX),
@@ -166,43 +166,52 @@ async fn scripts_do_exact_64_bit_arithmetic() {
     assert_eq!(n.token, FencingToken(u64::MAX), "the token saturates like FencingToken::next");
 }
 
+/// State bytes of the header (`common.lua`).
+const IN_FLIGHT: u8 = 1;
+const FAILED: u8 = 3;
+
+/// A record header as the scripts lay it out (format 2, see `common.lua`).
+fn raw_header(r: &ClaimRequest, state: u8, token: u64, now: i64) -> Vec<u8> {
+    let mut h = vec![2, state];
+    h.extend_from_slice(&token.to_be_bytes());
+    for t in [now, now, now, now + 60_000] {
+        h.extend_from_slice(&t.to_be_bytes());
+    }
+    h.extend_from_slice(&r.fingerprint.0);
+    h
+}
+
+/// The scope field as the store encodes it: format byte 1, then postcard.
+fn raw_scope(r: &ClaimRequest) -> Vec<u8> {
+    let parts = (r.scope.principal.0.as_str(), r.scope.endpoint.0.as_str(), r.key.as_str());
+    postcard::to_extend(&parts, vec![1]).expect("encode")
+}
+
 /// Writes a record hash directly (as the scripts lay it out).
 async fn write_raw(
     admin: &mut redis::aio::MultiplexedConnection,
     key: &str,
     r: &ClaimRequest,
-    state: &str,
-    token: &str,
+    state: u8,
+    token: u64,
     now: i64,
 ) {
     let _: () = redis::cmd("HSET")
         .arg(key)
-        .arg("v")
-        .arg("1")
-        .arg("state")
-        .arg(state)
-        .arg("token")
-        .arg(token)
-        .arg("fingerprint")
-        .arg(&r.fingerprint.0[..])
-        .arg("principal")
-        .arg(&r.scope.principal.0)
-        .arg("endpoint")
-        .arg(&r.scope.endpoint.0)
-        .arg("key")
-        .arg(r.key.as_str())
-        .arg("created_at")
-        .arg(now)
-        .arg("started_at")
-        .arg(now)
-        .arg("lease_expires_at")
-        .arg(now)
-        .arg("expires_at")
-        .arg(now + 60_000)
+        .arg("h")
+        .arg(raw_header(r, state, token, now))
+        .arg("s")
+        .arg(raw_scope(r))
         .query_async(admin)
         .await
         .expect("HSET");
     let _: () = admin.pexpire(key, 600_000).await.expect("PEXPIRE");
+}
+
+/// The state byte of the record header at `key`.
+async fn state_byte(admin: &mut redis::aio::MultiplexedConnection, key: &str) -> Option<u8> {
+    let h: Option<Vec<u8>> = admin.hget(key, "h").await.expect("HGET");
+    h.map(|h| h[1])
 }
 
 /// Status, header values and bodies come back byte for byte, whatever the bytes, for every
@@ -258,24 +267,47 @@ async fn prefixes_isolate_stores() {
     assert_eq!(b.get(rb.id).await.expect("get").map(|r| r.fingerprint), Some(rb.fingerprint));
 }
 
+/// Rewrites one field of a raw record: (field, new value).
+type Corruption<'a> = dyn Fn(&ClaimRequest) -> (&'static str, Vec<u8>) + 'a;
+
 /// A record that does not decode is `Corrupt`, and a claim never overwrites it.
 #[tokio::test]
 async fn corrupt_records_are_reported_not_overwritten() {
     let (store, clock) = test_store().await;
     let mut admin = common::admin().await;
     let now = clock.now_ms();
-    let cases: [(&str, &str, &[u8]); 6] = [
-        ("state", "state", b"paused"),
-        ("token", "token", b"01"),
-        ("fingerprint", "fingerprint", b"short"),
-        ("version", "v", b"2"),
-        ("key", "key", b"another-key"),
-        ("timestamp", "lease_expires_at", b"soon"),
+    let other = req("p", "another-key", b"b");
+    let cases: [(&str, &Corruption<'_>); 6] = [
+        ("state", &|r| {
+            ("h", {
+                let mut h = raw_header(r, IN_FLIGHT, 3, now);
+                h[1] = 9;
+                h
+            })
+        }),
+        ("version", &|r| {
+            ("h", {
+                let mut h = raw_header(r, IN_FLIGHT, 3, now);
+                h[0] = 3;
+                h
+            })
+        }),
+        ("short-header", &|r| ("h", raw_header(r, IN_FLIGHT, 3, now)[..40].to_vec())),
+        ("timestamp", &|r| {
+            ("h", {
+                let mut h = raw_header(r, IN_FLIGHT, 3, now);
+                h[26] = 0xff;
+                h
+            })
+        }),
+        ("key", &|_| ("s", raw_scope(&other))),
+        ("scope", &|_| ("s", b"\x01\xff".to_vec())),
     ];
-    for (name, field, value) in cases {
+    for (name, corrupt) in cases {
         let r = req("p", name, b"b");
         let key = store.record_key(r.id);
-        write_raw(&mut admin, &key, &r, "in_flight", "3", now).await;
+        write_raw(&mut admin, &key, &r, IN_FLIGHT, 3, now).await;
+        let (field, value) = corrupt(&r);
         let _: () = admin.hset(&key, field, value).await.expect("HSET");
         let before: Vec<(Vec<u8>, Vec<u8>)> = admin.hgetall(&key).await.expect("HGETALL");
         let got = store.get(r.id).await;
@@ -288,7 +320,7 @@ async fn corrupt_records_are_reported_not_overwritten() {
     // A completed record whose response bytes are garbage.
     let r = claim(&store, req("p", "bad-response", b"b")).await;
     store.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![])).await.expect("complete");
-    let _: () = admin.hset(store.record_key(r.id), "response", &b"\x01\xff\xff\xff"[..]).await.expect("HSET");
+    let _: () = admin.hset(store.record_key(r.id), "r", &b"\x01\xff\xff\xff"[..]).await.expect("HSET");
     assert!(matches!(store.get(r.id).await, Err(StoreError::Corrupt { .. })));
 }
 
@@ -394,13 +426,13 @@ async fn wait_for_replicas_and_readonly() {
     let store = RedisStore::connect(&primary.url, RedisConfig::new().with_replica_ack(ack(1))).await.expect("connect");
     let r = claim(&store, req("p", "k", b"b")).await;
     let mut radmin = replica.admin().await;
-    let state: Option<String> = radmin.hget(store.record_key(r.id), "state").await.expect("HGET on replica");
-    assert_eq!(state.as_deref(), Some("in_flight"), "WAIT returned, so the replica has the claim");
+    let state = state_byte(&mut radmin, &store.record_key(r.id)).await;
+    assert_eq!(state, Some(IN_FLIGHT), "WAIT returned, so the replica has the claim");
     // The script cache is gone (as after a failover): the pipelined EVALSHA + WAIT reloads it.
     let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut padmin).await.expect("SCRIPT FLUSH");
     store.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![])).await.expect("complete");
-    let state: Option<String> = radmin.hget(store.record_key(r.id), "state").await.expect("HGET on replica");
-    assert_eq!(state.as_deref(), Some("completed"));
+    let state = state_byte(&mut radmin, &store.record_key(r.id)).await;
+    assert_eq!(state, Some(2), "completed");
 
     let greedy = RedisStore::connect(
         &primary.url,
@@ -520,25 +552,20 @@ fn assert_same(step: usize, op: &str, s: Result<Record, StoreError>, m: Result<R
     }
 }
 
-/// The state names in the hash are the documented ones (operators read them).
+/// The header's state byte is the documented one (operators read it: byte 1 of field `h`).
 #[tokio::test]
-async fn state_field_names() {
+async fn state_bytes() {
     let (store, _clock) = test_store().await;
     let mut admin = common::admin().await;
     let r = claim(&store, req("p", "k", b"b")).await;
     let key = store.record_key(r.id);
-    let state = |admin: &mut redis::aio::MultiplexedConnection| {
-        let key = key.clone();
-        let mut admin = admin.clone();
-        async move {
-            let s: String = admin.hget(&key, "state").await.expect("HGET");
-            s
-        }
-    };
-    assert_eq!(state(&mut admin).await, "in_flight");
+    assert_eq!(state_byte(&mut admin, &key).await, Some(IN_FLIGHT));
     let f = store.fail(r.id, r.token).await.expect("fail");
     assert_eq!(f.state, RecordState::Failed);
-    assert_eq!(state(&mut admin).await, "failed");
+    assert_eq!(state_byte(&mut admin, &key).await, Some(FAILED));
+    let r = claim(&store, req("p", "k2", b"b")).await;
+    store.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![])).await.expect("complete");
+    assert_eq!(state_byte(&mut admin, &store.record_key(r.id)).await, Some(2));
 }
 
 /// A RESP3 connection (`?protocol=resp3`) reads the same replies: missing fields and the

@@ -1,117 +1,101 @@
 -- Shared prelude of every idem script (the Rust side puts it between the shebang line and
 -- each script body).
 --
--- Record layout: one hash per record at KEYS[1] = <prefix>{<record id hex>}, with the fields
--- listed in FIELDS. Every integer (token, timestamps in ms since the Unix epoch) is kept as
--- a canonical decimal string and handled as one: Lua numbers are doubles and lose precision
--- past 2^53, while tokens and timestamps are 64-bit and saturate like the Rust model.
+-- Record layout (format 2): one hash per record at KEYS[1] = <prefix>{<record id hex>}:
+--   'h'        the header, HEADER_LEN bytes, the only field a script decides on:
+--                byte 1      format version (FORMAT)
+--                byte 2      state: 1 in flight, 2 completed, 3 failed
+--                bytes 3-10  fencing token, u64 big-endian
+--                bytes 11-18 created_at, 19-26 started_at, 27-34 lease_expires_at,
+--                            35-42 expires_at: ms since the Unix epoch, u64 big-endian
+--                bytes 43-74 fingerprint
+--   's'        scope and idempotency key, encoded by the Rust side; scripts never parse it
+--   'r'        the encoded response (completed records only)
+--   'j:<name>' journal entries
+--
+-- Lua numbers are doubles, exact only below 2^53, while tokens and timestamps are 64-bit
+-- and saturate like the Rust model. So 64-bit values are read and written as two 32-bit
+-- halves (struct 'I4', exact), added half by half, and compared against the clock as a
+-- double: the clock reads below 2^53 ms and rounding is monotonic, so `now < x` is exact
+-- even when x itself is rounded.
 
 -- Needs Redis 7 (or Valkey 7.2): the shebang line carries script flags, and scripts
 -- replicate their effects, so reading TIME before a write is allowed.
 
-local FIELDS = {
-  'v', 'state', 'token', 'fingerprint', 'principal', 'endpoint', 'key',
-  'created_at', 'started_at', 'lease_expires_at', 'expires_at', 'response',
-}
-local FORMAT = '1'
-local I64_MAX = '9223372036854775807'
-local U64_MAX = '18446744073709551615'
+local FORMAT = 2
+local HEADER_LEN = 74
+local TWO32 = 4294967296
+local TWO53 = 9007199254740992
+local U32_MAX = 4294967295
+local I64_MAX_HI = 2147483647
+-- Byte offsets (1-based) of the header's 64-bit fields.
+local AT_TOKEN, AT_LEASE, AT_EXPIRES = 3, 27, 35
 
--- A canonical non-negative decimal: digits only, no leading zero, at most 20 digits.
-local function is_uint(s)
-  return type(s) == 'string' and #s <= 20 and (s == '0' or string.find(s, '^[1-9]%d*$') ~= nil)
-end
-
--- Compares two canonical decimals: -1, 0 or 1.
-local function cmp(a, b)
-  if #a ~= #b then
-    if #a < #b then return -1 end
-    return 1
-  end
-  if a == b then return 0 end
-  if a < b then return -1 end
-  return 1
-end
-
--- a + b, saturating at max (all canonical decimals).
-local function add(a, b, max)
-  -- Fast path: both below 10^15, so the sum is below 2^53 and a double holds it exactly.
-  if #a <= 15 and #b <= 15 then
-    return string.format('%.0f', tonumber(a) + tonumber(b))
-  end
-  local out = {}
-  local carry = 0
-  local i, j = #a, #b
-  while i > 0 or j > 0 or carry > 0 do
-    local d = carry
-    if i > 0 then d = d + string.byte(a, i) - 48 end
-    if j > 0 then d = d + string.byte(b, j) - 48 end
-    if d >= 10 then
-      out[#out + 1] = string.char(38 + d)
-      carry = 1
-    else
-      out[#out + 1] = string.char(48 + d)
-      carry = 0
-    end
-    i = i - 1
-    j = j - 1
-  end
-  local s = string.reverse(table.concat(out))
-  if cmp(s, max) > 0 then return max end
-  return s
-end
-
--- The store's clock in ms: the override passed by the caller (test clocks only), or the
--- server's TIME, so every application server agrees on lease expiry whatever its own
--- clock says.
+-- The store's clock in ms (a double, exact): the override passed by the caller (test
+-- clocks only, below 2^53), or the server's TIME, so every application server agrees on
+-- lease expiry whatever its own clock says.
 local function now_ms(override)
-  if override ~= '' then return override end
+  if override ~= '' then return tonumber(override) end
   local t = redis.call('TIME')
-  return t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- The whole record, in FIELDS order (HMGET gives false for a missing field).
-local function read_all(key)
-  return redis.call('HMGET', key, unpack(FIELDS))
+-- Whether h is a header this version of the scripts can read.
+local function valid(h)
+  return #h == HEADER_LEN and string.byte(h, 1) == FORMAT
 end
 
--- a - b for canonical decimals with a >= b.
-local function sub(a, b)
-  if #a <= 15 then
-    return string.format('%.0f', tonumber(a) - tonumber(b))
+-- The u64 at byte pos of h, as a double (exact below 2^53; see above).
+local function num_at(h, pos)
+  local hi, lo = struct.unpack('>I4I4', h, pos)
+  return hi * TWO32 + lo
+end
+
+-- The two halves of n (an integer double below 2^53).
+local function split(n)
+  local hi = math.floor(n / TWO32)
+  return hi, n - hi * TWO32
+end
+
+-- (ah, al) + (bh, bl), saturating at (mh, U32_MAX).
+local function add(ah, al, bh, bl, mh)
+  local hi, lo = ah + bh, al + bl
+  if lo >= TWO32 then
+    lo = lo - TWO32
+    hi = hi + 1
   end
-  local out = {}
-  local borrow = 0
-  local i, j = #a, #b
-  while i > 0 do
-    local d = string.byte(a, i) - 48 - borrow
-    if j > 0 then d = d - (string.byte(b, j) - 48) end
-    if d < 0 then
-      d = d + 10
-      borrow = 1
-    else
-      borrow = 0
-    end
-    out[#out + 1] = string.char(48 + d)
-    i = i - 1
-    j = j - 1
-  end
-  local s = string.gsub(string.reverse(table.concat(out)), '^0+', '')
-  if s == '' then return '0' end
-  return s
+  if hi > mh then return mh, U32_MAX end
+  return hi, lo
 end
 
--- Largest relative TTL PEXPIRE accepts comfortably (Redis refuses now + ttl > 2^63 - 1).
-local MAX_TTL = '9000000000000000000'
+-- now + ttl (the first two big-endian u64 of args, lease and retention, in ms), saturating
+-- at i64::MAX: the halves of lease_expires_at and expires_at.
+local function deadlines(now, args)
+  local nh, nl = split(now)
+  local lh, ll, rh, rl = struct.unpack('>I4I4I4I4', args)
+  local leh, lel = add(nh, nl, lh, ll, I64_MAX_HI)
+  local eh, el = add(nh, nl, rh, rl, I64_MAX_HI)
+  return nh, nl, leh, lel, eh, el
+end
 
 -- Sets the key's native expiry. The record is logically gone at expires_at (every script
 -- checks that itself); the key may outlive it by the configured grace (ms). On the server's
 -- clock that is PEXPIREAT expires_at + grace. Under a test clock, whose base may differ
 -- from the server's, the key keeps the record's remaining time on that clock, plus grace.
-local function expire_at(key, now, override, expires_at, grace)
+-- A deadline past 2^53 ms (the year 287,000) leaves the key without a native expiry.
+local function expire(key, now, override, expires_at, grace)
   if override == '' then
-    redis.call('PEXPIREAT', key, add(expires_at, grace, I64_MAX))
+    local at = expires_at + grace
+    if at < TWO53 then
+      redis.call('PEXPIREAT', key, string.format('%.0f', at))
+      return
+    end
   else
-    redis.call('PEXPIRE', key, add(sub(expires_at, now), grace, MAX_TTL))
+    local ttl = expires_at - now + grace
+    if ttl < TWO53 then
+      redis.call('PEXPIRE', key, string.format('%.0f', ttl))
+      return
+    end
   end
+  redis.call('PERSIST', key)
 end

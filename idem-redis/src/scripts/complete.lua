@@ -2,27 +2,28 @@
 -- (idem_core::Store::complete).
 -- KEYS[1] record key
 -- ARGV[1] clock override in ms, '' for server TIME
--- ARGV[2] token, ARGV[3] encoded response
--- Returns {'ok', now, <FIELDS... without response>} | {'lost', now, current token or nil}
---       | {'corrupt', now}
+-- ARGV[2] token (big-endian u64), ARGV[3] encoded response
+-- Returns {'ok', now, header, scope} | {'lost', now, current token or nil} | {'corrupt', now}
 local key = KEYS[1]
 local now = now_ms(ARGV[1])
-local all = read_all(key)
-if not (all[1] or all[2] or all[3] or all[11]) then
+local cur = redis.call('HMGET', key, 'h', 's')
+local h = cur[1]
+if not h then
+  if cur[2] then return {'corrupt', now} end
   return {'lost', now}
 end
-if all[1] ~= FORMAT or not is_uint(all[3]) or not is_uint(all[11]) then
+if not valid(h) then
   return {'corrupt', now}
 end
-if cmp(now, all[11]) >= 0 then
+if now >= num_at(h, AT_EXPIRES) then
   return {'lost', now}
 end
-if all[2] ~= 'in_flight' or all[3] ~= ARGV[2] then
-  return {'lost', now, all[3]}
+local token = string.sub(h, 3, 10)
+if string.byte(h, 2) ~= 1 or token ~= ARGV[2] then
+  return {'lost', now, token}
 end
 -- All timestamps stay: the key keeps its native expiry.
-redis.call('HSET', key, 'state', 'completed', 'response', ARGV[3])
-all[2] = 'completed'
+h = string.sub(h, 1, 1) .. '\2' .. string.sub(h, 3)
+redis.call('HSET', key, 'h', h, 'r', ARGV[3])
 -- The caller has the response it just sent; do not ship it back.
-all[12] = nil
-return {'ok', now, unpack(all)}
+return {'ok', now, h, cur[2]}

@@ -2,31 +2,32 @@
 -- (idem_core::Store::fail).
 -- KEYS[1] record key
 -- ARGV[1] clock override in ms, '' for server TIME
--- ARGV[2] token
--- Returns {'ok', now, <FIELDS...>} | {'lost', now, current token or nil} | {'corrupt', now}
+-- ARGV[2] token (big-endian u64)
+-- Returns {'ok', now, header, scope} | {'lost', now, current token or nil} | {'corrupt', now}
 local key = KEYS[1]
 local now = now_ms(ARGV[1])
-local all = read_all(key)
-if not (all[1] or all[2] or all[3] or all[11]) then
+local cur = redis.call('HMGET', key, 'h', 's')
+local h = cur[1]
+if not h then
+  if cur[2] then return {'corrupt', now} end
   return {'lost', now}
 end
-if all[1] ~= FORMAT or not is_uint(all[3]) or not is_uint(all[10]) or not is_uint(all[11]) then
+if not valid(h) then
   return {'corrupt', now}
 end
-if cmp(now, all[11]) >= 0 then
+if now >= num_at(h, AT_EXPIRES) then
   return {'lost', now}
 end
-if all[2] ~= 'in_flight' or all[3] ~= ARGV[2] then
-  return {'lost', now, all[3]}
+local token = string.sub(h, 3, 10)
+if string.byte(h, 2) ~= 1 or token ~= ARGV[2] then
+  return {'lost', now, token}
 end
--- The attempt is over: its lease no longer blocks a retry.
-if cmp(now, all[10]) < 0 then
-  all[10] = now
+-- The attempt is over: its lease no longer blocks a retry. (An in-flight record has no
+-- response field: claim writes a fresh hash and reclaim only takes failed or in-flight ones.)
+local lease = string.sub(h, AT_LEASE, AT_LEASE + 7)
+if now < num_at(h, AT_LEASE) then
+  lease = struct.pack('>I4I4', split(now))
 end
-redis.call('HSET', key, 'state', 'failed', 'lease_expires_at', all[10])
-if all[12] then
-  redis.call('HDEL', key, 'response')
-  all[12] = false
-end
-all[2] = 'failed'
-return {'ok', now, unpack(all)}
+h = string.sub(h, 1, 1) .. '\3' .. string.sub(h, 3, AT_LEASE - 1) .. lease .. string.sub(h, AT_EXPIRES)
+redis.call('HSET', key, 'h', h)
+return {'ok', now, h, cur[2]}

@@ -6,8 +6,9 @@
 -- Returns {'found', now, value} | {'absent', now}
 local key = KEYS[1]
 local now = now_ms(ARGV[1])
-local cur = redis.call('HMGET', key, 'expires_at', 'j:' .. ARGV[2])
-if not cur[1] or not is_uint(cur[1]) or cmp(now, cur[1]) >= 0 or not cur[2] then
+local cur = redis.call('HMGET', key, 'h', 'j:' .. ARGV[2])
+local h = cur[1]
+if not h or not valid(h) or now >= num_at(h, AT_EXPIRES) or not cur[2] then
   return {'absent', now}
 end
 return {'found', now, cur[2]}

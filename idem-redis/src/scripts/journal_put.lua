@@ -4,30 +4,29 @@
 -- reclaim keeps them, native expiry and a claim that replaces an expired record drop them.
 -- KEYS[1] record key
 -- ARGV[1] clock override in ms, '' for server TIME
--- ARGV[2] token, ARGV[3] entry name, ARGV[4] value, ARGV[5] '1' to overwrite
+-- ARGV[2] token (big-endian u64), ARGV[3] entry name, ARGV[4] value, ARGV[5] '1' to overwrite
 -- Returns {'written', now} | {'exists', now, stored value} | {'lost', now, current token or nil}
 --       | {'corrupt', now}
 local key = KEYS[1]
 local now = now_ms(ARGV[1])
-local cur = redis.call('HMGET', key, 'v', 'state', 'token', 'expires_at')
-if not (cur[1] or cur[2] or cur[3] or cur[4]) then
+local h = redis.call('HGET', key, 'h')
+if not h then
   return {'lost', now}
 end
-if cur[1] ~= FORMAT or not is_uint(cur[3]) or not is_uint(cur[4]) then
+if not valid(h) then
   return {'corrupt', now}
 end
-if cmp(now, cur[4]) >= 0 then
+if now >= num_at(h, AT_EXPIRES) then
   return {'lost', now}
 end
-if cur[2] ~= 'in_flight' or cur[3] ~= ARGV[2] then
-  return {'lost', now, cur[3]}
+local token = string.sub(h, 3, 10)
+if string.byte(h, 2) ~= 1 or token ~= ARGV[2] then
+  return {'lost', now, token}
 end
 local field = 'j:' .. ARGV[3]
-if ARGV[5] ~= '1' then
-  local stored = redis.call('HGET', key, field)
-  if stored then
-    return {'exists', now, stored}
-  end
+if ARGV[5] == '1' then
+  redis.call('HSET', key, field, ARGV[4])
+elseif redis.call('HSETNX', key, field, ARGV[4]) == 0 then
+  return {'exists', now, redis.call('HGET', key, field)}
 end
-redis.call('HSET', key, field, ARGV[4])
 return {'written', now}

@@ -2,42 +2,45 @@
 -- (idem_core::Store::reclaim).
 -- KEYS[1] record key
 -- ARGV[1] clock override in ms, '' for server TIME
--- ARGV[2] expected token, ARGV[3] fingerprint
--- ARGV[4] lease ms, ARGV[5] retention ms (already >= lease), ARGV[6] expiry grace ms
--- Returns {'reclaimed', now, <FIELDS...>} | {'conflict', now, <FIELDS...>} | {'absent', now}
---       | {'corrupt', now}
+-- ARGV[2] expected token (big-endian u64), ARGV[3] fingerprint (32 bytes)
+-- ARGV[4] lease ms and retention ms (already >= lease), two big-endian u64
+-- ARGV[5] expiry grace ms
+-- Returns {'reclaimed', now, header, scope} | {'conflict', now, header, scope, response or nil}
+--       | {'absent', now} | {'corrupt', now}
 local key = KEYS[1]
 local now = now_ms(ARGV[1])
-local all = read_all(key)
-if not (all[1] or all[2] or all[3] or all[11]) then
+local cur = redis.call('HMGET', key, 'h', 's')
+local h = cur[1]
+if not h then
+  if cur[2] then return {'corrupt', now} end
   return {'absent', now}
 end
-if all[1] ~= FORMAT or not is_uint(all[3]) or not is_uint(all[10]) or not is_uint(all[11]) then
+if not valid(h) then
   return {'corrupt', now}
 end
-if cmp(now, all[11]) >= 0 then
+if now >= num_at(h, AT_EXPIRES) then
   return {'absent', now}
 end
-local state = all[2]
-local reclaimable = all[3] == ARGV[2] and all[4] == ARGV[3]
-  and (state == 'failed' or (state == 'in_flight' and cmp(now, all[10]) >= 0))
+local state = string.byte(h, 2)
+local reclaimable = string.sub(h, 3, 10) == ARGV[2] and string.sub(h, 43) == ARGV[3]
+  and (state == 3 or (state == 1 and now >= num_at(h, AT_LEASE)))
 if not reclaimable then
-  return {'conflict', now, unpack(all)}
+  if state == 2 then
+    return {'conflict', now, h, cur[2], redis.call('HGET', key, 'r')}
+  end
+  return {'conflict', now, h, cur[2]}
 end
-local token = add(all[3], '1', U64_MAX)
-local lease_expires_at = add(now, ARGV[4], I64_MAX)
+-- Failed and in-flight records have no response field: nothing to drop.
+local th, tl = struct.unpack('>I4I4', h, AT_TOKEN)
+th, tl = add(th, tl, 0, 1, U32_MAX)
+local nh, nl, leh, lel, eh, el = deadlines(now, ARGV[4])
 -- The retention window never moves earlier.
-local expires_at = add(now, ARGV[5], I64_MAX)
-if cmp(all[11], expires_at) > 0 then
-  expires_at = all[11]
+local oh, ol = struct.unpack('>I4I4', h, AT_EXPIRES)
+if oh > eh or (oh == eh and ol > el) then
+  eh, el = oh, ol
 end
-redis.call('HSET', key,
-  'state', 'in_flight', 'token', token, 'started_at', now,
-  'lease_expires_at', lease_expires_at, 'expires_at', expires_at)
-if all[12] then
-  redis.call('HDEL', key, 'response')
-  all[12] = false
-end
-expire_at(key, now, ARGV[1], expires_at, ARGV[6])
-all[2], all[3], all[9], all[10], all[11] = 'in_flight', token, now, lease_expires_at, expires_at
-return {'reclaimed', now, unpack(all)}
+h = struct.pack('>BBI4I4', FORMAT, 1, th, tl) .. string.sub(h, 11, 18)
+  .. struct.pack('>I4I4I4I4I4I4', nh, nl, leh, lel, eh, el) .. ARGV[3]
+redis.call('HSET', key, 'h', h)
+expire(key, now, ARGV[1], eh * TWO32 + el, tonumber(ARGV[5]))
+return {'reclaimed', now, h, cur[2]}
