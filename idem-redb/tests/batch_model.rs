@@ -49,7 +49,10 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (key.clone(), token.clone(), 0..2u8).prop_map(|(key, expected, body)| Op::Reclaim { key, expected, body }),
         2 => (key.clone(), token.clone()).prop_map(|(key, token)| Op::Complete { key, token }),
         2 => (key.clone(), token.clone()).prop_map(|(key, token)| Op::Fail { key, token }),
-        1 => (0..3usize).prop_map(|limit| Op::Sweep { limit }),
+        // Which expired records a partial sweep removes first is not part of the contract
+        // (this store goes by expiry, the model by id), so the model check sweeps none or
+        // all; tests/store.rs checks partial sweeps.
+        1 => prop::sample::select(vec![0, KEYS]).prop_map(|limit| Op::Sweep { limit }),
         2 => (key, token, 0..NAMES.len(), any::<bool>())
             .prop_map(|(key, token, name, overwrite)| Op::JournalPut { key, token, name, overwrite }),
     ]
