@@ -20,9 +20,50 @@ pub const FINGERPRINT_CONTEXT: &str = "idem 2026-11-30 request fingerprint v1";
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum FingerprintMode {
-    /// The raw body bytes (default).
+    /// The raw body bytes (default): any byte of difference is another request.
     #[default]
     Raw,
+    /// A body that parses as JSON enters as its RFC 8785 (JCS) canonical form, so an
+    /// honest retry whose serialiser reorders object members or changes whitespace is
+    /// still the same request. Array order, `null` versus an absent member, and `{}`
+    /// versus an empty body still differ (handed case C13).
+    ///
+    /// Falls back to the raw bytes, so distinct bodies are never merged by accident, when
+    /// the body is empty, is not valid JSON, or holds an integer beyond ±2^53 (JCS
+    /// numbers are IEEE doubles, which would merge `9007199254740993` with
+    /// `9007199254740992`). Numbers that are doubles already compare as doubles: `1.0`
+    /// and `1` are one request in this mode. Duplicate member names keep the last value,
+    /// as serde_json parses them.
+    CanonicalJson,
+}
+
+/// Largest integer magnitude a JSON number may have and still be canonicalised (2^53).
+const MAX_EXACT_INTEGER: u64 = 1 << 53;
+
+fn exact_in_double(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Number(n) => {
+            n.as_u64().is_none_or(|u| u <= MAX_EXACT_INTEGER)
+                && n.as_i64().is_none_or(|i| i.unsigned_abs() <= MAX_EXACT_INTEGER)
+        }
+        serde_json::Value::Array(a) => a.iter().all(exact_in_double),
+        serde_json::Value::Object(o) => o.values().all(exact_in_double),
+        _ => true,
+    }
+}
+
+/// The RFC 8785 canonical form of `body`, or `None` when the body falls back to raw
+/// bytes (see [`FingerprintMode::CanonicalJson`]).
+#[must_use]
+pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+    if body.is_empty() {
+        return None;
+    }
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    if !exact_in_double(&value) {
+        return None;
+    }
+    serde_json_canonicalizer::to_vec(&value).ok()
 }
 
 /// 32-byte request fingerprint.
@@ -55,6 +96,13 @@ impl Fingerprint {
     /// Fingerprints `parts` in raw mode.
     #[must_use]
     pub fn of(parts: &RequestParts<'_>) -> Self {
+        Self::of_mode(parts, FingerprintMode::Raw)
+    }
+
+    /// Fingerprints `parts` with the body taken as `mode` says. A canonicalised body is
+    /// hashed under another tag than raw bytes, so the two modes never collide.
+    #[must_use]
+    pub fn of_mode(parts: &RequestParts<'_>, mode: FingerprintMode) -> Self {
         let mut h = blake3::Hasher::new_derive_key(FINGERPRINT_CONTEXT);
         let mut field = |tag: u8, bytes: &[u8]| {
             h.update(&[tag]);
@@ -72,7 +120,13 @@ impl Fingerprint {
             field(b'H', name.as_bytes());
             field(b'V', value);
         }
-        field(b'B', parts.body);
+        match mode {
+            FingerprintMode::CanonicalJson => match canonical_json(parts.body) {
+                Some(canonical) => field(b'J', &canonical),
+                None => field(b'B', parts.body),
+            },
+            FingerprintMode::Raw => field(b'B', parts.body),
+        }
         Self(*h.finalize().as_bytes())
     }
 
@@ -104,6 +158,50 @@ mod tests {
         assert_ne!(fp(br#"{"a":1,"b":2}"#), fp(br#"{"b":2, "a":1}"#));
         assert_ne!(fp(b""), fp(b"{}"));
         assert_ne!(fp(b"{}"), fp(b"null"));
+    }
+
+    fn canon(body: &[u8]) -> Fingerprint {
+        Fingerprint::of_mode(
+            &RequestParts { method: "POST", path: "/v1/workers", query: None, headers: &[], body },
+            FingerprintMode::CanonicalJson,
+        )
+    }
+
+    #[test]
+    fn canonical_mode_follows_handed_case_c13() {
+        // C13: reordered keys and whitespace are one request in canonical mode...
+        let a = canon(br#"{"a":1,"b":2}"#);
+        assert_eq!(a, canon(br#"{"b":2, "a":1}"#));
+        assert_eq!(a, canon(b"{\n  \"a\": 1,\n  \"b\": 2\n}"));
+        // ...but array order, null versus absent and empty versus {} still differ.
+        assert_ne!(canon(br#"{"x":[1,2]}"#), canon(br#"{"x":[2,1]}"#));
+        assert_ne!(canon(br#"{"a":null}"#), canon(br#"{}"#));
+        assert_ne!(canon(b""), canon(b"{}"));
+        assert_ne!(canon(b"{}"), canon(b"null"));
+        assert_ne!(canon(br#"{"labels":{}}"#), canon(br#"{}"#));
+        // Invalid JSON falls back to raw bytes.
+        assert_eq!(canon(b"{nope"), canon(b"{nope"));
+        assert_ne!(canon(b"{nope"), canon(b"{nope "));
+        // Integers past 2^53 are never merged by double rounding.
+        assert_ne!(canon(br#"{"id":9007199254740993}"#), canon(br#"{"id":9007199254740992}"#));
+        // Raw mode still tells reordered keys apart.
+        assert_ne!(fp(br#"{"a":1,"b":2}"#), fp(br#"{"b":2,"a":1}"#));
+    }
+
+    #[test]
+    fn canonical_and_raw_hashes_do_not_collide() {
+        // An already-canonical body hashes differently in the two modes: tags differ.
+        assert_ne!(
+            canon(br#"{"a":1}"#),
+            Fingerprint::of(&RequestParts {
+                method: "POST",
+                path: "/v1/workers",
+                query: None,
+                headers: &[],
+                body: br#"{"a":1}"#
+            })
+        );
+        assert_eq!(canonical_json(br#"{"b":1,"a":[true,null]}"#).unwrap(), br#"{"a":[true,null],"b":1}"#.to_vec());
     }
 
     #[test]

@@ -64,6 +64,9 @@ pub struct Policy {
     pub compress_over: usize,
     /// Request headers (lower-case) that enter the fingerprint (default `content-type`).
     pub fingerprint_headers: Vec<String>,
+    /// How the body enters the fingerprint (default raw bytes; RFC 8785 canonical JSON is
+    /// opt-in because it can merge requests an API treats as different).
+    pub fingerprint_mode: crate::fingerprint::FingerprintMode,
     /// Response headers (lower-case) never stored, besides hop-by-hop ones (default
     /// `set-cookie`, `date`).
     pub header_deny_list: Vec<String>,
@@ -86,6 +89,7 @@ impl Default for Policy {
             max_stored_body: 1 << 20,
             compress_over: 4 << 10,
             fingerprint_headers: vec!["content-type".into()],
+            fingerprint_mode: crate::fingerprint::FingerprintMode::Raw,
             header_deny_list: vec!["set-cookie".into(), "date".into()],
             uncacheable_4xx: vec![401, 403, 408, 409, 423, 425, 429],
             mismatch_status: MismatchStatus::Conflict,
@@ -156,6 +160,13 @@ impl Policy {
     #[must_use]
     pub fn with_fingerprint_headers<I: IntoIterator<Item = S>, S: Into<String>>(mut self, names: I) -> Self {
         self.fingerprint_headers = names.into_iter().map(|s| s.into().to_ascii_lowercase()).collect();
+        self
+    }
+
+    /// Sets the fingerprint mode.
+    #[must_use]
+    pub fn with_fingerprint_mode(mut self, mode: crate::fingerprint::FingerprintMode) -> Self {
+        self.fingerprint_mode = mode;
         self
     }
 
