@@ -57,8 +57,8 @@ const RETRY_AFTER_BUSY_SECS: u64 = 1;
 ///
 /// The wrapped service must be `Clone + Send + 'static` with a `Send` future, error and
 /// body (axum's routers and handlers are): under [`crate::HandlerExecution::Detached`] a
-/// claimed request's handler runs in a task of its own, which outlives the response future
-/// if the client goes away.
+/// claimed request's handler moves to a task of its own if the client goes away before it
+/// finished.
 #[derive(Clone, Debug)]
 pub struct Idempotency<S> {
     inner: S,
@@ -277,13 +277,16 @@ fn fingerprint(parts: &Parts, body: &[u8], policy: &Policy) -> Fingerprint {
         .iter()
         .flat_map(|name| parts.headers.get_all(name.as_str()).iter().map(move |v| (name.as_str(), v.as_bytes())))
         .collect();
-    Fingerprint::of(&RequestParts {
-        method: parts.method.as_str(),
-        path: parts.uri.path(),
-        query: parts.uri.query(),
-        headers: &headers,
-        body,
-    })
+    Fingerprint::of_mode(
+        &RequestParts {
+            method: parts.method.as_str(),
+            path: parts.uri.path(),
+            query: parts.uri.query(),
+            headers: &headers,
+            body,
+        },
+        policy.fingerprint_mode,
+    )
 }
 
 enum Acquired<B> {
