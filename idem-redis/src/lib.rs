@@ -65,13 +65,13 @@
 //! ```
 //!
 //! # Record layout
-//! Format 2: a hash with three fields plus journal entries. The scripts decide on the
-//! header alone and never parse the rest, which keeps their server time low.
+//! Format 2: a hash with two fields plus journal entries. The scripts decide on the
+//! 74-byte header alone and carry the rest along unparsed, so a claim is one `HSETNX` and a
+//! complete one `HGET` and one `HSET`, which keeps their server time low.
 //!
 //! | hash field | value |
 //! |---|---|
-//! | `h` | the header, 74 bytes, below |
-//! | `s` | scope and idempotency key: `0x01` then postcard of (principal, endpoint, key) |
+//! | `h` | the header (74 bytes, below), then scope and idempotency key: `0x01` then postcard of (principal, endpoint, key) |
 //! | `r` | completed records only: `0x01` then postcard of [`idem_core::StoredResponse`] |
 //! | `j:<name>` | journal entry `name` of a resumable handler (a step's result, an intent's state), raw |
 //!
@@ -90,7 +90,8 @@
 //! (about the year 287,000) leaves the key without a native expiry; every script still
 //! treats the record as gone at its `expires_at`. Reading a record checks that its
 //! principal, endpoint and key hash to the id in its key name. A record that does not
-//! decode is [`idem_core::StoreError::Corrupt`]. It is never silently overwritten.
+//! decode is [`idem_core::StoreError::Corrupt`]. It is never silently overwritten. (A
+//! hash without an `h` field is not a record: a claim adds its header to it.)
 //!
 //! # Operating it
 //! - Needs Redis 7.0+ or Valkey 7.2+: the scripts carry Redis 7 flags (`#!lua`), which make

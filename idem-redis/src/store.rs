@@ -548,8 +548,9 @@ fn missing_field(id: RecordId, field: &'static str) -> StoreError {
     corrupt(id, field, CodecError::Malformed(postcard::Error::DeserializeUnexpectedEnd))
 }
 
-/// The header (hash field `h`, see `common.lua`): the fixed-layout part of a record that
-/// the scripts read and write. Byte 0 is this version.
+/// The header (the first [`HEADER_LEN`] bytes of hash field `h`, see `common.lua`): the
+/// fixed-layout part of a record that the scripts decide on. Byte 0 is this version. The
+/// scope field follows it in the same hash field.
 const HEADER_FORMAT: u8 = 2;
 /// Version, state, five big-endian u64 (token, created_at, started_at, lease_expires_at,
 /// expires_at), fingerprint.
@@ -558,7 +559,8 @@ const HEADER_LEN: usize = 2 + 5 * 8 + 32;
 const STATE_IN_FLIGHT: u8 = 1;
 const STATE_COMPLETED: u8 = 2;
 const STATE_FAILED: u8 = 3;
-/// First byte of the scope field `s` (principal, endpoint and idempotency key, postcard).
+/// First byte of the scope (principal, endpoint and idempotency key, postcard), which
+/// follows the header in field `h`.
 const SCOPE_FORMAT: u8 = 1;
 
 /// The header's fields, decoded.
@@ -580,7 +582,8 @@ impl Header {
         if version != HEADER_FORMAT {
             return Err(corrupt(id, field, CodecError::UnknownVersion(version)));
         }
-        let h: &[u8; HEADER_LEN] = h.try_into().map_err(|_| bad_field(id, field))?;
+        let h: &[u8; HEADER_LEN] =
+            h.get(..HEADER_LEN).and_then(|h| h.try_into().ok()).ok_or_else(|| bad_field(id, field))?;
         let u64_at = |at: usize| {
             let mut b = [0; 8];
             b.copy_from_slice(&h[at..at + 8]);
@@ -627,14 +630,15 @@ fn decode_response(id: RecordId, bytes: &[u8]) -> Result<StoredResponse, StoreEr
     Ok(response)
 }
 
-/// The scope field `s`: version byte, then postcard of (principal, endpoint, key).
+/// The scope after the header in field `h`: version byte, then postcard of (principal,
+/// endpoint, key).
 fn encode_scope(scope: &Scope, key: &IdempotencyKey) -> Vec<u8> {
     let parts = (scope.principal.0.as_str(), scope.endpoint.0.as_str(), key.as_str());
     postcard::to_extend(&parts, vec![SCOPE_FORMAT]).unwrap_or_default()
 }
 
 fn decode_scope(id: RecordId, bytes: &[u8]) -> Result<(Scope, IdempotencyKey), StoreError> {
-    let field = "s";
+    let field = "h (scope)";
     let (&version, rest) = bytes.split_first().ok_or_else(|| corrupt(id, field, CodecError::Empty))?;
     if version != SCOPE_FORMAT {
         return Err(corrupt(id, field, CodecError::UnknownVersion(version)));
@@ -651,18 +655,22 @@ fn decode_scope(id: RecordId, bytes: &[u8]) -> Result<(Scope, IdempotencyKey), S
     Ok((Scope { principal: Principal(principal), endpoint: Endpoint(endpoint) }, key))
 }
 
-/// Builds a record from a script's `header, scope[, response]` (starting at `rest[0]`).
-/// `response`: the response the caller just stored (complete does not ship it back);
-/// otherwise it is decoded from the reply.
-fn decode_record(id: RecordId, reply: &Reply, response: Option<StoredResponse>) -> Result<Record, StoreError> {
-    let header = Header::decode(id, reply.bytes(0).ok_or_else(|| missing_field(id, "h"))?)?;
-    let (scope, key) = decode_scope(id, reply.bytes(1).ok_or_else(|| missing_field(id, "s"))?)?;
-    let response = match (header.state, response) {
-        (RecordState::Completed, Some(r)) => Some(r),
-        (RecordState::Completed, None) => {
-            Some(decode_response(id, reply.bytes(2).ok_or_else(|| missing_field(id, "r"))?)?)
+/// Builds a record from a script's `h, response or nil` (starting at `rest[0]`).
+/// `completed`: the response the caller just stored, with `h` as it was before (complete
+/// ships neither back); otherwise the response is decoded from the reply.
+fn decode_record(id: RecordId, reply: &Reply, completed: Option<StoredResponse>) -> Result<Record, StoreError> {
+    let h = reply.bytes(0).ok_or_else(|| missing_field(id, "h"))?;
+    let mut header = Header::decode(id, h)?;
+    let (scope, key) = decode_scope(id, &h[HEADER_LEN..])?;
+    let response = match completed {
+        Some(r) => {
+            header.state = RecordState::Completed;
+            Some(r)
         }
-        (_, _) => None,
+        None if header.state == RecordState::Completed => {
+            Some(decode_response(id, reply.bytes(1).ok_or_else(|| missing_field(id, "r"))?)?)
+        }
+        None => None,
     };
     Ok(Record {
         id,
@@ -712,6 +720,7 @@ impl Store for RedisStore {
         let (reply, acked) = self.run(OP, &call, Kind::AckedWrite).await?;
         if reply.is("claimed") {
             let header = reply.bytes(0).ok_or_else(|| unexpected(OP, "claimed without a header"))?;
+            // The scope after the header is the request's own.
             let h = Header::decode(req.id, header)?;
             let record = Record {
                 id: req.id,
@@ -950,7 +959,6 @@ mod tests {
         assert!(bad(&|b| b[0] = 3), "unknown version");
         assert!(bad(&|b| b[1] = 9), "unknown state");
         assert!(bad(&|b| b.truncate(40)), "short");
-        assert!(bad(&|b| b.push(0)), "long");
         assert!(bad(&|b| b[34] = 0x80), "timestamp past i64::MAX");
         assert!(bad(&|b| b.clear()), "empty");
     }

@@ -170,7 +170,8 @@ async fn scripts_do_exact_64_bit_arithmetic() {
 const IN_FLIGHT: u8 = 1;
 const FAILED: u8 = 3;
 
-/// A record header as the scripts lay it out (format 2, see `common.lua`).
+/// Hash field `h` as the store lays it out (format 2, see `common.lua`): the header, then
+/// the scope.
 fn raw_header(r: &ClaimRequest, state: u8, token: u64, now: i64) -> Vec<u8> {
     let mut h = vec![2, state];
     h.extend_from_slice(&token.to_be_bytes());
@@ -178,10 +179,11 @@ fn raw_header(r: &ClaimRequest, state: u8, token: u64, now: i64) -> Vec<u8> {
         h.extend_from_slice(&t.to_be_bytes());
     }
     h.extend_from_slice(&r.fingerprint.0);
+    h.extend_from_slice(&raw_scope(r));
     h
 }
 
-/// The scope field as the store encodes it: format byte 1, then postcard.
+/// The scope as the store encodes it: format byte 1, then postcard.
 fn raw_scope(r: &ClaimRequest) -> Vec<u8> {
     let parts = (r.scope.principal.0.as_str(), r.scope.endpoint.0.as_str(), r.key.as_str());
     postcard::to_extend(&parts, vec![1]).expect("encode")
@@ -200,8 +202,6 @@ async fn write_raw(
         .arg(key)
         .arg("h")
         .arg(raw_header(r, state, token, now))
-        .arg("s")
-        .arg(raw_scope(r))
         .query_async(admin)
         .await
         .expect("HSET");
@@ -267,8 +267,8 @@ async fn prefixes_isolate_stores() {
     assert_eq!(b.get(rb.id).await.expect("get").map(|r| r.fingerprint), Some(rb.fingerprint));
 }
 
-/// Rewrites one field of a raw record: (field, new value).
-type Corruption<'a> = dyn Fn(&ClaimRequest) -> (&'static str, Vec<u8>) + 'a;
+/// Damages field `h` of a raw record.
+type Corruption<'a> = dyn Fn(&mut Vec<u8>) + 'a;
 
 /// A record that does not decode is `Corrupt`, and a claim never overwrites it.
 #[tokio::test]
@@ -278,37 +278,26 @@ async fn corrupt_records_are_reported_not_overwritten() {
     let now = clock.now_ms();
     let other = req("p", "another-key", b"b");
     let cases: [(&str, &Corruption<'_>); 6] = [
-        ("state", &|r| {
-            ("h", {
-                let mut h = raw_header(r, IN_FLIGHT, 3, now);
-                h[1] = 9;
-                h
-            })
+        ("state", &|h| h[1] = 9),
+        ("version", &|h| h[0] = 3),
+        ("short-header", &|h| h.truncate(40)),
+        ("timestamp", &|h| h[26] = 0xff),
+        ("key", &|h| {
+            h.truncate(74);
+            h.extend_from_slice(&raw_scope(&other));
         }),
-        ("version", &|r| {
-            ("h", {
-                let mut h = raw_header(r, IN_FLIGHT, 3, now);
-                h[0] = 3;
-                h
-            })
+        ("scope", &|h| {
+            h.truncate(74);
+            h.extend_from_slice(b"\x01\xff");
         }),
-        ("short-header", &|r| ("h", raw_header(r, IN_FLIGHT, 3, now)[..40].to_vec())),
-        ("timestamp", &|r| {
-            ("h", {
-                let mut h = raw_header(r, IN_FLIGHT, 3, now);
-                h[26] = 0xff;
-                h
-            })
-        }),
-        ("key", &|_| ("s", raw_scope(&other))),
-        ("scope", &|_| ("s", b"\x01\xff".to_vec())),
     ];
     for (name, corrupt) in cases {
         let r = req("p", name, b"b");
         let key = store.record_key(r.id);
-        write_raw(&mut admin, &key, &r, IN_FLIGHT, 3, now).await;
-        let (field, value) = corrupt(&r);
-        let _: () = admin.hset(&key, field, value).await.expect("HSET");
+        let mut h = raw_header(&r, IN_FLIGHT, 3, now);
+        corrupt(&mut h);
+        let _: () = admin.hset(&key, "h", h).await.expect("HSET");
+        let _: () = admin.pexpire(&key, 600_000).await.expect("PEXPIRE");
         let before: Vec<(Vec<u8>, Vec<u8>)> = admin.hgetall(&key).await.expect("HGETALL");
         let got = store.get(r.id).await;
         assert!(matches!(got, Err(StoreError::Corrupt { id: Some(id), .. }) if id == r.id), "{name}: {got:?}");

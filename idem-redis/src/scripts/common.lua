@@ -2,14 +2,15 @@
 -- each script body).
 --
 -- Record layout (format 2): one hash per record at KEYS[1] = <prefix>{<record id hex>}:
---   'h'        the header, HEADER_LEN bytes, the only field a script decides on:
+--   'h'        the header, HEADER_LEN bytes, then the scope. Scripts decide on the header:
 --                byte 1      format version (FORMAT)
 --                byte 2      state: 1 in flight, 2 completed, 3 failed
 --                bytes 3-10  fencing token, u64 big-endian
 --                bytes 11-18 created_at, 19-26 started_at, 27-34 lease_expires_at,
 --                            35-42 expires_at: ms since the Unix epoch, u64 big-endian
 --                bytes 43-74 fingerprint
---   's'        scope and idempotency key, encoded by the Rust side; scripts never parse it
+--              and carry the scope (principal, endpoint, idempotency key, encoded by the
+--              Rust side) along without parsing it. One field, so most scripts make one read.
 --   'r'        the encoded response (completed records only)
 --   'j:<name>' journal entries
 --
@@ -42,7 +43,7 @@ end
 
 -- Whether h is a header this version of the scripts can read.
 local function valid(h)
-  return #h == HEADER_LEN and string.byte(h, 1) == FORMAT
+  return #h >= HEADER_LEN and string.byte(h, 1) == FORMAT
 end
 
 -- The u64 at byte pos of h, as a double (exact below 2^53; see above).

@@ -3,13 +3,12 @@
 -- KEYS[1] record key
 -- ARGV[1] clock override in ms, '' for server TIME
 -- ARGV[2] token (big-endian u64), ARGV[3] encoded response
--- Returns {'ok', now, header, scope} | {'lost', now, current token or nil} | {'corrupt', now}
+-- Returns {'ok', now, h as it was (in flight)} | {'lost', now, current token or nil}
+--       | {'corrupt', now}
 local key = KEYS[1]
 local now = now_ms(ARGV[1])
-local cur = redis.call('HMGET', key, 'h', 's')
-local h = cur[1]
+local h = redis.call('HGET', key, 'h')
 if not h then
-  if cur[2] then return {'corrupt', now} end
   return {'lost', now}
 end
 if not valid(h) then
@@ -23,7 +22,6 @@ if string.byte(h, 2) ~= 1 or token ~= ARGV[2] then
   return {'lost', now, token}
 end
 -- All timestamps stay: the key keeps its native expiry.
-h = string.sub(h, 1, 1) .. '\2' .. string.sub(h, 3)
-redis.call('HSET', key, 'h', h, 'r', ARGV[3])
--- The caller has the response it just sent; do not ship it back.
-return {'ok', now, h, cur[2]}
+redis.call('HSET', key, 'h', string.sub(h, 1, 1) .. '\2' .. string.sub(h, 3), 'r', ARGV[3])
+-- The caller has the response it just sent and knows the state is now completed.
+return {'ok', now, h}

@@ -3,13 +3,11 @@
 -- KEYS[1] record key
 -- ARGV[1] clock override in ms, '' for server TIME
 -- ARGV[2] token (big-endian u64)
--- Returns {'ok', now, header, scope} | {'lost', now, current token or nil} | {'corrupt', now}
+-- Returns {'ok', now, h} | {'lost', now, current token or nil} | {'corrupt', now}
 local key = KEYS[1]
 local now = now_ms(ARGV[1])
-local cur = redis.call('HMGET', key, 'h', 's')
-local h = cur[1]
+local h = redis.call('HGET', key, 'h')
 if not h then
-  if cur[2] then return {'corrupt', now} end
   return {'lost', now}
 end
 if not valid(h) then
@@ -30,4 +28,4 @@ if now < num_at(h, AT_LEASE) then
 end
 h = string.sub(h, 1, 1) .. '\3' .. string.sub(h, 3, AT_LEASE - 1) .. lease .. string.sub(h, AT_EXPIRES)
 redis.call('HSET', key, 'h', h)
-return {'ok', now, h, cur[2]}
+return {'ok', now, h}

@@ -2,16 +2,16 @@
 -- the key (idem_core::Store::get). Read-only.
 -- KEYS[1] record key
 -- ARGV[1] clock override in ms, '' for server TIME
--- Returns {'found', now, header or nil, scope, response or nil} | {'absent', now}
+-- Returns {'found', now, h or nil, response or nil} | {'absent', now}
 -- (an unreadable header comes back as found, for the caller to report as corrupt)
 local key = KEYS[1]
 local now = now_ms(ARGV[1])
-local cur = redis.call('HMGET', key, 'h', 's', 'r')
+local cur = redis.call('HMGET', key, 'h', 'r')
 local h = cur[1]
-if not (h or cur[2] or cur[3]) then
+if not (h or cur[2]) then
   return {'absent', now}
 end
 if h and valid(h) and now >= num_at(h, AT_EXPIRES) then
   return {'absent', now}
 end
-return {'found', now, h, cur[2], cur[3]}
+return {'found', now, h, cur[2]}
