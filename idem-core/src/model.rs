@@ -16,8 +16,9 @@ use crate::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, Reclai
 pub struct Model {
     // A hash map: point lookups on every operation stay flat at hundreds of thousands of
     // records (the memory store behind the HTTP layer); the sweep, the one ordered walk,
-    // restores id order itself.
-    records: HashMap<RecordId, Record>,
+    // restores id order itself. Boxed, so that growing the table moves 40-byte entries,
+    // not whole records.
+    records: HashMap<RecordId, Box<Record>>,
     journal: BTreeMap<(RecordId, String), Vec<u8>>,
 }
 
@@ -33,7 +34,7 @@ impl Model {
         // One hash lookup for the read and the write.
         let entry = self.records.entry(req.id);
         let current = match &entry {
-            Entry::Occupied(o) => Some(o.get()),
+            Entry::Occupied(o) => Some(&**o.get()),
             Entry::Vacant(_) => None,
         };
         let (write, outcome) = transition::claim(current, req, now);
@@ -41,11 +42,9 @@ impl Model {
             // A claim that replaces an expired record starts with an empty journal.
             drop_journal(&mut self.journal, r.id);
             match entry {
-                Entry::Occupied(mut o) => {
-                    o.insert(r);
-                }
+                Entry::Occupied(mut o) => **o.get_mut() = r,
                 Entry::Vacant(v) => {
-                    v.insert(r);
+                    v.insert(Box::new(r));
                 }
             }
         }
@@ -69,7 +68,7 @@ impl Model {
         overwrite: bool,
         now: UnixMillis,
     ) -> Result<JournalWrite, StoreError> {
-        transition::check_journal_owner(self.records.get(&id), id, token, now)
+        transition::check_journal_owner(self.records.get(&id).map(|r| &**r), id, token, now)
             .map_err(|l| StoreError::lease_lost(id, l))?;
         let k = (id, name.to_string());
         if !overwrite && let Some(v) = self.journal.get(&k) {
@@ -88,9 +87,16 @@ impl Model {
 
     /// See [`crate::Store::reclaim`].
     pub fn reclaim(&mut self, req: &ReclaimRequest, now: UnixMillis) -> ReclaimOutcome {
-        let (write, outcome) = transition::reclaim(self.records.get(&req.id), req, now);
+        let slot = self.records.get_mut(&req.id);
+        let (write, outcome) = transition::reclaim(slot.as_deref().map(|r| &**r), req, now);
         if let Some(r) = write {
-            self.records.insert(r.id, r);
+            // A write only follows a present record, so `slot` is always `Some` here.
+            match slot {
+                Some(slot) => **slot = r,
+                None => {
+                    self.records.insert(r.id, Box::new(r));
+                }
+            }
         }
         outcome
     }
@@ -107,13 +113,13 @@ impl Model {
         now: UnixMillis,
     ) -> Result<Record, StoreError> {
         let slot = self.records.get_mut(&id);
-        let r = transition::complete(slot.as_deref(), id, token, response, now)
+        let r = transition::complete(slot.as_deref().map(|r| &**r), id, token, response, now)
             .map_err(|l| StoreError::lease_lost(id, l))?;
         // The transition only succeeds on a present record, so `slot` is always `Some` here.
         match slot {
-            Some(slot) => slot.clone_from(&r),
+            Some(slot) => Record::clone_from(slot, &r),
             None => {
-                self.records.insert(id, r.clone());
+                self.records.insert(id, Box::new(r.clone()));
             }
         }
         Ok(r)
@@ -125,12 +131,13 @@ impl Model {
     /// [`StoreError::LeaseLost`] when `token` is not the current claim.
     pub fn fail(&mut self, id: RecordId, token: FencingToken, now: UnixMillis) -> Result<Record, StoreError> {
         let slot = self.records.get_mut(&id);
-        let r = transition::fail(slot.as_deref(), id, token, now).map_err(|l| StoreError::lease_lost(id, l))?;
+        let r = transition::fail(slot.as_deref().map(|r| &**r), id, token, now)
+            .map_err(|l| StoreError::lease_lost(id, l))?;
         // The transition only succeeds on a present record, so `slot` is always `Some` here.
         match slot {
-            Some(slot) => slot.clone_from(&r),
+            Some(slot) => Record::clone_from(slot, &r),
             None => {
-                self.records.insert(id, r.clone());
+                self.records.insert(id, Box::new(r.clone()));
             }
         }
         Ok(r)
@@ -139,7 +146,7 @@ impl Model {
     /// See [`crate::Store::get`].
     #[must_use]
     pub fn get(&self, id: RecordId, now: UnixMillis) -> Option<Record> {
-        self.records.get(&id).filter(|r| !r.is_expired(now)).cloned()
+        self.records.get(&id).filter(|r| !r.is_expired(now)).map(|r| Record::clone(r))
     }
 
     /// See [`crate::Store::sweep`].

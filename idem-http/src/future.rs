@@ -6,6 +6,7 @@
 //! as a dozen states for no gain at this layer's cost (one allocation per request next to
 //! at least one store round trip).
 
+use std::cell::Cell;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -19,84 +20,111 @@ use tracing::Instrument;
 
 use crate::body::ResponseBody;
 
+/// Where the rest of a request's work goes if its response future is dropped first: the
+/// runtime current when the request was claimed, and the span its task runs in.
+type DetachTo = (tokio::runtime::Handle, tracing::Span);
+
+/// The layer's whole work for one request, boxed.
+type Work<B, E> = BoxFuture<'static, Result<Response<ResponseBody<B>>, E>>;
+
+thread_local! {
+    /// How the layer's work, deep inside a poll of its [`ResponseFuture`], tells that
+    /// future "from here on I must outlive you" without a shared allocation per request:
+    /// [`detach_on_drop`] puts the runtime here, and the innermost `ResponseFuture` being
+    /// polled on this thread takes it when the poll returns. Each poll saves and restores
+    /// the value it found, so nested layers each see only their own mark.
+    static DETACH_TO: Cell<Option<DetachTo>> = const { Cell::new(None) };
+}
+
+/// Called by the work inside a [`ResponseFuture`]'s poll, on the current tokio runtime:
+/// from now on, dropping that response future moves the rest of its work to a task of its
+/// own on `runtime` instead of cancelling it ([`crate::HandlerExecution::Detached`]).
+pub(crate) fn detach_on_drop(runtime: tokio::runtime::Handle) {
+    DETACH_TO.set(Some((runtime, tracing::Span::current())));
+}
+
+/// Puts back the mark an enclosing poll left in [`DETACH_TO`], also when the inner poll
+/// unwinds.
+struct RestoreOuter(Option<DetachTo>);
+
+impl Drop for RestoreOuter {
+    fn drop(&mut self) {
+        DETACH_TO.set(self.0.take());
+    }
+}
+
 /// Future returned by [`crate::Idempotency`]'s `call`.
+///
+/// Under [`crate::HandlerExecution::Detached`] it polls the claimed work in place while the
+/// client waits; dropped before that work finished (the client went away), it hands the
+/// rest to the tokio runtime as a task of its own, which runs it to its end and stores its
+/// outcome. The common case, a client that waits, costs no task, no join handle and no
+/// cross-task wake-up.
 pub struct ResponseFuture<B, E> {
-    inner: BoxFuture<'static, Result<Response<ResponseBody<B>>, E>>,
+    /// `None` once finished, and while it is being polled: a future that panics is never
+    /// handed to the runtime from the unwinding drop.
+    inner: Option<Work<B, E>>,
+    /// Set once the work must outlive this future.
+    detach_to: Option<DetachTo>,
+    /// Spawns the rest of `inner`; a function pointer made where the output type is known
+    /// to be `'static`, so the struct itself needs no bounds.
+    spawn: fn(Work<B, E>, DetachTo),
 }
 
 impl<B, E> ResponseFuture<B, E> {
-    pub(crate) fn new(inner: BoxFuture<'static, Result<Response<ResponseBody<B>>, E>>) -> Self {
-        Self { inner }
+    pub(crate) fn new(inner: Work<B, E>) -> Self
+    where
+        B: 'static,
+        E: 'static,
+    {
+        Self { inner: Some(inner), detach_to: None, spawn: spawn_rest::<Result<Response<ResponseBody<B>>, E>> }
     }
+}
+
+/// Runs `work` to its end on a task of its own; its output is dropped (the work stored it,
+/// and the client's retry replays it). A panic in the task is the handler's own, after the
+/// work marked the record failed. If the runtime is shutting down the task never runs, and
+/// the work's drop guard spawns the `fail` if it still can, else the lease frees the record.
+fn spawn_rest<T: 'static>(work: BoxFuture<'static, T>, (runtime, span): DetachTo) {
+    drop(runtime.spawn(async move { drop(work.await) }.instrument(span)));
 }
 
 impl<B, E> Future for ResponseFuture<B, E> {
     type Output = Result<Response<ResponseBody<B>>, E>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
-    }
-}
-
-impl<B, E> fmt::Debug for ResponseFuture<B, E> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
-    }
-}
-
-/// The claimed work under [`crate::HandlerExecution::Detached`]: polled in place, inside
-/// the response future, for as long as that future lives; handed to the tokio runtime as a
-/// task of its own only if the response future is dropped first (the client went away).
-///
-/// Either way the work runs to its end and stores its outcome, so a disconnect never
-/// cancels a handler; but the common case, a client that waits for its response, costs
-/// no task, no join handle and no cross-task wake-up.
-pub(crate) struct Detach<T: Send + 'static> {
-    /// `None` once finished, and while it is being polled: a work future that panics is
-    /// not handed to the runtime from the unwinding drop.
-    work: Option<BoxFuture<'static, T>>,
-    runtime: tokio::runtime::Handle,
-    /// The span the work would have been spawned in, carried over if it is.
-    span: tracing::Span,
-}
-
-impl<T: Send + 'static> Detach<T> {
-    pub(crate) fn new(work: BoxFuture<'static, T>, runtime: tokio::runtime::Handle) -> Self {
-        Self { work: Some(work), runtime, span: tracing::Span::current() }
-    }
-}
-
-impl<T: Send + 'static> Future for Detach<T> {
-    type Output = T;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
-        // `Detach` is `Unpin` (the work is boxed), so the fields can be moved freely.
-        let Some(mut work) = self.work.take() else {
-            panic!("Detach polled after it finished");
+        // `ResponseFuture` is `Unpin` (the work is boxed), so its fields move freely.
+        let Some(mut inner) = self.inner.take() else {
+            panic!("ResponseFuture polled after it finished");
         };
-        let poll = work.as_mut().poll(cx);
+        let outer = RestoreOuter(DETACH_TO.take());
+        let poll = inner.as_mut().poll(cx);
+        let mark = DETACH_TO.take();
+        drop(outer);
+        if mark.is_some() {
+            self.detach_to = mark;
+        }
         if poll.is_pending() {
-            self.work = Some(work);
+            self.inner = Some(inner);
         }
         poll
     }
 }
 
-impl<T: Send + 'static> Drop for Detach<T> {
+impl<B, E> Drop for ResponseFuture<B, E> {
     fn drop(&mut self) {
-        let Some(work) = self.work.take() else { return };
-        // The output is dropped: the work stores it, and the client's retry replays it. A
-        // panic in the task is the handler's own, after it marked the record failed. If the
-        // runtime is shutting down the task never runs, and the work's drop guard spawns
-        // the `fail` if it still can, else the lease frees the record.
-        let span = std::mem::replace(&mut self.span, tracing::Span::none());
-        drop(self.runtime.spawn(async move { drop(work.await) }.instrument(span)));
+        if let (Some(inner), Some(to)) = (self.inner.take(), self.detach_to.take()) {
+            (self.spawn)(inner, to);
+        }
     }
 }
 
-impl<T: Send + 'static> fmt::Debug for Detach<T> {
+impl<B, E> fmt::Debug for ResponseFuture<B, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Detach").field("finished", &self.work.is_none()).finish_non_exhaustive()
+        f.debug_struct("ResponseFuture")
+            .field("finished", &self.inner.is_none())
+            .field("detached_on_drop", &self.detach_to.is_some())
+            .finish_non_exhaustive()
     }
 }
 
@@ -158,5 +186,87 @@ fn log_fail(result: Result<idem_core::Record, idem_core::StoreError>, id: Record
             record = %id, token = %token, why, error = %e,
             "could not mark idempotency record failed; it stays in flight until its lease ends"
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use bytes::Bytes;
+    use futures::FutureExt;
+    use http_body_util::Empty;
+
+    use super::*;
+
+    type Rf = ResponseFuture<Empty<Bytes>, ()>;
+
+    fn done() -> Result<Response<ResponseBody<Empty<Bytes>>>, ()> {
+        Err(())
+    }
+
+    /// A detached request's work was cancelled with its response future instead of moving to a task of its own.
+    #[tokio::test]
+    async fn marked_work_runs_to_its_end_after_the_response_future_is_dropped() {
+        let (finished, gate) = (Arc::new(AtomicBool::new(false)), Arc::new(tokio::sync::Notify::new()));
+        let (f, g) = (Arc::clone(&finished), Arc::clone(&gate));
+        let mut rf = Rf::new(Box::pin(async move {
+            detach_on_drop(tokio::runtime::Handle::current());
+            g.notified().await;
+            f.store(true, Ordering::SeqCst);
+            done()
+        }));
+        assert!((&mut rf).now_or_never().is_none());
+        assert!(format!("{rf:?}").contains("detached_on_drop: true"));
+        drop(rf);
+        gate.notify_one();
+        for _ in 0..100 {
+            if finished.load(Ordering::SeqCst) {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("the work did not finish on its own task");
+    }
+
+    /// A layer nested inside another's handler took its inner layer's detach mark (or lost its own).
+    #[tokio::test]
+    async fn a_mark_stays_with_the_innermost_response_future() {
+        let inner = Rf::new(Box::pin(async {
+            detach_on_drop(tokio::runtime::Handle::current());
+            futures::future::pending().await
+        }));
+        // A future of its own around the inner one, as the outer layer's work would be.
+        let mut outer = Rf::new(Box::pin(inner.map(|out| out)));
+        assert!((&mut outer).now_or_never().is_none());
+        assert!(format!("{outer:?}").contains("detached_on_drop: false"), "{outer:?}");
+
+        let inner = Rf::new(Box::pin(futures::future::pending()));
+        let mut outer = Rf::new(Box::pin(async move {
+            detach_on_drop(tokio::runtime::Handle::current());
+            inner.await
+        }));
+        assert!((&mut outer).now_or_never().is_none());
+        assert!(format!("{outer:?}").contains("detached_on_drop: true"), "{outer:?}");
+        assert!(DETACH_TO.take().is_none(), "no mark leaks out of a poll");
+    }
+
+    /// Unmarked work (inline execution, or before the claim) is cancelled with its response future.
+    #[tokio::test]
+    async fn unmarked_work_is_cancelled_with_its_response_future() {
+        let finished = Arc::new(AtomicBool::new(false));
+        let f = Arc::clone(&finished);
+        let mut rf = Rf::new(Box::pin(async move {
+            tokio::task::yield_now().await;
+            f.store(true, Ordering::SeqCst);
+            done()
+        }));
+        assert!((&mut rf).now_or_never().is_none());
+        drop(rf);
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!finished.load(Ordering::SeqCst));
     }
 }

@@ -53,8 +53,11 @@ pub enum MissingPrincipal {
 #[non_exhaustive]
 pub enum HandlerExecution {
     /// The handler call, the reading of its whole response body and the `complete` or
-    /// `fail` write run in a task of their own (`tokio::spawn` on the current runtime); the
-    /// response future only awaits that task (default).
+    /// `fail` write are work that outlives the response future (default). While the client
+    /// waits, the response future polls that work in place (no task per request); if the
+    /// response future is dropped before the work finished, the work moves to a task of its
+    /// own (`tokio::spawn` on the runtime current when the request was claimed) and runs
+    /// to its end there.
     ///
     /// A client that disconnects takes nothing with it: the work finishes, its outcome is
     /// stored, and the client's retry gets 409 `in-flight` while it runs, then the replay.
@@ -62,14 +65,14 @@ pub enum HandlerExecution {
     /// handlers allocate things (a node, a lease, a VM) in steps that a cancellation can cut
     /// in half.
     ///
-    /// A handler panic still marks the record failed (inside the task) and is then
-    /// re-raised from the response future, if that is still alive. If the task is
-    /// cancelled (the runtime shuts down), the record is marked failed when the runtime can
-    /// still run the write, or frees itself when its lease ends; a response future still
-    /// waiting gets 503 [`crate::ProblemKind::HandlerCancelled`].
+    /// A handler panic still marks the record failed (inside the work) and is then
+    /// re-raised from the response future, if that is still alive. If the runtime shuts
+    /// down before a moved task finished, the record is marked failed when the runtime can
+    /// still run the write, or frees itself when its lease ends.
     ///
-    /// The task does not inherit task-locals (`tokio::task_local!`); the current tracing
-    /// span is carried over. Outside a tokio runtime the handler runs inline.
+    /// Do not rely on task-locals (`tokio::task_local!`) in the handler: they are visible
+    /// while the work is polled in place and gone once it moved to its own task. The current
+    /// tracing span is carried over. Outside a tokio runtime the handler runs inline.
     #[default]
     Detached,
     /// The handler runs inside the response future, as a plain tower middleware would run

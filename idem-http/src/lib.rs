@@ -124,13 +124,14 @@
 //! whether the handler is among those things.
 //!
 //! [`HandlerExecution::Detached`] (default): after a successful claim or reclaim, the
-//! handler call, the reading of its response body and the `complete`/`fail` write run in a
-//! `tokio::spawn`ed task, and the response future awaits it. A disconnect does not reach
-//! the handler: the work finishes, its response is stored, and the client's retry gets 409
-//! `in-flight` while the task runs, then the replay. The handler runs once. A panic marks
-//! the record failed inside the task and is re-raised from the response future if it is
-//! still alive; a task cancelled by runtime shutdown marks the record failed through its
-//! drop guard, or the lease frees it.
+//! handler call, the reading of its response body and the `complete`/`fail` write are work
+//! that outlives the response future: polled in place while the client waits, moved to a
+//! `tokio::spawn`ed task only when the response future is dropped first. A disconnect does
+//! not reach the handler: the work finishes, its response is stored, and the client's
+//! retry gets 409 `in-flight` while it runs, then the replay. The handler runs once. A panic
+//! marks the record failed inside the work and is re-raised from the response future if it
+//! is still alive; a moved task cancelled by runtime shutdown marks the record failed
+//! through its drop guard, or the lease frees it.
 //!
 //! Detached is the default because infrastructure handlers do their work in steps whose
 //! effects outlive a cancelled future: a `spawn_blocking` transaction that allocates a node
@@ -144,8 +145,8 @@
 //! at its next await point, a drop guard marks the record failed (spawning the write on the
 //! tokio runtime), and a retry runs the handler again. Use it only for handlers that are
 //! safe to cancel and repeat (side effects transactional with the response, or keyed
-//! downstream by a sub-key from [`IdempotencyContext`]), or that need task-locals, which a
-//! spawned task does not inherit. Either way the wrapped service must be `Clone + Send +
+//! downstream by a sub-key from [`IdempotencyContext`]), or that need task-locals, which
+//! detached work loses when it moves to its own task. Either way the wrapped service must be `Clone + Send +
 //! 'static` with `Send` futures and bodies, as axum's are.
 //!
 //! # Resumable handlers

@@ -59,7 +59,10 @@ pub enum ProblemKind {
     ResponseBodyFailed,
     /// 503 + `Retry-After`: the task running the handler was cancelled before it finished
     /// (the runtime is shutting down); the record was marked failed or frees itself when
-    /// its lease ends, so a retry may run the handler again.
+    /// its lease ends, so a retry may run the handler again. The layer no longer sends it:
+    /// under [`crate::HandlerExecution::Detached`] the work runs inside the response future
+    /// until that future is dropped, so no response future waits on a task that can be
+    /// cancelled. Kept so that clients matching on it keep compiling.
     HandlerCancelled,
     /// 500: a resumable handler needs the step journal and the store has none
     /// ([`idem_core::Capabilities::journal`] false, [`idem_core::StoreError::Unsupported`]).

@@ -33,7 +33,7 @@ use tower::Service;
 
 use crate::body::ResponseBody;
 use crate::context::{IdempotencyContext, ResponseCaching};
-use crate::future::{Detach, FailGuard, ResponseFuture};
+use crate::future::{FailGuard, ResponseFuture, detach_on_drop};
 use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, expires_value};
 use crate::layer::{Config, HandlerExecution, KeyRequirement, MissingPrincipal};
 use crate::problem::{Problem, ProblemKind};
@@ -179,7 +179,7 @@ where
     match acquire(&cfg, &claim).await {
         Acquired::Run(record) => match cfg.handler_execution {
             HandlerExecution::Inline => run_claimed(&cfg, inner, parts, bytes, record).await,
-            HandlerExecution::Detached => run_detached(Arc::clone(&cfg), inner, parts, bytes, record).await,
+            HandlerExecution::Detached => run_detached(&cfg, inner, parts, bytes, record).await,
         },
         Acquired::Answer(res) => Ok(res),
         Acquired::StoreFailed(error) => match cfg.policy.on_store_failure {
@@ -415,30 +415,27 @@ fn append_stored_headers(out: &mut HeaderMap, stored: &[(String, Vec<u8>)], keep
 /// [`run_claimed`], detached from the response future: dropping the response future (a
 /// client disconnect) does not cancel the handler half-way. The work is polled in place
 /// while the response future lives and moves to a task of its own only when it is dropped
-/// (see [`Detach`]); it finishes and stores its outcome, and the client's retry finds it in
-/// flight, then replays it. A panic marks the record failed inside the work, then goes on
-/// from here, as it would have inline.
+/// (see [`ResponseFuture`]); it finishes and stores its outcome, and the client's retry
+/// finds it in flight, then replays it. A panic marks the record failed inside the work,
+/// then goes on from here, as it would have inline.
 async fn run_detached<S, ReqBody, ResBody>(
-    cfg: Arc<Config>,
+    cfg: &Config,
     inner: S,
     parts: Parts,
     bytes: Bytes,
     record: Record,
 ) -> Result<Res<ResBody>, S::Error>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send,
-    S::Error: Send + 'static,
-    ReqBody: From<Bytes> + Send + 'static,
-    ResBody: Body<Data = Bytes> + Send + 'static,
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ReqBody: From<Bytes>,
+    ResBody: Body<Data = Bytes>,
     ResBody::Error: Into<BoxError>,
 {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        // No runtime to hand the work to (an executor other than tokio): inline is all there is.
-        return run_claimed(&cfg, inner, parts, bytes, record).await;
-    };
-    let work = async move { run_claimed(&cfg, inner, parts, bytes, record).await };
-    Detach::new(Box::pin(work), runtime).await
+    // No runtime to hand the work to (an executor other than tokio): inline is all there is.
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        detach_on_drop(runtime);
+    }
+    run_claimed(cfg, inner, parts, bytes, record).await
 }
 
 /// Runs the handler under the claim in `record`, then completes or fails the record
