@@ -193,20 +193,20 @@ struct Scripts {
     journal_get: Script,
 }
 
-/// A script: its shebang line (Redis 7 script flags), `common.lua`, then the body.
+/// A script: its shebang line (Redis 7 script flags), `common.lua`, then the body (after
+/// `arith.lua` for the scripts that compute timestamps or tokens).
 ///
 /// The shebang makes Redis enforce what the layout promises: a script may only touch keys
 /// in the slot of its declared key (on a Cluster node), a write script is refused up front
 /// on a replica (`READONLY`) and when memory is full (`OOM`), and read-only scripts declare
 /// `no-writes`.
 macro_rules! script {
-    ($shebang:literal, $file:literal) => {
+    ($shebang:literal, $($file:literal),+) => {
         Script::new(concat!(
             $shebang,
             "\n",
             include_str!("scripts/common.lua"),
-            "\n",
-            include_str!(concat!("scripts/", $file))
+            $("\n", include_str!(concat!("scripts/", $file))),+
         ))
     };
 }
@@ -215,10 +215,10 @@ macro_rules! script {
 /// `EVALSHA`, and on `NOSCRIPT` (a restarted or failed-over server, a `SCRIPT FLUSH`) the
 /// store loads the source and sends the call again (`RedisStore::run`).
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    claim: script!("#!lua", "claim.lua"),
-    reclaim: script!("#!lua", "reclaim.lua"),
+    claim: script!("#!lua", "arith.lua", "claim.lua"),
+    reclaim: script!("#!lua", "arith.lua", "reclaim.lua"),
     complete: script!("#!lua", "complete.lua"),
-    fail: script!("#!lua", "fail.lua"),
+    fail: script!("#!lua", "arith.lua", "fail.lua"),
     get: script!("#!lua flags=no-writes", "get.lua"),
     journal_put: script!("#!lua", "journal_put.lua"),
     journal_get: script!("#!lua flags=no-writes", "journal_get.lua"),
