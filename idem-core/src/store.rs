@@ -221,7 +221,9 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// # Contract
     /// Applies iff the record is live, in flight, and carries `token`: the state becomes
     /// completed with `response`; all timestamps stay. Otherwise nothing changes and the
-    /// call returns [`StoreError::LeaseLost`].
+    /// call returns [`StoreError::LeaseLost`]. As with a reclaim's `Conflict`, the
+    /// `current` token a refusal reports may be read just after the refusal (here and in
+    /// `fail` and `journal_put`).
     async fn complete(&self, id: RecordId, token: FencingToken, response: StoredResponse)
     -> Result<Record, StoreError>;
 
@@ -262,7 +264,11 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// - Entries live and die with their record: a reclaim keeps them (that is how a retry
     ///   resumes), a sweep or native expiry removes them with the record, and a claim that
     ///   replaces an expired record starts with no entries.
-    /// - `name` is 1..=[`MAX_JOURNAL_NAME`] bytes; values round-trip byte-exact.
+    /// - The token check comes first: a stale owner gets `LeaseLost`, never the stored
+    ///   value (it may read with [`Store::journal_get`], which is not fenced).
+    /// - `name` is 1..=[`MAX_JOURNAL_NAME`] bytes (callers must not pass others; a store
+    ///   may refuse them with an error, and [`crate::Resumable`] checks first); any bytes
+    ///   are allowed in a name; values round-trip byte-exact.
     ///
     /// The default returns [`StoreError::Unsupported`]; stores that implement it set
     /// [`Capabilities::journal`].
