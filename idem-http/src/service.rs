@@ -176,7 +176,8 @@ where
         cfg.policy.lease_ttl,
         cfg.policy.effective_retention(),
     );
-    match acquire(&cfg, &claim).await {
+    let id = claim.id;
+    match acquire(&cfg, claim).await {
         Acquired::Run(record) => match cfg.handler_execution {
             HandlerExecution::Inline => run_claimed(&cfg, inner, parts, bytes, record).await,
             HandlerExecution::Detached => run_detached(&cfg, inner, parts, bytes, record).await,
@@ -185,21 +186,21 @@ where
         Acquired::StoreFailed(error) => match cfg.policy.on_store_failure {
             StoreFailureMode::FailOpen => {
                 tracing::warn!(
-                    record = %claim.id, endpoint = %claim.scope.endpoint.0, error = %error,
+                    record = %id, endpoint = %endpoint_of(&parts).0, error = %error,
                     "idempotency store failed; running the handler WITHOUT idempotency protection (fail-open)"
                 );
                 pass_through(inner, Request::from_parts(parts, ReqBody::from(bytes))).await
             }
             _ => {
                 tracing::error!(
-                    record = %claim.id, endpoint = %claim.scope.endpoint.0, error = %error,
+                    record = %id, endpoint = %endpoint_of(&parts).0, error = %error,
                     "idempotency store failed; answering 503 without running the handler (fail-closed)"
                 );
                 Ok(store_unavailable("the idempotency store is unavailable; the request was not processed"))
             }
         },
         Acquired::Unreadable(why) => {
-            tracing::error!(record = %claim.id, why, "stored idempotency record cannot be replayed");
+            tracing::error!(record = %id, why, "stored idempotency record cannot be replayed");
             Ok(store_unavailable("the stored response for this idempotency key cannot be read"))
         }
     }
@@ -300,21 +301,39 @@ enum Acquired<B> {
     Unreadable(String),
 }
 
-async fn acquire<B>(cfg: &Config, claim: &ClaimRequest) -> Acquired<B> {
+/// Claims `claim`'s record and decides what to do with what the store found.
+///
+/// The claim request goes to the store by value; the common cases (a first claim, a
+/// replay, a 409) need nothing of it afterwards. A request that must claim anew (its record
+/// expired or vanished between two reads) rebuilds it from a record it saw, which has the
+/// same scope and key: the record id is their hash.
+async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
     let store = &cfg.store;
-    let (mut current, mut now) = match store.claim(claim.clone()).await {
+    let ClaimRequest { id, fingerprint, lease_ttl, retention, .. } = claim;
+    let again = |scope: Scope, key: IdempotencyKey| ClaimRequest { id, scope, key, fingerprint, lease_ttl, retention };
+    let (mut current, mut now) = match store.claim(claim).await {
         Ok(ClaimOutcome::Claimed(record)) => return Acquired::Run(record),
         Ok(ClaimOutcome::Existing { record, now }) => (Some(record), now),
         Err(e) => return Acquired::StoreFailed(e),
     };
+    // Scope and key of the last record seen, for a claim after a reclaim found none.
+    let mut seen: Option<(Scope, IdempotencyKey)> = None;
     for _ in 0..MAX_ROUNDS {
-        let record = match (decide(current.as_ref(), &claim.fingerprint, now), current.as_ref()) {
+        let record = match (decide(current.as_ref(), &fingerprint, now), current.as_ref()) {
             // No live record (it expired or vanished since the claim read it): claim anew.
-            (Decision::Claim, _) | (_, None) => match store.claim(claim.clone()).await {
-                Ok(ClaimOutcome::Claimed(record)) => return Acquired::Run(record),
-                Ok(ClaimOutcome::Existing { record, now: n }) => (Some(record), n),
-                Err(e) => return Acquired::StoreFailed(e),
-            },
+            (Decision::Claim, _) | (_, None) => {
+                let Some((scope, key)) = current.take().map(|r| (r.scope, r.key)).or_else(|| seen.take()) else {
+                    // Unreachable: every round starts from a record or follows a reclaim,
+                    // which remembered one. Answered like a record that kept changing.
+                    break;
+                };
+                seen = Some((scope.clone(), key.clone()));
+                match store.claim(again(scope, key)).await {
+                    Ok(ClaimOutcome::Claimed(record)) => return Acquired::Run(record),
+                    Ok(ClaimOutcome::Existing { record, now: n }) => (Some(record), n),
+                    Err(e) => return Acquired::StoreFailed(e),
+                }
+            }
             (Decision::Replay, Some(record)) => {
                 return match replay(record) {
                     Ok(res) => Acquired::Answer(res),
@@ -339,14 +358,9 @@ async fn acquire<B>(cfg: &Config, claim: &ClaimRequest) -> Acquired<B> {
                 set_expires(res.headers_mut(), record.expires_at);
                 return Acquired::Answer(res);
             }
-            (Decision::Reclaim { expected }, Some(_)) => {
-                let req = ReclaimRequest {
-                    id: claim.id,
-                    expected,
-                    fingerprint: claim.fingerprint,
-                    lease_ttl: claim.lease_ttl,
-                    retention: claim.retention,
-                };
+            (Decision::Reclaim { expected }, Some(record)) => {
+                seen = Some((record.scope.clone(), record.key.clone()));
+                let req = ReclaimRequest { id, expected, fingerprint, lease_ttl, retention };
                 match store.reclaim(req).await {
                     Ok(ReclaimOutcome::Reclaimed(record)) => return Acquired::Run(record),
                     // Another retry won the compare-and-set, or the record moved on: look again.
@@ -454,14 +468,16 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let store = Arc::clone(&cfg.store);
-    let (id, token) = (record.id, record.token);
+    // The record's scope and key move into the handler's context: nothing after the
+    // handler reads them.
+    let Record { id, token, scope, key, lease_expires_at, expires_at: claimed_expires_at, .. } = record;
     let mut guard = FailGuard::new(Arc::clone(&store), id, token);
     parts.extensions.insert(IdempotencyContext {
         record_id: id,
         token,
-        scope: record.scope.clone(),
-        key: record.key.clone(),
-        lease_expires_at: record.lease_expires_at,
+        scope,
+        key,
+        lease_expires_at,
         store: Arc::clone(&store),
     });
     let req = Request::from_parts(parts, ReqBody::from(bytes));
@@ -498,7 +514,7 @@ where
         }
         Ok(Ok((head, Ok(body)))) => (head, body),
     };
-    let mut expires_at = record.expires_at;
+    let mut expires_at = claimed_expires_at;
     let status = head.status.as_u16();
     let cacheable = match head.extensions.remove::<ResponseCaching>() {
         _ if head.status.is_server_error() => false,
