@@ -14,13 +14,18 @@
 //!
 //! Reading the result: the two versions make the same number of round trips, so the gap is
 //! the server's work per call. `INFO commandstats` on a private server during a run shows
-//! it: a plain `SET` costs about 1.5 µs of server time, the claim and complete scripts
-//! about 8 and 6 µs in isolation (about 11 µs on average inside a run, where completed
-//! records also move from the compact to the hash-table encoding). Those scripts read the
-//! record, compare fencing token, state and lease, read `TIME`, write a 12-field hash and
-//! set its expiry, which `SET NX` does not do. With one caller the round trip dominates and
-//! the gap is partly hidden; with 32 callers sharing one connection (and, on a small
-//! machine, the CPU) the server's work per call decides the ratio.
+//! it (2-core machine shared with other builds, load average 5-8; medians of interleaved
+//! runs): a plain `SET` costs 1.3-1.6 µs of server time, a claim or complete script 7.6 µs
+//! on average (record format 2; format 1, with a 12-field hash, decimal-string arithmetic
+//! and whole-record replies, cost 11.5 µs in the same interleaved runs). The floor is the
+//! script machinery itself: an empty script costs 0.8 µs, and a script that does nothing
+//! but the commands the contract needs costs 4.3-4.6 µs for claim (`TIME`, `HSETNX`,
+//! `PEXPIREAT`) and 4.8-5.7 µs for complete (`TIME`, `HGET`, `HSET`), against 1.4 µs for
+//! `SET NX PX` and 2.0 µs for `SET PX`. So claim + complete costs at least about 3x the
+//! two `SET`s on the server. With one caller the round trip dominates and the gap is
+//! partly hidden (0.6-0.85x); with 32 callers sharing one connection the server's work
+//! per call decides the ratio (0.36-0.48x, from 0.26-0.30x with format 1), and 0.9x would
+//! need scripts cheaper than an empty script plus one write.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
