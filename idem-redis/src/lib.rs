@@ -135,7 +135,7 @@
 //! - [`store`]: [`RedisStore`], [`RedisConfig`], [`EvictionCheck`], [`ReplicaAck`].
 //! - [`error`]: [`Error`] and its retry classification.
 //! - `src/scripts/*.lua`: the scripts (`common.lua` is prepended to each, `arith.lua` to
-//!   those that compute timestamps or tokens): `claim`,
+//!   `reclaim` and `fail`): `claim`,
 //!   `reclaim`, `complete`, `fail`, `get`, `journal_put`, `journal_get`.
 
 pub mod error;

@@ -194,7 +194,7 @@ struct Scripts {
 }
 
 /// A script: its shebang line (Redis 7 script flags), `common.lua`, then the body (after
-/// `arith.lua` for the scripts that compute timestamps or tokens).
+/// `arith.lua` for reclaim and fail).
 ///
 /// The shebang makes Redis enforce what the layout promises: a script may only touch keys
 /// in the slot of its declared key (on a Cluster node), a write script is refused up front
@@ -215,7 +215,7 @@ macro_rules! script {
 /// `EVALSHA`, and on `NOSCRIPT` (a restarted or failed-over server, a `SCRIPT FLUSH`) the
 /// store loads the source and sends the call again (`RedisStore::run`).
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    claim: script!("#!lua", "arith.lua", "claim.lua"),
+    claim: script!("#!lua", "claim.lua"),
     reclaim: script!("#!lua", "arith.lua", "reclaim.lua"),
     complete: script!("#!lua", "complete.lua"),
     fail: script!("#!lua", "arith.lua", "fail.lua"),

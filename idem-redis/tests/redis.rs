@@ -754,3 +754,23 @@ async fn cluster_node_accepts_every_script() {
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A claim that replaces a record past its retention continues its fencing token exactly:
+/// the carry from the low 32 bits into the high ones, and saturation at `u64::MAX`.
+#[tokio::test]
+async fn claim_after_retention_continues_the_token_exactly() {
+    let (store, clock) = test_store().await;
+    let mut admin = common::admin().await;
+    let now = clock.now_ms();
+    let cases = [(u64::from(u32::MAX), 1u64 << 32), ((1 << 53) + 1, (1 << 53) + 2), (u64::MAX, u64::MAX)];
+    for (i, (old, _)) in cases.into_iter().enumerate() {
+        let r = req("p", &format!("expired-{i}"), b"b");
+        write_raw(&mut admin, &store.record_key(r.id), &r, FAILED, old, now).await;
+    }
+    clock.advance_ms(60_000);
+    for (i, (_, new)) in cases.into_iter().enumerate() {
+        let r = req("p", &format!("expired-{i}"), b"b");
+        let c = claim(&store, r).await;
+        assert_eq!(c.token, FencingToken(new), "case {i}");
+    }
+}

@@ -1,6 +1,6 @@
--- 64-bit arithmetic and native expiry, for the scripts that write timestamps or tokens
--- (claim, reclaim, fail). Kept out of common.lua because every helper defined here is a
--- closure the server builds again on each call.
+-- 64-bit arithmetic and native expiry, for reclaim and fail (claim writes out its own).
+-- Kept out of common.lua because every helper defined here is a closure the server builds
+-- again on each call.
 
 -- The two halves of n (an integer double below 2^53).
 local function split(n)

@@ -4,13 +4,33 @@
 -- ARGV[2] lease ms and retention ms (already >= lease), two big-endian u64
 -- ARGV[3] expiry grace ms, ARGV[4] fingerprint (32 bytes), ARGV[5] scope (opaque)
 -- Returns {'claimed', now, h} | {'existing', now, h, response or nil} | {'corrupt', now}
+--
+-- The most frequent script, so its fresh-key path is written out inline rather than
+-- through arith.lua's helpers: every helper is a closure the server builds on each call.
 local key = KEYS[1]
 local now = now_ms(ARGV[1])
-local nh, nl, leh, lel, eh, el = deadlines(now, ARGV[2])
+-- now + lease and now + retention, half by half, saturating at i64::MAX (see common.lua).
+local nh = math.floor(now / TWO32)
+local nl = now - nh * TWO32
+local lh, ll, rh, rl = struct.unpack('>I4I4I4I4', ARGV[2])
+local leh, lel = nh + lh, nl + ll
+if lel >= TWO32 then
+  leh, lel = leh + 1, lel - TWO32
+end
+if leh > I64_MAX_HI then
+  leh, lel = I64_MAX_HI, U32_MAX
+end
+local eh, el = nh + rh, nl + rl
+if el >= TWO32 then
+  eh, el = eh + 1, el - TWO32
+end
+if eh > I64_MAX_HI then
+  eh, el = I64_MAX_HI, U32_MAX
+end
 local h = struct.pack('>BBI4I4I4I4I4I4I4I4I4I4', FORMAT, 1, 0, 1, nh, nl, nh, nl, leh, lel, eh, el)
   .. ARGV[4] .. ARGV[5]
--- The common case, a fresh key: one write that fails if any record is there. (A hash
--- without 'h' is not a record; the claim adds its header to it.)
+-- A fresh key: one write that fails if any record is there. (A hash without 'h' is not a
+-- record; the claim adds its header to it.)
 if redis.call('HSETNX', key, 'h', h) == 0 then
   local cur = redis.call('HMGET', key, 'h', 'r')
   local old = cur[1]
@@ -24,10 +44,30 @@ if redis.call('HSETNX', key, 'h', h) == 0 then
   -- Past its retention: counts as absent, but the token keeps growing so a very late owner
   -- of the old record can never complete the new one.
   local th, tl = struct.unpack('>I4I4', old, AT_TOKEN)
-  th, tl = add(th, tl, 0, 1, U32_MAX)
+  if tl < U32_MAX then
+    tl = tl + 1
+  elseif th < U32_MAX then
+    th, tl = th + 1, 0
+  end
   h = string.sub(h, 1, 2) .. struct.pack('>I4I4', th, tl) .. string.sub(h, 11)
   redis.call('DEL', key)
   redis.call('HSET', key, 'h', h)
 end
-expire(key, now, ARGV[1], eh * TWO32 + el, tonumber(ARGV[3]))
+-- Native expiry at expires_at + grace (see expire in arith.lua).
+local grace = tonumber(ARGV[3])
+local at
+if ARGV[1] == '' then
+  at = eh * TWO32 + el + grace
+  if at < TWO53 then
+    redis.call('PEXPIREAT', key, string.format('%.0f', at))
+    return {'claimed', now, h}
+  end
+else
+  at = eh * TWO32 + el - now + grace
+  if at < TWO53 then
+    redis.call('PEXPIRE', key, string.format('%.0f', at))
+    return {'claimed', now, h}
+  end
+end
+redis.call('PERSIST', key)
 return {'claimed', now, h}
