@@ -7,8 +7,8 @@
 //! - retry connection errors, timeouts, 5xx and in-flight `409` answers (those carry
 //!   `Retry-After`, which is honoured) with exponential backoff and full jitter inside a
 //!   time budget ([`RetryPolicy`]);
-//! - stop on a fingerprint mismatch (a `409`/`422` without `Retry-After`) and on any other
-//!   4xx; done on 2xx.
+//! - stop on a fingerprint mismatch (a problem body of type `urn:idem:problem:mismatch`,
+//!   whatever status the server maps it to) and on any other 4xx; done on 2xx.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), idem_client::ClientError> {
@@ -33,4 +33,7 @@ pub mod journal;
 pub mod retry;
 
 pub use journal::{JournalError, KeyJournal};
-pub use retry::{AttemptStats, ClientError, IdempotentClient, OperationKey, Reply, RequestBuilder, RetryPolicy};
+pub use retry::{
+    AttemptStats, ClientError, IdempotentClient, MISMATCH_PROBLEM_TYPE, OperationKey, Reply, RequestBuilder,
+    RetryPolicy,
+};

@@ -295,7 +295,7 @@ impl RequestBuilder<'_> {
                     };
                     let retry_after = retry_after(&headers);
                     if status.is_success() || (status.is_client_error() && !is_retryable_4xx(status, retry_after)) {
-                        if is_mismatch(status, &headers, retry_after) {
+                        if is_mismatch(status, &headers, retry_after, &body) {
                             return Err(ClientError::Mismatch { status, body });
                         }
                         let replayed =
@@ -353,13 +353,27 @@ fn is_retryable_4xx(status: StatusCode, retry_after: Option<Duration>) -> bool {
     matches!(status.as_u16(), 408 | 425 | 429) || (status == StatusCode::CONFLICT && retry_after.is_some())
 }
 
-/// A mismatch is a 409/422 answered with a problem body and no `Retry-After`.
-fn is_mismatch(status: StatusCode, headers: &HeaderMap, retry_after: Option<Duration>) -> bool {
+/// The RFC 9457 problem `type` an idem server gives a fingerprint mismatch.
+pub const MISMATCH_PROBLEM_TYPE: &str = "urn:idem:problem:mismatch";
+
+/// A mismatch is a fresh (not replayed) 400/409/422 answer whose RFC 9457 problem body
+/// has `type` [`MISMATCH_PROBLEM_TYPE`]. Any other 4xx problem, such as a handler's own
+/// 422 for an invalid body, is an ordinary reply.
+fn is_mismatch(status: StatusCode, headers: &HeaderMap, retry_after: Option<Duration>, body: &[u8]) -> bool {
     let problem = headers
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("application/problem+json"));
-    problem && retry_after.is_none() && matches!(status.as_u16(), 409 | 422)
+    let replayed = headers.contains_key(IDEMPOTENT_REPLAYED);
+    if !problem || replayed || retry_after.is_some() || !matches!(status.as_u16(), 400 | 409 | 422) {
+        return false;
+    }
+    #[derive(serde::Deserialize)]
+    struct ProblemType {
+        #[serde(rename = "type")]
+        kind: Option<String>,
+    }
+    serde_json::from_slice::<ProblemType>(body).ok().and_then(|p| p.kind).is_some_and(|t| t == MISMATCH_PROBLEM_TYPE)
 }
 
 #[cfg(test)]
@@ -380,6 +394,22 @@ mod tests {
         assert!(!is_retryable_4xx(StatusCode::CONFLICT, None));
         assert!(!is_retryable_4xx(StatusCode::NOT_FOUND, None));
         assert!(is_retryable_4xx(StatusCode::TOO_MANY_REQUESTS, None));
+    }
+
+    #[test]
+    fn only_the_mismatch_problem_type_is_a_mismatch() {
+        // A handler's own 422 problem was reported as "key reused with a different request".
+        let mut h = HeaderMap::new();
+        h.insert(http::header::CONTENT_TYPE, "application/problem+json".parse().unwrap());
+        let mismatch = br#"{"type":"urn:idem:problem:mismatch","status":409}"#;
+        let invalid = br#"{"type":"about:blank","status":422,"detail":"invalid worker spec"}"#;
+        assert!(is_mismatch(StatusCode::CONFLICT, &h, None, mismatch));
+        assert!(is_mismatch(StatusCode::UNPROCESSABLE_ENTITY, &h, None, mismatch));
+        assert!(is_mismatch(StatusCode::BAD_REQUEST, &h, None, mismatch));
+        assert!(!is_mismatch(StatusCode::UNPROCESSABLE_ENTITY, &h, None, invalid));
+        assert!(!is_mismatch(StatusCode::CONFLICT, &h, Some(Duration::from_secs(1)), mismatch));
+        h.insert(IDEMPOTENT_REPLAYED, "true".parse().unwrap());
+        assert!(!is_mismatch(StatusCode::CONFLICT, &h, None, mismatch));
     }
 
     #[test]

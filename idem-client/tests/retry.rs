@@ -71,7 +71,8 @@ async fn busy_409_is_retried_after_retry_after_and_mismatch_stops() {
         .route(
             "/mismatch",
             post(|| async {
-                (StatusCode::CONFLICT, [("content-type", "application/problem+json")], "{}").into_response()
+                let body = r#"{"type":"urn:idem:problem:mismatch","status":409}"#;
+                (StatusCode::CONFLICT, [("content-type", "application/problem+json")], body).into_response()
             }),
         );
     let base = serve(app).await;

@@ -187,10 +187,20 @@ impl Policy {
         }
     }
 
-    /// Whether a response header `name` (lower-case) is stored.
+    /// Whether a response header `name` is stored. Names compare case-insensitively
+    /// (RFC 9110 §5.1), so a deny-list entry `X-Request-Id` also denies `x-request-id`.
     #[must_use]
     pub fn stores_header(&self, name: &str) -> bool {
-        !HOP_BY_HOP.contains(&name) && !self.header_deny_list.iter().any(|d| d == name)
+        !HOP_BY_HOP.iter().any(|h| h.eq_ignore_ascii_case(name))
+            && !self.header_deny_list.iter().any(|d| d.eq_ignore_ascii_case(name))
+    }
+
+    /// Sets the response headers never stored besides hop-by-hop ones (default
+    /// `set-cookie`, `date`; per-exchange ids such as `x-request-id` belong here too).
+    #[must_use]
+    pub fn with_header_deny_list<I: IntoIterator<Item = S>, S: Into<String>>(mut self, names: I) -> Self {
+        self.header_deny_list = names.into_iter().map(|s| s.into().to_ascii_lowercase()).collect();
+        self
     }
 }
 
@@ -223,5 +233,12 @@ mod tests {
         assert!(!p.stores_header("transfer-encoding"));
         assert!(p.stores_header("location"));
         assert!(p.stores_header("etag"));
+        // A deny-list entry in another case still denies (a case-sensitive compare denied
+        // nothing).
+        let mut q = Policy::default();
+        q.header_deny_list.push("X-Request-Id".into());
+        assert!(!q.stores_header("x-request-id"));
+        assert!(!q.stores_header("Set-Cookie"));
+        assert!(!Policy::default().with_header_deny_list(["X-Trace"]).stores_header("x-trace"));
     }
 }
