@@ -19,9 +19,17 @@
 //!   `pending` asks the caller's `reconcile` (did a VM with this tag appear?) before
 //!   anything is issued again.
 //!
-//! What stays unsafe: a downstream call that neither accepts a caller id nor can be
-//! observed afterwards. No library can tell whether it happened; make such calls the last
-//! thing a handler does, or put them behind a queue that can.
+//! What stays unsafe:
+//! - A downstream call that neither accepts a caller id nor can be observed afterwards.
+//!   No library can tell whether it happened; make such calls the last thing a handler
+//!   does, or put them behind a queue that can.
+//! - A lease shorter than the handler. A retry takes over once the lease has passed,
+//!   whether or not the first attempt is still running; if that attempt is still inside
+//!   an intent's `issue` call, `reconcile` cannot see the call yet and the retry issues
+//!   it again. The first attempt's later journal writes are fenced off, but its call has
+//!   happened. Keep [`crate::Policy::lease_ttl`] above the worst-case run time of every
+//!   handler that uses intents (steps with sub-keys are safe either way: the downstream
+//!   system deduplicates).
 
 use std::future::Future;
 use std::sync::Arc;

@@ -49,8 +49,11 @@ struct ServeArgs {
     /// Infra state file when the store is not redb.
     #[arg(long, default_value = "leasebroker-state.redb")]
     state: PathBuf,
-    /// In-flight lease, ms.
-    #[arg(long, default_value_t = 5_000)]
+    /// In-flight lease, ms (at least 100). A retry takes over a claim once its lease has
+    /// passed, so the lease must exceed the create handler's worst-case run time: a lease
+    /// shorter than a hypervisor boot lets a retry reconcile before the first boot is
+    /// visible and boot a second VM.
+    #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(100..))]
     lease_ms: u64,
     /// Retention window, ms.
     #[arg(long, default_value_t = 86_400_000)]
