@@ -13,19 +13,27 @@
 //! and a 10 s expiry, so the run cleans up after itself without deleting anything.
 //!
 //! Reading the result: the two versions make the same number of round trips, so the gap is
-//! the server's work per call. `INFO commandstats` on a private server during a run shows
-//! it (2-core machine shared with other builds, load average 5-8; medians of interleaved
-//! runs): a plain `SET` costs 1.3-1.6 µs of server time, a claim or complete script 7.6 µs
-//! on average (record format 2; format 1, with a 12-field hash, decimal-string arithmetic
-//! and whole-record replies, cost 11.5 µs in the same interleaved runs). The floor is the
-//! script machinery itself: an empty script costs 0.8 µs, and a script that does nothing
-//! but the commands the contract needs costs 4.3-4.6 µs for claim (`TIME`, `HSETNX`,
-//! `PEXPIREAT`) and 4.8-5.7 µs for complete (`TIME`, `HGET`, `HSET`), against 1.4 µs for
-//! `SET NX PX` and 2.0 µs for `SET PX`. So claim + complete costs at least about 3x the
-//! two `SET`s on the server. With one caller the round trip dominates and the gap is
-//! partly hidden (0.6-0.85x); with 32 callers sharing one connection the server's work
-//! per call decides the ratio (0.36-0.48x, from 0.26-0.30x with format 1), and 0.9x would
-//! need scripts cheaper than an empty script plus one write.
+//! the server's work per call. `INFO commandstats` deltas over a run show it. Measured on a
+//! 2-core machine shared with other builds (load average 5-8), three interleaved runs of
+//! this build and of the previous record format each, medians and ranges:
+//!
+//! | server | format | ratio at 1 | ratio at 32 | µs per script | µs per `SET` |
+//! |---|---|---|---|---|---|
+//! | 127.0.0.1:6379 (shared) | 2 (header field) | 0.92 (0.72-0.93) | 0.37 (0.33-0.38) | 6.9 (6.7-6.9) | 0.8-1.1 |
+//! | 127.0.0.1:6379 (shared) | 1 (12-field hash) | 0.72 (0.59-0.85) | 0.26 (0.23-0.28) | 11.4 (10.5-12.3) | 0.9-1.6 |
+//! | private, no other clients | 2 | 0.71 (0.66-0.78) | 0.42 (0.41-0.43) | 8.3 (7.2-8.8) | 1.4-1.8 |
+//! | private, no other clients | 1 | 0.62 (0.49-0.66) | 0.29 (0.24-0.30) | 11.4 (11.3-13.1) | 1.5-1.7 |
+//!
+//! The floor is the script machinery itself (`redis-benchmark` on a private server): an
+//! empty script costs 0.8 µs, and a script that does nothing but the commands the contract
+//! needs costs 4.1-5.0 µs for claim (`TIME`, `HSETNX`, `PEXPIREAT`) and 4.8-5.7 µs for
+//! complete (`TIME`, `HGET`, `HSET`), against 1.4 µs for `SET NX PX` and 2.0 µs for
+//! `SET PX`: a command run through `redis.call` costs more than the same command sent by a
+//! client, and a new hash costs more than a new string. So claim + complete costs about 3x
+//! the two `SET`s on the server before any decision is made. With one caller the round trip
+//! dominates and the gap is mostly hidden; with 32 callers sharing one connection the
+//! server's work per call decides the ratio, and 0.9x would need each script to cost less
+//! than an empty script plus one write.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -126,10 +126,10 @@
 //! disabled, a replica) or that stall or kill connections start private `redis-server`
 //! processes on free ports, so `redis-server` must be on `PATH`.
 //! `cargo bench -p idem-redis --bench throughput` compares claim + complete against the
-//! same two round trips written by hand (`SET NX`, `SET`): 0.6-0.85x with one caller and
-//! 0.36-0.48x with 32 on a loaded 2-core machine. The scripts cost about 7 µs of server
-//! time each against about 1.5 µs for a `SET`; most of it is the floor of any script that
-//! reads the clock, reads the record and writes it (the bench's notes give the numbers).
+//! same two round trips written by hand (`SET NX`, `SET`): medians of 0.71-0.92x with one
+//! caller and 0.37-0.42x with 32 on a loaded 2-core machine. The scripts cost about 7 µs of server time
+//! each against about 1 µs for a `SET`; most of it is the floor of any script that reads
+//! the clock, reads the record and writes it (the bench's notes give the numbers).
 //!
 //! # Layout
 //! - [`store`]: [`RedisStore`], [`RedisConfig`], [`EvictionCheck`], [`ReplicaAck`].
