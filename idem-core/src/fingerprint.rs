@@ -103,7 +103,7 @@ impl Fingerprint {
     /// hashed under another tag than raw bytes, so the two modes never collide.
     #[must_use]
     pub fn of_mode(parts: &RequestParts<'_>, mode: FingerprintMode) -> Self {
-        let mut h = blake3::Hasher::new_derive_key(FINGERPRINT_CONTEXT);
+        let mut h = crate::hash::keyed(&crate::hash::FINGERPRINT_HASHER, FINGERPRINT_CONTEXT);
         let mut field = |tag: u8, bytes: &[u8]| {
             h.update(&[tag]);
             h.update(&(bytes.len() as u64).to_le_bytes());

@@ -43,6 +43,7 @@
 pub mod codec;
 pub mod decision;
 pub mod fingerprint;
+mod hash;
 pub mod key;
 #[cfg(feature = "memory")]
 pub mod memory;

@@ -57,7 +57,7 @@ impl SubKey {
     /// different names, principals, endpoints or keys give different sub-keys.
     #[must_use]
     pub fn derive(record: RecordId, name: &str) -> Self {
-        let mut h = blake3::Hasher::new_derive_key(SUBKEY_CONTEXT);
+        let mut h = crate::hash::keyed(&crate::hash::SUBKEY_HASHER, SUBKEY_CONTEXT);
         h.update(&record.0);
         h.update(&(name.len() as u64).to_le_bytes());
         h.update(name.as_bytes());

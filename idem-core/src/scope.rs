@@ -89,7 +89,7 @@ impl RecordId {
     /// Derives the id from raw parts. Prefer [`Scope::record_id`].
     #[must_use]
     pub fn derive(principal: &str, endpoint: &str, key: &str) -> Self {
-        let mut h = blake3::Hasher::new_derive_key(RECORD_ID_CONTEXT);
+        let mut h = crate::hash::keyed(&crate::hash::RECORD_ID_HASHER, RECORD_ID_CONTEXT);
         for part in [principal.as_bytes(), endpoint.as_bytes(), key.as_bytes()] {
             h.update(&(part.len() as u64).to_le_bytes());
             h.update(part);
