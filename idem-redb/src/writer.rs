@@ -177,6 +177,10 @@ struct Tables<'txn> {
     records: redb::Table<'txn, &'static [u8; 32], &'static [u8]>,
     expiry: redb::Table<'txn, (i64, [u8; 32]), ()>,
     journal: redb::Table<'txn, (&'static [u8; 32], &'static str), &'static [u8]>,
+    /// Whether any operation of the batch changed a table. A batch that changed nothing
+    /// (claims that found a live record, lost leases) is aborted instead of committed, so
+    /// it does not pay for a durable commit that would write nothing.
+    wrote: bool,
 }
 
 impl<'txn> Tables<'txn> {
@@ -186,7 +190,7 @@ impl<'txn> Tables<'txn> {
         let expiry = txn.open_table(EXPIRY).map_err(|source| RedbStoreError::Table { table: "idem_expiry", source })?;
         let journal =
             txn.open_table(JOURNAL).map_err(|source| RedbStoreError::Table { table: "idem_journal", source })?;
-        Ok(Self { records, expiry, journal })
+        Ok(Self { records, expiry, journal, wrote: false })
     }
 
     fn read(&self, id: RecordId) -> Applied<Option<Record>> {
@@ -199,6 +203,8 @@ impl<'txn> Tables<'txn> {
     /// Writes `new` over `old` and moves its expiry index entry if `expires_at` changed.
     fn write(&mut self, old: Option<&Record>, new: &Record) -> Applied<()> {
         let bytes = codec::encode(new);
+        // Set before the insert: a table write that fails half-way aborts the batch anyway.
+        self.wrote = true;
         // The record insert is the operation's first change: if redb refuses the value
         // (over its 3 GiB limit) nothing was written and only this caller fails.
         match self.records.insert(&new.id.0, bytes.as_slice()) {
@@ -289,6 +295,7 @@ impl<'txn> Tables<'txn> {
             }
             names.push(name.to_owned());
         }
+        self.wrote |= !names.is_empty();
         for name in &names {
             self.journal.remove((&id.0, name.as_str()))?;
         }
@@ -315,6 +322,7 @@ impl<'txn> Tables<'txn> {
         if !overwrite && let Some(existing) = self.journal.get((&id.0, name))? {
             return Ok(Ok(JournalWrite::Exists(existing.value().to_vec())));
         }
+        self.wrote = true;
         match self.journal.insert((&id.0, name), value) {
             Ok(_) => Ok(Ok(JournalWrite::Written)),
             // Refused before anything was written: only this caller fails.
@@ -335,6 +343,7 @@ impl<'txn> Tables<'txn> {
         }
         let more = expired.len() > limit;
         expired.truncate(limit);
+        self.wrote |= !expired.is_empty();
         for (expires_at, id) in &expired {
             self.expiry.remove((*expires_at, *id))?;
             self.records.remove(id)?;
@@ -462,8 +471,10 @@ impl Writer {
             Durability::Eventual { max_unflushed } => self.dirty_since.is_some_and(|s| s.elapsed() >= max_unflushed),
         };
         match self.apply_and_commit(ops, durable) {
-            Ok(done) => {
-                if durable {
+            Ok((done, committed)) => {
+                if !committed {
+                    self.counters.read_only_batches.fetch_add(1, Ordering::Relaxed);
+                } else if durable {
                     self.dirty_since = None;
                 } else if self.dirty_since.is_none() {
                     self.dirty_since = Some(Instant::now());
@@ -482,8 +493,15 @@ impl Writer {
         }
     }
 
-    /// `Err` carries every caller of the batch and the one error they all get.
-    fn apply_and_commit(&self, ops: Vec<Op>, durable: bool) -> Result<Vec<Done>, (Vec<Caller>, Arc<RedbStoreError>)> {
+    /// `Ok` carries the outcomes and whether a commit was made (`false`: the batch wrote
+    /// nothing and was aborted). `Err` carries every caller of the batch and the one error
+    /// they all get.
+    #[allow(clippy::type_complexity, reason = "a private helper's two outcomes, each used once")]
+    fn apply_and_commit(
+        &self,
+        ops: Vec<Op>,
+        durable: bool,
+    ) -> Result<(Vec<Done>, bool), (Vec<Caller>, Arc<RedbStoreError>)> {
         let fail_all = |ops: Vec<Op>, e: RedbStoreError| (ops.into_iter().map(Op::into_caller).collect(), Arc::new(e));
         let mut txn = match self.db.begin_write() {
             Ok(t) => t,
@@ -493,6 +511,7 @@ impl Writer {
             return Err(fail_all(ops, e.into()));
         }
         let mut done = Vec::with_capacity(ops.len());
+        let mut wrote = false;
         let fault = match Tables::open(&txn) {
             Err(e) => Some(fail_all(ops, e)),
             Ok(mut tables) => {
@@ -509,6 +528,7 @@ impl Writer {
                         }
                     }
                 }
+                wrote = tables.wrote;
                 fault.map(|(caller, e)| {
                     let mut callers: Vec<Caller> = done.drain(..).map(Done::into_caller).collect();
                     callers.push(caller);
@@ -523,8 +543,14 @@ impl Writer {
             let _ = txn.abort();
             return Err(fault);
         }
+        if !wrote {
+            // Every outcome was read from state that earlier commits already made visible
+            // (and, under `Durability::Immediate`, durable): there is nothing to commit.
+            let _ = txn.abort();
+            return Ok((done, false));
+        }
         match txn.commit() {
-            Ok(()) => Ok(done),
+            Ok(()) => Ok((done, true)),
             Err(e) => Err((done.into_iter().map(Done::into_caller).collect(), Arc::new(e.into()))),
         }
     }

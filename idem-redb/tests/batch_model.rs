@@ -142,7 +142,10 @@ async fn check(steps: Vec<Step>) -> Result<(), TestCaseError> {
     let config = RedbConfig::default()
         .with_clock(Arc::new(clock.clone()))
         .with_max_batch(BATCH)
-        .with_linger(Linger::Fixed(Duration::from_secs(60)));
+        .with_linger(Linger::Fixed(Duration::from_secs(60)))
+        // Every claim goes through the writer, so each batch is exactly the operations
+        // listed, in order (a claim answered from a read would not join the batch).
+        .with_claim_reads(false);
     let store = RedbStore::open_with(Arc::new(db), config).expect("store");
     let mut model = Model::new();
     let mut batches = 0;

@@ -695,3 +695,51 @@ async fn dropping_the_store_stops_the_writer_cleanly() {
     let store = RedbStore::open(&path, config(&clock)).expect("the file is free again after drop");
     assert!(store.get(req("b", b"{}", RETENTION).id).await.expect("get").is_some());
 }
+
+/// A replay must not cost a commit: a claim that finds a live record is answered from a
+/// read transaction (no batch), and a claim of an expired record still goes through the
+/// writer and replaces it with the next fencing token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_of_live_records_are_answered_without_the_writer() {
+    let clock = clock();
+    let store = temp_store(config(&clock));
+    let r = must_claim(&store, req("k", b"{}", RETENTION)).await;
+    let done = store.complete(r.id, r.token, response(b"{}")).await.expect("complete");
+    let before = store.batch_stats();
+    for _ in 0..3 {
+        match store.claim(req("k", b"{}", RETENTION)).await.expect("replay") {
+            ClaimOutcome::Existing { record, .. } => assert_eq!(record, done),
+            other => panic!("expected Existing, got {other:?}"),
+        }
+    }
+    let after = store.batch_stats();
+    assert_eq!(after.batches, before.batches, "no replay entered the writer");
+    assert_eq!(after.claims_read - before.claims_read, 3);
+
+    clock.advance_ms(RETENTION.as_millis() as i64);
+    let again = must_claim(&store, req("k", b"{}", RETENTION)).await;
+    assert_eq!(again.token, r.token.next(), "an expired record is replaced through the writer");
+    assert_eq!(store.batch_stats().batches, after.batches + 1);
+}
+
+/// A batch that writes nothing is not committed: with claim reads off, batches of claims
+/// of one live record are counted as read-only and their callers still get `Existing`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_that_write_nothing_are_not_committed() {
+    let clock = clock();
+    let store = temp_store(config(&clock).with_claim_reads(false).with_max_batch(1).with_linger(Linger::None));
+    let r = must_claim(&store, req("k", b"{}", RETENTION)).await;
+    store.complete(r.id, r.token, response(b"{}")).await.expect("complete");
+    let before = store.batch_stats();
+    let outcomes = futures::future::join_all((0..4).map(|_| store.claim(req("k", b"{}", RETENTION)))).await;
+    for o in outcomes {
+        assert!(matches!(o.expect("claim"), ClaimOutcome::Existing { .. }));
+    }
+    let after = store.batch_stats();
+    assert_eq!((after.batches - before.batches, after.read_only_batches - before.read_only_batches), (4, 4));
+    // A batch that writes is still committed (and counted as such).
+    let w = must_claim(&store, req("k2", b"{}", RETENTION)).await;
+    assert_eq!(store.get(w.id).await.expect("get"), Some(w));
+    let last = store.batch_stats();
+    assert_eq!((last.batches, last.read_only_batches), (after.batches + 1, after.read_only_batches));
+}
