@@ -192,12 +192,15 @@ pub(crate) struct Counters {
 
 /// The [`Store`] on one redb file, with group commit.
 ///
-/// One writer thread owns all write transactions. `claim`, `reclaim`, `complete`, `fail`
-/// and `sweep` hand their operation to it through a queue and wait for its reply; the
+/// One writer thread owns all write transactions. A `claim` that finds a live record
+/// answers `Existing` from a read transaction ([`RedbConfig::claim_reads`]); every other
+/// `claim`, and `reclaim`, `complete`, `fail`, `sweep` and `journal_put`, hand their
+/// operation to the writer through a queue and wait for its reply; the
 /// writer applies up to [`RedbConfig::max_batch`] waiting operations in one write
 /// transaction (each sees the effects of the ones before it, through the shared
 /// [`idem_core::transition`] rules), commits once, and then answers each caller with its
-/// own outcome. If the commit fails, nothing in the batch was applied and every caller in
+/// own outcome (a batch that wrote nothing is aborted instead: there is nothing to make
+/// durable). If the commit fails, nothing in the batch was applied and every caller in
 /// it gets the error. `get` runs a read transaction on tokio's blocking pool, so the store
 /// is used from inside a tokio runtime.
 ///
