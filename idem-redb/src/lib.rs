@@ -86,11 +86,12 @@
 //!   nothing is aborted rather than committed.
 //!
 //! Measured on a shared 2-core VM whose fsync takes 0.08-0.25 ms (medians of 3 runs,
-//! interleaved with the build before these two changes): 11.9x the naive store at 32
-//! callers (8.5x before), 21x at 128, 5.4x at 8, 1.4x at 1. A commit writes one B-tree
-//! leaf per record it touches (record ids are hashes, so they scatter), so a group commit
-//! costs more than a single-record one (0.71 ms against 0.25 ms here) and the gain stays
-//! below the batch size; the slower the fsync, the larger the gain.
+//! interleaved with the build before these two changes): 10.3-11.9x the naive store at
+//! 32 callers in two sets of runs (7.6-8.5x before), 21x at 128, 5.4x at 8, 1.4x at 1.
+//! A commit writes one B-tree leaf per record it touches (record ids are hashes, so they
+//! scatter), so a group commit costs more than a single-record one (0.71 ms against
+//! 0.25 ms here) and the gain stays below the batch size; the slower the fsync, the
+//! larger the gain.
 //!
 //! # Time
 //! Every `now` comes from [`RedbConfig::clock`] (the system clock by default), in
