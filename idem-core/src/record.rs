@@ -48,13 +48,15 @@ impl std::fmt::Display for FencingToken {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub enum StoredBody {
-    /// The body bytes as sent.
-    Identity(Vec<u8>),
+    /// The body bytes as sent. Serialized as a byte string: the same postcard bytes as a
+    /// sequence of `u8`, decoded in one copy instead of byte by byte.
+    Identity(#[serde(with = "serde_bytes")] Vec<u8>),
     /// LZ4 block compression of a body of `len` bytes (bodies over the policy threshold).
     Lz4 {
         /// Length of the decompressed body, bytes.
         len: u64,
         /// The compressed block.
+        #[serde(with = "serde_bytes")]
         data: Vec<u8>,
     },
     /// The body was larger than the policy's `max_stored_body` and was not kept. The

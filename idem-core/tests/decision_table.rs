@@ -201,3 +201,17 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn byte_string_bodies_keep_the_postcard_wire_format() {
+    // Bodies are serialized as byte strings for speed; the bytes must equal the old
+    // sequence-of-u8 encoding so records written before still decode.
+    #[derive(serde::Serialize)]
+    enum OldBody {
+        Identity(Vec<u8>),
+    }
+    let body = vec![0u8, 1, 127, 128, 255, 7];
+    let new = postcard::to_allocvec(&StoredBody::Identity(body.clone())).unwrap();
+    let old = postcard::to_allocvec(&OldBody::Identity(body)).unwrap();
+    assert_eq!(new, old);
+}
