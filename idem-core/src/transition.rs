@@ -62,8 +62,14 @@ impl ClaimRequest {
     /// Effective retention in ms (never shorter than the lease).
     #[must_use]
     pub fn retention_ms(&self) -> i64 {
-        crate::time::duration_ms(self.retention.max(self.lease_ttl))
+        effective_retention_ms(self.lease_ttl, self.retention)
     }
+}
+
+/// Retention in ms as every claim and reclaim applies it: never shorter than the lease, so
+/// a live claim is never swept.
+fn effective_retention_ms(lease: Duration, retention: Duration) -> i64 {
+    crate::time::duration_ms(retention.max(lease))
 }
 
 /// Ask to take over a record whose lease expired or which failed: a compare-and-set on
@@ -92,7 +98,7 @@ impl ReclaimRequest {
     /// Effective retention in ms (never shorter than the lease).
     #[must_use]
     pub fn retention_ms(&self) -> i64 {
-        crate::time::duration_ms(self.retention.max(self.lease_ttl))
+        effective_retention_ms(self.lease_ttl, self.retention)
     }
 }
 

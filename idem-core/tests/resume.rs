@@ -28,6 +28,21 @@ async fn claimed(store: &Arc<dyn Store>, req: &ClaimRequest) -> Record {
     }
 }
 
+/// Reclaims `first` (failed, or past its lease) with the same fingerprint and expects to win.
+async fn reclaimed(store: &Arc<dyn Store>, first: &Record) -> Record {
+    let req = ReclaimRequest {
+        id: first.id,
+        expected: first.token,
+        fingerprint: first.fingerprint,
+        lease_ttl: Duration::from_secs(5),
+        retention: Duration::from_secs(60),
+    };
+    match store.reclaim(req).await.unwrap() {
+        ReclaimOutcome::Reclaimed(r) => r,
+        other => panic!("expected Reclaimed, got {other:?}"),
+    }
+}
+
 #[test]
 fn subkeys_are_stable_distinct_and_short() {
     // C14: derived only from (principal, endpoint, key, name), never from attempt or time.
@@ -58,19 +73,7 @@ async fn a_step_runs_once_per_record_across_a_reclaim() {
         .unwrap();
     // The attempt dies; after the lease the retry reclaims and resumes.
     clock.advance(Duration::from_secs(6));
-    let ReclaimOutcome::Reclaimed(second) = store
-        .reclaim(ReclaimRequest {
-            id: first.id,
-            expected: first.token,
-            fingerprint: first.fingerprint,
-            lease_ttl: Duration::from_secs(5),
-            retention: Duration::from_secs(60),
-        })
-        .await
-        .unwrap()
-    else {
-        panic!()
-    };
+    let second = reclaimed(&store, &first).await;
     let r2 = Resumable::new(Arc::clone(&store), second.id, second.token);
     let again: String = r2
         .step("allocate", |_| async move {
@@ -118,19 +121,7 @@ async fn intent_reconciles_a_pending_call_before_issuing_again() {
     assert!(matches!(e, StepError::Failed { .. }));
     store.fail(first.id, first.token).await.unwrap();
     clock.advance(Duration::from_millis(1));
-    let ReclaimOutcome::Reclaimed(second) = store
-        .reclaim(ReclaimRequest {
-            id: first.id,
-            expected: first.token,
-            fingerprint: first.fingerprint,
-            lease_ttl: Duration::from_secs(5),
-            retention: Duration::from_secs(60),
-        })
-        .await
-        .unwrap()
-    else {
-        panic!()
-    };
+    let second = reclaimed(&store, &first).await;
     let h2 = Resumable::new(Arc::clone(&store), second.id, second.token);
     let (b_issue, b_find) = (Arc::clone(&booted), Arc::clone(&booted));
     let vm = h2
