@@ -6,37 +6,11 @@
 //! allocates more than the input can justify (postcard reads lengths against the
 //! remaining input; compressed bodies are bounded by [`crate::record::MAX_DECODED_BODY`]).
 
-use crate::record::Record;
+pub use crate::corrupt::CodecError;
+use crate::record::{Record, StoredResponse};
 
 /// The current format version, the first byte of every encoded record.
 pub const FORMAT_VERSION: u8 = 1;
-
-/// Why bytes are not a record.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum CodecError {
-    /// No bytes at all.
-    #[error("empty record bytes")]
-    Empty,
-    /// Written by a format this build does not know.
-    #[error("record format version {0} is not supported (this build reads {FORMAT_VERSION})")]
-    UnknownVersion(u8),
-    /// The postcard payload is malformed or truncated.
-    #[error("malformed record")]
-    Malformed(#[source] postcard::Error),
-    /// Bytes left over after a complete record.
-    #[error("{0} trailing bytes after the record")]
-    Trailing(usize),
-    /// A compressed body claims a size over the limit.
-    #[error("a stored body claims {len} bytes, over the decoding limit")]
-    BodyTooLarge {
-        /// The claimed size, bytes.
-        len: u64,
-    },
-    /// A compressed body does not decompress.
-    #[error("a stored body's compression is corrupt")]
-    BadCompression,
-}
 
 /// Encodes a record: `[FORMAT_VERSION] ++ postcard(record)`.
 #[must_use]
@@ -64,4 +38,33 @@ pub fn decode(bytes: &[u8]) -> Result<Record, CodecError> {
         return Err(CodecError::Trailing(tail.len()));
     }
     Ok(record)
+}
+
+/// Format version of a stored response kept apart from its record (a Redis hash field,
+/// a Postgres or SQLite `response` column): the first byte, then postcard.
+pub const RESPONSE_FORMAT_VERSION: u8 = 1;
+
+/// Encodes a stored response on its own: `[RESPONSE_FORMAT_VERSION] ++ postcard(response)`.
+/// Headers and body bytes round-trip exactly.
+#[must_use]
+pub fn encode_response(response: &StoredResponse) -> Vec<u8> {
+    // Serialising plain data into a Vec cannot fail; the bare version byte (which decodes
+    // to a typed error) is the fallback rather than a panic.
+    postcard::to_extend(response, vec![RESPONSE_FORMAT_VERSION]).unwrap_or_else(|_| vec![RESPONSE_FORMAT_VERSION])
+}
+
+/// Decodes bytes written by [`encode_response`].
+///
+/// # Errors
+/// [`CodecError`] for empty, unknown-version, malformed or trailing input.
+pub fn decode_response(bytes: &[u8]) -> Result<StoredResponse, CodecError> {
+    let (&version, rest) = bytes.split_first().ok_or(CodecError::Empty)?;
+    if version != RESPONSE_FORMAT_VERSION {
+        return Err(CodecError::UnknownVersion(version));
+    }
+    let (response, tail) = postcard::take_from_bytes::<StoredResponse>(rest).map_err(CodecError::Malformed)?;
+    if !tail.is_empty() {
+        return Err(CodecError::Trailing(tail.len()));
+    }
+    Ok(response)
 }

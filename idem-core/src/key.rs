@@ -94,6 +94,18 @@ impl IdempotencyKey {
         String::from_utf8(key).map(Self).map_err(|_| KeyError::MalformedString)
     }
 
+    /// Rebuilds a key from the unquoted form a store kept (a text column, a hash field).
+    /// `None` when `stored` is not a key (empty, a byte outside visible ASCII): the store
+    /// reports that record as corrupt. No length limit applies: the key was checked
+    /// against the policy's limit when it was first parsed.
+    #[must_use]
+    pub fn from_stored(stored: &str) -> Option<Self> {
+        let bytes = stored.as_bytes();
+        // The same byte rule as `parse`, without the sf-string unquoting: a stored key may
+        // itself start with `"`.
+        (!bytes.is_empty() && check_visible(bytes, 0).is_ok()).then(|| Self(stored.to_owned()))
+    }
+
     /// The key as a string (visible ASCII).
     #[must_use]
     pub fn as_str(&self) -> &str {
@@ -188,6 +200,16 @@ fn unquote(v: &[u8]) -> Result<Vec<u8>, KeyError> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn stored_keys_rebuild_byte_exact() {
+        for k in ["abc", "\"quoted\"", "a\\b", "~!#"] {
+            assert_eq!(IdempotencyKey::from_stored(k).map(|k| k.as_str().to_owned()), Some(k.to_owned()));
+        }
+        for bad in ["", "a b", "caf\u{e9}", "tab\t"] {
+            assert_eq!(IdempotencyKey::from_stored(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn bare_and_quoted_forms_name_the_same_key() {

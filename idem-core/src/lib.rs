@@ -41,6 +41,7 @@
 //! - `memory` (feature `memory`, on by default): [`MemoryStore`].
 
 pub mod codec;
+mod corrupt;
 pub mod decision;
 pub mod fingerprint;
 mod hash;

@@ -20,6 +20,30 @@ pub enum RecordState {
     Failed,
 }
 
+impl RecordState {
+    /// The state's name as SQL stores keep it in a text column: `in_flight`, `completed`,
+    /// `failed`.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RecordState::InFlight => "in_flight",
+            RecordState::Completed => "completed",
+            RecordState::Failed => "failed",
+        }
+    }
+
+    /// The state named by [`RecordState::as_str`]; `None` for any other text.
+    #[must_use]
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "in_flight" => Some(RecordState::InFlight),
+            "completed" => Some(RecordState::Completed),
+            "failed" => Some(RecordState::Failed),
+            _ => None,
+        }
+    }
+}
+
 /// The fencing token: grows by one on every claim or reclaim of a record. Complete and
 /// fail are compare-and-set on (record id, token), so the holder of an older token can
 /// never overwrite a newer attempt.
@@ -118,9 +142,9 @@ impl StoredResponse {
     /// The body bytes, decompressed. `Ok(None)` when the body was not retained.
     ///
     /// # Errors
-    /// [`crate::codec::CodecError`] when a compressed body is corrupt or claims more than
+    /// [`crate::corrupt::CodecError`] when a compressed body is corrupt or claims more than
     /// [`MAX_DECODED_BODY`] bytes.
-    pub fn body_bytes(&self) -> Result<Option<std::borrow::Cow<'_, [u8]>>, crate::codec::CodecError> {
+    pub fn body_bytes(&self) -> Result<Option<std::borrow::Cow<'_, [u8]>>, crate::corrupt::CodecError> {
         use std::borrow::Cow;
         match &self.body {
             StoredBody::Identity(b) => Ok(Some(Cow::Borrowed(b))),
@@ -130,13 +154,13 @@ impl StoredResponse {
                 // allocating.
                 let bound = (data.len() as u64).saturating_mul(255).saturating_add(16);
                 if *len > MAX_DECODED_BODY || *len > bound {
-                    return Err(crate::codec::CodecError::BodyTooLarge { len: *len });
+                    return Err(crate::corrupt::CodecError::BodyTooLarge { len: *len });
                 }
-                let len = usize::try_from(*len).map_err(|_| crate::codec::CodecError::BodyTooLarge { len: *len })?;
+                let len = usize::try_from(*len).map_err(|_| crate::corrupt::CodecError::BodyTooLarge { len: *len })?;
                 let out =
-                    lz4_flex::block::decompress(data, len).map_err(|_| crate::codec::CodecError::BadCompression)?;
+                    lz4_flex::block::decompress(data, len).map_err(|_| crate::corrupt::CodecError::BadCompression)?;
                 if out.len() != len {
-                    return Err(crate::codec::CodecError::BadCompression);
+                    return Err(crate::corrupt::CodecError::BadCompression);
                 }
                 Ok(Some(Cow::Owned(out)))
             }
