@@ -32,18 +32,29 @@
 //! - [`policy`]: retention, lease TTL, cacheable statuses, header and body rules.
 //! - [`decision`]: the decision table.
 //! - [`transition`]: the state machine as pure functions, and the store requests/outcomes.
-//! - [`model`]: the reference model (oracle) over a map.
+//! - [`table`]: the record-table seam ([`RecordTable`]) an in-process store implements.
+//! - [`engine`]: every store operation as a read-compute-write on a [`RecordTable`],
+//!   shared by the model, redb, SQLite and any custom in-process store.
+//! - [`model`]: the reference model (oracle), the smallest [`RecordTable`].
 //! - [`resume`]: sub-keys, steps and intents for handlers whose side effects must
 //!   converge on retry.
 //! - [`store`]: the [`Store`] contract and [`StoreError`].
 //! - [`codec`]: the versioned postcard byte form of a record.
 //! - [`time`]: milliseconds since the epoch and the clocks stores read.
 //! - `memory` (feature `memory`, on by default): [`MemoryStore`].
+//! - `group_commit` (feature `group-commit`): the writer thread that batches an embedded
+//!   store's writes into one transaction. With `sweeper` (feature `sweeper`), the only
+//!   modules that run anything: everything else here is pure.
+//! - `sweeper` (feature `sweeper`): [`Sweeper`], the one background task that removes
+//!   expired records from any store.
 
 pub mod codec;
 mod corrupt;
 pub mod decision;
+pub mod engine;
 pub mod fingerprint;
+#[cfg(feature = "group-commit")]
+pub mod group_commit;
 mod hash;
 pub mod key;
 #[cfg(feature = "memory")]
@@ -54,6 +65,9 @@ pub mod record;
 pub mod resume;
 pub mod scope;
 pub mod store;
+#[cfg(feature = "sweeper")]
+pub mod sweeper;
+pub mod table;
 pub mod time;
 pub mod transition;
 
@@ -68,5 +82,8 @@ pub use record::{FencingToken, Record, RecordState, StoredBody, StoredResponse};
 pub use resume::{Reconciled, Resumable, StepError, SubKey};
 pub use scope::{Endpoint, Principal, RecordId, Scope, ScopeError};
 pub use store::{BoxError, Capabilities, JournalWrite, Store, StoreError, SweepOutcome};
+#[cfg(feature = "sweeper")]
+pub use sweeper::{SweepConfig, Sweeper};
+pub use table::{Expired, RecordRead, RecordTable};
 pub use time::{Clock, ManualClock, SystemClock, UnixMillis};
 pub use transition::{ClaimOutcome, ClaimRequest, LeaseLost, ReclaimOutcome, ReclaimRequest};

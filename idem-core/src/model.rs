@@ -1,25 +1,41 @@
-//! The reference model: the state machine over an ordinary map, synchronous, with `now`
-//! as an argument. It is the oracle the conformance suite's model test compares every
-//! backend against, and the engine of [`crate::MemoryStore`].
+//! The reference model: the state machine over ordinary maps, synchronous, with `now` as an
+//! argument. It is the oracle the conformance suite's model test compares every backend
+//! against, and the engine of [`crate::MemoryStore`].
+//!
+//! It is also the smallest [`RecordTable`]: every operation below is the shared
+//! [`crate::engine`] run on three maps (records, the expiry index, the journal), exactly as
+//! redb and SQLite run it on their tables.
 
-use std::collections::hash_map::Entry;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use crate::engine;
 use crate::record::{FencingToken, Record, StoredResponse};
 use crate::scope::RecordId;
 use crate::store::{JournalWrite, StoreError, SweepOutcome};
+use crate::table::{Expired, RecordRead, RecordTable};
 use crate::time::UnixMillis;
-use crate::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
+use crate::transition::{ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
 
 /// Records by id.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Model {
     // A hash map: point lookups on every operation stay flat at hundreds of thousands of
-    // records (the memory store behind the HTTP layer); the sweep, the one ordered walk,
-    // restores id order itself. Boxed, so that growing the table moves 40-byte entries,
-    // not whole records.
+    // records (the memory store behind the HTTP layer). Boxed, so that growing the table
+    // moves pointers, not whole records.
     records: HashMap<RecordId, Box<Record>>,
+    /// One entry per record, ordered by `expires_at`: a sweep visits only expired records.
+    expiry: BTreeSet<Expired>,
     journal: BTreeMap<(RecordId, String), Vec<u8>>,
+}
+
+/// The maps never fail, so every engine call on them succeeds; this keeps the model's
+/// methods infallible for the oracle's callers.
+fn infallible<T>(result: Result<T, StoreError>) -> T {
+    match result {
+        Ok(v) => v,
+        // No method of the map-backed table returns an error.
+        Err(e) => unreachable!("the in-memory record table failed: {e}"),
+    }
 }
 
 impl Model {
@@ -31,28 +47,46 @@ impl Model {
 
     /// See [`crate::Store::claim`].
     pub fn claim(&mut self, req: &ClaimRequest, now: UnixMillis) -> ClaimOutcome {
-        // One hash lookup for the read and the write.
-        let entry = self.records.entry(req.id);
-        let current = match &entry {
-            Entry::Occupied(o) => Some(&**o.get()),
-            Entry::Vacant(_) => None,
-        };
-        let (write, outcome) = transition::claim(current, req, now);
-        if let Some(r) = write {
-            // A claim that replaces an expired record starts with an empty journal.
-            drop_journal(&mut self.journal, r.id);
-            match entry {
-                Entry::Occupied(mut o) => **o.get_mut() = r,
-                Entry::Vacant(v) => {
-                    v.insert(Box::new(r));
-                }
-            }
-        }
-        outcome
+        infallible(engine::claim(self, req, now))
     }
 
-    fn drop_journal(&mut self, id: RecordId) {
-        drop_journal(&mut self.journal, id);
+    /// See [`crate::Store::reclaim`].
+    pub fn reclaim(&mut self, req: &ReclaimRequest, now: UnixMillis) -> ReclaimOutcome {
+        infallible(engine::reclaim(self, req, now))
+    }
+
+    /// See [`crate::Store::complete`].
+    ///
+    /// # Errors
+    /// [`StoreError::LeaseLost`] when `token` is not the current claim.
+    pub fn complete(
+        &mut self,
+        id: RecordId,
+        token: FencingToken,
+        response: StoredResponse,
+        now: UnixMillis,
+    ) -> Result<Record, StoreError> {
+        engine::complete(self, id, token, response, now)
+    }
+
+    /// See [`crate::Store::fail`].
+    ///
+    /// # Errors
+    /// [`StoreError::LeaseLost`] when `token` is not the current claim.
+    pub fn fail(&mut self, id: RecordId, token: FencingToken, now: UnixMillis) -> Result<Record, StoreError> {
+        engine::fail(self, id, token, now)
+    }
+
+    /// See [`crate::Store::get`].
+    #[must_use]
+    pub fn get(&self, id: RecordId, now: UnixMillis) -> Option<Record> {
+        infallible(engine::get(self, id, now))
+    }
+
+    /// See [`crate::Store::sweep`]: the oldest expiry first, like every store with an
+    /// expiry index. Memory is bounded by `limit`, not by the number of expired records.
+    pub fn sweep(&mut self, limit: usize, now: UnixMillis) -> SweepOutcome {
+        infallible(engine::sweep(self, limit, now))
     }
 
     /// See [`crate::Store::journal_put`].
@@ -68,114 +102,13 @@ impl Model {
         overwrite: bool,
         now: UnixMillis,
     ) -> Result<JournalWrite, StoreError> {
-        transition::check_journal_owner(self.records.get(&id).map(|r| &**r), id, token, now)
-            .map_err(|l| StoreError::lease_lost(id, l))?;
-        let k = (id, name.to_string());
-        if !overwrite && let Some(v) = self.journal.get(&k) {
-            return Ok(JournalWrite::Exists(v.clone()));
-        }
-        self.journal.insert(k, value);
-        Ok(JournalWrite::Written)
+        engine::journal_put(self, id, token, name, &value, overwrite, now)
     }
 
     /// See [`crate::Store::journal_get`].
     #[must_use]
     pub fn journal_get(&self, id: RecordId, name: &str, now: UnixMillis) -> Option<Vec<u8>> {
-        self.get(id, now)?;
-        self.journal.get(&(id, name.to_string())).cloned()
-    }
-
-    /// See [`crate::Store::reclaim`].
-    pub fn reclaim(&mut self, req: &ReclaimRequest, now: UnixMillis) -> ReclaimOutcome {
-        let slot = self.records.get_mut(&req.id);
-        let (write, outcome) = transition::reclaim(slot.as_deref().map(|r| &**r), req, now);
-        if let Some(r) = write {
-            // A write only follows a present record, so `slot` is always `Some` here.
-            match slot {
-                Some(slot) => **slot = r,
-                None => {
-                    self.records.insert(r.id, Box::new(r));
-                }
-            }
-        }
-        outcome
-    }
-
-    /// See [`crate::Store::complete`].
-    ///
-    /// # Errors
-    /// [`StoreError::LeaseLost`] when `token` is not the current claim.
-    pub fn complete(
-        &mut self,
-        id: RecordId,
-        token: FencingToken,
-        response: StoredResponse,
-        now: UnixMillis,
-    ) -> Result<Record, StoreError> {
-        let slot = self.records.get_mut(&id);
-        let r = transition::complete(slot.as_deref().map(|r| &**r), id, token, response, now)
-            .map_err(|l| StoreError::lease_lost(id, l))?;
-        // The transition only succeeds on a present record, so `slot` is always `Some` here.
-        match slot {
-            Some(slot) => Record::clone_from(slot, &r),
-            None => {
-                self.records.insert(id, Box::new(r.clone()));
-            }
-        }
-        Ok(r)
-    }
-
-    /// See [`crate::Store::fail`].
-    ///
-    /// # Errors
-    /// [`StoreError::LeaseLost`] when `token` is not the current claim.
-    pub fn fail(&mut self, id: RecordId, token: FencingToken, now: UnixMillis) -> Result<Record, StoreError> {
-        let slot = self.records.get_mut(&id);
-        let r = transition::fail(slot.as_deref().map(|r| &**r), id, token, now)
-            .map_err(|l| StoreError::lease_lost(id, l))?;
-        // The transition only succeeds on a present record, so `slot` is always `Some` here.
-        match slot {
-            Some(slot) => Record::clone_from(slot, &r),
-            None => {
-                self.records.insert(id, Box::new(r.clone()));
-            }
-        }
-        Ok(r)
-    }
-
-    /// See [`crate::Store::get`].
-    #[must_use]
-    pub fn get(&self, id: RecordId, now: UnixMillis) -> Option<Record> {
-        self.records.get(&id).filter(|r| !r.is_expired(now)).map(|r| Record::clone(r))
-    }
-
-    /// See [`crate::Store::sweep`].
-    ///
-    /// Removes the expired records with the smallest ids first (the order is not part of
-    /// the contract, but a fixed one keeps runs against other stores comparable). Memory is
-    /// bounded by `limit`, not by the number of expired records.
-    pub fn sweep(&mut self, limit: usize, now: UnixMillis) -> SweepOutcome {
-        // The `limit + 1` smallest expired ids (one more than the batch, to tell `more`), kept
-        // in a max-heap so the largest of them is the one a smaller id displaces.
-        let keep = limit.saturating_add(1);
-        let mut smallest: BinaryHeap<RecordId> = BinaryHeap::new();
-        for r in self.records.values().filter(|r| r.is_expired(now)) {
-            if smallest.len() < keep {
-                smallest.push(r.id);
-            } else if smallest.peek().is_some_and(|largest| r.id < *largest) {
-                smallest.pop();
-                smallest.push(r.id);
-            }
-        }
-        let more = smallest.len() > limit;
-        let expired = smallest.into_sorted_vec();
-        let mut removed = 0;
-        for id in expired.into_iter().take(limit) {
-            self.records.remove(&id);
-            self.drop_journal(id);
-            removed += 1;
-        }
-        SweepOutcome { removed, more }
+        infallible(engine::journal_get(self, id, name, now))
     }
 
     /// Number of records held, expired or not (for tests of the sweep).
@@ -191,14 +124,61 @@ impl Model {
     }
 }
 
-/// Removes every journal entry of record `id`.
-fn drop_journal(journal: &mut BTreeMap<(RecordId, String), Vec<u8>>, id: RecordId) {
-    if journal.is_empty() {
-        return;
+impl RecordRead for Model {
+    fn read(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        Ok(self.records.get(&id).map(|r| Record::clone(r)))
     }
-    let names: Vec<_> =
-        journal.range((id, String::new())..).take_while(|((i, _), _)| *i == id).map(|(k, _)| k.clone()).collect();
-    for k in names {
-        journal.remove(&k);
+
+    fn journal_read(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self.journal.get(&(id, name.to_owned())).cloned())
+    }
+}
+
+impl RecordTable for Model {
+    fn write(&mut self, old: Option<&Record>, new: &Record) -> Result<(), StoreError> {
+        if old.map(|o| o.expires_at) != Some(new.expires_at) {
+            if let Some(o) = old {
+                self.expiry.remove(&Expired { expires_at: o.expires_at, id: o.id });
+            }
+            self.expiry.insert(Expired { expires_at: new.expires_at, id: new.id });
+        }
+        match self.records.get_mut(&new.id) {
+            Some(slot) => Record::clone_from(slot, new),
+            None => {
+                self.records.insert(new.id, Box::new(new.clone()));
+            }
+        }
+        Ok(())
+    }
+
+    fn expired(&mut self, now: UnixMillis, limit: usize) -> Result<Vec<Expired>, StoreError> {
+        Ok(self.expiry.iter().take_while(|e| e.expires_at <= now).take(limit).copied().collect())
+    }
+
+    fn remove(&mut self, expired: Expired) -> Result<(), StoreError> {
+        self.expiry.remove(&expired);
+        self.records.remove(&expired.id);
+        Ok(())
+    }
+
+    fn journal_write(&mut self, id: RecordId, name: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.journal.insert((id, name.to_owned()), value.to_vec());
+        Ok(())
+    }
+
+    fn journal_clear(&mut self, id: RecordId) -> Result<(), StoreError> {
+        if self.journal.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<_> = self
+            .journal
+            .range((id, String::new())..)
+            .take_while(|((of, _), _)| *of == id)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in names {
+            self.journal.remove(&k);
+        }
+        Ok(())
     }
 }

@@ -1,0 +1,613 @@
+//! Group commit (feature `group-commit`): one writer thread that applies every waiting
+//! [`Write`] of an embedded store in one transaction and commits once.
+//!
+//! A durable commit costs one fsync (about 0.4 ms on a typical disk), so a store that
+//! commits each claim and each completion on its own tops out near a thousand writes per
+//! second. [`GroupCommit`] takes the first waiting operation, everything else already
+//! queued (up to [`BatchConfig::with_max_batch`]), optionally lingers for more
+//! ([`Linger`]), applies them in arrival order through [`crate::engine`] inside one
+//! transaction of the store's [`Engine`], commits once, and only then answers each caller
+//! with its own outcome. Later operations in a batch see the earlier ones exactly as if
+//! each had committed on its own: two claims of one id in one batch give `Claimed` then
+//! `Existing`.
+//!
+//! This is the one piece of `idem-core` that owns a thread; the rules it applies stay the
+//! pure ones. redb and SQLite are adapters over it, and so can any embedded engine with
+//! transactions be.
+//!
+//! # Behaviour (the same for every store on it)
+//! - **Own outcomes stay own.** An operation refused before it changed anything
+//!   (`LeaseLost`, a corrupt record, a value the engine will not take) fails only its caller;
+//!   the batch goes on.
+//! - **A failed transaction fails exactly its batch.** If the transaction cannot begin or
+//!   commit, if an operation fails after it changed something, or if the table reports
+//!   itself poisoned, nothing of the batch is committed and every caller in it gets the
+//!   same [`StoreError::Unavailable`] ("group commit of N operations failed at STAGE"),
+//!   retryable when the cause is. The next batch starts afresh.
+//! - **A panic is a failed batch.** A panic while applying a batch (a bug, an engine
+//!   assertion on a damaged file) drops its transaction uncommitted; its callers get an
+//!   error and the writer goes on with the next batch.
+//! - **Nothing to write, nothing to commit.** A batch that changed nothing (claims that
+//!   found live records, lost leases) is aborted instead of committed: no fsync.
+//! - **Abandoned claims are skipped.** A claim or reclaim whose caller stopped waiting
+//!   before its batch ran is not applied: nobody would run the handler, and the claim would
+//!   only lock the key for a lease. Completions, fails, journal writes and sweeps are
+//!   applied even when nobody waits for them.
+//! - **Claims of live records need no writer.** [`GroupCommit::claim_from_view`] answers a
+//!   claim that finds a live record from a read view (a read transaction), so replays never
+//!   wait for, or dilute, a group commit.
+
+mod queue;
+
+use std::fmt;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use crate::engine::{self, Write, Written};
+use crate::store::StoreError;
+use crate::table::{RecordRead, RecordTable};
+use crate::time::Clock;
+use crate::transition::{ClaimOutcome, ClaimRequest};
+use queue::{Next, Queue};
+
+/// Where a transaction failed as a whole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Stage {
+    /// The transaction would not begin.
+    Begin,
+    /// An operation failed after it changed something, or the table was poisoned.
+    Apply,
+    /// The commit failed.
+    Commit,
+}
+
+impl fmt::Display for Stage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Stage::Begin => "begin",
+            Stage::Apply => "apply",
+            Stage::Commit => "commit",
+        })
+    }
+}
+
+/// A transaction that failed as a whole.
+#[derive(Debug)]
+pub struct TransactionFailed {
+    /// Where.
+    pub stage: Stage,
+    /// Why.
+    pub error: StoreError,
+}
+
+/// A store's transactions, as the writer thread drives them.
+pub trait Engine: Send + 'static {
+    /// The backend's name in errors, e.g. `redb`.
+    fn backend(&self) -> &'static str;
+
+    /// Runs one write transaction: begins it, hands its table to `apply`, then commits when
+    /// `apply` returns `true` and aborts (rolls back) when it returns `false`. With
+    /// `durable == false` the commit may skip the fsync (only asked for when the store
+    /// chose a flush interval, see [`BatchConfig::with_flush_interval`]).
+    ///
+    /// # Errors
+    /// [`TransactionFailed`] at [`Stage::Begin`] or [`Stage::Commit`]; nothing of the
+    /// transaction may be visible afterwards.
+    fn transaction(
+        &mut self,
+        durable: bool,
+        apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool,
+    ) -> Result<(), TransactionFailed>;
+
+    /// Makes every earlier non-durable commit durable (an empty durable commit). Only
+    /// called when a flush interval is set; the default does nothing.
+    ///
+    /// # Errors
+    /// The engine's error; the writer logs it and tries again after the interval.
+    fn flush(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// How long the writer waits for more operations before it applies a batch.
+///
+/// Batching happens without any wait: every operation that arrives while a commit is in
+/// progress joins the next batch. A short wait only helps when callers answer a batch's
+/// replies with new operations a few microseconds apart (32 callers doing claim then
+/// complete): without it, the first caller back starts a small batch and the rest wait
+/// for the one after.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Linger {
+    /// Never wait: a batch is whatever is queued when the writer is ready.
+    None,
+    /// Wait at most `max` for the batch to grow to the size of the previous batch (the
+    /// recent concurrency), never past the maximum batch. A lone caller (previous batch of
+    /// one) never waits; under load, batches fill up instead of splitting.
+    Adaptive {
+        /// Longest wait per batch.
+        max: Duration,
+    },
+    /// Wait up to this long after the first operation for the batch to reach the maximum:
+    /// every batch that does not fill adds this much latency.
+    Fixed(Duration),
+}
+
+/// How a [`GroupCommit`] batches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[must_use]
+pub struct BatchConfig {
+    max_batch: usize,
+    linger: Linger,
+    flush_interval: Option<Duration>,
+    thread_name: String,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        Self {
+            max_batch: 256,
+            linger: Linger::Adaptive { max: Duration::from_micros(200) },
+            flush_interval: None,
+            thread_name: "idem-group-commit".into(),
+        }
+    }
+}
+
+impl BatchConfig {
+    /// Most operations applied in one transaction (default 256; zero counts as 1). A larger
+    /// batch shares one commit (one fsync) among more callers but makes each of them wait
+    /// for the whole batch.
+    pub fn with_max_batch(mut self, ops: usize) -> Self {
+        self.max_batch = ops.max(1);
+        self
+    }
+
+    /// Whether and how long to wait for more operations (default [`Linger::Adaptive`] with
+    /// 200 µs).
+    pub fn with_linger(mut self, linger: Linger) -> Self {
+        self.linger = linger;
+        self
+    }
+
+    /// `None` (default): every commit is durable before its callers hear of it. `Some(d)`:
+    /// commits skip the fsync and a durable commit is made at least every `d` and when the
+    /// writer stops; a crash loses up to `d` of acknowledged writes (a store that offers
+    /// this documents what that costs).
+    pub fn with_flush_interval(mut self, interval: Option<Duration>) -> Self {
+        self.flush_interval = interval;
+        self
+    }
+
+    /// The writer thread's name (default `idem-group-commit`).
+    pub fn with_thread_name(mut self, name: impl Into<String>) -> Self {
+        self.thread_name = name.into();
+        self
+    }
+
+    /// Most operations per transaction.
+    #[must_use]
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    /// The linger.
+    #[must_use]
+    pub fn linger(&self) -> Linger {
+        self.linger
+    }
+
+    /// The flush interval (`None`: every commit durable).
+    #[must_use]
+    pub fn flush_interval(&self) -> Option<Duration> {
+        self.flush_interval
+    }
+}
+
+/// What the writer has done so far (for tests, benchmarks and metrics).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchStats {
+    /// Transactions attempted (one per batch).
+    pub batches: u64,
+    /// Operations received by the writer.
+    pub operations: u64,
+    /// Batches that failed as a whole (begin, apply, commit, a panic); every caller in them
+    /// got an error.
+    pub failed_batches: u64,
+    /// Batches that changed nothing and were aborted instead of committed (no fsync).
+    /// Counted in `batches` too.
+    pub read_only_batches: u64,
+    /// Claims answered from a read view without the writer; not counted in `operations`.
+    pub claims_read: u64,
+    /// Claims and reclaims skipped because their caller had stopped waiting.
+    pub abandoned_claims: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    batches: AtomicU64,
+    operations: AtomicU64,
+    failed_batches: AtomicU64,
+    read_only_batches: AtomicU64,
+    claims_read: AtomicU64,
+    abandoned_claims: AtomicU64,
+}
+
+type Reply = oneshot::Sender<Result<Written, StoreError>>;
+
+/// One queued operation and where its caller waits.
+struct Job {
+    write: Write,
+    reply: Reply,
+}
+
+/// The handle stores hold: queue operations, read statistics. Clones share the writer;
+/// when the last clone is dropped the writer answers what is queued, makes pending
+/// commits durable and stops, and the drop waits for it (so the file can be opened again
+/// right after).
+#[derive(Clone)]
+pub struct GroupCommit {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    backend: &'static str,
+    clock: Arc<dyn Clock>,
+    queue: Arc<Queue<Job>>,
+    counters: Arc<Counters>,
+    writer: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl fmt::Debug for GroupCommit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GroupCommit").field("backend", &self.shared.backend).field("stats", &self.stats()).finish()
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Closing the queue is the writer's signal to stop once it has answered every
+        // operation already queued.
+        self.queue.close();
+        let writer = self.writer.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(writer) = writer {
+            // A panic that escaped the writer already failed its callers (their replies
+            // were dropped); there is nothing more to report from a destructor.
+            let _ = writer.join();
+        }
+    }
+}
+
+impl GroupCommit {
+    /// Starts the writer thread on `engine`; every operation reads `now` from `clock` when
+    /// it is applied, so `now` never runs backwards within a batch.
+    ///
+    /// # Errors
+    /// The operating system's error when the thread cannot start.
+    pub fn start<E: Engine>(engine: E, clock: Arc<dyn Clock>, config: BatchConfig) -> std::io::Result<Self> {
+        let backend = engine.backend();
+        let queue = Arc::new(Queue::new());
+        let counters = Arc::new(Counters::default());
+        let writer = Writer {
+            engine,
+            clock: Arc::clone(&clock),
+            last_batch: 1,
+            config: config.clone(),
+            counters: Arc::clone(&counters),
+            queue: Arc::clone(&queue),
+            dirty_since: None,
+        };
+        let handle = std::thread::Builder::new().name(config.thread_name).spawn(move || writer.run())?;
+        Ok(Self { shared: Arc::new(Shared { backend, clock, queue, counters, writer: Mutex::new(Some(handle)) }) })
+    }
+
+    /// Hands `write` to the writer and waits for its outcome, which arrives only after the
+    /// commit that holds it (or with the batch's error).
+    ///
+    /// # Errors
+    /// The operation's own refusal, its batch's failure, or an error when the writer has
+    /// stopped.
+    pub async fn submit(&self, write: Write) -> Result<Written, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        if self.shared.queue.push(Job { write, reply }).is_err() {
+            return Err(self.stopped());
+        }
+        // A dropped reply means its batch panicked, or the writer is gone.
+        answer.await.map_err(|_| self.dropped())?
+    }
+
+    /// The outcome of a claim of `req` if `view` shows a live record (the claim would write
+    /// nothing, so it takes effect at this read); `None` when the claim must go to the
+    /// writer: no record, an expired one, or a read error (the writer re-reads inside its
+    /// transaction and is the authority).
+    ///
+    /// Every acknowledged write is visible to a view opened after it, because the writer
+    /// answers a caller only after the commit that holds its write. Runs on the caller's
+    /// thread: use it with views whose point reads do not wait (a redb read transaction, a
+    /// SQLite WAL reader).
+    pub fn claim_from_view<V: RecordRead + ?Sized>(&self, view: &V, req: &ClaimRequest) -> Option<ClaimOutcome> {
+        let record = view.read(req.id).ok()??;
+        // `now` is read after the read: a record live now was live when it was read.
+        let now = self.shared.clock.now();
+        if record.is_expired(now) {
+            return None;
+        }
+        self.shared.counters.claims_read.fetch_add(1, Ordering::Relaxed);
+        Some(ClaimOutcome::Existing { record, now })
+    }
+
+    /// The clock the writer reads (for stores' own reads).
+    #[must_use]
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.shared.clock
+    }
+
+    /// What the writer has done so far.
+    #[must_use]
+    pub fn stats(&self) -> BatchStats {
+        let c = &self.shared.counters;
+        BatchStats {
+            batches: c.batches.load(Ordering::Relaxed),
+            operations: c.operations.load(Ordering::Relaxed),
+            failed_batches: c.failed_batches.load(Ordering::Relaxed),
+            read_only_batches: c.read_only_batches.load(Ordering::Relaxed),
+            claims_read: c.claims_read.load(Ordering::Relaxed),
+            abandoned_claims: c.abandoned_claims.load(Ordering::Relaxed),
+        }
+    }
+
+    fn stopped(&self) -> StoreError {
+        StoreError::unavailable(self.shared.backend, "the group-commit writer has stopped", false, "writer stopped")
+    }
+
+    fn dropped(&self) -> StoreError {
+        StoreError::unavailable(
+            self.shared.backend,
+            "the group-commit writer dropped this operation (its batch panicked; nothing in it was applied)",
+            false,
+            "operation dropped",
+        )
+    }
+}
+
+/// The same batch failure, as each caller of the batch receives it.
+fn batch_error(backend: &'static str, size: usize, stage: Stage, cause: &Arc<StoreError>) -> StoreError {
+    StoreError::unavailable(
+        backend,
+        format!("group commit of {size} operations failed at {stage}"),
+        cause.is_retryable(),
+        Arc::clone(cause),
+    )
+}
+
+/// Closes the queue when dropped, however the writer loop ends.
+struct CloseOnExit(Arc<Queue<Job>>);
+
+impl Drop for CloseOnExit {
+    fn drop(&mut self) {
+        drop(self.0.close_and_take());
+    }
+}
+
+/// Counts the writes of one operation, so the executor knows whether a failing operation
+/// left anything behind and whether a batch wrote at all.
+struct Tracked<'t> {
+    table: &'t mut dyn RecordTable,
+    wrote: bool,
+}
+
+impl RecordRead for Tracked<'_> {
+    fn read(&self, id: crate::RecordId) -> Result<Option<crate::Record>, StoreError> {
+        self.table.read(id)
+    }
+    fn journal_read(&self, id: crate::RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.table.journal_read(id, name)
+    }
+}
+
+impl RecordTable for Tracked<'_> {
+    fn write(&mut self, old: Option<&crate::Record>, new: &crate::Record) -> Result<(), StoreError> {
+        self.wrote = true;
+        self.table.write(old, new)
+    }
+    fn expired(&mut self, now: crate::UnixMillis, limit: usize) -> Result<Vec<crate::Expired>, StoreError> {
+        self.table.expired(now, limit)
+    }
+    fn remove(&mut self, expired: crate::Expired) -> Result<(), StoreError> {
+        self.wrote = true;
+        self.table.remove(expired)
+    }
+    fn journal_write(&mut self, id: crate::RecordId, name: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.wrote = true;
+        self.table.journal_write(id, name, value)
+    }
+    fn journal_clear(&mut self, id: crate::RecordId) -> Result<(), StoreError> {
+        // Clearing may find nothing to remove; counting it as a write only costs a commit
+        // in the rare case of a claim replacing an expired record without entries.
+        self.wrote = true;
+        self.table.journal_clear(id)
+    }
+    fn is_poisoned(&self) -> bool {
+        self.table.is_poisoned()
+    }
+}
+
+struct Writer<E> {
+    engine: E,
+    clock: Arc<dyn Clock>,
+    config: BatchConfig,
+    /// Size of the last batch, the adaptive linger's target.
+    last_batch: usize,
+    counters: Arc<Counters>,
+    queue: Arc<Queue<Job>>,
+    /// When the oldest commit that is not yet durable was made (flush interval only).
+    dirty_since: Option<Instant>,
+}
+
+impl<E: Engine> Writer<E> {
+    /// Runs until the queue is closed and every queued operation is answered.
+    fn run(mut self) {
+        let _closer = CloseOnExit(Arc::clone(&self.queue));
+        let mut batch = Vec::with_capacity(self.config.max_batch);
+        while let Some(first) = self.next_first() {
+            batch.push(first);
+            self.fill(&mut batch);
+            let jobs = std::mem::take(&mut batch);
+            // A panic while applying a batch must not take the store down: the batch's
+            // transaction is dropped uncommitted, its callers see their replies dropped,
+            // and the next batch starts fresh.
+            if std::panic::catch_unwind(AssertUnwindSafe(|| self.run_batch(jobs))).is_err() {
+                self.counters.failed_batches.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    backend = self.engine.backend(),
+                    "group-commit writer panicked while applying a batch; nothing in it was committed"
+                );
+            }
+        }
+        if self.dirty_since.is_some() {
+            self.flush();
+        }
+    }
+
+    /// Waits for the first operation of the next batch; `None` once the store is dropped.
+    /// With a flush interval, makes pending commits durable when the wait would outlast it.
+    fn next_first(&mut self) -> Option<Job> {
+        loop {
+            let deadline = match (self.config.flush_interval, self.dirty_since) {
+                (Some(interval), Some(since)) => Some(since + interval),
+                _ => None,
+            };
+            match self.queue.next(deadline) {
+                Next::Item(job) => return Some(job),
+                Next::Timeout => self.flush(),
+                Next::Closed => return None,
+            }
+        }
+    }
+
+    /// Adds what is already queued, then lingers for more as [`Linger`] says.
+    fn fill(&mut self, batch: &mut Vec<Job>) {
+        let max = self.config.max_batch;
+        self.queue.drain_into(batch, max);
+        let (wait, target) = match self.config.linger {
+            Linger::None => (Duration::ZERO, 0),
+            Linger::Adaptive { max: wait } => (wait, self.last_batch.min(max)),
+            Linger::Fixed(wait) => (wait, max),
+        };
+        if batch.len() < target && !wait.is_zero() {
+            let deadline = Instant::now() + wait;
+            while batch.len() < target {
+                match self.queue.next(Some(deadline)) {
+                    Next::Item(job) => {
+                        batch.push(job);
+                        // Take whatever came with it in the same lock.
+                        self.queue.drain_into(batch, target);
+                    }
+                    Next::Timeout | Next::Closed => break,
+                }
+            }
+        }
+        self.last_batch = batch.len();
+    }
+
+    fn run_batch(&mut self, jobs: Vec<Job>) {
+        let size = jobs.len();
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters.operations.fetch_add(size as u64, Ordering::Relaxed);
+        let durable = match (self.config.flush_interval, self.dirty_since) {
+            (None, _) => true,
+            (Some(interval), since) => since.is_some_and(|s| s.elapsed() >= interval),
+        };
+        let backend = self.engine.backend();
+        let clock = Arc::clone(&self.clock);
+        let counters = Arc::clone(&self.counters);
+        let mut pending = jobs.into_iter();
+        let mut done: Vec<(Reply, Result<Written, StoreError>)> = Vec::with_capacity(size);
+        // The operation that broke the transaction, and why.
+        let mut fault: Option<(Reply, StoreError)> = None;
+        let mut wrote = false;
+        let result = self.engine.transaction(durable, &mut |table| {
+            for job in pending.by_ref() {
+                if job.write.is_claim() && job.reply.is_closed() {
+                    counters.abandoned_claims.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                let mut tracked = Tracked { table: &mut *table, wrote: false };
+                let outcome = engine::apply(&mut tracked, job.write, clock.now());
+                wrote |= tracked.wrote;
+                let poisoned = tracked.is_poisoned();
+                match outcome {
+                    // An operation that failed half-way, or an engine that undid the
+                    // transaction: outcomes computed so far may describe writes that will
+                    // not be committed, so nobody of this batch may hear "done".
+                    Err(error) if tracked.wrote || poisoned => {
+                        fault = Some((job.reply, error));
+                        return false;
+                    }
+                    Ok(_) if poisoned => {
+                        let error = StoreError::unavailable(
+                            backend,
+                            "the engine rolled the transaction back",
+                            true,
+                            "transaction rolled back",
+                        );
+                        fault = Some((job.reply, error));
+                        return false;
+                    }
+                    outcome => done.push((job.reply, outcome)),
+                }
+            }
+            wrote
+        });
+        let (fault_reply, fault) = fault.map_or((None, None), |(reply, error)| (Some(reply), Some(error)));
+        let failure = match (result, fault) {
+            (Err(TransactionFailed { stage, error }), _) => Some((stage, error)),
+            (Ok(()), Some(error)) => Some((Stage::Apply, error)),
+            (Ok(()), None) => None,
+        };
+        match failure {
+            Some((stage, error)) => {
+                self.counters.failed_batches.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(backend, batch = size, %stage, %error, "group commit failed; nothing in it was committed");
+                let cause = Arc::new(error);
+                let replies =
+                    done.into_iter().map(|(reply, _)| reply).chain(fault_reply).chain(pending.map(|job| job.reply));
+                for reply in replies {
+                    // A caller that stopped waiting needs no answer.
+                    let _ = reply.send(Err(batch_error(backend, size, stage, &cause)));
+                }
+            }
+            None => {
+                if !wrote {
+                    self.counters.read_only_batches.fetch_add(1, Ordering::Relaxed);
+                } else if durable {
+                    self.dirty_since = None;
+                } else if self.dirty_since.is_none() {
+                    self.dirty_since = Some(Instant::now());
+                }
+                for (reply, outcome) in done {
+                    let _ = reply.send(outcome);
+                }
+            }
+        }
+    }
+
+    /// Makes pending non-durable commits durable.
+    fn flush(&mut self) {
+        match self.engine.flush() {
+            Ok(()) => self.dirty_since = None,
+            Err(error) => {
+                tracing::warn!(backend = self.engine.backend(), %error, "could not make pending commits durable; will retry");
+                // Back off for one interval instead of retrying in a tight loop.
+                self.dirty_since = Some(Instant::now());
+            }
+        }
+    }
+}
