@@ -62,6 +62,11 @@ impl RecordTable for Planted<'_> {
     }
 }
 
+/// Test locks are never poisoned unless a test already failed.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl Engine for ModelEngine {
     fn backend(&self) -> &'static str {
         "model"
@@ -72,8 +77,8 @@ impl Engine for ModelEngine {
         _durable: bool,
         apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool,
     ) -> Result<(), TransactionFailed> {
-        let mut draft = self.committed.lock().expect("lock").clone();
-        let panic_on = *self.panic_on.lock().expect("lock");
+        let mut draft = lock(&self.committed).clone();
+        let panic_on = *lock(&self.panic_on);
         if !apply(&mut Planted { model: &mut draft, panic_on }) {
             return Ok(());
         }
@@ -81,8 +86,8 @@ impl Engine for ModelEngine {
             let error = StoreError::unavailable("model", "disk full", true, "planted commit failure");
             return Err(TransactionFailed { stage: Stage::Commit, error });
         }
-        *self.committed.lock().expect("lock") = draft;
-        *self.commits.lock().expect("lock") += 1;
+        *lock(&self.committed) = draft;
+        *lock(&self.commits) += 1;
         Ok(())
     }
 }
