@@ -29,11 +29,13 @@ pub fn claim<T: RecordTable + ?Sized>(
     let current = t.read(req.id)?;
     let (write, outcome) = transition::claim(current.as_ref(), req, now);
     if let Some(new) = write {
-        t.write(current.as_ref(), &new)?;
-        // A claim that replaces an expired record starts with an empty journal.
+        // A claim that replaces an expired record starts with an empty journal. The old
+        // entries go first: on a store without transactions (files) a crash in between
+        // leaves an expired record without entries, never a new claim with old entries.
         if current.is_some() {
             t.journal_clear(new.id)?;
         }
+        t.write(current.as_ref(), &new)?;
     }
     Ok(outcome)
 }
