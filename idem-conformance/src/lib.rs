@@ -32,9 +32,11 @@
 //! | [`scenarios::capability`] | 3 | declared capabilities hold; peer handles; server clock |
 //! | [`scenarios::journal`] | 18 | journal entries are fenced like `complete`, first write wins unless overwritten, survive a reclaim, die with their record (expiry, sweep, replacing claim); `Resumable` steps and intents resume on the store; stores without the capability refuse with `Unsupported` |
 //!
+//! `store_tests!(backend)` also requires the store to declare the journal of resumable
+//! handlers (`declares_the_journal`); a store without one writes
+//! `store_tests!(backend, without_journal)` and runs the "journal unsupported" variants.
 //! `tests/registry.rs` checks every scenario written is listed in the macro (and that
-//! there are at least 60) and that every store in the repository declares the journal;
-//! `tests/broken.rs` checks the suite fails stores with known bugs.
+//! there are at least 60); `tests/broken.rs` checks the suite fails stores with known bugs.
 //!
 //! # Layout
 //! - [`Backend`], [`Env`]: how a scenario gets its store and clock.
@@ -250,7 +252,25 @@ pub(crate) fn blocking_sweep_lock() -> tokio::sync::MutexGuard<'static, ()> {
 /// [`model_test`]; `IDEM_MODEL_CASES` sets its case count).
 #[macro_export]
 macro_rules! store_tests {
+    // A complete store keeps the journal of resumable handlers: the suite says so out loud,
+    // so a store that stops declaring `Capabilities::journal` fails here instead of
+    // quietly running the "journal unsupported" variants.
     ($backend:expr) => {
+        $crate::store_tests!($backend, without_journal);
+
+        #[::tokio::test]
+        async fn declares_the_journal() {
+            let backend: ::std::sync::Arc<dyn $crate::Backend> = ::std::sync::Arc::new($backend);
+            let env = $crate::Env::open_named(backend, "declares_the_journal").await;
+            assert!(
+                env.store.capabilities().journal,
+                "the store must declare Capabilities::journal (or run `store_tests!(backend, without_journal)`)"
+            );
+        }
+    };
+    // A store without a journal: the journal scenarios check that it refuses journal calls
+    // with `StoreError::Unsupported`.
+    ($backend:expr, without_journal) => {
         $crate::__for_each_scenario!($crate::__store_test, $backend);
 
         /// The model-based test: random operation sequences against the store and

@@ -41,7 +41,8 @@
 //! - [`store`]: the [`Store`] contract and [`StoreError`].
 //! - [`codec`]: the versioned postcard byte form of a record.
 //! - [`time`]: milliseconds since the epoch and the clocks stores read.
-//! - `memory` (feature `memory`, on by default): [`MemoryStore`].
+//! - `memory` (feature `memory`, on by default): [`MemoryStore`] and [`TableStore`], any
+//!   record table behind one mutex.
 //! - `group_commit` (feature `group-commit`): the writer thread that batches an embedded
 //!   store's writes into one transaction. With `sweeper` (feature `sweeper`), the only
 //!   modules that run anything: everything else here is pure.
@@ -75,7 +76,7 @@ pub use decision::{Decision, decide, retry_after_secs};
 pub use fingerprint::{Fingerprint, FingerprintMode, RequestParts};
 pub use key::{IdempotencyKey, KeyError};
 #[cfg(feature = "memory")]
-pub use memory::MemoryStore;
+pub use memory::{MemoryStore, TableStore};
 pub use model::Model;
 pub use policy::{MismatchStatus, Policy, StoreFailureMode};
 pub use record::{FencingToken, Record, RecordState, StoredBody, StoredResponse};

@@ -1,22 +1,82 @@
-//! The in-memory reference store: the [`Model`] behind a mutex, timed by an injected
-//! clock. For tests, docs and single-process prototypes; nothing survives the process.
+//! Stores that run the engine under one mutex: [`TableStore`], for any [`RecordTable`]
+//! whose every operation may run whole under a lock, and [`MemoryStore`], the model
+//! behind it (for tests, docs and single-process prototypes; nothing survives the
+//! process).
 
+use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 
+use crate::engine;
 use crate::model::Model;
 use crate::record::{FencingToken, Record, StoredResponse};
 use crate::scope::RecordId;
 use crate::store::{Capabilities, JournalWrite, Store, StoreError, SweepOutcome};
-use crate::time::{Clock, SystemClock};
+use crate::table::RecordTable;
+use crate::time::{Clock, SystemClock, UnixMillis};
 use crate::transition::{ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
 
-/// In-memory [`Store`]. Clones share the same records.
-#[derive(Clone, Debug)]
-pub struct MemoryStore {
-    model: Arc<Mutex<Model>>,
+/// A [`Store`] over a [`RecordTable`] behind one mutex: each operation locks it, reads
+/// `now` from the clock and runs the [`crate::engine`] function, so the lock is the
+/// transaction. Clones share the table. Right for in-memory tables and for simple custom
+/// stores (the file-store example); an engine with real transactions and fsyncs wants
+/// the group-commit executor instead.
+pub struct TableStore<T> {
+    table: Arc<Mutex<T>>,
     clock: Arc<dyn Clock>,
+    capabilities: Capabilities,
+}
+
+/// The in-memory reference store: the [`Model`] behind a mutex.
+pub type MemoryStore = TableStore<Model>;
+
+impl<T> Clone for TableStore<T> {
+    fn clone(&self) -> Self {
+        Self { table: Arc::clone(&self.table), clock: Arc::clone(&self.clock), capabilities: self.capabilities }
+    }
+}
+
+impl<T> fmt::Debug for TableStore<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TableStore")
+            .field("table", &std::any::type_name::<T>())
+            .field("clock", &self.clock)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T> TableStore<T> {
+    /// A store on `table`, timed by `clock`, offering the journal (every table has one)
+    /// and no other capability.
+    #[must_use]
+    pub fn from_table(table: T, clock: Arc<dyn Clock>) -> Self {
+        Self { table: Arc::new(Mutex::new(table)), clock, capabilities: Capabilities::new().with_journal(true) }
+    }
+
+    /// What the table's engine offers beyond the journal.
+    #[must_use]
+    pub fn with_capabilities(mut self, capabilities: Capabilities) -> Self {
+        self.capabilities = capabilities;
+        self
+    }
+
+    /// Runs `f` on the table under the lock (an application's look at its own table).
+    pub fn with_table<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
+        f(&mut self.lock())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, T> {
+        // The engine decides before it writes, and each write replaces a whole entry: a
+        // panic under the lock cannot leave half a transition, so a poisoned lock is
+        // still consistent.
+        self.table.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn run<R>(&self, op: impl FnOnce(&mut T, UnixMillis) -> Result<R, StoreError>) -> Result<R, StoreError> {
+        let mut table = self.lock();
+        op(&mut table, self.clock.now())
+    }
 }
 
 impl Default for MemoryStore {
@@ -26,35 +86,27 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    /// A store on the system clock.
+    /// An empty in-memory store on the system clock.
     #[must_use]
     pub fn new() -> Self {
         Self::with_clock(Arc::new(SystemClock))
     }
 
-    /// A store on `clock` (tests pass a [`crate::ManualClock`]).
+    /// An empty in-memory store on `clock` (tests pass a [`crate::ManualClock`]).
     #[must_use]
     pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
-        Self { model: Arc::new(Mutex::new(Model::new())), clock }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Model> {
-        // A panic while holding the lock cannot leave a half-applied transition (each one
-        // is a single insert), so a poisoned lock is still consistent.
-        self.model.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        Self::from_table(Model::new(), clock)
     }
 }
 
 #[async_trait]
-impl Store for MemoryStore {
+impl<T: RecordTable + Send + 'static> Store for TableStore<T> {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let now = self.clock.now();
-        Ok(self.lock().claim(&req, now))
+        self.run(|t, now| engine::claim(t, &req, now))
     }
 
     async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
-        let now = self.clock.now();
-        Ok(self.lock().reclaim(&req, now))
+        self.run(|t, now| engine::reclaim(t, &req, now))
     }
 
     async fn complete(
@@ -63,27 +115,23 @@ impl Store for MemoryStore {
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Record, StoreError> {
-        let now = self.clock.now();
-        self.lock().complete(id, token, response, now)
+        self.run(|t, now| engine::complete(t, id, token, response, now))
     }
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
-        let now = self.clock.now();
-        self.lock().fail(id, token, now)
+        self.run(|t, now| engine::fail(t, id, token, now))
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        let now = self.clock.now();
-        Ok(self.lock().get(id, now))
+        self.run(|t, now| engine::get(t, id, now))
     }
 
     async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
-        let now = self.clock.now();
-        Ok(self.lock().sweep(limit, now))
+        self.run(|t, now| engine::sweep(t, limit, now))
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new().with_journal(true)
+        self.capabilities
     }
 
     async fn journal_put(
@@ -94,12 +142,10 @@ impl Store for MemoryStore {
         value: Vec<u8>,
         overwrite: bool,
     ) -> Result<JournalWrite, StoreError> {
-        let now = self.clock.now();
-        self.lock().journal_put(id, token, name, value, overwrite, now)
+        self.run(|t, now| engine::journal_put(t, id, token, name, &value, overwrite, now))
     }
 
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        let now = self.clock.now();
-        Ok(self.lock().journal_get(id, name, now))
+        self.run(|t, now| engine::journal_get(t, id, name, now))
     }
 }

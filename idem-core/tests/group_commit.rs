@@ -3,7 +3,6 @@
 //! sequential model, and each batch-level behaviour the executor promises every embedded
 //! store (own refusals stay own, a failed commit fails exactly its batch, a panic is
 //! recovered, read-only batches are not committed, abandoned claims are skipped).
-#![cfg(feature = "group-commit")]
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

@@ -2,18 +2,18 @@
 //!
 //! The smallest [`Store`] that passes the idem conformance suite, written the way a user
 //! would write one for their own engine: a [`RecordTable`] over a directory, and every
-//! operation handed to the shared [`engine`], so no rule of the state machine is
-//! restated here.
+//! operation handed to the shared engine by idem-core's [`TableStore`], so no rule of
+//! the state machine, and no `Store` method, is restated here.
 //!
 //! Each record is one file named by its record id in hex (`<dir>/<64 hex chars>`),
 //! holding [`idem_core::codec`] bytes; each journal entry is one file in
 //! `<dir>/<hex>.journal/`, named by the BLAKE3 hash of the entry name (names are any
 //! bytes, up to 255 of them, so they cannot be file names themselves). Files are replaced
 //! by writing a temporary file and renaming it, so a crash never leaves half a record.
-//! One process-wide mutex is the "transaction": every operation runs whole under it.
+//! The store's mutex is the "transaction": every operation runs whole under it.
 //!
-//! It is deliberately simple, not a production store: one process only (the mutex is not
-//! a file lock), blocking file I/O on the caller's thread, a sweep that lists the whole
+//! It is deliberately simple, not a production store: one handle per directory (the mutex
+//! is not a file lock), blocking file I/O on the caller's thread, a sweep that lists the whole
 //! directory (its expiry "index"), no fsync. Its `tests/conformance.rs` is the point:
 //!
 //! ```ignore
@@ -21,77 +21,61 @@
 //! ```
 //!
 //! # Layout
-//! - [`FileStore`]: the store.
+//! - [`FileStore`], [`open`], [`temporary`]: the store.
+//! - [`Files`]: its record table.
 
 use std::fs;
 use std::io::{self, ErrorKind};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
-use async_trait::async_trait;
-use idem_core::transition::{ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
-use idem_core::{
-    Capabilities, Clock, Expired, FencingToken, JournalWrite, Record, RecordId, RecordRead, RecordTable, Store,
-    StoreError, StoredResponse, SweepOutcome, UnixMillis, codec, engine,
-};
+use idem_core::{Clock, Expired, Record, RecordId, RecordRead, RecordTable, StoreError, TableStore, UnixMillis, codec};
 
-/// Serialises every operation of every [`FileStore`] in this process.
-static LOCK: Mutex<()> = Mutex::new(());
+/// The file store: the directory as a [`RecordTable`], run under one mutex by idem-core's
+/// [`TableStore`] (the mutex is the transaction). Clones share the lock: open one store
+/// per directory per process and clone it.
+pub type FileStore = TableStore<Files>;
 
-/// A [`Store`] keeping one file per record under a directory. Clones share the directory.
-#[derive(Clone, Debug)]
-pub struct FileStore {
-    dir: PathBuf,
-    clock: Arc<dyn Clock>,
-    /// Keeps a temporary directory alive as long as any handle uses it.
-    _temp: Option<Arc<tempfile::TempDir>>,
+/// Opens (creating if needed) a store in `dir`, timed by `clock`.
+///
+/// # Errors
+/// [`StoreError::Unavailable`] when the directory cannot be created.
+pub fn open(dir: impl Into<PathBuf>, clock: Arc<dyn Clock>) -> Result<FileStore, StoreError> {
+    let dir = dir.into();
+    fs::create_dir_all(&dir).map_err(io_error)?;
+    Ok(TableStore::from_table(Files { dir, _temp: None }, clock))
 }
 
-impl FileStore {
-    /// Opens (creating if needed) a store in `dir`, timed by `clock`.
-    ///
-    /// # Errors
-    /// [`StoreError::Unavailable`] when the directory cannot be created.
-    pub fn open(dir: impl Into<PathBuf>, clock: Arc<dyn Clock>) -> Result<Self, StoreError> {
-        let dir = dir.into();
-        fs::create_dir_all(&dir).map_err(io_error)?;
-        Ok(Self { dir, clock, _temp: None })
-    }
+/// A store in a fresh temporary directory, removed with the last handle (tests).
+///
+/// # Errors
+/// [`StoreError::Unavailable`] when no temporary directory can be made.
+pub fn temporary(clock: Arc<dyn Clock>) -> Result<FileStore, StoreError> {
+    let temp = tempfile::tempdir().map_err(io_error)?;
+    Ok(TableStore::from_table(Files { dir: temp.path().to_owned(), _temp: Some(temp) }, clock))
+}
 
-    /// A store in a fresh temporary directory, removed with the last handle (tests).
-    ///
-    /// # Errors
-    /// [`StoreError::Unavailable`] when no temporary directory can be made.
-    pub fn temporary(clock: Arc<dyn Clock>) -> Result<Self, StoreError> {
-        let temp = tempfile::tempdir().map_err(io_error)?;
-        Ok(Self { dir: temp.path().to_owned(), clock, _temp: Some(Arc::new(temp)) })
-    }
+/// The record table: one directory.
+#[derive(Debug)]
+pub struct Files {
+    dir: PathBuf,
+    /// Keeps a temporary directory alive as long as the store.
+    _temp: Option<tempfile::TempDir>,
+}
 
+impl Files {
     /// The directory holding the record files.
     #[must_use]
     pub fn dir(&self) -> &Path {
         &self.dir
     }
 
-    /// Runs one operation under the lock, at the store's `now`.
-    fn run<T>(&self, op: impl FnOnce(&mut Files<'_>, UnixMillis) -> Result<T, StoreError>) -> Result<T, StoreError> {
-        // The guarded data is `()`, and files are replaced by rename: a panic under the
-        // lock leaves nothing half-done, so a poisoned lock is still good.
-        let _guard = LOCK.lock().unwrap_or_else(PoisonError::into_inner);
-        op(&mut Files(&self.dir), self.clock.now())
-    }
-}
-
-/// The record table: the directory, while the lock is held.
-struct Files<'d>(&'d Path);
-
-impl Files<'_> {
     fn record(&self, id: RecordId) -> PathBuf {
-        self.0.join(id.to_hex())
+        self.dir.join(id.to_hex())
     }
 
     fn journal(&self, id: RecordId) -> PathBuf {
-        self.0.join(format!("{}.journal", id.to_hex()))
+        self.dir.join(format!("{}.journal", id.to_hex()))
     }
 }
 
@@ -113,7 +97,7 @@ fn replace(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
     fs::write(&tmp, bytes).and_then(|()| fs::rename(&tmp, path)).map_err(io_error)
 }
 
-impl RecordRead for Files<'_> {
+impl RecordRead for Files {
     fn read(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
         let bytes = absent_ok(fs::read(self.record(id)))?;
         bytes.map(|b| codec::decode(&b).map_err(|source| StoreError::Corrupt { id: Some(id), source })).transpose()
@@ -124,14 +108,14 @@ impl RecordRead for Files<'_> {
     }
 }
 
-impl RecordTable for Files<'_> {
+impl RecordTable for Files {
     fn write(&mut self, _old: Option<&Record>, new: &Record) -> Result<(), StoreError> {
         replace(&self.record(new.id), &codec::encode(new))
     }
 
     fn expired(&mut self, now: UnixMillis, limit: usize) -> Result<Vec<Expired>, StoreError> {
         let mut expired = Vec::new();
-        for entry in fs::read_dir(self.0).map_err(io_error)? {
+        for entry in fs::read_dir(&self.dir).map_err(io_error)? {
             // Journals, temporary files and foreign files are not records.
             let Some(id) = entry.map_err(io_error)?.file_name().to_str().and_then(RecordId::from_hex) else { continue };
             let Some(record) = self.read(id)? else { continue };
@@ -155,56 +139,5 @@ impl RecordTable for Files<'_> {
 
     fn journal_clear(&mut self, id: RecordId) -> Result<(), StoreError> {
         absent_ok(fs::remove_dir_all(self.journal(id))).map(drop)
-    }
-}
-
-#[async_trait]
-impl Store for FileStore {
-    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        self.run(|files, now| engine::claim(files, &req, now))
-    }
-
-    async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
-        self.run(|files, now| engine::reclaim(files, &req, now))
-    }
-
-    async fn complete(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        response: StoredResponse,
-    ) -> Result<Record, StoreError> {
-        self.run(|files, now| engine::complete(files, id, token, response, now))
-    }
-
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
-        self.run(|files, now| engine::fail(files, id, token, now))
-    }
-
-    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        self.run(|files, now| engine::get(files, id, now))
-    }
-
-    async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
-        self.run(|files, now| engine::sweep(files, limit, now))
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        Capabilities::new().with_journal(true)
-    }
-
-    async fn journal_put(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        name: &str,
-        value: Vec<u8>,
-        overwrite: bool,
-    ) -> Result<JournalWrite, StoreError> {
-        self.run(|files, now| engine::journal_put(files, id, token, name, &value, overwrite, now))
-    }
-
-    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        self.run(|files, now| engine::journal_get(files, id, name, now))
     }
 }

@@ -17,7 +17,7 @@ struct TempFileStores {
 #[async_trait]
 impl idem_conformance::Backend for TempFileStores {
     async fn open(&self, clock: ManualClock) -> Arc<dyn Store> {
-        let store = FileStore::temporary(Arc::new(clock)).expect("a temporary store");
+        let store = idem_example_file_store::temporary(Arc::new(clock)).expect("a temporary store");
         let handle: Arc<dyn Store> = Arc::new(store.clone());
         self.opened.lock().expect("not poisoned").push((Arc::clone(&handle), store));
         handle
