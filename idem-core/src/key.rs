@@ -97,7 +97,7 @@ impl IdempotencyKey {
     /// Rebuilds a key from the unquoted form a store kept (a text column, a hash field).
     /// `None` when `stored` is not a key (empty, a byte outside visible ASCII): the store
     /// reports that record as corrupt. No length limit applies: the key was checked
-    /// against the policy's limit when it was first parsed.
+    /// against the limit in force when it was first parsed.
     #[must_use]
     pub fn from_stored(stored: &str) -> Option<Self> {
         let bytes = stored.as_bytes();

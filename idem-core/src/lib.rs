@@ -29,7 +29,8 @@
 //! - [`scope`]: principal, endpoint, scope and the 32-byte [`RecordId`].
 //! - [`fingerprint`]: what makes a retry "the same request".
 //! - [`record`]: the record, its states, the fencing token and the stored response.
-//! - [`policy`]: retention, lease TTL, cacheable statuses, header and body rules.
+//! - [`policy`]: the record rules: retention, lease TTL, cacheable statuses, and which
+//!   headers and how much body a stored response keeps.
 //! - [`decision`]: the decision table.
 //! - [`transition`]: the state machine as pure functions, and the store requests/outcomes.
 //! - [`table`]: the record-table seam ([`RecordTable`]) an in-process store implements.
@@ -78,7 +79,7 @@ pub use key::{IdempotencyKey, KeyError};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryStore, TableStore};
 pub use model::Model;
-pub use policy::{MismatchStatus, Policy, StoreFailureMode};
+pub use policy::Policy;
 pub use record::{FencingToken, Record, RecordState, StoredBody, StoredResponse};
 pub use resume::{Reconciled, Resumable, StepError, SubKey};
 pub use scope::{Endpoint, Principal, RecordId, Scope, ScopeError};

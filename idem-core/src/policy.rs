@@ -1,47 +1,17 @@
-//! Operator settings with DESIGN.md's defaults.
+//! The record rules: how long a record lives and what it stores.
+//!
+//! A [`Policy`] answers the questions every front end asks of the record it writes,
+//! whatever protocol it speaks: how long the record is retained, how long a claim's lease
+//! lasts, which responses are stored for replay, and which parts of a response the stored
+//! record keeps (headers, body size, compression). How requests are read (key length,
+//! body limit, fingerprinted headers) and answered (mismatch status, store outages) is the
+//! front end's business: `idem-http` sets those on its `IdempotencyLayer`.
 
 use std::time::Duration;
 
-use crate::key::DEFAULT_MAX_KEY_LEN;
-
-/// What the HTTP layer (or any caller) does when the store cannot be reached.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum StoreFailureMode {
-    /// Answer 503 with `Retry-After`; the handler never runs without a claim (default).
-    #[default]
-    FailClosed,
-    /// Run the handler without idempotency protection. Only for endpoints whose handler is
-    /// already safe to repeat; the layer logs every such request.
-    FailOpen,
-}
-
-/// Status used for a fingerprint mismatch (same key, different request).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum MismatchStatus {
-    /// 409 Conflict (default).
-    #[default]
-    Conflict,
-    /// 422 Unprocessable Content, as draft-ietf-httpapi-idempotency-key-header §2.7 suggests.
-    UnprocessableContent,
-    /// 400 Bad Request.
-    BadRequest,
-}
-
-impl MismatchStatus {
-    /// The numeric status.
-    #[must_use]
-    pub fn code(self) -> u16 {
-        match self {
-            MismatchStatus::Conflict => 409,
-            MismatchStatus::UnprocessableContent => 422,
-            MismatchStatus::BadRequest => 400,
-        }
-    }
-}
-
-/// Retention, lease and caching rules. `Policy::default()` is DESIGN.md's table.
+/// The record rules: retention, lease, cacheable statuses, and what a stored response
+/// keeps. `Policy::default()` gives 24 h retention, a 5 min lease, 2xx and most 4xx
+/// stored, bodies up to 1 MiB kept, LZ4 over 4 KiB, `set-cookie` and `date` dropped.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct Policy {
@@ -52,31 +22,18 @@ pub struct Policy {
     /// blocks retries for at most this long; a handler slower than this may run twice, so
     /// keep it above the endpoint's worst-case latency.
     pub lease_ttl: Duration,
-    /// Longest accepted key, bytes (default 255).
-    pub max_key_len: usize,
-    /// Largest request body the layer buffers to fingerprint, bytes (default 1 MiB);
-    /// larger requests get 413 and no claim.
-    pub max_request_body: usize,
+    /// 4xx statuses that are not stored because the server made no decision the client
+    /// should see again (default 401, 403, 408, 409, 423, 425, 429). Entries outside
+    /// 400..=499 change nothing: 2xx are always stored, 1xx, 3xx and 5xx never.
+    pub uncacheable_4xx: Vec<u16>,
     /// Largest response body stored for replay, bytes (default 1 MiB). Larger responses
     /// still complete the record; the replay reports the body was not retained.
     pub max_stored_body: usize,
     /// Bodies longer than this many bytes are stored LZ4-compressed (default 4 KiB).
     pub compress_over: usize,
-    /// Request headers (lower-case) that enter the fingerprint (default `content-type`).
-    pub fingerprint_headers: Vec<String>,
-    /// How the body enters the fingerprint (default raw bytes; RFC 8785 canonical JSON is
-    /// opt-in because it can merge requests an API treats as different).
-    pub fingerprint_mode: crate::fingerprint::FingerprintMode,
     /// Response headers (lower-case) never stored, besides hop-by-hop ones (default
     /// `set-cookie`, `date`).
     pub header_deny_list: Vec<String>,
-    /// 4xx statuses that are not stored because the server made no decision the client
-    /// should see again (default 401, 403, 408, 409, 423, 425, 429).
-    pub uncacheable_4xx: Vec<u16>,
-    /// Status for a fingerprint mismatch (default 409).
-    pub mismatch_status: MismatchStatus,
-    /// Behaviour when the store fails (default fail closed).
-    pub on_store_failure: StoreFailureMode,
 }
 
 impl Default for Policy {
@@ -84,16 +41,10 @@ impl Default for Policy {
         Self {
             retention: Duration::from_secs(24 * 60 * 60),
             lease_ttl: Duration::from_secs(5 * 60),
-            max_key_len: DEFAULT_MAX_KEY_LEN,
-            max_request_body: 1 << 20,
+            uncacheable_4xx: vec![401, 403, 408, 409, 423, 425, 429],
             max_stored_body: 1 << 20,
             compress_over: 4 << 10,
-            fingerprint_headers: vec!["content-type".into()],
-            fingerprint_mode: crate::fingerprint::FingerprintMode::Raw,
             header_deny_list: vec!["set-cookie".into(), "date".into()],
-            uncacheable_4xx: vec![401, 403, 408, 409, 423, 425, 429],
-            mismatch_status: MismatchStatus::Conflict,
-            on_store_failure: StoreFailureMode::FailClosed,
         }
     }
 }
@@ -114,59 +65,48 @@ pub const HOP_BY_HOP: &[&str] = &[
 ];
 
 impl Policy {
-    /// Sets the retention window.
+    /// Sets the retention window: how long a record lives after its claim.
     #[must_use]
     pub fn with_retention(mut self, d: Duration) -> Self {
         self.retention = d;
         self
     }
 
-    /// Sets the lease TTL.
+    /// Sets the lease TTL: how long an in-flight claim is honoured.
     #[must_use]
     pub fn with_lease_ttl(mut self, d: Duration) -> Self {
         self.lease_ttl = d;
         self
     }
 
-    /// Sets the mismatch status.
+    /// Sets the 4xx statuses that are not stored (default 401, 403, 408, 409, 423, 425,
+    /// 429); a retry of such a response runs the handler again.
     #[must_use]
-    pub fn with_mismatch_status(mut self, s: MismatchStatus) -> Self {
-        self.mismatch_status = s;
+    pub fn with_uncacheable_4xx<I: IntoIterator<Item = u16>>(mut self, statuses: I) -> Self {
+        self.uncacheable_4xx = statuses.into_iter().collect();
         self
     }
 
-    /// Sets the store failure mode.
-    #[must_use]
-    pub fn with_store_failure_mode(mut self, m: StoreFailureMode) -> Self {
-        self.on_store_failure = m;
-        self
-    }
-
-    /// Sets the largest stored body, bytes.
+    /// Sets the largest stored body, bytes (default 1 MiB).
     #[must_use]
     pub fn with_max_stored_body(mut self, bytes: usize) -> Self {
         self.max_stored_body = bytes;
         self
     }
 
-    /// Sets the largest buffered request body, bytes.
+    /// Sets the length, bytes, over which a stored body is LZ4-compressed (default 4 KiB).
     #[must_use]
-    pub fn with_max_request_body(mut self, bytes: usize) -> Self {
-        self.max_request_body = bytes;
+    pub fn with_compress_over(mut self, bytes: usize) -> Self {
+        self.compress_over = bytes;
         self
     }
 
-    /// Sets the fingerprinted request headers (names are lower-cased).
+    /// Sets the response headers never stored besides hop-by-hop ones (default
+    /// `set-cookie`, `date`; per-exchange ids such as `x-request-id` belong here too).
+    /// Names are lower-cased.
     #[must_use]
-    pub fn with_fingerprint_headers<I: IntoIterator<Item = S>, S: Into<String>>(mut self, names: I) -> Self {
-        self.fingerprint_headers = names.into_iter().map(|s| s.into().to_ascii_lowercase()).collect();
-        self
-    }
-
-    /// Sets the fingerprint mode.
-    #[must_use]
-    pub fn with_fingerprint_mode(mut self, mode: crate::fingerprint::FingerprintMode) -> Self {
-        self.fingerprint_mode = mode;
+    pub fn with_header_deny_list<I: IntoIterator<Item = S>, S: Into<String>>(mut self, names: I) -> Self {
+        self.header_deny_list = names.into_iter().map(|s| s.into().to_ascii_lowercase()).collect();
         self
     }
 
@@ -176,8 +116,9 @@ impl Policy {
         self.retention.max(self.lease_ttl)
     }
 
-    /// Whether a response with `status` is stored and replayed (DESIGN.md "What is
-    /// stored"): 2xx, and 4xx outside `uncacheable_4xx`. Never 1xx, 3xx or 5xx.
+    /// Whether a response with `status` is stored and replayed: 2xx, and 4xx outside
+    /// `uncacheable_4xx` (the server made a durable change, or decided that none will
+    /// ever happen). Never 1xx, 3xx or 5xx.
     #[must_use]
     pub fn is_cacheable(&self, status: u16) -> bool {
         match status {
@@ -194,14 +135,6 @@ impl Policy {
         !HOP_BY_HOP.iter().any(|h| h.eq_ignore_ascii_case(name))
             && !self.header_deny_list.iter().any(|d| d.eq_ignore_ascii_case(name))
     }
-
-    /// Sets the response headers never stored besides hop-by-hop ones (default
-    /// `set-cookie`, `date`; per-exchange ids such as `x-request-id` belong here too).
-    #[must_use]
-    pub fn with_header_deny_list<I: IntoIterator<Item = S>, S: Into<String>>(mut self, names: I) -> Self {
-        self.header_deny_list = names.into_iter().map(|s| s.into().to_ascii_lowercase()).collect();
-        self
-    }
 }
 
 #[cfg(test)]
@@ -217,6 +150,18 @@ mod tests {
         for s in [100, 301, 303, 401, 403, 408, 409, 423, 425, 429, 500, 502, 503, 504] {
             assert!(!p.is_cacheable(s), "{s}");
         }
+    }
+
+    /// A status taken out of the uncacheable list was still refused (or a 5xx let in).
+    #[test]
+    fn uncacheable_statuses_are_configurable_within_4xx() {
+        let p = Policy::default().with_uncacheable_4xx([404]);
+        assert!(!p.is_cacheable(404));
+        assert!(p.is_cacheable(409));
+        assert!(p.is_cacheable(429));
+        let p = Policy::default().with_uncacheable_4xx([]);
+        assert!(p.is_cacheable(401));
+        assert!(!p.is_cacheable(500), "a 5xx is never stored, whatever the list says");
     }
 
     #[test]

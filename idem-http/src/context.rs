@@ -94,8 +94,8 @@ impl IdempotencyContext {
     }
 }
 
-/// Response extension a handler may set to override the policy's status rule for one
-/// response (DESIGN.md, "What is stored": "a handler may override per response").
+/// Response extension a handler may set to override the policy's status rule
+/// ([`idem_core::Policy::is_cacheable`]) for one response.
 ///
 /// The policy decides by status alone; the handler sometimes knows better. A 409 that
 /// reports a final business decision ("that name is taken, and always will be") can be

@@ -1,131 +1,54 @@
-//! [`IdempotencyLayer`]: the configuration, and the tower [`Layer`] that wraps a service
-//! in [`Idempotency`].
+//! [`IdempotencyLayer`]: every setting of the layer, and the tower [`Layer`] that wraps a
+//! service in [`Idempotency`].
 
-use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
-use idem_core::{Policy, Store};
+use idem_core::{FingerprintMode, Policy, Store};
 use tower::Layer;
 
-use crate::principal::{BearerToken, PrincipalResolver};
+use crate::config::{Config, HandlerExecution, KeyRequirement, MismatchStatus, MissingPrincipal, StoreFailureMode};
+use crate::principal::PrincipalResolver;
 use crate::service::Idempotency;
-
-/// What the layer does with a non-safe request that has no `Idempotency-Key` field.
-///
-/// A field that is present but empty, blank or otherwise invalid is always a 400, whatever
-/// this says: a client that meant to send a key must not silently lose its protection
-/// (handed case C12).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum KeyRequirement {
-    /// 400 with a [`crate::ProblemKind::MissingKey`] problem (default). The layer is put on
-    /// routes that create or change things; a retry without a key cannot be made safe, so
-    /// the safe default is to say so rather than run unprotected.
-    #[default]
-    Required,
-    /// Run the handler without idempotency and store nothing (Stripe's behaviour). Every
-    /// keyless request runs: two keyless requests are never merged into one record.
-    Optional,
-}
-
-/// What the layer does with a keyed request whose principal the resolver cannot find.
-///
-/// Never a shared bucket: records are always scoped by a real principal (handed case C11).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum MissingPrincipal {
-    /// 401 with a [`crate::ProblemKind::MissingPrincipal`] problem; the handler does not
-    /// run (default).
-    #[default]
-    Reject,
-    /// Run the handler without idempotency and store nothing, as for a keyless request
-    /// under [`KeyRequirement::Optional`]. For APIs with anonymous endpoints that accept
-    /// duplicates.
-    SkipIdempotency,
-}
-
-/// Where the handler runs once a request holds the claim (first claim or reclaim).
-///
-/// The choice decides what a client disconnect does to the operation. A server (hyper,
-/// axum) drops a request's response future when its client goes away; whatever that
-/// future owns is cancelled at its next await point.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum HandlerExecution {
-    /// The handler call, the reading of its whole response body and the `complete` or
-    /// `fail` write are work that outlives the response future (default). While the client
-    /// waits, the response future polls that work in place (no task per request); if the
-    /// response future is dropped before the work finished, the work moves to a task of its
-    /// own (`tokio::spawn` on the runtime current when the request was claimed) and runs
-    /// to its end there.
-    ///
-    /// A client that disconnects takes nothing with it: the work finishes, its outcome is
-    /// stored, and the client's retry gets 409 `in-flight` while it runs, then the replay.
-    /// The handler runs once. This is the right mode for infrastructure APIs, whose
-    /// handlers allocate things (a node, a lease, a VM) in steps that a cancellation can cut
-    /// in half.
-    ///
-    /// A handler panic still marks the record failed (inside the work) and is then
-    /// re-raised from the response future, if that is still alive. If the runtime shuts
-    /// down before a moved task finished, the record is marked failed when the runtime can
-    /// still run the write, or frees itself when its lease ends.
-    ///
-    /// Do not rely on task-locals (`tokio::task_local!`) in the handler: they are visible
-    /// while the work is polled in place and gone once it moved to its own task. The current
-    /// tracing span is carried over. Outside a tokio runtime the handler runs inline.
-    #[default]
-    Detached,
-    /// The handler runs inside the response future, as a plain tower middleware would run
-    /// it: when the client disconnects, the handler is cancelled at its next await point
-    /// and the record is marked failed, so a retry runs the handler again.
-    ///
-    /// Only safe when a cancelled handler leaves nothing behind: its side effects are
-    /// transactional with its response, or keyed downstream by a sub-key from
-    /// [`crate::IdempotencyContext`]. Work that outlives the cancelled future (a
-    /// `spawn_blocking` transaction, a downstream call already sent, a spawned task)
-    /// completes, and the retry does it again. For handlers that must be cancellable, or
-    /// that rely on task-locals.
-    Inline,
-}
-
-/// Shared, read-only configuration of every service the layer makes.
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub(crate) store: Arc<dyn Store>,
-    pub(crate) policy: Policy,
-    pub(crate) resolver: Arc<dyn PrincipalResolver>,
-    pub(crate) key_requirement: KeyRequirement,
-    pub(crate) missing_principal: MissingPrincipal,
-    pub(crate) handler_execution: HandlerExecution,
-}
-
-impl fmt::Debug for Config {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Config")
-            .field("store", &self.store)
-            .field("policy", &self.policy)
-            .field("key_requirement", &self.key_requirement)
-            .field("missing_principal", &self.missing_principal)
-            .field("handler_execution", &self.handler_execution)
-            .finish_non_exhaustive()
-    }
-}
 
 /// Tower layer that makes the wrapped service idempotent per `Idempotency-Key`.
 ///
-/// Defaults: [`Policy::default()`] (24 h retention, 5 min lease, 1 MiB body limits, fail
-/// closed), principals from [`BearerToken`], [`KeyRequirement::Required`],
-/// [`MissingPrincipal::Reject`], [`HandlerExecution::Detached`]. Cloning is cheap (one `Arc`).
+/// Every setting is a `with_*` method here. The record rules (retention, lease, cacheable
+/// statuses, what a stored response keeps) are an [`idem_core::Policy`], set one by one
+/// with the methods under "Record rules" or at once with [`IdempotencyLayer::with_policy`];
+/// the rest (under "Requests and answers") decide how requests are read and answered.
+///
+/// | setting | default |
+/// |---|---|
+/// | [`with_retention`](Self::with_retention) | 24 h |
+/// | [`with_lease_ttl`](Self::with_lease_ttl) | 5 min |
+/// | [`with_uncacheable_4xx`](Self::with_uncacheable_4xx) | 401, 403, 408, 409, 423, 425, 429 |
+/// | [`with_max_stored_body`](Self::with_max_stored_body) | 1 MiB (1 048 576 bytes) |
+/// | [`with_compress_over`](Self::with_compress_over) | 4 KiB (4 096 bytes) |
+/// | [`with_header_deny_list`](Self::with_header_deny_list) | `set-cookie`, `date` |
+/// | [`with_key_requirement`](Self::with_key_requirement) | [`KeyRequirement::Required`] |
+/// | [`with_max_key_len`](Self::with_max_key_len) | 255 bytes |
+/// | [`with_principal_resolver`](Self::with_principal_resolver) | [`crate::BearerToken`] |
+/// | [`with_missing_principal`](Self::with_missing_principal) | [`MissingPrincipal::Reject`] |
+/// | [`with_max_request_body`](Self::with_max_request_body) | 1 MiB (1 048 576 bytes) |
+/// | [`with_fingerprint_headers`](Self::with_fingerprint_headers) | `content-type` |
+/// | [`with_fingerprint_mode`](Self::with_fingerprint_mode) | [`FingerprintMode::Raw`] |
+/// | [`with_mismatch_status`](Self::with_mismatch_status) | [`MismatchStatus::Conflict`] (409) |
+/// | [`with_store_failure_mode`](Self::with_store_failure_mode) | [`StoreFailureMode::FailClosed`] |
+/// | [`with_handler_execution`](Self::with_handler_execution) | [`HandlerExecution::Detached`] |
+///
+/// Cloning is cheap (one `Arc`).
 ///
 /// ```
 /// use std::sync::Arc;
 /// use std::time::Duration;
-/// use idem_core::{MemoryStore, Policy};
-/// use idem_http::{IdempotencyLayer, KeyRequirement};
+/// use idem_core::MemoryStore;
+/// use idem_http::{IdempotencyLayer, KeyRequirement, MismatchStatus};
 ///
 /// let layer = IdempotencyLayer::new(Arc::new(MemoryStore::new()))
-///     .with_policy(Policy::default().with_retention(Duration::from_secs(7 * 86_400)))
-///     .with_key_requirement(KeyRequirement::Optional);
+///     .with_retention(Duration::from_secs(7 * 86_400))
+///     .with_key_requirement(KeyRequirement::Optional)
+///     .with_mismatch_status(MismatchStatus::UnprocessableContent);
 /// assert_eq!(layer.policy().retention, Duration::from_secs(7 * 86_400));
 /// ```
 #[derive(Clone, Debug)]
@@ -137,58 +60,164 @@ impl IdempotencyLayer {
     /// A layer over `store` with the defaults above.
     #[must_use]
     pub fn new(store: Arc<dyn Store>) -> Self {
-        Self {
-            config: Arc::new(Config {
-                store,
-                policy: Policy::default(),
-                resolver: Arc::new(BearerToken),
-                key_requirement: KeyRequirement::default(),
-                missing_principal: MissingPrincipal::default(),
-                handler_execution: HandlerExecution::default(),
-            }),
-        }
+        Self { config: Arc::new(Config::new(store)) }
     }
 
-    /// Replaces the policy (retention, lease, limits, cacheable statuses, header rules,
-    /// mismatch status, store failure mode).
+    /// The settings, to change one of them. Copies them first if a service made from this
+    /// layer still shares them (services keep what they were made with).
+    fn config(&mut self) -> &mut Config {
+        Arc::make_mut(&mut self.config)
+    }
+
+    /// Changes the record rules with one of [`Policy`]'s own setters, so each rule is
+    /// written (and normalised, e.g. lower-cased header names) in one place.
+    fn map_policy(mut self, change: impl FnOnce(Policy) -> Policy) -> Self {
+        let config = self.config();
+        config.policy = change(std::mem::take(&mut config.policy));
+        self
+    }
+
+    // Record rules, delegated to the policy.
+
+    /// Replaces every record rule at once (retention, lease TTL, uncacheable statuses,
+    /// stored body limit, compression threshold, header deny list), including those set
+    /// by the methods below before this call.
     #[must_use]
     pub fn with_policy(mut self, policy: Policy) -> Self {
-        Arc::make_mut(&mut self.config).policy = policy;
+        self.config().policy = policy;
         self
     }
 
-    /// Replaces the principal resolver (default [`BearerToken`]).
+    /// Sets how long a record lives after its claim (default 24 h). Never shorter than the
+    /// lease TTL in effect: a live claim is never swept. See [`Policy::retention`].
     #[must_use]
-    pub fn with_principal_resolver(mut self, resolver: impl PrincipalResolver) -> Self {
-        Arc::make_mut(&mut self.config).resolver = Arc::new(resolver);
-        self
+    pub fn with_retention(self, retention: Duration) -> Self {
+        self.map_policy(|p| p.with_retention(retention))
     }
+
+    /// Sets how long an in-flight claim is honoured (default 5 min): a handler killed
+    /// mid-flight blocks retries for at most this long, and one slower than this may run
+    /// twice. See [`Policy::lease_ttl`].
+    #[must_use]
+    pub fn with_lease_ttl(self, lease_ttl: Duration) -> Self {
+        self.map_policy(|p| p.with_lease_ttl(lease_ttl))
+    }
+
+    /// Sets the 4xx statuses that are not stored, so a retry runs the handler again
+    /// (default 401, 403, 408, 409, 423, 425, 429). 2xx are always stored; 1xx, 3xx and
+    /// 5xx never. See [`Policy::is_cacheable`].
+    #[must_use]
+    pub fn with_uncacheable_4xx<I: IntoIterator<Item = u16>>(self, statuses: I) -> Self {
+        self.map_policy(|p| p.with_uncacheable_4xx(statuses))
+    }
+
+    /// Sets the largest response body stored for replay, bytes (default 1 MiB). A larger
+    /// response still completes the record; its replay answers a `response-not-retained`
+    /// problem with the original status.
+    #[must_use]
+    pub fn with_max_stored_body(self, bytes: usize) -> Self {
+        self.map_policy(|p| p.with_max_stored_body(bytes))
+    }
+
+    /// Sets the body length, bytes, over which a stored body is LZ4-compressed (default
+    /// 4 KiB).
+    #[must_use]
+    pub fn with_compress_over(self, bytes: usize) -> Self {
+        self.map_policy(|p| p.with_compress_over(bytes))
+    }
+
+    /// Sets the response headers never stored besides hop-by-hop ones (default
+    /// `set-cookie`, `date`; per-exchange ids such as `x-request-id` belong here too).
+    /// Names compare case-insensitively.
+    #[must_use]
+    pub fn with_header_deny_list<I: IntoIterator<Item = S>, S: Into<String>>(self, names: I) -> Self {
+        self.map_policy(|p| p.with_header_deny_list(names))
+    }
+
+    // Requests and answers.
 
     /// Sets what happens to non-safe requests without a key (default
     /// [`KeyRequirement::Required`]).
     #[must_use]
     pub fn with_key_requirement(mut self, requirement: KeyRequirement) -> Self {
-        Arc::make_mut(&mut self.config).key_requirement = requirement;
+        self.config().key_requirement = requirement;
+        self
+    }
+
+    /// Sets the longest accepted idempotency key, bytes after unquoting (default 255).
+    /// A longer key is a 400 `invalid-idempotency-key`.
+    #[must_use]
+    pub fn with_max_key_len(mut self, bytes: usize) -> Self {
+        self.config().max_key_len = bytes;
+        self
+    }
+
+    /// Replaces the principal resolver (default [`crate::BearerToken`]).
+    #[must_use]
+    pub fn with_principal_resolver(mut self, resolver: impl PrincipalResolver) -> Self {
+        self.config().resolver = Arc::new(resolver);
         self
     }
 
     /// Sets what happens to keyed requests without a principal (default
     /// [`MissingPrincipal::Reject`]).
     #[must_use]
-    pub fn on_missing_principal(mut self, rule: MissingPrincipal) -> Self {
-        Arc::make_mut(&mut self.config).missing_principal = rule;
+    pub fn with_missing_principal(mut self, rule: MissingPrincipal) -> Self {
+        self.config().missing_principal = rule;
+        self
+    }
+
+    /// Sets the largest request body the layer buffers to fingerprint, bytes (default
+    /// 1 MiB). A larger request gets 413 `body-too-large` and claims nothing.
+    #[must_use]
+    pub fn with_max_request_body(mut self, bytes: usize) -> Self {
+        self.config().max_request_body = bytes;
+        self
+    }
+
+    /// Sets the request headers whose values enter the fingerprint (default
+    /// `content-type`). Names are lower-cased. A retry that changes one of them is a
+    /// mismatch.
+    #[must_use]
+    pub fn with_fingerprint_headers<I: IntoIterator<Item = S>, S: Into<String>>(mut self, names: I) -> Self {
+        self.config().fingerprint_headers = names.into_iter().map(|s| s.into().to_ascii_lowercase()).collect();
+        self
+    }
+
+    /// Sets how the body enters the fingerprint (default [`FingerprintMode::Raw`], the raw
+    /// bytes; [`FingerprintMode::CanonicalJson`] is opt-in because it can merge requests
+    /// an API treats as different).
+    #[must_use]
+    pub fn with_fingerprint_mode(mut self, mode: FingerprintMode) -> Self {
+        self.config().fingerprint_mode = mode;
+        self
+    }
+
+    /// Sets the status of the answer to a fingerprint mismatch (default
+    /// [`MismatchStatus::Conflict`], 409).
+    #[must_use]
+    pub fn with_mismatch_status(mut self, status: MismatchStatus) -> Self {
+        self.config().mismatch_status = status;
+        self
+    }
+
+    /// Sets what happens when the store cannot be reached (default
+    /// [`StoreFailureMode::FailClosed`]: 503, the handler does not run).
+    #[must_use]
+    pub fn with_store_failure_mode(mut self, mode: StoreFailureMode) -> Self {
+        self.config().store_failure_mode = mode;
         self
     }
 
     /// Sets where a claimed request's handler runs (default [`HandlerExecution::Detached`]:
-    /// in its own task, so a client disconnect does not cancel it half-way).
+    /// a client disconnect does not cancel it half-way).
     #[must_use]
     pub fn with_handler_execution(mut self, execution: HandlerExecution) -> Self {
-        Arc::make_mut(&mut self.config).handler_execution = execution;
+        self.config().handler_execution = execution;
         self
     }
 
-    /// The policy in force.
+    /// The record rules in force.
     #[must_use]
     pub fn policy(&self) -> &Policy {
         &self.config.policy
@@ -206,5 +235,48 @@ impl<S> Layer<S> for IdempotencyLayer {
 
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency::new(inner, Arc::clone(&self.config))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use idem_core::MemoryStore;
+
+    use super::*;
+
+    fn layer() -> IdempotencyLayer {
+        IdempotencyLayer::new(Arc::new(MemoryStore::new()))
+    }
+
+    /// A record-rule setter on the layer did not reach the policy the service reads.
+    #[test]
+    fn record_rule_setters_write_the_policy() {
+        let l = layer()
+            .with_retention(Duration::from_secs(7))
+            .with_lease_ttl(Duration::from_secs(3))
+            .with_uncacheable_4xx([404])
+            .with_max_stored_body(10)
+            .with_compress_over(5)
+            .with_header_deny_list(["X-Request-Id"]);
+        let p = l.policy();
+        assert_eq!((p.retention, p.lease_ttl), (Duration::from_secs(7), Duration::from_secs(3)));
+        assert!(!p.is_cacheable(404) && p.is_cacheable(409));
+        assert_eq!((p.max_stored_body, p.compress_over), (10, 5));
+        assert!(!p.stores_header("x-request-id") && p.stores_header("set-cookie"));
+    }
+
+    /// `with_policy` replaced the HTTP settings too, or left earlier record rules behind.
+    #[test]
+    fn with_policy_replaces_the_record_rules_only() {
+        let l = layer()
+            .with_retention(Duration::from_secs(7))
+            .with_max_key_len(8)
+            .with_mismatch_status(MismatchStatus::BadRequest)
+            .with_fingerprint_headers(["Content-Type", "X-Tenant"])
+            .with_policy(Policy::default());
+        assert_eq!(l.policy().retention, Policy::default().retention);
+        assert_eq!(l.config.max_key_len, 8);
+        assert_eq!(l.config.mismatch_status, MismatchStatus::BadRequest);
+        assert_eq!(l.config.fingerprint_headers, ["content-type", "x-tenant"]);
     }
 }

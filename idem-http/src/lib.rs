@@ -4,8 +4,8 @@
 //! `Idempotency-Key` with a request that changes something, and every retry of it with the
 //! same key gets the first attempt's response instead of doing the work again
 //! (draft-ietf-httpapi-idempotency-key-header, Stripe's semantics). Records live in any
-//! [`idem_core::Store`]; the rules come from [`idem_core::Policy`] and
-//! [`idem_core::decide`].
+//! [`idem_core::Store`]; every setting is a method of [`IdempotencyLayer`] (see
+//! [Settings](#settings)), and what a retry gets is [`idem_core::decide`]'s decision.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -38,6 +38,27 @@
 //! # }
 //! ```
 //!
+//! # Settings
+//! Every setting is a `with_*` method of [`IdempotencyLayer`], so an application names
+//! only this crate (and its store). They come in two kinds:
+//! - **Record rules**: how long a record lives and what it stores: retention, lease TTL,
+//!   the 4xx statuses that are not stored, the largest stored body (bytes), the
+//!   compression threshold (bytes), the response header deny list. They are an
+//!   [`idem_core::Policy`] (re-exported here as [`Policy`]), because they describe the
+//!   record whatever front end writes it; the layer's `with_retention`, `with_lease_ttl`,
+//!   `with_uncacheable_4xx`, `with_max_stored_body`, `with_compress_over` and
+//!   `with_header_deny_list` set one rule each, [`IdempotencyLayer::with_policy`] all of
+//!   them at once.
+//! - **Requests and answers**: how this layer reads a request and answers it: key
+//!   requirement and longest key (bytes), principal resolver and what a missing principal
+//!   gets, largest buffered request body (bytes), fingerprinted headers and fingerprint
+//!   mode, mismatch status, store failure mode, where the handler runs. Their types live
+//!   in [`config`]; they are HTTP's business, not the record's, so [`idem_core::Policy`]
+//!   does not carry them.
+//!
+//! Durations are [`std::time::Duration`]; sizes are in bytes. The table of defaults is on
+//! [`IdempotencyLayer`].
+//!
 //! # What a request gets
 //! Safe methods (GET, HEAD, OPTIONS, TRACE; RFC 9110 §9.2.1) pass through untouched. For
 //! every other method:
@@ -45,7 +66,7 @@
 //! | request | response |
 //! |---|---|
 //! | no `Idempotency-Key` | 400 `missing-idempotency-key` ([`KeyRequirement::Required`], default), or the handler runs and nothing is stored ([`KeyRequirement::Optional`]) |
-//! | empty, blank, > `max_key_len` bytes, non-ASCII or malformed key | 400 `invalid-idempotency-key` |
+//! | empty, blank, longer than `max_key_len` bytes, non-ASCII or malformed key | 400 `invalid-idempotency-key` |
 //! | two or more `Idempotency-Key` fields, equal or not | 400 `duplicate-idempotency-key` |
 //! | no principal | 401 `missing-principal` with the resolver's `WWW-Authenticate` challenge ([`MissingPrincipal::Reject`], default), or run unprotected ([`MissingPrincipal::SkipIdempotency`]) |
 //! | body over `max_request_body` | 413 `body-too-large`; nothing claimed |
@@ -53,9 +74,9 @@
 //! | same request, first attempt still running | 409 `in-flight` + `Retry-After` (seconds until its lease ends, at least 1) |
 //! | same request, first attempt's lease expired, or it failed | reclaim by compare-and-set; the winner runs the handler |
 //! | same request, completed | replay: stored status, headers, body + `Idempotent-Replayed: true` |
-//! | different request (method, path, query, fingerprinted headers, body) | `policy.mismatch_status` (409 default) `mismatch`; never retry |
+//! | different request (method, path, query, fingerprinted headers, body) | the layer's mismatch status ([`MismatchStatus`], 409 default) `mismatch`; never retry |
 //! | the record changed under the request three times in a row | 409 `busy` + `Retry-After: 1` |
-//! | store unreachable | 503 `store-unavailable` + `Retry-After: 1`, handler not run (fail closed, default); or the handler runs unprotected and a warning is logged (`StoreFailureMode::FailOpen`) |
+//! | store unreachable | 503 `store-unavailable` + `Retry-After: 1`, handler not run ([`StoreFailureMode::FailClosed`], default); or the handler runs unprotected and a warning is logged ([`StoreFailureMode::FailOpen`]) |
 //! | completed record whose stored response does not decode | 503 `store-unavailable`, logged as an error, in both failure modes (running again could repeat a completed operation) |
 //!
 //! Every response about an existing record (run, replay, in flight, mismatch) carries
@@ -63,8 +84,8 @@
 //! is retained. All problem bodies are RFC 9457 `application/problem+json` ([`problem`]).
 //!
 //! # Keys
-//! The key is parsed by [`idem_core::IdempotencyKey::parse_with_limit`] with the policy's
-//! `max_key_len` (default 255 bytes): a bare token or an RFC 8941 sf-string (`"abc"` and
+//! The key is parsed by [`idem_core::IdempotencyKey::parse_with_limit`] with the layer's
+//! `max_key_len` (default 255 bytes, [`IdempotencyLayer::with_max_key_len`]): a bare token or an RFC 8941 sf-string (`"abc"` and
 //! `abc` are the same key), visible ASCII only, case-sensitive. Whitespace inside the key
 //! is refused, never trimmed; the optional whitespace around a field value (RFC 9110 §5.5)
 //! is not part of the value, so ` K` on the wire is the key `K` (hyper strips it before the
@@ -81,8 +102,10 @@
 //! route template (`POST /v1/workers/{id}/reboot`) when the request went through an axum
 //! `Router` (feature `axum`, on by default, reads `MatchedPath`); otherwise the method plus
 //! the concrete path, so resolved path parameters are then part of the scope. The
-//! fingerprint always covers the method, raw path, query, the policy's
-//! `fingerprint_headers` and the raw body bytes: a key reused on another resource is a
+//! fingerprint always covers the method, raw path, query, the layer's fingerprinted
+//! headers (default `content-type`, [`IdempotencyLayer::with_fingerprint_headers`]) and the
+//! raw body bytes (or, opt-in, their canonical JSON form,
+//! [`IdempotencyLayer::with_fingerprint_mode`]): a key reused on another resource is a
 //! mismatch, never someone else's replay.
 //!
 //! With axum, put the layer on the router with `Router::layer` (or `route_layer`), as in the
@@ -116,7 +139,7 @@
 //!
 //! Marking a record failed lets a retry run the handler again. That is only safe when the
 //! handler's side effects are transactional with its response, or keyed downstream by a
-//! stable sub-key (DESIGN.md, "Side effects").
+//! stable sub-key (see [Resumable handlers](#resumable-handlers)).
 //!
 //! # Where the handler runs
 //! A server drops a request's response future when its client goes away, and everything
@@ -155,7 +178,7 @@
 //! effects the record does not know about; the retry reclaims the record once the lease
 //! ends and runs the handler again from the top. [`IdempotencyContext::resumable`] gives the
 //! handler a [`Resumable`] handle on its record, so the retry finds what the dead attempt
-//! did (DESIGN.md, "Side effects"). Each tool fits one kind of downstream call:
+//! did. Each tool fits one kind of downstream call:
 //!
 //! | the call | use | why it converges |
 //! |---|---|---|
@@ -174,7 +197,7 @@
 //!
 //! Sub-keys are `idem-` + 48 lower-case hex digits (53 ASCII bytes, `[0-9a-f-]`), derived
 //! from (principal, endpoint, key, step name) only, never from the attempt, the time or
-//! randomness (handed case C14). Journal entries live and die with the record. On a store
+//! randomness, so every attempt of one operation sends the same sub-key. Journal entries live and die with the record. On a store
 //! without a journal, `step` and `intent` fail with `StoreError::Unsupported`, which
 //! [`Problem::from_step_error`] answers as a 500 `journal-unsupported`; every problem it
 //! returns is one the layer does not store, so a retry resumes from the journal.
@@ -258,9 +281,19 @@
 //! # }
 //! ```
 //!
+//! # Stability
+//! Everything public here is covered by semver. Items that exist only for tests would go
+//! behind a `test-util` cargo feature, documented as not semver-stable, never behind
+//! `#[doc(hidden)]`; this crate has none today (tests use the public API, and
+//! [`BearerToken::principal_for`] is public because applications that compute a
+//! principal themselves need it too).
+//!
 //! # Layout
-//! - [`layer`] holds [`IdempotencyLayer`], [`KeyRequirement`], [`MissingPrincipal`],
-//!   [`HandlerExecution`].
+//! - [`layer`] holds [`IdempotencyLayer`], every setting's `with_*` method.
+//! - [`config`] holds the setting types [`KeyRequirement`], [`MissingPrincipal`],
+//!   [`MismatchStatus`], [`StoreFailureMode`], [`HandlerExecution`], and the shared
+//!   settings bundle that [`layer`] builds and [`service`] reads (neither imports the
+//!   other).
 //! - [`service`] holds [`Idempotency`], the request flow.
 //! - [`future`] holds [`ResponseFuture`] (a boxed `async fn`) and the drop guard that marks a
 //!   record failed.
@@ -270,10 +303,11 @@
 //! - [`context`] holds [`IdempotencyContext`], the request extension a claimed handler sees,
 //!   and [`ResponseCaching`], the response extension it may set.
 //! - [`Resumable`], [`SubKey`], [`Reconciled`] and [`StepError`] are re-exported from
-//!   [`idem_core::resume`].
+//!   [`idem_core::resume`]; [`Policy`] and [`FingerprintMode`] from [`idem_core`].
 //! - [`headers`] holds the header names.
 
 pub mod body;
+pub mod config;
 pub mod context;
 pub mod future;
 pub mod headers;
@@ -283,11 +317,19 @@ pub mod problem;
 pub mod service;
 
 pub use body::ResponseBody;
+pub use config::{HandlerExecution, KeyRequirement, MismatchStatus, MissingPrincipal, StoreFailureMode};
 pub use context::{IdempotencyContext, ResponseCaching};
 pub use future::ResponseFuture;
 pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};
 pub use idem_core::resume::{Reconciled, Resumable, StepError, SubKey};
-pub use layer::{HandlerExecution, IdempotencyLayer, KeyRequirement, MissingPrincipal};
+pub use idem_core::{FingerprintMode, Policy};
+pub use layer::IdempotencyLayer;
 pub use principal::{BearerToken, PrincipalResolver};
 pub use problem::{PROBLEM_JSON, Problem, ProblemKind};
 pub use service::Idempotency;
+
+/// The README's example, compiled as a doctest so the registry page cannot drift from the
+/// API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

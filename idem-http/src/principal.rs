@@ -2,9 +2,9 @@
 //!
 //! A key only means something inside its scope = (principal, endpoint): the same key sent
 //! by two principals names two records, so one tenant can neither read another's stored
-//! response nor block its key (handed case C11). The layer asks a [`PrincipalResolver`]
-//! for the principal of every keyed request. A request without one is never put in a
-//! shared bucket: the layer rejects it with 401 or skips idempotency for it, as chosen with
+//! response nor block its key. The layer asks a [`PrincipalResolver`] for the principal of
+//! every keyed request. A request without one is never put in a shared bucket: the layer
+//! rejects it with 401 or skips idempotency for it, as chosen with
 //! [`crate::MissingPrincipal`].
 //!
 //! Resolvers are synchronous and read only the request head. Authentication usually runs

@@ -39,14 +39,14 @@ pub enum ProblemKind {
     MissingPrincipal,
     /// 400: the request body could not be read.
     UnreadableBody,
-    /// 413: the request body is larger than the policy's `max_request_body`.
+    /// 413: the request body is larger than the layer's `max_request_body`.
     BodyTooLarge,
     /// 409 + `Retry-After`: another attempt with this key holds a fresh lease.
     InFlight,
     /// 409 + `Retry-After`: the record changed under this request several times in a row
     /// (heavy contention on one key); retry.
     Busy,
-    /// 409 (or the policy's mismatch status): the key was first used with a different
+    /// 409 (or the layer's mismatch status): the key was first used with a different
     /// request. Never retry with this key.
     Mismatch,
     /// 503 + `Retry-After`: the idempotency store is unavailable; the handler did not run.
@@ -57,13 +57,6 @@ pub enum ProblemKind {
     /// 500: the handler's response body failed while being read; the record was marked
     /// failed, so a retry runs the handler again.
     ResponseBodyFailed,
-    /// 503 + `Retry-After`: the task running the handler was cancelled before it finished
-    /// (the runtime is shutting down); the record was marked failed or frees itself when
-    /// its lease ends, so a retry may run the handler again. The layer no longer sends it:
-    /// under [`crate::HandlerExecution::Detached`] the work runs inside the response future
-    /// until that future is dropped, so no response future waits on a task that can be
-    /// cancelled. Kept so that clients matching on it keep compiling.
-    HandlerCancelled,
     /// 500: a resumable handler needs the step journal and the store has none
     /// ([`idem_core::Capabilities::journal`] false, [`idem_core::StoreError::Unsupported`]).
     /// Retrying does not help until the store is changed.
@@ -80,7 +73,7 @@ pub enum ProblemKind {
 const PREFIX: &str = "urn:idem:problem:";
 
 impl ProblemKind {
-    const ALL: [ProblemKind; 16] = [
+    const ALL: [ProblemKind; 15] = [
         ProblemKind::MissingKey,
         ProblemKind::InvalidKey,
         ProblemKind::DuplicateKey,
@@ -93,7 +86,6 @@ impl ProblemKind {
         ProblemKind::StoreUnavailable,
         ProblemKind::ResponseNotRetained,
         ProblemKind::ResponseBodyFailed,
-        ProblemKind::HandlerCancelled,
         ProblemKind::JournalUnsupported,
         ProblemKind::AmbiguousSideEffect,
         ProblemKind::ResumeFailed,
@@ -115,7 +107,6 @@ impl ProblemKind {
             ProblemKind::StoreUnavailable => "store-unavailable",
             ProblemKind::ResponseNotRetained => "response-not-retained",
             ProblemKind::ResponseBodyFailed => "response-body-failed",
-            ProblemKind::HandlerCancelled => "handler-cancelled",
             ProblemKind::JournalUnsupported => "journal-unsupported",
             ProblemKind::AmbiguousSideEffect => "ambiguous-side-effect",
             ProblemKind::ResumeFailed => "resume-failed",
@@ -152,7 +143,6 @@ impl ProblemKind {
             ProblemKind::StoreUnavailable => "Idempotency store unavailable",
             ProblemKind::ResponseNotRetained => "Response not retained",
             ProblemKind::ResponseBodyFailed => "Response body failed",
-            ProblemKind::HandlerCancelled => "Handler cancelled",
             ProblemKind::JournalUnsupported => "Step journal unsupported by the store",
             ProblemKind::AmbiguousSideEffect => "Side effect ambiguous",
             ProblemKind::ResumeFailed => "Resume failed",

@@ -3,9 +3,9 @@
 //! The flow for a non-safe request, in order:
 //! 1. read `Idempotency-Key` (none: [`crate::KeyRequirement`]; invalid or repeated: 400);
 //! 2. resolve the principal (none: [`crate::MissingPrincipal`]);
-//! 3. buffer the body up to `policy.max_request_body` (over: 413, nothing claimed);
+//! 3. buffer the body up to the layer's `max_request_body` (over: 413, nothing claimed);
 //! 4. fingerprint, and `claim` the record in the store;
-//! 5. decide (DESIGN.md's table): run the handler under the claim, replay, 409, mismatch;
+//! 5. decide ([`idem_core::decide`]): run the handler under the claim, replay, 409, mismatch;
 //! 6. after the handler: read the whole response body, then `complete` (cacheable status)
 //!    or `fail` (anything else), and only then return the response.
 //!
@@ -26,16 +26,15 @@ use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idem_core::{
     BoxError, ClaimOutcome, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey, Policy, ReclaimOutcome,
-    ReclaimRequest, Record, RequestParts, Scope, StoreError, StoreFailureMode, StoredBody, StoredResponse, UnixMillis,
-    decide,
+    ReclaimRequest, Record, RequestParts, Scope, StoreError, StoredBody, StoredResponse, UnixMillis, decide,
 };
 use tower::Service;
 
 use crate::body::ResponseBody;
+use crate::config::{Config, HandlerExecution, KeyRequirement, MissingPrincipal, StoreFailureMode};
 use crate::context::{IdempotencyContext, ResponseCaching};
 use crate::future::{FailGuard, ResponseFuture, detach_on_drop};
 use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, expires_value};
-use crate::layer::{Config, HandlerExecution, KeyRequirement, MissingPrincipal};
 use crate::problem::{Problem, ProblemKind};
 
 /// How many times one request re-reads a record that changed under it (a lost reclaim, a
@@ -130,7 +129,7 @@ where
         return pass_through(inner, req).await;
     }
     let (parts, body) = req.into_parts();
-    let key = match read_key(&parts.headers, cfg.policy.max_key_len) {
+    let key = match read_key(&parts.headers, cfg.max_key_len) {
         Ok(Some(key)) => key,
         Ok(None) => {
             return match cfg.key_requirement {
@@ -164,11 +163,11 @@ where
         };
     };
     let endpoint = endpoint_of(&parts);
-    let bytes = match buffer(body, &parts.headers, cfg.policy.max_request_body).await {
+    let bytes = match buffer(body, &parts.headers, cfg.max_request_body).await {
         Ok(bytes) => bytes,
         Err(problem) => return Ok(problem.into_response()),
     };
-    let fingerprint = fingerprint(&parts, &bytes, &cfg.policy);
+    let fingerprint = fingerprint(&parts, &bytes, &cfg);
     let claim = ClaimRequest::new(
         Scope { principal, endpoint },
         key,
@@ -183,7 +182,7 @@ where
             HandlerExecution::Detached => run_detached(&cfg, inner, parts, bytes, record).await,
         },
         Acquired::Answer(res) => Ok(res),
-        Acquired::StoreFailed(error) => match cfg.policy.on_store_failure {
+        Acquired::StoreFailed(error) => match cfg.store_failure_mode {
             StoreFailureMode::FailOpen => {
                 tracing::warn!(
                     record = %id, endpoint = %endpoint_of(&parts).0, error = %error,
@@ -191,7 +190,7 @@ where
                 );
                 pass_through(inner, Request::from_parts(parts, ReqBody::from(bytes))).await
             }
-            _ => {
+            StoreFailureMode::FailClosed => {
                 tracing::error!(
                     record = %id, endpoint = %endpoint_of(&parts).0, error = %error,
                     "idempotency store failed; answering 503 without running the handler (fail-closed)"
@@ -272,8 +271,8 @@ where
     }
 }
 
-fn fingerprint(parts: &Parts, body: &[u8], policy: &Policy) -> Fingerprint {
-    let headers: Vec<(&str, &[u8])> = policy
+fn fingerprint(parts: &Parts, body: &[u8], cfg: &Config) -> Fingerprint {
+    let headers: Vec<(&str, &[u8])> = cfg
         .fingerprint_headers
         .iter()
         .flat_map(|name| parts.headers.get_all(name.as_str()).iter().map(move |v| (name.as_str(), v.as_bytes())))
@@ -286,7 +285,7 @@ fn fingerprint(parts: &Parts, body: &[u8], policy: &Policy) -> Fingerprint {
             headers: &headers,
             body,
         },
-        policy.fingerprint_mode,
+        cfg.fingerprint_mode,
     )
 }
 
@@ -295,7 +294,7 @@ enum Acquired<B> {
     Run(Record),
     /// Answer without running the handler: replay, 409, mismatch.
     Answer(Res<B>),
-    /// The store failed: fail closed or open, per policy.
+    /// The store failed: fail closed or open, per the layer's store failure mode.
     StoreFailed(StoreError),
     /// A completed record whose response cannot be rebuilt.
     Unreadable(String),
@@ -351,7 +350,7 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
                 return Acquired::Answer(res);
             }
             (Decision::Mismatch, Some(record)) => {
-                let status = StatusCode::from_u16(cfg.policy.mismatch_status.code()).unwrap_or(StatusCode::CONFLICT);
+                let status = StatusCode::from_u16(cfg.mismatch_status.code()).unwrap_or(StatusCode::CONFLICT);
                 let detail = "this idempotency key was already used with a different request (method, path, query, \
                               fingerprinted headers or body); use a new key for a new operation";
                 let mut res = Problem::new(ProblemKind::Mismatch, status, detail).into_response();

@@ -9,13 +9,17 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::post;
 use http::{Request, StatusCode};
-use idem_core::{FingerprintMode, MemoryStore, Policy};
-use idem_http::IdempotencyLayer;
+use idem_core::MemoryStore;
+use idem_http::{FingerprintMode, IdempotencyLayer};
 use tower::ServiceExt;
 
-fn app(mode: FingerprintMode, runs: Arc<AtomicUsize>) -> Router {
-    let layer =
-        IdempotencyLayer::new(Arc::new(MemoryStore::new())).with_policy(Policy::default().with_fingerprint_mode(mode));
+/// A layer with `mode`, or with the default mode when `None`.
+fn app(mode: Option<FingerprintMode>, runs: Arc<AtomicUsize>) -> Router {
+    let layer = IdempotencyLayer::new(Arc::new(MemoryStore::new()));
+    let layer = match mode {
+        Some(mode) => layer.with_fingerprint_mode(mode),
+        None => layer,
+    };
     Router::new()
         .route(
             "/v1/orders",
@@ -43,7 +47,7 @@ async fn send(app: &Router, key: &str, body: &str) -> StatusCode {
 #[tokio::test]
 async fn canonical_mode_replays_reordered_json_and_still_rejects_real_differences() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let app = app(FingerprintMode::CanonicalJson, Arc::clone(&runs));
+    let app = app(Some(FingerprintMode::CanonicalJson), Arc::clone(&runs));
     assert_eq!(send(&app, "k1", r#"{"a":1,"b":2}"#).await, StatusCode::CREATED);
     // Reordered members and pretty printing: the same request, replayed.
     assert_eq!(send(&app, "k1", r#"{"b":2, "a":1}"#).await, StatusCode::CREATED);
@@ -62,11 +66,13 @@ async fn canonical_mode_replays_reordered_json_and_still_rejects_real_difference
 
 #[tokio::test]
 async fn raw_mode_is_the_default_and_rejects_reordered_json() {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let app = app(FingerprintMode::Raw, Arc::clone(&runs));
-    assert_eq!(send(&app, "k1", r#"{"a":1,"b":2}"#).await, StatusCode::CREATED);
-    assert_eq!(send(&app, "k1", r#"{"b":2,"a":1}"#).await, StatusCode::CONFLICT);
-    assert_eq!(send(&app, "k1", r#"{"a":1,"b":2}"#).await, StatusCode::CREATED);
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
-    assert_eq!(Policy::default().fingerprint_mode, FingerprintMode::Raw);
+    // Explicitly raw, and a layer left at its default: both keep every byte significant.
+    for mode in [Some(FingerprintMode::Raw), None] {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let app = app(mode, Arc::clone(&runs));
+        assert_eq!(send(&app, "k1", r#"{"a":1,"b":2}"#).await, StatusCode::CREATED, "{mode:?}");
+        assert_eq!(send(&app, "k1", r#"{"b":2,"a":1}"#).await, StatusCode::CONFLICT, "{mode:?}");
+        assert_eq!(send(&app, "k1", r#"{"a":1,"b":2}"#).await, StatusCode::CREATED, "{mode:?}");
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{mode:?}");
+    }
 }

@@ -7,8 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::{Counter, Env, Gate, Got, Script, Step, app, post, send, start_and_crash};
-use idem_core::{MismatchStatus, Policy, RecordState};
-use idem_http::{IdempotencyLayer, MissingPrincipal};
+use idem_core::RecordState;
+use idem_http::{IdempotencyLayer, MismatchStatus, MissingPrincipal, Policy};
 
 const ORDERS: &str = "POST /v1/orders";
 const LEASE_MS: i64 = 300_000;
@@ -191,11 +191,11 @@ async fn row_failed_different_request_is_a_mismatch() {
 }
 
 #[tokio::test]
-async fn mismatch_status_follows_the_policy() {
+async fn mismatch_status_follows_the_layer_setting() {
     for (status, code) in [(MismatchStatus::UnprocessableContent, 422), (MismatchStatus::BadRequest, 400)] {
         let env = Env::new();
         let (n, s) = (Counter::default(), Script::default());
-        let app = app(layer(&env).with_policy(Policy::default().with_mismatch_status(status)), &n, &s);
+        let app = app(layer(&env).with_mismatch_status(status), &n, &s);
         send(&app, &post("/v1/orders").key("k1").body("a")).await;
         send(&app, &post("/v1/orders").key("k1").body("b")).await.problem(code, "mismatch");
     }
@@ -243,7 +243,7 @@ async fn safe_methods_pass_through_untouched() {
 async fn oversized_request_body_gets_413_and_claims_nothing() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
-    let app = app(layer(&env).with_policy(Policy::default().with_max_request_body(16)), &n, &s);
+    let app = app(layer(&env).with_max_request_body(16), &n, &s);
     send(&app, &post("/v1/orders").key("k1").body("x".repeat(17))).await.problem(413, "body-too-large");
     // A declared Content-Length over the limit is refused before the body is read.
     let mut declared = post("/v1/orders").key("k2").body("small").build();
@@ -268,7 +268,7 @@ async fn missing_principal_is_rejected_by_default_or_skipped_by_choice() {
     send(&strict, &post("/v1/orders").token("").key("k1").body("{}")).await.problem(401, "missing-principal");
     assert_eq!(n.get(), 0);
 
-    let lenient = app(layer(&env).on_missing_principal(MissingPrincipal::SkipIdempotency), &n, &s);
+    let lenient = app(layer(&env).with_missing_principal(MissingPrincipal::SkipIdempotency), &n, &s);
     let a = send(&lenient, &req).await;
     let b = send(&lenient, &req).await;
     assert_eq!((a.status, b.status), (http::StatusCode::CREATED, http::StatusCode::CREATED));
@@ -299,7 +299,7 @@ async fn a_body_over_the_stored_limit_completes_and_replays_a_not_retained_probl
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     s.then(Step::Big(1_000));
-    let app = app(layer(&env).with_policy(Policy::default().with_max_stored_body(999)), &n, &s);
+    let app = app(layer(&env).with_max_stored_body(999), &n, &s);
     let req = post("/v1/orders").key("k1").body("{}");
     let first = send(&app, &req).await;
     assert_eq!((first.status.as_u16(), first.body.len()), (201, 1_000), "the first client gets the full body");
@@ -341,20 +341,28 @@ async fn the_endpoint_is_the_route_template_and_the_fingerprint_has_the_raw_path
 
 #[tokio::test]
 async fn lease_and_retention_follow_the_policy() {
-    let env = Env::new();
-    let (n, s) = (Counter::default(), Script::default());
-    s.then(Step::Hold(Gate::default()));
-    let policy = Policy::default().with_lease_ttl(Duration::from_secs(5)).with_retention(Duration::from_secs(60));
-    let app = app(layer(&env).with_policy(policy), &n, &s);
-    let req = post("/v1/orders").key("k1");
-    start_and_crash(&app, &req).await;
-    let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
-    assert_eq!(record.lease_expires_at.0 - record.started_at.0, 5_000);
-    assert_eq!(record.expires_at.0 - record.created_at.0, 60_000);
-    env.advance_ms(4_999);
-    assert_eq!(send(&app, &req).await.status, 409);
-    env.advance_ms(1);
-    assert_eq!(send(&app, &req).await.status, 201);
+    let (lease, retention) = (Duration::from_secs(5), Duration::from_secs(60));
+    // The same rules set as one policy, and through the layer's own setters.
+    for via_policy in [true, false] {
+        let env = Env::new();
+        let (n, s) = (Counter::default(), Script::default());
+        s.then(Step::Hold(Gate::default()));
+        let layer = if via_policy {
+            layer(&env).with_policy(Policy::default().with_lease_ttl(lease).with_retention(retention))
+        } else {
+            layer(&env).with_lease_ttl(lease).with_retention(retention)
+        };
+        let app = app(layer, &n, &s);
+        let req = post("/v1/orders").key("k1");
+        start_and_crash(&app, &req).await;
+        let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
+        assert_eq!(record.lease_expires_at.0 - record.started_at.0, 5_000, "via policy: {via_policy}");
+        assert_eq!(record.expires_at.0 - record.created_at.0, 60_000, "via policy: {via_policy}");
+        env.advance_ms(4_999);
+        assert_eq!(send(&app, &req).await.status, 409, "via policy: {via_policy}");
+        env.advance_ms(1);
+        assert_eq!(send(&app, &req).await.status, 201, "via policy: {via_policy}");
+    }
 }
 
 #[tokio::test]

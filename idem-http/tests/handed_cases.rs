@@ -11,8 +11,8 @@ use axum::Router;
 use bytes::Bytes;
 use common::{Counter, Env, Gate, Got, Script, Step, app, eventually, post, put, send, start_and_crash};
 use http_body_util::Full;
-use idem_core::{Policy, RecordState, StoreFailureMode};
-use idem_http::{HandlerExecution, IdempotencyLayer, KeyRequirement, MissingPrincipal};
+use idem_core::RecordState;
+use idem_http::{HandlerExecution, IdempotencyLayer, KeyRequirement, MissingPrincipal, Policy, StoreFailureMode};
 use std::sync::atomic::Ordering;
 use tower::{Layer, ServiceExt};
 
@@ -37,7 +37,7 @@ async fn c1_zero_lease_is_finite_and_a_retry_reclaims_after_it() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     s.then(Step::Hold(Gate::default()));
-    let app = app(layer(&env).with_policy(Policy::default().with_lease_ttl(Duration::ZERO)), &n, &s);
+    let app = app(layer(&env).with_lease_ttl(Duration::ZERO), &n, &s);
     let req = post("/v1/orders").key("k1").body("{}");
     start_and_crash(&app, &req).await;
     let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
@@ -585,7 +585,7 @@ async fn c8_a_stale_owner_cannot_complete_over_the_new_attempt() {
     let env = Env::new();
     let (n, s, slow, retry_gate) = (Counter::default(), Script::default(), Gate::default(), Gate::default());
     s.then(Step::Hold(slow.clone())).then(Step::Hold(retry_gate.clone()));
-    let app = app(layer(&env).with_policy(Policy::default().with_lease_ttl(Duration::from_secs(1))), &n, &s);
+    let app = app(layer(&env).with_lease_ttl(Duration::from_secs(1)), &n, &s);
     let req = post("/v1/orders").key("k1").body("{}");
     let a = tokio::spawn({
         let (app, req) = (app.clone(), req.clone());
@@ -726,7 +726,7 @@ async fn c11_the_same_key_from_two_principals_runs_both_and_leaks_nothing() {
     // Variant: no principal. Default: 401. Documented alternative: run without idempotency.
     let anon = post("/v1/orders").anonymous().key("k1").body("{}");
     send(&app, &anon).await.problem(401, "missing-principal");
-    let skip = common::app(layer(&env).on_missing_principal(MissingPrincipal::SkipIdempotency), &n, &s);
+    let skip = common::app(layer(&env).with_missing_principal(MissingPrincipal::SkipIdempotency), &n, &s);
     let a = send(&skip, &anon).await;
     let b = send(&skip, &anon).await;
     assert!(!a.replayed() && !b.replayed());
@@ -814,8 +814,7 @@ async fn store_outage_fails_closed_with_503_and_never_runs_the_handler() {
 async fn store_outage_fail_open_runs_the_handler_unprotected() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
-    let app =
-        app(layer(&env).with_policy(Policy::default().with_store_failure_mode(StoreFailureMode::FailOpen)), &n, &s);
+    let app = app(layer(&env).with_store_failure_mode(StoreFailureMode::FailOpen), &n, &s);
     env.store.fail_all.store(true, Ordering::SeqCst);
     let a = send(&app, &post("/v1/orders").key("k1").body("{}")).await;
     let b = send(&app, &post("/v1/orders").key("k1").body("{}")).await;

@@ -79,12 +79,10 @@ async fn a_key_of_exactly_255_bytes_is_accepted() {
 }
 
 #[tokio::test]
-async fn the_length_limit_follows_the_policy() {
+async fn the_length_limit_follows_the_layer_setting() {
     let env = Env::new();
     let n = Counter::default();
-    let mut policy = idem_core::Policy::default();
-    policy.max_key_len = 8;
-    let app = app(IdempotencyLayer::new(env.dyn_store()).with_policy(policy), &n, &Script::default());
+    let app = app(IdempotencyLayer::new(env.dyn_store()).with_max_key_len(8), &n, &Script::default());
     assert_eq!(send(&app, &post("/v1/orders").key("12345678")).await.status, 201);
     send(&app, &post("/v1/orders").key("123456789")).await.problem(400, "invalid-idempotency-key");
 }
