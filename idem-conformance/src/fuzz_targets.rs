@@ -9,15 +9,19 @@ use arbitrary::{Arbitrary, Unstructured};
 use idem_core::codec;
 use idem_core::key::DEFAULT_MAX_KEY_LEN;
 use idem_core::{
-    Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, MemoryStore, Record, RecordId, RecordState,
-    RequestParts, Scope, StoredBody, StoredResponse, UnixMillis,
+    Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, Record, RecordId, RecordState, RequestParts,
+    Scope, Store, StoredBody, StoredResponse, UnixMillis,
 };
 
 use crate::model_test::{self, Op};
 
 /// Target names, as directories under `fuzz/corpus/` and binaries under `fuzz/fuzz_targets/`.
-pub const TARGETS: [&str; 5] =
-    ["idempotency_key", "fingerprint", "record_decode", "record_roundtrip", "model_vs_memory"];
+pub const TARGETS: [&str; 4] = ["idempotency_key", "fingerprint", "record_decode", "record_roundtrip"];
+
+/// The target that runs operation sequences on a real store against the model
+/// ([`model_vs_store`]); its corpus (`fuzz/corpus/model_vs_redb/`) replays in idem-redb's
+/// tests, on a redb file.
+pub const MODEL_TARGET: &str = "model_vs_redb";
 
 /// Runs the body of byte-level target `name` on `data`. `record_roundtrip` takes a record
 /// built by idem-core's derived `Arbitrary` (feature `arbitrary`), so its replay builds
@@ -27,7 +31,6 @@ pub fn run(name: &str, data: &[u8]) {
         "idempotency_key" => idempotency_key(data),
         "fingerprint" => fingerprint(data),
         "record_decode" => record_decode(data),
-        "model_vs_memory" => model_vs_memory(data),
         other => panic!("unknown fuzz target {other}"),
     }
 }
@@ -207,9 +210,14 @@ pub fn record_decode(data: &[u8]) {
     assert!(matches!(codec::decode(&longer), Err(codec::CodecError::Trailing(1))), "a trailing byte is refused");
 }
 
-/// Operation sequences on [`MemoryStore`] against [`idem_core::Model`], through the same
-/// runner as the model test ([`model_test::run_ops`]), which also checks record invariants.
-pub fn model_vs_memory(data: &[u8]) {
+/// Operation sequences decoded from `data` (up to 256 [`Op`]s) run on `store` and on
+/// [`idem_core::Model`] through the model test's runner ([`model_test::run_ops`]), which
+/// compares every outcome and checks record invariants. `store` must be fresh and timed by
+/// `clock`. `Err` describes the first divergence; the fuzz target panics on it.
+///
+/// # Errors
+/// The first outcome where the store and the model disagree.
+pub fn model_vs_store(data: &[u8], store: &dyn Store, clock: &ManualClock) -> Result<(), String> {
     let mut u = Unstructured::new(data);
     let mut ops: Vec<Op> = Vec::new();
     while ops.len() < 256 {
@@ -218,11 +226,9 @@ pub fn model_vs_memory(data: &[u8]) {
             Err(_) => break,
         }
     }
-    let clock = ManualClock::new(UnixMillis(1_764_460_800_000));
-    let store = MemoryStore::with_clock(std::sync::Arc::new(clock.clone()));
-    if let Err(e) = futures::executor::block_on(model_test::run_ops(&store, &clock, "fuzz", &ops)) {
-        panic!("{e}\nops: {ops:#?}");
-    }
+    futures::executor::block_on(model_test::run_ops(store, clock, "fuzz", &ops))
+        .map(drop)
+        .map_err(|e| format!("{e}\nops: {ops:#?}"))
 }
 
 /// Records from idem-core's derived `Arbitrary` (the `record_roundtrip` target): encode then

@@ -504,7 +504,7 @@ impl Owners {
 
 /// Runs `ops` against `store` (timed by `clock`) and a fresh [`Model`], comparing every
 /// outcome; records live under `namespace`. Used by the model test and the
-/// `model_vs_memory` fuzz target.
+/// `model_vs_redb` fuzz target ([`crate::fuzz_targets::model_vs_store`]).
 ///
 /// Returns how often each outcome occurred.
 ///

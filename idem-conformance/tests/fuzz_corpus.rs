@@ -154,7 +154,69 @@ fn write_seed_corpus() {
 
     for i in 0..4u64 {
         write("record_roundtrip", &format!("noise-{i}"), &noise(100 + i, 48 << i));
-        write("model_vs_memory", &format!("noise-{i}"), &noise(200 + i, 96 << i));
+        write("model_vs_redb", &format!("noise-{i}"), &noise(200 + i, 96 << i));
     }
-    write("model_vs_memory", "claim-complete-advance", &[0; 64]);
+    write("model_vs_redb", "claim-complete-advance", &[0; 64]);
+}
+
+/// A record table with one planted bug: every write stores the first fencing token, as a
+/// backend that never persisted its token column would. Everything else is the model.
+struct ForgetsToken(idem_core::Model);
+
+impl idem_core::RecordRead for ForgetsToken {
+    fn read(&self, id: idem_core::RecordId) -> Result<Option<Record>, idem_core::StoreError> {
+        self.0.read(id)
+    }
+    fn journal_read(&self, id: idem_core::RecordId, name: &str) -> Result<Option<Vec<u8>>, idem_core::StoreError> {
+        self.0.journal_read(id, name)
+    }
+}
+
+impl idem_core::RecordTable for ForgetsToken {
+    fn write(&mut self, old: Option<&Record>, new: &Record) -> Result<(), idem_core::StoreError> {
+        let forgotten = Record { token: FencingToken::FIRST, ..new.clone() };
+        self.0.write(old, &forgotten)
+    }
+    fn expired(&mut self, now: UnixMillis, limit: usize) -> Result<Vec<idem_core::Expired>, idem_core::StoreError> {
+        self.0.expired(now, limit)
+    }
+    fn remove(&mut self, expired: idem_core::Expired) -> Result<(), idem_core::StoreError> {
+        self.0.remove(expired)
+    }
+    fn journal_write(
+        &mut self,
+        id: idem_core::RecordId,
+        name: &str,
+        value: &[u8],
+    ) -> Result<(), idem_core::StoreError> {
+        self.0.journal_write(id, name, value)
+    }
+    fn journal_clear(&mut self, id: idem_core::RecordId) -> Result<(), idem_core::StoreError> {
+        self.0.journal_clear(id)
+    }
+}
+
+/// The model fuzz target can catch a wrong rule: over the same deterministic inputs, a
+/// correct store passes every one and a store that forgets the fencing token fails some.
+#[test]
+fn the_model_target_catches_a_store_that_forgets_the_fencing_token() {
+    use std::sync::Arc;
+
+    use idem_core::{ManualClock, MemoryStore, TableStore};
+
+    let start = UnixMillis(1_764_460_800_000);
+    let mut caught = 0;
+    for seed in 0..64 {
+        let data = noise(900 + seed, 2048);
+        let clock = ManualClock::new(start);
+        let good = MemoryStore::with_clock(Arc::new(clock.clone()));
+        if let Err(e) = fuzz_targets::model_vs_store(&data, &good, &clock) {
+            panic!("the correct store diverged from the model on seed {seed}: {e}");
+        }
+        let clock = ManualClock::new(start);
+        let broken = TableStore::from_table(ForgetsToken(idem_core::Model::new()), Arc::new(clock.clone()));
+        caught += usize::from(fuzz_targets::model_vs_store(&data, &broken, &clock).is_err());
+    }
+    assert!(caught > 0, "no input of 64 exposed the forgotten token");
+    eprintln!("the planted bug was caught on {caught} of 64 inputs");
 }
