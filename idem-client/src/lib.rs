@@ -1,6 +1,6 @@
 //! # idem-client
 //!
-//! The client half of the idempotency contract (DESIGN.md, "The client side"):
+//! The client half of the idempotency contract (`docs/contract.md#the-client`):
 //! - generate the key once per logical operation, before the first attempt, and keep it
 //!   across every retry ([`OperationKey`]) and, through an optional on-disk
 //!   [`KeyJournal`], across process restarts;

@@ -14,7 +14,7 @@ pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
 /// The key of one logical operation. Create it once, before the first attempt, and pass
 /// the same value to every retry; never derive it from the attempt, the time or a
-/// per-attempt id (handed case C14).
+/// per-attempt id (`docs/failures.md#client-makes-a-new-key-per-attempt`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct OperationKey(String);
 

@@ -25,10 +25,10 @@
 //! | [`scenarios::fencing`] | 10 | complete, fail and reclaim with a stale token get the exact `LeaseLost`/`Conflict` and change nothing (before == after) |
 //! | [`scenarios::failed`](mod@scenarios::failed) | 5 | a failed record is reclaimable at once, by the same fingerprint only |
 //! | [`scenarios::retention`] | 11 | absent from `expires_at` on, swept or not; sweeps keep live records, batch, say `more`, and race claims safely |
-//! | [`scenarios::scope`](mod@scenarios::scope) | 6 | principals and endpoints isolate keys (handed C10, C11) |
+//! | [`scenarios::scope`](mod@scenarios::scope) | 6 | principals and endpoints isolate keys |
 //! | [`scenarios::limits`] | 13 | 255-byte keys, non-ASCII and control characters in scopes, all byte values, empty and 4 MiB bodies, 200 headers, compressed and not-retained bodies |
-//! | [`scenarios::clock`] | 9 | lease and retention edges to the millisecond, 4.999 s / 5.001 s (C2), zero lease (C1), clock steps back |
-//! | [`scenarios::handed`] | 5 | C3 (two handles), C5 (dead owner freed by its lease), C8 (stale owner fenced), C9 (racing first claims) |
+//! | [`scenarios::clock`] | 9 | lease and retention edges to the millisecond, 4.999 s / 5.001 s, zero lease, clock steps back |
+//! | [`scenarios::peers`] | 5 | two handles on one store: a fresh claim is never taken over, a dead owner's claim is freed by its lease, a stale owner is fenced, racing first claims have one winner |
 //! | [`scenarios::capability`] | 3 | declared capabilities hold; peer handles; server clock |
 //! | [`scenarios::journal`] | 18 | journal entries are fenced like `complete`, first write wins unless overwritten, survive a reclaim, die with their record (expiry, sweep, replacing claim); `Resumable` steps and intents resume on the store; stores without the capability refuse with `Unsupported` |
 //!

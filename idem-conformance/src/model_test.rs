@@ -51,7 +51,7 @@ pub const MAX_OPS: usize = 64;
 pub const OWNERS: usize = 3;
 /// Records in play: 2 principals x 2 keys.
 pub const KEYS: usize = 4;
-/// Lease lengths an operation picks from, ms (zero is handed case C1).
+/// Lease lengths an operation picks from, ms (zero must still give a finite lease: `docs/failures.md#zero-lease-means-no-deadline`).
 pub const LEASES_MS: [u64; 3] = [0, 1_000, 5_000];
 /// Retention windows an operation picks from, ms (1 s is shorter than a 5 s lease: raised).
 pub const RETENTIONS_MS: [u64; 3] = [1_000, 10_000, 60_000];

@@ -9,7 +9,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
-use idem_conformance::scenarios::{claim, clock, fencing, handed, inflight, journal, replay, retention};
+use idem_conformance::scenarios::{claim, clock, fencing, inflight, journal, peers, replay, retention};
 use idem_conformance::{Backend, Env, model_test};
 use idem_core::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
 use idem_core::{
@@ -22,15 +22,15 @@ use idem_core::{
 enum Bug {
     /// No bug: the control run.
     None,
-    /// Claim is check-then-insert with a yield in between (C9): concurrent claims all win.
+    /// Claim is check-then-insert with a yield in between: concurrent claims all win.
     CheckThenInsert,
-    /// Complete ignores the fencing token (C8): a stale owner overwrites the new attempt.
+    /// Complete ignores the fencing token: a stale owner overwrites the new attempt.
     CompleteIgnoresToken,
     /// Sweep deletes records whether or not they expired: live claims vanish.
     SweepDeletesLive,
-    /// Reclaim ignores the lease (C3): a fresh claim is taken over.
+    /// Reclaim ignores the lease: a fresh claim is taken over as an orphan.
     ReclaimIgnoresLease,
-    /// The lease is stored in seconds where milliseconds are expected (C2).
+    /// The lease is stored in seconds where milliseconds are expected.
     LeaseInSeconds,
     /// The lease counts as fresh up to and including `lease_expires_at` (off by one).
     InclusiveLeaseEnd,
@@ -40,7 +40,7 @@ enum Bug {
     /// Declares `Capabilities::journal` but never implemented the methods.
     JournalDeclaredButMissing,
     /// A journal put checks only that the record is live, not the token or the state: a
-    /// stale owner's step overwrites the current owner's (C8 for steps).
+    /// stale owner's step overwrites the current owner's.
     JournalIgnoresToken,
     /// A claim that replaces an expired record keeps the old attempt's journal entries.
     ReplacingClaimKeepsJournal,
@@ -306,7 +306,7 @@ async fn check_then_insert_claim_is_caught() {
         5,
         &scenarios![
             claim::concurrent_claims_have_exactly_one_winner,
-            handed::c9_two_handles_racing_a_first_claim_have_one_winner
+            peers::two_handles_racing_a_first_claim_have_one_winner
         ],
     )
     .await;
@@ -322,7 +322,7 @@ async fn complete_ignoring_the_token_is_caught() {
             fencing::complete_with_a_future_token_is_lease_lost,
             fencing::complete_after_fail_is_lease_lost,
             replay::second_complete_by_the_owner_is_lease_lost,
-            handed::c8_stale_owner_is_fenced_and_the_new_claim_stays,
+            peers::stale_owner_is_fenced_and_the_new_claim_stays,
         ],
     )
     .await;
@@ -343,10 +343,7 @@ async fn reclaim_ignoring_the_lease_is_caught() {
     caught(
         Bug::ReclaimIgnoresLease,
         1,
-        &scenarios![
-            inflight::fresh_lease_blocks_reclaim,
-            handed::c3_fresh_claim_is_never_reclaimable_from_another_handle
-        ],
+        &scenarios![inflight::fresh_lease_blocks_reclaim, peers::fresh_claim_is_never_reclaimable_from_another_handle],
     )
     .await;
 }
@@ -356,7 +353,7 @@ async fn lease_in_seconds_is_caught() {
     caught(
         Bug::LeaseInSeconds,
         1,
-        &scenarios![clock::c2_five_second_lease_is_live_at_4999_ms, inflight::fresh_lease_blocks_reclaim],
+        &scenarios![clock::five_second_lease_is_live_at_4999_ms, inflight::fresh_lease_blocks_reclaim],
     )
     .await;
 }

@@ -1,4 +1,4 @@
-//! The decision table (DESIGN.md): what a request carrying a key gets, given the stored
+//! The decision table (`docs/decision-table.md#the-table`): what a request carrying a key gets, given the stored
 //! record, the request's fingerprint and the store's `now`.
 //!
 //! | stored record            | fingerprint | decision                          |

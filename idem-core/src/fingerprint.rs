@@ -5,7 +5,7 @@
 //! value of a repeated header in arrival order) and the raw body bytes.
 //!
 //! Raw mode is the default: two bodies that differ in any byte are different requests,
-//! even if they parse to the same JSON (handed case C13). Canonical JSON (RFC 8785) is a
+//! even if they parse to the same JSON (`docs/failures.md#json-formatting-changes-the-fingerprint`). Canonical JSON (RFC 8785) is a
 //! separate opt-in mode, because canonicalising can merge requests an API treats as
 //! different (`{"labels":{}}` versus no `labels`).
 
@@ -26,7 +26,7 @@ pub enum FingerprintMode {
     /// A body that parses as JSON enters as its RFC 8785 (JCS) canonical form, so an
     /// honest retry whose serialiser reorders object members or changes whitespace is
     /// still the same request. Array order, `null` versus an absent member, and `{}`
-    /// versus an empty body still differ (handed case C13).
+    /// versus an empty body still differ (`docs/contract.md#fingerprint`).
     ///
     /// Falls back to the raw bytes, so distinct bodies are never merged by accident, when
     /// the body is empty, is not valid JSON, or holds an integer beyond ±2^53 (JCS
@@ -168,8 +168,8 @@ mod tests {
     }
 
     #[test]
-    fn canonical_mode_follows_handed_case_c13() {
-        // C13: reordered keys and whitespace are one request in canonical mode...
+    fn canonical_mode_merges_formatting_but_keeps_real_differences() {
+        // Reordered keys and whitespace are one request in canonical mode...
         let a = canon(br#"{"a":1,"b":2}"#);
         assert_eq!(a, canon(br#"{"b":2, "a":1}"#));
         assert_eq!(a, canon(b"{\n  \"a\": 1,\n  \"b\": 2\n}"));

@@ -6,11 +6,12 @@
 //!   defines it: `Idempotency-Key: "7c3f5d1e-91a4"`. The quotes are removed and `\"` / `\\`
 //!   unescaped; `"abc"` and `abc` name the same key.
 //!
-//! Rules (DESIGN.md, "idempotency key"): the key is non-empty, at most `max_len` bytes
+//! Rules (`docs/contract.md#idempotency-key`): the key is non-empty, at most `max_len` bytes
 //! after unquoting (default [`DEFAULT_MAX_KEY_LEN`] = 255), and made only of visible ASCII
 //! (0x21..=0x7E). Whitespace anywhere inside the key, control bytes and non-ASCII bytes are
 //! rejected rather than trimmed or normalised, so `" K"` and `"K"` can never silently merge
-//! into one record and Unicode normalisation forms never collide (handed case C12).
+//! into one record and Unicode normalisation forms never collide
+//! (`docs/failures.md#missing-or-blank-key-shares-a-record`).
 //! The surrounding optional whitespace of an HTTP field (RFC 9110 §5.5) is not part of the
 //! field value and is ignored.
 

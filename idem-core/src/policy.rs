@@ -141,8 +141,10 @@ impl Policy {
 mod tests {
     use super::*;
 
+    /// The default rule of `docs/contract.md#cacheable-statuses`: 2xx and lasting 4xx are
+    /// stored; transient refusals, 1xx, 3xx and 5xx are not.
     #[test]
-    fn cacheable_statuses_follow_the_design() {
+    fn only_2xx_and_lasting_4xx_are_cacheable_by_default() {
         let p = Policy::default();
         for s in [200, 201, 202, 204, 400, 404, 410, 422] {
             assert!(p.is_cacheable(s), "{s}");

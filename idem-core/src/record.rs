@@ -7,7 +7,7 @@ use crate::key::IdempotencyKey;
 use crate::scope::{RecordId, Scope};
 use crate::time::UnixMillis;
 
-/// Where a record is in its life (DESIGN.md, "The record state machine").
+/// Where a record is in its life (`docs/state-machine.md`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub enum RecordState {
@@ -168,7 +168,7 @@ impl StoredResponse {
     }
 }
 
-/// One idempotency record (DESIGN.md, "What is stored"). All times are UTC milliseconds
+/// One idempotency record (`docs/contract.md#what-is-stored-and-when`). All times are UTC milliseconds
 /// from the store's clock.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Record {
@@ -191,7 +191,7 @@ pub struct Record {
     /// When the current claim (or reclaim) started.
     pub started_at: UnixMillis,
     /// End of the in-flight lease: the claim is fresh while `now < lease_expires_at`.
-    /// Always finite (handed case C1).
+    /// Always finite, even for a zero lease (`docs/failures.md#zero-lease-means-no-deadline`).
     pub lease_expires_at: UnixMillis,
     /// End of the retention window: the record is gone once `now >= expires_at`.
     pub expires_at: UnixMillis,

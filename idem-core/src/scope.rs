@@ -4,7 +4,8 @@
 //! fixed-length BLAKE3 `derive_key` hash over the length-prefixed principal, endpoint and
 //! key, so that:
 //! - the same key under another principal or endpoint is another record (tenants never see
-//!   each other's records, handed cases C10 and C11);
+//!   each other's records: `docs/failures.md#key-shared-across-endpoints`,
+//!   `docs/failures.md#key-shared-across-principals`);
 //! - no split of the same bytes between fields collides: `("ab","c")` and `("a","bc")`
 //!   hash different length prefixes;
 //! - every backend indexes one 32-byte value whatever the key length.
@@ -21,7 +22,8 @@ pub const RECORD_ID_CONTEXT: &str = "idem 2026-11-30 record id v1";
 /// The authenticated identity a request runs as (an API token's subject, an account).
 ///
 /// Any non-empty string. An empty principal is refused when building a [`Scope`]: a
-/// missing identity must never become one shared bucket (handed case C11).
+/// missing identity must never become one shared bucket
+/// (`docs/failures.md#key-shared-across-principals`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub struct Principal(pub String);

@@ -1,6 +1,7 @@
 //! The storage contract every backend implements, and its typed outcomes.
 //!
 //! # Contract (all methods)
+//! The same rules, with the reasons, are in `docs/contract.md#for-every-operation`.
 //! - Every method is atomic on the backend's engine: another caller sees the record either
 //!   before or after the operation, never half of it.
 //! - Time comes from one clock per store (the server's where it has one, an injected
@@ -9,7 +10,7 @@
 //!   `now >= expires_at`, whether or not a sweep has removed it yet.
 //! - A lost race is an outcome (`ClaimOutcome::Existing`, `ReclaimOutcome::Conflict`,
 //!   `StoreError::LeaseLost`), never a generic error: a key conflict is not a store failure
-//!   (handed case C9).
+//!   (`docs/failures.md#concurrent-first-requests-both-run`).
 //! - Keys, principals, endpoints, header values and bodies round-trip byte-exact.
 
 use std::fmt;

@@ -1,9 +1,9 @@
 //! Time as the record sees it: milliseconds since the Unix epoch, UTC.
 //!
 //! Every timestamp in a record uses this one unit. Mixing seconds and milliseconds in
-//! expiry checks is a known way to break lease reclaim (handed case C2), so there is
-//! exactly one type for "a point in time" and durations are converted to milliseconds
-//! at the boundary.
+//! expiry checks is a known way to break lease reclaim
+//! (`docs/failures.md#seconds-and-milliseconds-mixed`), so there is exactly one type for
+//! "a point in time" and durations are converted to milliseconds at the boundary.
 
 use std::fmt;
 use std::sync::Arc;

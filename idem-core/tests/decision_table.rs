@@ -120,7 +120,7 @@ fn stale_token_writes_are_lease_lost_and_change_nothing() {
 
 #[test]
 fn zero_lease_is_finite_and_expires_at_once() {
-    // C1: a zero budget must never mean "no deadline".
+    // A zero budget must never mean "no deadline" (docs/failures.md#zero-lease-means-no-deadline).
     let mut m = Model::new();
     let mut r0 = req("k", b"x");
     r0.lease_ttl = Duration::ZERO;

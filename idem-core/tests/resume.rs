@@ -45,7 +45,7 @@ async fn reclaimed(store: &Arc<dyn Store>, first: &Record) -> Record {
 
 #[test]
 fn subkeys_are_stable_distinct_and_short() {
-    // C14: derived only from (principal, endpoint, key, name), never from attempt or time.
+    // Derived only from (principal, endpoint, key, name), never from attempt or time.
     let a = RecordId::derive("p", "POST /x", "k");
     assert_eq!(SubKey::derive(a, "charge"), SubKey::derive(a, "charge"));
     assert_ne!(SubKey::derive(a, "charge"), SubKey::derive(a, "refund"));

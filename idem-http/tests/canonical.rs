@@ -1,6 +1,7 @@
-//! Handed case C13 through the layer: JSON key order or whitespace changed the
-//! fingerprint, so an honest retry was rejected as a mismatch (canonical mode), while
-//! raw mode (the default) keeps every byte significant.
+//! JSON formatting and the fingerprint through the layer
+//! (`docs/failures.md#json-formatting-changes-the-fingerprint`): key order or whitespace
+//! changed the fingerprint, so an honest retry was rejected as a mismatch (canonical mode),
+//! while raw mode (the default) keeps every byte significant.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,6 +1,6 @@
-//! DESIGN.md's decision table, row by row, through an axum router (no sockets), plus the
-//! layer's other answers: safe methods, 413, 401, retention, replay fidelity, the request
-//! extension and the endpoint scope.
+//! The decision table (`docs/decision-table.md#the-table`), row by row, through an axum
+//! router (no sockets), plus the layer's other answers: safe methods, 413, 401, retention,
+//! replay fidelity, the request extension and the endpoint scope.
 
 mod common;
 

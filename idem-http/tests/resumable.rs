@@ -1,6 +1,9 @@
-//! Resumable handlers through the layer: handed cases C14 and C15 (a downstream payment
-//! API that deduplicates on the sub-key), sub-key stability across layer instances, and a
-//! store without a journal answering a clear problem instead of panicking.
+//! Resumable handlers through the layer: a retry keeps the downstream key and a failed
+//! attempt's charge is not repeated (a downstream payment API that deduplicates on the
+//! sub-key; `docs/failures.md#retry-makes-a-new-downstream-key`,
+//! `docs/failures.md#partial-side-effect-repeated-after-a-failure`), sub-key stability
+//! across layer instances, and a store without a journal answering a clear problem instead
+//! of panicking.
 
 mod common;
 
@@ -93,8 +96,8 @@ fn memory() -> (ManualClock, Arc<dyn Store>) {
 }
 
 #[tokio::test]
-async fn c14_a_retry_in_another_instance_after_a_crash_charges_once() {
-    //! C14: retries must not make a new downstream key; the crashed attempt's charge is the only one.
+async fn a_retry_in_another_instance_after_a_crash_charges_once() {
+    //! Retries must not make a new downstream key; the crashed attempt's charge is the only one.
     let (clock, store) = memory();
     let s = shop(&[After::Die]);
     let req = post("/v1/payments").key("order-17").body("{}");
@@ -117,8 +120,8 @@ async fn c14_a_retry_in_another_instance_after_a_crash_charges_once() {
 }
 
 #[tokio::test]
-async fn c15_a_failed_attempt_after_the_charge_is_retried_without_a_second_charge() {
-    //! C15: the record is marked failed after a partial side effect; the retry runs, the charge is not repeated.
+async fn a_failed_attempt_after_the_charge_is_retried_without_a_second_charge() {
+    //! The record is marked failed after a partial side effect; the retry runs, the charge is not repeated.
     for after in [After::Error, After::Panic] {
         let (_clock, store) = memory();
         let s = shop(&[after]);
@@ -166,9 +169,9 @@ async fn observed_subkey(token: &str, route: &str, key: &str, label: &str) -> St
 proptest! {
     #![proptest_config(ProptestConfig { cases: 32, .. ProptestConfig::default() })]
 
-    /// C14 property: the sub-key depends on (principal, endpoint, key, label) only.
+    /// Property: the sub-key depends on (principal, endpoint, key, label) only.
     #[test]
-    fn c14_subkeys_are_stable_across_restarts_and_change_with_each_input(
+    fn subkeys_are_stable_across_restarts_and_change_with_each_input(
         token in "[a-z0-9]{1,12}",
         key in "[A-Za-z0-9-]{1,40}",
         label in "[a-z]{1,10}",

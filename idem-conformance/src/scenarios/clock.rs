@@ -1,6 +1,7 @@
 //! Clock edges. A lease is fresh while `now < lease_expires_at` and a record is gone once
 //! `now >= expires_at`, in milliseconds, with no off-by-one and no seconds/milliseconds mix
-//! (handed case C2); every lease is finite, even a zero one (handed case C1).
+//! (`docs/failures.md#seconds-and-milliseconds-mixed`); every lease is finite, even a zero
+//! one (`docs/failures.md#zero-lease-means-no-deadline`).
 
 use std::time::Duration;
 
@@ -30,8 +31,8 @@ pub async fn lease_is_stale_one_ms_after_it_expires(env: Env) {
     assert_eq!(reclaimed(env.store.as_ref(), reclaim_req(&r)).await.token, FencingToken(2));
 }
 
-/// C2: a 5 s lease is still live at 4.999 s: a reclaim conflicts.
-pub async fn c2_five_second_lease_is_live_at_4999_ms(env: Env) {
+/// A 5 s lease is still live at 4.999 s: a reclaim conflicts.
+pub async fn five_second_lease_is_live_at_4999_ms(env: Env) {
     let start = env.clock.now_ms();
     let r =
         must_claim(&env, claim_req_timed(&env, "p", "k", b"b", Duration::from_secs(5), Duration::from_secs(60))).await;
@@ -40,8 +41,8 @@ pub async fn c2_five_second_lease_is_live_at_4999_ms(env: Env) {
     assert_eq!(conflict(env.store.as_ref(), reclaim_req(&r)).await, Some(r));
 }
 
-/// C2: a 5 s lease is reclaimable at 5.001 s.
-pub async fn c2_five_second_lease_is_reclaimable_at_5001_ms(env: Env) {
+/// A 5 s lease is reclaimable at 5.001 s.
+pub async fn five_second_lease_is_reclaimable_at_5001_ms(env: Env) {
     let start = env.clock.now_ms();
     let r =
         must_claim(&env, claim_req_timed(&env, "p", "k", b"b", Duration::from_secs(5), Duration::from_secs(60))).await;
@@ -50,8 +51,8 @@ pub async fn c2_five_second_lease_is_reclaimable_at_5001_ms(env: Env) {
     assert_eq!(n.lease_expires_at.0, start + 5_001 + 5_000);
 }
 
-/// C1: a zero lease is finite (`lease_expires_at = now`) and reclaimable at once; retention still holds.
-pub async fn c1_zero_lease_is_finite_and_reclaimable_at_once(env: Env) {
+/// A zero lease is finite (`lease_expires_at = now`) and reclaimable at once; retention still holds.
+pub async fn zero_lease_is_finite_and_reclaimable_at_once(env: Env) {
     let now = env.clock.now_ms();
     let r = must_claim(&env, claim_req_timed(&env, "p", "k", b"b", Duration::ZERO, Duration::from_secs(60))).await;
     assert_eq!(r.lease_expires_at.0, now, "a zero lease expires now, it is never 'no expiry'");

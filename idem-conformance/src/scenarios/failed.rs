@@ -1,12 +1,14 @@
 //! The failed state: a handler error, panic or 5xx marks the record failed; a retry with
-//! the same fingerprint reclaims it at once (handed cases C5, C7, C15).
+//! the same fingerprint reclaims it at once. Pins `docs/failures.md#orphaned-claim-blocks-retries`,
+//! `docs/failures.md#server-error-cached-and-replayed` and
+//! `docs/failures.md#partial-side-effect-repeated-after-a-failure` at the record level.
 
 use idem_core::{FencingToken, RecordState};
 
 use super::{claim_req, completed, conflict, failed, fp, get, must_claim, reclaim_req, reclaimed, response};
 use crate::Env;
 
-/// A failed record is reclaimable at once, without waiting for the lease (C5, C7).
+/// A failed record is reclaimable at once, without waiting for the lease.
 pub async fn failed_record_is_reclaimable_at_once(env: Env) {
     let r = must_claim(&env, claim_req(&env, "p", "k", b"body")).await;
     let f = failed(env.store.as_ref(), &r).await;

@@ -92,7 +92,7 @@ pub async fn passing_lease_leaves_the_record_unchanged(env: Env) {
     assert_eq!(get(env.store.as_ref(), r.id).await, Some(r));
 }
 
-/// Duplicates and mismatches during the lease leave the owner's claim untouched (C4).
+/// Duplicates and mismatches during the lease leave the owner's claim untouched.
 pub async fn rejected_duplicates_leave_the_claim_untouched(env: Env) {
     let r = must_claim(&env, claim_req(&env, "p", "k", b"body")).await;
     env.clock.advance_ms(1_000);

@@ -1,7 +1,7 @@
 //! Keys and values at their limits: the longest key, every visible ASCII byte, non-ASCII
 //! scope strings, every byte value in bodies and header values, empty and multi-MiB
 //! bodies, many headers, compressed and not-retained bodies. Everything round-trips
-//! byte-exact (DESIGN.md: keys, principals, endpoints, headers and bodies).
+//! byte-exact (`docs/contract.md#for-every-operation`).
 
 use idem_core::{ClaimRequest, Endpoint, RecordState, Scope, StoredBody, StoredResponse};
 

@@ -9,10 +9,10 @@
 //! - [`fencing`] - a stale fencing token changes nothing and gets `LeaseLost`.
 //! - [`failed`](mod@failed) - the failed state and its retry.
 //! - [`retention`] - the retention window and the sweep.
-//! - [`scope`](mod@scope) - isolation between principals and endpoints (handed cases C10, C11).
+//! - [`scope`](mod@scope) - isolation between principals and endpoints.
 //! - [`limits`] - keys and values at their limits.
-//! - [`clock`] - clock edges (handed cases C1, C2).
-//! - [`handed`] - the store-level handed cases C3, C5, C8, C9.
+//! - [`clock`] - clock edges: lease ends to the millisecond, zero leases, clock steps.
+//! - [`peers`] - two handles on one store: takeover, fencing, racing first claims, dead owners.
 //! - [`capability`] - capability variants (native expiry, server clock, peer handles).
 //! - [`journal`] - the per-record journal of resumable handlers' steps and intents.
 //!
@@ -36,10 +36,10 @@ pub mod claim;
 pub mod clock;
 pub mod failed;
 pub mod fencing;
-pub mod handed;
 pub mod inflight;
 pub mod journal;
 pub mod limits;
+pub mod peers;
 pub mod reclaim;
 pub mod replay;
 pub mod retention;
@@ -297,10 +297,10 @@ macro_rules! __for_each_scenario {
         $m!($backend, retention::sweep_racing_claims_leaves_consistent_records);
         $m!($backend, retention::reclaimed_record_outlives_its_first_window);
         $m!($backend, retention::sweep_drains_many_expired_records_in_batches);
-        $m!($backend, scope::c11_same_key_other_principal_is_another_record);
-        $m!($backend, scope::c11_in_flight_claim_of_one_principal_does_not_block_another);
-        $m!($backend, scope::c10_same_key_other_endpoint_is_another_record);
-        $m!($backend, scope::c10_same_key_other_path_is_another_record);
+        $m!($backend, scope::same_key_other_principal_is_another_record);
+        $m!($backend, scope::in_flight_claim_of_one_principal_does_not_block_another);
+        $m!($backend, scope::same_key_other_endpoint_is_another_record);
+        $m!($backend, scope::same_key_other_path_is_another_record);
         $m!($backend, scope::completing_in_one_scope_leaves_the_other_untouched);
         $m!($backend, scope::moving_bytes_between_scope_fields_is_another_record);
         $m!($backend, limits::key_of_255_bytes_round_trips);
@@ -319,17 +319,17 @@ macro_rules! __for_each_scenario {
         $m!($backend, clock::lease_is_fresh_one_ms_before_it_expires);
         $m!($backend, clock::lease_is_stale_exactly_when_it_expires);
         $m!($backend, clock::lease_is_stale_one_ms_after_it_expires);
-        $m!($backend, clock::c2_five_second_lease_is_live_at_4999_ms);
-        $m!($backend, clock::c2_five_second_lease_is_reclaimable_at_5001_ms);
-        $m!($backend, clock::c1_zero_lease_is_finite_and_reclaimable_at_once);
+        $m!($backend, clock::five_second_lease_is_live_at_4999_ms);
+        $m!($backend, clock::five_second_lease_is_reclaimable_at_5001_ms);
+        $m!($backend, clock::zero_lease_is_finite_and_reclaimable_at_once);
         $m!($backend, clock::zero_lease_and_retention_record_is_gone_at_once);
         $m!($backend, clock::record_is_gone_exactly_at_expires_at);
         $m!($backend, clock::clock_stepping_back_never_frees_a_fresh_lease);
-        $m!($backend, handed::c3_fresh_claim_is_never_reclaimable_from_another_handle);
-        $m!($backend, handed::c8_stale_owner_is_fenced_and_the_new_claim_stays);
-        $m!($backend, handed::c9_two_handles_racing_a_first_claim_have_one_winner);
-        $m!($backend, handed::c9_loser_rereading_after_completion_gets_the_response);
-        $m!($backend, handed::c5_dead_owners_claim_is_freed_by_its_lease);
+        $m!($backend, peers::fresh_claim_is_never_reclaimable_from_another_handle);
+        $m!($backend, peers::stale_owner_is_fenced_and_the_new_claim_stays);
+        $m!($backend, peers::two_handles_racing_a_first_claim_have_one_winner);
+        $m!($backend, peers::loser_rereading_after_completion_gets_the_response);
+        $m!($backend, peers::dead_owners_claim_is_freed_by_its_lease);
         $m!($backend, capability::declared_capabilities_hold);
         $m!($backend, capability::peer_handle_sees_the_same_records);
         $m!($backend, capability::server_clock_sets_leases_from_the_server);

@@ -1,13 +1,15 @@
 //! Replay and mismatch, at the record level: a completed record keeps its response
 //! byte-exact and replays it to every reader; a request with another fingerprint changes
-//! nothing (handed cases C4, C6, C7).
+//! nothing. Pins `docs/failures.md#replay-loses-status-headers-or-body`,
+//! `docs/failures.md#rejected-duplicate-deletes-the-record` and
+//! `docs/failures.md#server-error-cached-and-replayed` at the record level.
 
 use idem_core::{RecordState, StoredResponse};
 
 use super::{assert_lease_lost, claim_req, completed, existing, get, must_claim, reclaim_req, response};
 use crate::Env;
 
-/// A completed record keeps the status, every header and the body bytes exactly (C6).
+/// A completed record keeps the status, every header and the body bytes exactly.
 pub async fn completed_record_keeps_status_headers_and_body(env: Env) {
     let r = must_claim(&env, claim_req(&env, "p", "k", b"body")).await;
     let resp = StoredResponse::new(
@@ -73,7 +75,7 @@ pub async fn completed_record_reads_the_same_every_time(env: Env) {
     }
 }
 
-/// A claim with another fingerprint on a completed record changes nothing (C4 step 4).
+/// A claim with another fingerprint on a completed record changes nothing.
 pub async fn mismatched_claim_leaves_completed_record_untouched(env: Env) {
     let r = must_claim(&env, claim_req(&env, "p", "k", b"body")).await;
     let done = completed(env.store.as_ref(), &r, response()).await;
@@ -86,7 +88,7 @@ pub async fn mismatched_claim_leaves_completed_record_untouched(env: Env) {
     assert_eq!(get(env.store.as_ref(), r.id).await, Some(done));
 }
 
-/// A cached client error keeps its exact status and body: 422 stays 422 (C7).
+/// A cached client error keeps its exact status and body: 422 stays 422.
 pub async fn cached_client_error_keeps_its_status(env: Env) {
     let r = must_claim(&env, claim_req(&env, "p", "k", b"body")).await;
     let resp = StoredResponse::new(

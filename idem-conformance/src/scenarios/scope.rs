@@ -1,5 +1,6 @@
 //! Scope isolation: the same key under another principal or endpoint is another record,
-//! so tenants never see or block each other (handed cases C10, C11).
+//! so tenants never see or block each other (`docs/failures.md#key-shared-across-endpoints`,
+//! `docs/failures.md#key-shared-across-principals`).
 
 use idem_core::{ClaimRequest, Endpoint, FencingToken, RecordState, Scope};
 
@@ -11,8 +12,8 @@ fn req_in(env: &Env, principal: &str, method: &str, route: &str, k: &str, body: 
     ClaimRequest::new(scope, key(k), fp(body), LEASE, RETENTION)
 }
 
-/// C11: the same key from another principal is its own record and never sees the first's response.
-pub async fn c11_same_key_other_principal_is_another_record(env: Env) {
+/// The same key from another principal is its own record and never sees the first's response.
+pub async fn same_key_other_principal_is_another_record(env: Env) {
     let p = must_claim(&env, req_in(&env, "P", "POST", "/orders", "K", b"b")).await;
     completed(env.store.as_ref(), &p, response()).await;
     let q = claimed(env.store.as_ref(), req_in(&env, "Q", "POST", "/orders", "K", b"b")).await;
@@ -21,16 +22,16 @@ pub async fn c11_same_key_other_principal_is_another_record(env: Env) {
     assert_eq!(q.response, None, "Q never sees P's response");
 }
 
-/// C11: a principal holding a key in flight does not block another principal's same key.
-pub async fn c11_in_flight_claim_of_one_principal_does_not_block_another(env: Env) {
+/// A principal holding a key in flight does not block another principal's same key.
+pub async fn in_flight_claim_of_one_principal_does_not_block_another(env: Env) {
     let q = must_claim(&env, req_in(&env, "Q", "POST", "/orders", "K", b"b")).await;
     let p = claimed(env.store.as_ref(), req_in(&env, "P", "POST", "/orders", "K", b"b")).await;
     assert_eq!(p.state, RecordState::InFlight);
     assert_eq!(get(env.store.as_ref(), q.id).await, Some(q));
 }
 
-/// C10: the same key on another endpoint (`POST /projects`, `POST /applications`) is another record.
-pub async fn c10_same_key_other_endpoint_is_another_record(env: Env) {
+/// The same key on another endpoint (`POST /projects`, `POST /applications`) is another record.
+pub async fn same_key_other_endpoint_is_another_record(env: Env) {
     let projects = must_claim(&env, req_in(&env, "P", "POST", "/projects", "K", b"b1")).await;
     completed(env.store.as_ref(), &projects, response()).await;
     let apps = claimed(env.store.as_ref(), req_in(&env, "P", "POST", "/applications", "K", b"b2")).await;
@@ -38,8 +39,8 @@ pub async fn c10_same_key_other_endpoint_is_another_record(env: Env) {
     assert_eq!(apps.response, None, "the second endpoint runs on its own and never gets proj_1");
 }
 
-/// C10: the same key on `PUT /tickets/1` and `PUT /tickets/2` gives two records.
-pub async fn c10_same_key_other_path_is_another_record(env: Env) {
+/// The same key on `PUT /tickets/1` and `PUT /tickets/2` gives two records.
+pub async fn same_key_other_path_is_another_record(env: Env) {
     let one = must_claim(&env, req_in(&env, "P", "PUT", "/tickets/1", "K", b"b")).await;
     let two = claimed(env.store.as_ref(), req_in(&env, "P", "PUT", "/tickets/2", "K", b"b")).await;
     assert_ne!(one.id, two.id);

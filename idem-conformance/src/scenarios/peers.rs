@@ -1,5 +1,8 @@
-//! The store-level handed failure cases (each broke a real idempotency implementation): C3, C5, C8, C9. C10 and C11
-//! are in [`super::scope`](mod@super::scope), C1 and C2 in [`super::clock`].
+//! Two handles on one store, as two servers or processes share it: a fresh claim is never
+//! taken over from the other handle, a stale owner is fenced after a reclaim, racing first
+//! claims have one winner, and a dead owner's claim is freed by its lease. Each pins an
+//! entry of the failure catalogue (`docs/failures.md`); isolation between principals and
+//! endpoints is in [`super::scope`](mod@super::scope), the clock edges in [`super::clock`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,9 +15,10 @@ use super::{
 };
 use crate::Env;
 
-/// C3: a fresh claim made through one handle is never reclaimable through another, at any
-/// point of its lease, and its owner completes it.
-pub async fn c3_fresh_claim_is_never_reclaimable_from_another_handle(env: Env) {
+/// A fresh claim made through one handle is never reclaimable through another, at any
+/// point of its lease, and its owner completes it
+/// (`docs/failures.md#live-claim-taken-over-as-an-orphan`).
+pub async fn fresh_claim_is_never_reclaimable_from_another_handle(env: Env) {
     let a: Arc<dyn Store> = Arc::clone(&env.store);
     let b = env.peer().await;
     let r = super::claimed(a.as_ref(), claim_req(&env, "P", "K", b"b")).await;
@@ -29,8 +33,9 @@ pub async fn c3_fresh_claim_is_never_reclaimable_from_another_handle(env: Env) {
     assert_eq!(existing(b.as_ref(), claim_req(&env, "P", "K", b"b")).await.0, done, "B's retry gets the replay");
 }
 
-/// C8: the stale owner's complete and fail after a reclaim are fenced; the new claim stays.
-pub async fn c8_stale_owner_is_fenced_and_the_new_claim_stays(env: Env) {
+/// The stale owner's complete and fail after a reclaim are fenced; the new claim stays
+/// (`docs/failures.md#stale-owner-overwrites-the-new-attempt`).
+pub async fn stale_owner_is_fenced_and_the_new_claim_stays(env: Env) {
     let lease = Duration::from_secs(1);
     let a = super::must_claim(&env, claim_req_timed(&env, "P", "K", b"b", lease, Duration::from_secs(60))).await;
     let t0 = a.created_at.0;
@@ -50,8 +55,9 @@ pub async fn c8_stale_owner_is_fenced_and_the_new_claim_stays(env: Env) {
     assert_eq!(done.token, FencingToken(2));
 }
 
-/// C9: two handles race a first claim of one key: exactly one wins, the loser sees its record.
-pub async fn c9_two_handles_racing_a_first_claim_have_one_winner(env: Env) {
+/// Two handles race a first claim of one key: exactly one wins, the loser sees its record
+/// (`docs/failures.md#concurrent-first-requests-both-run`).
+pub async fn two_handles_racing_a_first_claim_have_one_winner(env: Env) {
     let stores: [Arc<dyn Store>; 2] = [Arc::clone(&env.store), env.peer().await];
     for round in 0..8 {
         let req = claim_req(&env, "P", &format!("K{round}"), b"b");
@@ -72,8 +78,9 @@ pub async fn c9_two_handles_racing_a_first_claim_have_one_winner(env: Env) {
     }
 }
 
-/// C9 variant: the winner completes before the loser re-reads: the loser gets the completed record.
-pub async fn c9_loser_rereading_after_completion_gets_the_response(env: Env) {
+/// The winner of a first-claim race completes before the loser re-reads: the loser gets the
+/// completed record.
+pub async fn loser_rereading_after_completion_gets_the_response(env: Env) {
     let peer = env.peer().await;
     let winner = super::must_claim(&env, claim_req(&env, "P", "K", b"b")).await;
     let done = completed(env.store.as_ref(), &winner, response()).await;
@@ -83,9 +90,10 @@ pub async fn c9_loser_rereading_after_completion_gets_the_response(env: Env) {
     assert_eq!(get(peer.as_ref(), winner.id).await, Some(done));
 }
 
-/// C5: a claim whose process died (its handle dropped mid-request) blocks retries only
-/// until its lease passes; then a retry through another handle reclaims and completes it.
-pub async fn c5_dead_owners_claim_is_freed_by_its_lease(env: Env) {
+/// A claim whose process died (its handle dropped mid-request) blocks retries only
+/// until its lease passes; then a retry through another handle reclaims and completes it
+/// (`docs/failures.md#orphaned-claim-blocks-retries`).
+pub async fn dead_owners_claim_is_freed_by_its_lease(env: Env) {
     let dying = env.peer().await;
     let r = super::claimed(dying.as_ref(), claim_req(&env, "P", "K", b"b")).await;
     drop(dying);

@@ -1,6 +1,7 @@
-//! The handed failure cases (shared/cases/handed.md) at the HTTP level: each test's first
-//! doc line names the failure it pins. Requests go through `oneshot` on an axum router over
-//! a memory store on a manual clock; time moves only when a test moves the clock.
+//! The failure catalogue (`docs/failures.md`) at the HTTP level: each test's first doc line
+//! names the failure it pins, and its last line the catalogue entry. Requests go through
+//! `oneshot` on an axum router over a memory store on a manual clock; time moves only when
+//! a test moves the clock.
 
 mod common;
 
@@ -31,9 +32,11 @@ async fn state(env: &Env, key: &str) -> Option<RecordState> {
     env.record("tok-p", ORDERS, key).await.map(|r| r.state)
 }
 
-/// C1: an in-flight claim with zero remaining time had no deadline, so retries were blocked until retention expired.
+/// An in-flight claim with zero remaining time had no deadline, so retries were blocked until retention expired.
+///
+/// Pins `docs/failures.md#zero-lease-means-no-deadline`.
 #[tokio::test]
-async fn c1_zero_lease_is_finite_and_a_retry_reclaims_after_it() {
+async fn zero_lease_is_finite_and_a_retry_reclaims_after_it() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     s.then(Step::Hold(Gate::default()));
@@ -52,9 +55,11 @@ async fn c1_zero_lease_is_finite_and_a_retry_reclaims_after_it() {
     assert_eq!(n.get(), 2);
 }
 
-/// C3: a live in-flight record was reclaimed as an orphan by a second server, so two requests ran.
+/// A live in-flight record was reclaimed as an orphan by a second server, so two requests ran.
+///
+/// Pins `docs/failures.md#live-claim-taken-over-as-an-orphan`.
 #[tokio::test]
-async fn c3_two_layers_sharing_one_store_never_run_twice() {
+async fn two_layers_sharing_one_store_never_run_twice() {
     let env = Env::new();
     let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
     s.then(Step::Hold(gate.clone()));
@@ -86,9 +91,11 @@ async fn c3_two_layers_sharing_one_store_never_run_twice() {
     assert_eq!(n.get(), 1);
 }
 
-/// C4: a rejected duplicate deleted the owner's in-flight claim, and a rejected mismatch deleted the completed record.
+/// A rejected duplicate deleted the owner's in-flight claim, and a rejected mismatch deleted the completed record.
+///
+/// Pins `docs/failures.md#rejected-duplicate-deletes-the-record`.
 #[tokio::test]
-async fn c4_rejected_duplicates_and_mismatches_never_touch_the_owners_record() {
+async fn rejected_duplicates_and_mismatches_never_touch_the_owners_record() {
     let env = Env::new();
     let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
     s.then(Step::Hold(gate.clone()));
@@ -122,9 +129,11 @@ async fn c4_rejected_duplicates_and_mismatches_never_touch_the_owners_record() {
     assert_eq!(n.get(), 1);
 }
 
-/// C5: a handler panic left the record in flight, so every retry got 409 until the retention ended.
+/// A handler panic left the record in flight, so every retry got 409 until the retention ended.
+///
+/// Pins `docs/failures.md#orphaned-claim-blocks-retries`.
 #[tokio::test]
-async fn c5_panic_marks_the_record_failed_and_the_retry_runs() {
+async fn panic_marks_the_record_failed_and_the_retry_runs() {
     for execution in [HandlerExecution::Detached, HandlerExecution::Inline] {
         let env = Env::new();
         let (n, s) = (Counter::default(), Script::default());
@@ -156,9 +165,11 @@ async fn c5_panic_marks_the_record_failed_and_the_retry_runs() {
     }
 }
 
-/// C5: a handler error (the service's `Err`) left the record in flight instead of marking it failed.
+/// A handler error (the service's `Err`) left the record in flight instead of marking it failed.
+///
+/// Pins `docs/failures.md#orphaned-claim-blocks-retries`.
 #[tokio::test]
-async fn c5_service_error_marks_the_record_failed_and_the_retry_runs() {
+async fn service_error_marks_the_record_failed_and_the_retry_runs() {
     let env = Env::new();
     let n = Counter::default();
     // A plain tower service (no axum): its errors are real `Service::Error`s.
@@ -198,9 +209,11 @@ async fn c5_service_error_marks_the_record_failed_and_the_retry_runs() {
     assert_eq!(n.get(), 2);
 }
 
-/// C5: a streamed response bypassed the completion path, so its record was never completed.
+/// A streamed response bypassed the completion path, so its record was never completed.
+///
+/// Pins `docs/failures.md#orphaned-claim-blocks-retries`.
 #[tokio::test]
-async fn c5_streamed_bodies_go_through_completion() {
+async fn streamed_bodies_go_through_completion() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     s.then(Step::Stream(vec!["{\"parts\":", "[1,", "2,3]", "}"]));
@@ -219,9 +232,11 @@ async fn c5_streamed_bodies_go_through_completion() {
     assert_eq!(n.get(), 1);
 }
 
-/// C5: a streamed response that failed half-way left the record in flight (or stored half a body).
+/// A streamed response that failed half-way left the record in flight (or stored half a body).
+///
+/// Pins `docs/failures.md#orphaned-claim-blocks-retries`.
 #[tokio::test]
-async fn c5_a_stream_that_fails_marks_the_record_failed() {
+async fn a_stream_that_fails_marks_the_record_failed() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     s.then(Step::BrokenStream);
@@ -235,9 +250,11 @@ async fn c5_a_stream_that_fails_marks_the_record_failed() {
     assert_eq!(n.get(), 2);
 }
 
-/// C5: a silently failed "complete" write left the record in flight for the whole retention window.
+/// A silently failed "complete" write left the record in flight for the whole retention window.
+///
+/// Pins `docs/failures.md#orphaned-claim-blocks-retries`.
 #[tokio::test]
-async fn c5_a_failed_complete_blocks_retries_only_until_the_lease_ends() {
+async fn a_failed_complete_blocks_retries_only_until_the_lease_ends() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     let app = app(layer(&env), &n, &s);
@@ -263,12 +280,14 @@ async fn c5_a_failed_complete_blocks_retries_only_until_the_lease_ends() {
     assert_eq!(n.get(), 2);
 }
 
-/// C5: a client disconnect cancelled the handler half-way and the retry repeated its side effects.
+/// A client disconnect cancelled the handler half-way and the retry repeated its side effects.
 ///
 /// Under the default `HandlerExecution::Detached` the handler keeps running after the
 /// client's response future is dropped: the record completes and the retry is a replay.
+///
+/// Pins `docs/failures.md#client-disconnect-cancels-the-handler`.
 #[tokio::test]
-async fn c5_a_client_disconnect_does_not_cancel_a_detached_handler() {
+async fn a_client_disconnect_does_not_cancel_a_detached_handler() {
     let env = Env::new();
     let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
     s.then(Step::Hold(gate.clone()));
@@ -295,9 +314,11 @@ async fn c5_a_client_disconnect_does_not_cancel_a_detached_handler() {
     assert_eq!(n.get(), 1);
 }
 
-/// C5: a client that disconnected mid-handler left an orphaned in-flight record (`HandlerExecution::Inline`).
+/// A client that disconnected mid-handler left an orphaned in-flight record (`HandlerExecution::Inline`).
+///
+/// Pins `docs/failures.md#client-disconnect-cancels-the-handler`.
 #[tokio::test]
-async fn c5_inline_a_dropped_request_future_marks_the_record_failed() {
+async fn inline_a_dropped_request_future_marks_the_record_failed() {
     let env = Env::new();
     let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
     s.then(Step::Hold(gate.clone()));
@@ -349,12 +370,14 @@ async fn workers_state(env: &Env, key: &str) -> Option<RecordState> {
     env.record("tok-p", "POST /v1/workers", key).await.map(|r| r.state)
 }
 
-/// C5: a client disconnect cancelled the handler half-way and the retry repeated its side effects (a phantom worker).
+/// A client disconnect cancelled the handler half-way and the retry repeated its side effects (a phantom worker).
 ///
 /// The side effect comes after an await point; the client's response future is dropped
 /// before it. Detached: it happens once across the dropped attempt and the retry.
+///
+/// Pins `docs/failures.md#client-disconnect-cancels-the-handler`.
 #[tokio::test]
-async fn c5_a_side_effect_after_an_await_happens_once_across_a_disconnect_and_its_retry() {
+async fn a_side_effect_after_an_await_happens_once_across_a_disconnect_and_its_retry() {
     let env = Env::new();
     let (calls, workers, gate) = (Counter::default(), Counter::default(), Gate::default());
     let app = allocating_app(layer(&env), &calls, &workers, &gate, false);
@@ -385,12 +408,14 @@ async fn c5_a_side_effect_after_an_await_happens_once_across_a_disconnect_and_it
     assert_eq!((calls.get(), workers.get()), (1, 1), "one handler run, one worker");
 }
 
-/// C5: a cancelled inline handler left its spawned allocation running and the retry allocated again (a phantom worker).
+/// A cancelled inline handler left its spawned allocation running and the retry allocated again (a phantom worker).
 ///
 /// Pins what `HandlerExecution::Inline` risks (documented) next to what `Detached`
 /// prevents, with the same handler: its allocation outlives the cancelled handler future.
+///
+/// Pins `docs/failures.md#client-disconnect-cancels-the-handler`.
 #[tokio::test]
-async fn c5_work_that_outlives_a_cancelled_handler_repeats_inline_but_not_detached() {
+async fn work_that_outlives_a_cancelled_handler_repeats_inline_but_not_detached() {
     for (execution, expected_workers) in [(HandlerExecution::Inline, 2), (HandlerExecution::Detached, 1)] {
         let env = Env::new();
         let (calls, workers, gate) = (Counter::default(), Counter::default(), Gate::default());
@@ -425,9 +450,11 @@ async fn c5_work_that_outlives_a_cancelled_handler_repeats_inline_but_not_detach
     }
 }
 
-/// C5: a handler that panicked after its client went away left the record in flight until the lease ended.
+/// A handler that panicked after its client went away left the record in flight until the lease ended.
+///
+/// Pins `docs/failures.md#orphaned-claim-blocks-retries`.
 #[tokio::test]
-async fn c5_a_detached_handler_that_panics_after_a_disconnect_marks_the_record_failed() {
+async fn a_detached_handler_that_panics_after_a_disconnect_marks_the_record_failed() {
     let env = Env::new();
     let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
     s.then(Step::HoldThenPanic(gate.clone()));
@@ -452,9 +479,11 @@ async fn c5_a_detached_handler_that_panics_after_a_disconnect_marks_the_record_f
     assert_eq!(n.get(), 2);
 }
 
-/// C5: a killed process left its claim in flight; retries must get 409 only until the lease TTL, not the retention.
+/// A killed process left its claim in flight; retries must get 409 only until the lease TTL, not the retention.
+///
+/// Pins `docs/failures.md#orphaned-claim-blocks-retries`.
 #[tokio::test]
-async fn c5_a_killed_process_frees_its_claim_when_the_lease_ends() {
+async fn a_killed_process_frees_its_claim_when_the_lease_ends() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     s.then(Step::Hold(Gate::default()));
@@ -468,9 +497,11 @@ async fn c5_a_killed_process_frees_its_claim_when_the_lease_ends() {
     assert_eq!(n.get(), 2);
 }
 
-/// C6: replay lost the status code, Location and ETag, or replayed per-exchange headers such as Set-Cookie.
+/// Replay lost the status code, Location and ETag, or replayed per-exchange headers such as Set-Cookie.
+///
+/// Pins `docs/failures.md#replay-loses-status-headers-or-body`.
 #[tokio::test]
-async fn c6_replay_keeps_status_body_and_entity_headers_and_drops_per_exchange_ones() {
+async fn replay_keeps_status_body_and_entity_headers_and_drops_per_exchange_ones() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     let app = app(layer(&env), &n, &s);
@@ -507,9 +538,11 @@ async fn c6_replay_keeps_status_body_and_entity_headers_and_drops_per_exchange_o
     assert_eq!(n.get(), 0, "the scripted handler is not on this route");
 }
 
-/// C6: the handler ran again on the retry, so no replay happened at all.
+/// The handler ran again on the retry, so no replay happened at all.
+///
+/// Pins `docs/failures.md#replay-loses-status-headers-or-body`.
 #[tokio::test]
-async fn c6_the_retry_is_a_replay_and_the_handler_count_stays_at_one() {
+async fn the_retry_is_a_replay_and_the_handler_count_stays_at_one() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     // Request ids are per exchange too; an operator adds them to the deny list.
@@ -526,9 +559,11 @@ async fn c6_the_retry_is_a_replay_and_the_handler_count_stays_at_one() {
     assert_eq!(n.get(), 1);
 }
 
-/// C7: a 5xx was cached, so the retry could never succeed (and a cached 503 came back as 500).
+/// A 5xx was cached, so the retry could never succeed (and a cached 503 came back as 500).
+///
+/// Pins `docs/failures.md#server-error-cached-and-replayed`.
 #[tokio::test]
-async fn c7_a_5xx_is_never_stored_and_the_retry_runs() {
+async fn a_5xx_is_never_stored_and_the_retry_runs() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     s.then(Step::Status(503));
@@ -545,9 +580,11 @@ async fn c7_a_5xx_is_never_stored_and_the_retry_runs() {
     assert_eq!(n.get(), 2);
 }
 
-/// C7: a cached 4xx came back with a normalised status instead of exactly what was stored.
+/// A cached 4xx came back with a normalised status instead of exactly what was stored.
+///
+/// Pins `docs/failures.md#server-error-cached-and-replayed`.
 #[tokio::test]
-async fn c7_a_422_is_replayed_exactly() {
+async fn a_422_is_replayed_exactly() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     s.then(Step::Status(422));
@@ -563,9 +600,11 @@ async fn c7_a_422_is_replayed_exactly() {
     assert_eq!(n.get(), 1);
 }
 
-/// C7: uncacheable 4xx (429, 409, 401...) were stored, pinning a transient refusal to the key.
+/// Uncacheable 4xx (429, 409, 401...) were stored, pinning a transient refusal to the key.
+///
+/// Pins `docs/failures.md#server-error-cached-and-replayed`.
 #[tokio::test]
-async fn c7_uncacheable_4xx_mark_the_record_failed() {
+async fn uncacheable_4xx_mark_the_record_failed() {
     for code in [401, 403, 408, 409, 423, 425, 429] {
         let env = Env::new();
         let (n, s) = (Counter::default(), Script::default());
@@ -579,9 +618,11 @@ async fn c7_uncacheable_4xx_mark_the_record_failed() {
     }
 }
 
-/// C8: a slow request whose lease expired overwrote (or released) the claim of the retry that took over.
+/// A slow request whose lease expired overwrote (or released) the claim of the retry that took over.
+///
+/// Pins `docs/failures.md#stale-owner-overwrites-the-new-attempt`.
 #[tokio::test]
-async fn c8_a_stale_owner_cannot_complete_over_the_new_attempt() {
+async fn a_stale_owner_cannot_complete_over_the_new_attempt() {
     let env = Env::new();
     let (n, s, slow, retry_gate) = (Counter::default(), Script::default(), Gate::default(), Gate::default());
     s.then(Step::Hold(slow.clone())).then(Step::Hold(retry_gate.clone()));
@@ -616,9 +657,11 @@ async fn c8_a_stale_owner_cannot_complete_over_the_new_attempt() {
     assert_eq!(n.get(), 2);
 }
 
-/// C9: two concurrent first requests: the loser got a 5xx, or both ran.
+/// Two concurrent first requests: the loser got a 5xx, or both ran.
+///
+/// Pins `docs/failures.md#concurrent-first-requests-both-run`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c9_concurrent_first_requests_run_the_handler_once() {
+async fn concurrent_first_requests_run_the_handler_once() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     let app = app(layer(&env), &n, &s);
@@ -648,9 +691,11 @@ async fn c9_concurrent_first_requests_run_the_handler_once() {
     assert_eq!((ran, n.get()), (1, 1));
 }
 
-/// C9: two concurrent first requests while the winner is still running: the loser must get 409 busy, never 5xx.
+/// Two concurrent first requests while the winner is still running: the loser must get 409 busy, never 5xx.
+///
+/// Pins `docs/failures.md#concurrent-first-requests-both-run`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c9_losers_of_a_held_claim_get_409_busy() {
+async fn losers_of_a_held_claim_get_409_busy() {
     let env = Env::new();
     let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
     s.then(Step::Hold(gate.clone()));
@@ -676,9 +721,11 @@ async fn c9_losers_of_a_held_claim_get_409_busy() {
     assert_eq!(n.get(), 1);
 }
 
-/// C10: keys were not scoped per endpoint, so another endpoint's response was replayed.
+/// Keys were not scoped per endpoint, so another endpoint's response was replayed.
+///
+/// Pins `docs/failures.md#key-shared-across-endpoints`.
 #[tokio::test]
-async fn c10_the_same_key_on_different_endpoints_runs_both() {
+async fn the_same_key_on_different_endpoints_runs_both() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     let app = app(layer(&env), &n, &s);
@@ -697,9 +744,11 @@ async fn c10_the_same_key_on_different_endpoints_runs_both() {
     assert_eq!(n.get(), 3);
 }
 
-/// C11: keys were not scoped per principal, so one user got another's response or blocked their key.
+/// Keys were not scoped per principal, so one user got another's response or blocked their key.
+///
+/// Pins `docs/failures.md#key-shared-across-principals`.
 #[tokio::test]
-async fn c11_the_same_key_from_two_principals_runs_both_and_leaks_nothing() {
+async fn the_same_key_from_two_principals_runs_both_and_leaks_nothing() {
     let env = Env::new();
     let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
     let app = app(layer(&env), &n, &s);
@@ -734,9 +783,11 @@ async fn c11_the_same_key_from_two_principals_runs_both_and_leaks_nothing() {
     assert_eq!(n.get(), 6);
 }
 
-/// C12: with the key optional, keyless requests shared one record and got the first response.
+/// With the key optional, keyless requests shared one record and got the first response.
+///
+/// Pins `docs/failures.md#missing-or-blank-key-shares-a-record`.
 #[tokio::test]
-async fn c12_keyless_requests_run_and_store_nothing_and_bad_keys_are_400() {
+async fn keyless_requests_run_and_store_nothing_and_bad_keys_are_400() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     let app = app(layer(&env).with_key_requirement(KeyRequirement::Optional), &n, &s);
@@ -768,9 +819,11 @@ async fn c12_keyless_requests_run_and_store_nothing_and_bad_keys_are_400() {
     assert_eq!(spaced.body, k.body);
 }
 
-/// C13: JSON key order or whitespace changed the fingerprint; in raw mode (the default) that must be a mismatch, not a merge.
+/// JSON key order or whitespace changed the fingerprint; in raw mode (the default) that must be a mismatch, not a merge.
+///
+/// Pins `docs/failures.md#json-formatting-changes-the-fingerprint`.
 #[tokio::test]
-async fn c13_raw_mode_treats_every_non_identical_body_as_a_mismatch() {
+async fn raw_mode_treats_every_non_identical_body_as_a_mismatch() {
     let pairs = [
         (r#"{"a":1,"b":2}"#, r#"{"b":2, "a":1}"#),
         (r#"{"a":1,"b":2}"#, "{\n  \"a\": 1,\n  \"b\": 2\n}"),
@@ -792,6 +845,8 @@ async fn c13_raw_mode_treats_every_non_identical_body_as_a_mismatch() {
 }
 
 /// Store outage: the handler ran without a claim when the store was down (must fail closed by default).
+///
+/// Pins `docs/failures.md#store-unavailable`.
 #[tokio::test]
 async fn store_outage_fails_closed_with_503_and_never_runs_the_handler() {
     let env = Env::new();
@@ -810,6 +865,8 @@ async fn store_outage_fails_closed_with_503_and_never_runs_the_handler() {
 }
 
 /// Store outage, fail-open: an operator who chose fail-open gets the handler run, unprotected.
+///
+/// Pins `docs/failures.md#store-unavailable`.
 #[tokio::test]
 async fn store_outage_fail_open_runs_the_handler_unprotected() {
     let env = Env::new();
