@@ -47,7 +47,7 @@
 //! - `group_commit` (feature `group-commit`): the writer thread that batches an embedded
 //!   store's writes into one transaction. With `sweeper` (feature `sweeper`), the only
 //!   modules that run anything: everything else here is pure.
-//! - `sweeper` (feature `sweeper`): [`Sweeper`], the one background task that removes
+//! - `sweeper` (feature `sweeper`): `Sweeper`, the one background task that removes
 //!   expired records from any store.
 
 pub mod codec;
