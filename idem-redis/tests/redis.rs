@@ -36,6 +36,17 @@ async fn test_store() -> (RedisStore, ManualClock) {
     (store, clock)
 }
 
+/// A reclaim of `record` (its current token and fingerprint), with `retention` from now.
+fn reclaim_of(record: &Record, retention: Duration) -> ReclaimRequest {
+    ReclaimRequest {
+        id: record.id,
+        expected: record.token,
+        fingerprint: record.fingerprint,
+        lease_ttl: LEASE,
+        retention,
+    }
+}
+
 async fn claim(store: &RedisStore, r: ClaimRequest) -> Record {
     match store.claim(r).await.expect("claim") {
         ClaimOutcome::Claimed(r) => r,
@@ -88,14 +99,8 @@ async fn reclaim_moves_native_expiry_forward() {
     let r = claim(&store, req("p", "k", b"b")).await;
     let f = store.fail(r.id, r.token).await.expect("fail");
     assert_eq!(pexpiretime(&mut admin, &store.record_key(r.id)).await, r.expires_at.0);
-    let expected = ReclaimRequest {
-        id: r.id,
-        expected: f.token,
-        fingerprint: f.fingerprint,
-        lease_ttl: LEASE,
-        retention: Duration::from_secs(120),
-    };
-    let ReclaimOutcome::Reclaimed(n) = store.reclaim(expected).await.expect("reclaim") else {
+    let ReclaimOutcome::Reclaimed(n) = store.reclaim(reclaim_of(&f, Duration::from_secs(120))).await.expect("reclaim")
+    else {
         panic!("failed record should be reclaimable")
     };
     assert!(n.expires_at > r.expires_at);
@@ -685,14 +690,9 @@ async fn journal_lives_and_dies_with_its_record() {
     let f = store.fail(r.id, r.token).await.expect("fail");
     let stale = store.journal_put(r.id, r.token, "charge", b"late".to_vec(), true).await;
     assert!(matches!(stale, Err(StoreError::LeaseLost { current: Some(t), .. }) if t == r.token), "{stale:?}");
-    let rr = ReclaimRequest {
-        id: r.id,
-        expected: f.token,
-        fingerprint: f.fingerprint,
-        lease_ttl: LEASE,
-        retention: RETENTION,
+    let ReclaimOutcome::Reclaimed(n) = store.reclaim(reclaim_of(&f, RETENTION)).await.expect("reclaim") else {
+        panic!("reclaimable")
     };
-    let ReclaimOutcome::Reclaimed(n) = store.reclaim(rr).await.expect("reclaim") else { panic!("reclaimable") };
     assert_eq!(store.journal_get(r.id, "charge").await.expect("get"), Some(bytes.clone()), "a reclaim keeps entries");
     assert_eq!(
         store.journal_put(n.id, n.token, "charge", b"done".to_vec(), true).await.expect("overwrite"),
@@ -738,14 +738,9 @@ async fn cluster_node_accepts_every_script() {
     assert_eq!(slot, tag_slot, "the record id is the hash tag");
     store.journal_put(r.id, r.token, "step", b"v".to_vec(), false).await.expect("journal_put");
     let f = store.fail(r.id, r.token).await.expect("fail");
-    let rr = ReclaimRequest {
-        id: r.id,
-        expected: f.token,
-        fingerprint: f.fingerprint,
-        lease_ttl: LEASE,
-        retention: RETENTION,
+    let ReclaimOutcome::Reclaimed(n) = store.reclaim(reclaim_of(&f, RETENTION)).await.expect("reclaim") else {
+        panic!("reclaimable")
     };
-    let ReclaimOutcome::Reclaimed(n) = store.reclaim(rr).await.expect("reclaim") else { panic!("reclaimable") };
     let done = store.complete(n.id, n.token, StoredResponse::new(201, vec![], b"ok".to_vec())).await.expect("complete");
     assert_eq!(store.get(r.id).await.expect("get"), Some(done));
     assert_eq!(store.journal_get(r.id, "step").await.expect("journal_get"), Some(b"v".to_vec()));
