@@ -46,8 +46,9 @@ impl Config {
         self
     }
 
-    /// Whether building the store applies the missing migrations (default `true`, which
-    /// needs the `CREATE` privilege on the database, or on the schema once it exists).
+    /// Whether building the store applies the missing migrations (default `true`). When
+    /// migrations are missing, applying them needs the `CREATE` privilege on the database;
+    /// a schema already at this build's migration is only read.
     ///
     /// With `false`, building the store only reads the schema's migration version and
     /// fails with [`crate::Error::NotMigrated`] when migrations are missing: for servers

@@ -11,13 +11,12 @@
 //! [`Migration::sql_for`] instead, and record each applied version (`version`, `name`)
 //! in `<schema>.schema_migrations` so that stores built without auto-migration find it.
 
-use deadpool_postgres::Pool;
+use deadpool_postgres::{GenericClient, Pool};
 use idem_core::codec::{CodecError, decode_response};
 use idem_core::{
     Endpoint, FencingToken, Fingerprint, IdempotencyKey, Principal, Record, RecordId, RecordState, Scope, StoreError,
     StoredResponse, UnixMillis,
 };
-use tokio_postgres::error::SqlState;
 
 use crate::error::Error;
 
@@ -69,23 +68,45 @@ fn applied_version_sql(schema: &str) -> String {
     format!("SELECT COALESCE(max(version), 0) FROM {}.schema_migrations", quote_ident(schema))
 }
 
+/// The highest migration recorded in `schema` (0 when it has none, or does not exist),
+/// read without changing anything; refuses a schema migrated by a newer build.
+async fn applied_version(client: &impl GenericClient, schema: &str) -> Result<i32, Error> {
+    const OP: &str = "reading the schema's migration version";
+    // Whether the bookkeeping table exists is asked of the catalog tables, not by naming
+    // it: a failed lookup by name leaves the session a cached "no such schema", which the
+    // migration that follows would trust even after waiting on the lock for another
+    // process that creates the schema (and then fail creating it twice).
+    let exists: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class AS c
+                JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+                WHERE n.nspname = $1 AND c.relname = 'schema_migrations')",
+            &[&schema],
+        )
+        .await
+        .and_then(|row| row.try_get(0))
+        .map_err(Error::postgres(OP))?;
+    if !exists {
+        return Ok(0);
+    }
+    let found: i32 = client
+        .query_one(&applied_version_sql(schema), &[])
+        .await
+        .and_then(|row| row.try_get(0))
+        .map_err(Error::postgres(OP))?;
+    if found > KNOWN_VERSION {
+        return Err(Error::SchemaTooNew { schema: schema.to_owned(), found, known: KNOWN_VERSION });
+    }
+    Ok(found)
+}
+
 /// Checks, without changing anything, that `schema` is at exactly this build's migration:
 /// the start-up check of a store built without auto-migration.
 pub(crate) async fn check_migrated(pool: &Pool, schema: &str) -> Result<(), Error> {
-    const OP: &str = "reading the schema's migration version";
-    let client = pool.get().await.map_err(Error::connection(OP))?;
-    let found: i32 = match client.query_one(&applied_version_sql(schema), &[]).await {
-        Ok(row) => row.try_get(0).map_err(Error::postgres(OP))?,
-        // No schema or no bookkeeping table yet: nothing was ever migrated.
-        Err(e) if e.code() == Some(&SqlState::UNDEFINED_TABLE) || e.code() == Some(&SqlState::INVALID_SCHEMA_NAME) => 0,
-        Err(e) => return Err(Error::postgres(OP)(e)),
-    };
-    match found.cmp(&KNOWN_VERSION) {
-        std::cmp::Ordering::Equal => Ok(()),
-        std::cmp::Ordering::Less => Err(Error::NotMigrated { schema: schema.to_owned(), found, known: KNOWN_VERSION }),
-        std::cmp::Ordering::Greater => {
-            Err(Error::SchemaTooNew { schema: schema.to_owned(), found, known: KNOWN_VERSION })
-        }
+    let client = pool.get().await.map_err(Error::connection("reading the schema's migration version"))?;
+    match applied_version(&client, schema).await? {
+        KNOWN_VERSION => Ok(()),
+        found => Err(Error::NotMigrated { schema: schema.to_owned(), found, known: KNOWN_VERSION }),
     }
 }
 
@@ -131,8 +152,15 @@ pub(crate) fn quote_ident(name: &str) -> String {
 }
 
 /// Applies the missing migrations to `schema` in one transaction; returns how many ran.
+///
+/// A schema already at this build's migration is left alone after one read, so starting a
+/// store on it needs no privilege beyond using the tables (`CREATE SCHEMA IF NOT EXISTS`
+/// alone would need `CREATE` on the database).
 pub(crate) async fn migrate(pool: &Pool, schema: &str) -> Result<usize, Error> {
     let mut client = pool.get().await.map_err(Error::connection("migrating"))?;
+    if applied_version(&client, schema).await? == KNOWN_VERSION {
+        return Ok(0);
+    }
     let tx = client.transaction().await.map_err(Error::postgres("starting the migration transaction"))?;
     match apply(&tx, schema).await {
         Ok(applied) => {
@@ -165,14 +193,9 @@ async fn apply(tx: &deadpool_postgres::Transaction<'_>, schema: &str) -> Result<
     ))
     .await
     .map_err(Error::postgres("creating the schema"))?;
-    let found: i32 = tx
-        .query_one(&applied_version_sql(schema), &[])
-        .await
-        .and_then(|row| row.try_get(0))
-        .map_err(Error::postgres("reading applied migrations"))?;
-    if found > KNOWN_VERSION {
-        return Err(Error::SchemaTooNew { schema: schema.to_owned(), found, known: KNOWN_VERSION });
-    }
+    // Read again under the lock: another process may have migrated meanwhile. (The table
+    // exists now, so the read cannot fail on a missing one and abort the transaction.)
+    let found = applied_version(tx, schema).await?;
     let mut applied = 0;
     for m in MIGRATIONS.iter().filter(|m| m.version > found) {
         tx.batch_execute(&m.sql_for(schema)).await.map_err(Error::postgres("applying a migration"))?;

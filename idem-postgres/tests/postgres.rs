@@ -263,6 +263,53 @@ async fn unmigrated_schema_without_auto_migrate_says_to_migrate() {
     assert_eq!(migrating.get(r.id).await.expect("get"), Some(r));
 }
 
+/// Pins: a store starts on a schema already at this build's migration under a role that
+/// may use the tables but not create schemas: with auto-migration on, start-up only reads
+/// the version. The same role on an unmigrated schema fails with a permanent error (so the
+/// role really lacks the privilege).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrated_schema_starts_without_create_privilege() {
+    let store = common::fresh_store(None, 1).await;
+    let empty = common::SchemaGuard::fresh().await;
+    let schema = store.guard.name.clone();
+    let role = format!("{schema}_user");
+    let admin = common::raw().await;
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE \"{role}\" LOGIN;
+             GRANT USAGE ON SCHEMA \"{schema}\" TO \"{role}\";
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{schema}\" TO \"{role}\";"
+        ))
+        .await
+        .expect("create a role without CREATE on the database");
+    let pool = |role: &str| {
+        let mut pg: idem_postgres::tokio_postgres::Config = common::url().parse().expect("url");
+        pg.user(role);
+        let manager = idem_postgres::deadpool_postgres::Manager::new(pg, idem_postgres::tokio_postgres::NoTls);
+        idem_postgres::deadpool_postgres::Pool::builder(manager).max_size(1).build().expect("pool")
+    };
+    let (migrated, unmigrated) = (pool(&role), pool(&role));
+    let (on_migrated, on_empty) = (schema.clone(), empty.name.clone());
+    // In a task, so that the role is dropped below even when an assertion fails.
+    let outcome = tokio::spawn(async move {
+        let limited = PostgresStore::from_pool(migrated, Config::default().with_schema(on_migrated))
+            .await
+            .expect("starts without CREATE on a migrated schema");
+        let r = must_claim(&limited, claim_req("p", "limited", Duration::from_secs(5), Duration::from_secs(60))).await;
+        assert_eq!(limited.get(r.id).await.expect("get"), Some(r));
+        let err = PostgresStore::from_pool(unmigrated, Config::default().with_schema(on_empty))
+            .await
+            .expect_err("migrating needs CREATE");
+        assert!(matches!(err, Error::Postgres { .. }), "{err:?}");
+        assert!(!err.is_retryable());
+    })
+    .await;
+    admin.batch_execute(&format!("DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\"")).await.expect("drop the role");
+    if let Err(e) = outcome {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
+
 /// A table that disappears under a running store (dropped by hand) fails calls with a
 /// permanent error that says what to do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
