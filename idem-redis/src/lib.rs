@@ -95,7 +95,9 @@
 //! `redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no`.
 //! Tests that need a differently configured server (an evicting policy, `CONFIG`
 //! disabled, a replica) or that stall or kill connections start private `redis-server`
-//! processes on free ports, so `redis-server` must be on `PATH`.
+//! processes on free ports, so `redis-server` must be on `PATH`. Each runs in a
+//! temporary directory of its own, so a replica's sync or a cluster node never writes an
+//! RDB or `nodes.conf` file into the crate.
 //! `cargo bench -p idem-redis --bench throughput` compares claim + complete against the
 //! same two round trips written by hand (`SET NX`, `SET`): medians of 0.71-0.92x with one
 //! caller and 0.37-0.42x with 32 on a loaded 2-core machine. The scripts cost about 7 µs of server time
