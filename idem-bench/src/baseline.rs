@@ -332,7 +332,7 @@ impl PostgresByHand {
         client: &idem_postgres::deadpool_postgres::Object,
         req: &ClaimRequest,
     ) -> Result<bool, BoxError> {
-        let stmt = client.prepare_cached(&self.sql.claim).await?;
+        let stmt = client.prepare_cached(self.sql.claim()).await?;
         let row = client
             .query_one(
                 &stmt,
@@ -366,8 +366,8 @@ impl PostgresByHand {
         }
         {
             let client = self.pool.get().await?;
-            let stmt = client.prepare_cached(&self.sql.complete).await?;
-            let encoded = idem_postgres::encode_response(&response);
+            let stmt = client.prepare_cached(self.sql.complete()).await?;
+            let encoded = idem_core::codec::encode_response(&response);
             let row = client.query_opt(&stmt, &[&&req.id.0[..], &1i64, &encoded, &None::<i64>]).await?;
             if row.is_none() {
                 return Err(fail("postgres baseline: lease lost"));

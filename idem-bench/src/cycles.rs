@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use idem_core::{BoxError, ClaimOutcome, MemoryStore, Store};
-use idem_postgres::{PostgresConfig, PostgresStore};
+use idem_postgres::PostgresStore;
 use idem_redb::{RedbConfig, RedbStore};
-use idem_redis::{RedisConfig, RedisStore};
+use idem_redis::RedisStore;
 
 use crate::baseline::{NaiveRedb, NaiveSqlite, PostgresByHand, RedisByHand};
 use crate::workload::{Summary, Workload, drive};
@@ -103,17 +103,16 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
         }
         Backend::Redis => {
             let prefix = format!("idem-bench:{run}:");
-            let store =
-                RedisStore::connect(&args.endpoints.redis_url, RedisConfig::new().with_prefix(format!("{prefix}lib:")))
-                    .await?;
+            let config = idem_redis::Config::default().with_prefix(format!("{prefix}lib:"));
+            let store = RedisStore::connect(&args.endpoints.redis_url, config).await?;
             let hand = RedisByHand::new(store.connection(), format!("{prefix}hand:"));
             (Arc::new(store), Baseline::Redis(hand))
         }
         Backend::Postgres => {
-            let config =
-                PostgresConfig::default().with_schema(crate::PG_SCHEMA).with_max_connections(args.endpoints.pg_pool);
+            let config = idem_postgres::Config::default()
+                .with_schema(crate::PG_SCHEMA)
+                .with_max_connections(args.endpoints.pg_pool);
             let store = PostgresStore::connect(&args.endpoints.postgres_url, config).await?;
-            store.migrate().await?;
             cleanup_pg = Some(store.clone());
             let hand = PostgresByHand::new(&store);
             (Arc::new(store), Baseline::Postgres(hand))

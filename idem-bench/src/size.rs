@@ -12,9 +12,9 @@
 use std::sync::Arc;
 
 use idem_core::{BoxError, ClaimOutcome, Store, StoredResponse};
-use idem_postgres::{PostgresConfig, PostgresStore};
+use idem_postgres::PostgresStore;
 use idem_redb::{RedbConfig, RedbStore};
-use idem_redis::{RedisConfig, RedisStore};
+use idem_redis::RedisStore;
 
 use crate::workload::{Workload, drive, pseudo_random_bytes};
 use crate::{Backend, Endpoints};
@@ -120,7 +120,7 @@ pub(crate) async fn run(args: SizeArgs) -> Result<(), BoxError> {
                 (after.saturating_sub(before) as f64 / n as f64, "page_count * page_size growth")
             }
             Backend::Redis => {
-                let config = RedisConfig::new().with_prefix(format!("idem-bench:{run}:size:"));
+                let config = idem_redis::Config::default().with_prefix(format!("idem-bench:{run}:size:"));
                 let store = RedisStore::connect(&args.endpoints.redis_url, config).await?;
                 let ids = fill(Arc::new(store.clone()), work, shape, n).await?;
                 let mut conn = store.connection();
@@ -142,10 +142,9 @@ pub(crate) async fn run(args: SizeArgs) -> Result<(), BoxError> {
                 let schema = format!("idem_bench_size_{run}");
                 let store = PostgresStore::connect(
                     &args.endpoints.postgres_url,
-                    PostgresConfig::default().with_schema(schema.clone()),
+                    idem_postgres::Config::default().with_schema(schema.clone()),
                 )
                 .await?;
-                store.migrate().await?;
                 let client = store.pool().get().await?;
                 let size_sql = format!("SELECT pg_total_relation_size('{schema}.records')::bigint");
                 let before: i64 = client.query_one(&size_sql, &[]).await?.get(0);

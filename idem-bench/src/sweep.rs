@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idem_core::{BoxError, ClaimOutcome, ManualClock, Store, UnixMillis};
-use idem_postgres::{PostgresConfig, PostgresStore};
+use idem_postgres::PostgresStore;
 use idem_redb::{RedbConfig, RedbStore};
 
 use crate::workload::{Workload, drive};
@@ -70,9 +70,8 @@ pub(crate) async fn run(args: SweepArgs) -> Result<(), BoxError> {
         }
         Backend::Postgres => {
             let schema = format!("idem_bench_sweep_{run}");
-            let config = PostgresConfig::default().with_schema(schema.clone()).with_clock(clock.clone());
+            let config = idem_postgres::Config::default().with_schema(schema.clone()).with_clock(clock.clone());
             let store = PostgresStore::connect(&args.endpoints.postgres_url, config).await?;
-            store.migrate().await?;
             drop_schema = Some((store.clone(), schema));
             Arc::new(store)
         }

@@ -68,3 +68,22 @@ pub fn decode_response(bytes: &[u8]) -> Result<StoredResponse, CodecError> {
     }
     Ok(response)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn responses_round_trip_byte_exact_and_reject_garbage() {
+        let r = StoredResponse::new(201, vec![("location".into(), b"/t/42".to_vec())], vec![0, 255, 1]);
+        assert_eq!(decode_response(&encode_response(&r)).expect("decodes"), r);
+        let all_bytes = StoredResponse::new(200, vec![("etag".into(), vec![0, 0xff, b'"'])], (0..=255u8).collect());
+        assert_eq!(decode_response(&encode_response(&all_bytes)).expect("decodes"), all_bytes);
+        assert!(matches!(decode_response(&[]), Err(CodecError::Empty)));
+        assert!(matches!(decode_response(&[9, 1]), Err(CodecError::UnknownVersion(9))));
+        assert!(matches!(decode_response(&[RESPONSE_FORMAT_VERSION, 0xff, 0xff, 0xff]), Err(CodecError::Malformed(_))));
+        let mut long = encode_response(&r);
+        long.push(0);
+        assert!(matches!(decode_response(&long), Err(CodecError::Trailing(1))));
+    }
+}

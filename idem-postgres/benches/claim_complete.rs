@@ -10,7 +10,7 @@
 //! library path builds a `ClaimRequest`, runs `Store::claim`, then `Store::complete`
 //! (which encodes the response and decodes the returned rows into `Record`s). The hand
 //! path takes a pooled connection per statement (as the library does, since the handler
-//! runs between the two), sends the store's own `Statements::claim` / `Statements::complete`
+//! runs between the two), sends the store's own `Statements::claim()` / `Statements::complete()`
 //! text with hand-built parameters and a pre-encoded response, and reads only the token.
 //! Modes alternate in short paired rounds (which goes first alternates too) so that drift
 //! on the server and load on the machine (autovacuum, checkpoints, other processes) hit
@@ -31,10 +31,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use idem_core::codec::encode_response;
 use idem_core::{
     ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, RecordId, Scope, Store, StoredResponse,
 };
-use idem_postgres::{PostgresConfig, PostgresStore, encode_response};
+use idem_postgres::{Config, PostgresStore};
 
 const LEASE: Duration = Duration::from_secs(300);
 const RETENTION: Duration = Duration::from_secs(86_400);
@@ -75,7 +76,7 @@ impl Fixture {
         let none: Option<i64> = None;
         let token: i64 = {
             let client = self.store.pool().get().await.expect("pool");
-            let stmt = client.prepare_cached(&sql.claim).await.expect("prepare");
+            let stmt = client.prepare_cached(sql.claim()).await.expect("prepare");
             let row = client
                 .query_one(
                     &stmt,
@@ -95,7 +96,7 @@ impl Fixture {
             row.get("token")
         };
         let client = self.store.pool().get().await.expect("pool");
-        let stmt = client.prepare_cached(&sql.complete).await.expect("prepare");
+        let stmt = client.prepare_cached(sql.complete()).await.expect("prepare");
         let row = client.query_opt(&stmt, &[&&id.0[..], &token, &self.response_bytes, &none]).await.expect("complete");
         assert!(row.is_some(), "complete applies");
     }
@@ -160,16 +161,13 @@ async fn main() {
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
     let schema = format!("idem_bench_{}_{}", now.as_secs(), now.subsec_nanos());
     let store =
-        match PostgresStore::connect(&url, PostgresConfig::default().with_schema(&schema).with_max_connections(32))
-            .await
-        {
+        match PostgresStore::connect(&url, Config::default().with_schema(&schema).with_max_connections(32)).await {
             Ok(s) => s,
             Err(e) => panic!(
                 "PostgreSQL is not reachable at {url}: {e}. Start it with: \
              pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"
             ),
         };
-    store.migrate().await.expect("migrate");
     let response = StoredResponse::new(
         201,
         vec![("content-type".into(), b"application/json".to_vec()), ("location".into(), b"/v1/workers/42".to_vec())],

@@ -2,7 +2,7 @@
 --
 -- `{schema}` is replaced by the configured schema name, quoted, before this runs.
 -- Times are UTC milliseconds since the Unix epoch (bigint), the unit of the whole crate,
--- so that no comparison mixes seconds and milliseconds (handed case C2).
+-- so that no comparison mixes seconds and milliseconds.
 
 CREATE TABLE {schema}.records (
     -- BLAKE3 record id over (principal, endpoint, key): the scope key.

@@ -1,10 +1,11 @@
 //! Errors of the Postgres backend, and which driver failures are worth a retry.
 //!
-//! Store operations return [`idem_core::StoreError`]; a driver failure becomes
-//! [`StoreError::Unavailable`] with `backend = "postgres"`, the driver's error (a
-//! [`tokio_postgres::Error`] or a [`deadpool_postgres::PoolError`]) as `source`, and
-//! `retryable` set by [`is_retryable_pg`] / [`is_retryable_pool`]. Setting up a store
-//! (connecting, validating the schema name, migrating) returns [`Error`].
+//! Building a store (connecting, validating the schema name, migrating or checking the
+//! migration version) returns [`Error`]. Store operations return
+//! [`idem_core::StoreError`]: a driver failure becomes [`StoreError::Unavailable`] with
+//! `backend = "postgres"`, this crate's [`Error`] as `source` (whose own `source` is the
+//! driver's [`tokio_postgres::Error`] or [`deadpool_postgres::PoolError`]), and
+//! `retryable` set by [`Error::is_retryable`].
 
 use std::error::Error as _;
 
@@ -15,12 +16,12 @@ use tokio_postgres::error::SqlState;
 /// The backend name carried by [`StoreError::Unavailable`].
 pub(crate) const BACKEND: &str = "postgres";
 
-/// Setting up a Postgres store failed.
+/// What went wrong talking to PostgreSQL.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The schema name is not a plain lower-case identifier (see
-    /// [`crate::PostgresConfig::with_schema`]).
+    /// [`crate::Config::with_schema`]).
     #[error("invalid schema name {name:?}: {reason}")]
     InvalidSchema {
         /// The name given.
@@ -63,19 +64,52 @@ pub enum Error {
         /// Highest migration this build ships.
         known: i32,
     },
+    /// The store was built with [`crate::Config::with_auto_migrate`] off and the schema
+    /// lacks migrations this build needs.
+    #[error(
+        "schema {schema:?} is at migration {found}, this build needs {known}: run PostgresStore::migrate() (a store \
+         built with auto-migration on, the default, runs it on start) or apply idem_postgres::MIGRATIONS"
+    )]
+    NotMigrated {
+        /// The schema.
+        schema: String,
+        /// Highest migration recorded in the schema (0: none).
+        found: i32,
+        /// Highest migration this build ships.
+        known: i32,
+    },
+    /// A compare-and-set kept losing to claims its statement snapshot could not see.
+    #[error("the record changed under every compare-and-set attempt while {operation}")]
+    Contention {
+        /// What was being done.
+        operation: &'static str,
+    },
 }
 
 impl Error {
     /// Whether the same call may succeed if retried: the server is starting up, shutting
-    /// down, unreachable, or the pool timed out. Configuration mistakes and a too-new
-    /// schema are permanent.
+    /// down, unreachable, the pool timed out, or a compare-and-set lost to concurrent
+    /// claims. Configuration mistakes and a schema at the wrong migration are permanent.
     #[must_use]
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Connection { source, .. } => is_retryable_pool(source),
             Error::Postgres { source, .. } => is_retryable_pg(source),
-            Error::InvalidSchema { .. } | Error::InvalidUrl(_) | Error::Pool(_) | Error::SchemaTooNew { .. } => false,
+            Error::Contention { .. } => true,
+            Error::InvalidSchema { .. }
+            | Error::InvalidUrl(_)
+            | Error::Pool(_)
+            | Error::SchemaTooNew { .. }
+            | Error::NotMigrated { .. } => false,
         }
+    }
+
+    pub(crate) fn postgres(operation: &'static str) -> impl FnOnce(tokio_postgres::Error) -> Self {
+        move |source| Error::Postgres { operation, source }
+    }
+
+    pub(crate) fn connection(operation: &'static str) -> impl FnOnce(PoolError) -> Self {
+        move |source| Error::Connection { operation, source }
     }
 }
 
@@ -143,31 +177,23 @@ pub fn is_retryable_pool(e: &PoolError) -> bool {
     }
 }
 
-/// A driver error during a store operation, as the trait's error.
-pub(crate) fn store_pg(operation: &'static str, e: tokio_postgres::Error) -> StoreError {
-    let retryable = is_retryable_pg(&e);
-    let message = if e.code() == Some(&SqlState::UNDEFINED_TABLE) || e.code() == Some(&SqlState::INVALID_SCHEMA_NAME) {
-        format!("{operation}: the records table is missing; run PostgresStore::migrate() first")
-    } else {
-        operation.to_owned()
-    };
-    StoreError::unavailable(BACKEND, message, retryable, e)
-}
-
-/// A compare-and-set kept losing to claims its snapshot could not see.
-#[derive(Debug, thiserror::Error)]
-#[error("the record changed under every compare-and-set attempt")]
-struct Contention;
-
-/// The retryable error for a compare-and-set that ran out of attempts.
-pub(crate) fn contention(operation: &'static str) -> StoreError {
-    StoreError::unavailable(BACKEND, format!("{operation}: contention"), true, Contention)
-}
-
-/// A pool error during a store operation, as the trait's error.
-pub(crate) fn store_pool(operation: &'static str, e: PoolError) -> StoreError {
-    let retryable = is_retryable_pool(&e);
-    StoreError::unavailable(BACKEND, format!("{operation}: no connection"), retryable, e)
+impl From<Error> for StoreError {
+    fn from(e: Error) -> Self {
+        let retryable = e.is_retryable();
+        let message = match &e {
+            Error::Postgres { operation, source }
+                if source.code() == Some(&SqlState::UNDEFINED_TABLE)
+                    || source.code() == Some(&SqlState::INVALID_SCHEMA_NAME) =>
+            {
+                format!("{operation}: the records table is missing; run PostgresStore::migrate() first")
+            }
+            Error::Postgres { operation, .. } => (*operation).to_owned(),
+            Error::Connection { operation, .. } => format!("{operation}: no connection"),
+            Error::Contention { operation } => format!("{operation}: contention"),
+            other => other.to_string(),
+        };
+        StoreError::unavailable(BACKEND, message, retryable, e)
+    }
 }
 
 #[cfg(test)]
@@ -182,6 +208,26 @@ mod tests {
         assert!(is_retryable_pool(&PoolError::Timeout(TimeoutType::Create)));
         assert!(!is_retryable_pool(&PoolError::Closed));
         assert!(!is_retryable_pool(&PoolError::NoRuntimeSpecified));
+    }
+
+    #[test]
+    fn store_error_keeps_ours_and_the_driver_error_as_sources() {
+        let e = Error::Connection { operation: "claiming a record", source: PoolError::Timeout(TimeoutType::Wait) };
+        let store: StoreError = e.into();
+        assert!(store.is_retryable());
+        assert!(store.to_string().contains("claiming a record: no connection"), "{store}");
+        let ours = std::error::Error::source(&store).expect("source");
+        let ours = ours.downcast_ref::<Error>().expect("idem_postgres::Error");
+        let driver = std::error::Error::source(ours).expect("driver source");
+        assert!(driver.downcast_ref::<PoolError>().is_some());
+    }
+
+    #[test]
+    fn contention_is_retryable_and_an_unmigrated_schema_is_not() {
+        assert!(StoreError::from(Error::Contention { operation: "completing a record" }).is_retryable());
+        let e = Error::NotMigrated { schema: "idem".into(), found: 0, known: 2 };
+        assert!(!e.is_retryable());
+        assert!(e.to_string().contains("migrate()"), "{e}");
     }
 
     #[test]

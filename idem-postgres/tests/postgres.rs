@@ -11,7 +11,7 @@ use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, Fingerprint, IdempotencyKey, JournalWrite, ManualClock, Record,
     RecordState, Scope, Store, StoreError, StoredResponse, SystemClock,
 };
-use idem_postgres::{Error, PostgresConfig, PostgresStore, spawn_sweeper};
+use idem_postgres::{Config, Error, PostgresStore, spawn_sweeper};
 
 fn claim_req(principal: &str, key: &str, lease: Duration, retention: Duration) -> ClaimRequest {
     let scope = Scope::new(principal, Endpoint::new("POST", "/v1/workers")).expect("principal");
@@ -142,11 +142,13 @@ async fn terminated_connection_mid_claim_leaves_no_partial_claim() {
     assert_eq!(new.token.0, 2, "the retried claim replaces the expired record with the next token");
 }
 
-/// `migrate()` creates the schema once, records its version, and is a no-op afterwards.
+/// Building a store migrates the schema once and records its version; `migrate()` is a
+/// no-op afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_is_idempotent_and_recorded() {
     let store = common::fresh_store(None, 2).await;
     assert_eq!(store.inner.migrate().await.expect("second migrate"), 0);
+    assert_eq!(store.inner.migrate().await.expect("third migrate"), 0);
     let raw = common::raw().await;
     let versions: Vec<i32> = raw
         .query(&format!("SELECT version FROM \"{}\".schema_migrations ORDER BY version", store.guard.name), &[])
@@ -155,7 +157,7 @@ async fn migrate_is_idempotent_and_recorded() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(versions, idem_postgres::MIGRATIONS.iter().map(|m| m.version).collect::<Vec<_>>());
+    assert_eq!(versions, idem_postgres::MIGRATIONS.iter().map(|m| m.version()).collect::<Vec<_>>());
     let indices: i64 = raw
         .query_one(
             "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'records'",
@@ -167,16 +169,24 @@ async fn migrate_is_idempotent_and_recorded() {
     assert_eq!(indices, 3, "primary key, expires_at, in-flight lease");
 }
 
-/// Concurrent `migrate()` calls (replicas starting together) serialise on the advisory
-/// lock: exactly one applies the migration, none fails.
+/// Concurrent migrations (replicas starting together) serialise on the advisory lock:
+/// stores built at once on a new schema all start, and concurrent `migrate()` calls on an
+/// empty schema apply each migration exactly once, none failing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_migrations_apply_once() {
     let guard = common::SchemaGuard::fresh().await;
-    let mut tasks = Vec::new();
+    let mut starting = Vec::new();
     for _ in 0..4 {
         let name = guard.name.clone();
-        tasks.push(tokio::spawn(async move { common::connect(&name, None, 1).await.migrate().await }));
+        starting.push(tokio::spawn(async move { common::connect(&name, None, 1).await }));
     }
+    let mut stores = Vec::new();
+    for t in starting {
+        stores.push(t.await.expect("task"));
+    }
+    // Empty the schema again, so that the next migrations start from nothing.
+    common::raw().await.batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", guard.name)).await.expect("drop");
+    let tasks: Vec<_> = stores.into_iter().map(|store| tokio::spawn(async move { store.migrate().await })).collect();
     let mut applied = 0;
     for t in tasks {
         applied += t.await.expect("task").expect("migrate");
@@ -199,16 +209,21 @@ async fn newer_schema_is_refused() {
     let err = store.inner.migrate().await.expect_err("too new");
     assert!(matches!(err, Error::SchemaTooNew { found: 999, .. }), "{err:?}");
     assert!(!err.is_retryable());
+    // Building another store on it is refused too, whether it would migrate or only check.
+    for auto_migrate in [true, false] {
+        let config = common::config(&store.guard.name, None, 1).with_auto_migrate(auto_migrate);
+        let err = PostgresStore::connect(&common::url(), config).await.expect_err("too new");
+        assert!(matches!(err, Error::SchemaTooNew { found: 999, .. }), "auto_migrate {auto_migrate}: {err:?}");
+    }
 }
 
 /// Schema names that would need quoting, or could inject SQL, are refused before any SQL runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unsafe_schema_names_are_refused() {
     for name in ["", "Idem", "idem; DROP TABLE x", "a\"b", "pg_catalog", "idem-x"] {
-        let err =
-            PostgresStore::connect("postgres://nobody@127.0.0.1:1/none", PostgresConfig::default().with_schema(name))
-                .await
-                .expect_err(name);
+        let err = PostgresStore::connect("postgres://nobody@127.0.0.1:1/none", Config::default().with_schema(name))
+            .await
+            .expect_err(name);
         assert!(matches!(err, Error::InvalidSchema { .. }), "{name}: {err:?}");
     }
 }
@@ -216,18 +231,95 @@ async fn unsafe_schema_names_are_refused() {
 /// An unreachable server is a retryable connection error that keeps the driver's error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_server_is_a_retryable_connection_error() {
-    let config = PostgresConfig::default().with_connect_timeout(Duration::from_secs(2));
+    let config = Config::default().with_connect_timeout(Duration::from_secs(2));
     let err = PostgresStore::connect("postgres://postgres@127.0.0.1:1/test", config).await.expect_err("port 1");
     assert!(matches!(err, Error::Connection { .. }), "{err:?}");
     assert!(err.is_retryable());
     assert!(std::error::Error::source(&err).is_some());
 }
 
-/// Using a store before `migrate()` fails with a permanent error that says what to do.
+/// Without auto-migration, building a store on a schema that lacks migrations fails with
+/// a permanent, typed error that says to run `migrate()`, and creates nothing; once the
+/// schema is migrated the same configuration starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unmigrated_schema_without_auto_migrate_says_to_migrate() {
+    let guard = common::SchemaGuard::fresh().await;
+    let checking = || common::config(&guard.name, None, 1).with_auto_migrate(false);
+    let err = PostgresStore::connect(&common::url(), checking()).await.expect_err("not migrated");
+    assert!(matches!(err, Error::NotMigrated { found: 0, .. }), "{err:?}");
+    assert!(!err.is_retryable());
+    assert!(err.to_string().contains("migrate()"), "{err}");
+    let schemas: i64 = common::raw()
+        .await
+        .query_one("SELECT count(*) FROM pg_namespace WHERE nspname = $1", &[&guard.name])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(schemas, 0, "the check created nothing");
+
+    let migrating = common::connect(&guard.name, None, 1).await;
+    let store = PostgresStore::connect(&common::url(), checking()).await.expect("migrated schema starts");
+    let r = must_claim(&store, claim_req("p", "k", Duration::from_secs(5), Duration::from_secs(60))).await;
+    assert_eq!(migrating.get(r.id).await.expect("get"), Some(r));
+}
+
+/// Pins: a store starts on a schema already at this build's migration under a role that
+/// may use the tables but not create schemas: with auto-migration on, start-up only reads
+/// the version. The same role on an unmigrated schema fails with a permanent error (so the
+/// role really lacks the privilege).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrated_schema_starts_without_create_privilege() {
+    let store = common::fresh_store(None, 1).await;
+    let empty = common::SchemaGuard::fresh().await;
+    let schema = store.guard.name.clone();
+    let role = format!("{schema}_user");
+    let admin = common::raw().await;
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE \"{role}\" LOGIN;
+             GRANT USAGE ON SCHEMA \"{schema}\" TO \"{role}\";
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{schema}\" TO \"{role}\";"
+        ))
+        .await
+        .expect("create a role without CREATE on the database");
+    let pool = |role: &str| {
+        let mut pg: idem_postgres::tokio_postgres::Config = common::url().parse().expect("url");
+        pg.user(role);
+        let manager = idem_postgres::deadpool_postgres::Manager::new(pg, idem_postgres::tokio_postgres::NoTls);
+        idem_postgres::deadpool_postgres::Pool::builder(manager).max_size(1).build().expect("pool")
+    };
+    let (migrated, unmigrated) = (pool(&role), pool(&role));
+    let (on_migrated, on_empty) = (schema.clone(), empty.name.clone());
+    // In a task, so that the role is dropped below even when an assertion fails.
+    let outcome = tokio::spawn(async move {
+        let limited = PostgresStore::from_pool(migrated, Config::default().with_schema(on_migrated))
+            .await
+            .expect("starts without CREATE on a migrated schema");
+        let r = must_claim(&limited, claim_req("p", "limited", Duration::from_secs(5), Duration::from_secs(60))).await;
+        assert_eq!(limited.get(r.id).await.expect("get"), Some(r));
+        let err = PostgresStore::from_pool(unmigrated, Config::default().with_schema(on_empty))
+            .await
+            .expect_err("migrating needs CREATE");
+        assert!(matches!(err, Error::Postgres { .. }), "{err:?}");
+        assert!(!err.is_retryable());
+    })
+    .await;
+    admin.batch_execute(&format!("DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\"")).await.expect("drop the role");
+    if let Err(e) = outcome {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
+
+/// A table that disappears under a running store (dropped by hand) fails calls with a
+/// permanent error that says what to do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_table_says_to_migrate() {
-    let guard = common::SchemaGuard::fresh().await;
-    let store = common::connect(&guard.name, None, 1).await;
+    let store = common::fresh_store(None, 1).await;
+    common::raw()
+        .await
+        .batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", store.guard.name))
+        .await
+        .expect("drop the schema");
     let err =
         store.claim(claim_req("p", "k", Duration::from_secs(5), Duration::from_secs(60))).await.expect_err("no table");
     assert!(!err.is_retryable());
@@ -254,7 +346,7 @@ async fn undecodable_response_is_corrupt() {
 }
 
 /// Without a pinned clock, `now` is the server's clock in milliseconds (not seconds or
-/// microseconds, handed case C2).
+/// microseconds: a unit mixed up in expiry would end leases 1000 times early or late).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_clock_is_in_milliseconds() {
     let store = common::fresh_store(None, 2).await;
@@ -308,9 +400,8 @@ async fn store_from_own_pool() {
     let pg: idem_postgres::tokio_postgres::Config = common::url().parse().expect("url");
     let manager = idem_postgres::deadpool_postgres::Manager::new(pg, idem_postgres::tokio_postgres::NoTls);
     let pool = idem_postgres::deadpool_postgres::Pool::builder(manager).max_size(2).build().expect("pool");
-    let store =
-        PostgresStore::from_pool(pool, PostgresConfig::default().with_schema(guard.name.clone())).expect("store");
-    store.migrate().await.expect("migrate");
+    let store = PostgresStore::from_pool(pool, Config::default().with_schema(guard.name.clone())).await.expect("store");
+    assert_eq!(store.migrate().await.expect("migrate"), 0, "building the store applied every migration");
     let r = must_claim(&store, claim_req("p", "own-pool", Duration::from_secs(5), Duration::from_secs(60))).await;
     assert_eq!(store.get(r.id).await.expect("get"), Some(r));
 }

@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use idem_core::{ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Scope, Store, StoredResponse};
-use idem_redis::{RedisConfig, RedisStore};
+use idem_redis::{Config, RedisStore};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 const RETENTION: Duration = Duration::from_secs(10);
@@ -118,8 +118,7 @@ async fn main() {
     let secs: f64 = std::env::var("IDEM_BENCH_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(3.0);
     let run = uuid::Uuid::new_v4().simple().to_string();
 
-    let store = match RedisStore::connect(&url, RedisConfig::new().with_prefix(format!("idem-bench:{run}:lib:"))).await
-    {
+    let store = match RedisStore::connect(&url, Config::default().with_prefix(format!("idem-bench:{run}:lib:"))).await {
         Ok(s) => s,
         Err(e) => panic!(
             "Redis is not reachable at {url} ({e}); start it with \

@@ -1,7 +1,7 @@
-//! # idem-redis
+#![doc = include_str!("../README.md")]
 //!
-//! The Redis (and Valkey) backend of idem: idempotency records shared by a fleet of API
-//! servers. It implements [`idem_core::Store`] with:
+//! # What it guarantees
+//! [`RedisStore`] implements [`idem_core::Store`] with:
 //!
 //! - **one hash per record** at `<prefix>{<record id hex>}`. The braces make the record id
 //!   the Redis Cluster hash tag: everything about a record is one key, and any companion
@@ -16,11 +16,11 @@
 //! - **native expiry**: `PEXPIREAT` at the record's `expires_at` (ms). No sweeper is needed.
 //!   [`idem_core::Store::sweep`] reports zero. A record past `expires_at` counts as absent
 //!   at once, even if Redis has not removed the key yet. An optional
-//!   [grace](RedisConfig::with_expiry_grace) keeps the key a little longer, so a record
+//!   [grace](Config::with_expiry_grace) keeps the key a little longer, so a record
 //!   claimed again soon after it expired continues its fencing-token sequence;
 //! - **the server's clock**: every script reads `TIME`, so application servers with skewed
 //!   clocks still agree on when a lease ends. Tests replace it with
-//!   [`RedisConfig::with_test_clock`];
+//!   [`Config::with_clock`];
 //! - **a start-up check of `maxmemory-policy`**: an evicting policy can drop an in-flight
 //!   claim and let a duplicate run. See [`EvictionCheck`]. The safe setting is
 //!   `maxmemory-policy noeviction`;
@@ -31,38 +31,9 @@
 //!   fields of the record's own hash, so entries live and die with their record;
 //! - a key prefix on every key it writes. It never calls `KEYS`, `SCAN` or `FLUSH*`.
 //!
-//! ```
-//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use std::time::Duration;
-//! use idem_core::{ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Scope, Store,
-//!     StoredResponse};
-//! use idem_redis::{RedisConfig, RedisStore};
-//!
-//! let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-//! let prefix = format!("idem-doc:{}:", std::process::id());
-//! let store = RedisStore::connect(&url, RedisConfig::new().with_prefix(prefix)).await?;
-//!
-//! let scope = Scope::new("token:ml-eval", Endpoint::new("POST", "/v1/workers"))?;
-//! let key = IdempotencyKey::parse(b"7c3f5d1e-91a4")?;
-//! let fingerprint = Fingerprint::of_bytes(b"{\"gpus\":8}");
-//! let req = ClaimRequest::new(scope, key, fingerprint, Duration::from_secs(300), Duration::from_secs(60));
-//! let id = req.id;
-//! match store.claim(req).await? {
-//!     ClaimOutcome::Claimed(record) => {
-//!         // ... run the handler, then store its response under our fencing token.
-//!         let response = StoredResponse::new(201, vec![("location".into(), b"/v1/workers/42".to_vec())], b"{}".to_vec());
-//!         store.complete(id, record.token, response).await?;
-//!     }
-//!     ClaimOutcome::Existing { record, now } => {
-//!         // A retry: idem_core::decide(Some(&record), &fingerprint, now) says what it gets.
-//!         let _ = (record, now);
-//!     }
-//! }
-//! assert!(store.get(id).await?.is_some());
-//! # Ok(())
-//! # }
-//! # tokio::runtime::Runtime::new().unwrap().block_on(demo()).unwrap();
-//! ```
+//! Build it with [`RedisStore::connect`] (a URL) or [`RedisStore::from_connection`] (the
+//! application's own `redis::aio::ConnectionManager`), and a [`Config`] from
+//! `Config::default()` and its `with_*` methods.
 //!
 //! # Record layout
 //! Format 2: a hash with two fields plus journal entries. The scripts decide on the
@@ -124,7 +95,9 @@
 //! `redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no`.
 //! Tests that need a differently configured server (an evicting policy, `CONFIG`
 //! disabled, a replica) or that stall or kill connections start private `redis-server`
-//! processes on free ports, so `redis-server` must be on `PATH`.
+//! processes on free ports, so `redis-server` must be on `PATH`. Each runs in a
+//! temporary directory of its own, so a replica's sync or a cluster node never writes an
+//! RDB or `nodes.conf` file into the crate.
 //! `cargo bench -p idem-redis --bench throughput` compares claim + complete against the
 //! same two round trips written by hand (`SET NX`, `SET`): medians of 0.71-0.92x with one
 //! caller and 0.37-0.42x with 32 on a loaded 2-core machine. The scripts cost about 7 µs of server time
@@ -132,14 +105,23 @@
 //! the clock, reads the record and writes it (the bench's notes give the numbers).
 //!
 //! # Layout
-//! - [`store`]: [`RedisStore`], [`RedisConfig`], [`EvictionCheck`], [`ReplicaAck`].
-//! - [`error`]: [`Error`] and its retry classification.
+//! - `src/config.rs`: [`Config`], [`EvictionCheck`], [`ReplicaAck`].
+//! - `src/store.rs`: [`RedisStore`] and its [`idem_core::Store`] impl: the claim path and
+//!   every other operation, one script call each.
+//! - `src/script.rs`: loading and calling the scripts, their replies, and the record bytes
+//!   they read and write (header, scope, response).
+//! - `src/error.rs`: [`Error`] and its retry classification.
 //! - `src/scripts/*.lua`: the scripts (`common.lua` is prepended to each, `arith.lua` to
-//!   `reclaim` and `fail`): `claim`,
-//!   `reclaim`, `complete`, `fail`, `get`, `journal_put`, `journal_get`.
+//!   `reclaim` and `fail`): `claim`, `reclaim`, `complete`, `fail`, `get`, `journal_put`,
+//!   `journal_get`.
+//! - `tests/conformance.rs`: the shared conformance suite; `tests/redis.rs` and
+//!   `tests/connection_kill.rs`: Redis-specific behaviour.
 
-pub mod error;
-pub mod store;
+mod config;
+mod error;
+mod script;
+mod store;
 
+pub use config::{Config, DEFAULT_PREFIX, EvictionCheck, ReplicaAck};
 pub use error::Error;
-pub use store::{DEFAULT_PREFIX, EvictionCheck, RedisConfig, RedisStore, ReplicaAck};
+pub use store::RedisStore;

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use idem_core::{ManualClock, Store};
-use idem_redis::RedisConfig;
+use idem_redis::Config;
 
 /// Each scenario gets a backend of its own; it remembers the random prefix it opened so a
 /// peer opens a second, independent connection on the same records.
@@ -32,7 +32,7 @@ impl idem_conformance::Backend for Redis {
 
     /// The production configuration: every `now` is the server's `TIME`.
     async fn open_server_clock(&self) -> Option<Arc<dyn Store>> {
-        let config = RedisConfig::new().with_prefix(common::fresh_prefix());
+        let config = Config::default().with_prefix(common::fresh_prefix());
         Some(Arc::new(common::connect(config).await))
     }
 }

@@ -13,7 +13,7 @@ use idem_core::{
     Model, ReclaimOutcome, ReclaimRequest, Record, RecordState, Scope, Store, StoreError, StoredBody, StoredResponse,
     SystemClock,
 };
-use idem_redis::{Error, EvictionCheck, RedisConfig, RedisStore, ReplicaAck};
+use idem_redis::{Config, Error, EvictionCheck, RedisStore, ReplicaAck};
 use redis::AsyncCommands;
 
 const LEASE: Duration = Duration::from_secs(5);
@@ -36,6 +36,17 @@ async fn test_store() -> (RedisStore, ManualClock) {
     (store, clock)
 }
 
+/// A reclaim of `record` (its current token and fingerprint), with `retention` from now.
+fn reclaim_of(record: &Record, retention: Duration) -> ReclaimRequest {
+    ReclaimRequest {
+        id: record.id,
+        expected: record.token,
+        fingerprint: record.fingerprint,
+        lease_ttl: LEASE,
+        retention,
+    }
+}
+
 async fn claim(store: &RedisStore, r: ClaimRequest) -> Record {
     match store.claim(r).await.expect("claim") {
         ClaimOutcome::Claimed(r) => r,
@@ -47,13 +58,13 @@ async fn pexpiretime(conn: &mut redis::aio::MultiplexedConnection, key: &str) ->
     redis::cmd("PEXPIRETIME").arg(key).query_async(conn).await.expect("PEXPIRETIME")
 }
 
-/// Handed case C2 (seconds and milliseconds mixed in expiry): the key expires at exactly
+/// Pins: seconds and milliseconds are never mixed in expiry; the key expires at exactly
 /// `expires_at` in ms (plus the configured grace). Also: the record lives at
 /// `<prefix>{<id hex>}`, and retention is native, no sweeper.
 #[tokio::test]
 async fn key_layout_and_native_expiry_on_the_server_clock() {
     let prefix = common::fresh_prefix();
-    let store = common::connect(RedisConfig::new().with_prefix(&prefix)).await;
+    let store = common::connect(Config::default().with_prefix(&prefix)).await;
     let mut admin = common::admin().await;
     let before = SystemClock.now().0;
     let r = claim(&store, req("p", "k", b"b")).await;
@@ -70,7 +81,7 @@ async fn key_layout_and_native_expiry_on_the_server_clock() {
     assert_eq!(store.sweep(100).await.expect("sweep").removed, 0);
 
     let graced = common::connect(
-        RedisConfig::new().with_prefix(common::fresh_prefix()).with_expiry_grace(Duration::from_millis(1_500)),
+        Config::default().with_prefix(common::fresh_prefix()).with_expiry_grace(Duration::from_millis(1_500)),
     )
     .await;
     let g = claim(&graced, req("p", "k", b"b")).await;
@@ -83,19 +94,13 @@ async fn key_layout_and_native_expiry_on_the_server_clock() {
 #[tokio::test]
 async fn reclaim_moves_native_expiry_forward() {
     let prefix = common::fresh_prefix();
-    let store = common::connect(RedisConfig::new().with_prefix(&prefix)).await;
+    let store = common::connect(Config::default().with_prefix(&prefix)).await;
     let mut admin = common::admin().await;
     let r = claim(&store, req("p", "k", b"b")).await;
     let f = store.fail(r.id, r.token).await.expect("fail");
     assert_eq!(pexpiretime(&mut admin, &store.record_key(r.id)).await, r.expires_at.0);
-    let expected = ReclaimRequest {
-        id: r.id,
-        expected: f.token,
-        fingerprint: f.fingerprint,
-        lease_ttl: LEASE,
-        retention: Duration::from_secs(120),
-    };
-    let ReclaimOutcome::Reclaimed(n) = store.reclaim(expected).await.expect("reclaim") else {
+    let ReclaimOutcome::Reclaimed(n) = store.reclaim(reclaim_of(&f, Duration::from_secs(120))).await.expect("reclaim")
+    else {
         panic!("failed record should be reclaimable")
     };
     assert!(n.expires_at > r.expires_at);
@@ -109,9 +114,9 @@ async fn test_clock_in_the_past_keeps_keys() {
     let clock = ManualClock::starting_now();
     clock.advance_ms(-86_400_000);
     let store = common::connect(
-        RedisConfig::new()
+        Config::default()
             .with_prefix(common::fresh_prefix())
-            .with_test_clock(Arc::new(clock.clone()))
+            .with_clock(Arc::new(clock.clone()))
             .with_expiry_grace(Duration::from_secs(30)),
     )
     .await;
@@ -329,12 +334,12 @@ async fn foreign_value_at_a_record_key_is_not_retryable() {
 #[tokio::test]
 async fn unreachable_server_is_retryable() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
-    let e = RedisStore::connect(&format!("redis://127.0.0.1:{port}"), RedisConfig::new()).await.expect_err("refused");
+    let e = RedisStore::connect(&format!("redis://127.0.0.1:{port}"), Config::default()).await.expect_err("refused");
     assert!(e.is_retryable(), "{e:?}");
     assert!(matches!(e, Error::Command { .. }));
-    let bad = RedisStore::connect("http://nope", RedisConfig::new()).await.expect_err("bad url");
+    let bad = RedisStore::connect("http://nope", Config::default()).await.expect_err("bad url");
     assert!(matches!(bad, Error::Url(_)) && !bad.is_retryable());
-    let brace = RedisStore::connect(&common::url(), RedisConfig::new().with_prefix("a{b}")).await.expect_err("prefix");
+    let brace = RedisStore::connect(&common::url(), Config::default().with_prefix("a{b}")).await.expect_err("prefix");
     assert!(matches!(brace, Error::Config(_)));
 }
 
@@ -375,22 +380,22 @@ fn stat(info: &str, name: &str) -> u64 {
 async fn evicting_policies_are_refused_by_default() {
     for policy in ["allkeys-lru", "volatile-lru"] {
         let server = common::PrivateRedis::start(&["--maxmemory", "64mb", "--maxmemory-policy", policy]).await;
-        let e = RedisStore::connect(&server.url, RedisConfig::new()).await.expect_err("refused");
+        let e = RedisStore::connect(&server.url, Config::default()).await.expect_err("refused");
         assert!(matches!(&e, Error::EvictingPolicy { policy: p, maxmemory } if p == policy && *maxmemory == 64 << 20));
         assert!(!e.is_retryable());
-        RedisStore::connect(&server.url, RedisConfig::new().with_eviction_check(EvictionCheck::Warn))
+        RedisStore::connect(&server.url, Config::default().with_eviction_check(EvictionCheck::Warn))
             .await
             .expect("Warn starts anyway");
     }
     let safe = common::PrivateRedis::start(&["--maxmemory", "64mb", "--maxmemory-policy", "noeviction"]).await;
-    RedisStore::connect(&safe.url, RedisConfig::new()).await.expect("noeviction is safe");
+    RedisStore::connect(&safe.url, Config::default()).await.expect("noeviction is safe");
 }
 
 /// Where CONFIG is disabled (managed Redis), the check warns and the store starts.
 #[tokio::test]
 async fn disabled_config_command_warns_and_starts() {
     let server = common::PrivateRedis::start(&["--rename-command", "CONFIG", ""]).await;
-    let store = RedisStore::connect(&server.url, RedisConfig::new()).await.expect("starts without CONFIG");
+    let store = RedisStore::connect(&server.url, Config::default()).await.expect("starts without CONFIG");
     claim(&store, req("p", "k", b"b")).await;
 }
 
@@ -411,8 +416,8 @@ async fn wait_for_replicas_and_readonly() {
         // Waiting for the replica's initial sync: no clock is involved.
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    let ack = |replicas| Some(ReplicaAck { replicas, timeout: Duration::from_millis(1_000) });
-    let store = RedisStore::connect(&primary.url, RedisConfig::new().with_replica_ack(ack(1))).await.expect("connect");
+    let ack = |replicas| Some(ReplicaAck::new(replicas, Duration::from_millis(1_000)));
+    let store = RedisStore::connect(&primary.url, Config::default().with_replica_ack(ack(1))).await.expect("connect");
     let r = claim(&store, req("p", "k", b"b")).await;
     let mut radmin = replica.admin().await;
     let state = state_byte(&mut radmin, &store.record_key(r.id)).await;
@@ -425,7 +430,7 @@ async fn wait_for_replicas_and_readonly() {
 
     let greedy = RedisStore::connect(
         &primary.url,
-        RedisConfig::new().with_replica_ack(Some(ReplicaAck { replicas: 2, timeout: Duration::from_millis(100) })),
+        Config::default().with_replica_ack(Some(ReplicaAck::new(2, Duration::from_millis(100)))),
     )
     .await
     .expect("connect");
@@ -435,7 +440,7 @@ async fn wait_for_replicas_and_readonly() {
     assert!(matches!(src, Some(Error::ReplicaShortfall { acked: 1, wanted: 2, .. })), "{src:?}");
     assert!(greedy.get(req("p", "k2", b"b").id).await.expect("get").is_some(), "WAIT never rolls back the claim");
 
-    let on_replica = RedisStore::connect(&replica.url, RedisConfig::new()).await.expect("connect to replica");
+    let on_replica = RedisStore::connect(&replica.url, Config::default()).await.expect("connect to replica");
     let e = on_replica.claim(req("p", "k3", b"b")).await.expect_err("READONLY");
     assert!(e.is_retryable(), "READONLY after a failover is retryable: {e:?}");
 }
@@ -581,8 +586,8 @@ async fn resp3_connections_work() {
     assert_eq!(store.get(req("p", "never", b"b").id).await.expect("get"), None);
 }
 
-/// Handed case C9 (a plain `SETEX` let the loser of two first requests overwrite the
-/// winner): 32 claims of one key through 4 independent connections, as from 4 API servers,
+/// Pins: the loser of two first requests never overwrites the winner (as a plain `SETEX`
+/// would): 32 claims of one key through 4 independent connections, as from 4 API servers,
 /// have exactly one winner, and every loser sees the winner's record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_first_claims_across_connections_have_one_winner() {
@@ -685,14 +690,9 @@ async fn journal_lives_and_dies_with_its_record() {
     let f = store.fail(r.id, r.token).await.expect("fail");
     let stale = store.journal_put(r.id, r.token, "charge", b"late".to_vec(), true).await;
     assert!(matches!(stale, Err(StoreError::LeaseLost { current: Some(t), .. }) if t == r.token), "{stale:?}");
-    let rr = ReclaimRequest {
-        id: r.id,
-        expected: f.token,
-        fingerprint: f.fingerprint,
-        lease_ttl: LEASE,
-        retention: RETENTION,
+    let ReclaimOutcome::Reclaimed(n) = store.reclaim(reclaim_of(&f, RETENTION)).await.expect("reclaim") else {
+        panic!("reclaimable")
     };
-    let ReclaimOutcome::Reclaimed(n) = store.reclaim(rr).await.expect("reclaim") else { panic!("reclaimable") };
     assert_eq!(store.journal_get(r.id, "charge").await.expect("get"), Some(bytes.clone()), "a reclaim keeps entries");
     assert_eq!(
         store.journal_put(n.id, n.token, "charge", b"done".to_vec(), true).await.expect("overwrite"),
@@ -713,10 +713,8 @@ async fn journal_lives_and_dies_with_its_record() {
 /// whole life of a record on a private single-node cluster that owns all 16384 slots.
 #[tokio::test]
 async fn cluster_node_accepts_every_script() {
-    let dir = std::env::temp_dir().join(format!("idem-redis-cluster-{}", uuid::Uuid::new_v4().simple()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let dir_s = dir.to_str().expect("utf-8 temp dir").to_owned();
-    let server = common::PrivateRedis::start(&["--cluster-enabled", "yes", "--dir", &dir_s]).await;
+    // The node writes its nodes.conf into the private server's own temporary directory.
+    let server = common::PrivateRedis::start(&["--cluster-enabled", "yes"]).await;
     let mut admin = server.admin().await;
     let _: () =
         redis::cmd("CLUSTER").arg("ADDSLOTSRANGE").arg(0).arg(16383).query_async(&mut admin).await.expect("ADDSLOTS");
@@ -740,19 +738,12 @@ async fn cluster_node_accepts_every_script() {
     assert_eq!(slot, tag_slot, "the record id is the hash tag");
     store.journal_put(r.id, r.token, "step", b"v".to_vec(), false).await.expect("journal_put");
     let f = store.fail(r.id, r.token).await.expect("fail");
-    let rr = ReclaimRequest {
-        id: r.id,
-        expected: f.token,
-        fingerprint: f.fingerprint,
-        lease_ttl: LEASE,
-        retention: RETENTION,
+    let ReclaimOutcome::Reclaimed(n) = store.reclaim(reclaim_of(&f, RETENTION)).await.expect("reclaim") else {
+        panic!("reclaimable")
     };
-    let ReclaimOutcome::Reclaimed(n) = store.reclaim(rr).await.expect("reclaim") else { panic!("reclaimable") };
     let done = store.complete(n.id, n.token, StoredResponse::new(201, vec![], b"ok".to_vec())).await.expect("complete");
     assert_eq!(store.get(r.id).await.expect("get"), Some(done));
     assert_eq!(store.journal_get(r.id, "step").await.expect("journal_get"), Some(b"v".to_vec()));
-    drop(server);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A claim that replaces a record past its retention continues its fencing token exactly:

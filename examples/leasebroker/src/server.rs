@@ -95,16 +95,16 @@ pub async fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>
             Ok((Arc::new(store), infra_file()?))
         }
         StoreSpec::Redis(url) => {
-            let store = idem_redis::RedisStore::connect(url, idem_redis::RedisConfig::default())
+            let store = idem_redis::RedisStore::connect(url, idem_redis::Config::default())
                 .await
                 .map_err(|e| open_err(url.clone(), e))?;
             Ok((Arc::new(store), infra_file()?))
         }
         StoreSpec::Postgres(url) => {
-            let store = idem_postgres::PostgresStore::connect(url, idem_postgres::PostgresConfig::default())
+            // Applies the missing migrations before it returns.
+            let store = idem_postgres::PostgresStore::connect(url, idem_postgres::Config::default())
                 .await
                 .map_err(|e| open_err(url.clone(), e))?;
-            store.migrate().await.map_err(|e| open_err("postgres migrations", e))?;
             Ok((Arc::new(store), infra_file()?))
         }
         StoreSpec::Memory => Ok((Arc::new(MemoryStore::new()), infra_file()?)),

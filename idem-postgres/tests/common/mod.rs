@@ -11,7 +11,7 @@ use idem_core::{
     Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ManualClock, ReclaimOutcome, ReclaimRequest,
     Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome,
 };
-use idem_postgres::{PostgresConfig, PostgresStore};
+use idem_postgres::{Config, PostgresStore};
 
 /// Used when `IDEM_POSTGRES_URL` is not set.
 pub(crate) const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
@@ -64,7 +64,7 @@ pub(crate) struct SchemaGuard {
 }
 
 impl SchemaGuard {
-    /// A fresh, unused schema name (nothing is created yet: `migrate()` creates it).
+    /// A fresh, unused schema name (nothing is created yet: building a store migrates it).
     pub(crate) async fn fresh() -> Arc<Self> {
         static CLEANUP: Once = Once::new();
         let mut first = false;
@@ -122,13 +122,17 @@ async fn drop_stale_schemas() {
     }
 }
 
-/// Connects a store on `schema`, failing the test with the start hint when the server is
-/// down.
-pub(crate) async fn connect(schema: &str, clock: Option<ManualClock>, max_connections: usize) -> PostgresStore {
-    let mut config = PostgresConfig::default().with_schema(schema).with_max_connections(max_connections);
-    if let Some(clock) = clock {
-        config = config.with_clock(Arc::new(clock));
+/// The configuration tests use: `schema`, the pinned clock if any, `max_connections`.
+pub(crate) fn config(schema: &str, clock: Option<ManualClock>, max_connections: usize) -> Config {
+    let config = Config::default().with_schema(schema).with_max_connections(max_connections);
+    match clock {
+        Some(clock) => config.with_clock(Arc::new(clock)),
+        None => config,
     }
+}
+
+/// Connects with `config`, failing the test with the start hint when the server is down.
+pub(crate) async fn connect_with(config: Config) -> PostgresStore {
     match PostgresStore::connect(&url(), config).await {
         Ok(s) => s,
         Err(e @ idem_postgres::Error::Connection { .. }) => unreachable(&e),
@@ -136,11 +140,15 @@ pub(crate) async fn connect(schema: &str, clock: Option<ManualClock>, max_connec
     }
 }
 
+/// Connects a store on `schema` (migrating it, the default).
+pub(crate) async fn connect(schema: &str, clock: Option<ManualClock>, max_connections: usize) -> PostgresStore {
+    connect_with(config(schema, clock, max_connections)).await
+}
+
 /// A store on a fresh, migrated schema that is dropped when the last handle goes.
 pub(crate) async fn fresh_store(clock: Option<ManualClock>, max_connections: usize) -> TestStore {
     let guard = SchemaGuard::fresh().await;
     let store = connect(&guard.name, clock, max_connections).await;
-    store.migrate().await.expect("migrate");
     TestStore { inner: store, guard }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::Clock;
-use idem_redis::{RedisConfig, RedisStore};
+use idem_redis::{Config, RedisStore};
 
 /// The Redis every test talks to: `IDEM_REDIS_URL`, default `redis://127.0.0.1:6379`.
 pub fn url() -> String {
@@ -44,12 +44,12 @@ pub fn fresh_prefix() -> String {
 pub const TEST_GRACE: Duration = Duration::from_secs(600);
 
 /// The configuration tests use: `prefix`, the test clock, a grace for native expiry.
-pub fn test_config(prefix: &str, clock: Arc<dyn Clock>) -> RedisConfig {
-    RedisConfig::new().with_prefix(prefix).with_test_clock(clock).with_expiry_grace(TEST_GRACE)
+pub fn test_config(prefix: &str, clock: Arc<dyn Clock>) -> Config {
+    Config::default().with_prefix(prefix).with_clock(clock).with_expiry_grace(TEST_GRACE)
 }
 
 /// Connects to [`url`] or fails the test with the start-up hint.
-pub async fn connect(config: RedisConfig) -> RedisStore {
+pub async fn connect(config: Config) -> RedisStore {
     let url = url();
     match RedisStore::connect(&url, config).await {
         Ok(store) => store,
@@ -68,8 +68,14 @@ pub async fn admin() -> redis::aio::MultiplexedConnection {
 /// A private `redis-server` on a free port, for tests that need a server configured
 /// differently (an evicting policy, CONFIG disabled) or that block the server, so the
 /// shared one is never disturbed. Killed (by its own pid) on drop.
+///
+/// It runs in a temporary directory of its own (`--dir`): a replica's initial sync, a
+/// cluster node's `nodes.conf` and any RDB file land there, never in the crate's
+/// directory (the test's working directory), and go with the server.
 pub struct PrivateRedis {
     child: std::process::Child,
+    /// Its working directory, removed after the server is killed.
+    _dir: tempfile::TempDir,
     /// Its URL.
     pub url: String,
 }
@@ -82,15 +88,17 @@ impl PrivateRedis {
             l.local_addr().expect("addr").port()
         };
         let port_s = port.to_string();
+        let dir = tempfile::Builder::new().prefix("idem-redis-test-").tempdir().expect("temp dir");
+        let dir_s = dir.path().to_str().expect("utf-8 temp dir").to_owned();
         let mut cmd = std::process::Command::new("redis-server");
-        cmd.args(["--bind", "127.0.0.1", "--port", &port_s, "--save", "", "--appendonly", "no"]);
+        cmd.args(["--bind", "127.0.0.1", "--port", &port_s, "--save", "", "--appendonly", "no", "--dir", &dir_s]);
         cmd.args(args);
         cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
         let child = cmd.spawn().expect(
             "redis-server must be on PATH for this test (install Redis; the shared server alone is not enough here)",
         );
         let url = format!("redis://127.0.0.1:{port}");
-        let server = Self { child, url };
+        let server = Self { child, _dir: dir, url };
         let client = redis::Client::open(server.url.as_str()).expect("url");
         for _ in 0..200 {
             if let Ok(mut c) = client.get_multiplexed_async_connection().await {

@@ -1,0 +1,261 @@
+//! [`Config`]: how a [`crate::RedisStore`] connects and behaves, with the two policies it
+//! carries: [`EvictionCheck`] (what to do about an evicting server) and [`ReplicaAck`]
+//! (whether to wait for replicas).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::Clock;
+
+use crate::error::Error;
+
+/// Default key prefix.
+pub const DEFAULT_PREFIX: &str = "idem:";
+
+/// What to do at start-up when the server's `maxmemory-policy` may evict keys.
+///
+/// Redis evicts only once `maxmemory` is reached, and then an `allkeys-*` policy may drop
+/// any key and a `volatile-*` policy any key with a TTL, which is every idem record. A
+/// dropped in-flight claim looks absent to the next retry, which claims again and runs the
+/// handler a second time. Safe settings: `maxmemory-policy noeviction` (writes fail with
+/// `OOM` when memory is full; the HTTP layer answers 503, nothing runs twice), or a
+/// dedicated instance with `maxmemory 0` (no limit).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EvictionCheck {
+    /// Refuse to start ([`Error::EvictingPolicy`]) when the policy evicts and `maxmemory`
+    /// is set. The default: a store that may run a request twice should not start quietly.
+    /// An evicting policy without a memory limit only warns, since nothing is evicted
+    /// until someone sets one.
+    #[default]
+    Refuse,
+    /// Start anyway, logging a `tracing` warning (for shared or managed instances whose
+    /// policy the application cannot change).
+    Warn,
+}
+
+/// What the start-up check concludes about a server's eviction settings.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    Safe,
+    Warn,
+    Refuse,
+}
+
+impl EvictionCheck {
+    /// Whether `policy` with `maxmemory` bytes (0: no limit) can evict idem's keys, and
+    /// what this check says to do about it.
+    pub(crate) fn verdict(self, policy: &str, maxmemory: u64) -> Verdict {
+        // Every policy but noeviction evicts: allkeys-* any key, volatile-* any key with a
+        // TTL, and every idem record has one.
+        if policy == "noeviction" {
+            return Verdict::Safe;
+        }
+        if maxmemory == 0 {
+            return Verdict::Warn;
+        }
+        match self {
+            EvictionCheck::Refuse => Verdict::Refuse,
+            EvictionCheck::Warn => Verdict::Warn,
+        }
+    }
+}
+
+/// Replica acknowledgement after the writes that matter: `WAIT replicas timeout` after a
+/// claim, a reclaim and a complete.
+///
+/// What it guarantees: when the call returns `Ok`, at least `replicas` replicas had
+/// received the write. What it does not: Redis replication stays asynchronous, so WAIT
+/// does not roll back a write that was not acknowledged (the store then returns a
+/// retryable [`Error::ReplicaShortfall`], and the write stays on the primary), and a
+/// failover may still promote a replica that had not received it (Sentinel and Cluster
+/// pick the most up-to-date replica they can reach, not necessarily an acknowledging one).
+/// It narrows the window in which a failover loses a claim or a stored response; it does
+/// not close it.
+///
+/// WAIT goes in the same pipeline as the script, on the same connection, so it covers that
+/// write even if the connection is replaced right after (both then fail, retryably). It is
+/// sent with every claim, reclaim and complete, and checked only when the call wrote. WAIT
+/// blocks the (multiplexed) connection until the acknowledgement or the timeout, so every
+/// concurrent call on the same store waits behind it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReplicaAck {
+    replicas: u32,
+    timeout: Duration,
+}
+
+impl ReplicaAck {
+    /// Wait until `replicas` replicas acknowledged each write, for at most `timeout`
+    /// (sent to Redis in whole milliseconds).
+    #[must_use]
+    pub const fn new(replicas: u32, timeout: Duration) -> Self {
+        Self { replicas, timeout }
+    }
+
+    /// Replicas that must acknowledge.
+    #[must_use]
+    pub const fn replicas(&self) -> u32 {
+        self.replicas
+    }
+
+    /// How long to wait for them.
+    #[must_use]
+    pub const fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The timeout as `WAIT` takes it, ms.
+    pub(crate) fn timeout_ms(&self) -> u64 {
+        u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+/// How a [`crate::RedisStore`] behaves. Build with `Config::default()` and the `with_*`
+/// methods.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub(crate) prefix: String,
+    pub(crate) eviction_check: EvictionCheck,
+    pub(crate) replica_ack: Option<ReplicaAck>,
+    pub(crate) response_timeout: Duration,
+    pub(crate) connection_timeout: Duration,
+    pub(crate) expiry_grace: Duration,
+    pub(crate) clock: Option<Arc<dyn Clock>>,
+}
+
+impl Default for Config {
+    /// Prefix `idem:`, [`EvictionCheck::Refuse`], no WAIT, 2 s response timeout, 1 s
+    /// connection timeout, no expiry grace, the server's clock.
+    fn default() -> Self {
+        Self {
+            prefix: DEFAULT_PREFIX.to_owned(),
+            eviction_check: EvictionCheck::default(),
+            replica_ack: None,
+            response_timeout: Duration::from_secs(2),
+            connection_timeout: Duration::from_secs(1),
+            expiry_grace: Duration::ZERO,
+            clock: None,
+        }
+    }
+}
+
+impl Config {
+    /// The namespace every key starts with: records live at `<prefix>{<record id hex>}`.
+    /// Must not contain `{` or `}` (the braces around the id are the Cluster hash tag).
+    #[must_use]
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// What to do when `maxmemory-policy` may evict keys (see [`EvictionCheck`]).
+    #[must_use]
+    pub fn with_eviction_check(mut self, check: EvictionCheck) -> Self {
+        self.eviction_check = check;
+        self
+    }
+
+    /// Wait for replicas after claim, reclaim and complete (see [`ReplicaAck`]).
+    #[must_use]
+    pub fn with_replica_ack(mut self, ack: Option<ReplicaAck>) -> Self {
+        self.replica_ack = ack;
+        self
+    }
+
+    /// How long one command may take before the call fails with a retryable timeout
+    /// (raised to the WAIT timeout plus 500 ms when [`ReplicaAck`] is set). A timed-out
+    /// write may still have been applied: a retry then sees the claim as in flight.
+    /// Applies to [`crate::RedisStore::connect`]; a connection passed to
+    /// [`crate::RedisStore::from_connection`] keeps its own.
+    #[must_use]
+    pub fn with_response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// How long one connection attempt may take (for [`crate::RedisStore::connect`]).
+    #[must_use]
+    pub fn with_connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    /// How long a record's key outlives its `expires_at` in Redis (default zero: the key
+    /// expires exactly at `expires_at`). Logically the record is gone at `expires_at`
+    /// either way: every read and script checks. A grace keeps the fencing token growing
+    /// when a record is claimed again shortly after it expired, at the cost of memory.
+    #[must_use]
+    pub fn with_expiry_grace(mut self, grace: Duration) -> Self {
+        self.expiry_grace = grace;
+        self
+    }
+
+    /// Reads time from `clock` instead of the server's `TIME`. Without it (the default)
+    /// every script reads the server's `TIME`, so application servers with skewed clocks
+    /// still agree on when a lease ends: leave it unset in production.
+    ///
+    /// For tests: the conformance suite passes its `ManualClock`, whose reading goes to
+    /// every script as an argument. Key expiry then follows this clock too: instead of
+    /// `PEXPIREAT expires_at`, a key gets `PEXPIRE` of the record's remaining time on
+    /// `clock` plus the [expiry grace](Config::with_expiry_grace). Real time keeps running
+    /// while a test clock stands still, so set a grace longer than the test, or Redis may
+    /// drop a key that the test clock still sees live. The clock must read between the
+    /// Unix epoch and 2^53 ms.
+    #[must_use]
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), Error> {
+        if self.prefix.contains(['{', '}']) {
+            return Err(Error::Config("the key prefix must not contain `{` or `}` (they delimit the hash tag)"));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn effective_response_timeout(&self) -> Duration {
+        match self.replica_ack {
+            Some(ack) => self.response_timeout.max(ack.timeout + Duration::from_millis(500)),
+            None => self.response_timeout,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_noeviction_is_safe() {
+        assert_eq!(EvictionCheck::Refuse.verdict("noeviction", 1 << 30), Verdict::Safe);
+        for policy in [
+            "allkeys-lru",
+            "allkeys-lfu",
+            "allkeys-random",
+            "volatile-lru",
+            "volatile-lfu",
+            "volatile-random",
+            "volatile-ttl",
+        ] {
+            assert_eq!(EvictionCheck::Refuse.verdict(policy, 1 << 30), Verdict::Refuse, "{policy}");
+            assert_eq!(EvictionCheck::Warn.verdict(policy, 1 << 30), Verdict::Warn, "{policy}");
+            // No memory limit: nothing is evicted until someone sets one.
+            assert_eq!(EvictionCheck::Refuse.verdict(policy, 0), Verdict::Warn, "{policy}");
+        }
+    }
+
+    #[test]
+    fn braces_in_the_prefix_are_refused() {
+        assert!(Config::default().with_prefix("a{b}:").validate().is_err());
+        assert!(Config::default().with_prefix("tenant-7:idem:").validate().is_ok());
+    }
+
+    #[test]
+    fn wait_timeout_raises_the_response_timeout() {
+        let c = Config::default()
+            .with_response_timeout(Duration::from_secs(1))
+            .with_replica_ack(Some(ReplicaAck::new(1, Duration::from_secs(3))));
+        assert_eq!(c.effective_response_timeout(), Duration::from_millis(3_500));
+    }
+}

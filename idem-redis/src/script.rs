@@ -1,0 +1,464 @@
+//! The Lua scripts (in `src/scripts/`) and everything that crosses their boundary: how
+//! they are built and loaded, how one is called (`EVALSHA`, `NOSCRIPT` reload, pipelined
+//! `WAIT`), the reply each gives, and the record bytes they read and write (the header
+//! and scope in hash field `h`, the response in field `r`).
+
+use std::sync::LazyLock;
+
+use idem_core::codec::{CodecError, decode_response};
+use idem_core::{
+    Endpoint, FencingToken, Fingerprint, IdempotencyKey, Principal, Record, RecordId, RecordState, Scope, StoreError,
+    StoredResponse, UnixMillis,
+};
+use redis::aio::ConnectionManager;
+use redis::{Script, Value};
+
+use crate::config::ReplicaAck;
+use crate::error::Error;
+
+/// How a script may be sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// Reads only: safe to send again.
+    Read,
+    /// Writes; never sent again after a connection error.
+    Write,
+    /// Writes that [`ReplicaAck`] covers (claim, reclaim, complete).
+    AckedWrite,
+}
+
+/// One script and what calling it is called in errors.
+pub(crate) struct Op {
+    name: &'static str,
+    kind: Kind,
+    script: Script,
+}
+
+pub(crate) struct Scripts {
+    pub(crate) claim: Op,
+    pub(crate) reclaim: Op,
+    pub(crate) complete: Op,
+    pub(crate) fail: Op,
+    pub(crate) get: Op,
+    pub(crate) journal_put: Op,
+    pub(crate) journal_get: Op,
+}
+
+/// A script: its shebang line (Redis 7 script flags), `common.lua`, then the body (after
+/// `arith.lua` for reclaim and fail).
+///
+/// The shebang makes Redis enforce what the layout promises: a script may only touch keys
+/// in the slot of its declared key (on a Cluster node), a write script is refused up front
+/// on a replica (`READONLY`) and when memory is full (`OOM`), and read-only scripts declare
+/// `no-writes`.
+macro_rules! script {
+    ($shebang:literal, $($file:literal),+) => {
+        Script::new(concat!(
+            $shebang,
+            "\n",
+            include_str!("scripts/common.lua"),
+            $("\n", include_str!(concat!("scripts/", $file))),+
+        ))
+    };
+}
+
+/// Built once per process: `Script` hashes its source at construction; every call is
+/// `EVALSHA`, and on `NOSCRIPT` (a restarted or failed-over server, a `SCRIPT FLUSH`) the
+/// call loads the source and is sent again ([`Call::send`]).
+pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    claim: Op { name: "claim", kind: Kind::AckedWrite, script: script!("#!lua", "claim.lua") },
+    reclaim: Op { name: "reclaim", kind: Kind::AckedWrite, script: script!("#!lua", "arith.lua", "reclaim.lua") },
+    complete: Op { name: "complete", kind: Kind::AckedWrite, script: script!("#!lua", "complete.lua") },
+    fail: Op { name: "fail", kind: Kind::Write, script: script!("#!lua", "arith.lua", "fail.lua") },
+    get: Op { name: "get", kind: Kind::Read, script: script!("#!lua flags=no-writes", "get.lua") },
+    journal_put: Op { name: "journal_put", kind: Kind::Write, script: script!("#!lua", "journal_put.lua") },
+    journal_get: Op {
+        name: "journal_get",
+        kind: Kind::Read,
+        script: script!("#!lua flags=no-writes", "journal_get.lua"),
+    },
+});
+
+/// Loads every script into the server's script cache (`SCRIPT LOAD`), so the first calls
+/// need no `NOSCRIPT` round trip and a server that refuses scripts fails at start-up.
+pub(crate) async fn load_all(conn: &mut ConnectionManager) -> Result<(), Error> {
+    let s = &*SCRIPTS;
+    for op in [&s.claim, &s.reclaim, &s.complete, &s.fail, &s.get, &s.journal_put, &s.journal_get] {
+        op.script.prepare_invoke().load_async(conn).await.map_err(|e| Error::command("SCRIPT LOAD", e))?;
+    }
+    Ok(())
+}
+
+/// One script call: `EVALSHA sha 1 key args...`.
+pub(crate) struct Call {
+    op: &'static Op,
+    key: String,
+    args: Vec<Vec<u8>>,
+}
+
+impl Call {
+    pub(crate) fn new(op: &'static Op, key: String) -> Self {
+        Self { op, key, args: Vec::with_capacity(8) }
+    }
+
+    pub(crate) fn arg(mut self, arg: impl redis::ToRedisArgs) -> Self {
+        arg.write_redis_args(&mut self.args);
+        self
+    }
+
+    fn evalsha(&self) -> redis::Cmd {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.op.script.get_hash()).arg(1).arg(self.key.as_str());
+        for a in &self.args {
+            cmd.arg(a.as_slice());
+        }
+        cmd
+    }
+
+    /// Sends the call. For a write that [`ReplicaAck`] covers, `WAIT` goes in the same
+    /// pipeline, so it runs on the connection that made the write (a reconnect between the
+    /// two would make WAIT count nothing) and costs no extra round trip; the count it
+    /// returns is in [`Reply::acked`].
+    ///
+    /// Writes are never sent twice after a connection error: whether the first one ran is
+    /// unknown, and the caller's retry goes through claim again. A read is sent once more
+    /// after an I/O error, which covers the common case of a connection that died while
+    /// idle (a server restart, an idle timeout): the connection manager only notices when
+    /// the next command fails.
+    pub(crate) async fn send(&self, mut conn: ConnectionManager, ack: Option<ReplicaAck>) -> Result<Reply, StoreError> {
+        let op = self.op.name;
+        let ack = if self.op.kind == Kind::AckedWrite { ack } else { None };
+        let mut loaded = false;
+        let mut resent = false;
+        loop {
+            let result = match ack {
+                None => self.evalsha().query_async::<Value>(&mut conn).await.map(|v| (v, None)),
+                Some(ack) => {
+                    let mut pipe = redis::pipe();
+                    pipe.add_command(self.evalsha());
+                    pipe.cmd("WAIT").arg(ack.replicas()).arg(ack.timeout_ms());
+                    pipe.query_async::<(Value, u64)>(&mut conn).await.map(|(v, n)| (v, Some(n)))
+                }
+            };
+            match result {
+                Ok((value, acked)) => return Ok(Reply::parse(op, value, acked)?),
+                // The server forgot the script (restart, failover, SCRIPT FLUSH): it did not
+                // run. Load it and send the call again, once.
+                Err(e) if !loaded && e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                    self.op.script.prepare_invoke().load_async(&mut conn).await.map_err(|e| Error::command(op, e))?;
+                    loaded = true;
+                }
+                Err(e) if !resent && self.op.kind == Kind::Read && e.kind() == redis::ErrorKind::Io => resent = true,
+                Err(e) => return Err(Error::command(op, e).into()),
+            }
+        }
+    }
+}
+
+/// A script's reply: `{status, now, rest...}`, and the replicas `WAIT` counted.
+pub(crate) struct Reply {
+    op: &'static str,
+    status: Vec<u8>,
+    pub(crate) now: UnixMillis,
+    rest: Vec<Value>,
+    /// Replicas that acknowledged the write (`None`: no `WAIT` was sent).
+    pub(crate) acked: Option<u64>,
+}
+
+impl Reply {
+    fn parse(op: &'static str, value: Value, acked: Option<u64>) -> Result<Self, Error> {
+        let bad = |detail| Error::UnexpectedReply { operation: op, detail };
+        let Value::Array(items) = value else { return Err(bad("not an array")) };
+        let mut items = items.into_iter();
+        let status = items.next().and_then(into_bytes).ok_or_else(|| bad("no status"))?;
+        let now = match items.next() {
+            Some(Value::Int(n)) if n >= 0 => n,
+            _ => return Err(bad("no time")),
+        };
+        Ok(Self { op, status, now: UnixMillis(now), rest: items.collect(), acked })
+    }
+
+    pub(crate) fn is(&self, status: &str) -> bool {
+        self.status == status.as_bytes()
+    }
+
+    /// The `i`th value after the time, if it is a string (a Lua `false` comes back as nil).
+    fn bytes(&self, i: usize) -> Option<&[u8]> {
+        self.rest.get(i).and_then(as_bytes)
+    }
+
+    /// The last value, which must be a string (`found`, `exists`: a journal entry).
+    pub(crate) fn into_value(mut self) -> Result<Vec<u8>, StoreError> {
+        let op = self.op;
+        self.rest.pop().and_then(into_bytes).ok_or_else(|| unexpected(op, "no value"))
+    }
+
+    /// The error for any status the caller did not expect: `corrupt` (the script found a
+    /// header it cannot read) or one this build does not know.
+    pub(crate) fn refusal(&self, id: RecordId) -> StoreError {
+        if self.is("corrupt") { bad_field(id, "h") } else { unexpected(self.op, "unknown status") }
+    }
+
+    /// `lost`: the presented token does not own the record; the reply carries the current
+    /// token, if the record exists.
+    pub(crate) fn lease_lost(&self, id: RecordId, presented: FencingToken) -> StoreError {
+        let current = match self.rest.first() {
+            None | Some(Value::Nil) => None,
+            Some(v) => match as_bytes(v).and_then(|b| <[u8; 8]>::try_from(b).ok()) {
+                Some(t) => Some(FencingToken(u64::from_be_bytes(t))),
+                None => return unexpected(self.op, "lease lost without a readable token"),
+            },
+        };
+        StoreError::LeaseLost { id, presented, current }
+    }
+
+    /// The record a claim just wrote: the header in the reply, the scope and key the
+    /// claim itself carried (the script does not send them back).
+    pub(crate) fn claimed(&self, id: RecordId, scope: Scope, key: IdempotencyKey) -> Result<Record, StoreError> {
+        let h = self.bytes(0).ok_or_else(|| unexpected(self.op, "claimed without a header"))?;
+        Ok(Header::decode(id, h)?.into_record(id, scope, key, None))
+    }
+
+    /// The record in a reply of `h, response or nil` after the time. `completed`: the
+    /// response the caller just stored, with `h` as it was before (complete ships neither
+    /// back); otherwise the response is decoded from the reply.
+    pub(crate) fn record(&self, id: RecordId, completed: Option<StoredResponse>) -> Result<Record, StoreError> {
+        let h = self.bytes(0).ok_or_else(|| missing_field(id, "h"))?;
+        let mut header = Header::decode(id, h)?;
+        let (scope, key) = decode_scope(id, &h[HEADER_LEN..])?;
+        let response = match completed {
+            Some(r) => {
+                header.state = RecordState::Completed;
+                Some(r)
+            }
+            None if header.state == RecordState::Completed => {
+                let r = self.bytes(1).ok_or_else(|| missing_field(id, "r"))?;
+                Some(decode_response(r).map_err(|e| corrupt(id, "r", e))?)
+            }
+            None => None,
+        };
+        Ok(header.into_record(id, scope, key, response))
+    }
+}
+
+fn into_bytes(v: Value) -> Option<Vec<u8>> {
+    match v {
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.into_bytes()),
+        _ => None,
+    }
+}
+
+fn as_bytes(v: &Value) -> Option<&[u8]> {
+    match v {
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.as_bytes()),
+        _ => None,
+    }
+}
+
+fn unexpected(op: &'static str, detail: &'static str) -> StoreError {
+    Error::UnexpectedReply { operation: op, detail }.into()
+}
+
+/// A corrupt record: logs which field, returns the typed error.
+fn corrupt(id: RecordId, field: &'static str, source: CodecError) -> StoreError {
+    tracing::warn!(record = %id, field, error = %source, "idem-redis: stored record does not decode");
+    StoreError::Corrupt { id: Some(id), source }
+}
+
+fn bad_field(id: RecordId, field: &'static str) -> StoreError {
+    corrupt(id, field, CodecError::Malformed(postcard::Error::DeserializeBadEncoding))
+}
+
+fn missing_field(id: RecordId, field: &'static str) -> StoreError {
+    corrupt(id, field, CodecError::Malformed(postcard::Error::DeserializeUnexpectedEnd))
+}
+
+/// Lease and retention in ms as the scripts take them: two big-endian u64.
+pub(crate) fn ttl_arg(lease_ms: i64, retention_ms: i64) -> [u8; 16] {
+    let mut out = [0; 16];
+    out[..8].copy_from_slice(&lease_ms.max(0).to_be_bytes());
+    out[8..].copy_from_slice(&retention_ms.max(0).to_be_bytes());
+    out
+}
+
+/// The header (the first [`HEADER_LEN`] bytes of hash field `h`, see `common.lua`): the
+/// fixed-layout part of a record that the scripts decide on. Byte 0 is this version. The
+/// scope field follows it in the same hash field.
+const HEADER_FORMAT: u8 = 2;
+/// Version, state, five big-endian u64 (token, created_at, started_at, lease_expires_at,
+/// expires_at), fingerprint.
+const HEADER_LEN: usize = 2 + 5 * 8 + 32;
+/// State bytes of the header.
+const STATE_IN_FLIGHT: u8 = 1;
+const STATE_COMPLETED: u8 = 2;
+const STATE_FAILED: u8 = 3;
+/// First byte of the scope (principal, endpoint and idempotency key, postcard), which
+/// follows the header in field `h`.
+const SCOPE_FORMAT: u8 = 1;
+
+/// The header's fields, decoded.
+#[derive(Debug, PartialEq, Eq)]
+struct Header {
+    state: RecordState,
+    token: FencingToken,
+    created_at: UnixMillis,
+    started_at: UnixMillis,
+    lease_expires_at: UnixMillis,
+    expires_at: UnixMillis,
+    fingerprint: Fingerprint,
+}
+
+impl Header {
+    fn decode(id: RecordId, h: &[u8]) -> Result<Self, StoreError> {
+        let field = "h";
+        let (&version, _) = h.split_first().ok_or_else(|| corrupt(id, field, CodecError::Empty))?;
+        if version != HEADER_FORMAT {
+            return Err(corrupt(id, field, CodecError::UnknownVersion(version)));
+        }
+        let h: &[u8; HEADER_LEN] =
+            h.get(..HEADER_LEN).and_then(|h| h.try_into().ok()).ok_or_else(|| bad_field(id, field))?;
+        let u64_at = |at: usize| {
+            let mut b = [0; 8];
+            b.copy_from_slice(&h[at..at + 8]);
+            u64::from_be_bytes(b)
+        };
+        let time_at = |at: usize| i64::try_from(u64_at(at)).map(UnixMillis).map_err(|_| bad_field(id, field));
+        let state = match h[1] {
+            STATE_IN_FLIGHT => RecordState::InFlight,
+            STATE_COMPLETED => RecordState::Completed,
+            STATE_FAILED => RecordState::Failed,
+            _ => return Err(bad_field(id, field)),
+        };
+        let mut fingerprint = [0; 32];
+        fingerprint.copy_from_slice(&h[42..]);
+        Ok(Self {
+            state,
+            token: FencingToken(u64_at(2)),
+            created_at: time_at(10)?,
+            started_at: time_at(18)?,
+            lease_expires_at: time_at(26)?,
+            expires_at: time_at(34)?,
+            fingerprint: Fingerprint(fingerprint),
+        })
+    }
+
+    fn into_record(self, id: RecordId, scope: Scope, key: IdempotencyKey, response: Option<StoredResponse>) -> Record {
+        Record {
+            id,
+            scope,
+            key,
+            fingerprint: self.fingerprint,
+            state: self.state,
+            token: self.token,
+            response,
+            created_at: self.created_at,
+            started_at: self.started_at,
+            lease_expires_at: self.lease_expires_at,
+            expires_at: self.expires_at,
+        }
+    }
+}
+
+/// The scope after the header in field `h`: version byte, then postcard of (principal,
+/// endpoint, key).
+pub(crate) fn encode_scope(scope: &Scope, key: &IdempotencyKey) -> Vec<u8> {
+    let parts = (scope.principal.0.as_str(), scope.endpoint.0.as_str(), key.as_str());
+    postcard::to_extend(&parts, vec![SCOPE_FORMAT]).unwrap_or_default()
+}
+
+fn decode_scope(id: RecordId, bytes: &[u8]) -> Result<(Scope, IdempotencyKey), StoreError> {
+    let field = "h (scope)";
+    let (&version, rest) = bytes.split_first().ok_or_else(|| corrupt(id, field, CodecError::Empty))?;
+    if version != SCOPE_FORMAT {
+        return Err(corrupt(id, field, CodecError::UnknownVersion(version)));
+    }
+    let ((principal, endpoint, key), tail) = postcard::take_from_bytes::<(String, String, IdempotencyKey)>(rest)
+        .map_err(|e| corrupt(id, field, CodecError::Malformed(e)))?;
+    if !tail.is_empty() {
+        return Err(corrupt(id, field, CodecError::Trailing(tail.len())));
+    }
+    if RecordId::derive(&principal, &endpoint, key.as_str()) != id {
+        // Scope and key must hash to the key the record lives at.
+        return Err(bad_field(id, field));
+    }
+    Ok((Scope { principal: Principal(principal), endpoint: Endpoint(endpoint) }, key))
+}
+
+#[cfg(test)]
+mod tests {
+    use idem_core::codec::encode_response;
+
+    use super::*;
+
+    /// A `found` reply as `get.lua` sends it: status, time, `h`, `r`.
+    fn found(h: Vec<u8>, r: Option<Vec<u8>>) -> Reply {
+        let r = r.map_or(Value::Nil, Value::BulkString);
+        let value = Value::Array(vec![Value::BulkString(b"found".to_vec()), Value::Int(7), Value::BulkString(h), r]);
+        Reply::parse("get", value, None).expect("parses")
+    }
+
+    fn header(state: u8) -> Vec<u8> {
+        let mut h = vec![HEADER_FORMAT, state];
+        for v in [(1u64 << 53) + 1, 10, 11, 12, i64::MAX as u64] {
+            h.extend_from_slice(&v.to_be_bytes());
+        }
+        h.extend_from_slice(&[7; 32]);
+        h
+    }
+
+    #[test]
+    fn response_field_round_trips_byte_exact_and_garbage_is_corrupt() {
+        let scope = Scope::new("p", Endpoint::new("POST", "/x")).expect("scope");
+        let key = IdempotencyKey::parse(b"k").expect("key");
+        let id = RecordId::derive(&scope.principal.0, &scope.endpoint.0, key.as_str());
+        let mut h = header(STATE_COMPLETED);
+        h.extend_from_slice(&encode_scope(&scope, &key));
+        let r = StoredResponse::new(201, vec![("etag".into(), vec![0, 0xff, b'"'])], (0..=255u8).collect());
+        let record = found(h.clone(), Some(encode_response(&r))).record(id, None).expect("decodes");
+        assert_eq!(record.response, Some(r.clone()));
+        assert_eq!((record.scope, record.key), (scope, key));
+        let mut long = encode_response(&r);
+        long.push(0);
+        for bad in [vec![], vec![9, 1], long] {
+            let e = found(h.clone(), Some(bad)).record(id, None);
+            assert!(matches!(e, Err(StoreError::Corrupt { id: Some(i), .. }) if i == id), "{e:?}");
+        }
+        // Completed without a response field.
+        assert!(matches!(found(h, None).record(id, None), Err(StoreError::Corrupt { .. })));
+    }
+
+    #[test]
+    fn keys_that_reparse_differently_still_decode() {
+        // A key made of visible ASCII that starts with a quote would not survive
+        // `IdempotencyKey::parse` again; the serde path keeps it as stored.
+        let key = IdempotencyKey::parse(br#""\"x""#).expect("sf-string key");
+        assert_eq!(key.as_str(), "\"x");
+        let scope = Scope::new("p", Endpoint::new("POST", "/x")).expect("scope");
+        let id = RecordId::derive(&scope.principal.0, &scope.endpoint.0, key.as_str());
+        assert_eq!(decode_scope(id, &encode_scope(&scope, &key)).expect("decodes"), (scope.clone(), key.clone()));
+        // Another record's scope does not decode under this id.
+        let other = RecordId::derive("q", &scope.endpoint.0, key.as_str());
+        assert!(matches!(decode_scope(other, &encode_scope(&scope, &key)), Err(StoreError::Corrupt { .. })));
+    }
+
+    #[test]
+    fn header_decodes_and_refuses_bad_layouts() {
+        let id = RecordId::derive("p", "e", "k");
+        let h = header(STATE_COMPLETED);
+        let d = Header::decode(id, &h).expect("decodes");
+        assert_eq!(d.token, FencingToken((1 << 53) + 1));
+        assert_eq!((d.state, d.expires_at), (RecordState::Completed, UnixMillis(i64::MAX)));
+        let bad = |f: &dyn Fn(&mut Vec<u8>)| {
+            let mut b = h.clone();
+            f(&mut b);
+            matches!(Header::decode(id, &b), Err(StoreError::Corrupt { .. }))
+        };
+        assert!(bad(&|b| b[0] = 3), "unknown version");
+        assert!(bad(&|b| b[1] = 9), "unknown state");
+        assert!(bad(&|b| b.truncate(40)), "short");
+        assert!(bad(&|b| b[34] = 0x80), "timestamp past i64::MAX");
+        assert!(bad(&|b| b.clear()), "empty");
+    }
+}
