@@ -44,7 +44,6 @@
 //! - `src/sql.rs`: the SQL: schema-name validation, the shipped [`MIGRATIONS`] and how
 //!   they run, the text of every statement ([`Statements`]), and row decoding.
 //! - `src/error.rs`: [`Error`] and the retryable classification.
-//! - `src/sweeper.rs`: [`spawn_sweeper`], the periodic bounded sweep.
 //! - `migrations/*.sql`: the schema, one file per version.
 //! - `tests/conformance.rs`: the shared conformance suite against a real server;
 //!   `tests/postgres.rs`: backend-specific tests (connection loss, migrations, corrupt rows).
@@ -54,13 +53,11 @@ mod config;
 mod error;
 mod sql;
 mod store;
-mod sweeper;
 
 pub use config::Config;
 pub use error::{Error, is_retryable_pg, is_retryable_pool};
 pub use sql::{DEFAULT_SCHEMA, MIGRATIONS, Migration, Statements, validate_schema};
 pub use store::PostgresStore;
-pub use sweeper::spawn_sweeper;
 
 /// The driver crates, re-exported so callers building their own pool use the same versions.
 pub use deadpool_postgres;

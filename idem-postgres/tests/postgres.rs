@@ -11,7 +11,8 @@ use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, Fingerprint, IdempotencyKey, JournalWrite, ManualClock, Record,
     RecordState, Scope, Store, StoreError, StoredResponse, SystemClock,
 };
-use idem_postgres::{Config, Error, PostgresStore, spawn_sweeper};
+use idem_core::{SweepConfig, Sweeper};
+use idem_postgres::{Config, Error, PostgresStore};
 
 fn claim_req(principal: &str, key: &str, lease: Duration, retention: Duration) -> ClaimRequest {
     let scope = Scope::new(principal, Endpoint::new("POST", "/v1/workers")).expect("principal");
@@ -362,7 +363,7 @@ async fn server_clock_is_in_milliseconds() {
     assert_eq!(r.lease_expires_at.0 - r.created_at.0, 4_999);
 }
 
-/// The sweeper task deletes expired records in batches and leaves live ones.
+/// The generic sweeper deletes expired records in batches and leaves live ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sweeper_task_deletes_expired_records_only() {
     // In the past, so records expired on this clock are also expired in real time.
@@ -375,7 +376,10 @@ async fn sweeper_task_deletes_expired_records_only() {
     let live = must_claim(&store, claim_req("p", "live", Duration::from_secs(5), Duration::from_secs(3_600))).await;
     clock.advance(Duration::from_secs(11));
 
-    let task = spawn_sweeper(store.clone(), Duration::from_millis(10), 2);
+    let sweeper = Sweeper::start(
+        std::sync::Arc::new(store.clone()),
+        SweepConfig::default().with_period(Duration::from_millis(10)).with_batch(2),
+    );
     let raw = common::raw().await;
     let count_sql = format!("SELECT count(*) FROM \"{}\".records", store.guard.name);
     let emptied = tokio::time::timeout(Duration::from_secs(10), async {
@@ -388,7 +392,7 @@ async fn sweeper_task_deletes_expired_records_only() {
         }
     })
     .await;
-    task.abort();
+    sweeper.stop();
     emptied.expect("the sweeper removed the five expired records");
     assert_eq!(store.get(live.id).await.expect("get"), Some(live));
 }
