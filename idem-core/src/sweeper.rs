@@ -96,8 +96,16 @@ impl Sweeper {
         self.task.as_ref().is_some_and(|t| !t.is_finished())
     }
 
-    /// Stops sweeping (the same as dropping it).
-    pub fn stop(self) {}
+    /// Stops sweeping and waits until the task has let go of the store (dropping the
+    /// `Sweeper` stops it too, but the task releases the store only on its next poll; await
+    /// this when the store must be closed right after, e.g. to reopen a redb file).
+    pub async fn stop(mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+            // The task never ends on its own, so this only reports the cancellation.
+            let _ = task.await;
+        }
+    }
 }
 
 impl Drop for Sweeper {

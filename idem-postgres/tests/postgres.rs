@@ -392,7 +392,7 @@ async fn sweeper_task_deletes_expired_records_only() {
         }
     })
     .await;
-    sweeper.stop();
+    sweeper.stop().await;
     emptied.expect("the sweeper removed the five expired records");
     assert_eq!(store.get(live.id).await.expect("get"), Some(live));
 }

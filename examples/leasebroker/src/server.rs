@@ -116,28 +116,6 @@ pub const SWEEP_PERIOD: std::time::Duration = std::time::Duration::from_secs(60)
 /// Records deleted per sweep call; a sweep repeats while the store says there are more.
 pub const SWEEP_BATCH: usize = 1_000;
 
-/// Sweeps `store` every `period` in batches of `batch` until nothing expired is left.
-/// Never returns. Stores with native expiry (Redis) are left alone.
-pub async fn sweep_forever(store: Arc<dyn Store>, period: std::time::Duration, batch: usize) {
-    if store.capabilities().native_expiry {
-        return std::future::pending().await;
-    }
-    let mut tick = tokio::time::interval(period);
-    loop {
-        tick.tick().await;
-        loop {
-            match store.sweep(batch).await {
-                Ok(outcome) if outcome.more => {}
-                Ok(_) => break,
-                Err(e) => {
-                    tracing::warn!(error = %e, "sweep failed; trying again next period");
-                    break;
-                }
-            }
-        }
-    }
-}
-
 /// A running server.
 #[derive(Debug)]
 pub struct Server {
@@ -160,19 +138,19 @@ impl Server {
         faults: Faults,
     ) -> Result<Self, ServerError> {
         let addr = listener.local_addr()?;
-        let sweeper = Arc::clone(&store);
+        let sweep = idem::SweepConfig::default().with_period(SWEEP_PERIOD).with_batch(SWEEP_BATCH);
+        let sweeper = idem::Sweeper::start(Arc::clone(&store), sweep);
         let app = router(infra, store, policy, faults);
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
                 let _ = rx.await;
             });
+            let served = serve.await;
             // The sweeper lives exactly as long as the server, so stopping the server
             // releases the store (a redb file can then be reopened).
-            tokio::select! {
-                r = std::future::IntoFuture::into_future(serve) => r,
-                () = sweep_forever(sweeper, SWEEP_PERIOD, SWEEP_BATCH) => Ok(()),
-            }
+            sweeper.stop().await;
+            served
         });
         Ok(Self { addr, stop: Some(tx), task })
     }
