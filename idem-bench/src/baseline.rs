@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use idem_core::transition;
 use idem_core::{BoxError, ClaimOutcome, ClaimRequest, Clock, RecordState, StoredResponse, SystemClock, codec};
-use idem_redb::store::{EXPIRY, RECORDS};
+use idem_redb::table::{EXPIRY, RECORDS};
 use redb::{Database, ReadableDatabase, ReadableTable};
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use idem_core::{BoxError, ClaimOutcome, MemoryStore, Store};
 use idem_postgres::PostgresStore;
-use idem_redb::{RedbConfig, RedbStore};
+use idem_redb::RedbStore;
 use idem_redis::RedisStore;
 
 use crate::baseline::{NaiveRedb, NaiveSqlite, PostgresByHand, RedisByHand};
@@ -91,7 +91,7 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
     let (library, baseline): (Arc<dyn Store>, Baseline) = match args.backend {
         Backend::Memory => (Arc::new(MemoryStore::new()), Baseline::None),
         Backend::Redb => {
-            let store = RedbStore::open(dir.path().join("library.redb"), RedbConfig::default())?;
+            let store = RedbStore::open(dir.path().join("library.redb"), idem_redb::Config::default())?;
             redb_store = Some(store.clone());
             (Arc::new(store), Baseline::Redb(NaiveRedb::create(&dir.path().join("naive.redb"))?))
         }

@@ -16,7 +16,7 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use idem_core::{BoxError, MemoryStore, Store};
 use idem_http::{HandlerExecution, IdempotencyLayer};
-use idem_redb::{RedbConfig, RedbStore};
+use idem_redb::RedbStore;
 
 /// Settings of one `http` row.
 #[derive(Debug, clap::Args)]
@@ -192,7 +192,7 @@ pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
     let dir = crate::bench_dir()?;
     let store: Arc<dyn Store> = match args.store {
         HttpStore::Memory => Arc::new(MemoryStore::new()),
-        HttpStore::Redb => Arc::new(RedbStore::open(dir.path().join("http.redb"), RedbConfig::default())?),
+        HttpStore::Redb => Arc::new(RedbStore::open(dir.path().join("http.redb"), idem_redb::Config::default())?),
     };
     let bare = serve(router()).await?;
     let execution = match args.execution {

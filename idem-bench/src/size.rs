@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use idem_core::{BoxError, ClaimOutcome, Store, StoredResponse};
 use idem_postgres::PostgresStore;
-use idem_redb::{RedbConfig, RedbStore};
+use idem_redb::RedbStore;
 use idem_redis::RedisStore;
 
 use crate::workload::{Workload, drive, pseudo_random_bytes};
@@ -103,7 +103,7 @@ pub(crate) async fn run(args: SizeArgs) -> Result<(), BoxError> {
             Backend::Memory => return Err("size is measured for redb, sqlite, redis and postgres".into()),
             Backend::Redb => {
                 let path = dir.path().join("size.redb");
-                let store = RedbStore::open(&path, RedbConfig::default())?;
+                let store = RedbStore::open(&path, idem_redb::Config::default())?;
                 let before = std::fs::metadata(&path)?.len();
                 fill(Arc::new(store.clone()), work, shape, n).await?;
                 drop(store);

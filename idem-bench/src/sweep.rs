@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use idem_core::{BoxError, ClaimOutcome, ManualClock, Store, UnixMillis};
 use idem_postgres::PostgresStore;
-use idem_redb::{RedbConfig, RedbStore};
+use idem_redb::RedbStore;
 
 use crate::workload::{Workload, drive};
 use crate::{Backend, Endpoints};
@@ -59,9 +59,10 @@ pub(crate) async fn run(args: SweepArgs) -> Result<(), BoxError> {
     let clock = Arc::new(ManualClock::new(UnixMillis(1_800_000_000_000)));
     let mut drop_schema = None;
     let store: Arc<dyn Store> = match args.backend {
-        Backend::Redb => {
-            Arc::new(RedbStore::open(dir.path().join("sweep.redb"), RedbConfig::default().with_clock(clock.clone()))?)
-        }
+        Backend::Redb => Arc::new(RedbStore::open(
+            dir.path().join("sweep.redb"),
+            idem_redb::Config::default().with_clock(clock.clone()),
+        )?),
         Backend::Sqlite => {
             let (path, c) = (dir.path().join("sweep.sqlite3"), clock.clone());
             Arc::new(

@@ -46,6 +46,8 @@
 //! - [`fuzz_targets`]: the bodies of the `fuzz/` targets, shared with the corpus replay
 //!   test so every committed corpus file runs on stable Rust.
 //! - [`store_tests!`]: the macro.
+//! - [`killed_process`]: a SIGKILL crash test for stores on a local file (the `main` of a
+//!   test target without the test harness).
 //!
 //! # Test your own backend
 //!
@@ -114,6 +116,7 @@ use async_trait::async_trait;
 use idem_core::{Capabilities, ManualClock, Store, UnixMillis};
 
 pub mod fuzz_targets;
+pub mod killed_process;
 pub mod model_test;
 pub mod scenarios;
 

@@ -19,8 +19,8 @@ use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, RecordId, Scope, Store,
     StoreError, StoredResponse, SystemClock,
 };
-use idem_redb::store::{EXPIRY, RECORDS};
-use idem_redb::{Linger, RedbConfig, RedbStore};
+use idem_redb::table::{EXPIRY, RECORDS};
+use idem_redb::{Config, Linger, RedbStore};
 use redb::{Database, ReadableTable};
 
 /// The baseline: every operation is one durable write transaction, run on the blocking
@@ -96,7 +96,7 @@ impl Column {
     fn open(db: Arc<Database>, linger: Option<Linger>) -> Self {
         match linger {
             Some(linger) => {
-                Column::Group(RedbStore::open_with(db, RedbConfig::default().with_linger(linger)).expect("store"))
+                Column::Group(RedbStore::from_database(db, Config::default().with_linger(linger)).expect("store"))
             }
             None => Column::Naive(NaiveStore { db }),
         }
@@ -164,11 +164,11 @@ async fn main() {
     let rounds = 4;
     let base = std::env::var_os("IDEM_BENCH_DIR").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
     let dir = tempfile::tempdir_in(base).expect("temporary directory");
-    let adaptive = RedbConfig::default().linger;
+    let adaptive = Config::default().linger();
     let lingers = [None, Some(Linger::None), Some(adaptive)];
     println!("claim -> complete cycles per second (2 durable writes per cycle), {secs} s per cell, run as {rounds}");
     println!("interleaved slices on one warmed-up file, so that a change in machine load hits every");
-    println!("column alike. `default` is RedbConfig::default(): {adaptive:?}.");
+    println!("column alike. `default` is Config::default(): {adaptive:?}.");
     println!(
         "{:>8} {:>10} {:>18} {:>8} {:>10} {:>18} {:>8} {:>10}",
         "callers", "naive", "group, no linger", "ratio", "ops/batch", "group, default", "ratio", "ops/batch"

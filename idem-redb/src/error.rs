@@ -1,28 +1,27 @@
-//! Errors of the redb store, and how they become [`StoreError`]s.
+//! [`Error`]: what redb reported, and how it becomes a [`StoreError`].
 //!
-//! Every redb error is kept whole as the `source` of a [`RedbStoreError`]; the conversion
-//! into [`StoreError::Unavailable`] keeps it as the `source` again and decides the
-//! `retryable` flag (see [`RedbStoreError::is_retryable`]). Decode failures of stored
-//! values never appear here: they are [`StoreError::Corrupt`].
-
-use std::sync::Arc;
+//! Every redb error is kept whole as the `source` of an [`Error`]; the conversion into
+//! [`StoreError::Unavailable`] keeps it as the `source` again and decides the `retryable`
+//! flag (see [`Error::is_retryable`]). Decode failures of stored values never appear here:
+//! they are [`StoreError::Corrupt`]. Failures of a whole batch are the executor's
+//! (see [`idem_core::group_commit`]), with the [`Error`] that caused them as their source.
 
 use idem_core::StoreError;
 
 /// The backend name in [`StoreError::Unavailable`].
 pub const BACKEND: &str = "redb";
 
-/// A redb operation failed, or the store's writer thread is gone.
+/// A redb operation failed, or the store's writer thread could not start.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum RedbStoreError {
+pub enum Error {
     /// The database file could not be created or opened (already open elsewhere, needs an
     /// upgrade, I/O).
     #[error("could not open the redb database")]
-    Open(#[source] redb::DatabaseError),
+    Open(#[from] redb::DatabaseError),
     /// A read or write transaction could not begin.
     #[error("could not begin a redb transaction")]
-    Transaction(#[source] redb::TransactionError),
+    Transaction(#[from] redb::TransactionError),
     /// A table could not be opened (wrong key or value types: another program wrote a table
     /// of the same name).
     #[error("could not open redb table {table}")]
@@ -35,27 +34,20 @@ pub enum RedbStoreError {
     },
     /// Reading or writing a table failed.
     #[error("redb storage error")]
-    Storage(#[source] redb::StorageError),
+    Storage(#[from] redb::StorageError),
     /// The write transaction could not be committed; nothing in it was applied.
     #[error("redb commit failed; nothing in the batch was applied")]
-    Commit(#[source] redb::CommitError),
+    Commit(#[from] redb::CommitError),
     /// The configured durability was refused by redb (e.g. non-durable commits on a
     /// database shared between processes).
     #[error("redb refused the configured durability")]
-    Durability(#[source] redb::SetDurabilityError),
+    Durability(#[from] redb::SetDurabilityError),
     /// The writer thread could not be started.
     #[error("could not start the redb writer thread")]
     Spawn(#[source] std::io::Error),
-    /// The writer thread has stopped, or dropped this operation unanswered because applying
-    /// its batch panicked (nothing of that batch was applied).
-    #[error("the redb writer thread has stopped")]
-    WriterStopped,
     /// The blocking task that ran a read was cancelled or panicked.
     #[error("a blocking redb read task failed")]
     Join(#[source] tokio::task::JoinError),
-    /// The same failure, reported to every caller whose operation was in the failed batch.
-    #[error(transparent)]
-    Batch(Arc<RedbStoreError>),
 }
 
 fn storage_is_retryable(e: &redb::StorageError) -> bool {
@@ -65,82 +57,44 @@ fn storage_is_retryable(e: &redb::StorageError) -> bool {
     matches!(e, redb::StorageError::Io(_))
 }
 
-impl RedbStoreError {
+impl Error {
     /// Whether the same call may succeed if retried.
     #[must_use]
     pub fn is_retryable(&self) -> bool {
         match self {
-            RedbStoreError::Open(redb::DatabaseError::Storage(s)) | RedbStoreError::Storage(s) => {
-                storage_is_retryable(s)
-            }
-            RedbStoreError::Open(_) => false,
-            RedbStoreError::Transaction(redb::TransactionError::Storage(s)) => storage_is_retryable(s),
+            Error::Open(redb::DatabaseError::Storage(s)) | Error::Storage(s) => storage_is_retryable(s),
+            Error::Open(_) => false,
+            Error::Transaction(redb::TransactionError::Storage(s)) => storage_is_retryable(s),
             // Another writer held the database for a moment.
-            RedbStoreError::Transaction(redb::TransactionError::WouldBlock) => true,
-            RedbStoreError::Transaction(_) => false,
-            RedbStoreError::Table { source: redb::TableError::Storage(s), .. } => storage_is_retryable(s),
-            RedbStoreError::Table { .. } => false,
-            RedbStoreError::Commit(redb::CommitError::Storage(s)) => storage_is_retryable(s),
+            Error::Transaction(redb::TransactionError::WouldBlock) => true,
+            Error::Transaction(_) => false,
+            Error::Table { source: redb::TableError::Storage(s), .. } => storage_is_retryable(s),
+            Error::Table { .. } => false,
+            Error::Commit(redb::CommitError::Storage(s)) => storage_is_retryable(s),
             // A poisoned transaction is dropped; the next batch starts a fresh one.
-            RedbStoreError::Commit(_) => true,
-            RedbStoreError::Durability(_)
-            | RedbStoreError::Spawn(_)
-            | RedbStoreError::WriterStopped
-            | RedbStoreError::Join(_) => false,
-            RedbStoreError::Batch(inner) => inner.is_retryable(),
+            Error::Commit(_) => true,
+            Error::Durability(_) | Error::Spawn(_) | Error::Join(_) => false,
         }
     }
 
     fn what(&self) -> &'static str {
         match self {
-            RedbStoreError::Open(_) => "opening the database",
-            RedbStoreError::Transaction(_) => "beginning a transaction",
-            RedbStoreError::Table { .. } => "opening a table",
-            RedbStoreError::Storage(_) => "reading or writing a table",
-            RedbStoreError::Commit(_) => "committing a write transaction",
-            RedbStoreError::Durability(_) => "setting commit durability",
-            RedbStoreError::Spawn(_) => "starting the writer thread",
-            RedbStoreError::WriterStopped => "handing an operation to the writer thread",
-            RedbStoreError::Join(_) => "running a blocking read",
-            RedbStoreError::Batch(inner) => inner.what(),
+            Error::Open(_) => "opening the database",
+            Error::Transaction(_) => "beginning a transaction",
+            Error::Table { .. } => "opening a table",
+            Error::Storage(_) => "reading or writing a table",
+            Error::Commit(_) => "committing a write transaction",
+            Error::Durability(_) => "setting commit durability",
+            Error::Spawn(_) => "starting the writer thread",
+            Error::Join(_) => "running a blocking read",
         }
     }
 }
 
-impl From<RedbStoreError> for StoreError {
-    fn from(e: RedbStoreError) -> Self {
+impl From<Error> for StoreError {
+    fn from(e: Error) -> Self {
         let retryable = e.is_retryable();
         let message = e.what();
         StoreError::unavailable(BACKEND, message, retryable, e)
-    }
-}
-
-impl From<redb::StorageError> for RedbStoreError {
-    fn from(e: redb::StorageError) -> Self {
-        RedbStoreError::Storage(e)
-    }
-}
-
-impl From<redb::TransactionError> for RedbStoreError {
-    fn from(e: redb::TransactionError) -> Self {
-        RedbStoreError::Transaction(e)
-    }
-}
-
-impl From<redb::CommitError> for RedbStoreError {
-    fn from(e: redb::CommitError) -> Self {
-        RedbStoreError::Commit(e)
-    }
-}
-
-impl From<redb::DatabaseError> for RedbStoreError {
-    fn from(e: redb::DatabaseError) -> Self {
-        RedbStoreError::Open(e)
-    }
-}
-
-impl From<redb::SetDurabilityError> for RedbStoreError {
-    fn from(e: redb::SetDurabilityError) -> Self {
-        RedbStoreError::Durability(e)
     }
 }

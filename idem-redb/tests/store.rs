@@ -1,20 +1,23 @@
 //! redb-specific behaviour beyond the conformance suite: persistence across reopen, the
-//! expiry index and bounded sweeps, group commit, corrupt values, commit failures and
-//! shutdown.
+//! expiry index, bounded sweeps and the sweeper, group commit (abandoned claims, panics),
+//! corrupt values, commit failures and shutdown.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
 
 use idem_core::codec::{self, CodecError};
 use idem_core::store::JournalWrite;
+use idem_core::sweeper::{SweepConfig, Sweeper};
 use idem_core::{
     ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, ReclaimOutcome,
     ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse, UnixMillis,
 };
-use idem_redb::store::{EXPIRY, JOURNAL, RECORDS};
-use idem_redb::{Durability, Linger, RedbConfig, RedbStore};
+use idem_redb::table::{EXPIRY, JOURNAL, RECORDS};
+use idem_redb::{Config, Durability, Linger, RedbStore};
 use redb::{ReadableDatabase, ReadableTable};
 
 const LEASE: Duration = Duration::from_secs(5);
@@ -32,15 +35,15 @@ fn req(key: &str, body: &[u8], retention: Duration) -> ClaimRequest {
     ClaimRequest::new(scope, key, Fingerprint::of_bytes(body), LEASE, retention)
 }
 
-fn config(clock: &ManualClock) -> RedbConfig {
-    RedbConfig::default().with_clock(Arc::new(clock.clone()))
+fn config(clock: &ManualClock) -> Config {
+    Config::default().with_clock(Arc::new(clock.clone()))
 }
 
-fn temp_store(config: RedbConfig) -> RedbStore {
+fn temp_store(config: Config) -> RedbStore {
     let file = tempfile::tempfile().expect("temporary file");
     let backend = redb::backends::FileBackend::new(file).expect("file backend");
     let db = redb::Database::builder().create_with_backend(backend).expect("database");
-    RedbStore::open_with(Arc::new(db), config).expect("store")
+    RedbStore::from_database(Arc::new(db), config).expect("store")
 }
 
 fn response(body: &[u8]) -> StoredResponse {
@@ -532,7 +535,8 @@ async fn failed_commit_fails_every_caller_and_applies_nothing() {
     let open = || {
         let backend = Flaky { inner: Arc::clone(&memory), broken: Arc::clone(&broken) };
         let db = redb::Database::builder().create_with_backend(backend).expect("database");
-        RedbStore::open_with(Arc::new(db), config(&clock).with_max_batch(8).with_linger(LONG_LINGER)).expect("store")
+        RedbStore::from_database(Arc::new(db), config(&clock).with_max_batch(8).with_linger(LONG_LINGER))
+            .expect("store")
     };
     let store = Arc::new(open());
     let before: Vec<Record> = claim_all(&store, "before", 8)
@@ -604,7 +608,7 @@ impl idem_core::Clock for PanickingClock {
 async fn a_panic_inside_a_batch_fails_only_that_batch() {
     let armed = Arc::new(AtomicBool::new(false));
     let clock = PanickingClock { inner: clock(), armed: Arc::clone(&armed) };
-    let store = temp_store(RedbConfig::default().with_clock(Arc::new(clock)));
+    let store = temp_store(Config::default().with_clock(Arc::new(clock)));
     armed.store(true, Ordering::SeqCst);
     let r = req("k", b"{}", RETENTION);
     match tokio::time::timeout(Duration::from_secs(20), store.claim(r.clone())).await.expect("no hang") {
@@ -617,6 +621,123 @@ async fn a_panic_inside_a_batch_fails_only_that_batch() {
     assert_eq!(store.batch_stats().failed_batches, 1);
 }
 
+/// A clock that panics on the `fuse`-th read after the fuse is set (0: never), so that a
+/// batch breaks after earlier operations of it have written inside its transaction.
+#[derive(Debug)]
+struct FusedClock {
+    inner: ManualClock,
+    fuse: Arc<AtomicU64>,
+}
+
+impl idem_core::Clock for FusedClock {
+    fn now(&self) -> UnixMillis {
+        let before = self.fuse.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).unwrap_or(0);
+        assert_ne!(before, 1, "injected panic inside the writer");
+        self.inner.now()
+    }
+}
+
+/// A panic part-way through a batch, after earlier operations of it wrote inside its
+/// transaction: every caller of the batch gets an error, nothing of the batch is in the
+/// file (checked again after reopening it), and the next operation is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_after_writes_in_a_batch_leaves_nothing_of_it_on_disk() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.redb");
+    let manual = clock();
+    let fuse = Arc::new(AtomicU64::new(0));
+    let clock = FusedClock { inner: manual.clone(), fuse: Arc::clone(&fuse) };
+    let fused = Config::default().with_clock(Arc::new(clock)).with_max_batch(4).with_linger(LONG_LINGER);
+    let store = RedbStore::open(&path, fused).expect("open");
+    let reqs: Vec<ClaimRequest> = (0..4).map(|i| req(&format!("k{i}"), b"{}", RETENTION)).collect();
+
+    // The writer reads the clock once per operation: the fourth claim of the batch panics
+    // after the first three wrote their records.
+    fuse.store(4, Ordering::SeqCst);
+    let claims = futures::future::join_all(reqs.iter().cloned().map(|r| store.claim(r)));
+    let outcomes = tokio::time::timeout(Duration::from_secs(20), claims).await.expect("no caller hangs");
+    for (i, outcome) in outcomes.into_iter().enumerate() {
+        match outcome {
+            Err(e @ StoreError::Unavailable { .. }) => assert!(!e.is_lease_lost()),
+            other => panic!("caller {i} of the panicked batch must get an error, got {other:?}"),
+        }
+    }
+    assert_eq!(fuse.load(Ordering::SeqCst), 0, "the panic fired inside the batch");
+    for r in &reqs {
+        assert_eq!(store.get(r.id).await.expect("get"), None, "nothing of the panicked batch is visible");
+    }
+
+    // The writer goes on: the next batch (four other keys, so that it fills) is applied.
+    let after: Vec<ClaimRequest> = (0..4).map(|i| req(&format!("after-{i}"), b"{}", RETENTION)).collect();
+    for outcome in futures::future::join_all(after.iter().cloned().map(|r| store.claim(r))).await {
+        assert!(matches!(outcome, Ok(ClaimOutcome::Claimed(_))), "the next batch is served: {outcome:?}");
+    }
+    // Read after the next batch: the writer counts a panicked batch once it has unwound,
+    // which may be just after its callers saw their errors.
+    let stats = store.batch_stats();
+    assert_eq!((stats.batches, stats.failed_batches), (2, 1));
+    drop(store);
+
+    let store = RedbStore::open(&path, config(&manual)).expect("reopen");
+    for r in &reqs {
+        assert_eq!(store.get(r.id).await.expect("get"), None, "nothing of the panicked batch is in the file");
+    }
+    for r in &after {
+        assert!(store.get(r.id).await.expect("get").is_some(), "the next batch is in the file");
+    }
+    assert_eq!(assert_index_consistent(&store), 4);
+}
+
+/// A claim whose caller stopped waiting before its batch ran is not applied: nobody would
+/// run the handler, and the claim would only lock the key for a lease. The next claim of
+/// the key wins it with the first fencing token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_abandoned_before_its_batch_runs_is_not_applied() {
+    let clock = clock();
+    // Two operations per batch and a long linger: the batch runs once both are queued.
+    let store = temp_store(config(&clock).with_max_batch(2).with_linger(LONG_LINGER));
+    let abandoned = req("abandoned", b"{}", RETENTION);
+    // One poll hands the claim to the writer; dropping the future is the caller going away.
+    assert!(store.claim(abandoned.clone()).now_or_never().is_none(), "the claim waits for its batch");
+    let other = must_claim(&store, req("other", b"{}", RETENTION)).await;
+    let stats = store.batch_stats();
+    assert_eq!((stats.batches, stats.operations, stats.abandoned_claims), (1, 2, 1));
+    assert_eq!(store.get(abandoned.id).await.expect("get"), None, "the abandoned claim was not applied");
+    assert_eq!(store.get(other.id).await.expect("get"), Some(other), "the rest of its batch was");
+    // A full batch again, so that it does not wait for the linger.
+    let (again, _) = tokio::join!(must_claim(&store, abandoned), must_claim(&store, req("third", b"{}", RETENTION)));
+    assert_eq!(again.token, FencingToken::FIRST, "the key is free: the next claim wins it");
+}
+
+/// The generic sweeper, started by one call, removes records past their retention from
+/// the file, with their journal entries, and leaves live records alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweeper_removes_expired_records_from_the_file() {
+    let clock = clock();
+    let store = Arc::new(temp_store(config(&clock)));
+    // Three records per sweep call, so a round needs several calls.
+    let sweep = SweepConfig::default().with_period(Duration::from_millis(10)).with_batch(3);
+    let sweeper = Sweeper::start(Arc::clone(&store), sweep);
+    assert!(sweeper.is_running(), "redb has no native expiry: a sweep task runs");
+    let mut short = Vec::new();
+    for i in 0..10 {
+        short.push(must_claim(&store, req(&format!("short-{i}"), b"{}", RETENTION)).await);
+    }
+    store.journal_put(short[0].id, short[0].token, "step:a", b"x".to_vec(), false).await.expect("journal put");
+    let long = must_claim(&store, req("long", b"{}", RETENTION * 2)).await;
+    assert_eq!(assert_index_consistent(&store), 11, "nothing is swept before its retention ends");
+
+    clock.advance(RETENTION);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while assert_index_consistent(&store) > 1 {
+        assert!(Instant::now() < deadline, "the sweeper left expired records in the file for 20 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (records, _) = records_and_index(&store);
+    assert_eq!(records, BTreeSet::from([(long.expires_at.0, long.id.0)]), "the live record stays");
+    assert!(journal_owners(&store).is_empty(), "journal entries leave with their record");
+}
+
 /// The application's own tables live in the same file: its write transactions take turns
 /// with the writer's batches, and both survive a reopen.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -626,7 +747,7 @@ async fn application_tables_share_the_file() {
     let path = dir.path().join("idem.redb");
     let clock = clock();
     let db = Arc::new(redb::Database::create(&path).expect("database"));
-    let store = RedbStore::open_with(Arc::clone(&db), config(&clock)).expect("store");
+    let store = RedbStore::from_database(Arc::clone(&db), config(&clock)).expect("store");
     let app = tokio::task::spawn_blocking(move || {
         for i in 0..50u64 {
             let txn = db.begin_write().expect("app write");
@@ -659,12 +780,12 @@ async fn second_opener_gets_a_typed_error() {
     let clock = clock();
     let _first = RedbStore::open(&path, config(&clock)).expect("open");
     let err = RedbStore::open(&path, config(&clock)).expect_err("the file is in use");
-    assert!(matches!(err, idem_redb::RedbStoreError::Open(redb::DatabaseError::DatabaseAlreadyOpen)), "{err:?}");
+    assert!(matches!(err, idem_redb::Error::Open(redb::DatabaseError::DatabaseAlreadyOpen)), "{err:?}");
     assert!(!err.is_retryable());
     match StoreError::from(err) {
         StoreError::Unavailable { backend, retryable, source, .. } => {
             assert_eq!((backend, retryable), ("redb", false));
-            assert!(source.downcast_ref::<idem_redb::RedbStoreError>().is_some(), "the redb error is the source");
+            assert!(source.downcast_ref::<idem_redb::Error>().is_some(), "the redb error is the source");
         }
         other => panic!("{other:?}"),
     }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use idem_core::{MemoryStore, Policy, Store};
-use idem_redb::{RedbConfig, RedbStore};
+use idem_redb::RedbStore;
 use redb::Database;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -85,8 +85,8 @@ pub async fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>
     };
     match spec {
         StoreSpec::Redb(path) => {
-            let store =
-                RedbStore::open(path, RedbConfig::default()).map_err(|e| open_err(path.display().to_string(), e))?;
+            let store = RedbStore::open(path, idem_redb::Config::default())
+                .map_err(|e| open_err(path.display().to_string(), e))?;
             let infra = Infra::new(store.database()).map_err(|e| open_err("infra tables", e))?;
             Ok((Arc::new(store), infra))
         }
