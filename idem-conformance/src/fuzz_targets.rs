@@ -213,7 +213,8 @@ pub fn record_decode(data: &[u8]) {
 /// Operation sequences decoded from `data` (up to 256 [`Op`]s) run on `store` and on
 /// [`idem_core::Model`] through the model test's runner ([`model_test::run_ops`]), which
 /// compares every outcome and checks record invariants. `store` must be fresh and timed by
-/// `clock`. `Err` describes the first divergence; the fuzz target panics on it.
+/// `clock`. Runs its own current-thread Tokio runtime, so call it outside one. `Err`
+/// describes the first divergence; the fuzz target panics on it.
 ///
 /// # Errors
 /// The first outcome where the store and the model disagree.
@@ -226,7 +227,10 @@ pub fn model_vs_store(data: &[u8], store: &dyn Store, clock: &ManualClock) -> Re
             Err(_) => break,
         }
     }
-    futures::executor::block_on(model_test::run_ops(store, clock, "fuzz", &ops))
+    // A runtime, not a bare executor: stores may hand blocking reads to Tokio's pool.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    runtime
+        .block_on(model_test::run_ops(store, clock, "fuzz", &ops))
         .map(drop)
         .map_err(|e| format!("{e}\nops: {ops:#?}"))
 }
