@@ -24,13 +24,17 @@ struct ModelEngine {
     fail_commit: Arc<AtomicBool>,
     /// A write of this record panics (a bug inside a batch).
     panic_on: Arc<Mutex<Option<RecordId>>>,
+    /// A write of this record is refused before it changes anything (a value over the
+    /// engine's size limit).
+    refuse: Arc<Mutex<Option<RecordId>>>,
     commits: Arc<Mutex<u64>>,
 }
 
-/// A table that panics when asked to write one planted record.
+/// A table that panics, or refuses, when asked to write one planted record.
 struct Planted<'m> {
     model: &'m mut Model,
     panic_on: Option<RecordId>,
+    refuse: Option<RecordId>,
 }
 
 impl RecordRead for Planted<'_> {
@@ -45,6 +49,9 @@ impl RecordRead for Planted<'_> {
 impl RecordTable for Planted<'_> {
     fn write(&mut self, old: Option<&Record>, new: &Record) -> Result<(), StoreError> {
         assert!(self.panic_on != Some(new.id), "planted panic");
+        if self.refuse == Some(new.id) {
+            return Err(StoreError::unavailable("model", "value too large", false, "refused before writing"));
+        }
         self.model.write(old, new)
     }
     fn expired(&mut self, now: UnixMillis, limit: usize) -> Result<Vec<Expired>, StoreError> {
@@ -77,8 +84,8 @@ impl Engine for ModelEngine {
         apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool,
     ) -> Result<(), TransactionFailed> {
         let mut draft = lock(&self.committed).clone();
-        let panic_on = *lock(&self.panic_on);
-        if !apply(&mut Planted { model: &mut draft, panic_on }) {
+        let (panic_on, refuse) = (*lock(&self.panic_on), *lock(&self.refuse));
+        if !apply(&mut Planted { model: &mut draft, panic_on, refuse }) {
             return Ok(());
         }
         if self.fail_commit.load(Ordering::SeqCst) {
@@ -212,6 +219,22 @@ fn a_refused_operation_fails_only_its_caller() {
     assert!(out[1].as_ref().expect_err("fenced").is_lease_lost());
     assert!(matches!(out[2], Ok(Written::Record(_))));
     assert_eq!(gc.stats().failed_batches, 0);
+}
+
+#[test]
+fn a_write_the_engine_refuses_fails_only_its_caller() {
+    //! A value the engine refuses before writing anything (redb's size limit) must not
+    //! count as a change: the rest of its batch commits and the batch is not failed.
+    let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000)));
+    *lock(&engine.refuse) = Some(id(0));
+    let gc = start(&engine, &clock, 2);
+    let out = runtime().block_on(send(&gc, vec![Write::Claim(claim(0, 0)), Write::Claim(claim(1, 0))]));
+    assert!(matches!(out[0], Err(StoreError::Unavailable { .. })), "the refused caller gets its error: {out:?}");
+    assert!(matches!(out[1], Ok(Written::Claim(ClaimOutcome::Claimed(_)))), "{out:?}");
+    let stats = gc.stats();
+    assert_eq!((stats.batches, stats.failed_batches, stats.read_only_batches), (1, 0, 0));
+    let committed = lock(&engine.committed).clone();
+    assert!(committed.get(id(1), clock.now()).is_some() && committed.get(id(0), clock.now()).is_none());
 }
 
 #[test]
