@@ -23,6 +23,23 @@ pub const TARGETS: [&str; 4] = ["idempotency_key", "fingerprint", "record_decode
 /// tests, on a redb file.
 pub const MODEL_TARGET: &str = "model_vs_redb";
 
+/// The committed corpus of fuzz target `target` (`fuzz/corpus/<target>/`), sorted: what
+/// the stable replay tests run.
+///
+/// # Panics
+/// When the directory is missing or holds fewer than 3 files (every target ships a seed
+/// corpus).
+#[must_use]
+pub fn corpus_files(target: &str) -> Vec<std::path::PathBuf> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("fuzz").join("corpus").join(target);
+    let entries =
+        std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("corpus directory {} is missing: {e}", dir.display()));
+    let mut files: Vec<_> = entries.map(|e| e.expect("directory entry").path()).filter(|p| p.is_file()).collect();
+    files.sort();
+    assert!(files.len() >= 3, "{target}: expected a seed corpus of at least 3 files, found {}", files.len());
+    files
+}
+
 /// Runs the body of byte-level target `name` on `data`. `record_roundtrip` takes a record
 /// built by idem-core's derived `Arbitrary` (feature `arbitrary`), so its replay builds
 /// that record first and calls [`record_roundtrip`]. Unknown names panic.

@@ -31,14 +31,7 @@ fn replay(target: &str, data: &[u8]) {
 fn every_committed_corpus_file_replays_cleanly() {
     let mut total = 0;
     for target in TARGETS {
-        let dir = corpus_dir(target);
-        let mut files: Vec<PathBuf> = fs::read_dir(&dir)
-            .unwrap_or_else(|e| panic!("corpus directory {} is missing: {e}", dir.display()))
-            .map(|e| e.expect("directory entry").path())
-            .filter(|p| p.is_file())
-            .collect();
-        files.sort();
-        assert!(files.len() >= 3, "{target}: expected a seed corpus of at least 3 files, found {}", files.len());
+        let files = fuzz_targets::corpus_files(target);
         for file in &files {
             let data = fs::read(file).expect("corpus file");
             if std::panic::catch_unwind(|| replay(target, &data)).is_err() {
