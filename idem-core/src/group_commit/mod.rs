@@ -398,9 +398,21 @@ impl Drop for CloseOnExit {
 
 /// Counts the writes of one operation, so the executor knows whether a failing operation
 /// left anything behind and whether a batch wrote at all.
+///
+/// Only a write that succeeded counts: by the table's contract a failed method either
+/// changed nothing (a value the engine refused, a statement the engine undid on its own)
+/// or reports the transaction poisoned. So an operation whose first write is refused stays
+/// an own refusal, failing only its caller, as the module promises.
 struct Tracked<'t> {
     table: &'t mut dyn RecordTable,
     wrote: bool,
+}
+
+impl Tracked<'_> {
+    fn count(&mut self, result: Result<(), StoreError>) -> Result<(), StoreError> {
+        self.wrote |= result.is_ok();
+        result
+    }
 }
 
 impl RecordRead for Tracked<'_> {
@@ -414,25 +426,25 @@ impl RecordRead for Tracked<'_> {
 
 impl RecordTable for Tracked<'_> {
     fn write(&mut self, old: Option<&crate::Record>, new: &crate::Record) -> Result<(), StoreError> {
-        self.wrote = true;
-        self.table.write(old, new)
+        let result = self.table.write(old, new);
+        self.count(result)
     }
     fn expired(&mut self, now: crate::UnixMillis, limit: usize) -> Result<Vec<crate::Expired>, StoreError> {
         self.table.expired(now, limit)
     }
     fn remove(&mut self, expired: crate::Expired) -> Result<(), StoreError> {
-        self.wrote = true;
-        self.table.remove(expired)
+        let result = self.table.remove(expired);
+        self.count(result)
     }
     fn journal_write(&mut self, id: crate::RecordId, name: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.wrote = true;
-        self.table.journal_write(id, name, value)
+        let result = self.table.journal_write(id, name, value);
+        self.count(result)
     }
     fn journal_clear(&mut self, id: crate::RecordId) -> Result<(), StoreError> {
         // Clearing may find nothing to remove; counting it as a write only costs a commit
         // in the rare case of a claim replacing an expired record without entries.
-        self.wrote = true;
-        self.table.journal_clear(id)
+        let result = self.table.journal_clear(id);
+        self.count(result)
     }
     fn is_poisoned(&self) -> bool {
         self.table.is_poisoned()
