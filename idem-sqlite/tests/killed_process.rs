@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, RecordState, Scope, Store};
-use idem_sqlite::SqliteStore;
+use idem_sqlite::{Config, SqliteStore};
 
 const CHILD_ENV: &str = "IDEM_SQLITE_KILL_DB";
 /// Acknowledgements the parent waits for before it kills the child.
@@ -35,7 +35,7 @@ fn main() {
 }
 
 fn child(path: &str) {
-    let store = Arc::new(SqliteStore::open(path).expect("child opens the store"));
+    let store = Arc::new(SqliteStore::open(path, Config::default()).expect("child opens the store"));
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let out = Arc::new(std::sync::Mutex::new(std::io::stdout()));
     runtime.block_on(async {
@@ -78,7 +78,7 @@ fn parent() {
     // Lines written before the kill were acknowledged too.
     acked.extend(lines.map_while(Result::ok));
 
-    let store = SqliteStore::open(&path).expect("the file opens after the kill");
+    let store = SqliteStore::open(&path, Config::default()).expect("the file opens after the kill");
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     runtime.block_on(async {
         for line in &acked {
