@@ -138,7 +138,7 @@ const SQLITE_COLUMNS: &str = "id, principal, endpoint, key, fingerprint, state, 
 impl NaiveSqlite {
     /// Creates the file with the store's migrations (opening a `SqliteStore` once).
     pub(crate) fn create(path: &Path) -> Result<Self, BoxError> {
-        drop(idem_sqlite::SqliteStore::open(path)?);
+        drop(idem_sqlite::SqliteStore::open(path, idem_sqlite::Config::default())?);
         Ok(Self { path: Arc::from(path), pool: Arc::new(Mutex::new(Vec::new())) })
     }
 
@@ -241,9 +241,9 @@ impl NaiveSqlite {
     }
 }
 
-/// The `response` column as idem-sqlite writes it: format byte 1, then postcard.
+/// The `response` column as idem-sqlite writes it.
 pub(crate) fn encode_sqlite_response(response: &StoredResponse) -> Vec<u8> {
-    postcard::to_extend(response, vec![1u8]).expect("plain data serialises")
+    idem_core::codec::encode_response(response)
 }
 
 /// Redis, the same round trips by hand through the store's `ConnectionManager`.

@@ -97,7 +97,10 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
         }
         Backend::Sqlite => {
             let (lib, naive) = (dir.path().join("library.sqlite3"), dir.path().join("naive.sqlite3"));
-            let store = tokio::task::spawn_blocking(move || idem_sqlite::SqliteStore::open(lib)).await??;
+            let store = tokio::task::spawn_blocking(move || {
+                idem_sqlite::SqliteStore::open(lib, idem_sqlite::Config::default())
+            })
+            .await??;
             let naive = tokio::task::spawn_blocking(move || NaiveSqlite::create(&naive)).await??;
             (Arc::new(store), Baseline::Sqlite(naive))
         }

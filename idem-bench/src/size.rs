@@ -113,7 +113,10 @@ pub(crate) async fn run(args: SizeArgs) -> Result<(), BoxError> {
             Backend::Sqlite => {
                 let path = dir.path().join("size.sqlite3");
                 let p = path.clone();
-                let store = tokio::task::spawn_blocking(move || idem_sqlite::SqliteStore::open(p)).await??;
+                let store = tokio::task::spawn_blocking(move || {
+                    idem_sqlite::SqliteStore::open(p, idem_sqlite::Config::default())
+                })
+                .await??;
                 let before = sqlite_bytes(&path)?;
                 fill(Arc::new(store.clone()), work, shape, n).await?;
                 let after = sqlite_bytes(&path)?;

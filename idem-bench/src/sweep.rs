@@ -66,7 +66,10 @@ pub(crate) async fn run(args: SweepArgs) -> Result<(), BoxError> {
         Backend::Sqlite => {
             let (path, c) = (dir.path().join("sweep.sqlite3"), clock.clone());
             Arc::new(
-                tokio::task::spawn_blocking(move || idem_sqlite::SqliteStore::builder(path).clock(c).open()).await??,
+                tokio::task::spawn_blocking(move || {
+                    idem_sqlite::SqliteStore::open(path, idem_sqlite::Config::default().with_clock(c))
+                })
+                .await??,
             )
         }
         Backend::Postgres => {

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use idem_core::{ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Scope, Store, StoredResponse};
-use idem_sqlite::SqliteStore;
+use idem_sqlite::{Config, SqliteStore};
 use rusqlite::{Connection, ErrorCode, params};
 
 const CALLERS: [usize; 2] = [1, 32];
@@ -43,7 +43,7 @@ fn temp_dir() -> tempfile::TempDir {
 /// Library: `callers` tasks, each claim + complete in a loop.
 fn library(callers: usize, run: Duration) -> f64 {
     let dir = temp_dir();
-    let store = Arc::new(SqliteStore::open(dir.path().join("lib.sqlite3")).expect("open"));
+    let store = Arc::new(SqliteStore::open(dir.path().join("lib.sqlite3"), Config::default()).expect("open"));
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
@@ -94,15 +94,11 @@ fn naive(callers: usize, run: Duration) -> (f64, u64) {
     let dir = temp_dir();
     let path = dir.path().join("naive.sqlite3");
     // Same file format, schema and pragmas: open (WAL, migrations) with the library once.
-    drop(SqliteStore::open(&path).expect("create schema"));
+    drop(SqliteStore::open(&path, Config::default()).expect("create schema"));
     let done = Arc::new(AtomicU64::new(0));
     let busy = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let encoded = {
-        let mut v = vec![1u8];
-        v.extend(postcard::to_allocvec(&response()).expect("encode"));
-        v
-    };
+    let encoded = idem_core::codec::encode_response(&response());
     let started = Instant::now();
     std::thread::scope(|s| {
         for caller in 0..callers {

@@ -1,7 +1,7 @@
 -- idem-sqlite schema version 1: one table of idempotency records.
 --
--- All times are UTC milliseconds since the Unix epoch (INTEGER), one unit everywhere
--- (handed case C2). A record is gone once now >= expires_at; an in-flight lease is fresh
+-- All times are UTC milliseconds since the Unix epoch (INTEGER), one unit everywhere.
+-- A record is gone once now >= expires_at; an in-flight lease is fresh
 -- while now < lease_expires_at.
 
 CREATE TABLE idem_records (

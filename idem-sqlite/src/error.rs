@@ -6,7 +6,6 @@
 //! schema from a newer build, a full disk or a corrupt row are not.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use idem_core::{RecordId, StoreError};
 use rusqlite::ErrorCode;
@@ -59,7 +58,18 @@ pub enum Error {
         /// The newest version this build ships.
         known: u32,
     },
-    /// One statement failed.
+    /// The file's schema is older than this build needs and the store was opened with
+    /// [`crate::Config::with_auto_migrate`]`(false)`: run [`crate::SqliteStore::migrate`]
+    /// first.
+    #[error("SQLite schema version {found} is older than this build needs ({required}); run SqliteStore::migrate")]
+    SchemaOutdated {
+        /// `PRAGMA user_version` of the file (0 for a new file).
+        found: i64,
+        /// The version this build needs.
+        required: u32,
+    },
+    /// One statement failed. Inside a group commit, this is the cause every caller of the
+    /// failed batch finds under the executor's error (see [`idem_core::group_commit`]).
     #[error("SQLite {operation} failed")]
     Sqlite {
         /// What was being done, e.g. `read record`.
@@ -67,18 +77,6 @@ pub enum Error {
         /// rusqlite's error.
         #[source]
         source: rusqlite::Error,
-    },
-    /// A group-commit transaction could not begin or commit, or SQLite rolled it back;
-    /// every caller in the batch gets this error and none of their writes happened.
-    #[error("SQLite group commit of {batch} operations failed at {stage}")]
-    Batch {
-        /// Operations in the batch.
-        batch: usize,
-        /// `begin`, `commit`, or `statement` (SQLite rolled the transaction back).
-        stage: &'static str,
-        /// rusqlite's error, shared by every caller of the batch.
-        #[source]
-        source: Arc<rusqlite::Error>,
     },
     /// A stored row breaks the schema's rules (edited by hand, or written by other code).
     #[error("record {id} has an invalid {column} column: {reason}")]
@@ -90,10 +88,7 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
-    /// The writer thread has stopped (it panicked, or the runtime is shutting down).
-    #[error("the SQLite writer thread has stopped")]
-    WriterStopped,
-    /// The writer thread could not be started.
+    /// The group-commit writer thread could not be started.
     #[error("cannot start the SQLite writer thread")]
     Spawn(#[source] std::io::Error),
 }
@@ -113,7 +108,6 @@ impl Error {
             Error::Open { source, .. } | Error::Migration { source, .. } | Error::Sqlite { source, .. } => {
                 source.sqlite_error_code()
             }
-            Error::Batch { source, .. } => source.sqlite_error_code(),
             _ => None,
         }
     }
@@ -151,12 +145,12 @@ mod tests {
     #[test]
     fn busy_and_locked_are_retryable_others_are_not() {
         let busy = Error::Sqlite { operation: "claim", source: failure(rusqlite::ffi::SQLITE_BUSY) };
-        let locked = Error::Batch { batch: 3, stage: "begin", source: Arc::new(failure(rusqlite::ffi::SQLITE_LOCKED)) };
+        let locked = Error::Sqlite { operation: "begin group commit", source: failure(rusqlite::ffi::SQLITE_LOCKED) };
         let full = Error::Sqlite { operation: "claim", source: failure(rusqlite::ffi::SQLITE_FULL) };
         assert!(busy.is_retryable());
         assert!(locked.is_retryable());
         assert!(!full.is_retryable());
-        assert!(!Error::WriterStopped.is_retryable());
+        assert!(!Error::SchemaOutdated { found: 1, required: 2 }.is_retryable());
         assert!(!Error::SchemaTooNew { found: 9, known: 1 }.is_retryable());
     }
 

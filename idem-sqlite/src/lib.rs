@@ -6,16 +6,20 @@
 //! system library is needed.
 //!
 //! ```
+//! use std::sync::Arc;
 //! use std::time::Duration;
+//! use idem_core::sweeper::{SweepConfig, Sweeper};
 //! use idem_core::{ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Scope, Store,
 //!     StoredResponse};
-//! use idem_sqlite::SqliteStore;
+//! use idem_sqlite::{Config, SqliteStore};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let dir = tempfile::tempdir()?;
 //! // Opening blocks on file I/O: do it before the runtime starts (or in spawn_blocking).
-//! let store = SqliteStore::open(dir.path().join("idem.sqlite3"))?;
+//! let store = Arc::new(SqliteStore::open(dir.path().join("idem.sqlite3"), Config::default())?);
 //! tokio::runtime::Runtime::new()?.block_on(async {
+//!     // Deletes expired records every minute for as long as `_sweeper` lives.
+//!     let _sweeper = Sweeper::start(Arc::clone(&store), SweepConfig::default());
 //!     let scope = Scope::new("token:ml-eval", Endpoint::new("POST", "/v1/workers"))?;
 //!     let key = IdempotencyKey::parse(b"7c3f5d1e-91a4")?;
 //!     let req = ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"{}"),
@@ -33,20 +37,18 @@
 //! ```
 //!
 //! # How it works
-//! - **One writer, on its own thread.** Claims, reclaims, completions, fails, sweeps and
-//!   journal writes are queued to one `std::thread` that owns the only writing connection;
-//!   nothing blocking runs on the async executor. Reads ([`Store::get`](idem_core::Store::get),
-//!   journal reads) run on `spawn_blocking` with a small pool of read connections; WAL mode
-//!   lets them read while the writer writes.
-//! - **Group commit.** The writer takes everything queued (up to
-//!   [`SqliteStoreBuilder::max_batch`]) and applies it in one transaction, so 32 concurrent
-//!   claims cost one fsync rather than 32. Each caller still gets its own outcome; an
-//!   operation sees the ones queued before it in the same batch (a claim then a complete
-//!   of the same record in one batch works). Outcomes are delivered only after the commit:
-//!   if it fails, every caller of the batch gets the error and none of the batch was written.
-//! - **One implementation of the rules.** Each operation reads its row, runs the pure
-//!   transition (`idem_core::transition::{claim, reclaim, complete, fail}`, the same code
-//!   the in-memory and redb stores run) and writes the result back.
+//! - **One writer, group commit.** Claims, reclaims, completions, fails, sweeps and
+//!   journal writes go to the shared group-commit executor ([`idem_core::group_commit`]:
+//!   batching, linger, abandoned claims, read-only batches, panics and failed commits are
+//!   documented there), which runs each batch in one `BEGIN IMMEDIATE` transaction on the
+//!   only writing connection, on its own thread. Each operation is the shared
+//!   [`idem_core::engine`] on the SQLite tables (`src/table.rs`); nothing here restates a
+//!   rule.
+//! - **Readers never wait for the writer.** [`Store::get`](idem_core::Store::get) and
+//!   journal reads run on `spawn_blocking` with a small pool of read connections; a claim
+//!   that finds a live record (a replay) is answered by a pooled reader on the caller's
+//!   thread ([`Config::with_claim_reads`]). WAL mode lets them read while the writer
+//!   writes, and every acknowledged write is visible to them.
 //!
 //! ## Why the claim is atomic
 //! SQLite has no `xmax` to tell an insert from a conflict, and needs none here. Every
@@ -55,12 +57,14 @@
 //! any process that opened the file, can hold it; the others wait (busy timeout) until it
 //! commits or rolls back. A write transaction in WAL mode also only ever starts from the
 //! newest committed snapshot (SQLite refuses a stale one with `SQLITE_BUSY_SNAPSHOT`, and
-//! `BEGIN IMMEDIATE` takes the lock before anything is read). So between a claim reading "no live record" and writing its
-//! in-flight record, no other connection can write: of N concurrent claims of one id,
-//! exactly one sees the row absent. The same holds for the compare-and-set on the fencing
-//! token in reclaim, complete and fail. Within one process the writer thread serialises the
-//! operations anyway; the lock is what makes several processes sharing the file safe
-//! (`tests/two_processes.rs` races child processes for the same keys).
+//! `BEGIN IMMEDIATE` takes the lock before anything is read). So between a claim reading
+//! "no live record" and writing its in-flight record, no other connection can write: of N
+//! concurrent claims of one id, exactly one sees the row absent. The same holds for the
+//! compare-and-set on the fencing token in reclaim, complete and fail. Within one process
+//! the writer thread serialises the operations anyway; the lock is what makes several
+//! processes sharing the file safe (`tests/two_processes.rs` races child processes for the
+//! same keys). A claim answered by a reader wrote nothing: it found a live record, which
+//! no later write can make absent before its expiry.
 //!
 //! ## Durability
 //! [`Synchronous::Full`] (default) fsyncs the write-ahead log on every commit: an
@@ -72,40 +76,48 @@
 //!
 //! ## Time and expiry
 //! Every `now` comes from the injected [`idem_core::Clock`] ([`idem_core::SystemClock`] by
-//! default), read by the writer when it applies each operation. All times are stored as
-//! INTEGER milliseconds since the Unix epoch. A record past `expires_at` counts as absent
-//! at once; [`Store::sweep`](idem_core::Store::sweep) deletes up to `limit` of them, oldest
-//! first, in the writer's batches; [`SqliteStore::spawn_sweeper`] runs it on a period.
+//! default, [`Config::with_clock`]), read by the writer when it applies each operation.
+//! All times are stored as INTEGER milliseconds since the Unix epoch. A record past
+//! `expires_at` counts as absent at once; [`Store::sweep`](idem_core::Store::sweep) deletes
+//! up to `limit` of them, oldest first, through the `expires_at` index;
+//! [`idem_core::sweeper::Sweeper`] runs it on a period.
 //!
-//! ## Schema
+//! ## Schema and migrations
 //! One table, `idem_records`, one column per record field (the response as a postcard
-//! blob), with three indices: the scope key `(principal, endpoint, key)`, `expires_at` for
-//! the sweep, and a partial index on `lease_expires_at` of in-flight records. A second
-//! table, `idem_journal`, holds the per-record journal of resumable handlers
+//! blob, [`idem_core::codec::encode_response`]), with three indices: the scope key
+//! `(principal, endpoint, key)`, `expires_at` for the sweep, and a partial index on
+//! `lease_expires_at` of in-flight records. A second table, `idem_journal`, holds the
+//! per-record journal of resumable handlers
 //! ([`Store::journal_put`](idem_core::Store::journal_put)); a trigger deletes a record's
-//! entries with it. The SQL lives in `migrations/` ([`MIGRATIONS`]); the store applies
-//! what is missing on open, in one `BEGIN IMMEDIATE` transaction, and tracks the version
-//! in `PRAGMA user_version`.
+//! entries with it. The SQL lives in `migrations/` ([`MIGRATIONS`]) and the version in
+//! `PRAGMA user_version`. [`SqliteStore::open`] applies what is missing, in one
+//! `BEGIN IMMEDIATE` transaction; with [`Config::with_auto_migrate`]`(false)` it only
+//! checks the version ([`Error::SchemaOutdated`]) and [`SqliteStore::migrate`] is the
+//! explicit step, e.g. in a deployment job.
 //!
 //! ## Performance
 //! `benches/group_commit.rs` measures claim + complete pairs against a baseline that
 //! commits each statement on its own (same schema, WAL, `synchronous = FULL`). At 1 caller
-//! both pay about one fsync per commit. At 32 callers the baseline's commits queue for the
-//! write lock one fsync at a time, while group commit shares each fsync among a batch: on
-//! the shared 2-core development VM the store ran 6x to 21x the baseline across runs
-//! (quiet disk: ~15,900 against ~2,600 pairs/s; busy disk: ~3,800 against ~190).
+//! both pay about one fsync per commit; at 32 callers the baseline's commits queue for the
+//! write lock one fsync at a time, while group commit shares each fsync among a batch
+//! (`BENCHMARKS.md` has the measured ratios).
 //!
 //! ## Wiring it into a server
-//! Open the store once at start-up and share it: `Arc::new(SqliteStore::open(path)?)` is
-//! an `Arc<dyn Store>` for the HTTP layer (`idem_http::IdempotencyLayer::new(store)`);
-//! start [`SqliteStore::spawn_sweeper`] next to it. Several server processes may open the
-//! same file on one host (not over a network file system: WAL needs shared memory).
+//! Open the store once at start-up and share it: `Arc::new(SqliteStore::open(path,
+//! Config::default())?)` is an `Arc<dyn Store>` for the HTTP layer
+//! (`idem_http::IdempotencyLayer::new(store)`); start the
+//! [`Sweeper`](idem_core::sweeper::Sweeper) next to it, as above. Several server processes
+//! may open the same file on one host (not over a network file system: WAL needs shared
+//! memory).
 //!
 //! # Layout
-//! - [`store`]: [`SqliteStore`], its builder, [`Synchronous`], the writer thread and
-//!   reader pool.
-//! - [`schema`]: migrations and the record/row mapping.
-//! - [`error`]: [`Error`], converted into [`idem_core::StoreError`] with the rusqlite
+//! - `src/config.rs`: [`Config`] and [`Synchronous`].
+//! - `src/store.rs`: [`SqliteStore`]: the claim path, the writer connection as the
+//!   group-commit engine, the reader pool.
+//! - `src/table.rs`: the SQLite tables as [`idem_core::RecordTable`] (writer) and
+//!   [`idem_core::RecordRead`] (readers): statements and the record/row mapping.
+//! - `src/sql.rs`: migrations ([`MIGRATIONS`], [`SCHEMA_VERSION`]) and the version check.
+//! - `src/error.rs`: [`Error`], converted into [`idem_core::StoreError`] with the rusqlite
 //!   error kept as source and `is_retryable()` true for `SQLITE_BUSY` / `SQLITE_LOCKED`.
 //! - `migrations/`: the schema as SQL files.
 //! - `tests/conformance.rs`: the idem conformance suite; `tests/two_processes.rs`: child
@@ -113,10 +125,18 @@
 //!   survive SIGKILL; `tests/sqlite.rs`: file, schema, lock and journal behaviour;
 //!   `benches/group_commit.rs`: throughput against a commit-per-statement baseline.
 
-pub mod error;
-pub mod schema;
-pub mod store;
+mod config;
+mod error;
+mod sql;
+mod store;
+mod table;
 
+pub use config::{Config, Synchronous};
 pub use error::Error;
-pub use schema::{MIGRATIONS, Migration, SCHEMA_VERSION};
-pub use store::{SqliteStore, SqliteStoreBuilder, Synchronous};
+pub use sql::{MIGRATIONS, Migration, SCHEMA_VERSION};
+pub use store::SqliteStore;
+
+/// The README's example, compiled with the doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExample;

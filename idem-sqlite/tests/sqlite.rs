@@ -3,11 +3,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use idem_core::sweeper::{SweepConfig, Sweeper};
 use idem_core::{
     ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,
     ReclaimOutcome, ReclaimRequest, RecordState, Scope, Store, StoreError, StoredResponse, UnixMillis,
 };
-use idem_sqlite::{Error, SCHEMA_VERSION, SqliteStore};
+use idem_sqlite::{Config, Error, SCHEMA_VERSION, SqliteStore};
 use rusqlite::Connection;
 
 fn req(key: &str) -> ClaimRequest {
@@ -18,7 +19,7 @@ fn req(key: &str) -> ClaimRequest {
 
 async fn open(path: std::path::PathBuf, clock: &ManualClock) -> SqliteStore {
     let clock = Arc::new(clock.clone());
-    tokio::task::spawn_blocking(move || SqliteStore::builder(path).clock(clock).open())
+    tokio::task::spawn_blocking(move || SqliteStore::open(path, Config::default().with_clock(clock)))
         .await
         .expect("open task")
         .expect("open")
@@ -63,9 +64,9 @@ async fn records_survive_reopening_and_the_schema_is_versioned() {
 fn a_file_from_a_newer_build_is_refused() {
     let dir = tempfile::tempdir().expect("dir");
     let path = dir.path().join("idem.sqlite3");
-    drop(SqliteStore::open(&path).expect("create"));
+    drop(SqliteStore::open(&path, Config::default()).expect("create"));
     Connection::open(&path).and_then(|c| c.pragma_update(None, "user_version", 99)).expect("bump version");
-    match SqliteStore::open(&path) {
+    match SqliteStore::open(&path, Config::default()) {
         Err(Error::SchemaTooNew { found: 99, known }) => assert_eq!(known, SCHEMA_VERSION),
         other => panic!("expected SchemaTooNew, got {other:?}"),
     }
@@ -73,7 +74,7 @@ fn a_file_from_a_newer_build_is_refused() {
 
 #[test]
 fn an_in_memory_database_is_refused_because_it_cannot_use_wal() {
-    match SqliteStore::open(":memory:") {
+    match SqliteStore::open(":memory:", Config::default()) {
         Err(err @ Error::NotWal { .. }) => assert!(!err.is_retryable()),
         other => panic!("expected NotWal, got {other:?}"),
     }
@@ -89,7 +90,7 @@ async fn a_write_lock_held_past_the_busy_timeout_is_a_retryable_error_then_the_c
     let store = {
         let (path, clock) = (path.clone(), Arc::new(clock.clone()));
         tokio::task::spawn_blocking(move || {
-            SqliteStore::builder(path).clock(clock).busy_timeout(Duration::from_millis(50)).open()
+            SqliteStore::open(path, Config::default().with_clock(clock).with_busy_timeout(Duration::from_millis(50)))
         })
         .await
         .expect("task")
@@ -100,7 +101,11 @@ async fn a_write_lock_held_past_the_busy_timeout_is_a_retryable_error_then_the_c
 
     let err = store.claim(req("k1")).await.expect_err("the lock is held");
     assert!(err.is_retryable(), "{err}");
-    let source = std::error::Error::source(&err).and_then(|s| s.downcast_ref::<Error>()).expect("sqlite error");
+    // The group-commit executor wraps the cause its whole batch shares; the SQLite error is
+    // further down the chain.
+    let source = std::iter::successors(Some(&err as &(dyn std::error::Error + 'static)), |e| e.source())
+        .find_map(|e| e.downcast_ref::<Error>())
+        .expect("sqlite error");
     assert_eq!(source.sqlite_code(), Some(rusqlite::ErrorCode::DatabaseBusy));
 
     other.execute_batch("ROLLBACK").expect("release the write lock");
@@ -207,7 +212,10 @@ async fn the_sweeper_task_drains_every_expired_record_in_bounded_batches() {
     let ClaimOutcome::Claimed(live) = store.claim(req("live")).await.expect("claim") else { panic!("not claimed") };
 
     // Batches of 4: the sweeper must loop on `more` within one round.
-    let sweeper = store.spawn_sweeper(Duration::from_secs(3600), 4);
+    let sweeper = Sweeper::start(
+        Arc::new(store.clone()),
+        SweepConfig::default().with_period(Duration::from_secs(3600)).with_batch(4),
+    );
     let count = || -> i64 {
         Connection::open(&path)
             .and_then(|c| c.query_row("SELECT count(*) FROM idem_records", [], |row| row.get(0)))
@@ -220,7 +228,7 @@ async fn the_sweeper_task_drains_every_expired_record_in_bounded_batches() {
     })
     .await
     .expect("the first round drains the backlog");
-    sweeper.abort();
+    sweeper.stop().await;
     assert_eq!(store.get(live.id).await.expect("get").map(|r| r.token), Some(live.token));
 }
 
@@ -233,11 +241,66 @@ fn a_file_at_an_older_schema_version_is_migrated_forward_on_open() {
         conn.execute_batch(idem_sqlite::MIGRATIONS[0].sql).expect("migration 1 by hand");
         conn.pragma_update(None, "user_version", 1).expect("version 1");
     }
-    drop(SqliteStore::open(&path).expect("open migrates"));
+    drop(SqliteStore::open(&path, Config::default()).expect("open migrates"));
     let conn = Connection::open(&path).expect("inspect");
     let version: u32 = conn.pragma_query_value(None, "user_version", |r| r.get(0)).expect("user_version");
     let journal: i64 = conn
         .query_row("SELECT count(*) FROM sqlite_master WHERE name = 'idem_journal'", [], |r| r.get(0))
         .expect("journal table");
     assert_eq!((version, journal), (SCHEMA_VERSION, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_is_answered_by_a_reader_while_another_process_holds_the_write_lock() {
+    //! A retry of a completed request must not wait for (or fail on) a write lock it does
+    //! not need: a WAL reader answers it. With claim reads off, the same claim goes to the
+    //! writer and meets the lock.
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.sqlite3");
+    let clock = Arc::new(ManualClock::new(UnixMillis(1_700_000_000_000)));
+    let open = |claim_reads: bool| {
+        let config = Config::default()
+            .with_clock(clock.clone())
+            .with_busy_timeout(Duration::from_millis(50))
+            .with_claim_reads(claim_reads);
+        SqliteStore::open(&path, config).expect("open")
+    };
+    let (reading, writing) = (open(true), open(false));
+    let ClaimOutcome::Claimed(r) = reading.claim(req("k1")).await.expect("claim") else { panic!("not claimed") };
+    reading.complete(r.id, r.token, StoredResponse::new(201, vec![], b"{}".to_vec())).await.expect("complete");
+
+    let other = Connection::open(&path).expect("other connection");
+    other.execute_batch("BEGIN IMMEDIATE").expect("take the write lock");
+    let before = reading.batch_stats();
+    let replay = reading.claim(req("k1")).await.expect("replay while locked");
+    assert!(
+        matches!(&replay, ClaimOutcome::Existing { record, .. } if record.state == RecordState::Completed),
+        "{replay:?}"
+    );
+    let after = reading.batch_stats();
+    assert_eq!((after.claims_read, after.operations), (before.claims_read + 1, before.operations));
+    let err = writing.claim(req("k1")).await.expect_err("the writer meets the lock");
+    assert!(err.is_retryable(), "{err}");
+    other.execute_batch("ROLLBACK").expect("release the write lock");
+}
+
+#[test]
+fn without_auto_migrate_open_refuses_an_outdated_file_until_migrate_runs() {
+    //! Operators who migrate in a deployment step must get a typed refusal, not a store
+    //! that fails on its first statement, and `migrate` must be safe to run again.
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.sqlite3");
+    let manual = Config::default().with_auto_migrate(false);
+    match SqliteStore::open(&path, manual.clone()) {
+        Err(err @ Error::SchemaOutdated { found: 0, required: SCHEMA_VERSION }) => assert!(!err.is_retryable()),
+        other => panic!("expected SchemaOutdated, got {other:?}"),
+    }
+    let tables: i64 = Connection::open(&path)
+        .and_then(|c| c.query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table'", [], |r| r.get(0)))
+        .expect("count tables");
+    assert_eq!(tables, 0, "the check must not create the schema");
+
+    assert_eq!(SqliteStore::migrate(&path, &manual).expect("migrate"), idem_sqlite::MIGRATIONS.len());
+    assert_eq!(SqliteStore::migrate(&path, &manual).expect("migrate again"), 0);
+    drop(SqliteStore::open(&path, manual).expect("open after migrate"));
 }

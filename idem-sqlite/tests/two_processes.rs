@@ -1,6 +1,6 @@
 //! Several processes sharing one SQLite file race to claim the same idempotency keys:
-//! every key must be claimed exactly once overall (DESIGN.md: "Of N concurrent claims of
-//! one id, exactly one gets `Claimed`", across processes, handed case C9).
+//! every key must be claimed exactly once overall (the `Store::claim` contract: of N
+//! concurrent claims of one id, exactly one gets `Claimed`, across processes too).
 //!
 //! The test binary re-executes itself: with `IDEM_SQLITE_CHILD_DB` set it is a child that
 //! opens the store, says `ready`, waits for `go` on stdin, claims every key at once and
@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, RecordState, Scope, Store};
-use idem_sqlite::SqliteStore;
+use idem_sqlite::{Config, SqliteStore};
 
 const CHILDREN: usize = 4;
 const KEYS: usize = 400;
@@ -47,7 +47,7 @@ fn main() {
 
 fn child(path: &str) {
     let index: usize = std::env::var(INDEX_ENV).ok().and_then(|v| v.parse().ok()).expect("child index");
-    let store = Arc::new(SqliteStore::builder(path).max_batch(4).open().expect("child opens the store"));
+    let store = Arc::new(SqliteStore::open(path, Config::default().with_max_batch(4)).expect("child opens the store"));
     let mut out = std::io::stdout().lock();
     writeln!(out, "ready").expect("stdout");
     out.flush().expect("stdout");
@@ -140,7 +140,7 @@ fn parent() {
     let per_child: Vec<usize> = (0..CHILDREN).map(|c| winners.values().filter(|w| w.contains(&c)).count()).collect();
 
     // The file agrees: every key holds one in-flight record with token 1.
-    let store = SqliteStore::open(&path).expect("parent opens the store");
+    let store = SqliteStore::open(&path, Config::default()).expect("parent opens the store");
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     runtime.block_on(async {
         for i in 0..KEYS {

@@ -91,7 +91,8 @@ pub async fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>
             Ok((Arc::new(store), infra))
         }
         StoreSpec::Sqlite(path) => {
-            let store = idem_sqlite::SqliteStore::open(path).map_err(|e| open_err(path.display().to_string(), e))?;
+            let store = idem_sqlite::SqliteStore::open(path, idem_sqlite::Config::default())
+                .map_err(|e| open_err(path.display().to_string(), e))?;
             Ok((Arc::new(store), infra_file()?))
         }
         StoreSpec::Redis(url) => {

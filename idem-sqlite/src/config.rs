@@ -1,0 +1,156 @@
+//! [`Config`]: how [`crate::SqliteStore::open`] opens and runs the file.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::group_commit::{BatchConfig, Linger};
+use idem_core::{Clock, SystemClock};
+
+/// `PRAGMA synchronous` for the writer: what a commit waits for before the caller hears
+/// "done". Both keep the database consistent after any crash; they differ in whether the
+/// newest commits survive a power loss or an operating-system crash.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Synchronous {
+    /// `synchronous = FULL` (default): every commit fsyncs the write-ahead log before the
+    /// callers of its batch get their outcomes. An acknowledged claim or completion
+    /// survives power loss. Costs one fsync per group commit, which group commit shares
+    /// among every operation of the batch.
+    #[default]
+    Full,
+    /// `synchronous = NORMAL`: in WAL mode the log is fsynced only at checkpoints. Commits
+    /// survive a crash of the process, but a power loss or OS crash can roll back the
+    /// last commits (never corrupt the file). For idempotency that means an acknowledged
+    /// claim can vanish, so a retry after the outage runs the handler a second time, and
+    /// a stored response can vanish, so its retry runs again instead of replaying. Choose
+    /// it only when handlers' side effects are themselves idempotent (derived sub-keys).
+    Normal,
+}
+
+impl Synchronous {
+    pub(crate) fn pragma(self) -> &'static str {
+        match self {
+            Synchronous::Full => "FULL",
+            Synchronous::Normal => "NORMAL",
+        }
+    }
+}
+
+/// Settings of a [`crate::SqliteStore`]: `Config::default().with_*(..)`.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_sqlite::{Config, Synchronous};
+///
+/// let config = Config::default()
+///     .with_synchronous(Synchronous::Full)
+///     .with_busy_timeout(Duration::from_secs(2))
+///     .with_max_batch(128);
+/// # let _ = config;
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct Config {
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) synchronous: Synchronous,
+    pub(crate) busy_timeout: Duration,
+    pub(crate) batch: BatchConfig,
+    pub(crate) max_readers: usize,
+    pub(crate) claim_reads: bool,
+    pub(crate) auto_migrate: bool,
+    /// A claim whose idempotency key is this panics inside the writer's batch (the panic
+    /// recovery test).
+    #[cfg(test)]
+    pub(crate) panic_on_key: Option<String>,
+}
+
+impl Default for Config {
+    /// System clock, `synchronous = FULL`, 5 s busy timeout, the executor's batching
+    /// defaults ([`BatchConfig::default`]), 4 pooled readers, claims of live records
+    /// answered by a reader, migrations applied on open.
+    fn default() -> Self {
+        Self {
+            clock: Arc::new(SystemClock),
+            synchronous: Synchronous::default(),
+            busy_timeout: Duration::from_secs(5),
+            batch: BatchConfig::default().with_thread_name("idem-sqlite-writer"),
+            max_readers: 4,
+            claim_reads: true,
+            auto_migrate: true,
+            #[cfg(test)]
+            panic_on_key: None,
+        }
+    }
+}
+
+impl Config {
+    /// The clock every `now` is read from (default [`SystemClock`]); tests pass an
+    /// [`idem_core::ManualClock`].
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Durability of each commit (default [`Synchronous::Full`]).
+    pub fn with_synchronous(mut self, synchronous: Synchronous) -> Self {
+        self.synchronous = synchronous;
+        self
+    }
+
+    /// How long a connection waits for a lock another process holds before giving up with
+    /// a retryable `SQLITE_BUSY` (default 5 s).
+    pub fn with_busy_timeout(mut self, timeout: Duration) -> Self {
+        self.busy_timeout = timeout;
+        self
+    }
+
+    /// Most operations applied in one `BEGIN IMMEDIATE` transaction (default 256, at
+    /// least 1); see [`BatchConfig::with_max_batch`].
+    pub fn with_max_batch(mut self, ops: usize) -> Self {
+        self.batch = self.batch.with_max_batch(ops);
+        self
+    }
+
+    /// How long the writer waits for a batch to grow (default [`Linger::Adaptive`], 200
+    /// µs); see [`idem_core::group_commit`].
+    pub fn with_linger(mut self, linger: Linger) -> Self {
+        self.batch = self.batch.with_linger(linger);
+        self
+    }
+
+    /// Read connections opened with the store and kept for reads (default 4).
+    /// [`Store::get`] and [`Store::journal_get`] open a short-lived extra connection when
+    /// every pooled one is busy; a claim's read only takes a free pooled one and otherwise
+    /// goes to the writer (so 0 sends every claim to the writer).
+    ///
+    /// [`Store::get`]: idem_core::Store::get
+    /// [`Store::journal_get`]: idem_core::Store::journal_get
+    pub fn with_max_readers(mut self, readers: usize) -> Self {
+        self.max_readers = readers;
+        self
+    }
+
+    /// Whether a claim first looks for a live record on a read connection (default
+    /// `true`): a replay is answered without waiting for the writer, because a WAL reader
+    /// never waits for it (see [`idem_core::group_commit::GroupCommit::claim_from_view`]).
+    /// `false` sends every claim to the writer.
+    pub fn with_claim_reads(mut self, on: bool) -> Self {
+        self.claim_reads = on;
+        self
+    }
+
+    /// Whether [`crate::SqliteStore::open`] applies missing migrations (default `true`).
+    /// With `false` it only checks the file's schema version and fails with
+    /// [`crate::Error::SchemaOutdated`] until [`crate::SqliteStore::migrate`] has run.
+    pub fn with_auto_migrate(mut self, on: bool) -> Self {
+        self.auto_migrate = on;
+        self
+    }
+
+    /// Makes a claim of `key` panic inside the writer's batch.
+    #[cfg(test)]
+    pub(crate) fn with_panic_on_key(mut self, key: &str) -> Self {
+        self.panic_on_key = Some(key.to_owned());
+        self
+    }
+}

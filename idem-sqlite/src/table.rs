@@ -1,0 +1,277 @@
+//! The SQLite tables as the record-table seam: [`SqliteTable`] inside the writer's
+//! `BEGIN IMMEDIATE` transaction, [`SqliteView`] on a read connection.
+//!
+//! One row of `idem_records` per record, one column per field (times as INTEGER ms since
+//! the epoch, the response as [`idem_core::codec::encode_response`] bytes); one row of
+//! `idem_journal` per journal entry. The expiry index is the SQL index
+//! `idem_records_expires` on `expires_at`, which SQLite keeps at one entry per row by
+//! itself, so [`RecordTable::write`] is one upsert and [`RecordTable::expired`] a range scan
+//! of that index. Every method is one statement: a statement SQLite refuses is undone on
+//! its own and leaves the transaction usable, unless SQLite rolled the whole transaction
+//! back (disk full, I/O error, `RAISE(ROLLBACK)`), which [`RecordTable::is_poisoned`]
+//! reports.
+
+use idem_core::codec::decode_response;
+use idem_core::{
+    Endpoint, Expired, FencingToken, Fingerprint, IdempotencyKey, Principal, Record, RecordId, RecordRead, RecordState,
+    RecordTable, Scope, StoreError, UnixMillis, codec,
+};
+use rusqlite::types::ValueRef;
+use rusqlite::{Connection, OptionalExtension, Row, Transaction, params};
+
+use crate::error::Error;
+
+const SELECT_RECORD: &str = "SELECT id, principal, endpoint, key, fingerprint, state, token, created_at, started_at, \
+                             lease_expires_at, expires_at, response FROM idem_records WHERE id = ?1";
+
+const UPSERT_RECORD: &str = "INSERT INTO idem_records (id, principal, endpoint, key, fingerprint, state, token, \
+     created_at, started_at, lease_expires_at, expires_at, response) \
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12) \
+     ON CONFLICT (id) DO UPDATE SET principal = excluded.principal, endpoint = excluded.endpoint, \
+     key = excluded.key, fingerprint = excluded.fingerprint, state = excluded.state, token = excluded.token, \
+     created_at = excluded.created_at, started_at = excluded.started_at, \
+     lease_expires_at = excluded.lease_expires_at, expires_at = excluded.expires_at, response = excluded.response";
+
+/// Oldest expiry first, through the index `idem_records_expires`.
+pub(crate) const SELECT_EXPIRED: &str =
+    "SELECT id, expires_at FROM idem_records WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2";
+
+const DELETE_RECORD: &str = "DELETE FROM idem_records WHERE id = ?1";
+
+const SELECT_JOURNAL: &str = "SELECT value FROM idem_journal WHERE record_id = ?1 AND name = ?2";
+
+const UPSERT_JOURNAL: &str = "INSERT INTO idem_journal (record_id, name, value) VALUES (?1, ?2, ?3) \
+                              ON CONFLICT (record_id, name) DO UPDATE SET value = excluded.value";
+
+const DELETE_JOURNAL: &str = "DELETE FROM idem_journal WHERE record_id = ?1";
+
+/// Point reads on a read connection (outside a transaction each read is its own
+/// snapshot; inside one, all of them read the same).
+#[derive(Debug)]
+pub(crate) struct SqliteView<'c> {
+    conn: &'c Connection,
+}
+
+impl<'c> SqliteView<'c> {
+    pub(crate) fn new(conn: &'c Connection) -> Self {
+        Self { conn }
+    }
+}
+
+impl RecordRead for SqliteView<'_> {
+    fn read(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        read_record(self.conn, id)
+    }
+
+    fn journal_read(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        read_journal(self.conn, id, name)
+    }
+}
+
+/// The tables inside one write transaction of the writer connection.
+#[derive(Debug)]
+pub(crate) struct SqliteTable<'t, 'c> {
+    tx: &'t Transaction<'c>,
+    /// A write of a record with this key panics (the panic recovery test).
+    #[cfg(test)]
+    pub(crate) panic_on_key: Option<&'t str>,
+}
+
+impl<'t, 'c> SqliteTable<'t, 'c> {
+    pub(crate) fn new(tx: &'t Transaction<'c>) -> Self {
+        Self {
+            tx,
+            #[cfg(test)]
+            panic_on_key: None,
+        }
+    }
+}
+
+impl RecordRead for SqliteTable<'_, '_> {
+    fn read(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        read_record(self.tx, id)
+    }
+
+    fn journal_read(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        read_journal(self.tx, id, name)
+    }
+}
+
+impl RecordTable for SqliteTable<'_, '_> {
+    fn write(&mut self, _old: Option<&Record>, new: &Record) -> Result<(), StoreError> {
+        #[cfg(test)]
+        assert!(self.panic_on_key != Some(new.key.as_str()), "planted panic in the SQLite table");
+        let token = i64::try_from(new.token.0)
+            .map_err(|_| Error::invalid_record(new.id, "token", format!("{} does not fit an INTEGER", new.token)))?;
+        let response = new.response.as_ref().map(codec::encode_response);
+        self.tx
+            .prepare_cached(UPSERT_RECORD)
+            .and_then(|mut stmt| {
+                stmt.execute(params![
+                    &new.id.0[..],
+                    new.scope.principal.0,
+                    new.scope.endpoint.0,
+                    new.key.as_str(),
+                    &new.fingerprint.0[..],
+                    new.state.as_str(),
+                    token,
+                    new.created_at.0,
+                    new.started_at.0,
+                    new.lease_expires_at.0,
+                    new.expires_at.0,
+                    response,
+                ])
+            })
+            .map_err(Error::sqlite("write record"))?;
+        Ok(())
+    }
+
+    fn expired(&mut self, now: UnixMillis, limit: usize) -> Result<Vec<Expired>, StoreError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows: Vec<(Vec<u8>, i64)> = self
+            .tx
+            .prepare_cached(SELECT_EXPIRED)
+            .and_then(|mut stmt| stmt.query_map(params![now.0, limit], |row| Ok((row.get(0)?, row.get(1)?)))?.collect())
+            .map_err(Error::sqlite("find expired records"))?;
+        rows.into_iter()
+            .map(|(id, expires_at)| {
+                let id = RecordId(bytes32(&id, "id", &id)?);
+                Ok(Expired { expires_at: UnixMillis(expires_at), id })
+            })
+            .collect()
+    }
+
+    fn remove(&mut self, expired: Expired) -> Result<(), StoreError> {
+        // The trigger idem_records_delete_journal deletes the record's journal with it.
+        self.tx
+            .prepare_cached(DELETE_RECORD)
+            .and_then(|mut stmt| stmt.execute([&expired.id.0[..]]))
+            .map_err(Error::sqlite("delete record"))?;
+        Ok(())
+    }
+
+    fn journal_write(&mut self, id: RecordId, name: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.tx
+            .prepare_cached(UPSERT_JOURNAL)
+            .and_then(|mut stmt| stmt.execute(params![&id.0[..], name, value]))
+            .map_err(Error::sqlite("write journal"))?;
+        Ok(())
+    }
+
+    fn journal_clear(&mut self, id: RecordId) -> Result<(), StoreError> {
+        self.tx
+            .prepare_cached(DELETE_JOURNAL)
+            .and_then(|mut stmt| stmt.execute([&id.0[..]]))
+            .map_err(Error::sqlite("delete journal"))?;
+        Ok(())
+    }
+
+    fn is_poisoned(&self) -> bool {
+        // Some failures (disk full, I/O error, RAISE(ROLLBACK)) make SQLite roll the whole
+        // transaction back; the connection is then in autocommit mode again, and what the
+        // batch wrote before is gone.
+        self.tx.is_autocommit()
+    }
+}
+
+fn read_record(conn: &Connection, id: RecordId) -> Result<Option<Record>, StoreError> {
+    let mut stmt = conn.prepare_cached(SELECT_RECORD).map_err(Error::sqlite("prepare read"))?;
+    let row = stmt.query_row([&id.0[..]], |row| Ok(from_row(row))).optional().map_err(Error::sqlite("read record"))?;
+    row.transpose()
+}
+
+fn read_journal(conn: &Connection, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+    let value = conn
+        .prepare_cached(SELECT_JOURNAL)
+        .and_then(|mut stmt| stmt.query_row(params![&id.0[..], name], |row| row.get(0)).optional())
+        .map_err(Error::sqlite("read journal"))?;
+    Ok(value)
+}
+
+fn bytes32(id: &[u8], column: &'static str, value: &[u8]) -> Result<[u8; 32], Error> {
+    value.try_into().map_err(|_| Error::invalid_row(id, column, format!("{} bytes, expected 32", value.len())))
+}
+
+fn from_row(row: &Row<'_>) -> Result<Record, StoreError> {
+    // A value of the wrong SQL type is reported by rusqlite (kept as the source).
+    let read = || Error::sqlite("read record");
+    let raw_id: Vec<u8> = row.get(0).map_err(read())?;
+    let id = RecordId(bytes32(&raw_id, "id", &raw_id)?);
+    let text = |i: usize| row.get::<_, String>(i).map_err(read());
+    let int = |i: usize| row.get::<_, i64>(i).map_err(read());
+
+    let key = IdempotencyKey::from_stored(&text(3)?)
+        .ok_or_else(|| Error::invalid_row(&raw_id, "key", "not a valid idempotency key"))?;
+    let fingerprint: Vec<u8> = row.get(4).map_err(read())?;
+    let fingerprint = Fingerprint(bytes32(&raw_id, "fingerprint", &fingerprint)?);
+    let state_name = text(5)?;
+    let state = RecordState::from_name(&state_name)
+        .ok_or_else(|| Error::invalid_row(&raw_id, "state", format!("unknown state {state_name:?}")))?;
+    let token = u64::try_from(int(6)?).map_err(|_| Error::invalid_row(&raw_id, "token", "negative"))?;
+    let response = match row.get_ref(11).map_err(read())? {
+        ValueRef::Null => None,
+        ValueRef::Blob(bytes) => {
+            Some(decode_response(bytes).map_err(|source| StoreError::Corrupt { id: Some(id), source })?)
+        }
+        _ => return Err(Error::invalid_row(&raw_id, "response", "neither a blob nor NULL").into()),
+    };
+    Ok(Record {
+        id,
+        scope: Scope { principal: Principal(text(1)?), endpoint: Endpoint(text(2)?) },
+        key,
+        fingerprint,
+        state,
+        token: FencingToken(token),
+        response,
+        created_at: UnixMillis(int(7)?),
+        started_at: UnixMillis(int(8)?),
+        lease_expires_at: UnixMillis(int(9)?),
+        expires_at: UnixMillis(int(10)?),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use idem_core::StoredResponse;
+    use idem_core::codec::{CodecError, RESPONSE_FORMAT_VERSION, encode_response};
+
+    use super::*;
+
+    #[test]
+    fn keys_that_look_quoted_round_trip_through_the_key_column() {
+        for stored in ["abc", "\"abc", "a\\b", "\"", "\\", "x\"y\"", "~!@#$%^&*()_+"] {
+            let key = IdempotencyKey::from_stored(stored).expect(stored);
+            assert_eq!(key.as_str(), stored);
+        }
+        assert!(IdempotencyKey::from_stored("has space").is_none());
+        assert!(IdempotencyKey::from_stored("").is_none());
+    }
+
+    #[test]
+    fn responses_round_trip_through_the_response_column_and_bad_bytes_are_typed_errors() {
+        let r = StoredResponse::new(201, vec![("location".into(), b"/t/42".to_vec())], b"{}".to_vec());
+        assert_eq!(decode_response(&encode_response(&r)).expect("decode"), r);
+        assert!(matches!(decode_response(&[]), Err(CodecError::Empty)));
+        assert!(matches!(decode_response(&[9, 1, 2]), Err(CodecError::UnknownVersion(9))));
+        assert!(matches!(decode_response(&[RESPONSE_FORMAT_VERSION, 0xff]), Err(CodecError::Malformed(_))));
+        let mut long = encode_response(&r);
+        long.push(0);
+        assert!(matches!(decode_response(&long), Err(CodecError::Trailing(1))));
+    }
+
+    #[test]
+    fn the_sweep_finds_expired_records_by_a_range_scan_of_the_expiry_index() {
+        //! A sweep that scanned the whole table would cost time in proportion to every
+        //! record kept, not to the expired ones it removes.
+        let dir = tempfile::tempdir().expect("dir");
+        let mut conn = Connection::open(dir.path().join("plan.sqlite3")).expect("open");
+        crate::sql::migrate(&mut conn).expect("migrate");
+        let plan: Vec<String> = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {SELECT_EXPIRED}"))
+            .and_then(|mut s| s.query_map(params![0, 10], |r| r.get::<_, String>(3))?.collect())
+            .expect("plan");
+        let plan = plan.join("; ");
+        assert!(plan.contains("USING INDEX idem_records_expires (expires_at<?)"), "{plan}");
+        assert!(!plan.contains("SCAN") && !plan.contains("TEMP B-TREE"), "{plan}");
+    }
+}
