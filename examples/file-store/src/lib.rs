@@ -1,6 +1,6 @@
 //! # A custom backend in one file: the file-per-record store
 //!
-//! The smallest [`Store`] that passes the idem conformance suite, written the way a user
+//! The smallest [`Store`](idem_core::Store) that passes the idem conformance suite, written the way a user
 //! would write one for their own engine: a [`RecordTable`] over a directory, and every
 //! operation handed to the shared engine by idem-core's [`TableStore`], so no rule of
 //! the state machine, and no `Store` method, is restated here.
