@@ -26,7 +26,12 @@ pub fn claim<T: RecordTable + ?Sized>(
     req: &ClaimRequest,
     now: UnixMillis,
 ) -> Result<ClaimOutcome, StoreError> {
-    let current = t.read(req.id)?;
+    // A live record is the replay path (the pure rule writes nothing for it): hand over the
+    // record as read, without the copy `transition::claim` would make of it.
+    let current = match t.read(req.id)? {
+        Some(record) if !record.is_expired(now) => return Ok(ClaimOutcome::Existing { record, now }),
+        other => other,
+    };
     let (write, outcome) = transition::claim(current.as_ref(), req, now);
     if let Some(new) = write {
         // A claim that replaces an expired record starts with an empty journal. The old
