@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_conformance::scenarios::{claim, clock, fencing, inflight, journal, peers, replay, retention};
@@ -159,6 +160,15 @@ impl Store for BrokenStore {
             return Ok(r.clone());
         }
         let next = transition::complete(records.get(&id), id, token, response, now)
+            .map_err(|l| StoreError::lease_lost(id, l))?;
+        records.insert(id, next.clone());
+        Ok(next)
+    }
+
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+        let now = self.clock.now();
+        let mut records = self.lock();
+        let next = transition::extend(records.get(&id), id, token, lease_ttl, now)
             .map_err(|l| StoreError::lease_lost(id, l))?;
         records.insert(id, next.clone());
         Ok(next)

@@ -2,6 +2,7 @@
 //! how each operation stays atomic; the statements themselves are in `src/sql.rs`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
@@ -381,6 +382,12 @@ impl Store for PostgresStore {
             Ok(row) => record_at(&row, 0, Some(response)),
             Err((current, _)) => Err(StoreError::LeaseLost { id, presented: token, current: current.map(|r| r.token) }),
         }
+    }
+
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+        // Lease renewal lands in the next commit of this branch (server-side CAS).
+        let _ = (id, token, lease_ttl);
+        Err(StoreError::Unsupported { operation: "extend" })
     }
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {

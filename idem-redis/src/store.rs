@@ -6,6 +6,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::codec::encode_response;
@@ -223,6 +224,12 @@ impl Store for RedisStore {
         } else {
             Err(reply.refusal(id))
         }
+    }
+
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+        // Lease renewal lands in the next commit of this branch (server-side CAS).
+        let _ = (id, token, lease_ttl);
+        Err(StoreError::Unsupported { operation: "extend" })
     }
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {

@@ -310,6 +310,10 @@ impl Store for SqliteStore {
         self.inner.commit.submit(Write::Fail { id, token }).await?.into_record(BACKEND)
     }
 
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+        self.inner.commit.submit(Write::Extend { id, token, lease_ttl }).await?.into_record(BACKEND)
+    }
+
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
         self.read(move |conn, now| engine::get(&SqliteView::new(conn), id, now)).await
     }
