@@ -52,8 +52,9 @@
 //! a reclaim adds 1. So the tokens of a new generation of a key are above every token of
 //! every earlier generation, including generations the sweep deleted, as long as the
 //! server's clock does not step back past a generation's life (the new claim's
-//! `clock_timestamp()` reads later than the earlier generation's claim did, which a clock
-//! that never steps back guarantees, since the sweep removes a record only after its
+//! `clock_timestamp()` reads a later millisecond than the earlier generation's claim did,
+//! which a clock that never steps back guarantees for every generation that lived past the
+//! millisecond it was claimed in, since the sweep removes a record only at or after its
 //! `expires_at`) and no generation is reclaimed 65,536 times per millisecond it lived.
 //! After a step back (an NTP step, a failover to a standby whose clock is behind the old
 //! primary's, when the failover lost recent rows), a new generation claimed within the

@@ -53,13 +53,15 @@
 //! dropped, as long as two conditions hold:
 //!
 //! - **the server's clock does not step back past a generation's life**: the new claim's
-//!   `TIME` must read later than the earlier generation's claim did. A clock that never
-//!   steps back guarantees it (a generation's key is gone only after its `expires_at`). A
-//!   step back (an NTP step, a restart on a host whose clock was set back) narrows it:
-//!   a new generation claimed within that step of an earlier one's claim may get lower
-//!   tokens. A late owner still passes the fence only on an equal token, that is when
-//!   both claims read the very same millisecond (or the new generation was reclaimed
-//!   65,536 times per millisecond of the step);
+//!   `TIME` must read a later millisecond than the earlier generation's claim did. A clock
+//!   that never steps back guarantees it for every generation that lived past the
+//!   millisecond it was claimed in (native expiry never removes a key before its
+//!   `expires_at`, and a claim that finds an expired key still present continues its
+//!   token). A step back (an NTP step, a restart on a host whose clock was set back)
+//!   breaks it for generations claimed within the step before it: the next generation of
+//!   such a key may get lower tokens. A late owner still passes the fence only on an
+//!   equal token, that is when both claims read the very same millisecond (or the new
+//!   generation was reclaimed 65,536 times per millisecond of the step);
 //! - **no generation is reclaimed 65,536 times per millisecond it lived** (the 16 low bits
 //!   are the reclaims' room).
 //!
@@ -134,10 +136,10 @@
 //! that Redis is down:
 //! `redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no`.
 //! Tests that need a differently configured server (an evicting policy, `CONFIG`
-//! disabled, a replica) or that stall or kill connections start private `redis-server`
-//! processes on free ports, so `redis-server` must be on `PATH`. Each runs in a
-//! temporary directory of its own, so a replica's sync or a cluster node never writes an
-//! RDB or `nodes.conf` file into the crate.
+//! disabled, a replica) or that stall or kill connections or restart the server start
+//! private `redis-server` processes on free ports, so `redis-server` must be on `PATH`.
+//! Each runs in a temporary directory of its own, so a replica's sync or a cluster node
+//! never writes an RDB or `nodes.conf` file into the crate.
 //! `cargo bench -p idem-redis --bench throughput` compares claim + complete against the
 //! same two round trips written by hand (`SET NX`, `SET`): medians of 0.71-0.92x with one
 //! caller and 0.37-0.42x with 32 on a loaded 2-core machine. The scripts cost about 7 µs of server time
