@@ -109,6 +109,24 @@ pub fn fail<T: RecordTable + ?Sized>(
     Ok(new)
 }
 
+/// See [`crate::Store::extend`].
+///
+/// # Errors
+/// [`StoreError::LeaseLost`] when `token` is not the current claim; what the table reports.
+pub fn extend<T: RecordTable + ?Sized>(
+    t: &mut T,
+    id: RecordId,
+    token: FencingToken,
+    lease_ttl: std::time::Duration,
+    now: UnixMillis,
+) -> Result<Record, StoreError> {
+    let current = t.read(id)?;
+    let new = transition::extend(current.as_ref(), id, token, lease_ttl, now)
+        .map_err(|lost| StoreError::lease_lost(id, lost))?;
+    t.write(current.as_ref(), &new)?;
+    Ok(new)
+}
+
 /// See [`crate::Store::get`].
 ///
 /// # Errors
@@ -198,6 +216,15 @@ pub enum Write {
         /// The caller's claim.
         token: FencingToken,
     },
+    /// [`crate::Store::extend`].
+    Extend {
+        /// The record.
+        id: RecordId,
+        /// The caller's claim.
+        token: FencingToken,
+        /// The new lease, from the store's `now`.
+        lease_ttl: std::time::Duration,
+    },
     /// [`crate::Store::sweep`].
     Sweep {
         /// Most records to remove.
@@ -236,7 +263,7 @@ pub enum Written {
     Claim(ClaimOutcome),
     /// Of [`Write::Reclaim`].
     Reclaim(ReclaimOutcome),
-    /// Of [`Write::Complete`] and [`Write::Fail`]: the record as written.
+    /// Of [`Write::Complete`], [`Write::Fail`] and [`Write::Extend`]: the record as written.
     Record(Record),
     /// Of [`Write::Sweep`].
     Sweep(SweepOutcome),
@@ -254,6 +281,7 @@ pub fn apply<T: RecordTable + ?Sized>(t: &mut T, write: Write, now: UnixMillis) 
         Write::Reclaim(req) => Written::Reclaim(reclaim(t, &req, now)?),
         Write::Complete { id, token, response } => Written::Record(complete(t, id, token, response, now)?),
         Write::Fail { id, token } => Written::Record(fail(t, id, token, now)?),
+        Write::Extend { id, token, lease_ttl } => Written::Record(extend(t, id, token, lease_ttl, now)?),
         Write::Sweep { limit } => Written::Sweep(sweep(t, limit, now)?),
         Write::JournalPut { id, token, name, value, overwrite } => {
             Written::Journal(journal_put(t, id, token, &name, &value, overwrite, now)?)
@@ -289,10 +317,10 @@ impl Written {
         if let Written::Reclaim(o) = self { Ok(o) } else { Err(wrong_kind(backend)) }
     }
 
-    /// The record written by a complete or a fail.
+    /// The record written by a complete, a fail or an extend.
     ///
     /// # Errors
-    /// When this is not a complete's or fail's outcome.
+    /// When this is not a complete's, fail's or extend's outcome.
     pub fn into_record(self, backend: &'static str) -> Result<Record, StoreError> {
         if let Written::Record(o) = self { Ok(o) } else { Err(wrong_kind(backend)) }
     }

@@ -5,6 +5,7 @@
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use async_trait::async_trait;
 
@@ -120,6 +121,10 @@ impl<T: RecordTable + Send + 'static> Store for TableStore<T> {
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
         self.run(|t, now| engine::fail(t, id, token, now))
+    }
+
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+        self.run(|t, now| engine::extend(t, id, token, lease_ttl, now))
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {

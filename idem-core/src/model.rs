@@ -77,6 +77,20 @@ impl Model {
         engine::fail(self, id, token, now)
     }
 
+    /// See [`crate::Store::extend`].
+    ///
+    /// # Errors
+    /// [`StoreError::LeaseLost`] when `token` is not the current claim.
+    pub fn extend(
+        &mut self,
+        id: RecordId,
+        token: FencingToken,
+        lease_ttl: std::time::Duration,
+        now: UnixMillis,
+    ) -> Result<Record, StoreError> {
+        engine::extend(self, id, token, lease_ttl, now)
+    }
+
     /// See [`crate::Store::get`].
     #[must_use]
     pub fn get(&self, id: RecordId, now: UnixMillis) -> Option<Record> {

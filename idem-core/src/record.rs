@@ -52,8 +52,31 @@ impl RecordState {
 pub struct FencingToken(pub u64);
 
 impl FencingToken {
-    /// The token of a first claim.
+    /// The smallest token: what a claim at or before the epoch gets. Real claims start at
+    /// [`FencingToken::first_at`].
     pub const FIRST: FencingToken = FencingToken(1);
+
+    /// Bits of a token below the claim time: room for 65,536 reclaims per millisecond of
+    /// the store's clock between two generations of one record id.
+    pub const ATTEMPT_BITS: u32 = 16;
+
+    /// The first token of a record created at `now`: the store's clock in ms, shifted left
+    /// by [`FencingToken::ATTEMPT_BITS`] (at least [`FencingToken::FIRST`]).
+    ///
+    /// Why from the clock: a record that leaves the store (swept, expired natively,
+    /// evicted, lost in a restart) takes its token with it, so a counter would start again
+    /// at 1 and a late owner of an earlier generation would pass the fence on the new one.
+    /// A token from the clock is larger than every token of every earlier generation of the
+    /// same id, as long as the store's clock does not step back past the earlier
+    /// generation's life and no generation was reclaimed 65,536 times per millisecond it
+    /// lived. The one exception is a generation that lives zero ms (zero lease and zero
+    /// retention) and leaves the store within that ms: the next claim in that ms repeats
+    /// its first token. Fits in a signed 64-bit column (ms below 2^47, year 6429).
+    #[must_use]
+    pub fn first_at(now: UnixMillis) -> FencingToken {
+        let ms = u64::try_from(now.0).unwrap_or(0).min((1 << (63 - Self::ATTEMPT_BITS)) - 1);
+        FencingToken((ms << Self::ATTEMPT_BITS).max(Self::FIRST.0))
+    }
 
     /// The token after this one.
     #[must_use]

@@ -14,6 +14,7 @@
 //! - Keys, principals, endpoints, header values and bodies round-trip byte-exact.
 
 use std::fmt;
+use std::time::Duration;
 
 use async_trait::async_trait;
 
@@ -191,7 +192,8 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// - If no record with `req.id` exists, or the existing one is past `expires_at`,
     ///   atomically write an in-flight record with `created_at = started_at = now`,
     ///   `lease_expires_at = now + lease_ttl`, `expires_at = now + max(retention, lease_ttl)`
-    ///   and token 1 (or the expired record's token + 1), and return
+    ///   and token [`FencingToken::first_at`]`(now)` (or, replacing an expired record still
+    ///   present, the larger of that and its token + 1), and return
     ///   [`ClaimOutcome::Claimed`] with it.
     /// - Otherwise change nothing and return [`ClaimOutcome::Existing`] with the stored
     ///   record and the store's `now`.
@@ -235,6 +237,19 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// failed and `lease_expires_at = min(lease_expires_at, now)`. Otherwise nothing
     /// changes and the call returns [`StoreError::LeaseLost`].
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError>;
+
+    /// Renews the caller's lease (lease renewal while a handler runs).
+    ///
+    /// # Contract
+    /// Applies iff the record is live, in flight, and carries `token` (whether or not its
+    /// lease already ran out: until someone reclaims it, the holder may renew):
+    /// `lease_expires_at = max(lease_expires_at, now + lease_ttl)` and
+    /// `expires_at = max(expires_at, lease_expires_at)`; the token, state and every other
+    /// field stay. Returns the record as written. Otherwise nothing changes and the call
+    /// returns [`StoreError::LeaseLost`] (the claim was reclaimed, completed, failed, or the
+    /// record is gone): the caller's attempt is over and it should stop before its next
+    /// side effect.
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError>;
 
     /// Reads a record.
     ///
@@ -314,6 +329,9 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
         (**self).fail(id, token).await
+    }
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+        (**self).extend(id, token, lease_ttl).await
     }
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
         (**self).get(id).await

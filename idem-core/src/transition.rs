@@ -2,9 +2,10 @@
 //! request and `now`, what the record becomes and what the caller is told.
 //!
 //! ```text
-//! absent --claim--> in_flight(token=1)
+//! absent --claim--> in_flight(token = first_at(now))
 //! in_flight --complete(token)--> completed
 //! in_flight --fail(token)--> failed
+//! in_flight --extend(token)--> in_flight              (lease renewed, same token)
 //! in_flight, lease expired --reclaim CAS(token)--> in_flight(token+1)
 //! failed --reclaim CAS(token)--> in_flight(token+1)   (same fingerprint only)
 //! any state --retention passes--> absent
@@ -147,9 +148,11 @@ pub fn claim(current: Option<&Record>, req: &ClaimRequest, now: UnixMillis) -> (
     match current {
         Some(r) if !r.is_expired(now) => (None, ClaimOutcome::Existing { record: r.clone(), now }),
         _ => {
-            // Replacing an expired record keeps the token growing, so a very late owner of
-            // the old record can never complete the new one.
-            let token = current.map_or(FencingToken::FIRST, |r| r.token.next());
+            // A new generation's token comes from the clock, so it is above every token of
+            // every earlier generation, including ones whose record already left the store;
+            // replacing an expired record that is still here also stays above its token.
+            let first = FencingToken::first_at(now);
+            let token = current.map_or(first, |r| r.token.next().max(first));
             let record = Record {
                 id: req.id,
                 scope: req.scope.clone(),
@@ -255,5 +258,26 @@ pub fn fail(current: Option<&Record>, id: RecordId, token: FencingToken, now: Un
     next.response = None;
     // The attempt is over: its lease no longer blocks anyone.
     next.lease_expires_at = next.lease_expires_at.min(now);
+    Ok(next)
+}
+
+/// Extend (renew): compare-and-set on the token; moves the lease to `now + lease_ttl` (never
+/// earlier than it was) and the retention end to at least the new lease end, so a renewed
+/// claim is never swept. The token stays: the holder keeps writing with it.
+///
+/// # Errors
+/// [`LeaseLost`] when `token` is not the current in-flight claim.
+pub fn extend(
+    current: Option<&Record>,
+    id: RecordId,
+    token: FencingToken,
+    lease_ttl: Duration,
+    now: UnixMillis,
+) -> Result<Record, LeaseLost> {
+    let r = check_owner(current, id, token, now)?;
+    let mut next = r.clone();
+    let lease_end = UnixMillis(now.0.saturating_add(crate::time::duration_ms(lease_ttl)));
+    next.lease_expires_at = next.lease_expires_at.max(lease_end);
+    next.expires_at = next.expires_at.max(next.lease_expires_at);
     Ok(next)
 }

@@ -32,6 +32,8 @@ pub struct IdempotencyContext {
     pub(crate) scope: Scope,
     pub(crate) key: IdempotencyKey,
     pub(crate) lease_expires_at: UnixMillis,
+    /// The record's `created_at`: names its generation, which sub-keys depend on.
+    pub(crate) created_at: UnixMillis,
     pub(crate) store: Arc<dyn Store>,
 }
 
@@ -42,7 +44,8 @@ impl IdempotencyContext {
         self.record_id
     }
 
-    /// This attempt's fencing token (1 for the first claim, +1 per reclaim).
+    /// This attempt's fencing token: a new record's first token comes from the store's
+    /// clock ([`FencingToken::first_at`]), and every reclaim adds 1.
     #[must_use]
     pub fn token(&self) -> FencingToken {
         self.token
@@ -74,12 +77,14 @@ impl IdempotencyContext {
     }
 
     /// The sub-key of step `name` for this record: `idem-` + 48 lower-case hex digits
-    /// (53 ASCII bytes, `[0-9a-f-]`), derived from (principal, endpoint, key, `name`) only,
-    /// so every attempt, in every process, gets the same value ([`SubKey::derive`]). Send
-    /// it as the idempotency key or client token of a downstream call.
+    /// (53 ASCII bytes, `[0-9a-f-]`), derived from (principal, endpoint, key, the record's
+    /// `created_at`, `name`), so every attempt of this operation, in every process, gets
+    /// the same value, and the same key reused after retention (a new record) gets another
+    /// ([`SubKey::derive`]). Send it as the idempotency key or client token of a
+    /// downstream call.
     #[must_use]
     pub fn subkey(&self, name: &str) -> SubKey {
-        SubKey::derive(self.record_id, name)
+        SubKey::derive(self.record_id, self.created_at, name)
     }
 
     /// The handle for steps and intents of this record, fenced by this attempt's token:
@@ -90,7 +95,7 @@ impl IdempotencyContext {
     /// [`crate::Problem::from_step_error`] turns that into a 500 `journal-unsupported`.
     #[must_use]
     pub fn resumable(&self) -> Resumable {
-        Resumable::new(Arc::clone(&self.store), self.record_id, self.token)
+        Resumable::new(Arc::clone(&self.store), self.record_id, self.token, self.created_at)
     }
 }
 

@@ -469,7 +469,7 @@ where
     let store = Arc::clone(&cfg.store);
     // The record's scope and key move into the handler's context: nothing after the
     // handler reads them.
-    let Record { id, token, scope, key, lease_expires_at, expires_at: claimed_expires_at, .. } = record;
+    let Record { id, token, scope, key, lease_expires_at, created_at, expires_at: claimed_expires_at, .. } = record;
     let mut guard = FailGuard::new(Arc::clone(&store), id, token);
     parts.extensions.insert(IdempotencyContext {
         record_id: id,
@@ -477,6 +477,7 @@ where
         scope,
         key,
         lease_expires_at,
+        created_at,
         store: Arc::clone(&store),
     });
     let req = Request::from_parts(parts, ReqBody::from(bytes));

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::engine::{self, Write};
@@ -143,6 +144,10 @@ impl Store for RedbStore {
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
         self.writer.submit(Write::Fail { id, token }).await?.into_record(BACKEND)
+    }
+
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+        self.writer.submit(Write::Extend { id, token, lease_ttl }).await?.into_record(BACKEND)
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {

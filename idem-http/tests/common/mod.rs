@@ -134,6 +134,11 @@ impl Store for FlakyStore {
         }
         self.inner.complete(id, token, response).await
     }
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+        self.down("extend")?;
+        self.inner.extend(id, token, lease_ttl).await
+    }
+
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
         self.fails.fetch_add(1, Ordering::SeqCst);
         self.down("fail")?;

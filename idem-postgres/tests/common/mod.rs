@@ -178,6 +178,9 @@ impl Store for TestStore {
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
         self.inner.fail(id, token).await
     }
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+        self.inner.extend(id, token, lease_ttl).await
+    }
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
         self.inner.get(id).await
     }
