@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Counter, Env, Gate, Got, Script, Step, app, post, send, start_and_crash};
+use common::{Counter, Env, Gate, Got, Script, Step, app, post, send, start_and_crash, token_at_t0};
 use idem_core::RecordState;
 use idem_http::{IdempotencyLayer, MismatchStatus, MissingPrincipal, Policy};
 
@@ -34,7 +34,7 @@ async fn row_none_claims_runs_and_completes() {
     assert_eq!(got.header("idempotency-key-expires"), Some("Sat, 16 Jan 2027 08:00:00 GMT"));
     let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
     assert_eq!(record.state, RecordState::Completed);
-    assert_eq!(record.token.0, 1);
+    assert_eq!(record.token.0, token_at_t0(1));
     assert_eq!(record.response.unwrap().status, 201);
 }
 
@@ -109,7 +109,7 @@ async fn row_in_flight_expired_same_request_reclaims_and_winner_runs() {
     held.release();
     let winner = winner.await.unwrap();
     assert_eq!(winner.status, 201);
-    assert_eq!(body_json(&winner)["token"], 2, "the reclaim took fencing token 2");
+    assert_eq!(body_json(&winner)["token"], token_at_t0(2), "the reclaim took the next fencing token");
     assert_eq!(n.get(), 2);
     let replay = send(&app, &req).await;
     assert!(replay.replayed());
@@ -127,7 +127,7 @@ async fn row_in_flight_expired_different_request_is_a_mismatch() {
     send(&app, &post("/v1/orders").key("k1").body("{\"a\":2}")).await.problem(409, "mismatch");
     assert_eq!(n.get(), 1);
     let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
-    assert_eq!((record.state, record.token.0), (RecordState::InFlight, 1), "the mismatch wrote nothing");
+    assert_eq!((record.state, record.token.0), (RecordState::InFlight, token_at_t0(1)), "the mismatch wrote nothing");
 }
 
 #[tokio::test]
@@ -174,7 +174,7 @@ async fn row_failed_same_request_reclaims_and_runs_again() {
     let retry = send(&app, &req).await;
     assert_eq!(retry.status, 201);
     assert!(!retry.replayed());
-    assert_eq!(body_json(&retry)["token"], 2);
+    assert_eq!(body_json(&retry)["token"], token_at_t0(2));
     assert_eq!(n.get(), 2);
 }
 
@@ -322,7 +322,7 @@ async fn the_handler_sees_its_claim_in_a_request_extension() {
     send(&app, &req).await;
     send(&app, &req).await;
     let third = send(&app, &req).await;
-    assert_eq!(body_json(&third)["token"], 3, "one fencing token per claim");
+    assert_eq!(body_json(&third)["token"], token_at_t0(3), "one fencing token per claim");
 }
 
 #[tokio::test]
