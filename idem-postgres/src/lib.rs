@@ -30,12 +30,37 @@
 //! # Guarantees
 //! [`PostgresStore`]'s docs say how each operation is one atomic statement (the
 //! `INSERT ... ON CONFLICT DO UPDATE ... RETURNING (xmax = 0)` claim, compare-and-set
-//! `UPDATE ... WHERE token = $2` for reclaim, complete and fail), and why no transaction is
-//! held open across the handler. Driver failures become
+//! `UPDATE ... WHERE token = $2` for reclaim, complete, extend and fail), and why no
+//! transaction is held open across the handler. Driver failures become
 //! [`StoreError::Unavailable`](idem_core::StoreError::Unavailable) with this crate's
 //! [`Error`] as `source` (the driver's error as its `source`) and `retryable` set by
 //! [`Error::is_retryable`] ([`is_retryable_pg`] for driver errors); the HTTP layer turns
 //! them into 503 with `Retry-After` and never runs the handler without a claim.
+//!
+//! # Lease renewal
+//! [`Store::extend`](idem_core::Store::extend) is one compare-and-set `UPDATE` like
+//! complete: where the row is live, in flight and carries the token, `lease_expires_at =
+//! GREATEST(lease_expires_at, now + lease)` and `expires_at = GREATEST(expires_at,
+//! lease_expires_at)`, so a renewed claim is never swept while its lease runs. A refusal
+//! reads the row in a fresh statement for the current token
+//! ([`StoreError::LeaseLost`](idem_core::StoreError::LeaseLost)), as complete and fail do.
+//!
+//! # Fencing tokens and the server's clock
+//! A claim of an absent record gets [`idem_core::FencingToken::first_at`] of the
+//! statement's clock: `(ms)::bigint << 16` (ms clamped to 0 ..= 2^47 - 1, at least 1); a
+//! claim that replaces an expired row still in the table takes `GREATEST(token + 1, that)`;
+//! a reclaim adds 1. So the tokens of a new generation of a key are above every token of
+//! every earlier generation, including generations the sweep deleted, as long as the
+//! server's clock does not step back past a generation's life (the new claim's
+//! `clock_timestamp()` reads a later millisecond than the earlier generation's claim did,
+//! which a clock that never steps back guarantees for every generation that lived past the
+//! millisecond it was claimed in, since the sweep removes a record only at or after its
+//! `expires_at`) and no generation is reclaimed 65,536 times per millisecond it lived.
+//! After a step back (an NTP step, a failover to a standby whose clock is behind the old
+//! primary's, when the failover lost recent rows), a new generation claimed within the
+//! step of an earlier one's claim may get lower tokens; a late owner still passes the fence
+//! only on an equal token, that is when both claims read the same millisecond. Keep the
+//! servers on NTP.
 //!
 //! # Layout
 //! - `src/config.rs`: [`Config`].

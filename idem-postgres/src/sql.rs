@@ -219,6 +219,7 @@ pub struct Statements {
     claim: String,
     reclaim: String,
     complete: String,
+    extend: String,
     fail: String,
     read: String,
     sweep: String,
@@ -245,6 +246,11 @@ pub(crate) const COLUMNS: [&str; 12] = [
 /// The server's clock in whole milliseconds since the epoch (UTC).
 const SERVER_NOW_MS: &str = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
 
+/// `idem_core::FencingToken::first_at(n.ms)`, the first token of a new record generation:
+/// the clock in ms, clamped to 0 ..= 2^47 - 1, shifted left by
+/// `FencingToken::ATTEMPT_BITS` (16), at least 1. Fits a `bigint` (below 2^63).
+const FIRST_TOKEN: &str = "GREATEST(LEAST(GREATEST(n.ms, 0), 140737488355327) << 16, 1)";
+
 impl Statements {
     /// Claim. `$1` id, `$2` principal (UTF-8 bytes), `$3` endpoint (UTF-8 bytes), `$4`
     /// key, `$5` fingerprint, `$6` lease ms, `$7` retention ms, `$8` now. Returns
@@ -267,6 +273,13 @@ impl Statements {
     #[must_use]
     pub fn complete(&self) -> &str {
         &self.complete
+    }
+
+    /// Extend (renew the lease). `$1` id, `$2` token, `$3` lease ms, `$4` now. Returns the
+    /// record columns as written, or no row.
+    #[must_use]
+    pub fn extend(&self) -> &str {
+        &self.extend
     }
 
     /// Fail. `$1` id, `$2` token, `$3` now. Returns the record columns, or no row.
@@ -331,12 +344,12 @@ impl Statements {
             "WITH n AS (SELECT {now8} AS ms),
 up AS (
     INSERT INTO {table} AS t ({cols}, claim_txid)
-    SELECT $1::bytea, $2::bytea, $3::bytea, $4::text, $5::bytea, 'in_flight'::text, 1::bigint, NULL::bytea,
+    SELECT $1::bytea, $2::bytea, $3::bytea, $4::text, $5::bytea, 'in_flight'::text, {FIRST_TOKEN}, NULL::bytea,
            n.ms, n.ms, {lease}, {retention}, txid_current()
     FROM n
     ON CONFLICT (id) DO UPDATE SET
         {replaced_cols},
-        token = CASE WHEN {expired} THEN t.token + 1 ELSE t.token END
+        token = CASE WHEN {expired} THEN GREATEST(t.token + 1, EXCLUDED.token) ELSE t.token END
     RETURNING (t.xmax = 0) AS inserted, (t.claim_txid = txid_current()) AS claimed, {tcols}
 )
 SELECT up.*, n.ms AS now FROM up CROSS JOIN n",
@@ -368,6 +381,20 @@ WHERE t.id = $1::bytea AND t.token = $2::bigint AND t.state = 'in_flight' AND n.
 RETURNING {tcols}",
             now4 = now("$4"),
             tcols = cols("t.").replace("t.response", "NULL::bytea AS response"),
+        );
+        // The new lease end never moves earlier, and the retention end follows it: a renewed
+        // claim is never swept while its lease runs (SET reads the row's old values).
+        let extend = format!(
+            "WITH n AS (SELECT {now4} AS ms)
+UPDATE {table} AS t SET
+    lease_expires_at = GREATEST(t.lease_expires_at, {lease}),
+    expires_at = GREATEST(t.expires_at, t.lease_expires_at, {lease})
+FROM n
+WHERE t.id = $1::bytea AND t.token = $2::bigint AND t.state = 'in_flight' AND n.ms < t.expires_at
+RETURNING {tcols}",
+            now4 = now("$4"),
+            lease = plus("$3"),
+            tcols = cols("t."),
         );
         let fail = format!(
             "WITH n AS (SELECT {now3} AS ms)
@@ -433,12 +460,13 @@ JOIN {journal} AS j ON j.id = r.id AND j.record_created_at = r.created_at
 WHERE r.id = $1::bytea AND j.name = $2::bytea AND {now3} < r.expires_at",
             now3 = now("$3"),
         );
-        Self { claim, reclaim, complete, fail, read, sweep, journal_put, journal_get }
+        Self { claim, reclaim, complete, extend, fail, read, sweep, journal_put, journal_get }
     }
 }
 
 /// A token as the `bigint` column holds it. Tokens above `i64::MAX` cannot exist in the
-/// table (they start at 1 and grow by one), so they map to -1, which matches no row.
+/// table (a generation starts below 2^63 and grows by one per reclaim; the column is
+/// signed), so they map to -1, which matches no row.
 pub(crate) fn token_param(t: FencingToken) -> i64 {
     i64::try_from(t.0).unwrap_or(-1)
 }
@@ -521,6 +549,8 @@ mod tests {
         assert!(s.claim().contains("\"idem_x\".records"));
         assert!(s.sweep().contains("SKIP LOCKED"));
         assert!(s.journal_put().contains("\"idem_x\".journal"));
+        assert!(s.extend().contains("t.token = $2::bigint AND t.state = 'in_flight' AND n.ms < t.expires_at"));
+        assert!(s.claim().contains(FIRST_TOKEN));
     }
 
     #[test]

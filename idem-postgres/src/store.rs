@@ -7,6 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
 use idem_core::codec::encode_response;
+use idem_core::time::duration_ms;
 use idem_core::transition::is_reclaimable;
 use idem_core::{
     Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ReclaimOutcome, ReclaimRequest,
@@ -37,18 +38,19 @@ use crate::sql::{self, COLUMNS, Statements, corrupt, record_at, token_param, val
 ///   latest committed version (under READ COMMITTED the upsert always acts on the newest
 ///   row, never on the statement's snapshot). A live row is rewritten with its own values
 ///   and returned as `Existing`; a row past `expires_at` counts as absent and is replaced
-///   by the new claim with token + 1. Of N concurrent claims exactly one inserts or
-///   replaces; the rest wait on the row lock and then see the live winner. `DO NOTHING`
-///   would return no row on conflict, which is why it is not used. `RETURNING` cannot see
-///   the row as it was before the upsert, so "this call claimed" is read from the
-///   `claim_txid` column, which an insert or replacement sets to the writing transaction's
-///   `txid_current()` and a live hit leaves alone; `xmax = 0` tells an insert from a
-///   replacement. The price of returning the row in one statement is that a claim which
-///   finds a live record still writes one new row version (same values, so a HOT update
-///   that touches no index), reclaimed by page pruning and autovacuum.
-/// - **reclaim**, **complete**, **fail** are `UPDATE ... WHERE id = $1 AND token = $2 AND
-///   <conditions> RETURNING ...`: compare-and-set on the fencing token. When the update
-///   matches nothing, a second statement reads the current row to build
+///   by the new claim with `GREATEST(token + 1, first_at(now))` (an inserted row gets
+///   `first_at(now)`, see the crate docs on fencing tokens). Of N concurrent claims
+///   exactly one inserts or replaces; the rest wait on the row lock and then see the live
+///   winner. `DO NOTHING` would return no row on conflict, which is why it is not used.
+///   `RETURNING` cannot see the row as it was before the upsert, so "this call claimed" is
+///   read from the `claim_txid` column, which an insert or replacement sets to the writing
+///   transaction's `txid_current()` and a live hit leaves alone; `xmax = 0` tells an insert
+///   from a replacement. The price of returning the row in one statement is that a claim
+///   which finds a live record still writes one new row version (same values, so a HOT
+///   update that touches no index), reclaimed by page pruning and autovacuum.
+/// - **reclaim**, **complete**, **extend**, **fail** are `UPDATE ... WHERE id = $1 AND
+///   token = $2 AND <conditions> RETURNING ...`: compare-and-set on the fencing token. When
+///   the update matches nothing, a second statement reads the current row to build
 ///   [`ReclaimOutcome::Conflict`] or [`StoreError::LeaseLost`]. That read is a separate
 ///   statement on purpose: it takes a fresh snapshot, so it reports the record as it is
 ///   after whichever concurrent write beat this one (a CTE in the same statement would
@@ -86,7 +88,8 @@ use crate::sql::{self, COLUMNS, Statements, corrupt, record_at, token_param, val
 ///
 /// # Time
 /// `now` is the server's `clock_timestamp()` in whole milliseconds, read once per statement
-/// (every process sharing the database agrees on it). A test may pin time with
+/// (every process sharing the database agrees on it). A new record's first fencing token
+/// is taken from it too. A test may pin time with
 /// [`Config::with_clock`]: its reading is passed as a parameter and used instead,
 /// through `COALESCE($n, <server now>)`, so tests run the very statements production runs.
 #[derive(Clone, Debug)]
@@ -385,9 +388,22 @@ impl Store for PostgresStore {
     }
 
     async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
-        // Lease renewal lands in the next commit of this branch (server-side CAS).
-        let _ = (id, token, lease_ttl);
-        Err(StoreError::Unsupported { operation: "extend" })
+        let now = self.pinned_now();
+        let lease_ms = duration_ms(lease_ttl);
+        let outcome = self
+            .compare_and_set(
+                "extending a lease",
+                id,
+                self.inner.sql.extend(),
+                &[&&id.0[..], &token_param(token), &lease_ms, &now],
+                now,
+                |r, _| owns(r, token),
+            )
+            .await?;
+        match outcome {
+            Ok(row) => record_at(&row, 0, None),
+            Err((current, _)) => Err(StoreError::LeaseLost { id, presented: token, current: current.map(|r| r.token) }),
+        }
     }
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {

@@ -1,6 +1,7 @@
 //! Postgres-specific behaviour beyond the shared suite: connection loss mid-request,
 //! migrations, schema names, corrupt rows, the server clock's unit, the sweeper task, journal
-//! generations and fencing under row locks.
+//! generations, fencing under row locks, first tokens from the clock, and record
+//! generations across a sweep.
 //! Runs against the real server at `IDEM_POSTGRES_URL`, each test in its own schema.
 
 mod common;
@@ -8,8 +9,8 @@ mod common;
 use std::time::Duration;
 
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Clock, Endpoint, Fingerprint, IdempotencyKey, JournalWrite, ManualClock, Record,
-    RecordState, Scope, Store, StoreError, StoredResponse, SystemClock,
+    ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,
+    Model, Record, RecordState, Scope, Store, StoreError, StoredResponse, SystemClock, UnixMillis,
 };
 use idem_core::{SweepConfig, Sweeper};
 use idem_postgres::{Config, Error, PostgresStore};
@@ -135,12 +136,17 @@ async fn terminated_connection_mid_claim_leaves_no_partial_claim() {
         )
         .await
         .expect("row");
-    assert_eq!(row.get::<_, i64>(0), 1);
+    assert_eq!(row.get::<_, i64>(0), i64::try_from(old.token.0).expect("token fits the column"));
+    assert_eq!(old.token, FencingToken::first_at(old.created_at));
     assert_eq!(row.get::<_, &str>(1), "in_flight");
     assert_eq!(row.get::<_, i64>(2), old.created_at.0);
 
     let new = must_claim(&store, req).await;
-    assert_eq!(new.token.0, 2, "the retried claim replaces the expired record with the next token");
+    assert_eq!(
+        new.token,
+        FencingToken::first_at(clock.now()),
+        "the retried claim replaces the expired record with a token from its own clock reading"
+    );
 }
 
 /// Building a store migrates the schema once and records its version; `migrate()` is a
@@ -361,6 +367,7 @@ async fn server_clock_is_in_milliseconds() {
         r.created_at
     );
     assert_eq!(r.lease_expires_at.0 - r.created_at.0, 4_999);
+    assert_eq!(r.token, FencingToken::first_at(r.created_at), "the first token comes from the server's clock");
 }
 
 /// The generic sweeper deletes expired records in batches and leaves live ones.
@@ -544,7 +551,7 @@ async fn journal_rows_follow_their_record_generation_and_go_with_the_sweep() {
     assert_eq!(journal_rows(&schema, &old.id.0).await, 2);
     clock.set(old.expires_at);
     let new = must_claim(&store, req).await;
-    assert_eq!(new.token, old.token.next(), "the expired record was replaced, not swept");
+    assert_eq!(new.token, FencingToken::first_at(old.expires_at), "a new generation's token, from the clock");
     assert_eq!(journal_rows(&schema, &old.id.0).await, 2, "the replaced generation's rows are still stored");
     assert_eq!(store.journal_get(new.id, "s:a").await.expect("get"), None, "but read as absent");
     let w = store.journal_put(new.id, new.token, "s:a", b"new".to_vec(), false).await.expect("put");
@@ -586,4 +593,169 @@ async fn journal_put_waiting_on_a_reclaim_is_fenced_by_it() {
         other => panic!("expected LeaseLost, got {other:?}"),
     }
     assert_eq!(journal_rows(&schema, &r.id.0).await, 0, "the fenced put wrote nothing");
+}
+
+/// The first token of a fresh record is exactly `FencingToken::first_at` of the statement's
+/// clock reading, computed in SQL: before the epoch and at it (the floor, 1), where the
+/// shifted clock crosses 32 bits, at the cap of 2^47 - 1 ms and past it, and today.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_tokens_match_first_at_on_the_pinned_clock() {
+    let clock = ManualClock::starting_now();
+    let store = common::fresh_store(Some(clock.clone()), 2).await;
+    let today = clock.now_ms();
+    let readings = [-5, 0, 1, 0xffff, 0x1_0000, (1 << 47) - 1, 1 << 47, 1 << 53, today];
+    for (i, t) in readings.into_iter().enumerate() {
+        clock.set(UnixMillis(t));
+        let r =
+            must_claim(&store, claim_req("p", &format!("first-{i}"), Duration::from_secs(5), Duration::from_secs(60)))
+                .await;
+        assert_eq!(r.token, FencingToken::first_at(UnixMillis(t)), "clock {t}");
+        assert_eq!(r.created_at, UnixMillis(t));
+    }
+    let at = |t: i64| FencingToken::first_at(UnixMillis(t)).0;
+    assert_eq!((at(-5), at(0), at(1), at(0x1_0000)), (1, 1, 1 << 16, 1 << 32));
+    assert_eq!(at(1 << 53), (u64::MAX >> 1) & !0xffff, "capped below 2^63: fits the bigint column");
+}
+
+/// A claim that replaces an expired record still in the table takes the larger of its token
+/// + 1 and `first_at(now)`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_replacing_an_expired_record_takes_the_larger_token() {
+    let clock = ManualClock::starting_now();
+    let store = common::fresh_store(Some(clock.clone()), 2).await;
+    let raw = common::raw().await;
+    let start = clock.now();
+    let first = FencingToken::first_at(UnixMillis(start.0 + 60_000)).0;
+    let cases = [(1, first), (first - 2, first), (first - 1, first), (first, first + 1), (1 << 62, (1 << 62) + 1)];
+    let set_token = format!("UPDATE \"{}\".records SET token = $2 WHERE id = $1", store.guard.name);
+    for (i, (old, _)) in cases.into_iter().enumerate() {
+        clock.set(start);
+        let r =
+            must_claim(&store, claim_req("p", &format!("k{i}"), Duration::from_secs(5), Duration::from_secs(60))).await;
+        let old = i64::try_from(old).expect("fits");
+        assert_eq!(raw.execute(&set_token, &[&&r.id.0[..], &old]).await.expect("set token"), 1);
+    }
+    clock.set(UnixMillis(start.0 + 60_000));
+    for (i, (old, new)) in cases.into_iter().enumerate() {
+        let r =
+            must_claim(&store, claim_req("p", &format!("k{i}"), Duration::from_secs(5), Duration::from_secs(60))).await;
+        assert_eq!(r.token, FencingToken(new), "case {i}: old token {old}");
+        assert_eq!(r.created_at, clock.now(), "case {i}: replaced");
+    }
+}
+
+/// Extend is one compare-and-set `UPDATE`: on the pinned clock it writes exactly what the
+/// model writes (the lease moves forward, never back; retention follows a lease that passes
+/// it), and a wrong token, a completed record, an expired one or none at all is
+/// `LeaseLost` naming the current token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extend_matches_the_model_and_is_fenced() {
+    let clock = ManualClock::starting_now();
+    let store = common::fresh_store(Some(clock.clone()), 2).await;
+    let mut model = Model::new();
+    let req = claim_req("p", "extend", Duration::from_secs(5), Duration::from_secs(60));
+    let r = must_claim(&store, req.clone()).await;
+    let ClaimOutcome::Claimed(m) = model.claim(&req, r.created_at) else { panic!("the model claims") };
+    assert_eq!(m, r);
+    // A lease that already ran out is renewed too, until someone reclaims it.
+    for (advance, lease) in [(6_000, 30), (1_000, 1), (10_000, 120), (0, u64::MAX)] {
+        clock.advance_ms(advance);
+        let lease = Duration::from_secs(lease);
+        let e = store.extend(r.id, r.token, lease).await.expect("extend");
+        let m = model.extend(r.id, r.token, lease, clock.now()).expect("the model extends");
+        assert_eq!(e, m, "after {advance} ms, lease {lease:?}");
+        assert_eq!(store.get(r.id).await.expect("get"), Some(e));
+    }
+    let lost = |res: Result<Record, StoreError>, current: Option<FencingToken>| match res {
+        Err(StoreError::LeaseLost { current: c, .. }) => assert_eq!(c, current),
+        other => panic!("expected LeaseLost, got {other:?}"),
+    };
+    lost(store.extend(r.id, r.token.next(), Duration::from_secs(5)).await, Some(r.token));
+    store.complete(r.id, r.token, response()).await.expect("complete");
+    lost(store.extend(r.id, r.token, Duration::from_secs(5)).await, Some(r.token));
+    let none = claim_req("p", "never", Duration::from_secs(5), Duration::from_secs(60));
+    lost(store.extend(none.id, r.token, Duration::from_secs(5)).await, None);
+    let short = claim_req("p", "short", Duration::from_secs(1), Duration::from_secs(2));
+    let s = must_claim(&store, short).await;
+    clock.set(s.expires_at);
+    lost(store.extend(s.id, s.token, Duration::from_secs(5)).await, None);
+}
+
+/// An extend that waits on the record's row lock re-checks the token on the row as the lock
+/// holder committed it: a reclaim that commits first fences the renewal (`LeaseLost` with
+/// the new token, read after the refusal) and the lease stays where the reclaim put it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extend_waiting_on_a_reclaim_is_fenced_by_it() {
+    let clock = ManualClock::starting_now();
+    let store = common::fresh_store(Some(clock.clone()), 2).await;
+    let schema = store.guard.name.clone();
+    let r = must_claim(&store, claim_req("p", "extend-race", Duration::from_secs(5), Duration::from_secs(60))).await;
+    let locker = lock_row(&schema, &r.id.0).await;
+    let in_flight = {
+        let store = store.clone();
+        tokio::spawn(async move { store.extend(r.id, r.token, Duration::from_secs(600)).await })
+    };
+    let admin = common::raw().await;
+    blocked_backend(&admin, &schema).await;
+    // What a reclaim does to the row, committed while the renewal waits.
+    locker
+        .execute(&format!("UPDATE \"{schema}\".records SET token = token + 1 WHERE id = $1"), &[&&r.id.0[..]])
+        .await
+        .expect("bump token");
+    locker.batch_execute("COMMIT").await.expect("commit");
+    match in_flight.await.expect("task") {
+        Err(StoreError::LeaseLost { presented, current, .. }) => {
+            assert_eq!(presented, r.token);
+            assert_eq!(current, Some(r.token.next()));
+        }
+        other => panic!("expected LeaseLost, got {other:?}"),
+    }
+    let now = store.get(r.id).await.expect("get").expect("present");
+    assert_eq!((now.lease_expires_at, now.expires_at), (r.lease_expires_at, r.expires_at), "nothing was renewed");
+}
+
+/// A sweep deletes an expired record with its token; the next claim of the same key still
+/// starts a later generation (its token from the server's clock is above the swept one), so
+/// the old holder's late complete, extend, journal write and fail are all refused. Real
+/// statements on the server's clock; the sweep is polled until it removes the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_between_two_generations_fences_the_old_holder() {
+    let store = common::fresh_store(None, 2).await;
+    let req = claim_req("p", "generations", Duration::from_millis(50), Duration::from_millis(100));
+    let old = must_claim(&store, req).await;
+    assert_eq!(old.token, FencingToken::first_at(old.created_at));
+    let put = store.journal_put(old.id, old.token, "s:a", b"old".to_vec(), false).await.expect("put");
+    assert_eq!(put, JournalWrite::Written);
+    let swept = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if store.sweep(10).await.expect("sweep").removed == 1 {
+                return;
+            }
+            // Polling the server until its clock passes expires_at: no local clock is read.
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    swept.expect("the sweep removes the record once its retention ends on the server's clock");
+    let count = format!("SELECT count(*) FROM \"{}\".records", store.guard.name);
+    assert_eq!(common::raw().await.query_one(&count, &[]).await.expect("count").get::<_, i64>(0), 0);
+    assert_eq!(journal_rows(&store.guard.name, &old.id.0).await, 0);
+
+    // Same key, a retention long enough to outlive the checks below.
+    let new = must_claim(&store, claim_req("p", "generations", Duration::from_secs(5), Duration::from_secs(60))).await;
+    assert_eq!(new.id, old.id);
+    assert_eq!(new.token, FencingToken::first_at(new.created_at));
+    assert!(new.token > old.token, "new {} after old {}", new.token, old.token);
+    let fenced = |res: Result<(), StoreError>, op: &str| match res {
+        Err(StoreError::LeaseLost { id, presented, current }) => {
+            assert_eq!((id, presented, current), (new.id, old.token, Some(new.token)), "{op}");
+        }
+        other => panic!("{op} with the swept generation's token: {other:?}"),
+    };
+    fenced(store.complete(old.id, old.token, response()).await.map(drop), "complete");
+    fenced(store.extend(old.id, old.token, Duration::from_secs(60)).await.map(drop), "extend");
+    fenced(store.journal_put(old.id, old.token, "s:a", b"late".to_vec(), true).await.map(drop), "journal_put");
+    fenced(store.fail(old.id, old.token).await.map(drop), "fail");
+    assert_eq!(store.get(new.id).await.expect("get"), Some(new.clone()), "the new generation is untouched");
+    assert_eq!(store.journal_get(new.id, "s:a").await.expect("journal_get"), None);
 }

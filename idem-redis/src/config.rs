@@ -62,7 +62,7 @@ impl EvictionCheck {
 }
 
 /// Replica acknowledgement after the writes that matter: `WAIT replicas timeout` after a
-/// claim, a reclaim and a complete.
+/// claim, a reclaim, a lease renewal (extend) and a complete.
 ///
 /// What it guarantees: when the call returns `Ok`, at least `replicas` replicas had
 /// received the write. What it does not: Redis replication stays asynchronous, so WAIT
@@ -70,12 +70,19 @@ impl EvictionCheck {
 /// retryable [`Error::ReplicaShortfall`], and the write stays on the primary), and a
 /// failover may still promote a replica that had not received it (Sentinel and Cluster
 /// pick the most up-to-date replica they can reach, not necessarily an acknowledging one).
-/// It narrows the window in which a failover loses a claim or a stored response; it does
-/// not close it.
+/// It narrows the window in which a failover loses a claim, a renewal or a stored response;
+/// it does not close it. A lost renewal matters as much as a lost claim: on the new primary
+/// the lease ends where the last replicated renewal left it, so a retry may reclaim the
+/// record while its holder still runs (the holder's next write is then fenced, but what it
+/// did since is done). A shortfall after an extend leaves the renewal on the primary and
+/// fails the call retryably, like any other write here; the renewing side retries it within
+/// the lease.
 ///
 /// WAIT goes in the same pipeline as the script, on the same connection, so it covers that
 /// write even if the connection is replaced right after (both then fail, retryably). It is
-/// sent with every claim, reclaim and complete, and checked only when the call wrote. WAIT
+/// sent with every claim, reclaim, extend and complete, and checked only when the call
+/// succeeded (an extend that found its lease already long enough writes nothing, and its
+/// WAIT then covers the connection's earlier writes). WAIT
 /// blocks the (multiplexed) connection until the acknowledgement or the timeout, so every
 /// concurrent call on the same store waits behind it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -155,7 +162,7 @@ impl Config {
         self
     }
 
-    /// Wait for replicas after claim, reclaim and complete (see [`ReplicaAck`]).
+    /// Wait for replicas after claim, reclaim, extend and complete (see [`ReplicaAck`]).
     #[must_use]
     pub fn with_replica_ack(mut self, ack: Option<ReplicaAck>) -> Self {
         self.replica_ack = ack;
@@ -182,8 +189,12 @@ impl Config {
 
     /// How long a record's key outlives its `expires_at` in Redis (default zero: the key
     /// expires exactly at `expires_at`). Logically the record is gone at `expires_at`
-    /// either way: every read and script checks. A grace keeps the fencing token growing
-    /// when a record is claimed again shortly after it expired, at the cost of memory.
+    /// either way: every read and script checks. Fencing tokens stay unique across record
+    /// generations without it (a new generation's first token comes from the server's
+    /// clock, see the crate docs); a grace adds that a record claimed again within it
+    /// continues its old token + 1 even if the server's clock stepped back meanwhile, at the
+    /// cost of memory. A renewal ([`idem_core::Store::extend`]) that moves `expires_at`
+    /// moves the key's expiry to the new `expires_at` plus the grace.
     #[must_use]
     pub fn with_expiry_grace(mut self, grace: Duration) -> Self {
         self.expiry_grace = grace;

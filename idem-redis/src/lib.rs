@@ -6,8 +6,8 @@
 //! - **one hash per record** at `<prefix>{<record id hex>}`. The braces make the record id
 //!   the Redis Cluster hash tag: everything about a record is one key, and any companion
 //!   key would share its slot, so nothing ever spans slots;
-//! - **Lua compare-and-set** for claim, reclaim, complete and fail. Each script reads the
-//!   record, checks the fencing token, state and lease, and writes, all in one atomic step,
+//! - **Lua compare-and-set** for claim, reclaim, complete, extend and fail. Each script
+//!   reads the record, checks the fencing token, state and lease, and writes, all in one atomic step,
 //!   following the rules of `idem_core::transition` exactly. A write whose token is no
 //!   longer current changes nothing and returns [`idem_core::StoreError::LeaseLost`]. The
 //!   scripts are loaded at start-up and run by SHA (`EVALSHA`); after a `NOSCRIPT` reply
@@ -17,15 +17,23 @@
 //!   [`idem_core::Store::sweep`] reports zero. A record past `expires_at` counts as absent
 //!   at once, even if Redis has not removed the key yet. An optional
 //!   [grace](Config::with_expiry_grace) keeps the key a little longer, so a record
-//!   claimed again soon after it expired continues its fencing-token sequence;
+//!   claimed again soon after it expired continues its fencing-token sequence (token + 1)
+//!   whatever the clock did meanwhile;
+//! - **fencing tokens unique across record generations**, from the server's clock, so a
+//!   record that left Redis (native expiry, eviction, a restart without persistence, a
+//!   failover that lost it) never hands its tokens to the next claim of its key (below);
+//! - **lease renewal** ([`idem_core::Store::extend`], `extend.lua`): compare-and-set on the
+//!   token like complete, moving `lease_expires_at` forward and `expires_at` with it when
+//!   the new lease passes it; the key's native expiry then moves too (to the new
+//!   `expires_at` plus the grace);
 //! - **the server's clock**: every script reads `TIME`, so application servers with skewed
 //!   clocks still agree on when a lease ends. Tests replace it with
 //!   [`Config::with_clock`];
 //! - **a start-up check of `maxmemory-policy`**: an evicting policy can drop an in-flight
 //!   claim and let a duplicate run. See [`EvictionCheck`]. The safe setting is
 //!   `maxmemory-policy noeviction`;
-//! - an optional `WAIT` for replicas after claim, reclaim and complete, pipelined with the
-//!   script on the same connection ([`ReplicaAck`] says what it does and does not
+//! - an optional `WAIT` for replicas after claim, reclaim, extend and complete, pipelined
+//!   with the script on the same connection ([`ReplicaAck`] says what it does and does not
 //!   guarantee on failover);
 //! - the per-record journal of resumable handlers ([`idem_core::Store::journal_put`]) as
 //!   fields of the record's own hash, so entries live and die with their record;
@@ -34,6 +42,40 @@
 //! Build it with [`RedisStore::connect`] (a URL) or [`RedisStore::from_connection`] (the
 //! application's own `redis::aio::ConnectionManager`), and a [`Config`] from
 //! `Config::default()` and its `with_*` methods.
+//!
+//! # Fencing tokens and the server's clock
+//! A claim of an absent record gets [`idem_core::FencingToken::first_at`] of the script's
+//! `TIME`: the clock in ms shifted left by 16 bits (computed in Lua as two exact 32-bit
+//! halves, since the value, about 2^57 today, is past the 2^53 a Lua number holds exactly).
+//! A claim that replaces an expired record still present takes the larger of its token + 1
+//! and that value; a reclaim adds 1. So the tokens of a new generation of a key are above
+//! every token of every earlier generation, including generations whose key Redis already
+//! dropped, as long as two conditions hold:
+//!
+//! - **the server's clock does not step back past a generation's life**: the new claim's
+//!   `TIME` must read a later millisecond than the earlier generation's claim did. A clock
+//!   that never steps back guarantees it for every generation that lived past the
+//!   millisecond it was claimed in (native expiry never removes a key before its
+//!   `expires_at`, and a claim that finds an expired key still present continues its
+//!   token). A step back (an NTP step, a restart on a host whose clock was set back)
+//!   breaks it for generations claimed within the step before it: the next generation of
+//!   such a key may get lower tokens. A late owner still passes the fence only on an
+//!   equal token, that is when both claims read the very same millisecond (or the new
+//!   generation was reclaimed 65,536 times per millisecond of the step);
+//! - **no generation is reclaimed 65,536 times per millisecond it lived** (the 16 low bits
+//!   are the reclaims' room).
+//!
+//! **Failover**: after a failover the scripts read the new primary's `TIME`. A record the
+//! replica had received keeps its token, and a claim that replaces it takes its token + 1
+//! whatever the clocks say. A record the failover lost (replication is asynchronous, see
+//! [`ReplicaAck`]) is claimed again on the new primary's clock: if that clock is D ms
+//! behind the old primary's, a record claimed on the old primary in the last D ms before
+//! the failover can come back with a lower token (fenced unless it lands on the lost
+//! claim's very millisecond, as above), and every lease on the new primary ends D ms late
+//! (or early, with a clock ahead). Keep primaries and replicas on NTP, with a skew far
+//! below a lease. A restart without persistence is the same case with the host's own clock.
+//!
+//! [`Config::with_clock`] replaces `TIME` for tests; the same rules apply to its readings.
 //!
 //! # Record layout
 //! Format 2: a hash with two fields plus journal entries. The scripts decide on the
@@ -82,10 +124,10 @@
 //!   `Retry-After`.
 //! - Reconnection: the store keeps one multiplexed connection that reconnects on its own.
 //!   A connection that died while idle (server restart, idle timeout) is noticed by the
-//!   next command. A `get` is then sent once more; a claim, reclaim, complete or fail is
-//!   never sent twice, because whether the first attempt ran is unknown, so that one call
-//!   fails with a retryable error and the next one uses the new connection. A killed
-//!   connection never leaves half a record: each script runs whole or not at all.
+//!   next command. A `get` is then sent once more; a claim, reclaim, complete, extend or
+//!   fail is never sent twice, because whether the first attempt ran is unknown, so that
+//!   one call fails with a retryable error and the next one uses the new connection. A
+//!   killed connection never leaves half a record: each script runs whole or not at all.
 //!
 //! # Testing and benchmarks
 //! `cargo test -p idem-redis` runs the conformance suite (every scenario and the model
@@ -94,10 +136,10 @@
 //! that Redis is down:
 //! `redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no`.
 //! Tests that need a differently configured server (an evicting policy, `CONFIG`
-//! disabled, a replica) or that stall or kill connections start private `redis-server`
-//! processes on free ports, so `redis-server` must be on `PATH`. Each runs in a
-//! temporary directory of its own, so a replica's sync or a cluster node never writes an
-//! RDB or `nodes.conf` file into the crate.
+//! disabled, a replica) or that stall or kill connections or restart the server start
+//! private `redis-server` processes on free ports, so `redis-server` must be on `PATH`.
+//! Each runs in a temporary directory of its own, so a replica's sync or a cluster node
+//! never writes an RDB or `nodes.conf` file into the crate.
 //! `cargo bench -p idem-redis --bench throughput` compares claim + complete against the
 //! same two round trips written by hand (`SET NX`, `SET`): medians of 0.71-0.92x with one
 //! caller and 0.37-0.42x with 32 on a loaded 2-core machine. The scripts cost about 7 µs of server time
@@ -112,8 +154,8 @@
 //!   they read and write (header, scope, response).
 //! - `src/error.rs`: [`Error`] and its retry classification.
 //! - `src/scripts/*.lua`: the scripts (`common.lua` is prepended to each, `arith.lua` to
-//!   `reclaim` and `fail`): `claim`, `reclaim`, `complete`, `fail`, `get`, `journal_put`,
-//!   `journal_get`.
+//!   `reclaim`, `extend` and `fail`): `claim`, `reclaim`, `complete`, `extend`, `fail`,
+//!   `get`, `journal_put`, `journal_get`.
 //! - `tests/conformance.rs`: the shared conformance suite; `tests/redis.rs` and
 //!   `tests/connection_kill.rs`: Redis-specific behaviour.
 

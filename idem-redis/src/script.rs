@@ -23,7 +23,7 @@ enum Kind {
     Read,
     /// Writes; never sent again after a connection error.
     Write,
-    /// Writes that [`ReplicaAck`] covers (claim, reclaim, complete).
+    /// Writes that [`ReplicaAck`] covers (claim, reclaim, complete, extend).
     AckedWrite,
 }
 
@@ -38,6 +38,7 @@ pub(crate) struct Scripts {
     pub(crate) claim: Op,
     pub(crate) reclaim: Op,
     pub(crate) complete: Op,
+    pub(crate) extend: Op,
     pub(crate) fail: Op,
     pub(crate) get: Op,
     pub(crate) journal_put: Op,
@@ -45,7 +46,7 @@ pub(crate) struct Scripts {
 }
 
 /// A script: its shebang line (Redis 7 script flags), `common.lua`, then the body (after
-/// `arith.lua` for reclaim and fail).
+/// `arith.lua` for reclaim, extend and fail).
 ///
 /// The shebang makes Redis enforce what the layout promises: a script may only touch keys
 /// in the slot of its declared key (on a Cluster node), a write script is refused up front
@@ -69,6 +70,7 @@ pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     claim: Op { name: "claim", kind: Kind::AckedWrite, script: script!("#!lua", "claim.lua") },
     reclaim: Op { name: "reclaim", kind: Kind::AckedWrite, script: script!("#!lua", "arith.lua", "reclaim.lua") },
     complete: Op { name: "complete", kind: Kind::AckedWrite, script: script!("#!lua", "complete.lua") },
+    extend: Op { name: "extend", kind: Kind::AckedWrite, script: script!("#!lua", "arith.lua", "extend.lua") },
     fail: Op { name: "fail", kind: Kind::Write, script: script!("#!lua", "arith.lua", "fail.lua") },
     get: Op { name: "get", kind: Kind::Read, script: script!("#!lua flags=no-writes", "get.lua") },
     journal_put: Op { name: "journal_put", kind: Kind::Write, script: script!("#!lua", "journal_put.lua") },
@@ -83,7 +85,7 @@ pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
 /// need no `NOSCRIPT` round trip and a server that refuses scripts fails at start-up.
 pub(crate) async fn load_all(conn: &mut ConnectionManager) -> Result<(), Error> {
     let s = &*SCRIPTS;
-    for op in [&s.claim, &s.reclaim, &s.complete, &s.fail, &s.get, &s.journal_put, &s.journal_get] {
+    for op in [&s.claim, &s.reclaim, &s.complete, &s.extend, &s.fail, &s.get, &s.journal_put, &s.journal_get] {
         op.script.prepare_invoke().load_async(conn).await.map_err(|e| Error::command("SCRIPT LOAD", e))?;
     }
     Ok(())
@@ -273,6 +275,11 @@ fn bad_field(id: RecordId, field: &'static str) -> StoreError {
 
 fn missing_field(id: RecordId, field: &'static str) -> StoreError {
     corrupt(id, field, CodecError::Malformed(postcard::Error::DeserializeUnexpectedEnd))
+}
+
+/// A duration in ms as the scripts take it: a big-endian u64 (negative reads as zero).
+pub(crate) fn ms_arg(ms: i64) -> [u8; 8] {
+    ms.max(0).to_be_bytes()
 }
 
 /// Lease and retention in ms as the scripts take them: two big-endian u64.

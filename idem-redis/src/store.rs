@@ -19,11 +19,12 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use crate::config::{Config, Verdict};
 use crate::error::Error;
-use crate::script::{Call, Op, Reply, SCRIPTS, encode_scope, load_all, ttl_arg};
+use crate::script::{Call, Op, Reply, SCRIPTS, encode_scope, load_all, ms_arg, ttl_arg};
 
 /// Idempotency records in Redis (or Valkey): one hash per record, claim/reclaim/complete/
-/// fail as Lua compare-and-set scripts, retention as the key's native expiry, time from the
-/// server. Cheap to clone; clones share one reconnecting connection.
+/// extend/fail as Lua compare-and-set scripts, retention as the key's native expiry, time
+/// and first fencing tokens from the server's clock. Cheap to clone; clones share one
+/// reconnecting connection.
 #[derive(Clone)]
 pub struct RedisStore {
     conn: ConnectionManager,
@@ -226,10 +227,25 @@ impl Store for RedisStore {
         }
     }
 
+    /// One script (`extend.lua`); under [`crate::ReplicaAck`], `WAIT` follows it like a
+    /// complete, so a renewal the primary applied also reached the replicas before the
+    /// holder counts on it.
     async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
-        // Lease renewal lands in the next commit of this branch (server-side CAS).
-        let _ = (id, token, lease_ttl);
-        Err(StoreError::Unsupported { operation: "extend" })
+        let call = self
+            .call(&SCRIPTS.extend, id)?
+            .arg(&token.0.to_be_bytes()[..])
+            .arg(&ms_arg(duration_ms(lease_ttl))[..])
+            .arg(self.grace_ms());
+        let reply = self.send(call).await?;
+        if reply.is("ok") {
+            let record = reply.record(id, None)?;
+            self.check_ack(&reply)?;
+            Ok(record)
+        } else if reply.is("lost") {
+            Err(reply.lease_lost(id, token))
+        } else {
+            Err(reply.refusal(id))
+        }
     }
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {

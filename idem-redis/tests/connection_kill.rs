@@ -88,7 +88,7 @@ fn assert_whole_claim(r: &Record, req: &ClaimRequest, clock: &ManualClock) {
     assert_eq!(r.key, req.key);
     assert_eq!(r.fingerprint, req.fingerprint);
     assert_eq!(r.state, RecordState::InFlight);
-    assert_eq!(r.token, FencingToken::FIRST);
+    assert_eq!(r.token, FencingToken::first_at(idem_core::UnixMillis(clock.now_ms())));
     assert_eq!(r.response, None);
     assert_eq!((r.created_at.0, r.started_at.0), (clock.now_ms(), clock.now_ms()));
     assert_eq!(r.lease_expires_at.0, clock.now_ms() + 5_000);

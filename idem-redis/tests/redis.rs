@@ -11,7 +11,7 @@ use std::time::Duration;
 use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,
     Model, ReclaimOutcome, ReclaimRequest, Record, RecordState, Scope, Store, StoreError, StoredBody, StoredResponse,
-    SystemClock,
+    SystemClock, UnixMillis,
 };
 use idem_redis::{Config, Error, EvictionCheck, RedisStore, ReplicaAck};
 use redis::AsyncCommands;
@@ -73,6 +73,7 @@ async fn key_layout_and_native_expiry_on_the_server_clock() {
     assert_eq!(key, format!("{prefix}{{{}}}", r.id.to_hex()));
     // Time came from the server (same host here, so it is within the call's window).
     assert!(r.created_at.0 >= before - 1_000 && r.created_at.0 <= after + 1_000, "created_at {}", r.created_at);
+    assert_eq!(r.token, FencingToken::first_at(r.created_at), "the first token comes from the server's TIME");
     assert_eq!(r.expires_at.0 - r.created_at.0, 60_000);
     assert_eq!(pexpiretime(&mut admin, &key).await, r.expires_at.0);
     // Completing keeps the key's expiry.
@@ -211,6 +212,12 @@ async fn write_raw(
         .await
         .expect("HSET");
     let _: () = admin.pexpire(key, 600_000).await.expect("PEXPIRE");
+}
+
+/// The `lease_expires_at` of the record header at `key` (bytes 26..34, big-endian).
+async fn lease_end(admin: &mut redis::aio::MultiplexedConnection, key: &str) -> Option<i64> {
+    let h: Option<Vec<u8>> = admin.hget(key, "h").await.expect("HGET");
+    h.map(|h| i64::from_be_bytes(h[26..34].try_into().expect("8 bytes")))
 }
 
 /// The state byte of the record header at `key`.
@@ -358,7 +365,7 @@ async fn scripts_are_reloaded_after_noscript() {
     let before: String = redis::cmd("INFO").arg("commandstats").query_async(&mut admin).await.expect("INFO");
     store.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![])).await.expect("complete after NOSCRIPT");
     let r2 = claim(&store, req("p", "k2", b"b")).await;
-    assert_eq!(r2.token, FencingToken::FIRST);
+    assert_eq!(r2.token, FencingToken::first_at(clock.now()));
     let after: String = redis::cmd("INFO").arg("commandstats").query_async(&mut admin).await.expect("INFO");
     let loads = |s: &str| stat(s, "cmdstat_script|load");
     assert!(loads(&after) >= loads(&before) + 2, "both scripts were loaded again:\n{after}");
@@ -399,9 +406,10 @@ async fn disabled_config_command_warns_and_starts() {
     claim(&store, req("p", "k", b"b")).await;
 }
 
-/// With a real replica, `WAIT 1` after claim and complete succeeds and the replica has the
-/// record (also when the script must be reloaded inside the pipeline); asking for more replicas than exist fails retryably and leaves the write on the
-/// primary. Writing to the replica itself gives a retryable `READONLY`.
+/// With a real replica, `WAIT 1` after claim, extend and complete succeeds and the replica
+/// has the record (also when the script must be reloaded inside the pipeline); asking for
+/// more replicas than exist fails retryably and leaves the write (a claim, a renewal) on
+/// the primary. Writing to the replica itself gives a retryable `READONLY`.
 #[tokio::test]
 async fn wait_for_replicas_and_readonly() {
     let primary = common::PrivateRedis::start(&[]).await;
@@ -422,6 +430,12 @@ async fn wait_for_replicas_and_readonly() {
     let mut radmin = replica.admin().await;
     let state = state_byte(&mut radmin, &store.record_key(r.id)).await;
     assert_eq!(state, Some(IN_FLIGHT), "WAIT returned, so the replica has the claim");
+    let e = store.extend(r.id, r.token, Duration::from_secs(600)).await.expect("extend");
+    assert_eq!(
+        lease_end(&mut radmin, &store.record_key(r.id)).await,
+        Some(e.lease_expires_at.0),
+        "WAIT returned, so the replica has the renewed lease"
+    );
     // The script cache is gone (as after a failover): the pipelined EVALSHA + WAIT reloads it.
     let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut padmin).await.expect("SCRIPT FLUSH");
     store.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![])).await.expect("complete");
@@ -438,15 +452,20 @@ async fn wait_for_replicas_and_readonly() {
     assert!(e.is_retryable(), "{e:?}");
     let src = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<Error>());
     assert!(matches!(src, Some(Error::ReplicaShortfall { acked: 1, wanted: 2, .. })), "{src:?}");
-    assert!(greedy.get(req("p", "k2", b"b").id).await.expect("get").is_some(), "WAIT never rolls back the claim");
+    let k2 = greedy.get(req("p", "k2", b"b").id).await.expect("get").expect("WAIT never rolls back the claim");
+    let e = greedy.extend(k2.id, k2.token, Duration::from_secs(600)).await.expect_err("only one replica exists");
+    let src = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<Error>());
+    assert!(e.is_retryable() && matches!(src, Some(Error::ReplicaShortfall { acked: 1, wanted: 2, .. })), "{e:?}");
+    let renewed = greedy.get(k2.id).await.expect("get").expect("present");
+    assert!(renewed.lease_expires_at.0 >= k2.created_at.0 + 600_000, "nor the renewal");
 
     let on_replica = RedisStore::connect(&replica.url, Config::default()).await.expect("connect to replica");
     let e = on_replica.claim(req("p", "k3", b"b")).await.expect_err("READONLY");
     assert!(e.is_retryable(), "READONLY after a failover is retryable: {e:?}");
 }
 
-/// Differential test: a random sequence of claims, reclaims, completes, fails, journal
-/// writes and reads, gets and clock moves over a few keys gives exactly the model's
+/// Differential test: a random sequence of claims, reclaims, completes, fails, extends,
+/// journal writes and reads, gets and clock moves over a few keys gives exactly the model's
 /// outcomes.
 #[tokio::test]
 async fn random_operations_match_the_model() {
@@ -471,7 +490,7 @@ async fn random_operations_match_the_model() {
         let current = model.get(r.id, now);
         let token = current.as_ref().map_or(FencingToken::FIRST, |c| c.token);
         let token = FencingToken(token.0.saturating_sub(next(2)));
-        match next(8) {
+        match next(9) {
             0 | 1 => {
                 let m = model.claim(&r, now);
                 let s = store.claim(r.clone()).await.expect("claim");
@@ -513,6 +532,11 @@ async fn random_operations_match_the_model() {
                     }
                     (s, m) => panic!("step {step}: journal_put: store {s:?}, model {m:?}"),
                 }
+            }
+            7 => {
+                let m = model.extend(r.id, token, r.lease_ttl, now);
+                let s = store.extend(r.id, token, r.lease_ttl).await;
+                assert_same(step, "extend", s, m);
             }
             6 => {
                 let name = ["step-a", "step-b"][next(2) as usize];
@@ -737,6 +761,8 @@ async fn cluster_node_accepts_every_script() {
         redis::cmd("CLUSTER").arg("KEYSLOT").arg(r.id.to_hex()).query_async(&mut admin).await.expect("KEYSLOT");
     assert_eq!(slot, tag_slot, "the record id is the hash tag");
     store.journal_put(r.id, r.token, "step", b"v".to_vec(), false).await.expect("journal_put");
+    let e = store.extend(r.id, r.token, Duration::from_secs(120)).await.expect("extend");
+    assert_eq!(e.expires_at.0, clock.now_ms() + 120_000);
     let f = store.fail(r.id, r.token).await.expect("fail");
     let ReclaimOutcome::Reclaimed(n) = store.reclaim(reclaim_of(&f, RETENTION)).await.expect("reclaim") else {
         panic!("reclaimable")
@@ -746,22 +772,218 @@ async fn cluster_node_accepts_every_script() {
     assert_eq!(store.journal_get(r.id, "step").await.expect("journal_get"), Some(b"v".to_vec()));
 }
 
-/// A claim that replaces a record past its retention continues its fencing token exactly:
-/// the carry from the low 32 bits into the high ones, and saturation at `u64::MAX`.
+/// A claim that replaces a record past its retention takes the larger of the old token + 1
+/// and `first_at(now)`, exactly: the comparison of the two values half by half (equal high
+/// halves, a carry from the low 32 bits into the high ones that overtakes the clock's
+/// token or not) and saturation at `u64::MAX`.
 #[tokio::test]
 async fn claim_after_retention_continues_the_token_exactly() {
     let (store, clock) = test_store().await;
     let mut admin = common::admin().await;
-    let now = clock.now_ms();
-    let cases = [(u64::from(u32::MAX), 1u64 << 32), ((1 << 53) + 1, (1 << 53) + 2), (u64::MAX, u64::MAX)];
+    // Low 16 bits of the clock non-zero, so the clock's token has a non-zero low half.
+    let t = (clock.now_ms() & !0xffff) | 0x1234;
+    let first = FencingToken::first_at(UnixMillis(t)).0;
+    let (fh, fl) = (first >> 32, first & 0xffff_ffff);
+    assert!(fh > 0 && fl > 0, "{first:#x}");
+    let cases = [
+        (1, first),
+        (first - 2, first),
+        (first - 1, first),
+        (first, first + 1),
+        ((fh << 32) - 1, first),
+        ((fh << 32) | 0xffff_ffff, (fh + 1) << 32),
+        ((fh + 1) << 32, ((fh + 1) << 32) + 1),
+        ((1 << 60) + 1, (1 << 60) + 2),
+        (u64::MAX, u64::MAX),
+    ];
     for (i, (old, _)) in cases.into_iter().enumerate() {
         let r = req("p", &format!("expired-{i}"), b"b");
-        write_raw(&mut admin, &store.record_key(r.id), &r, FAILED, old, now).await;
+        // Written at t - 60 s with 60 s retention: expired at t.
+        write_raw(&mut admin, &store.record_key(r.id), &r, FAILED, old, t - 60_000).await;
     }
-    clock.advance_ms(60_000);
-    for (i, (_, new)) in cases.into_iter().enumerate() {
-        let r = req("p", &format!("expired-{i}"), b"b");
-        let c = claim(&store, r).await;
-        assert_eq!(c.token, FencingToken(new), "case {i}");
+    clock.set(UnixMillis(t));
+    for (i, (old, new)) in cases.into_iter().enumerate() {
+        let c = claim(&store, req("p", &format!("expired-{i}"), b"b")).await;
+        assert_eq!(c.token, FencingToken(new), "case {i}: old token {old:#x}");
+        assert_eq!(
+            c.token,
+            FencingToken(old).next().max(FencingToken::first_at(clock.now())),
+            "case {i}: the core rule"
+        );
     }
+}
+
+/// The first token of a fresh record is exactly `FencingToken::first_at` of the script's
+/// clock reading, computed in Lua as two 32-bit halves: at the epoch (the floor, 1), where
+/// the shifted clock crosses from the low half into the high one, at the cap of 2^47 - 1
+/// ms and past it, at the largest test clock (2^53 - 1), and today.
+#[tokio::test]
+async fn first_tokens_match_first_at_at_the_boundaries() {
+    let (store, clock) = test_store().await;
+    let today = clock.now_ms();
+    let readings =
+        [0, 1, 0xffff, 0x1_0000, 0x1_0001, (1 << 32) - 1, 1 << 32, (1 << 47) - 1, 1 << 47, (1 << 53) - 1, today];
+    for (i, t) in readings.into_iter().enumerate() {
+        clock.set(UnixMillis(t));
+        let c = claim(&store, req("p", &format!("first-{i}"), b"b")).await;
+        assert_eq!(c.token, FencingToken::first_at(UnixMillis(t)), "clock {t}");
+        assert_eq!(c.created_at, UnixMillis(t));
+    }
+    // The values themselves, independently of first_at.
+    let at = |t: i64| FencingToken::first_at(UnixMillis(t)).0;
+    assert_eq!((at(0), at(1), at(0xffff), at(0x1_0000)), (1, 1 << 16, 0xffff_0000, 1 << 32));
+    assert_eq!(at(1 << 47), at((1 << 47) - 1));
+    assert_eq!(at((1 << 47) - 1), (u64::MAX >> 1) & !0xffff);
+}
+
+/// Renewing a lease moves the key's native expiry only when it moves the record's
+/// retention end: a longer lease inside retention leaves `PEXPIRETIME` alone, one past it
+/// moves `expires_at` and the key's expiry (plus the grace) with it, and a shorter one
+/// changes nothing at all. On the server's clock.
+#[tokio::test]
+async fn extend_moves_native_expiry_with_the_retention_end() {
+    let grace = 1_500_i64;
+    let store = common::connect(
+        Config::default().with_prefix(common::fresh_prefix()).with_expiry_grace(Duration::from_millis(1_500)),
+    )
+    .await;
+    let mut admin = common::admin().await;
+    let r = claim(&store, req("p", "k", b"b")).await;
+    let key = store.record_key(r.id);
+    assert_eq!(pexpiretime(&mut admin, &key).await, r.expires_at.0 + grace);
+
+    let e = store.extend(r.id, r.token, Duration::from_secs(30)).await.expect("extend");
+    assert!(e.lease_expires_at.0 >= r.created_at.0 + 30_000 && e.lease_expires_at.0 < r.expires_at.0);
+    assert_eq!((e.token, e.state, e.expires_at, e.created_at), (r.token, r.state, r.expires_at, r.created_at));
+    assert_eq!(pexpiretime(&mut admin, &key).await, r.expires_at.0 + grace, "retention did not move");
+
+    let f = store.extend(r.id, r.token, Duration::from_secs(600)).await.expect("extend");
+    assert!(f.lease_expires_at.0 >= e.lease_expires_at.0 + 570_000);
+    assert_eq!(f.expires_at, f.lease_expires_at, "retention follows the lease");
+    assert_eq!(pexpiretime(&mut admin, &key).await, f.expires_at.0 + grace, "the key follows the record");
+    assert_eq!(store.get(r.id).await.expect("get"), Some(f.clone()));
+
+    let g = store.extend(r.id, r.token, Duration::from_secs(1)).await.expect("a shorter renewal is no error");
+    assert_eq!(g, f, "a lease never moves earlier");
+    assert_eq!(pexpiretime(&mut admin, &key).await, f.expires_at.0 + grace);
+    let _: () = admin.del(&key).await.expect("clean up own key");
+}
+
+/// Under a test clock, a renewal that moves the retention end gives the key the record's
+/// remaining time on that clock plus the grace (as a claim does); a lease of `u64::MAX`
+/// seconds saturates at `i64::MAX` like the model and leaves the key without an expiry.
+#[tokio::test]
+async fn extend_under_a_test_clock_and_at_the_64_bit_limit() {
+    let (store, clock) = test_store().await;
+    let mut admin = common::admin().await;
+    let r = claim(&store, req("p", "k", b"b")).await;
+    clock.advance_ms(4_000);
+    let e = store.extend(r.id, r.token, Duration::from_secs(300)).await.expect("extend");
+    assert_eq!((e.lease_expires_at.0, e.expires_at.0), (clock.now_ms() + 300_000, clock.now_ms() + 300_000));
+    let pttl: i64 = admin.pttl(store.record_key(r.id)).await.expect("PTTL");
+    let want = 300_000 + idem_core::time::duration_ms(common::TEST_GRACE);
+    assert!(pttl > want - 5_000 && pttl <= want, "300 s remaining + grace, got {pttl} ms");
+
+    let mut model = Model::new();
+    let m = match model.claim(&req("p", "k", b"b"), r.created_at) {
+        ClaimOutcome::Claimed(m) => m,
+        other => panic!("model claims: {other:?}"),
+    };
+    assert_eq!(m, r);
+    let m = model.extend(r.id, r.token, Duration::from_secs(300), clock.now()).expect("model extends");
+    assert_eq!(m, e);
+    let forever = store.extend(r.id, r.token, Duration::from_secs(u64::MAX)).await.expect("extend");
+    let m = model.extend(r.id, r.token, Duration::from_secs(u64::MAX), clock.now()).expect("model extends");
+    assert_eq!(forever, m);
+    assert_eq!((forever.lease_expires_at.0, forever.expires_at.0), (i64::MAX, i64::MAX));
+    assert_eq!(pexpiretime(&mut admin, &store.record_key(r.id)).await, -1, "no native expiry past 2^53 ms");
+    assert_eq!(store.get(r.id).await.expect("get"), Some(forever));
+}
+
+/// Every write a late owner of `old` can attempt on the record that replaced it (`new`) is
+/// refused with `LeaseLost` naming the new token, and leaves it as it was.
+async fn assert_late_owner_fenced(store: &RedisStore, old: &Record, new: &Record) {
+    let lost = |e: Result<(), StoreError>, op: &str| match e {
+        Err(StoreError::LeaseLost { id, presented, current }) => {
+            assert_eq!((id, presented, current), (new.id, old.token, Some(new.token)), "{op}");
+        }
+        other => panic!("{op} with the old generation's token: {other:?}"),
+    };
+    let done = store.complete(old.id, old.token, StoredResponse::new(200, vec![], b"late".to_vec())).await;
+    lost(done.map(drop), "complete");
+    lost(store.extend(old.id, old.token, Duration::from_secs(60)).await.map(drop), "extend");
+    lost(store.journal_put(old.id, old.token, "step", b"late".to_vec(), true).await.map(drop), "journal_put");
+    lost(store.fail(old.id, old.token).await.map(drop), "fail");
+    assert_eq!(store.get(new.id).await.expect("get").as_ref(), Some(new), "the new generation is untouched");
+    assert_eq!(store.journal_get(new.id, "step").await.expect("journal_get"), None);
+}
+
+/// Retries `op` while it fails retryably (a connection that died with the server is
+/// noticed by the next command; the manager reconnects behind it), at most 40 times.
+async fn retrying<T, F: std::future::Future<Output = Result<T, StoreError>>>(mut op: impl FnMut() -> F) -> T {
+    for _ in 0..40 {
+        match op().await {
+            Ok(v) => return v,
+            Err(e) if e.is_retryable() => {
+                // Waiting for the reconnect: no clock is involved.
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            Err(e) => panic!("not retryable: {e:?}"),
+        }
+    }
+    panic!("still failing after 40 tries")
+}
+
+/// A restart without persistence loses every record with its token, and the next claim of
+/// the same key starts a later generation from the server's clock: its token is above the
+/// lost one, so the old holder's late complete, extend, journal write and fail are all
+/// refused. (With a counter the new record would start at 1 again.)
+#[tokio::test]
+async fn a_restart_without_persistence_starts_a_later_generation() {
+    let mut server = common::PrivateRedis::start(&[]).await;
+    let store = RedisStore::connect(&server.url, Config::default()).await.expect("connect");
+    let r = req("p", "k", b"b");
+    let old = claim(&store, r.clone()).await;
+    assert_eq!(old.token, FencingToken::first_at(old.created_at));
+    let put = store.journal_put(old.id, old.token, "step", b"v".to_vec(), false).await.expect("journal_put");
+    assert_eq!(put, JournalWrite::Written);
+    server.restart().await;
+    assert_eq!(retrying(|| store.get(old.id)).await, None, "the restart lost the record");
+    let new = claim(&store, r).await;
+    assert_eq!(new.token, FencingToken::first_at(new.created_at));
+    assert!(new.token > old.token, "new {} after old {}", new.token, old.token);
+    assert_late_owner_fenced(&store, &old, &new).await;
+}
+
+/// Redis removes an expired record's key itself (native expiry, no grace), and with it the
+/// token; the next claim still gets a token above the removed one, and the old holder's
+/// late writes are refused. On the shared server and its clock.
+#[tokio::test]
+async fn native_expiry_starts_a_later_generation() {
+    let store = common::connect(Config::default().with_prefix(common::fresh_prefix())).await;
+    let mut admin = common::admin().await;
+    let mut r = req("p", "k", b"b");
+    r.lease_ttl = Duration::from_millis(50);
+    r.retention = Duration::from_millis(100);
+    let old = claim(&store, r.clone()).await;
+    let put = store.journal_put(old.id, old.token, "step", b"v".to_vec(), false).await.expect("journal_put");
+    assert_eq!(put, JournalWrite::Written);
+    let key = store.record_key(old.id);
+    let vanished = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let n: i64 = admin.exists(&key).await.expect("EXISTS");
+            if n == 0 {
+                break;
+            }
+            // Polling Redis until it expires the key: no clock is read.
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    vanished.expect("Redis removes the key at its native expiry");
+    let new = claim(&store, r).await;
+    assert_eq!(new.token, FencingToken::first_at(new.created_at));
+    assert!(new.token > old.token, "new {} after old {}", new.token, old.token);
+    assert_late_owner_fenced(&store, &old, &new).await;
+    let _: () = admin.del(&key).await.expect("clean up own key");
 }

@@ -4,6 +4,8 @@
 -- ARGV[2] lease ms and retention ms (already >= lease), two big-endian u64
 -- ARGV[3] expiry grace ms, ARGV[4] fingerprint (32 bytes), ARGV[5] scope (opaque)
 -- Returns {'claimed', now, h} | {'existing', now, h, response or nil} | {'corrupt', now}
+-- The new record's token is FencingToken::first_at(now), or the replaced record's token + 1
+-- when that is larger (see idem_core::transition::claim).
 --
 -- The most frequent script, so its fresh-key path is written out inline rather than
 -- through arith.lua's helpers: every helper is a closure the server builds on each call.
@@ -27,7 +29,19 @@ end
 if eh > I64_MAX_HI then
   eh, el = I64_MAX_HI, U32_MAX
 end
-local h = struct.pack('>BBI4I4I4I4I4I4I4I4I4I4', FORMAT, 1, 0, 1, nh, nl, nh, nl, leh, lel, eh, el)
+-- The first token of a new generation: FencingToken::first_at(now), now in ms (capped at
+-- 2^47 - 1) shifted left by 16 bits, at least 1. As halves: hi = ms / 2^16, lo = the low
+-- 16 bits of ms times 2^16, every step exact in a double (ms < 2^47, both halves < 2^32).
+local ms = now
+if ms > FIRST_MS_MAX then
+  ms = FIRST_MS_MAX
+end
+local fh = math.floor(ms / TWO16)
+local fl = (ms - fh * TWO16) * TWO16
+if fh == 0 and fl == 0 then
+  fl = 1
+end
+local h = struct.pack('>BBI4I4I4I4I4I4I4I4I4I4', FORMAT, 1, fh, fl, nh, nl, nh, nl, leh, lel, eh, el)
   .. ARGV[4] .. ARGV[5]
 -- A fresh key: one write that fails if any record is there. (A hash without 'h' is not a
 -- record; the claim adds its header to it.)
@@ -41,15 +55,18 @@ if redis.call('HSETNX', key, 'h', h) == 0 then
   if now < num_at(old, AT_EXPIRES) then
     return {'existing', now, old, cur[2]}
   end
-  -- Past its retention: counts as absent, but the token keeps growing so a very late owner
-  -- of the old record can never complete the new one.
+  -- Past its retention: counts as absent, but the token stays above the old record's (its
+  -- token + 1, saturating, if that is above first_at(now)), so a very late owner of the
+  -- old record can never complete the new one, whatever the clock did meanwhile.
   local th, tl = struct.unpack('>I4I4', old, AT_TOKEN)
   if tl < U32_MAX then
     tl = tl + 1
   elseif th < U32_MAX then
     th, tl = th + 1, 0
   end
-  h = string.sub(h, 1, 2) .. struct.pack('>I4I4', th, tl) .. string.sub(h, 11)
+  if th > fh or (th == fh and tl > fl) then
+    h = string.sub(h, 1, 2) .. struct.pack('>I4I4', th, tl) .. string.sub(h, 11)
+  end
   redis.call('DEL', key)
   redis.call('HSET', key, 'h', h)
 end

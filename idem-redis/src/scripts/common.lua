@@ -2,10 +2,10 @@
 -- each script body).
 --
 -- The owner check (header present, valid, not expired, in flight, same token) is written
--- out in complete.lua, fail.lua and journal_put.lua rather than shared here on purpose:
--- this prelude is re-run on every call, and each function it defines costs Redis CPU per
--- script call (measured ~0.45 us), on the path whose cost decides throughput. Keep the
--- three copies identical; the conformance fencing scenarios check each of them.
+-- out in complete.lua, fail.lua, extend.lua and journal_put.lua rather than shared here on
+-- purpose: this prelude is re-run on every call, and each function it defines costs Redis
+-- CPU per script call (measured ~0.45 us), on the path whose cost decides throughput. Keep
+-- the four copies identical; the conformance fencing scenarios check each of them.
 --
 -- Record layout (format 2): one hash per record at KEYS[1] = <prefix>{<record id hex>}:
 --   'h'        the header, HEADER_LEN bytes, then the scope. Scripts decide on the header:
@@ -31,10 +31,14 @@
 
 local FORMAT = 2
 local HEADER_LEN = 74
+local TWO16 = 65536
 local TWO32 = 4294967296
 local TWO53 = 9007199254740992
 local U32_MAX = 4294967295
 local I64_MAX_HI = 2147483647
+-- The largest clock reading (ms) a first token is taken from: 2^47 - 1, so that the token,
+-- ms << 16, fits in an i64 (FencingToken::first_at).
+local FIRST_MS_MAX = 140737488355327
 -- Byte offsets (1-based) of the header's 64-bit fields.
 local AT_TOKEN, AT_LEASE, AT_EXPIRES = 3, 27, 35
 

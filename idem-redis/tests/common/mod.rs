@@ -66,16 +66,20 @@ pub async fn admin() -> redis::aio::MultiplexedConnection {
 }
 
 /// A private `redis-server` on a free port, for tests that need a server configured
-/// differently (an evicting policy, CONFIG disabled) or that block the server, so the
-/// shared one is never disturbed. Killed (by its own pid) on drop.
+/// differently (an evicting policy, CONFIG disabled) or that block or restart the server,
+/// so the shared one is never disturbed. Killed (by its own pid) on drop.
 ///
 /// It runs in a temporary directory of its own (`--dir`): a replica's initial sync, a
 /// cluster node's `nodes.conf` and any RDB file land there, never in the crate's
-/// directory (the test's working directory), and go with the server.
+/// directory (the test's working directory), and go with the server. It never persists
+/// (`--save ""`, `--appendonly no`), so a [restart](PrivateRedis::restart) loses every key.
 pub struct PrivateRedis {
     child: std::process::Child,
+    /// The command line after the fixed options, kept for a restart.
+    args: Vec<String>,
+    port: u16,
     /// Its working directory, removed after the server is killed.
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     /// Its URL.
     pub url: String,
 }
@@ -87,30 +91,38 @@ impl PrivateRedis {
             let l = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
             l.local_addr().expect("addr").port()
         };
-        let port_s = port.to_string();
         let dir = tempfile::Builder::new().prefix("idem-redis-test-").tempdir().expect("temp dir");
-        let dir_s = dir.path().to_str().expect("utf-8 temp dir").to_owned();
-        let mut cmd = std::process::Command::new("redis-server");
-        cmd.args(["--bind", "127.0.0.1", "--port", &port_s, "--save", "", "--appendonly", "no", "--dir", &dir_s]);
-        cmd.args(args);
-        cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
-        let child = cmd.spawn().expect(
-            "redis-server must be on PATH for this test (install Redis; the shared server alone is not enough here)",
-        );
+        let args: Vec<String> = args.iter().map(|&a| a.to_owned()).collect();
+        let child = spawn(port, &dir, &args);
         let url = format!("redis://127.0.0.1:{port}");
-        let server = Self { child, _dir: dir, url };
-        let client = redis::Client::open(server.url.as_str()).expect("url");
+        let server = Self { child, args, port, dir, url };
+        server.wait_ready().await;
+        server
+    }
+
+    /// Kills the server (by its pid) and starts it again on the same port, with the same
+    /// options and directory: every key is gone (nothing persists), as after a crash or a
+    /// restart of a server without persistence. Returns once the new server answers.
+    pub async fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = spawn(self.port, &self.dir, &self.args);
+        self.wait_ready().await;
+    }
+
+    async fn wait_ready(&self) {
+        let client = redis::Client::open(self.url.as_str()).expect("url");
         for _ in 0..200 {
             if let Ok(mut c) = client.get_multiplexed_async_connection().await {
                 let pong: Result<String, _> = redis::cmd("PING").query_async(&mut c).await;
                 if pong.is_ok() {
-                    return server;
+                    return;
                 }
             }
             // Waiting for a child process to start listening: no clock is involved.
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
-        panic!("private redis-server on port {port} did not start");
+        panic!("private redis-server on port {} did not start", self.port);
     }
 
     /// A plain connection to it.
@@ -118,6 +130,19 @@ impl PrivateRedis {
         let client = redis::Client::open(self.url.as_str()).expect("url");
         client.get_multiplexed_async_connection().await.expect("private redis connection")
     }
+}
+
+/// Spawns `redis-server` on `port` in `dir`, without persistence, with `args` appended.
+fn spawn(port: u16, dir: &tempfile::TempDir, args: &[String]) -> std::process::Child {
+    let port_s = port.to_string();
+    let dir_s = dir.path().to_str().expect("utf-8 temp dir");
+    let mut cmd = std::process::Command::new("redis-server");
+    cmd.args(["--bind", "127.0.0.1", "--port", &port_s, "--save", "", "--appendonly", "no", "--dir", dir_s]);
+    cmd.args(args);
+    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    cmd.spawn().expect(
+        "redis-server must be on PATH for this test (install Redis; the shared server alone is not enough here)",
+    )
 }
 
 impl Drop for PrivateRedis {
