@@ -26,7 +26,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, RecordState, Scope, Store, StoredResponse,
+    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, RecordState, Scope, Store,
+    StoredResponse,
 };
 
 /// Lines the parent reads before it kills the child.
@@ -126,7 +127,11 @@ fn parent<S: Store>(child_env: &str, file_name: &str, open: impl Fn(&Path) -> S)
         for (&n, &state) in &acked {
             let r =
                 store.get(request(n).id).await.expect("get").unwrap_or_else(|| panic!("acknowledged k{n} was lost"));
-            assert_eq!(r.token.0, 1, "k{n}");
+            assert_eq!(
+                r.token,
+                FencingToken::first_at(r.created_at),
+                "k{n}: claimed once, the first token of its time"
+            );
             match state {
                 RecordState::Completed => {
                     completed += 1;

@@ -1,5 +1,5 @@
-//! The model-based test: random sequences of claim, reclaim, complete, fail, get, sweep,
-//! journal put and get (on stores with [`idem_core::Capabilities::journal`]; on others both
+//! The model-based test: random sequences of claim, reclaim, complete, fail, extend, get,
+//! sweep, journal put and get (on stores with [`idem_core::Capabilities::journal`]; on others both
 //! must return `StoreError::Unsupported`) and clock moves (including moves to exactly a lease end or an `expires_at`, and one ms either
 //! side), issued by several simulated owners over a small key space, run against a store and
 //! against [`idem_core::Model`] (the oracle). Every outcome is compared.
@@ -55,6 +55,9 @@ pub const KEYS: usize = 4;
 pub const LEASES_MS: [u64; 3] = [0, 1_000, 5_000];
 /// Retention windows an operation picks from, ms (1 s is shorter than a 5 s lease: raised).
 pub const RETENTIONS_MS: [u64; 3] = [1_000, 10_000, 60_000];
+/// Renewals an extend picks from, ms: zero (never moves a lease earlier), a usual lease,
+/// and one past most retention windows (raises `expires_at`).
+pub const EXTENSIONS_MS: [u64; 3] = [0, 5_000, 30_000];
 /// Distinct request fingerprints.
 pub const FINGERPRINTS: u8 = 2;
 /// Journal entry names an operation picks from (a step, an intent, a non-ASCII name).
@@ -73,11 +76,13 @@ pub enum TokenChoice {
     Held,
     /// The token of the last record the owner saw for the key (1 if none).
     Seen,
-    /// A literal token (`n % 8`), often stale or from the future.
-    Literal(u8),
-    /// The token of the key's live record as the model holds it (1 if none): the current
-    /// owner's token while the record is in flight. Journal puts use it so that entries
-    /// get written, then found (`Exists`) and read.
+    /// A token near the current one: `current + n % 8 - 4`, so up to 4 below it (stale),
+    /// the current one, or up to 3 above it (from the future). With no live record,
+    /// "current" is the token a claim would take now ([`FencingToken::first_at`]).
+    Near(u8),
+    /// The token of the key's live record as the model holds it ([`FencingToken::first_at`]
+    /// the store's `now` if none): the current owner's token while the record is in flight.
+    /// Journal puts use it so that entries get written, then found (`Exists`) and read.
     Current,
 }
 
@@ -140,6 +145,17 @@ pub enum Op {
         key: u8,
         /// The token presented.
         token: TokenChoice,
+    },
+    /// `extend` (lease renewal) by a renewal picked by index.
+    Extend {
+        /// Owner index.
+        owner: u8,
+        /// Key index.
+        key: u8,
+        /// The token presented.
+        token: TokenChoice,
+        /// Index into [`EXTENSIONS_MS`].
+        lease: u8,
     },
     /// `get`.
     Get {
@@ -205,7 +221,8 @@ pub fn responses() -> [StoredResponse; 5] {
     ]
 }
 
-/// The proptest strategy for one store operation (claim, reclaim, complete, fail, get).
+/// The proptest strategy for one store operation (claim, reclaim, complete, fail, extend,
+/// get, journal put and get).
 pub fn store_op_strategy() -> impl Strategy<Value = Op> {
     let owner = || 0..OWNERS as u8;
     // Skewed towards key 0, so one record sees long histories; the others check isolation.
@@ -216,7 +233,7 @@ pub fn store_op_strategy() -> impl Strategy<Value = Op> {
         prop_oneof![
             3 => Just(TokenChoice::Held),
             3 => Just(TokenChoice::Seen),
-            1 => (0u8..5).prop_map(TokenChoice::Literal),
+            1 => (0u8..8).prop_map(TokenChoice::Near),
         ]
     };
     let fingerprint = || prop_oneof![4 => Just(0u8), 1 => 0..FINGERPRINTS];
@@ -227,7 +244,7 @@ pub fn store_op_strategy() -> impl Strategy<Value = Op> {
             4 => Just(TokenChoice::Current),
             2 => Just(TokenChoice::Held),
             1 => Just(TokenChoice::Seen),
-            1 => (0u8..5).prop_map(TokenChoice::Literal),
+            1 => (0u8..8).prop_map(TokenChoice::Near),
         ]
     };
     let name = || prop_oneof![3 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8)];
@@ -240,6 +257,7 @@ pub fn store_op_strategy() -> impl Strategy<Value = Op> {
         ),
         3 => (owner(), key(), token(), 0..5u8).prop_map(|(owner, key, token, response)| Op::Complete { owner, key, token, response }),
         2 => (owner(), key(), token()).prop_map(|(owner, key, token)| Op::Fail { owner, key, token }),
+        3 => (owner(), key(), token(), 0..3u8).prop_map(|(owner, key, token, lease)| Op::Extend { owner, key, token, lease }),
         2 => (owner(), key()).prop_map(|(owner, key)| Op::Get { owner, key }),
         6 => (owner(), key(), journal_token(), name(), 0..4u8, prop_oneof![3 => Just(false), 1 => Just(true)]).prop_map(
             |(owner, key, token, name, value, overwrite)| Op::JournalPut { owner, key, token, name, value, overwrite }
@@ -436,9 +454,11 @@ pub struct RunStats {
     pub reclaimed: u64,
     /// Reclaims that conflicted.
     pub reclaim_conflicts: u64,
-    /// Completes and fails that applied.
+    /// Completes, fails and extends that applied.
     pub writes: u64,
-    /// Completes and fails refused with `LeaseLost`.
+    /// Extends that applied (also counted in `writes`).
+    pub extended: u64,
+    /// Completes, fails and extends refused with `LeaseLost`.
     pub lease_lost: u64,
     /// Gets that found a record.
     pub hits: u64,
@@ -473,6 +493,7 @@ impl RunStats {
         self.reclaimed += other.reclaimed;
         self.reclaim_conflicts += other.reclaim_conflicts;
         self.writes += other.writes;
+        self.extended += other.extended;
         self.lease_lost += other.lease_lost;
         self.hits += other.hits;
         self.swept += other.swept;
@@ -492,14 +513,22 @@ struct Owners {
 }
 
 impl Owners {
-    fn token(&self, owner: usize, key: usize, choice: TokenChoice, current: Option<FencingToken>) -> FencingToken {
+    /// The token `owner` presents for `key`; `current` is the key's live token, or the one
+    /// a claim would take now.
+    fn token(&self, owner: usize, key: usize, choice: TokenChoice, current: FencingToken) -> FencingToken {
         match choice {
-            TokenChoice::Current => current.unwrap_or(FencingToken::FIRST),
+            TokenChoice::Current => current,
             TokenChoice::Held => self.held[owner][key].unwrap_or(FencingToken::FIRST),
             TokenChoice::Seen => self.seen[owner][key].unwrap_or(FencingToken::FIRST),
-            TokenChoice::Literal(n) => FencingToken(u64::from(n % 8)),
+            TokenChoice::Near(n) => FencingToken((current.0 + u64::from(n % 8)).saturating_sub(4)),
         }
     }
+}
+
+/// The token of record `id`'s live record in `model`, or, with none, the token a claim
+/// would take at `now`.
+fn current_token(model: &Model, id: RecordId, now: UnixMillis) -> FencingToken {
+    model.get(id, now).map_or(FencingToken::first_at(now), |r| r.token)
 }
 
 /// Runs `ops` against `store` (timed by `clock`) and a fresh [`Model`], comparing every
@@ -556,7 +585,7 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
                 let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
                 let req = ReclaimRequest {
                     id: ids[k],
-                    expected: owners.token(o, k, token, model.get(ids[k], now).map(|r| r.token)),
+                    expected: owners.token(o, k, token, current_token(&model, ids[k], now)),
                     fingerprint: fingerprint(f),
                     lease_ttl: ms(&LEASES_MS, lease),
                     retention: ms(&RETENTIONS_MS, retention),
@@ -583,7 +612,7 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
             }
             Op::Complete { owner, key, token, response } => {
                 let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
-                let t = owners.token(o, k, token, model.get(ids[k], now).map(|r| r.token));
+                let t = owners.token(o, k, token, current_token(&model, ids[k], now));
                 let resp = responses[usize::from(response) % responses.len()].clone();
                 let m = model.complete(ids[k], t, resp.clone(), now);
                 let s = store.complete(ids[k], t, resp).await;
@@ -591,10 +620,20 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
             }
             Op::Fail { owner, key, token } => {
                 let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
-                let t = owners.token(o, k, token, model.get(ids[k], now).map(|r| r.token));
+                let t = owners.token(o, k, token, current_token(&model, ids[k], now));
                 let m = model.fail(ids[k], t, now);
                 let s = store.fail(ids[k], t).await;
                 same_write(i, s, m, &mut stats)?;
+            }
+            Op::Extend { owner, key, token, lease } => {
+                let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
+                let t = owners.token(o, k, token, current_token(&model, ids[k], now));
+                let lease = ms(&EXTENSIONS_MS, lease);
+                let m = model.extend(ids[k], t, lease, now);
+                let applied = m.is_ok();
+                let s = store.extend(ids[k], t, lease).await;
+                same_write(i, s, m, &mut stats)?;
+                stats.extended += u64::from(applied);
             }
             Op::Get { owner, key } => {
                 let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
@@ -611,7 +650,7 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
             }
             Op::JournalPut { owner, key, token, name, value, overwrite } => {
                 let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
-                let t = owners.token(o, k, token, model.get(ids[k], now).map(|r| r.token));
+                let t = owners.token(o, k, token, current_token(&model, ids[k], now));
                 let name = JOURNAL_NAMES[usize::from(name) % JOURNAL_NAMES.len()];
                 let value = values[usize::from(value) % values.len()].clone();
                 let s = store.journal_put(ids[k], t, name, value.clone(), overwrite).await;
@@ -711,7 +750,7 @@ async fn sweep(
 /// by a barrier, each on its own task, then one clock move or sweep.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Batch {
-    /// Claim, reclaim, complete, fail, get and journal operations racing each other.
+    /// Claim, reclaim, complete, fail, extend, get and journal operations racing each other.
     pub ops: Vec<Op>,
     /// Runs alone after the race: `Advance`, `AdvanceTo` or `Sweep`.
     pub then: Op,
@@ -734,6 +773,7 @@ enum Prepared {
     Reclaim(ReclaimRequest),
     Complete(RecordId, FencingToken, StoredResponse),
     Fail(RecordId, FencingToken),
+    Extend(RecordId, FencingToken, Duration),
     Get(RecordId),
     JournalPut(RecordId, FencingToken, &'static str, Vec<u8>, bool),
     JournalGet(RecordId, &'static str),
@@ -746,6 +786,7 @@ impl Prepared {
             Prepared::Reclaim(r) => r.id,
             Prepared::Complete(id, ..)
             | Prepared::Fail(id, _)
+            | Prepared::Extend(id, ..)
             | Prepared::Get(id)
             | Prepared::JournalPut(id, ..)
             | Prepared::JournalGet(id, _) => *id,
@@ -806,6 +847,7 @@ fn on_model(model: &mut Model, p: &Prepared, now: UnixMillis, journal: bool) -> 
         Prepared::Reclaim(req) => Outcome::Reclaim(model.reclaim(req, now)),
         Prepared::Complete(id, t, resp) => Outcome::Write(model.complete(*id, *t, resp.clone(), now).map_err(lost)),
         Prepared::Fail(id, t) => Outcome::Write(model.fail(*id, *t, now).map_err(lost)),
+        Prepared::Extend(id, t, lease) => Outcome::Write(model.extend(*id, *t, *lease, now).map_err(lost)),
         Prepared::Get(id) => Outcome::Get(model.get(*id, now)),
         Prepared::JournalPut(..) | Prepared::JournalGet(..) if !journal => Outcome::Unsupported,
         Prepared::JournalPut(id, t, name, value, overwrite) => {
@@ -825,6 +867,7 @@ async fn on_store(store: &dyn Store, p: Prepared) -> Result<Outcome, String> {
         Prepared::Reclaim(req) => store.reclaim(req).await.map(Outcome::Reclaim).map_err(|e| format!("reclaim: {e}")),
         Prepared::Complete(id, t, resp) => write(store.complete(id, t, resp).await),
         Prepared::Fail(id, t) => write(store.fail(id, t).await),
+        Prepared::Extend(id, t, lease) => write(store.extend(id, t, lease).await),
         Prepared::Get(id) => store.get(id).await.map(Outcome::Get).map_err(|e| format!("get: {e}")),
         Prepared::JournalPut(id, t, name, value, overwrite) => {
             match store.journal_put(id, t, name, value, overwrite).await {
@@ -884,9 +927,8 @@ impl World {
     /// Fixes `op`'s request; `None` for clock moves and sweeps.
     fn prepare(&self, op: &Op, now: UnixMillis) -> Option<(usize, usize, Prepared)> {
         let ok = |owner: u8, key: u8| (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
-        let resolve = |o: usize, k: usize, choice| {
-            self.owners.token(o, k, choice, self.model.get(self.ids[k], now).map(|r| r.token))
-        };
+        let resolve =
+            |o: usize, k: usize, choice| self.owners.token(o, k, choice, current_token(&self.model, self.ids[k], now));
         Some(match *op {
             Op::Claim { owner, key, fingerprint: f, lease, retention } => {
                 let (o, k) = ok(owner, key);
@@ -919,6 +961,10 @@ impl World {
             Op::Fail { owner, key, token } => {
                 let (o, k) = ok(owner, key);
                 (o, k, Prepared::Fail(self.ids[k], resolve(o, k, token)))
+            }
+            Op::Extend { owner, key, token, lease } => {
+                let (o, k) = ok(owner, key);
+                (o, k, Prepared::Extend(self.ids[k], resolve(o, k, token), ms(&EXTENSIONS_MS, lease)))
             }
             Op::Get { owner, key } => {
                 let (o, k) = ok(owner, key);
@@ -1106,7 +1152,10 @@ pub async fn run_batches(
         let (model, order) = explaining.remove(0);
         world.model = model;
         for i in order {
-            let (o, k, _) = prepared[i];
+            let (o, k, ref p) = prepared[i];
+            if matches!((p, &seen[i]), (Prepared::Extend(..), Outcome::Write(Ok(_)))) {
+                stats.extended += 1;
+            }
             world.learn(o, k, &seen[i], &mut stats)?;
         }
         match batch.then {

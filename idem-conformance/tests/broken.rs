@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_conformance::scenarios::{claim, clock, fencing, inflight, journal, peers, replay, retention};
+use idem_conformance::scenarios::{
+    claim, clock, extend, fencing, generation, inflight, journal, peers, replay, retention,
+};
 use idem_conformance::{Backend, Env, model_test};
 use idem_core::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
 use idem_core::{
@@ -47,6 +49,19 @@ enum Bug {
     ReplacingClaimKeepsJournal,
     /// `overwrite = false` is ignored: the last write wins, so a step can run twice.
     JournalLastWriteWins,
+    /// Extend renews any live in-flight record, whatever token is presented: a stale owner
+    /// keeps the new attempt's lease alive, or renews the claim it lost.
+    ExtendIgnoresToken,
+    /// Extend checks the token but not the state: it renews a completed or failed record.
+    ExtendRenewsFinished,
+    /// Extend sets `lease_expires_at = now + lease` even when that is earlier.
+    ExtendShortensLease,
+    /// Extend moves the lease but not `expires_at`: a renewed claim is swept under its holder.
+    ExtendKeepsExpiresAt,
+    /// The tokens of a new generation restart (the old rule): token 1 for an absent
+    /// record, the stored expired record's token + 1 otherwise. A record that left the
+    /// store takes its tokens with it, and a late owner of it passes the fence on the next.
+    TokensRestart,
 }
 
 /// A map-based store that follows `idem_core::transition` except for its bug.
@@ -105,6 +120,10 @@ impl Store for BrokenStore {
         if let Some(mut r) = write {
             if self.bug == Bug::LeaseInSeconds {
                 r.lease_expires_at = UnixMillis(now.0 + req.lease_ms() / 1000);
+                outcome = ClaimOutcome::Claimed(r.clone());
+            }
+            if self.bug == Bug::TokensRestart {
+                r.token = records.get(&req.id).map_or(FencingToken::FIRST, |old| old.token.next());
                 outcome = ClaimOutcome::Claimed(r.clone());
             }
             self.drop_journal(r.id, true);
@@ -168,8 +187,26 @@ impl Store for BrokenStore {
     async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
         let now = self.clock.now();
         let mut records = self.lock();
-        let next = transition::extend(records.get(&id), id, token, lease_ttl, now)
+        let lease_end = UnixMillis(now.0 + i64::try_from(lease_ttl.as_millis()).unwrap_or(i64::MAX / 2));
+        let renewable = |r: &Record| match self.bug {
+            Bug::ExtendIgnoresToken => r.state == RecordState::InFlight,
+            Bug::ExtendRenewsFinished => r.token == token,
+            _ => false,
+        };
+        if matches!(self.bug, Bug::ExtendIgnoresToken | Bug::ExtendRenewsFinished)
+            && let Some(r) = records.get_mut(&id).filter(|r| !r.is_expired(now) && renewable(r))
+        {
+            r.lease_expires_at = r.lease_expires_at.max(lease_end);
+            r.expires_at = r.expires_at.max(r.lease_expires_at);
+            return Ok(r.clone());
+        }
+        let mut next = transition::extend(records.get(&id), id, token, lease_ttl, now)
             .map_err(|l| StoreError::lease_lost(id, l))?;
+        match self.bug {
+            Bug::ExtendShortensLease => next.lease_expires_at = lease_end,
+            Bug::ExtendKeepsExpiresAt => next.expires_at = records.get(&id).map_or(next.expires_at, |r| r.expires_at),
+            _ => {}
+        }
         records.insert(id, next.clone());
         Ok(next)
     }
@@ -373,7 +410,7 @@ async fn inclusive_lease_end_is_caught() {
     caught(Bug::InclusiveLeaseEnd, 1, &scenarios![clock::lease_is_stale_exactly_when_it_expires]).await;
 }
 
-/// Every journal scenario, for the capability tests below.
+/// Every scenario that uses the journal, for the capability tests below.
 fn journal_scenarios() -> Vec<(&'static str, Scenario)> {
     scenarios![
         journal::journal_values_round_trip_byte_exact,
@@ -394,6 +431,8 @@ fn journal_scenarios() -> Vec<(&'static str, Scenario)> {
         journal::journal_step_memoises_across_a_reclaim,
         journal::journal_stale_owners_step_is_fenced,
         journal::journal_intent_reconcile_paths,
+        extend::extend_keeps_the_journal,
+        generation::late_step_of_an_earlier_generation_is_fenced,
     ]
     .to_vec()
 }
@@ -452,6 +491,61 @@ async fn journal_last_write_wins_is_caught() {
     .await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn extend_ignoring_the_token_is_caught() {
+    caught(
+        Bug::ExtendIgnoresToken,
+        1,
+        &scenarios![
+            extend::extend_with_a_wrong_token_is_lease_lost_and_changes_nothing,
+            extend::extend_by_a_reclaimed_owner_is_lease_lost,
+            extend::renewed_lease_refuses_a_retry_until_its_new_end,
+            generation::new_generation_after_removal_fences_every_earlier_token,
+            generation::new_generation_over_a_stored_expired_record_fences_every_earlier_token,
+        ],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn extend_renewing_a_completed_or_failed_record_is_caught() {
+    caught(
+        Bug::ExtendRenewsFinished,
+        1,
+        &scenarios![
+            extend::extend_of_a_completed_record_is_lease_lost,
+            extend::extend_of_a_failed_record_is_lease_lost
+        ],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn extend_moving_the_lease_earlier_is_caught() {
+    caught(Bug::ExtendShortensLease, 1, &scenarios![extend::extend_never_moves_the_lease_earlier]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn extend_leaving_expires_at_behind_is_caught() {
+    caught(Bug::ExtendKeepsExpiresAt, 1, &scenarios![extend::renewed_claim_outlives_its_retention_through_sweeps])
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tokens_restarting_for_a_new_generation_are_caught() {
+    caught(
+        Bug::TokensRestart,
+        1,
+        &scenarios![
+            generation::new_generation_after_removal_fences_every_earlier_token,
+            generation::tokens_grow_over_many_generations,
+            claim::absent_record_is_claimed_with_the_first_token_of_its_time,
+            retention::sweep_removes_expired_records,
+        ],
+    )
+    .await;
+}
+
 #[test]
 fn concurrent_model_test_catches_the_check_then_insert_claim() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().expect("runtime");
@@ -479,6 +573,11 @@ fn model_test_passes_the_correct_store_and_catches_each_sequential_bug() {
         Bug::JournalIgnoresToken,
         Bug::JournalLastWriteWins,
         Bug::ReplacingClaimKeepsJournal,
+        Bug::ExtendIgnoresToken,
+        Bug::ExtendRenewsFinished,
+        Bug::ExtendShortensLease,
+        Bug::ExtendKeepsExpiresAt,
+        Bug::TokensRestart,
     ] {
         assert!(model_test_fails(bug), "the model test passed a store with bug {bug:?}");
     }

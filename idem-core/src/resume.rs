@@ -5,10 +5,10 @@
 //! record does not know about, and the retry that reclaims the record runs the handler
 //! from the top. These tools let that retry find what the dead attempt did:
 //!
-//! - [`Resumable::subkey`]: a stable id derived from the record id and a step name, for a
-//!   downstream API that accepts a caller-supplied id or idempotency key (a payment API, a
-//!   cloud `ClientToken`). Every attempt of the same request sends the same sub-key, so
-//!   the downstream system deduplicates.
+//! - [`Resumable::subkey`]: a stable id derived from the record id, the record's
+//!   generation and a step name, for a downstream API that accepts a caller-supplied id
+//!   or idempotency key (a payment API, a cloud `ClientToken`). Every attempt of the same
+//!   request sends the same sub-key, so the downstream system deduplicates.
 //! - [`Resumable::step`]: runs a future once per record and journals its serialised
 //!   result in the same store, fenced by the attempt's token; a retry gets the stored
 //!   result back without running the future. For effects that are local and
@@ -18,6 +18,16 @@
 //!   call with the sub-key as the tag, record `done(real id)`. A retry that finds
 //!   `pending` asks the caller's `reconcile` (did a VM with this tag appear?) before
 //!   anything is issued again.
+//!
+//! # Generations
+//! Once a record's retention has ended, the same idempotency key names a new operation:
+//! the next claim writes a new record (a new generation) with a new `created_at`, an
+//! empty journal and a larger fencing token. Its sub-keys differ from the earlier
+//! generation's, because they are derived from `created_at` too: a downstream system that
+//! still remembers the earlier operation's sub-key (its own retention may be longer than
+//! ours) must not answer the new operation with the old result. Within one generation the
+//! sub-key never changes: a reclaim keeps `created_at`, so every attempt of the operation,
+//! in every process, sends the same one.
 //!
 //! What stays unsafe:
 //! - A downstream call that neither accepts a caller id nor can be observed afterwards.
@@ -42,9 +52,11 @@ use serde::de::DeserializeOwned;
 use crate::record::FencingToken;
 use crate::scope::RecordId;
 use crate::store::{JournalWrite, MAX_JOURNAL_NAME, Store, StoreError};
+use crate::time::UnixMillis;
 
-/// BLAKE3 `derive_key` context for sub-keys.
-pub const SUBKEY_CONTEXT: &str = "idem 2026-11-30 sub-key v1";
+/// BLAKE3 `derive_key` context for sub-keys. Version 2 added the record's generation
+/// (`created_at`) to the input.
+pub const SUBKEY_CONTEXT: &str = "idem 2026-12-01 sub-key v2";
 
 /// A sub-key: `idem-` followed by 48 lower-case hex digits (53 ASCII bytes, alphabet
 /// `[0-9a-f-]`), which fits the usual downstream limits (64-byte client tokens,
@@ -53,14 +65,23 @@ pub const SUBKEY_CONTEXT: &str = "idem 2026-11-30 sub-key v1";
 pub struct SubKey(String);
 
 impl SubKey {
-    /// The sub-key of step `name` of record `record`: BLAKE3 `derive_key` over the record id
-    /// and the length-prefixed name, truncated to 24 bytes. Never depends on the attempt,
-    /// the time or randomness, so every attempt and every process derives the same value;
-    /// different names, principals, endpoints or keys give different sub-keys.
+    /// The sub-key of step `name` of the generation of record `record` created at
+    /// `created_at` (the record's [`crate::Record::created_at`], ms): BLAKE3 `derive_key`
+    /// over the record id, `created_at` (i64, little-endian) and the length-prefixed name,
+    /// truncated to 24 bytes.
+    ///
+    /// Never depends on the attempt or randomness: a reclaim keeps `created_at`, so every
+    /// attempt of one operation, in every process, derives the same value. A new
+    /// generation of the same idempotency key (claimed after the earlier record's
+    /// retention ended) has another `created_at` and so other sub-keys: a downstream
+    /// system that still remembers the earlier operation does not mistake the new one for
+    /// a retry of it. Different names, principals, endpoints or keys give different
+    /// sub-keys.
     #[must_use]
-    pub fn derive(record: RecordId, name: &str) -> Self {
+    pub fn derive(record: RecordId, created_at: UnixMillis, name: &str) -> Self {
         let mut h = crate::hash::keyed(&crate::hash::SUBKEY_HASHER, SUBKEY_CONTEXT);
         h.update(&record.0);
+        h.update(&created_at.0.to_le_bytes());
         h.update(&(name.len() as u64).to_le_bytes());
         h.update(name.as_bytes());
         let digest = h.finalize();
@@ -177,6 +198,7 @@ pub struct Resumable {
     store: Arc<dyn Store>,
     id: RecordId,
     token: FencingToken,
+    created_at: UnixMillis,
     lease: Option<Arc<dyn LeaseWatch>>,
 }
 
@@ -185,6 +207,7 @@ impl std::fmt::Debug for Resumable {
         f.debug_struct("Resumable")
             .field("id", &self.id)
             .field("token", &self.token)
+            .field("created_at", &self.created_at)
             .field("lease", &self.lease)
             .finish_non_exhaustive()
     }
@@ -198,11 +221,14 @@ fn journal_name<E>(prefix: &str, name: &str) -> Result<String, StepError<E>> {
 }
 
 impl Resumable {
-    /// The handle for record `id` held with `token` (the HTTP layer builds it from the
-    /// claim; other callers from their own [`crate::ClaimOutcome`]).
+    /// The handle for record `id` held with `token`, of the generation created at
+    /// `created_at`: all three from the claimed or reclaimed [`crate::Record`] (the HTTP
+    /// layer builds it from its claim; other callers from their own
+    /// [`crate::ClaimOutcome`] or [`crate::ReclaimOutcome`]). `created_at` makes the
+    /// sub-keys of one generation differ from another's (see [`SubKey::derive`]).
     #[must_use]
-    pub fn new(store: Arc<dyn Store>, id: RecordId, token: FencingToken) -> Self {
-        Self { store, id, token, lease: None }
+    pub fn new(store: Arc<dyn Store>, id: RecordId, token: FencingToken, created_at: UnixMillis) -> Self {
+        Self { store, id, token, created_at, lease: None }
     }
 
     /// Makes every later [`Resumable::step`] and [`Resumable::intent`] ask `watch` first,
@@ -236,10 +262,16 @@ impl Resumable {
         self.token
     }
 
-    /// See [`SubKey::derive`].
+    /// The record's `created_at` (ms): names its generation.
+    #[must_use]
+    pub fn created_at(&self) -> UnixMillis {
+        self.created_at
+    }
+
+    /// The sub-key of step `name` of this record's generation (see [`SubKey::derive`]).
     #[must_use]
     pub fn subkey(&self, name: &str) -> SubKey {
-        SubKey::derive(self.id, name)
+        SubKey::derive(self.id, self.created_at, name)
     }
 
     /// Runs `f` once per record: returns the journalled result if an earlier attempt

@@ -37,7 +37,7 @@ fn row_none_claims() {
 fn row_in_flight_fresh_same_is_busy_with_retry_after() {
     let mut m = Model::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
-    assert_eq!(r.token, FencingToken::FIRST);
+    assert_eq!(r.token, FencingToken::first_at(UnixMillis(0)));
     assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(0)), Decision::InFlight { retry_after_secs: 5 });
     assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(4_001)), Decision::InFlight { retry_after_secs: 1 });
     // Never below one second, even in the last millisecond.
@@ -59,7 +59,7 @@ fn row_in_flight_expired_same_reclaims_exactly_at_lease_end() {
     assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(5_000)), Decision::Reclaim { expected: r.token });
     assert!(matches!(m.reclaim(&reclaim_req(&r, b"x"), UnixMillis(4_999)), ReclaimOutcome::Conflict { .. }));
     let ReclaimOutcome::Reclaimed(n) = m.reclaim(&reclaim_req(&r, b"x"), UnixMillis(5_001)) else { panic!() };
-    assert_eq!(n.token, FencingToken(2));
+    assert_eq!(n.token, r.token.next());
     assert_eq!(n.lease_expires_at, UnixMillis(10_001));
 }
 
@@ -102,7 +102,9 @@ fn retention_end_makes_the_record_absent_and_a_new_claim_gets_a_higher_token() {
     assert!(m.get(r.id, UnixMillis(60_000)).is_none());
     assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(60_000)), Decision::Claim);
     let again = claimed(&mut m, &req("k", b"y"), 60_000);
-    assert_eq!(again.token, FencingToken(2));
+    // The new record's first token comes from the clock, above every token of the old one.
+    assert_eq!(again.token, FencingToken::first_at(UnixMillis(60_000)));
+    assert!(again.token > r.token);
 }
 
 #[test]
@@ -112,10 +114,89 @@ fn stale_token_writes_are_lease_lost_and_change_nothing() {
     let ReclaimOutcome::Reclaimed(n) = m.reclaim(&reclaim_req(&r, b"x"), UnixMillis(6_000)) else { panic!() };
     let before = m.clone();
     let e = m.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(6_001)).unwrap_err();
-    assert!(matches!(e, StoreError::LeaseLost { current: Some(FencingToken(2)), .. }), "{e:?}");
+    assert!(matches!(e, StoreError::LeaseLost { current: Some(t), .. } if t == r.token.next()), "{e:?}");
     assert!(m.fail(r.id, r.token, UnixMillis(6_001)).unwrap_err().is_lease_lost());
     assert_eq!(m, before);
     assert!(m.complete(n.id, n.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(6_002)).is_ok());
+}
+
+#[test]
+fn extend_renews_from_now_never_earlier_and_keeps_the_rest() {
+    let mut m = Model::new();
+    let r = claimed(&mut m, &req("k", b"x"), 0);
+    // From now, not from the old lease end; token, state and times other than the lease stay.
+    let e = m.extend(r.id, r.token, Duration::from_secs(10), UnixMillis(3_000)).unwrap();
+    assert_eq!(e, Record { lease_expires_at: UnixMillis(13_000), ..r.clone() });
+    // Never earlier: a shorter renewal leaves the lease where it is.
+    let same = m.extend(r.id, r.token, Duration::from_secs(1), UnixMillis(4_000)).unwrap();
+    assert_eq!(same, e);
+    // Past the retention: expires_at follows the lease, so a renewed claim is never swept.
+    let long = m.extend(r.id, r.token, Duration::from_secs(100), UnixMillis(5_000)).unwrap();
+    assert_eq!((long.lease_expires_at, long.expires_at), (UnixMillis(105_000), UnixMillis(105_000)));
+    assert_eq!(m.sweep(10, UnixMillis(60_000)).removed, 0);
+    // A renewed lease blocks a retry until its new end.
+    let retry = reclaim_req(&long, b"x");
+    assert!(matches!(m.reclaim(&retry, UnixMillis(104_999)), ReclaimOutcome::Conflict { .. }));
+    assert_eq!(m.get(r.id, UnixMillis(104_999)), Some(long));
+    assert_eq!(m.get(r.id, UnixMillis(105_000)), None, "lease and retention end together");
+}
+
+#[test]
+fn extend_is_lease_lost_unless_the_caller_holds_the_in_flight_claim() {
+    let mut m = Model::new();
+    let r = claimed(&mut m, &req("k", b"x"), 0);
+    // An owner whose lease ran out but whom nobody reclaimed still renews.
+    let late = m.extend(r.id, r.token, LEASE, UnixMillis(9_000)).unwrap();
+    assert_eq!(late.lease_expires_at, UnixMillis(14_000));
+    let before = m.clone();
+    for wrong in [r.token.next(), FencingToken(r.token.0 - 1)] {
+        let e = m.extend(r.id, wrong, LEASE, UnixMillis(9_001)).unwrap_err();
+        assert!(matches!(e, StoreError::LeaseLost { current: Some(t), .. } if t == r.token), "{e:?}");
+    }
+    assert_eq!(m, before);
+    // Completed and failed records are not renewed, even by the token that ended them.
+    let done = m.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(9_002)).unwrap();
+    assert!(m.extend(r.id, r.token, LEASE, UnixMillis(9_003)).unwrap_err().is_lease_lost());
+    assert_eq!(m.get(r.id, UnixMillis(9_003)), Some(done));
+    let f = claimed(&mut m, &req("f", b"x"), 0);
+    let failed = m.fail(f.id, f.token, UnixMillis(1)).unwrap();
+    assert!(m.extend(f.id, f.token, LEASE, UnixMillis(2)).unwrap_err().is_lease_lost());
+    assert_eq!(m.get(f.id, UnixMillis(2)), Some(failed));
+    // Absent, and expired: LeaseLost with no current token.
+    let absent = req("never", b"x").id;
+    assert!(matches!(
+        m.extend(absent, FencingToken::FIRST, LEASE, UnixMillis(0)),
+        Err(StoreError::LeaseLost { current: None, .. })
+    ));
+    let e = m.extend(r.id, r.token, LEASE, UnixMillis(60_000)).unwrap_err();
+    assert!(matches!(e, StoreError::LeaseLost { current: None, .. }), "{e:?}");
+}
+
+#[test]
+fn a_generation_s_first_token_comes_from_the_clock() {
+    // ms << 16: room for 65,536 reclaims per ms between two generations.
+    assert_eq!(FencingToken::ATTEMPT_BITS, 16);
+    assert_eq!(FencingToken::first_at(UnixMillis(1)), FencingToken(1 << 16));
+    assert_eq!(FencingToken::first_at(UnixMillis(1_800_000_000_000)), FencingToken(1_800_000_000_000 << 16));
+    // Never below the floor, even at or before the epoch.
+    assert_eq!(FencingToken::first_at(UnixMillis(0)), FencingToken::FIRST);
+    assert_eq!(FencingToken::first_at(UnixMillis(-5)), FencingToken::FIRST);
+    // Saturates below 2^63, so it fits a signed 64-bit column.
+    let top = FencingToken::first_at(UnixMillis(i64::MAX));
+    assert_eq!(top, FencingToken(((1u64 << 47) - 1) << 16));
+    assert!(i64::try_from(top.0).is_ok());
+    // A later generation always starts above an earlier one's reclaims (fewer than 2^16 per ms).
+    let early = FencingToken::first_at(UnixMillis(1_000));
+    assert!(FencingToken(early.0 + (1 << 16) - 1) < FencingToken::first_at(UnixMillis(1_001)));
+    // A claim replacing an expired record that is still stored stays above its token,
+    // even when the clock gives less (two generations in one ms, or a clock stepped back).
+    let mut m = Model::new();
+    let mut zero = req("k", b"x");
+    zero.lease_ttl = Duration::ZERO;
+    zero.retention = Duration::ZERO;
+    let first = claimed(&mut m, &zero, 1_000);
+    let second = claimed(&mut m, &zero, 1_000);
+    assert_eq!(second.token, first.token.next());
 }
 
 #[test]
@@ -175,9 +256,10 @@ proptest! {
     }
 
     #[test]
-    fn tokens_only_grow(ops in proptest::collection::vec((0u8..5, 0i64..20_000), 1..60)) {
-        // Whatever the sequence, a record's token never decreases and every successful
-        // claim or reclaim raises it.
+    fn tokens_only_grow(ops in proptest::collection::vec((0u8..6, 0i64..20_000), 1..60)) {
+        // Whatever the sequence, the tokens of one record id never decrease, across its
+        // generations too (a record swept or replaced after its retention), and every
+        // successful claim or reclaim takes a token above every earlier one.
         let mut m = Model::new();
         let r = req("k", b"x");
         let mut now = 0i64;
@@ -186,15 +268,22 @@ proptest! {
             now += dt;
             let t = UnixMillis(now);
             let cur = m.get(r.id, t);
-            match op {
-                0 => { let _ = m.claim(&r, t); }
-                1 => if let Some(c) = &cur { let _ = m.reclaim(&reclaim_req(c, b"x"), t); },
-                2 => if let Some(c) = &cur { let _ = m.complete(c.id, c.token, StoredResponse::new(200, vec![], vec![]), t); },
-                3 => if let Some(c) = &cur { let _ = m.fail(c.id, c.token, t); },
-                _ => { let _ = m.sweep(10, t); }
+            let won = match op {
+                0 => match m.claim(&r, t) { ClaimOutcome::Claimed(n) => Some(n), ClaimOutcome::Existing { .. } => None },
+                1 => cur.as_ref().and_then(|c| match m.reclaim(&reclaim_req(c, b"x"), t) {
+                    ReclaimOutcome::Reclaimed(n) => Some(n),
+                    ReclaimOutcome::Conflict { .. } => None,
+                }),
+                2 => { if let Some(c) = &cur { let _ = m.complete(c.id, c.token, StoredResponse::new(200, vec![], vec![]), t); } None }
+                3 => { if let Some(c) = &cur { let _ = m.fail(c.id, c.token, t); } None }
+                4 => { if let Some(c) = &cur { let _ = m.extend(c.id, c.token, LEASE, t); } None }
+                _ => { let _ = m.sweep(10, t); None }
+            };
+            if let Some(n) = won {
+                prop_assert!(n.token.0 > last, "token {} after {last}", n.token);
             }
             if let Some(after) = m.get(r.id, t) {
-                prop_assert!(after.token.0 >= last || cur.is_none());
+                prop_assert!(after.token.0 >= last);
                 prop_assert!(after.lease_expires_at <= after.expires_at || after.state != RecordState::InFlight);
                 last = after.token.0;
             }

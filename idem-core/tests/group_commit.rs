@@ -131,35 +131,45 @@ fn complete(k: usize, token: u64) -> Write {
     }
 }
 
+/// An operation of the property test. A token is `1..4`, presented relative to the key's
+/// token when the batch is built: 1 the one before it (stale), 2 the current one, 3 the
+/// next one (what a reclaim earlier in the same batch takes). Absent keys count from the
+/// token a claim would take now (the generation's first, from the clock).
 #[derive(Clone, Debug)]
 enum Op {
     Claim(usize, u8),
     Reclaim(usize, u64, u8),
     Complete(usize, u64),
     Fail(usize, u64),
+    Extend(usize, u64),
     Sweep(usize),
     Journal(usize, u64, bool),
 }
 
 impl Op {
-    fn write(&self) -> Write {
+    fn write(&self, oracle: &Model, now: UnixMillis) -> Write {
+        let token = |k: usize, t: u64| {
+            let base = oracle.get(id(k), now).map_or(FencingToken::first_at(now), |r| r.token);
+            FencingToken((base.0 + t).saturating_sub(2))
+        };
         match *self {
             Op::Claim(k, body) => Write::Claim(claim(k, body)),
             Op::Reclaim(k, expected, body) => Write::Reclaim(ReclaimRequest {
                 id: id(k),
-                expected: FencingToken(expected),
+                expected: token(k, expected),
                 fingerprint: Fingerprint::of_bytes(&[body]),
                 lease_ttl: LEASE,
                 retention: RETENTION,
             }),
-            Op::Complete(k, token) => complete(k, token),
-            Op::Fail(k, token) => Write::Fail { id: id(k), token: FencingToken(token) },
+            Op::Complete(k, t) => complete(k, token(k, t).0),
+            Op::Fail(k, t) => Write::Fail { id: id(k), token: token(k, t) },
+            Op::Extend(k, t) => Write::Extend { id: id(k), token: token(k, t), lease_ttl: RETENTION * 2 },
             Op::Sweep(limit) => Write::Sweep { limit },
-            Op::Journal(k, token, overwrite) => Write::JournalPut {
+            Op::Journal(k, t, overwrite) => Write::JournalPut {
                 id: id(k),
-                token: FencingToken(token),
+                token: token(k, t),
                 name: "step".into(),
-                value: vec![u8::try_from(token).unwrap_or(0)],
+                value: vec![u8::try_from(t).unwrap_or(0)],
                 overwrite,
             },
         }
@@ -172,6 +182,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..3usize, 1..4u64, 0..2u8).prop_map(|(k, t, b)| Op::Reclaim(k, t, b)),
         2 => (0..3usize, 1..4u64).prop_map(|(k, t)| Op::Complete(k, t)),
         2 => (0..3usize, 1..4u64).prop_map(|(k, t)| Op::Fail(k, t)),
+        1 => (0..3usize, 1..4u64).prop_map(|(k, t)| Op::Extend(k, t)),
         1 => (0..4usize).prop_map(Op::Sweep),
         2 => (0..3usize, 1..4u64, any::<bool>()).prop_map(|(k, t, o)| Op::Journal(k, t, o)),
     ]
@@ -192,9 +203,10 @@ proptest! {
         let gc = start(&engine, &clock, 5);
         let mut oracle = Model::new();
         for (ops, advance) in rounds {
-            let got = rt.block_on(send(&gc, ops.iter().map(Op::write).collect()));
-            for (op, got) in ops.iter().zip(got) {
-                let want = idem_core::engine::apply(&mut oracle, op.write(), clock.now());
+            let writes: Vec<Write> = ops.iter().map(|op| op.write(&oracle, clock.now())).collect();
+            let got = rt.block_on(send(&gc, writes.clone()));
+            for ((op, write), got) in ops.iter().zip(writes).zip(got) {
+                let want = idem_core::engine::apply(&mut oracle, write, clock.now());
                 prop_assert_eq!(format!("{got:?}"), format!("{want:?}"), "{:?}", op);
             }
             clock.advance(Duration::from_millis(advance.unsigned_abs()));
@@ -214,7 +226,9 @@ fn a_refused_operation_fails_only_its_caller() {
     //! A lease lost inside a batch must not take the batch's other callers down.
     let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000)));
     let gc = start(&engine, &clock, 3);
-    let out = runtime().block_on(send(&gc, vec![Write::Claim(claim(0, 0)), complete(0, 7), complete(0, 1)]));
+    let first = FencingToken::first_at(clock.now()).0;
+    let out =
+        runtime().block_on(send(&gc, vec![Write::Claim(claim(0, 0)), complete(0, first + 7), complete(0, first)]));
     assert!(matches!(out[0], Ok(Written::Claim(ClaimOutcome::Claimed(_)))));
     assert!(out[1].as_ref().expect_err("fenced").is_lease_lost());
     assert!(matches!(out[2], Ok(Written::Record(_))));

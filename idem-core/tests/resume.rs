@@ -45,16 +45,46 @@ async fn reclaimed(store: &Arc<dyn Store>, first: &Record) -> Record {
 
 #[test]
 fn subkeys_are_stable_distinct_and_short() {
-    // Derived only from (principal, endpoint, key, name), never from attempt or time.
+    // Derived only from (principal, endpoint, key, generation, name), never from the attempt.
     let a = RecordId::derive("p", "POST /x", "k");
-    assert_eq!(SubKey::derive(a, "charge"), SubKey::derive(a, "charge"));
-    assert_ne!(SubKey::derive(a, "charge"), SubKey::derive(a, "refund"));
-    assert_ne!(SubKey::derive(a, "charge"), SubKey::derive(RecordId::derive("q", "POST /x", "k"), "charge"));
-    assert_ne!(SubKey::derive(a, "charge"), SubKey::derive(RecordId::derive("p", "POST /y", "k"), "charge"));
-    assert_ne!(SubKey::derive(a, "charge"), SubKey::derive(RecordId::derive("p", "POST /x", "k2"), "charge"));
-    let s = SubKey::derive(a, "charge");
+    let t = UnixMillis(1_800_000_000_000);
+    assert_eq!(SubKey::derive(a, t, "charge"), SubKey::derive(a, t, "charge"));
+    assert_ne!(SubKey::derive(a, t, "charge"), SubKey::derive(a, t, "refund"));
+    assert_ne!(SubKey::derive(a, t, "charge"), SubKey::derive(RecordId::derive("q", "POST /x", "k"), t, "charge"));
+    assert_ne!(SubKey::derive(a, t, "charge"), SubKey::derive(RecordId::derive("p", "POST /y", "k"), t, "charge"));
+    assert_ne!(SubKey::derive(a, t, "charge"), SubKey::derive(RecordId::derive("p", "POST /x", "k2"), t, "charge"));
+    assert_ne!(SubKey::derive(a, t, "charge"), SubKey::derive(a, UnixMillis(t.0 + 1), "charge"), "another generation");
+    let s = SubKey::derive(a, t, "charge");
     assert_eq!(s.as_str().len(), 53);
     assert!(s.as_str().starts_with("idem-") && s.as_str()[5..].bytes().all(|b| b.is_ascii_hexdigit()));
+}
+
+#[tokio::test]
+async fn subkeys_stay_across_a_reclaim_and_change_with_a_new_generation() {
+    //! A retry of the same operation must send the same downstream key; the same
+    //! idempotency key reused after retention is a new operation and must not.
+    let (store, clock, req) = setup();
+    let first = claimed(&store, &req).await;
+    let handle = |r: &Record| Resumable::new(Arc::clone(&store), r.id, r.token, r.created_at);
+    let charge = handle(&first).subkey("charge");
+    clock.advance(Duration::from_secs(6));
+    let retry = reclaimed(&store, &first).await;
+    assert_eq!(retry.created_at, first.created_at, "a reclaim keeps the generation");
+    assert_eq!(handle(&retry).subkey("charge"), charge, "the same operation keeps its sub-key");
+    store.fail(retry.id, retry.token).await.unwrap();
+    let again = reclaimed(&store, &retry).await;
+    assert_eq!(handle(&again).subkey("charge"), charge, "a failed attempt's retry too");
+    // Retention ends: the same key now names a new operation.
+    clock.set(again.expires_at);
+    let next = claimed(&store, &req).await;
+    assert_eq!(next.id, first.id);
+    assert_ne!(next.created_at, first.created_at);
+    let new_charge = handle(&next).subkey("charge");
+    assert_ne!(new_charge, charge, "a new generation gets new sub-keys");
+    assert_eq!(new_charge, SubKey::derive(next.id, next.created_at, "charge"));
+    // A step of the new generation runs: nothing of the old one is read back.
+    let got = handle(&next).step("charge", |sk| async move { Ok::<_, std::io::Error>(sk.to_string()) }).await.unwrap();
+    assert_eq!(got, new_charge.to_string());
 }
 
 #[tokio::test]
@@ -63,7 +93,7 @@ async fn a_step_runs_once_per_record_across_a_reclaim() {
     let first = claimed(&store, &req).await;
     let runs = AtomicU32::new(0);
     let runs = &runs;
-    let r1 = Resumable::new(Arc::clone(&store), first.id, first.token);
+    let r1 = Resumable::new(Arc::clone(&store), first.id, first.token, first.created_at);
     let node: String = r1
         .step("allocate", |sk| async move {
             runs.fetch_add(1, Ordering::SeqCst);
@@ -74,7 +104,7 @@ async fn a_step_runs_once_per_record_across_a_reclaim() {
     // The attempt dies; after the lease the retry reclaims and resumes.
     clock.advance(Duration::from_secs(6));
     let second = reclaimed(&store, &first).await;
-    let r2 = Resumable::new(Arc::clone(&store), second.id, second.token);
+    let r2 = Resumable::new(Arc::clone(&store), second.id, second.token, second.created_at);
     let again: String = r2
         .step("allocate", |_| async move {
             runs.fetch_add(1, Ordering::SeqCst);
@@ -93,7 +123,7 @@ async fn a_step_runs_once_per_record_across_a_reclaim() {
 async fn a_failed_step_is_not_journalled() {
     let (store, _clock, req) = setup();
     let r = claimed(&store, &req).await;
-    let h = Resumable::new(Arc::clone(&store), r.id, r.token);
+    let h = Resumable::new(Arc::clone(&store), r.id, r.token, r.created_at);
     let e = h.step::<u32, _, _, _>("x", |_| async { Err("boom") }).await.unwrap_err();
     assert!(matches!(e, StepError::Failed { .. }));
     assert_eq!(h.step("x", |_| async { Ok::<u32, &str>(7) }).await.unwrap(), 7);
@@ -104,7 +134,7 @@ async fn intent_reconciles_a_pending_call_before_issuing_again() {
     let (store, clock, req) = setup();
     let first = claimed(&store, &req).await;
     let booted = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let h1 = Resumable::new(Arc::clone(&store), first.id, first.token);
+    let h1 = Resumable::new(Arc::clone(&store), first.id, first.token, first.created_at);
     // Attempt 1 issues the boot (tagged with the sub-key) but "dies" before journalling done.
     let b = Arc::clone(&booted);
     let e = h1
@@ -122,7 +152,7 @@ async fn intent_reconciles_a_pending_call_before_issuing_again() {
     store.fail(first.id, first.token).await.unwrap();
     clock.advance(Duration::from_millis(1));
     let second = reclaimed(&store, &first).await;
-    let h2 = Resumable::new(Arc::clone(&store), second.id, second.token);
+    let h2 = Resumable::new(Arc::clone(&store), second.id, second.token, second.created_at);
     let (b_issue, b_find) = (Arc::clone(&booted), Arc::clone(&booted));
     let vm = h2
         .intent(
@@ -147,7 +177,7 @@ async fn intent_reconciles_a_pending_call_before_issuing_again() {
         .unwrap();
     assert_eq!(again, vm);
     // Unknown fails the request as ambiguous.
-    let h3 = Resumable::new(Arc::clone(&store), second.id, second.token);
+    let h3 = Resumable::new(Arc::clone(&store), second.id, second.token, second.created_at);
     h3.intent("flash", |_| async { Err::<String, &str>("lost") }, |_| async { Ok(Reconciled::NotFound) })
         .await
         .unwrap_err();

@@ -41,6 +41,8 @@ pub struct IdempotencyContext {
     pub(crate) scope: Scope,
     pub(crate) key: IdempotencyKey,
     pub(crate) lease: LeaseState,
+    /// The record's `created_at`: names its generation, which sub-keys depend on.
+    pub(crate) created_at: UnixMillis,
     pub(crate) store: Arc<dyn Store>,
 }
 
@@ -51,9 +53,8 @@ impl IdempotencyContext {
         self.record_id
     }
 
-    /// This attempt's fencing token: a new record's first claim takes one derived from the
-    /// store's clock ([`FencingToken::first_at`]), each reclaim adds 1, so no two attempts
-    /// of any generation of the record share one.
+    /// This attempt's fencing token: a new record's first token comes from the store's
+    /// clock ([`FencingToken::first_at`]), and every reclaim adds 1.
     #[must_use]
     pub fn token(&self) -> FencingToken {
         self.token
@@ -117,12 +118,14 @@ impl IdempotencyContext {
     }
 
     /// The sub-key of step `name` for this record: `idem-` + 48 lower-case hex digits
-    /// (53 ASCII bytes, `[0-9a-f-]`), derived from (principal, endpoint, key, `name`) only,
-    /// so every attempt, in every process, gets the same value ([`SubKey::derive`]). Send
-    /// it as the idempotency key or client token of a downstream call.
+    /// (53 ASCII bytes, `[0-9a-f-]`), derived from (principal, endpoint, key, the record's
+    /// `created_at`, `name`), so every attempt of this operation, in every process, gets
+    /// the same value, and the same key reused after retention (a new record) gets another
+    /// ([`SubKey::derive`]). Send it as the idempotency key or client token of a
+    /// downstream call.
     #[must_use]
     pub fn subkey(&self, name: &str) -> SubKey {
-        SubKey::derive(self.record_id, name)
+        SubKey::derive(self.record_id, self.created_at, name)
     }
 
     /// The handle for steps and intents of this record, fenced by this attempt's token:
@@ -135,7 +138,7 @@ impl IdempotencyContext {
     /// [`crate::Problem::from_step_error`] turns that into a 500 `journal-unsupported`.
     #[must_use]
     pub fn resumable(&self) -> Resumable {
-        Resumable::new(Arc::clone(&self.store), self.record_id, self.token)
+        Resumable::new(Arc::clone(&self.store), self.record_id, self.token, self.created_at)
             .with_lease_watch(Arc::new(self.lease.clone()))
     }
 }

@@ -249,8 +249,10 @@
 //! an outbox written in the same transaction as the step).
 //!
 //! Sub-keys are `idem-` + 48 lower-case hex digits (53 ASCII bytes, `[0-9a-f-]`), derived
-//! from (principal, endpoint, key, step name) only, never from the attempt, the time or
-//! randomness, so every attempt of one operation sends the same sub-key. Journal entries live and die with the record. On a store
+//! from (principal, endpoint, key, the record's `created_at`, step name), never from the
+//! attempt or randomness, so every attempt of one operation sends the same sub-key, and
+//! the same key reused after retention (a new operation) sends new ones. Journal entries
+//! live and die with the record. On a store
 //! without a journal, `step` and `intent` fail with `StoreError::Unsupported`, which
 //! [`Problem::from_step_error`] answers as a 500 `journal-unsupported`; every problem it
 //! returns is one the layer does not store, so a retry resumes from the journal.

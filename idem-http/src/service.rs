@@ -556,11 +556,19 @@ where
     let store = Arc::clone(&cfg.store);
     // The record's scope and key move into the handler's context: nothing after the
     // handler reads them.
-    let Record { id, token, scope, key, lease_expires_at, expires_at: claimed_expires_at, .. } = record;
+    let Record { id, token, scope, key, lease_expires_at, created_at, expires_at: claimed_expires_at, .. } = record;
     let mut guard = FailGuard::new(Arc::clone(&store), id, token);
     let lease = LeaseState::new(lease_expires_at);
     let renewal = renewal(cfg, id, token, claimed_at, &lease);
-    parts.extensions.insert(IdempotencyContext { record_id: id, token, scope, key, lease, store: Arc::clone(&store) });
+    parts.extensions.insert(IdempotencyContext {
+        record_id: id,
+        token,
+        scope,
+        key,
+        lease,
+        created_at,
+        store: Arc::clone(&store),
+    });
     let req = Request::from_parts(parts, ReqBody::from(bytes));
     // The handler's own future and the reading of its body both run inside catch_unwind:
     // a streamed body that panics half-way is a handler panic too. The renewal covers both

@@ -6,8 +6,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Counter, Env, Gate, Got, Script, Step, app, post, send, start_and_crash, token_at_t0};
-use idem_core::RecordState;
+use common::{Counter, Env, Gate, Got, Script, Step, T0, app, post, send, start_and_crash};
+use idem_core::{FencingToken, RecordState};
 use idem_http::{IdempotencyLayer, MismatchStatus, MissingPrincipal, Policy};
 
 const ORDERS: &str = "POST /v1/orders";
@@ -34,7 +34,7 @@ async fn row_none_claims_runs_and_completes() {
     assert_eq!(got.header("idempotency-key-expires"), Some("Sat, 16 Jan 2027 08:00:00 GMT"));
     let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
     assert_eq!(record.state, RecordState::Completed);
-    assert_eq!(record.token.0, token_at_t0(1));
+    assert_eq!(record.token, FencingToken::first_at(T0), "the first token of a record claimed at T0");
     assert_eq!(record.response.unwrap().status, 201);
 }
 
@@ -122,7 +122,7 @@ async fn row_in_flight_expired_same_request_reclaims_and_winner_runs() {
     held.release();
     let winner = winner.await.unwrap();
     assert_eq!(winner.status, 201);
-    assert_eq!(body_json(&winner)["token"], token_at_t0(2), "the reclaim took the next fencing token");
+    assert_eq!(body_json(&winner)["token"], FencingToken::first_at(T0).0 + 1, "the reclaim took the next token");
     assert_eq!(n.get(), 2);
     let replay = send(&app, &req).await;
     assert!(replay.replayed());
@@ -140,7 +140,11 @@ async fn row_in_flight_expired_different_request_is_a_mismatch() {
     send(&app, &post("/v1/orders").key("k1").body("{\"a\":2}")).await.problem(409, "mismatch");
     assert_eq!(n.get(), 1);
     let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
-    assert_eq!((record.state, record.token.0), (RecordState::InFlight, token_at_t0(1)), "the mismatch wrote nothing");
+    assert_eq!(
+        (record.state, record.token),
+        (RecordState::InFlight, FencingToken::first_at(T0)),
+        "the mismatch wrote nothing"
+    );
 }
 
 #[tokio::test]
@@ -187,7 +191,7 @@ async fn row_failed_same_request_reclaims_and_runs_again() {
     let retry = send(&app, &req).await;
     assert_eq!(retry.status, 201);
     assert!(!retry.replayed());
-    assert_eq!(body_json(&retry)["token"], token_at_t0(2));
+    assert_eq!(body_json(&retry)["token"], FencingToken::first_at(T0).0 + 1);
     assert_eq!(n.get(), 2);
 }
 
@@ -335,7 +339,7 @@ async fn the_handler_sees_its_claim_in_a_request_extension() {
     send(&app, &req).await;
     send(&app, &req).await;
     let third = send(&app, &req).await;
-    assert_eq!(body_json(&third)["token"], token_at_t0(3), "one fencing token per claim");
+    assert_eq!(body_json(&third)["token"], FencingToken::first_at(T0).0 + 2, "one fencing token per claim");
 }
 
 #[tokio::test]

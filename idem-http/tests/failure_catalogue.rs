@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use axum::Router;
 use bytes::Bytes;
-use common::{Counter, Env, Gate, Got, Script, Step, app, eventually, post, put, send, start_and_crash, token_at_t0};
+use common::{Counter, Env, Gate, Got, Script, Step, T0, app, eventually, post, put, send, start_and_crash};
 use http_body_util::Full;
-use idem_core::RecordState;
+use idem_core::{FencingToken, RecordState};
 use idem_http::{HandlerExecution, IdempotencyLayer, KeyRequirement, MissingPrincipal, Policy, StoreFailureMode};
 use std::sync::atomic::Ordering;
 use tower::{Layer, ServiceExt};
@@ -51,7 +51,7 @@ async fn zero_lease_is_finite_and_a_retry_reclaims_after_it() {
     env.advance(Duration::from_secs(1));
     let retry = send(&app, &req).await;
     assert_eq!(retry.status, 201, "the retry reclaims instead of waiting out the retention: {}", retry.text());
-    assert_eq!(json(&retry)["token"], token_at_t0(2));
+    assert_eq!(json(&retry)["token"], FencingToken::first_at(T0).0 + 1);
     assert_eq!(n.get(), 2);
 }
 
@@ -273,7 +273,7 @@ async fn a_failed_complete_blocks_retries_only_until_the_lease_ends() {
     let retry = send(&app, &req).await;
     assert_eq!(retry.status, 201);
     assert!(!retry.replayed(), "after the lease, a retry reclaims and runs (documented)");
-    assert_eq!(json(&retry)["token"], token_at_t0(2));
+    assert_eq!(json(&retry)["token"], FencingToken::first_at(T0).0 + 1);
     let replay = send(&app, &req).await;
     assert!(replay.replayed());
     assert_eq!(replay.body, retry.body);
@@ -645,7 +645,11 @@ async fn a_stale_owner_cannot_complete_over_the_new_attempt() {
     let a = a.await.unwrap();
     assert_eq!(a.status, 201, "the stale owner's client still gets its response");
     let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
-    assert_eq!((record.state, record.token.0), (RecordState::InFlight, token_at_t0(2)), "A's complete was fenced off");
+    assert_eq!(
+        (record.state, record.token),
+        (RecordState::InFlight, FencingToken::first_at(T0).next()),
+        "A's complete was fenced off"
+    );
     // t = 2.1 s: C finds B's claim intact, not A's response.
     env.advance_ms(100);
     send(&app, &req).await.problem(409, "in-flight");

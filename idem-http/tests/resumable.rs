@@ -120,6 +120,25 @@ async fn a_retry_in_another_instance_after_a_crash_charges_once() {
 }
 
 #[tokio::test]
+async fn a_key_reused_after_retention_charges_again_under_a_new_sub_key() {
+    //! The same idempotency key after its record's retention is a new operation: a sub-key
+    //! that repeated the old one would get the old charge back from the payment API.
+    let (clock, store) = memory();
+    let s = shop(&[]);
+    let app = shop_app(store, &s);
+    let req = post("/v1/payments").key("order-19").body("{}");
+    assert_eq!(send(&app, &req).await.text(), "ch_0001");
+    clock.advance(Duration::from_secs(24 * 3_600)); // the default retention
+    let again = send(&app, &req).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert!(!again.replayed(), "the retention ended: a new operation");
+    let seen = s.api.seen();
+    assert_eq!(seen.len(), 2);
+    assert_ne!(seen[0], seen[1], "a new operation sends a new sub-key");
+    assert_eq!(again.text(), "ch_0002", "and the payment API charges it");
+}
+
+#[tokio::test]
 async fn a_failed_attempt_after_the_charge_is_retried_without_a_second_charge() {
     //! The record is marked failed after a partial side effect; the retry runs, the charge is not repeated.
     for after in [After::Error, After::Panic] {
@@ -169,7 +188,8 @@ async fn observed_subkey(token: &str, route: &str, key: &str, label: &str) -> St
 proptest! {
     #![proptest_config(ProptestConfig { cases: 32, .. ProptestConfig::default() })]
 
-    /// Property: the sub-key depends on (principal, endpoint, key, label) only.
+    /// Property: the sub-key depends on (principal, endpoint, key, label) and the record's
+    /// generation only; every instance here claims a fresh record at the same time (T0).
     #[test]
     fn subkeys_are_stable_across_restarts_and_change_with_each_input(
         token in "[a-z0-9]{1,12}",

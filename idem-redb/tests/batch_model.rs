@@ -23,14 +23,37 @@ const NAMES: [&str; 2] = ["step:a", "step:b"];
 const LEASE: Duration = Duration::from_secs(5);
 const RETENTION: Duration = Duration::from_secs(60);
 
+/// An operation. As generated, a token is `1..4` relative to the key's token when the
+/// operation's turn comes (1 the one before, stale; 2 the current one; 3 the next one);
+/// [`resolve`] makes it absolute before the operation is sent.
 #[derive(Clone, Debug)]
 enum Op {
     Claim { key: usize, body: u8 },
     Reclaim { key: usize, expected: u64, body: u8 },
     Complete { key: usize, token: u64 },
     Fail { key: usize, token: u64 },
+    Extend { key: usize, token: u64 },
     Sweep { limit: usize },
     JournalPut { key: usize, token: u64, name: usize, overwrite: bool },
+}
+
+/// `op` with its relative token made absolute against `model` at `now`: the key's live
+/// token, or with none the token a claim would take now (a new generation's first).
+fn resolve(model: &Model, op: &Op, now: UnixMillis) -> Op {
+    let abs = |key: usize, t: u64| {
+        let base = model.get(id(key), now).map_or(FencingToken::first_at(now), |r| r.token);
+        (base.0 + t).saturating_sub(2)
+    };
+    match *op {
+        Op::Reclaim { key, expected, body } => Op::Reclaim { key, expected: abs(key, expected), body },
+        Op::Complete { key, token } => Op::Complete { key, token: abs(key, token) },
+        Op::Fail { key, token } => Op::Fail { key, token: abs(key, token) },
+        Op::Extend { key, token } => Op::Extend { key, token: abs(key, token) },
+        Op::JournalPut { key, token, name, overwrite } => {
+            Op::JournalPut { key, token: abs(key, token), name, overwrite }
+        }
+        ref other => other.clone(),
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -49,6 +72,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (key.clone(), token.clone(), 0..2u8).prop_map(|(key, expected, body)| Op::Reclaim { key, expected, body }),
         2 => (key.clone(), token.clone()).prop_map(|(key, token)| Op::Complete { key, token }),
         2 => (key.clone(), token.clone()).prop_map(|(key, token)| Op::Fail { key, token }),
+        1 => (key.clone(), token.clone()).prop_map(|(key, token)| Op::Extend { key, token }),
         // Partial sweeps too: the store and the model both remove the oldest expiry first
         // (ties by record id), through the same engine.
         1 => (0..=KEYS).prop_map(|limit| Op::Sweep { limit }),
@@ -105,6 +129,7 @@ fn model_apply(model: &mut Model, op: &Op, now: UnixMillis) -> String {
             format!("{:?}", model.complete(id(*key), FencingToken(*token), response(*token), now))
         }
         Op::Fail { key, token } => format!("{:?}", model.fail(id(*key), FencingToken(*token), now)),
+        Op::Extend { key, token } => format!("{:?}", model.extend(id(*key), FencingToken(*token), RETENTION * 2, now)),
         Op::Sweep { limit } => format!("{:?}", Ok::<_, ()>(model.sweep(*limit, now))),
         Op::JournalPut { key, token, name, overwrite } => format!(
             "{:?}",
@@ -125,6 +150,7 @@ async fn store_apply(store: &RedbStore, op: Op) -> String {
         Op::Reclaim { key, expected, body } => show(store.reclaim(reclaim_req(key, expected, body)).await),
         Op::Complete { key, token } => show(store.complete(id(key), FencingToken(token), response(token)).await),
         Op::Fail { key, token } => show(store.fail(id(key), FencingToken(token)).await),
+        Op::Extend { key, token } => show(store.extend(id(key), FencingToken(token), RETENTION * 2).await),
         Op::Sweep { limit } => show(store.sweep(limit).await),
         Op::JournalPut { key, token, name, overwrite } => show::<JournalWrite>(
             store.journal_put(id(key), FencingToken(token), NAMES[name], vec![token as u8], overwrite).await,
@@ -154,10 +180,16 @@ async fn check(steps: Vec<Step>) -> Result<(), TestCaseError> {
             Step::Batch(ops) => {
                 batches += 1;
                 let now = clock.now();
-                let expected: Vec<String> = ops.iter().map(|op| model_apply(&mut model, op, now)).collect();
+                let mut sent = Vec::with_capacity(ops.len());
+                let mut expected = Vec::with_capacity(ops.len());
+                for op in &ops {
+                    let op = resolve(&model, op, now);
+                    expected.push(model_apply(&mut model, &op, now));
+                    sent.push(op);
+                }
                 // join_all polls the futures in order, so the operations reach the writer in
                 // this order and fill exactly one batch.
-                let got = futures::future::join_all(ops.iter().cloned().map(|op| store_apply(&store, op))).await;
+                let got = futures::future::join_all(sent.into_iter().map(|op| store_apply(&store, op))).await;
                 for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
                     prop_assert_eq!(g, e, "operation {} ({:?}) of batch {}", i, ops[i], batches);
                 }

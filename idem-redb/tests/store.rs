@@ -236,7 +236,7 @@ async fn reclaim_moves_the_expiry_index_entry() {
 }
 
 /// A claim that replaces an expired, unswept record moves the index entry to the new
-/// record's expiry and continues the fencing token.
+/// record's expiry and starts a new generation (a token from the clock, above the old one).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_over_expired_record_moves_the_index_entry() {
     let clock = clock();
@@ -244,7 +244,8 @@ async fn claim_over_expired_record_moves_the_index_entry() {
     let old = must_claim(&store, req("k", b"{}", RETENTION)).await;
     clock.advance(RETENTION);
     let new = must_claim(&store, req("k", b"{}", RETENTION)).await;
-    assert_eq!(new.token, FencingToken(2));
+    assert_eq!(new.token, FencingToken::first_at(UnixMillis(clock.now_ms())));
+    assert!(new.token > old.token);
     let (_, index) = records_and_index(&store);
     assert_eq!(index, BTreeSet::from([(new.expires_at.0, old.id.0)]));
     assert_eq!(store.sweep(10).await.expect("sweep").removed, 0, "the new claim is live");
@@ -706,7 +707,11 @@ async fn a_claim_abandoned_before_its_batch_runs_is_not_applied() {
     assert_eq!(store.get(other.id).await.expect("get"), Some(other), "the rest of its batch was");
     // A full batch again, so that it does not wait for the linger.
     let (again, _) = tokio::join!(must_claim(&store, abandoned), must_claim(&store, req("third", b"{}", RETENTION)));
-    assert_eq!(again.token, FencingToken::FIRST, "the key is free: the next claim wins it");
+    assert_eq!(
+        again.token,
+        FencingToken::first_at(UnixMillis(clock.now_ms())),
+        "the key is free: the next claim wins it"
+    );
 }
 
 /// The generic sweeper, started by one call, removes records past their retention from
@@ -839,7 +844,11 @@ async fn claims_of_live_records_are_answered_without_the_writer() {
 
     clock.advance_ms(RETENTION.as_millis() as i64);
     let again = must_claim(&store, req("k", b"{}", RETENTION)).await;
-    assert_eq!(again.token, r.token.next(), "an expired record is replaced through the writer");
+    assert_eq!(
+        again.token,
+        FencingToken::first_at(UnixMillis(clock.now_ms())),
+        "an expired record is replaced (a new generation) through the writer"
+    );
     assert_eq!(store.batch_stats().batches, after.batches + 1);
 }
 

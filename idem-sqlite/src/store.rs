@@ -405,15 +405,17 @@ mod tests {
         let f = fixture(4, |c| c);
         let response = StoredResponse::new(201, vec![], b"{}".to_vec());
         let id = req("k").id;
+        // The fixture's clock stands still: the claim takes the first token of its time.
+        let token = FencingToken::first_at(UnixMillis(1_000_000));
         // `join!` polls in order, so the operations are queued in this order.
         let (first, second, complete, fail) = futures::join!(
             f.store.claim(req("k")),
             f.store.claim(req("k")),
-            f.store.complete(id, FencingToken(1), response.clone()),
+            f.store.complete(id, token, response.clone()),
             // The completion above already ended the claim: a late fail is fenced.
-            f.store.fail(id, FencingToken(1)),
+            f.store.fail(id, token),
         );
-        assert!(matches!(first, Ok(ClaimOutcome::Claimed(r)) if r.token == FencingToken(1)));
+        assert!(matches!(first, Ok(ClaimOutcome::Claimed(r)) if r.token == token));
         assert!(matches!(second, Ok(ClaimOutcome::Existing { record, .. }) if record.state == RecordState::InFlight));
         assert_eq!(complete.expect("complete").response, Some(response));
         assert!(fail.expect_err("fenced").is_lease_lost());

@@ -186,7 +186,12 @@ async fn journal_entries_follow_their_record_through_reclaim_sweep_and_replaceme
     clock.advance(Duration::from_secs(120));
     assert_eq!(store.journal_get(r2.id, "charge").await.expect("get"), None);
     let ClaimOutcome::Claimed(r3) = store.claim(req("k1")).await.expect("claim") else { panic!("not claimed") };
-    assert_eq!(r3.token, FencingToken(3));
+    assert_eq!(
+        r3.token,
+        FencingToken::first_at(UnixMillis(clock.now_ms())),
+        "a new generation, its token from the clock"
+    );
+    assert!(r3.token > r2.token);
     assert_eq!(store.journal_get(r3.id, "charge").await.expect("get"), None);
 
     // The sweep removes a record's entries with it (trigger idem_records_delete_journal).

@@ -4,7 +4,7 @@
 //!
 //! The test binary re-executes itself: with `IDEM_SQLITE_CHILD_DB` set it is a child that
 //! opens the store, says `ready`, waits for `go` on stdin, claims every key at once and
-//! prints one line per key (`won k17` or `lost k17`). The parent starts the children on a
+//! prints one line per key (`won k17 <token> <created_at>` or `lost k17`). The parent starts the children on a
 //! fresh file (so they also race through creating the file and running the migrations),
 //! releases them together, and checks the union of their reports and the file itself.
 //! Starting the children together also pins a second failure: processes opening one fresh
@@ -16,7 +16,10 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, RecordState, Scope, Store};
+use idem_core::{
+    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, RecordState, Scope, Store,
+    UnixMillis,
+};
 use idem_sqlite::{Config, SqliteStore};
 
 const CHILDREN: usize = 4;
@@ -82,7 +85,7 @@ fn child(path: &str) {
     });
     for (i, outcome) in results {
         match outcome {
-            Ok(ClaimOutcome::Claimed(r)) => writeln!(out, "won k{i} {}", r.token),
+            Ok(ClaimOutcome::Claimed(r)) => writeln!(out, "won k{i} {} {}", r.token, r.created_at.0),
             Ok(ClaimOutcome::Existing { .. }) => writeln!(out, "lost k{i}"),
             Err(e) => writeln!(out, "error k{i} {e}"),
         }
@@ -123,9 +126,15 @@ fn parent() {
             let line = line.expect("child output");
             lines += 1;
             let mut words = line.split_whitespace();
-            match (words.next(), words.next(), words.next()) {
-                (Some("won"), Some(key), Some("1")) => winners.entry(key.to_owned()).or_default().push(index),
-                (Some("lost"), Some(_), None) => {}
+            match (words.next(), words.next(), words.next(), words.next()) {
+                // A first claim: the first token of the time it was claimed at.
+                (Some("won"), Some(key), Some(token), Some(created_at))
+                    if created_at.parse().ok().map(|ms| FencingToken::first_at(UnixMillis(ms)).to_string())
+                        == Some(token.to_owned()) =>
+                {
+                    winners.entry(key.to_owned()).or_default().push(index);
+                }
+                (Some("lost"), Some(_), None, None) => {}
                 _ => panic!("child {index} reported {line:?}"),
             }
         }
@@ -139,13 +148,18 @@ fn parent() {
     }
     let per_child: Vec<usize> = (0..CHILDREN).map(|c| winners.values().filter(|w| w.contains(&c)).count()).collect();
 
-    // The file agrees: every key holds one in-flight record with token 1.
+    // The file agrees: every key holds one in-flight record, claimed once (the first token
+    // of its time).
     let store = SqliteStore::open(&path, Config::default()).expect("parent opens the store");
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     runtime.block_on(async {
         for i in 0..KEYS {
             let record = store.get(request(i).id).await.expect("get").expect("record exists");
-            assert_eq!((record.state, record.token.0), (RecordState::InFlight, 1), "k{i}");
+            assert_eq!(
+                (record.state, record.token),
+                (RecordState::InFlight, FencingToken::first_at(record.created_at)),
+                "k{i}"
+            );
         }
     });
     println!(

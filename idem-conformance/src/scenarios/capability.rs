@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use idem_core::{ClaimOutcome, Clock, FencingToken, SystemClock};
+use idem_core::{ClaimOutcome, Clock, FencingToken, SystemClock, UnixMillis};
 
 use super::{claim_req, claim_req_timed, completed, existing, get, must_claim, response};
 use crate::Env;
@@ -27,8 +27,13 @@ pub async fn declared_capabilities_hold(env: Env) {
     } else {
         env.report("sweep: removed the expired record");
         super::sweep_until_done(env.store.as_ref(), 10_000, 10_000).await;
+        let now = UnixMillis(env.clock.now_ms());
+        // One ms earlier a record that is still stored would read again.
+        env.clock.set(UnixMillis(r.expires_at.0 - 1));
+        assert_eq!(get(env.store.as_ref(), r.id).await, None, "the swept record is gone");
+        env.clock.set(now);
         let n = super::claimed(env.store.as_ref(), claim_req(&env, "p", "k", b"b")).await;
-        assert_eq!(n.token, FencingToken::FIRST, "the swept record is gone");
+        assert_eq!(n.token, FencingToken::first_at(now), "a new generation");
         return;
     }
     assert_eq!(get(env.store.as_ref(), r.id).await, None, "an expired record reads absent");

@@ -8,11 +8,12 @@ use idem_core::{ClaimOutcome, FencingToken, RecordState, UnixMillis};
 use super::{claim_req, claim_req_timed, completed, existing, failed, get, must_claim, race, response};
 use crate::Env;
 
-/// A claim on an absent record wins, with token 1, in flight, and finite lease and retention.
-pub async fn absent_record_is_claimed_with_token_one(env: Env) {
+/// A claim on an absent record wins, in flight, with the first token of its time
+/// (`FencingToken::first_at(now)`), and finite lease and retention.
+pub async fn absent_record_is_claimed_with_the_first_token_of_its_time(env: Env) {
     let now = env.clock.now_ms();
     let r = must_claim(&env, claim_req(&env, "p", "k1", b"body")).await;
-    assert_eq!(r.token, FencingToken::FIRST);
+    assert_eq!(r.token, FencingToken::first_at(UnixMillis(now)));
     assert_eq!(r.state, RecordState::InFlight);
     assert_eq!(r.created_at.0, now);
     assert_eq!(r.lease_expires_at.0, now + 5_000);
@@ -119,7 +120,7 @@ pub async fn distinct_keys_in_one_scope_are_distinct_records(env: Env) {
     assert_ne!(a.id, b_req.id);
     assert_eq!(get(env.store.as_ref(), b_req.id).await, None);
     let b = must_claim(&env, b_req).await;
-    assert_eq!(b.token, FencingToken::FIRST);
+    assert_eq!(b.token, FencingToken::first_at(UnixMillis(env.clock.now_ms())));
     assert_eq!(get(env.store.as_ref(), a.id).await, Some(a));
 }
 

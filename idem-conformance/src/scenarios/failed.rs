@@ -13,7 +13,7 @@ pub async fn failed_record_is_reclaimable_at_once(env: Env) {
     let r = must_claim(&env, claim_req(&env, "p", "k", b"body")).await;
     let f = failed(env.store.as_ref(), &r).await;
     let n = reclaimed(env.store.as_ref(), reclaim_req(&f)).await;
-    assert_eq!(n.token, FencingToken(2));
+    assert_eq!(n.token, r.token.next());
     assert_eq!(n.state, RecordState::InFlight);
 }
 
@@ -40,13 +40,13 @@ pub async fn fail_ends_the_lease_and_keeps_retention(env: Env) {
     assert_eq!(get(env.store.as_ref(), r.id).await, Some(f));
 }
 
-/// fail, reclaim, complete: the retry's response is stored under token 2.
+/// fail, reclaim, complete: the retry's response is stored under the next token.
 pub async fn failed_then_reclaimed_record_completes(env: Env) {
     let r = must_claim(&env, claim_req(&env, "p", "k", b"body")).await;
     let f = failed(env.store.as_ref(), &r).await;
     let n = reclaimed(env.store.as_ref(), reclaim_req(&f)).await;
     let done = completed(env.store.as_ref(), &n, response()).await;
-    assert_eq!(done.token, FencingToken(2));
+    assert_eq!(done.token, r.token.next());
     assert_eq!(done.response, Some(response()));
     assert_eq!(done.created_at, r.created_at);
     assert_eq!(get(env.store.as_ref(), r.id).await, Some(done));
@@ -55,11 +55,12 @@ pub async fn failed_then_reclaimed_record_completes(env: Env) {
 /// Repeated fail-then-reclaim cycles raise the token each time and never lose the record.
 pub async fn repeated_failures_keep_raising_the_token(env: Env) {
     let mut r = must_claim(&env, claim_req(&env, "p", "k", b"body")).await;
-    for round in 2..=5 {
+    let first = r.token;
+    for round in 1..=4 {
         env.clock.advance_ms(100);
         let f = failed(env.store.as_ref(), &r).await;
         r = reclaimed(env.store.as_ref(), reclaim_req(&f)).await;
-        assert_eq!(r.token, FencingToken(round));
+        assert_eq!(r.token, FencingToken(first.0 + round));
     }
     assert_eq!(get(env.store.as_ref(), r.id).await, Some(r));
 }

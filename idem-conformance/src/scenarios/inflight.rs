@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use idem_core::{FencingToken, RecordState, UnixMillis};
+use idem_core::{RecordState, UnixMillis};
 
 use super::{
     LEASE_MS, RETENTION_MS, claim_req, claim_req_timed, completed, conflict, existing, failed, get, must_claim,
@@ -24,7 +24,7 @@ pub async fn expired_lease_is_reclaimed_with_next_token(env: Env) {
     let r = must_claim(&env, claim_req(&env, "p", "k", b"body")).await;
     env.clock.advance_ms(LEASE_MS + 1);
     let n = reclaimed(env.store.as_ref(), reclaim_req(&r)).await;
-    assert_eq!(n.token, FencingToken(2));
+    assert_eq!(n.token, r.token.next());
     assert_eq!(n.state, RecordState::InFlight);
     assert_eq!(n.response, None);
     assert_eq!(get(env.store.as_ref(), r.id).await, Some(n));

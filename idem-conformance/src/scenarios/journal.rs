@@ -293,8 +293,8 @@ pub async fn journal_get_is_none_once_the_record_expired(env: Env) {
     assert_eq!(jget(env.store.as_ref(), r.id, "s:b").await, None, "the refused put wrote nothing");
 }
 
-/// A sweep removes a record's entries with it: a new claim of the same id afterwards (token
-/// 1 again) sees no entries and writes fresh ones.
+/// A sweep removes a record's entries with it: a new claim of the same id afterwards (a new
+/// generation) sees no entries and writes fresh ones.
 pub async fn journal_sweep_removes_entries_with_their_record(env: Env) {
     if !supported(&env).await {
         return;
@@ -315,10 +315,16 @@ pub async fn journal_sweep_removes_entries_with_their_record(env: Env) {
         assert!(super::sweep_until_done(env.store.as_ref(), 100, 1_000).await >= 1, "the expired record was swept");
     }
     assert_eq!(jget(env.store.as_ref(), r.id, "s:a").await, None);
-    let again = must_claim(&env, short("k")).await;
+    let now = UnixMillis(env.clock.now_ms());
     if !session.native_expiry {
-        assert_eq!(again.token, FencingToken::FIRST, "the swept record is gone, so the new claim starts at 1");
+        // One ms earlier a record (and entries) still stored would read again.
+        env.clock.set(UnixMillis(r.expires_at.0 - 1));
+        assert_eq!(get(env.store.as_ref(), r.id).await, None, "the expired record was swept");
+        assert_eq!(jget(env.store.as_ref(), r.id, "s:a").await, None, "its entries went with it");
+        env.clock.set(now);
     }
+    let again = must_claim(&env, short("k")).await;
+    assert_eq!(again.token, FencingToken::first_at(now), "a new generation, its token from the clock");
     assert_eq!(jget(env.store.as_ref(), r.id, "s:a").await, None, "the new claim sees no old entry");
     assert_eq!(jget(env.store.as_ref(), r.id, "i:b").await, None);
     put(env.store.as_ref(), &again, "s:a", b"new", false).await;
@@ -338,7 +344,7 @@ pub async fn journal_claim_replacing_an_expired_record_starts_empty(env: Env) {
     put(env.store.as_ref(), &old, "s:b", b"old", false).await;
     env.clock.set(old.expires_at);
     let new = must_claim(&env, req).await;
-    assert_eq!(new.token, old.token.next(), "the expired record was replaced");
+    assert_eq!(new.token, FencingToken::first_at(old.expires_at), "a new generation replaced the expired record");
     assert_eq!(jget(env.store.as_ref(), new.id, "s:a").await, None, "the old attempt's entry is gone");
     let res = env.store.journal_put(new.id, new.token, "s:b", b"new".to_vec(), false).await.expect("put");
     assert_eq!(res, JournalWrite::Written, "first write of the new record, not Exists(old)");
@@ -439,7 +445,7 @@ pub async fn journal_step_memoises_across_a_reclaim(env: Env) {
     let runs = Arc::new(AtomicU32::new(0));
     let first = must_claim(&env, claim_req(&env, "p", "k", b"b")).await;
     let step = |owner: &Record, value: u64| {
-        let h = Resumable::new(Arc::clone(&env.store), owner.id, owner.token);
+        let h = Resumable::new(Arc::clone(&env.store), owner.id, owner.token, owner.created_at);
         let runs = Arc::clone(&runs);
         async move {
             h.step("allocate", |sk| async move {
@@ -467,8 +473,8 @@ pub async fn journal_stale_owners_step_is_fenced(env: Env) {
     let first = must_claim(&env, claim_req(&env, "p", "k", b"b")).await;
     env.clock.advance_ms(LEASE_MS);
     let second = reclaimed(env.store.as_ref(), reclaim_req(&first)).await;
-    let stale = Resumable::new(Arc::clone(&env.store), first.id, first.token);
-    let current = Resumable::new(Arc::clone(&env.store), second.id, second.token);
+    let stale = Resumable::new(Arc::clone(&env.store), first.id, first.token, first.created_at);
+    let current = Resumable::new(Arc::clone(&env.store), second.id, second.token, second.created_at);
     let e = stale.step("lease", |_| async { Ok::<_, std::io::Error>(1u32) }).await.expect_err("a stale step");
     assert!(e.is_lease_lost(), "a stale owner's step is LeaseLost, got {e:?}");
     assert_eq!(current.step("lease", |_| async { Ok::<_, std::io::Error>(2u32) }).await.expect("step"), 2);
@@ -488,7 +494,7 @@ pub async fn journal_intent_reconcile_paths(env: Env) {
     ] {
         let first = must_claim(&env, claim_req(&env, "p", k, b"b")).await;
         let issued = Arc::new(AtomicU32::new(0));
-        let h1 = Resumable::new(Arc::clone(&env.store), first.id, first.token);
+        let h1 = Resumable::new(Arc::clone(&env.store), first.id, first.token, first.created_at);
         let i1 = Arc::clone(&issued);
         let died = h1
             .intent(
@@ -503,7 +509,7 @@ pub async fn journal_intent_reconcile_paths(env: Env) {
         assert!(matches!(died, Err(StepError::Failed { .. })), "{died:?}");
         env.clock.advance_ms(LEASE_MS);
         let second = reclaimed(env.store.as_ref(), reclaim_req(&first)).await;
-        let h2 = Resumable::new(Arc::clone(&env.store), second.id, second.token);
+        let h2 = Resumable::new(Arc::clone(&env.store), second.id, second.token, second.created_at);
         let (i2, expected_tag) = (Arc::clone(&issued), h2.subkey("boot"));
         let got = h2
             .intent(

@@ -15,6 +15,9 @@
 //! - [`peers`] - two handles on one store: takeover, fencing, racing first claims, dead owners.
 //! - [`capability`] - capability variants (native expiry, server clock, peer handles).
 //! - [`journal`] - the per-record journal of resumable handlers' steps and intents.
+//! - [`extend`] - lease renewal: fenced like `complete`, never earlier, never swept.
+//! - [`generation`] - a key reused after retention: tokens above every earlier
+//!   generation's, earlier owners fenced off, new sub-keys.
 //!
 //! # Rules every scenario follows
 //! Its records live under `env.principal(..)` (a random namespace); it never sleeps (time
@@ -34,8 +37,10 @@ use crate::Env;
 pub mod capability;
 pub mod claim;
 pub mod clock;
+pub mod extend;
 pub mod failed;
 pub mod fencing;
+pub mod generation;
 pub mod inflight;
 pub mod journal;
 pub mod limits;
@@ -160,6 +165,11 @@ pub async fn completed(store: &dyn Store, record: &Record, resp: StoredResponse)
     store.complete(record.id, record.token, resp).await.expect("complete by the current owner")
 }
 
+/// Renews `record`'s lease by `lease` and expects it to apply.
+pub async fn extended(store: &dyn Store, record: &Record, lease: Duration) -> Record {
+    store.extend(record.id, record.token, lease).await.expect("extend by the current owner")
+}
+
 /// Marks `record`'s claim failed and expects it to apply.
 pub async fn failed(store: &dyn Store, record: &Record) -> Record {
     store.fail(record.id, record.token).await.expect("fail by the current owner")
@@ -203,6 +213,19 @@ pub async fn sweep_until_done(store: &dyn Store, limit: usize, max_calls: usize)
     panic!("sweep still reports more after {max_calls} calls of {limit}");
 }
 
+/// Sweeps every expired record (or, on a store with native expiry, checks the sweep is a
+/// no-op returning zero) and reports which variant ran.
+pub async fn sweep_all(env: &Env, native_expiry: bool) {
+    if native_expiry {
+        env.report("native expiry: sweep must be a no-op returning zero");
+        let out = env.store.sweep(1_000).await.expect("sweep");
+        assert_eq!((out.removed, out.more), (0, false), "a store with native expiry sweeps nothing");
+    } else {
+        env.report("sweep removes expired records");
+        sweep_until_done(env.store.as_ref(), 1_000, 10_000).await;
+    }
+}
+
 /// Runs `n` copies of `f` released together by a barrier on the multi-threaded runtime;
 /// returns their results in spawn order.
 pub async fn race<T, F, Fut>(n: usize, f: F) -> Vec<T>
@@ -236,7 +259,7 @@ where
 #[macro_export]
 macro_rules! __for_each_scenario {
     ($m:path, $backend:expr) => {
-        $m!($backend, claim::absent_record_is_claimed_with_token_one);
+        $m!($backend, claim::absent_record_is_claimed_with_the_first_token_of_its_time);
         $m!($backend, claim::second_claim_sees_existing_record);
         $m!($backend, claim::concurrent_claims_have_exactly_one_winner);
         $m!($backend, claim::claim_stores_scope_key_and_fingerprint);
@@ -351,5 +374,23 @@ macro_rules! __for_each_scenario {
         $m!($backend, journal::journal_step_memoises_across_a_reclaim);
         $m!($backend, journal::journal_stale_owners_step_is_fenced);
         $m!($backend, journal::journal_intent_reconcile_paths);
+        $m!($backend, extend::extend_moves_the_lease_from_now_and_keeps_the_rest);
+        $m!($backend, extend::extend_never_moves_the_lease_earlier);
+        $m!($backend, extend::renewed_claim_outlives_its_retention_through_sweeps);
+        $m!($backend, extend::extend_after_the_lease_ran_out_applies_while_nobody_reclaimed);
+        $m!($backend, extend::extend_with_a_wrong_token_is_lease_lost_and_changes_nothing);
+        $m!($backend, extend::extend_of_a_completed_record_is_lease_lost);
+        $m!($backend, extend::extend_of_a_failed_record_is_lease_lost);
+        $m!($backend, extend::extend_by_a_reclaimed_owner_is_lease_lost);
+        $m!($backend, extend::extend_of_an_absent_record_is_lease_lost);
+        $m!($backend, extend::extend_of_an_expired_record_is_lease_lost);
+        $m!($backend, extend::renewed_lease_refuses_a_retry_until_its_new_end);
+        $m!($backend, extend::extend_racing_reclaimers_leaves_one_outcome);
+        $m!($backend, extend::extend_keeps_the_journal);
+        $m!($backend, generation::new_generation_after_removal_fences_every_earlier_token);
+        $m!($backend, generation::new_generation_over_a_stored_expired_record_fences_every_earlier_token);
+        $m!($backend, generation::tokens_grow_over_many_generations);
+        $m!($backend, generation::sub_keys_stay_within_a_generation_and_change_between_generations);
+        $m!($backend, generation::late_step_of_an_earlier_generation_is_fenced);
     };
 }

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{ClaimOutcome, FencingToken, RecordState, Store, StoredResponse, UnixMillis};
+use idem_core::{ClaimOutcome, RecordState, Store, StoredResponse, UnixMillis};
 
 use super::{
     assert_lease_lost, claim_req, claim_req_timed, completed, conflict, existing, get, race, reclaim_req, reclaimed,
@@ -52,7 +52,7 @@ pub async fn stale_owner_is_fenced_and_the_new_claim_stays(env: Env) {
     assert_eq!(seen, b, "B's claim is intact");
     assert!(seen.lease_is_fresh(now), "C gets 409-busy: B's lease is fresh");
     let done = completed(env.store.as_ref(), &b, response()).await;
-    assert_eq!(done.token, FencingToken(2));
+    assert_eq!(done.token, a.token.next());
 }
 
 /// Two handles race a first claim of one key: exactly one wins, the loser sees its record
@@ -104,7 +104,7 @@ pub async fn dead_owners_claim_is_freed_by_its_lease(env: Env) {
     assert_eq!(conflict(env.store.as_ref(), reclaim_req(&r)).await, Some(r.clone()));
     env.clock.set(UnixMillis(r.lease_expires_at.0 + 1_000));
     let n = reclaimed(env.store.as_ref(), reclaim_req(&r)).await;
-    assert_eq!(n.token, FencingToken(2));
+    assert_eq!(n.token, r.token.next());
     let done = completed(env.store.as_ref(), &n, response()).await;
     assert_eq!(get(env.store.as_ref(), r.id).await, Some(done));
 }

@@ -97,13 +97,14 @@ pub async fn reclaim_with_a_future_token_conflicts(env: Env) {
     assert_eq!(get(env.store.as_ref(), r.id).await, Some(r));
 }
 
-/// Five takeovers in a row raise the token by one each: 2, 3, 4, 5, 6.
+/// Five takeovers in a row raise the token by one each: first + 1, ..., first + 5.
 pub async fn each_reclaim_raises_the_token_by_one(env: Env) {
     let mut r = must_claim(&env, claim_req(&env, "p", "k", b"body")).await;
-    for expected in 2..=6 {
+    let first = r.token;
+    for n in 1..=5 {
         env.clock.advance_ms(LEASE_MS);
         r = reclaimed(env.store.as_ref(), reclaim_req(&r)).await;
-        assert_eq!(r.token, FencingToken(expected));
+        assert_eq!(r.token, FencingToken(first.0 + n));
     }
 }
 
@@ -131,12 +132,12 @@ pub async fn claims_racing_reclaims_never_replace_the_record(env: Env) {
             Err(other) => panic!("a claim replaced a live record: {other:?}"),
             Ok(ReclaimOutcome::Reclaimed(n)) => {
                 winners += 1;
-                assert_eq!(n.token, FencingToken(2));
+                assert_eq!(n.token, r.token.next());
             }
             Ok(ReclaimOutcome::Conflict { .. }) => {}
         }
     }
     assert_eq!(winners, 1, "exactly one reclaim wins");
     let (now_record, _) = existing(env.store.as_ref(), claim_req(&env, "p", "k", b"body")).await;
-    assert_eq!(now_record.token, FencingToken(2));
+    assert_eq!(now_record.token, r.token.next());
 }

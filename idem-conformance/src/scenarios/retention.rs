@@ -12,23 +12,11 @@ use idem_core::{ClaimOutcome, FencingToken, RecordState, Store, UnixMillis};
 
 use super::{
     claim_req, claim_req_timed, claimed, completed, conflict, failed, get, must_claim, race, reclaim_req, response,
-    sweep_until_done,
+    sweep_all, sweep_until_done,
 };
 use crate::Env;
 
 const SHORT: Duration = Duration::from_secs(2);
-
-/// Sweeps all (or checks the native-expiry no-op) and reports the variant.
-async fn sweep_all(env: &Env, native: bool) {
-    if native {
-        env.report("native expiry: sweep must be a no-op returning zero");
-        let out = env.store.sweep(1_000).await.expect("sweep");
-        assert_eq!((out.removed, out.more), (0, false), "a store with native expiry sweeps nothing");
-    } else {
-        env.report("sweep removes expired records");
-        sweep_until_done(env.store.as_ref(), 1_000, 10_000).await;
-    }
-}
 
 /// `get` returns `None` from `expires_at` on, before any sweep; one ms earlier it returns the record.
 pub async fn get_is_none_from_expires_at_on_before_any_sweep(env: Env) {
@@ -51,6 +39,7 @@ pub async fn claim_after_expiry_gets_a_new_record_with_a_higher_token(env: Env) 
     let req = claim_req(&env, "p", "k", b"a new request");
     let n = claimed(env.store.as_ref(), req.clone()).await;
     assert!(n.token > done.token, "token {} after expired token {}", n.token, done.token);
+    assert_eq!(n.token, FencingToken::first_at(UnixMillis(now)), "a new generation's first token comes from the clock");
     assert_eq!(n.state, RecordState::InFlight);
     assert_eq!(n.response, None);
     assert_eq!(n.fingerprint, req.fingerprint);
@@ -98,7 +87,8 @@ pub async fn sweep_keeps_records_until_expires_at(env: Env) {
     }
 }
 
-/// A sweep removes the scenario's expired records: a new claim of each gets token 1.
+/// A sweep removes the scenario's expired records (one ms before their `expires_at` they no
+/// longer read); a new claim of each starts a new generation, its token from the clock.
 pub async fn sweep_removes_expired_records(env: Env) {
     let s = env.sweep_session().await;
     let mut records = Vec::new();
@@ -110,16 +100,25 @@ pub async fn sweep_removes_expired_records(env: Env) {
         records.push(r);
     }
     env.clock.set(records[3].expires_at);
+    let now = UnixMillis(env.clock.now_ms());
     sweep_all(&env, s.native_expiry).await;
     for (i, r) in records.iter().enumerate() {
         assert_eq!(get(env.store.as_ref(), r.id).await, None);
-        let n = claimed(env.store.as_ref(), claim_req(&env, "p", &format!("k{i}"), b"body")).await;
-        if s.native_expiry {
-            assert!(n.token >= FencingToken::FIRST);
-        } else {
-            assert_eq!(n.token, FencingToken::FIRST, "a swept record is gone, so the next claim starts at token 1");
+        if !s.native_expiry {
+            assert_swept(&env, r, now).await;
         }
+        let n = claimed(env.store.as_ref(), claim_req(&env, "p", &format!("k{i}"), b"body")).await;
+        assert_eq!(n.token, FencingToken::first_at(now), "a new generation's first token comes from the clock");
+        assert!(n.token > r.token, "above the removed record's token {}", r.token);
     }
+}
+
+/// Checks `r` is no longer stored: one ms before its `expires_at` (where a record that is
+/// still stored reads again) it reads as absent. Leaves the clock at `now`.
+async fn assert_swept(env: &Env, r: &idem_core::Record, now: UnixMillis) {
+    env.clock.set(UnixMillis(r.expires_at.0 - 1));
+    assert_eq!(get(env.store.as_ref(), r.id).await, None, "record {} was left behind by the sweep", r.key);
+    env.clock.set(now);
 }
 
 /// Sweeps of at most 2 records each say `more` while expired records remain, until all are gone.
@@ -138,9 +137,9 @@ pub async fn sweep_batches_are_bounded_and_say_more(env: Env) {
         assert!(first.removed <= 2, "a sweep of limit 2 removed {}", first.removed);
         assert!(first.more, "at least 3 expired records remain after a batch of 2, so `more` must be set");
         sweep_until_done(env.store.as_ref(), 2, 10_000).await;
-        for (i, r) in records.iter().enumerate() {
-            let n = claimed(env.store.as_ref(), claim_req(&env, "p", &format!("k{i}"), b"body")).await;
-            assert_eq!(n.token, FencingToken::FIRST, "record {} was left behind by the sweep", r.key);
+        let now = UnixMillis(env.clock.now_ms());
+        for r in &records {
+            assert_swept(&env, r, now).await;
         }
     }
 }
@@ -153,8 +152,12 @@ pub async fn sweep_with_zero_limit_removes_nothing(env: Env) {
     let out = env.store.sweep(0).await.expect("sweep");
     assert_eq!(out.removed, 0, "limit 0 removes nothing");
     if !s.native_expiry {
+        let now = UnixMillis(env.clock.now_ms());
+        env.clock.set(UnixMillis(r.expires_at.0 - 1));
+        assert_eq!(get(env.store.as_ref(), r.id).await, Some(r.clone()), "the expired record is still stored");
+        env.clock.set(now);
         let n = claimed(env.store.as_ref(), claim_req(&env, "p", "k", b"body")).await;
-        assert_eq!(n.token, FencingToken(2), "the expired record was still there (token + 1), not swept");
+        assert_eq!(n.token, FencingToken::first_at(now), "a new generation replaced the stored record");
     }
     sweep_all(&env, s.native_expiry).await;
 }
@@ -168,6 +171,7 @@ pub async fn sweep_racing_claims_leaves_consistent_records(env: Env) {
         old.push(completed(env.store.as_ref(), &r, response()).await);
     }
     env.clock.set(old[7].expires_at);
+    let now = UnixMillis(env.clock.now_ms());
     env.report(if s.native_expiry { "native expiry: sweeps are no-ops" } else { "sweep races claims" });
     let env = Arc::new(env);
     let outcomes = race(16, |i| {
@@ -190,7 +194,8 @@ pub async fn sweep_racing_claims_leaves_consistent_records(env: Env) {
         assert_eq!(n.state, RecordState::InFlight);
         assert_eq!(n.response, None, "no part of the old record survives");
         assert_eq!(n.fingerprint, super::fp(b"new"));
-        assert!(n.token == FencingToken::FIRST || n.token == FencingToken(2), "token {}", n.token);
+        // Swept first or replaced while still stored: a new generation either way.
+        assert_eq!(n.token, FencingToken::first_at(now), "k{i}");
         assert_eq!(get(env.store.as_ref(), n.id).await.as_ref(), Some(&n), "the sweep removed a new claim");
         let done = completed(env.store.as_ref(), &n, response()).await;
         assert_eq!(done.token, n.token);
@@ -231,8 +236,8 @@ pub async fn sweep_drains_many_expired_records_in_batches(env: Env) {
     env.report("sweep drains 100 expired records in batches of 30");
     // The total is not asserted: on a shared server another process may sweep some of them.
     sweep_until_done(env.store.as_ref(), 30, 10_000).await;
+    let now = UnixMillis(env.clock.now_ms());
     for r in &records {
-        let n = claimed(env.store.as_ref(), claim_req(&env, "p", r.key.as_str(), b"b")).await;
-        assert_eq!(n.token, FencingToken::FIRST, "record {} was left behind", r.key);
+        assert_swept(&env, r, now).await;
     }
 }

@@ -2,7 +2,7 @@
 //! so tenants never see or block each other (`docs/failures.md#key-shared-across-endpoints`,
 //! `docs/failures.md#key-shared-across-principals`).
 
-use idem_core::{ClaimRequest, Endpoint, FencingToken, RecordState, Scope};
+use idem_core::{ClaimRequest, Endpoint, FencingToken, RecordState, Scope, UnixMillis};
 
 use super::{LEASE, RETENTION, claim_req, claimed, completed, existing, fp, get, key, must_claim, response};
 use crate::Env;
@@ -18,7 +18,7 @@ pub async fn same_key_other_principal_is_another_record(env: Env) {
     completed(env.store.as_ref(), &p, response()).await;
     let q = claimed(env.store.as_ref(), req_in(&env, "Q", "POST", "/orders", "K", b"b")).await;
     assert_ne!(q.id, p.id);
-    assert_eq!(q.token, FencingToken::FIRST);
+    assert_eq!(q.token, FencingToken::first_at(UnixMillis(env.clock.now_ms())), "Q's record starts its own generation");
     assert_eq!(q.response, None, "Q never sees P's response");
 }
 

@@ -25,13 +25,6 @@ use tower::ServiceExt;
 /// 2027-01-15T08:00:00Z: a fixed, plausible start for every test clock.
 pub const T0: UnixMillis = UnixMillis(1_800_000_000_000);
 
-/// The fencing token of the `n`-th claim (1-based: the first claim, then one per reclaim) of
-/// a record first claimed at [`T0`]: a new record's first token comes from the store clock
-/// ([`FencingToken::first_at`]), each reclaim adds one.
-pub fn token_at_t0(n: u64) -> u64 {
-    FencingToken::first_at(T0).0 + n - 1
-}
-
 /// A memory store on a manual clock, plus a switchboard of injected faults.
 #[derive(Clone, Debug)]
 pub struct Env {

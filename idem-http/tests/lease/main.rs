@@ -93,11 +93,10 @@ macro_rules! lease_tests {
 lease_tests!(memory);
 lease_tests!(redb);
 lease_tests!(sqlite);
-// Redis and PostgreSQL get the same scenarios by adding their factory here, once their
-// `Store::extend` is real (it lands with the branch wt/lease-servers; until then both
-// return `Unsupported` and renewal stops at its first attempt):
-// lease_tests!(redis);
-// lease_tests!(postgres);
+// The real servers (127.0.0.1:6379, 127.0.0.1:5432, or IDEM_REDIS_URL / IDEM_POSTGRES_URL);
+// the tests fail, never skip, when a server is down.
+lease_tests!(redis);
+lease_tests!(postgres);
 
 /// A renewal that failed transiently waited for the next interval instead of retrying
 /// within the lease, so three failures in a row let a retry reclaim a live flash.
