@@ -7,6 +7,13 @@
 //! - retry connection errors, timeouts, 5xx and in-flight `409` answers (those carry
 //!   `Retry-After`, which is honoured) with exponential backoff and full jitter inside a
 //!   time budget ([`RetryPolicy`]);
+//! - keep polling an operation that is in flight for as long as the budget lasts: an
+//!   in-flight 409 is not a failure and does not count against
+//!   [`RetryPolicy::max_attempts`], and a `Retry-After` longer than what is left of the
+//!   budget (an older server's whole remaining lease) is cut so the last poll lands at the
+//!   budget's end. An idem server answers in-flight 409s with a short `Retry-After`
+//!   (at most 2 s by default) while its lease renewal keeps a long operation claimed, so a
+//!   client with a 60 s budget sees a 40 s operation through to its response;
 //! - stop on a fingerprint mismatch (a problem body of type `urn:idem:problem:mismatch`,
 //!   whatever status the server maps it to) and on any other 4xx; done on 2xx.
 //!

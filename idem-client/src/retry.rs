@@ -44,9 +44,15 @@ impl OperationKey {
 #[non_exhaustive]
 pub struct RetryPolicy {
     /// Total time allowed for all attempts and waits (default 60 s). No new attempt starts
-    /// once a wait would cross it.
+    /// once a wait would cross it, with one exception: while the operation is in flight
+    /// (409 with `Retry-After`), a `Retry-After` that reaches past the budget is cut to
+    /// what is left of it, so the last poll happens at the budget's end instead of the
+    /// client giving up at once.
     pub budget: Duration,
-    /// Upper bound on attempts, the first included (default 20).
+    /// Upper bound on attempts that did not find the operation in flight, the first
+    /// included (default 20): transport errors, timeouts, 5xx, 408, 425, 429. In-flight
+    /// 409s are polls of an operation that is running, not failures, so they are bounded by
+    /// the budget alone: a ten-minute operation is polled for as long as the budget lasts.
     pub max_attempts: u32,
     /// First backoff (default 50 ms); doubles per retry.
     pub initial_backoff: Duration,
@@ -114,7 +120,8 @@ impl RetryPolicy {
 pub struct AttemptStats {
     /// Requests sent.
     pub attempts: u32,
-    /// In-flight `409` answers (another attempt held the key).
+    /// In-flight `409` answers (another attempt held the key); they do not count against
+    /// [`RetryPolicy::max_attempts`].
     pub busy: u32,
     /// Connection errors and timeouts.
     pub transport_errors: u32,
@@ -272,6 +279,7 @@ impl RequestBuilder<'_> {
                 req = req.header(n, v);
             }
             let mut server_wait = None;
+            let mut in_flight = false;
             match req.send().await {
                 Err(e) if e.is_builder() => return Err(ClientError::InvalidRequest(e.to_string())),
                 Err(e) => {
@@ -287,7 +295,7 @@ impl RequestBuilder<'_> {
                             // The answer was lost on the way: same as a dropped response.
                             stats.transport_errors += 1;
                             last = (format!("response body lost: {e}"), Some(e));
-                            if !wait_or_stop(policy, &mut stats, deadline, None).await {
+                            if !wait_or_stop(policy, &stats, deadline, None, false).await {
                                 return Err(gave_up(stats, last));
                             }
                             continue;
@@ -304,6 +312,7 @@ impl RequestBuilder<'_> {
                     }
                     if status == StatusCode::CONFLICT {
                         stats.busy += 1;
+                        in_flight = true;
                     } else if status.is_server_error() {
                         stats.server_errors += 1;
                     }
@@ -311,7 +320,7 @@ impl RequestBuilder<'_> {
                     last = (format!("status {status}"), None);
                 }
             }
-            if !wait_or_stop(policy, &mut stats, deadline, server_wait).await {
+            if !wait_or_stop(policy, &stats, deadline, server_wait, in_flight).await {
                 return Err(gave_up(stats, last));
             }
         }
@@ -325,22 +334,51 @@ fn gave_up(stats: AttemptStats, last: (String, Option<reqwest::Error>)) -> Clien
 /// Sleeps before the next attempt; false when the budget or attempt cap says stop.
 async fn wait_or_stop(
     policy: &RetryPolicy,
-    stats: &mut AttemptStats,
+    stats: &AttemptStats,
     deadline: Instant,
     server: Option<Duration>,
+    in_flight: bool,
 ) -> bool {
-    if stats.attempts >= policy.max_attempts {
-        return false;
-    }
     let backoff = policy.backoff(stats.attempts);
+    let left = deadline.saturating_duration_since(Instant::now());
+    match next_wait(policy, stats, left, backoff, server, in_flight) {
+        Some(wait) => {
+            tokio::time::sleep(wait).await;
+            true
+        }
+        None => false,
+    }
+}
+
+/// The pause before the next attempt, or `None` to stop: `left` is what remains of the
+/// budget, `backoff` this retry's jittered backoff, `server` the answer's `Retry-After`,
+/// `in_flight` whether the answer was an in-flight 409.
+fn next_wait(
+    policy: &RetryPolicy,
+    stats: &AttemptStats,
+    left: Duration,
+    backoff: Duration,
+    server: Option<Duration>,
+    in_flight: bool,
+) -> Option<Duration> {
+    // In-flight polls are not failures; only the other attempts use up the cap.
+    let failed = stats.attempts.saturating_sub(stats.busy);
+    if !in_flight && failed >= policy.max_attempts {
+        return None;
+    }
     // Retry-After is a lower bound from the server; jittered backoff spreads the herd.
     let wait = server.map_or(backoff, |s| s.max(backoff));
-    if Instant::now() + wait >= deadline {
-        return false;
+    if wait < left {
+        return Some(wait);
     }
-    tokio::time::sleep(wait).await;
-    true
+    // An operation still running may finish before the budget does: poll once more at
+    // the budget's end rather than give up on an answer that only says "not yet".
+    (in_flight && !left.is_zero()).then(|| left.saturating_sub(BUDGET_END_MARGIN))
 }
+
+/// How long before the budget's end a last in-flight poll is sent, so that it starts
+/// inside the budget.
+const BUDGET_END_MARGIN: Duration = Duration::from_millis(10);
 
 /// `Retry-After` as delay-seconds (RFC 9110 §10.2.3); HTTP-date forms are not used by
 /// idem servers and count as absent.
@@ -386,6 +424,31 @@ mod tests {
         for retry in 1..30 {
             assert!(p.backoff(retry) <= Duration::from_millis(100));
         }
+    }
+
+    /// The client gave up on the first in-flight 409 whose Retry-After (the whole remaining
+    /// lease, on older servers) reached past the budget, or in-flight polls used up the cap.
+    #[test]
+    fn in_flight_polls_last_as_long_as_the_budget() {
+        let p = RetryPolicy::default().with_max_attempts(2);
+        let secs = Duration::from_secs;
+        let polled = |attempts, busy| AttemptStats { attempts, busy, ..AttemptStats::default() };
+        // Retry-After within the budget is honoured over a shorter backoff.
+        assert_eq!(next_wait(&p, &polled(1, 1), secs(60), secs(0), Some(secs(2)), true), Some(secs(2)));
+        // A Retry-After of 300 s against 60 s left: one last poll just before the end.
+        assert_eq!(
+            next_wait(&p, &polled(1, 1), secs(60), secs(0), Some(secs(300)), true),
+            Some(secs(60) - BUDGET_END_MARGIN)
+        );
+        // Fifty polls in, with a cap of two attempts: still polling.
+        assert_eq!(next_wait(&p, &polled(51, 50), secs(5), secs(0), Some(secs(1)), true), Some(secs(1)));
+        // The budget is spent: stop.
+        assert_eq!(next_wait(&p, &polled(51, 50), Duration::ZERO, secs(0), Some(secs(1)), true), None);
+        // Failures still count: two 503s reach the cap of two.
+        assert_eq!(next_wait(&p, &polled(2, 0), secs(60), secs(0), Some(secs(1)), false), None);
+        assert_eq!(next_wait(&p, &polled(1, 0), secs(60), secs(0), Some(secs(1)), false), Some(secs(1)));
+        // A 503's Retry-After past the budget is not cut: the client stops.
+        assert_eq!(next_wait(&p, &polled(1, 0), secs(60), secs(0), Some(secs(300)), false), None);
     }
 
     #[test]

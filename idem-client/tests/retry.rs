@@ -102,3 +102,78 @@ async fn connection_refused_gives_up_within_budget() {
         other => panic!("{other:?}"),
     }
 }
+
+/// An idem server with a long lease whose operation outlasts the client's first attempt:
+/// `POST /v1/workers/7/firmware` takes `flash` and counts its runs.
+async fn firmware_server(lease: Duration, retry_after_cap: Duration, flash: Duration) -> (String, Arc<AtomicU32>) {
+    let runs = Arc::new(AtomicU32::new(0));
+    let r = Arc::clone(&runs);
+    let layer = idem_http::IdempotencyLayer::new(Arc::new(idem_core::MemoryStore::new()))
+        .with_lease_ttl(lease)
+        .with_in_flight_retry_after(retry_after_cap);
+    let app = Router::new()
+        .route(
+            "/v1/workers/{id}/firmware",
+            post(move || async move {
+                r.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(flash).await;
+                (StatusCode::CREATED, "flashed")
+            }),
+        )
+        .layer(layer);
+    (serve(app).await, runs)
+}
+
+/// The client gave up on the first in-flight 409 because the server's lease was long
+/// (its Retry-After was the whole remaining lease, past the client's budget), or in-flight
+/// polls used up the attempt cap.
+#[tokio::test]
+async fn a_long_lease_operation_is_polled_until_its_replay() {
+    let (base, runs) = firmware_server(Duration::from_secs(600), Duration::from_secs(2), Duration::from_secs(3)).await;
+    // The first attempt times out while the flash runs on; a cap of two attempts would be
+    // spent by then if the in-flight polls counted.
+    let client = IdempotentClient::new(
+        reqwest::Client::new(),
+        fast()
+            .with_budget(Duration::from_secs(60))
+            .with_attempt_timeout(Duration::from_millis(500))
+            .with_max_attempts(2),
+    );
+    let started = std::time::Instant::now();
+    let reply = client
+        .post(format!("{base}/v1/workers/7/firmware"), &OperationKey::generate())
+        .bearer("ops")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!((reply.status.as_u16(), reply.replayed, &reply.body[..]), (201, true, &b"flashed"[..]));
+    assert_eq!(reply.stats.transport_errors, 1, "{:?}", reply.stats);
+    assert!(reply.stats.busy >= 2, "polled while the flash ran: {:?}", reply.stats);
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "flashed once");
+    // Retry-After was the 2 s cap, not the 600 s lease: the replay came seconds after the flash.
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+}
+
+/// A server that still answers Retry-After = the whole remaining lease made the client give
+/// up on the first 409 although its budget had time for one more poll.
+#[tokio::test]
+async fn a_retry_after_past_the_budget_is_polled_at_the_budget_end() {
+    let (base, runs) =
+        firmware_server(Duration::from_secs(600), Duration::from_secs(3_600), Duration::from_millis(1_500)).await;
+    let client = IdempotentClient::new(
+        reqwest::Client::new(),
+        fast().with_budget(Duration::from_secs(3)).with_attempt_timeout(Duration::from_millis(300)),
+    );
+    let started = std::time::Instant::now();
+    let reply = client
+        .post(format!("{base}/v1/workers/7/firmware"), &OperationKey::generate())
+        .bearer("ops")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!((reply.status.as_u16(), reply.replayed), (201, true));
+    assert_eq!((reply.stats.transport_errors, reply.stats.busy), (1, 1), "{:?}", reply.stats);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let elapsed = started.elapsed();
+    assert!(elapsed >= Duration::from_millis(2_900) && elapsed < Duration::from_secs(4), "{elapsed:?}");
+}

@@ -81,7 +81,7 @@ pub use memory::{MemoryStore, TableStore};
 pub use model::Model;
 pub use policy::Policy;
 pub use record::{FencingToken, Record, RecordState, StoredBody, StoredResponse};
-pub use resume::{Reconciled, Resumable, StepError, SubKey};
+pub use resume::{LeaseWatch, Reconciled, Resumable, StepError, SubKey};
 pub use scope::{Endpoint, Principal, RecordId, Scope, ScopeError};
 pub use store::{BoxError, Capabilities, JournalWrite, Store, StoreError, SweepOutcome};
 #[cfg(feature = "sweeper")]

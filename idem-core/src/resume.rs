@@ -33,13 +33,15 @@
 //! - A downstream call that neither accepts a caller id nor can be observed afterwards.
 //!   No library can tell whether it happened; make such calls the last thing a handler
 //!   does, or put them behind a queue that can.
-//! - A lease shorter than the handler. A retry takes over once the lease has passed,
-//!   whether or not the first attempt is still running; if that attempt is still inside
-//!   an intent's `issue` call, `reconcile` cannot see the call yet and the retry issues
-//!   it again. The first attempt's later journal writes are fenced off, but its call has
-//!   happened. Keep [`crate::Policy::lease_ttl`] above the worst-case run time of every
-//!   handler that uses intents (steps with sub-keys are safe either way: the downstream
-//!   system deduplicates).
+//! - A lease that runs out while the handler still runs. A retry takes over once the
+//!   lease has passed, whether or not the first attempt is still running; if that attempt
+//!   is still inside an intent's `issue` call, `reconcile` cannot see the call yet and the
+//!   retry issues it again. The first attempt's later journal writes are fenced off, but
+//!   its call has happened. Renew the lease while the handler runs ([`Store::extend`];
+//!   the HTTP layer does it by default) or keep [`crate::Policy::lease_ttl`] above the
+//!   worst-case run time of every handler that uses intents (steps with sub-keys are safe
+//!   either way: the downstream system deduplicates). A handle given a [`LeaseWatch`]
+//!   ([`Resumable::with_lease_watch`]) starts no step once a renewal was refused.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -142,13 +144,26 @@ pub enum StepError<E> {
         /// The intent.
         name: String,
     },
+    /// The attempt's [`LeaseWatch`] reports its lease lost (a renewal was refused: another
+    /// attempt may own the record now), so the step or intent did not start: nothing was
+    /// called and nothing journalled. Stop working and return.
+    #[error("step {name} not started: this attempt lost its lease")]
+    LeaseLost {
+        /// The step or intent.
+        name: String,
+    },
 }
 
 impl<E> StepError<E> {
-    /// Whether the attempt lost its lease (another attempt now owns the record).
+    /// Whether the attempt lost its lease (another attempt now owns the record): a fenced
+    /// journal write, or a step refused up front by the [`LeaseWatch`].
     #[must_use]
     pub fn is_lease_lost(&self) -> bool {
-        matches!(self, StepError::Store { source, .. } if source.is_lease_lost())
+        match self {
+            StepError::Store { source, .. } => source.is_lease_lost(),
+            StepError::LeaseLost { .. } => true,
+            _ => false,
+        }
     }
 }
 
@@ -169,6 +184,14 @@ enum IntentState {
     Done(String),
 }
 
+/// What the code that renews an attempt's lease knows about it, asked by [`Resumable`]
+/// before each step and intent (see [`Resumable::with_lease_watch`]).
+pub trait LeaseWatch: Send + Sync + std::fmt::Debug {
+    /// Whether the attempt's lease is known lost (a renewal was refused with
+    /// [`StoreError::LeaseLost`]). Once true, stays true.
+    fn is_lease_lost(&self) -> bool;
+}
+
 /// The handle a handler uses for steps, sub-keys and intents of the record it holds.
 #[derive(Clone)]
 pub struct Resumable {
@@ -176,6 +199,7 @@ pub struct Resumable {
     id: RecordId,
     token: FencingToken,
     created_at: UnixMillis,
+    lease: Option<Arc<dyn LeaseWatch>>,
 }
 
 impl std::fmt::Debug for Resumable {
@@ -184,6 +208,7 @@ impl std::fmt::Debug for Resumable {
             .field("id", &self.id)
             .field("token", &self.token)
             .field("created_at", &self.created_at)
+            .field("lease", &self.lease)
             .finish_non_exhaustive()
     }
 }
@@ -203,7 +228,26 @@ impl Resumable {
     /// sub-keys of one generation differ from another's (see [`SubKey::derive`]).
     #[must_use]
     pub fn new(store: Arc<dyn Store>, id: RecordId, token: FencingToken, created_at: UnixMillis) -> Self {
-        Self { store, id, token, created_at }
+        Self { store, id, token, created_at, lease: None }
+    }
+
+    /// Makes every later [`Resumable::step`] and [`Resumable::intent`] ask `watch` first,
+    /// and once more right before its own call, and refuse with [`StepError::LeaseLost`]
+    /// without calling anything when the lease is lost. The journal write of an attempt
+    /// that lost its lease is refused by the store anyway; this stops the side effect
+    /// before it happens, not only its record.
+    #[must_use]
+    pub fn with_lease_watch(mut self, watch: Arc<dyn LeaseWatch>) -> Self {
+        self.lease = Some(watch);
+        self
+    }
+
+    /// `Err(LeaseLost)` once the lease watch says the lease is lost.
+    fn check_lease<E>(&self, name: &str) -> Result<(), StepError<E>> {
+        match &self.lease {
+            Some(watch) if watch.is_lease_lost() => Err(StepError::LeaseLost { name: name.to_string() }),
+            _ => Ok(()),
+        }
     }
 
     /// The record.
@@ -245,6 +289,7 @@ impl Resumable {
         Fut: Future<Output = Result<T, E>>,
     {
         let jname = journal_name("s:", name)?;
+        self.check_lease(name)?;
         let store_err = |source| StepError::Store { name: name.to_string(), source };
         let decode = |bytes: &[u8]| {
             postcard::from_bytes::<T>(bytes).map_err(|source| StepError::Decode { name: name.to_string(), source })
@@ -252,6 +297,7 @@ impl Resumable {
         if let Some(bytes) = self.store.journal_get(self.id, &jname).await.map_err(store_err)? {
             return decode(&bytes);
         }
+        self.check_lease(name)?;
         let value =
             f(self.subkey(name)).await.map_err(|source| StepError::Failed { name: name.to_string(), source })?;
         let bytes =
@@ -283,6 +329,7 @@ impl Resumable {
         RFut: Future<Output = Result<Reconciled, E>>,
     {
         let jname = journal_name("i:", name)?;
+        self.check_lease(name)?;
         let n = || name.to_string();
         let store_err = |source| StepError::Store { name: name.to_string(), source };
         let put = |state: IntentState| {
@@ -309,6 +356,7 @@ impl Resumable {
                 put(IntentState::Pending).await.map_err(store_err)?;
             }
         }
+        self.check_lease(name)?;
         let id = issue(subkey).await.map_err(|source| StepError::Failed { name: n(), source })?;
         put(IntentState::Done(id.clone())).await.map_err(store_err)?;
         Ok(id)

@@ -6,6 +6,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use idem_core::key::DEFAULT_MAX_KEY_LEN;
 use idem_core::{FingerprintMode, Policy, Store};
@@ -127,6 +128,76 @@ pub enum HandlerExecution {
     Inline,
 }
 
+/// How often the layer renews the lease of a claimed request while its handler runs.
+///
+/// A renewal is a fenced [`idem_core::Store::extend`]: it moves the lease to the store's
+/// `now` + the lease TTL, and only while this attempt still holds the claim. It runs
+/// inside the request's own work (the handler's future and the renewal timer are polled
+/// together), so it starts when the handler starts and stops when the handler ends, is
+/// cancelled with it, or panics; no task is spawned for it.
+///
+/// With renewal, the lease TTL no longer has to cover the longest handler: a lease of
+/// seconds keeps a 30-minute firmware flash claimed as long as its process is alive, and
+/// a killed process stops renewing, so a retry reclaims its record within one lease.
+///
+/// A renewal the store refuses with `LeaseLost` (a retry reclaimed the record after the
+/// lease ran out, or the record is gone) stops renewing, flips the handler's
+/// [`crate::IdempotencyContext::is_lease_lost`], resolves
+/// [`crate::IdempotencyContext::lease_lost`], makes further [`crate::Resumable`] steps
+/// refuse with [`idem_core::StepError::LeaseLost`], and logs a warning; the response is
+/// still returned to the client, and the store refuses to store it (the newer attempt owns
+/// the record). A renewal that fails transiently (`StoreError::is_retryable`) is retried
+/// with a short backoff (25 ms, doubling, at most 1 s) while the lease still has time,
+/// then once per interval. A renewal that fails for good (the store cannot extend) stops
+/// renewing and logs an error; the lease then runs out as without renewal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LeaseRenewal {
+    /// Never renew: the lease TTL must outlast the slowest handler, or a retry that
+    /// arrives after it runs the handler a second time while the first still runs.
+    Off,
+    /// Renew this long after the claim and after each successful renewal. Intervals
+    /// under 10 ms are taken as 10 ms. An interval at or above the lease TTL lets the lease
+    /// run out between two renewals; keep it well below (a third of the lease leaves room
+    /// for two failed renewals).
+    Every(Duration),
+    /// Renew every lease TTL / n (default n = 3, so two renewals in a row may fail
+    /// transiently before the lease runs out). n below 2 is taken as 2: renewing only as
+    /// the lease ends would lose it to any retry that arrives first.
+    Fraction(u32),
+}
+
+impl Default for LeaseRenewal {
+    fn default() -> Self {
+        LeaseRenewal::Fraction(3)
+    }
+}
+
+impl LeaseRenewal {
+    /// The shortest renewal interval: a shorter one would keep the store busy without
+    /// making the lease any safer.
+    pub const MIN_INTERVAL: Duration = Duration::from_millis(10);
+
+    /// The renewal interval for a lease of `lease_ttl`, or `None` when nothing renews:
+    /// [`LeaseRenewal::Off`], or a zero lease, which no renewal can keep fresh.
+    #[must_use]
+    pub fn interval(self, lease_ttl: Duration) -> Option<Duration> {
+        if lease_ttl.is_zero() {
+            return None;
+        }
+        match self {
+            LeaseRenewal::Off => None,
+            LeaseRenewal::Every(every) => Some(every.max(Self::MIN_INTERVAL)),
+            LeaseRenewal::Fraction(n) => Some((lease_ttl / n.max(2)).max(Self::MIN_INTERVAL)),
+        }
+    }
+}
+
+/// The default largest `Retry-After` on an in-flight 409: a short poll, so a client whose
+/// request is still running hears about its outcome seconds after it is stored, instead of
+/// sleeping out a lease that renewal may keep extending for half an hour.
+pub(crate) const DEFAULT_IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(2);
+
 /// Everything one layer was configured with, shared read-only by every service it makes.
 #[derive(Clone)]
 pub(crate) struct Config {
@@ -146,6 +217,11 @@ pub(crate) struct Config {
     pub(crate) mismatch_status: MismatchStatus,
     pub(crate) store_failure_mode: StoreFailureMode,
     pub(crate) handler_execution: HandlerExecution,
+    pub(crate) lease_renewal: LeaseRenewal,
+    /// Largest `Retry-After` on an in-flight 409.
+    pub(crate) in_flight_retry_after: Duration,
+    /// How long a duplicate of an in-flight request waits for its outcome; `None`: 409 at once.
+    pub(crate) in_flight_wait: Option<Duration>,
 }
 
 impl Config {
@@ -164,6 +240,9 @@ impl Config {
             mismatch_status: MismatchStatus::default(),
             store_failure_mode: StoreFailureMode::default(),
             handler_execution: HandlerExecution::default(),
+            lease_renewal: LeaseRenewal::default(),
+            in_flight_retry_after: DEFAULT_IN_FLIGHT_RETRY_AFTER,
+            in_flight_wait: None,
         }
     }
 }
@@ -182,6 +261,9 @@ impl fmt::Debug for Config {
             .field("mismatch_status", &self.mismatch_status)
             .field("store_failure_mode", &self.store_failure_mode)
             .field("handler_execution", &self.handler_execution)
+            .field("lease_renewal", &self.lease_renewal)
+            .field("in_flight_retry_after", &self.in_flight_retry_after)
+            .field("in_flight_wait", &self.in_flight_wait)
             .finish_non_exhaustive()
     }
 }

@@ -1,9 +1,12 @@
 //! The handler's side of the layer: [`IdempotencyContext`] (what it learns about the claim
 //! it runs under) and [`ResponseCaching`] (what it can say about its response).
 
+use std::future::Future;
 use std::sync::Arc;
 
 use idem_core::{FencingToken, IdempotencyKey, RecordId, Resumable, Scope, Store, SubKey, UnixMillis};
+
+use crate::lease::LeaseState;
 
 /// Request extension the layer inserts before calling the handler of a claimed request.
 ///
@@ -13,6 +16,12 @@ use idem_core::{FencingToken, IdempotencyKey, RecordId, Resumable, Scope, Store,
 /// same store ([`IdempotencyContext::resumable`]; see the crate docs, "Resumable
 /// handlers"). The token grows on every reclaim: a write made with an older token is
 /// refused by the store.
+///
+/// While the handler runs, the layer renews its lease ([`crate::LeaseRenewal`]). A handler
+/// doing long work can watch for the renewal being refused, which means a retry may have
+/// taken over the record: [`IdempotencyContext::lease_lost`] resolves and
+/// [`IdempotencyContext::is_lease_lost`] turns true, and steps of
+/// [`IdempotencyContext::resumable`] refuse to start. Stop before the next side effect.
 ///
 /// Present only when the handler runs under a claim: not for safe methods, keyless
 /// requests, skipped principals, or fail-open runs.
@@ -31,7 +40,7 @@ pub struct IdempotencyContext {
     pub(crate) token: FencingToken,
     pub(crate) scope: Scope,
     pub(crate) key: IdempotencyKey,
-    pub(crate) lease_expires_at: UnixMillis,
+    pub(crate) lease: LeaseState,
     /// The record's `created_at`: names its generation, which sub-keys depend on.
     pub(crate) created_at: UnixMillis,
     pub(crate) store: Arc<dyn Store>,
@@ -63,11 +72,43 @@ impl IdempotencyContext {
         &self.key
     }
 
-    /// End of this attempt's lease (store clock, ms since the epoch). A handler still
-    /// running after it may find its record reclaimed by a retry.
+    /// End of this attempt's lease as of its last renewal (or its claim, before the first
+    /// renewal, and always with renewal off); store clock, ms since the epoch. A handler
+    /// still running after it, without a renewal, may find its record reclaimed by a retry.
     #[must_use]
     pub fn lease_expires_at(&self) -> UnixMillis {
-        self.lease_expires_at
+        self.lease.expires_at()
+    }
+
+    /// Resolves when a renewal of this attempt's lease was refused with `LeaseLost` (a
+    /// retry reclaimed the record after the lease ran out, or the record is gone); pending
+    /// for as long as the lease is held. Race it against long work to stop at once:
+    ///
+    /// ```
+    /// # async fn flash() {}
+    /// use axum::{Extension, http::StatusCode};
+    /// use idem_http::IdempotencyContext;
+    ///
+    /// async fn firmware(Extension(ctx): Extension<IdempotencyContext>) -> StatusCode {
+    ///     tokio::select! {
+    ///         () = flash() => StatusCode::OK,
+    ///         // Another attempt may own the record: stop before the next side effect.
+    ///         () = ctx.lease_lost() => StatusCode::CONFLICT,
+    ///     }
+    /// }
+    /// ```
+    ///
+    /// Never resolves under [`crate::LeaseRenewal::Off`]: nothing watches the lease then.
+    /// The future owns what it needs (`'static`), so it can move into a spawned task.
+    pub fn lease_lost(&self) -> impl Future<Output = ()> + Send + 'static {
+        self.lease.lost()
+    }
+
+    /// Whether a renewal of this attempt's lease was refused (see
+    /// [`IdempotencyContext::lease_lost`]). Once true, stays true.
+    #[must_use]
+    pub fn is_lease_lost(&self) -> bool {
+        self.lease.is_lost()
     }
 
     /// The store the record lives in.
@@ -89,13 +130,16 @@ impl IdempotencyContext {
 
     /// The handle for steps and intents of this record, fenced by this attempt's token:
     /// a write after a retry has reclaimed the record is refused with
-    /// [`idem_core::StoreError::LeaseLost`]. On a store without a journal
+    /// [`idem_core::StoreError::LeaseLost`], and once a renewal was refused
+    /// ([`IdempotencyContext::is_lease_lost`]) no step or intent starts: they return
+    /// [`idem_core::StepError::LeaseLost`] without calling anything. On a store without a journal
     /// ([`idem_core::Capabilities::journal`] false) `step` and `intent` return
     /// [`idem_core::StepError::Store`] with [`idem_core::StoreError::Unsupported`];
     /// [`crate::Problem::from_step_error`] turns that into a 500 `journal-unsupported`.
     #[must_use]
     pub fn resumable(&self) -> Resumable {
         Resumable::new(Arc::clone(&self.store), self.record_id, self.token, self.created_at)
+            .with_lease_watch(Arc::new(self.lease.clone()))
     }
 }
 

@@ -7,7 +7,9 @@ use std::time::Duration;
 use idem_core::{FingerprintMode, Policy, Store};
 use tower::Layer;
 
-use crate::config::{Config, HandlerExecution, KeyRequirement, MismatchStatus, MissingPrincipal, StoreFailureMode};
+use crate::config::{
+    Config, HandlerExecution, KeyRequirement, LeaseRenewal, MismatchStatus, MissingPrincipal, StoreFailureMode,
+};
 use crate::principal::PrincipalResolver;
 use crate::service::Idempotency;
 
@@ -36,6 +38,9 @@ use crate::service::Idempotency;
 /// | [`with_mismatch_status`](Self::with_mismatch_status) | [`MismatchStatus::Conflict`] (409) |
 /// | [`with_store_failure_mode`](Self::with_store_failure_mode) | [`StoreFailureMode::FailClosed`] |
 /// | [`with_handler_execution`](Self::with_handler_execution) | [`HandlerExecution::Detached`] |
+/// | [`with_lease_renewal`](Self::with_lease_renewal) | [`LeaseRenewal::Fraction`]`(3)`: every lease TTL / 3 |
+/// | [`with_in_flight_retry_after`](Self::with_in_flight_retry_after) | 2 s |
+/// | [`with_in_flight_wait`](Self::with_in_flight_wait) | `None`: a duplicate of a running request gets 409 at once |
 ///
 /// Cloning is cheap (one `Arc`).
 ///
@@ -95,8 +100,11 @@ impl IdempotencyLayer {
         self.map_policy(|p| p.with_retention(retention))
     }
 
-    /// Sets how long an in-flight claim is honoured (default 5 min): a handler killed
-    /// mid-flight blocks retries for at most this long, and one slower than this may run
+    /// Sets how long an in-flight claim is honoured without a renewal (default 5 min): a
+    /// handler killed mid-flight blocks retries for at most this long. While the handler
+    /// runs, the layer renews the lease ([`IdempotencyLayer::with_lease_renewal`]), so the
+    /// lease does not have to cover the slowest handler: seconds are enough (see the crate
+    /// docs, "Picking the lease"). With renewal off, a handler slower than this may run
     /// twice. See [`Policy::lease_ttl`].
     #[must_use]
     pub fn with_lease_ttl(self, lease_ttl: Duration) -> Self {
@@ -214,6 +222,41 @@ impl IdempotencyLayer {
     #[must_use]
     pub fn with_handler_execution(mut self, execution: HandlerExecution) -> Self {
         self.config().handler_execution = execution;
+        self
+    }
+
+    /// Sets how often the lease of a running handler is renewed (default
+    /// [`LeaseRenewal::Fraction`]`(3)`, every lease TTL / 3). [`LeaseRenewal::Off`] renews
+    /// nothing and costs nothing per request. Renewal times itself with tokio's timer: the
+    /// runtime must have time enabled (`#[tokio::main]` and `Builder::enable_all` do);
+    /// outside a tokio runtime nothing is renewed.
+    #[must_use]
+    pub fn with_lease_renewal(mut self, renewal: LeaseRenewal) -> Self {
+        self.config().lease_renewal = renewal;
+        self
+    }
+
+    /// Sets the largest `Retry-After` of an in-flight 409 (default 2 s). The answer is the
+    /// remaining lease clamped to [1 s, `cap`], in whole seconds (`cap` is rounded down, at
+    /// least 1 s): a short poll interval. A long cap makes clients sleep through the moment
+    /// the response is stored; under renewal the lease end says nothing about when that is.
+    #[must_use]
+    pub fn with_in_flight_retry_after(mut self, cap: Duration) -> Self {
+        self.config().in_flight_retry_after = cap;
+        self
+    }
+
+    /// Lets a duplicate of an in-flight request wait up to `limit` for the first attempt's
+    /// outcome (default `None`: it gets 409 `in-flight` at once). While it waits, the layer
+    /// reads the record again after short pauses (20 ms, doubling, at most 500 ms), holding
+    /// no store connection, lock or claim in between; it answers as soon as the record
+    /// completed (the replay), failed or lost its lease (the duplicate reclaims it and runs
+    /// the handler, as any retry would), and with the usual 409 when `limit` has passed.
+    /// The wait holds the client's connection and one task for up to `limit`; keep it to
+    /// seconds. Needs tokio's timer, like renewal.
+    #[must_use]
+    pub fn with_in_flight_wait(mut self, limit: Option<Duration>) -> Self {
+        self.config().in_flight_wait = limit;
         self
     }
 

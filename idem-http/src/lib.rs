@@ -52,7 +52,8 @@
 //! - **Requests and answers**: how this layer reads a request and answers it: key
 //!   requirement and longest key (bytes), principal resolver and what a missing principal
 //!   gets, largest buffered request body (bytes), fingerprinted headers and fingerprint
-//!   mode, mismatch status, store failure mode, where the handler runs. Their types live
+//!   mode, mismatch status, store failure mode, where the handler runs, lease renewal,
+//!   the in-flight `Retry-After` cap and the bounded wait. Their types live
 //!   in [`config`]; they are HTTP's business, not the record's, so [`idem_core::Policy`]
 //!   does not carry them.
 //!
@@ -71,7 +72,7 @@
 //! | no principal | 401 `missing-principal` with the resolver's `WWW-Authenticate` challenge ([`MissingPrincipal::Reject`], default), or run unprotected ([`MissingPrincipal::SkipIdempotency`]) |
 //! | body over `max_request_body` | 413 `body-too-large`; nothing claimed |
 //! | new key | claim, run the handler, store the response, return it |
-//! | same request, first attempt still running | 409 `in-flight` + `Retry-After` (seconds until its lease ends, at least 1) |
+//! | same request, first attempt still running | 409 `in-flight` + `Retry-After`: the remaining lease clamped to [1 s, 2 s] ([`IdempotencyLayer::with_in_flight_retry_after`] sets the cap); or, opt-in, a bounded wait for the first attempt's outcome ([`IdempotencyLayer::with_in_flight_wait`]) |
 //! | same request, first attempt's lease expired, or it failed | reclaim by compare-and-set; the winner runs the handler |
 //! | same request, completed | replay: stored status, headers, body + `Idempotent-Replayed: true` |
 //! | different request (method, path, query, fingerprinted headers, body) | the layer's mismatch status ([`MismatchStatus`], 409 default) `mismatch`; never retry |
@@ -129,9 +130,9 @@
 //!   after the write; a body failure answers 500 `response-body-failed`;
 //! - the client disconnects mid-handler: see [Where the handler runs](#where-the-handler-runs).
 //!
-//! When `complete` or `fail` is refused with `LeaseLost` (the lease ran out and a retry
-//! reclaimed the record), the response still goes to this client and a warning is logged;
-//! the newer attempt owns the record. When `complete` fails for any other store error, the
+//! When `complete` or `fail` is refused with `LeaseLost` (the lease ran out, renewal off or
+//! refused, and a retry reclaimed the record), the response still goes to this client and
+//! a warning is logged; the newer attempt owns the record. When `complete` fails for any other store error, the
 //! response is still returned (the work is done; hiding it would only provoke a retry) and
 //! an error is logged; the record stays in flight until its lease ends, then a retry
 //! reclaims it and the handler runs again. Handlers whose side effects must not repeat even
@@ -171,6 +172,58 @@
 //! downstream by a sub-key from [`IdempotencyContext`]), or that need task-locals, which
 //! detached work loses when it moves to its own task. Either way the wrapped service must be `Clone + Send +
 //! 'static` with `Send` futures and bodies, as axum's are.
+//!
+//! # Lease renewal
+//! A claim holds its record for the lease TTL. While the handler runs, the layer renews
+//! that lease ([`LeaseRenewal`], default every lease / 3): a fenced
+//! [`idem_core::Store::extend`] that moves the lease to the store's `now` + the lease TTL,
+//! and only while this attempt still holds the claim. The renewal is timed with tokio
+//! timers and polled together with the handler's work, so it stops when the handler ends
+//! (returns, errors, panics, or is cancelled) and dies with its process; under
+//! [`HandlerExecution::Detached`] it moves with the work when the client goes away.
+//!
+//! A renewal that fails transiently is retried with a short backoff while the lease still
+//! has time. One refused with `LeaseLost` (the lease ran out, say the process was paused
+//! longer than the lease, and a retry reclaimed the record) stops renewing and tells the
+//! handler: [`IdempotencyContext::lease_lost`] resolves, [`IdempotencyContext::is_lease_lost`]
+//! turns true, [`Resumable`] steps and intents refuse to start
+//! ([`StepError::LeaseLost`]), and a warning is logged. The handler should stop before its
+//! next side effect; if it returns anyway, its response goes to its client but the store
+//! refuses to record it (the write is fenced by the fencing token), so the newer attempt's
+//! outcome is the one every retry replays.
+//!
+//! ## Picking the lease
+//! - **Seconds, not the longest operation.** With renewal on, the lease only has to outlast
+//!   the gap between two renewals plus a store hiccup; a 30-minute firmware flash under a
+//!   10 s lease is renewed every 3.3 s and stays claimed from start to end.
+//! - **A dead holder is detected within one lease.** A killed process stops renewing; its
+//!   lease ends at most one lease TTL after its last renewal, and the next retry reclaims
+//!   the record. A long lease only makes that wait longer.
+//! - **Not shorter than a stall you want to survive.** A process paused (GC, VM
+//!   migration, a stopped container) longer than the lease loses its claim; the retry
+//!   that reclaims runs the handler again, and the paused one is fenced when it resumes.
+//!   Pick the lease above the pauses you expect: 10 to 30 s suits most services.
+//! - **Renewal off?** Then the lease must exceed the slowest handler, and a dead holder
+//!   blocks its key for that long ([`LeaseRenewal::Off`] is for stores without `extend` or
+//!   for handlers that are always short).
+//!
+//! Renewal costs one store write per running handler per interval: at the default
+//! (lease / 3), a 10 s lease adds 0.3 writes per second per running handler, nothing for
+//! handlers shorter than one interval.
+//!
+//! # In-flight answers
+//! A retry that finds the first attempt still running gets 409 `in-flight` with
+//! `Retry-After` = the remaining lease, at least 1 s and at most the cap (default 2 s,
+//! [`IdempotencyLayer::with_in_flight_retry_after`]). Under renewal the remaining lease says
+//! nothing about when the outcome will be stored, so the answer is a poll interval: the
+//! client (such as `idem-client`) asks again within seconds and gets the replay soon after
+//! the response is stored.
+//!
+//! Opt-in, [`IdempotencyLayer::with_in_flight_wait`]`(Some(limit))` lets the duplicate wait
+//! instead: the layer reads the record again after short pauses (20 ms doubling to 500 ms)
+//! for up to `limit`, holding no connection or lock in between, and answers the replay once
+//! the record completed, runs the handler (after a reclaim) if the record failed or its
+//! lease ran out, or gives the usual 409 when `limit` has passed.
 //!
 //! # Resumable handlers
 //! The layer stores the response of a handler that finished. A handler that dies half-way
@@ -293,7 +346,7 @@
 //! # Layout
 //! - [`layer`] holds [`IdempotencyLayer`], every setting's `with_*` method.
 //! - [`config`] holds the setting types [`KeyRequirement`], [`MissingPrincipal`],
-//!   [`MismatchStatus`], [`StoreFailureMode`], [`HandlerExecution`], and the shared
+//!   [`MismatchStatus`], [`StoreFailureMode`], [`HandlerExecution`], [`LeaseRenewal`], and the shared
 //!   settings bundle that [`layer`] builds and [`service`] reads (neither imports the
 //!   other).
 //! - [`service`] holds [`Idempotency`], the request flow.
@@ -302,9 +355,11 @@
 //! - [`body`] holds [`ResponseBody`].
 //! - [`principal`] holds [`PrincipalResolver`], [`BearerToken`].
 //! - [`problem`] holds RFC 9457 bodies, [`ProblemKind`].
-//! - [`context`] holds [`IdempotencyContext`], the request extension a claimed handler sees,
-//!   and [`ResponseCaching`], the response extension it may set.
-//! - [`Resumable`], [`SubKey`], [`Reconciled`] and [`StepError`] are re-exported from
+//! - [`context`] holds [`IdempotencyContext`], the request extension a claimed handler sees
+//!   (with its lease state), and [`ResponseCaching`], the response extension it may set.
+//! - `lease` (private) holds the renewal loop and the lease state it shares with the
+//!   context.
+//! - [`Resumable`], [`SubKey`], [`Reconciled`], [`StepError`] and [`LeaseWatch`] are re-exported from
 //!   [`idem_core::resume`]; [`Policy`] and [`FingerprintMode`] from [`idem_core`].
 //! - [`headers`] holds the header names.
 
@@ -314,16 +369,17 @@ pub mod context;
 pub mod future;
 pub mod headers;
 pub mod layer;
+mod lease;
 pub mod principal;
 pub mod problem;
 pub mod service;
 
 pub use body::ResponseBody;
-pub use config::{HandlerExecution, KeyRequirement, MismatchStatus, MissingPrincipal, StoreFailureMode};
+pub use config::{HandlerExecution, KeyRequirement, LeaseRenewal, MismatchStatus, MissingPrincipal, StoreFailureMode};
 pub use context::{IdempotencyContext, ResponseCaching};
 pub use future::ResponseFuture;
 pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};
-pub use idem_core::resume::{Reconciled, Resumable, StepError, SubKey};
+pub use idem_core::resume::{LeaseWatch, Reconciled, Resumable, StepError, SubKey};
 pub use idem_core::{FingerprintMode, Policy};
 pub use layer::IdempotencyLayer;
 pub use principal::{BearerToken, PrincipalResolver};

@@ -203,7 +203,7 @@ impl Problem {
     /// | error | problem |
     /// |---|---|
     /// | store `Unsupported` (no journal) | 500 `journal-unsupported` |
-    /// | store `LeaseLost` (a retry reclaimed the record) | 409 `in-flight` + `Retry-After: 1`: the newer attempt owns the outcome |
+    /// | store `LeaseLost` (a retry reclaimed the record), or `LeaseLost` (a renewal was refused, so the step did not start) | 409 `in-flight` + `Retry-After: 1`: the newer attempt owns the outcome |
     /// | any other store error | 503 `store-unavailable` + `Retry-After: 1` |
     /// | `Ambiguous` | 500 `ambiguous-side-effect` |
     /// | `Decode`, `BadName` | 500 `resume-failed` |
@@ -229,6 +229,14 @@ impl Problem {
                 ProblemKind::StoreUnavailable,
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("step {name}: the idempotency store failed ({source}); retry"),
+            ),
+            StepError::LeaseLost { name } => Problem::new(
+                ProblemKind::InFlight,
+                StatusCode::CONFLICT,
+                format!(
+                    "step {name}: this attempt lost its lease, so the step did not start; a newer attempt with this \
+                     idempotency key may own the record; retry after 1 s"
+                ),
             ),
             StepError::Ambiguous { name } => Problem::new(
                 ProblemKind::AmbiguousSideEffect,

@@ -5,11 +5,13 @@
 //! 2. resolve the principal (none: [`crate::MissingPrincipal`]);
 //! 3. buffer the body up to the layer's `max_request_body` (over: 413, nothing claimed);
 //! 4. fingerprint, and `claim` the record in the store;
-//! 5. decide ([`idem_core::decide`]): run the handler under the claim, replay, 409, mismatch;
-//! 6. after the handler: read the whole response body, then `complete` (cacheable status)
+//! 5. decide ([`idem_core::decide`]): run the handler under the claim, replay, 409 (or,
+//!    opt-in, wait a bounded time for the first attempt's outcome), mismatch;
+//! 6. while the handler runs, renew its lease ([`crate::LeaseRenewal`]);
+//! 7. after the handler: read the whole response body, then `complete` (cacheable status)
 //!    or `fail` (anything else), and only then return the response.
 //!
-//! Steps 5 (running the handler) and 6 happen in work that outlives the response future
+//! Steps 5 (running the handler), 6 and 7 happen in work that outlives the response future
 //! under [`crate::HandlerExecution::Detached`] (default: polled in place, moved to a task of
 //! its own if the response future is dropped), and in the response future itself under
 //! [`crate::HandlerExecution::Inline`].
@@ -17,6 +19,7 @@
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::FutureExt;
@@ -25,9 +28,11 @@ use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, he
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idem_core::{
-    BoxError, ClaimOutcome, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey, Policy, ReclaimOutcome,
-    ReclaimRequest, Record, RequestParts, Scope, StoreError, StoredBody, StoredResponse, UnixMillis, decide,
+    BoxError, ClaimOutcome, ClaimRequest, Decision, Endpoint, FencingToken, Fingerprint, IdempotencyKey, Policy,
+    ReclaimOutcome, ReclaimRequest, Record, RecordId, RequestParts, Scope, StoreError, StoredBody, StoredResponse,
+    UnixMillis, decide,
 };
+use tokio::time::Instant;
 use tower::Service;
 
 use crate::body::ResponseBody;
@@ -35,6 +40,7 @@ use crate::config::{Config, HandlerExecution, KeyRequirement, MissingPrincipal, 
 use crate::context::{IdempotencyContext, ResponseCaching};
 use crate::future::{FailGuard, ResponseFuture, detach_on_drop};
 use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, expires_value};
+use crate::lease::{LeaseState, Renewal, while_renewing};
 use crate::problem::{Problem, ProblemKind};
 
 /// How many times one request re-reads a record that changed under it (a lost reclaim, a
@@ -45,6 +51,14 @@ const MAX_ROUNDS: usize = 3;
 
 /// `Retry-After` on a 503 from an unavailable store, and on 409 busy, in seconds.
 const RETRY_AFTER_BUSY_SECS: u64 = 1;
+
+/// First pause of a bounded wait for an in-flight record (`with_in_flight_wait`) before it
+/// reads the record again; each pause doubles, up to [`WAIT_POLL_MAX`]. Short first, so a
+/// duplicate that arrives as the first attempt finishes gets the replay within
+/// milliseconds; longer later, so a long wait costs a few reads per second.
+const WAIT_POLL_FIRST: Duration = Duration::from_millis(20);
+/// Longest pause between two reads of a bounded wait.
+const WAIT_POLL_MAX: Duration = Duration::from_millis(500);
 
 /// The middleware made by [`crate::IdempotencyLayer`].
 ///
@@ -177,9 +191,9 @@ where
     );
     let id = claim.id;
     match acquire(&cfg, claim).await {
-        Acquired::Run(record) => match cfg.handler_execution {
-            HandlerExecution::Inline => run_claimed(&cfg, inner, parts, bytes, record).await,
-            HandlerExecution::Detached => run_detached(&cfg, inner, parts, bytes, record).await,
+        Acquired::Run(record, claimed_at) => match cfg.handler_execution {
+            HandlerExecution::Inline => run_claimed(&cfg, inner, parts, bytes, record, claimed_at).await,
+            HandlerExecution::Detached => run_detached(&cfg, inner, parts, bytes, record, claimed_at).await,
         },
         Acquired::Answer(res) => Ok(res),
         Acquired::StoreFailed(error) => match cfg.store_failure_mode {
@@ -290,8 +304,9 @@ fn fingerprint(parts: &Parts, body: &[u8], cfg: &Config) -> Fingerprint {
 }
 
 enum Acquired<B> {
-    /// This request holds the claim (first claim or reclaim): run the handler.
-    Run(Record),
+    /// This request holds the claim (first claim or reclaim): run the handler. The instant
+    /// is when the winning call was sent: the lease started no earlier.
+    Run(Record, Instant),
     /// Answer without running the handler: replay, 409, mismatch.
     Answer(Res<B>),
     /// The store failed: fail closed or open, per the layer's store failure mode.
@@ -306,19 +321,30 @@ enum Acquired<B> {
 /// replay, a 409) need nothing of it afterwards. A request that must claim anew (its record
 /// expired or vanished between two reads) rebuilds it from a record it saw, which has the
 /// same scope and key: the record id is their hash.
+///
+/// With a bounded wait (`with_in_flight_wait`), a record found in flight is read again
+/// with `get` after short pauses until it is no longer in flight with a fresh lease, or
+/// the wait is over; each read goes through the same decision as the claim's answer.
+/// Nothing is held between two reads: no connection, no lock, no claim.
 async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
     let store = &cfg.store;
     let ClaimRequest { id, fingerprint, lease_ttl, retention, .. } = claim;
     let again = |scope: Scope, key: IdempotencyKey| ClaimRequest { id, scope, key, fingerprint, lease_ttl, retention };
+    let sent = Instant::now();
     let (mut current, mut now) = match store.claim(claim).await {
-        Ok(ClaimOutcome::Claimed(record)) => return Acquired::Run(record),
+        Ok(ClaimOutcome::Claimed(record)) => return Acquired::Run(record, sent),
         Ok(ClaimOutcome::Existing { record, now }) => (Some(record), now),
         Err(e) => return Acquired::StoreFailed(e),
     };
+    // When the store's `now` was last read, for the estimate a `get` (which reports no
+    // `now`) is decided with.
+    let mut read_at = Instant::now();
     // Scope and key of the last record seen, for a claim after a reclaim found none.
     let mut seen: Option<(Scope, IdempotencyKey)> = None;
-    for _ in 0..MAX_ROUNDS {
-        let record = match (decide(current.as_ref(), &fingerprint, now), current.as_ref()) {
+    let mut wait = cfg.in_flight_wait.map(BoundedWait::new);
+    let mut rounds = 0;
+    while rounds < MAX_ROUNDS {
+        let next = match (decide(current.as_ref(), &fingerprint, now), current.as_ref()) {
             // No live record (it expired or vanished since the claim read it): claim anew.
             (Decision::Claim, _) | (_, None) => {
                 let Some((scope, key)) = current.take().map(|r| (r.scope, r.key)).or_else(|| seen.take()) else {
@@ -327,8 +353,9 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
                     break;
                 };
                 seen = Some((scope.clone(), key.clone()));
+                let sent = Instant::now();
                 match store.claim(again(scope, key)).await {
-                    Ok(ClaimOutcome::Claimed(record)) => return Acquired::Run(record),
+                    Ok(ClaimOutcome::Claimed(record)) => return Acquired::Run(record, sent),
                     Ok(ClaimOutcome::Existing { record, now: n }) => (Some(record), n),
                     Err(e) => return Acquired::StoreFailed(e),
                 }
@@ -340,14 +367,27 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
                 };
             }
             (Decision::InFlight { retry_after_secs }, Some(record)) => {
-                let detail = format!(
-                    "another request with this idempotency key is still being processed; retry after \
-                     {retry_after_secs} s"
-                );
-                let mut res = Problem::new(ProblemKind::InFlight, StatusCode::CONFLICT, detail).into_response();
-                set_retry_after(res.headers_mut(), retry_after_secs);
-                set_expires(res.headers_mut(), record.expires_at);
-                return Acquired::Answer(res);
+                if let Some(pause) = wait.as_mut().and_then(BoundedWait::next_pause) {
+                    seen = Some((record.scope.clone(), record.key.clone()));
+                    tokio::time::sleep(pause).await;
+                    match store.get(id).await {
+                        Ok(found) => {
+                            // The store's clock moved on by (at least) the time that passed here.
+                            now = now.saturating_add(read_at.elapsed());
+                            read_at = Instant::now();
+                            current = found;
+                            // A read while waiting is not a round: nothing raced this request.
+                            continue;
+                        }
+                        // The record was in flight at the last read; say so rather than
+                        // guess (failing open here could run the handler a second time).
+                        Err(e) => tracing::warn!(
+                            record = %id, error = %e,
+                            "idempotency store failed during a bounded wait; answering in-flight"
+                        ),
+                    }
+                }
+                return Acquired::Answer(in_flight(cfg, retry_after_secs, record));
             }
             (Decision::Mismatch, Some(record)) => {
                 let status = StatusCode::from_u16(cfg.mismatch_status.code()).unwrap_or(StatusCode::CONFLICT);
@@ -360,15 +400,18 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
             (Decision::Reclaim { expected }, Some(record)) => {
                 seen = Some((record.scope.clone(), record.key.clone()));
                 let req = ReclaimRequest { id, expected, fingerprint, lease_ttl, retention };
+                let sent = Instant::now();
                 match store.reclaim(req).await {
-                    Ok(ReclaimOutcome::Reclaimed(record)) => return Acquired::Run(record),
+                    Ok(ReclaimOutcome::Reclaimed(record)) => return Acquired::Run(record, sent),
                     // Another retry won the compare-and-set, or the record moved on: look again.
                     Ok(ReclaimOutcome::Conflict { current, now: n }) => (current, n),
                     Err(e) => return Acquired::StoreFailed(e),
                 }
             }
         };
-        (current, now) = record;
+        (current, now) = next;
+        read_at = Instant::now();
+        rounds += 1;
     }
     let mut res = Problem::new(
         ProblemKind::Busy,
@@ -378,6 +421,49 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
     .into_response();
     set_retry_after(res.headers_mut(), RETRY_AFTER_BUSY_SECS);
     Acquired::Answer(res)
+}
+
+/// 409 `in-flight`: another attempt holds a fresh lease on `record`. `Retry-After` is the
+/// remaining lease (whole seconds, rounded up, at least 1) capped by the layer's
+/// `in_flight_retry_after`: a short poll, because renewal keeps a live attempt's lease
+/// fresh however long it runs, so the lease end says nothing about when the outcome lands.
+fn in_flight<B>(cfg: &Config, remaining_lease_secs: u64, record: &Record) -> Res<B> {
+    let secs = in_flight_retry_after_secs(remaining_lease_secs, cfg.in_flight_retry_after);
+    let detail = format!("another request with this idempotency key is still being processed; retry after {secs} s");
+    let mut res = Problem::new(ProblemKind::InFlight, StatusCode::CONFLICT, detail).into_response();
+    set_retry_after(res.headers_mut(), secs);
+    set_expires(res.headers_mut(), record.expires_at);
+    res
+}
+
+/// clamp(remaining lease, 1 s, cap): `Retry-After` is whole delay-seconds (RFC 9110
+/// §10.2.3), so the cap counts in whole seconds too (rounded down, at least 1).
+fn in_flight_retry_after_secs(remaining_lease_secs: u64, cap: Duration) -> u64 {
+    remaining_lease_secs.clamp(1, cap.as_secs().max(1))
+}
+
+/// The clock of one bounded wait: when it ends, and the next pause.
+struct BoundedWait {
+    deadline: Instant,
+    pause: Duration,
+}
+
+impl BoundedWait {
+    fn new(limit: Duration) -> Self {
+        Self { deadline: Instant::now() + limit, pause: WAIT_POLL_FIRST }
+    }
+
+    /// How long to pause before the next read, never past the deadline; `None` once the
+    /// wait is over.
+    fn next_pause(&mut self) -> Option<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        let pause = self.pause.min(left);
+        self.pause = (self.pause * 2).min(WAIT_POLL_MAX);
+        Some(pause)
+    }
 }
 
 /// The stored status, headers and body, plus `Idempotent-Replayed: true`. A body that was
@@ -437,6 +523,7 @@ async fn run_detached<S, ReqBody, ResBody>(
     parts: Parts,
     bytes: Bytes,
     record: Record,
+    claimed_at: Instant,
 ) -> Result<Res<ResBody>, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
@@ -448,17 +535,19 @@ where
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         detach_on_drop(runtime);
     }
-    run_claimed(cfg, inner, parts, bytes, record).await
+    run_claimed(cfg, inner, parts, bytes, record, claimed_at).await
 }
 
-/// Runs the handler under the claim in `record`, then completes or fails the record
-/// before the response is returned.
+/// Runs the handler under the claim in `record` (claimed by a call sent at `claimed_at`),
+/// renewing its lease while it runs, then completes or fails the record before the
+/// response is returned.
 async fn run_claimed<S, ReqBody, ResBody>(
     cfg: &Config,
     mut inner: S,
     mut parts: Parts,
     bytes: Bytes,
     record: Record,
+    claimed_at: Instant,
 ) -> Result<Res<ResBody>, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
@@ -471,26 +560,29 @@ where
     // handler reads them.
     let Record { id, token, scope, key, lease_expires_at, created_at, expires_at: claimed_expires_at, .. } = record;
     let mut guard = FailGuard::new(Arc::clone(&store), id, token);
+    let lease = LeaseState::new(lease_expires_at);
+    let renewal = renewal(cfg, id, token, claimed_at, &lease);
     parts.extensions.insert(IdempotencyContext {
         record_id: id,
         token,
         scope,
         key,
-        lease_expires_at,
+        lease,
         created_at,
         store: Arc::clone(&store),
     });
     let req = Request::from_parts(parts, ReqBody::from(bytes));
     // The handler's own future and the reading of its body both run inside catch_unwind:
-    // a streamed body that panics half-way is a handler panic too.
-    let outcome = AssertUnwindSafe(async move {
+    // a streamed body that panics half-way is a handler panic too. The renewal covers both
+    // and ends with them, before the outcome is written.
+    let work = AssertUnwindSafe(async move {
         let res = inner.call(req).await?;
         let (head, body) = res.into_parts();
         let body = body.collect().await.map(http_body_util::Collected::to_bytes).map_err(Into::<BoxError>::into);
         Ok((head, body))
     })
-    .catch_unwind()
-    .await;
+    .catch_unwind();
+    let outcome = while_renewing(work, renewal).await;
     let (mut head, body) = match outcome {
         Err(panic) => {
             // Mark failed first, deterministically, then let the panic continue to whatever
@@ -544,6 +636,24 @@ where
     }
     set_expires(&mut head.headers, expires_at);
     Ok(Response::from_parts(head, ResponseBody::full(body)))
+}
+
+/// The renewal duty of a claimed attempt, or `None` when the layer does not renew: renewal
+/// off, a zero lease, or no tokio runtime to time it (an executor other than tokio).
+fn renewal(
+    cfg: &Config,
+    id: RecordId,
+    token: FencingToken,
+    claimed_at: Instant,
+    lease: &LeaseState,
+) -> Option<Renewal> {
+    let lease_ttl = cfg.policy.lease_ttl;
+    let interval = cfg.lease_renewal.interval(lease_ttl)?;
+    if tokio::runtime::Handle::try_current().is_err() {
+        tracing::debug!(record = %id, "no tokio runtime: the lease is not renewed");
+        return None;
+    }
+    Some(Renewal { store: Arc::clone(&cfg.store), id, token, lease_ttl, interval, claimed_at, state: lease.clone() })
 }
 
 fn stored_response(policy: &Policy, status: u16, headers: &HeaderMap, body: &Bytes) -> StoredResponse {

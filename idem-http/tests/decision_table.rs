@@ -51,14 +51,27 @@ async fn row_in_flight_fresh_same_request_gets_409_with_retry_after() {
     });
     gate.started().await;
 
+    // The same records through a layer whose cap is above the lease: Retry-After is then
+    // the remaining lease itself.
+    let uncapped = common::app(layer(&env).with_in_flight_retry_after(Duration::from_secs(3_600)), &n, &s);
+
     let busy = send(&app, &req).await;
     busy.problem(409, "in-flight");
-    assert_eq!(busy.retry_after(), 300, "whole seconds until the lease ends");
+    assert_eq!(busy.retry_after(), 2, "a short poll, capped at 2 s by default");
     assert!(busy.header("idempotency-key-expires").is_some());
+    assert_eq!(send(&uncapped, &req).await.retry_after(), 300, "whole seconds until the lease ends");
     env.advance_ms(100_500);
-    assert_eq!(send(&app, &req).await.retry_after(), 200, "rounded up");
+    assert_eq!(send(&app, &req).await.retry_after(), 2);
+    assert_eq!(send(&uncapped, &req).await.retry_after(), 200, "rounded up");
     env.advance_ms(LEASE_MS - 100_500 - 1);
     assert_eq!(send(&app, &req).await.retry_after(), 1, "at least 1 s while the lease is fresh");
+    assert_eq!(send(&uncapped, &req).await.retry_after(), 1, "at least 1 s while the lease is fresh");
+    env.advance_ms(1 - 1_500);
+    assert_eq!(send(&app, &req).await.retry_after(), 2, "1.5 s left, rounded up, under the cap");
+    let capped = common::app(layer(&env).with_in_flight_retry_after(Duration::from_millis(1_900)), &n, &s);
+    assert_eq!(send(&capped, &req).await.retry_after(), 1, "the cap counts whole seconds, rounded down");
+    let tiny = common::app(layer(&env).with_in_flight_retry_after(Duration::ZERO), &n, &s);
+    assert_eq!(send(&tiny, &req).await.retry_after(), 1, "never below 1 s");
 
     gate.release();
     let first = first.await.unwrap();
@@ -105,7 +118,7 @@ async fn row_in_flight_expired_same_request_reclaims_and_winner_runs() {
     held.started().await;
     let loser = send(&app, &req).await;
     loser.problem(409, "in-flight");
-    assert_eq!(loser.retry_after(), 300);
+    assert_eq!(loser.retry_after(), 2, "a fresh lease of 300 s, answered with the 2 s poll cap");
     held.release();
     let winner = winner.await.unwrap();
     assert_eq!(winner.status, 201);

@@ -1,0 +1,232 @@
+//! Lease renewal while a claimed handler runs, and the lease state the handler can watch.
+//!
+//! The renewal is a loop of tokio timers and fenced [`Store::extend`] calls, polled
+//! together with the handler's own work ([`while_renewing`]): it lives exactly as long as
+//! that work, moves with it to a task of its own under [`crate::HandlerExecution::Detached`],
+//! and is cancelled with it under [`crate::HandlerExecution::Inline`]. A process that dies
+//! stops renewing with it, so a retry reclaims the record once its lease runs out.
+//!
+//! Time here is tokio's ([`tokio::time::Instant`]), so tests drive renewals with
+//! `tokio::time::pause` and `advance`. The lease itself is measured by the store's clock;
+//! this side only keeps a local estimate of when it ends (the send time of the last
+//! successful renewal plus the lease TTL, which is never later than the store's own end),
+//! to know how long a failing renewal may be retried.
+
+use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::time::Duration;
+
+use futures::future::{Either, select};
+use idem_core::{FencingToken, LeaseWatch, RecordId, Store, StoreError, UnixMillis};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// First pause before a failed renewal is tried again; it doubles per failure.
+const RETRY_FIRST: Duration = Duration::from_millis(25);
+/// Longest pause between two tries of one failing renewal.
+const RETRY_MAX: Duration = Duration::from_secs(1);
+
+/// What one attempt knows about its lease, shared by the renewal loop (which writes it)
+/// and the handler's [`crate::IdempotencyContext`] and [`crate::Resumable`] (which read it).
+#[derive(Clone, Debug)]
+pub(crate) struct LeaseState(Arc<Shared>);
+
+#[derive(Debug)]
+struct Shared {
+    lost: AtomicBool,
+    /// Wakes every [`LeaseState::lost`] future once `lost` is set.
+    notify: Notify,
+    /// `lease_expires_at` of the last write that moved it (claim or renewal), store clock, ms.
+    expires_at: AtomicI64,
+}
+
+impl LeaseState {
+    pub(crate) fn new(expires_at: UnixMillis) -> Self {
+        Self(Arc::new(Shared {
+            lost: AtomicBool::new(false),
+            notify: Notify::new(),
+            expires_at: AtomicI64::new(expires_at.0),
+        }))
+    }
+
+    pub(crate) fn is_lost(&self) -> bool {
+        self.0.lost.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn expires_at(&self) -> UnixMillis {
+        UnixMillis(self.0.expires_at.load(Ordering::Acquire))
+    }
+
+    fn renewed(&self, expires_at: UnixMillis) {
+        self.0.expires_at.fetch_max(expires_at.0, Ordering::AcqRel);
+    }
+
+    fn set_lost(&self) {
+        self.0.lost.store(true, Ordering::Release);
+        self.0.notify.notify_waiters();
+    }
+
+    /// Resolves once the lease is lost; pending forever otherwise.
+    pub(crate) fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
+        let shared = Arc::clone(&self.0);
+        async move {
+            loop {
+                let mut notified = pin!(shared.notify.notified());
+                // Registered before the flag is read, so a loss between the read and the
+                // await still wakes this future.
+                notified.as_mut().enable();
+                if shared.lost.load(Ordering::Acquire) {
+                    return;
+                }
+                notified.await;
+            }
+        }
+    }
+}
+
+impl LeaseWatch for LeaseState {
+    fn is_lease_lost(&self) -> bool {
+        self.is_lost()
+    }
+}
+
+/// The renewal duty of one claimed attempt.
+#[derive(Debug)]
+pub(crate) struct Renewal {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) id: RecordId,
+    pub(crate) token: FencingToken,
+    pub(crate) lease_ttl: Duration,
+    pub(crate) interval: Duration,
+    /// Sent time of the claim or reclaim that gave this attempt its lease.
+    pub(crate) claimed_at: Instant,
+    pub(crate) state: LeaseState,
+}
+
+/// How one renewal (with its retries) ended.
+enum Renewed {
+    /// The store moved the lease; the call was sent at this instant.
+    Yes(Instant),
+    /// Transient failures until the local estimate of the lease ran out: try again at the
+    /// next interval (the store still extends a lease that ran out, until someone reclaims).
+    NotYet,
+    /// The attempt is over (`LeaseLost`), or the store cannot extend: stop renewing.
+    Stop,
+}
+
+impl Renewal {
+    /// Renews every `interval` until the lease is lost or the store cannot extend; then
+    /// returns (the caller keeps awaiting the handler alone).
+    pub(crate) async fn run(self) {
+        let mut lease_end = self.claimed_at + self.lease_ttl;
+        let mut next = self.claimed_at + self.interval;
+        loop {
+            tokio::time::sleep_until(next).await;
+            match self.renew_once(lease_end).await {
+                Renewed::Yes(sent) => {
+                    lease_end = sent + self.lease_ttl;
+                    next = sent + self.interval;
+                }
+                Renewed::NotYet => next = Instant::now() + self.interval,
+                Renewed::Stop => return,
+            }
+        }
+    }
+
+    async fn renew_once(&self, lease_end: Instant) -> Renewed {
+        let (id, token) = (self.id, self.token);
+        let mut pause = RETRY_FIRST;
+        loop {
+            let sent = Instant::now();
+            // A hung call must not outlast the lease it tries to keep: past that, it counts
+            // as a transient failure and the next interval tries again.
+            let limit = lease_end.saturating_duration_since(sent).max(self.interval);
+            let result = match tokio::time::timeout(limit, self.store.extend(id, token, self.lease_ttl)).await {
+                Ok(result) => result,
+                Err(_) => Err(StoreError::unavailable("idem-http", "lease renewal", true, TimedOut)),
+            };
+            match result {
+                Ok(record) => {
+                    self.state.renewed(record.lease_expires_at);
+                    tracing::trace!(record = %id, token = %token, lease_expires_at = %record.lease_expires_at, "lease renewed");
+                    return Renewed::Yes(sent);
+                }
+                Err(e) if e.is_lease_lost() => {
+                    self.state.set_lost();
+                    tracing::warn!(
+                        record = %id, token = %token, error = %e,
+                        "lease lost while the handler runs: another attempt may own the record; renewal stopped, \
+                         resumable steps refuse to start, and this attempt's response will not be stored"
+                    );
+                    return Renewed::Stop;
+                }
+                Err(e) if e.is_retryable() => {
+                    let retry_at = Instant::now() + pause;
+                    if retry_at >= lease_end {
+                        tracing::warn!(
+                            record = %id, token = %token, error = %e,
+                            "lease renewal keeps failing and the lease may run out; trying again at the next interval"
+                        );
+                        return Renewed::NotYet;
+                    }
+                    tracing::debug!(record = %id, token = %token, error = %e, "lease renewal failed; retrying");
+                    tokio::time::sleep_until(retry_at).await;
+                    pause = (pause * 2).min(RETRY_MAX);
+                }
+                Err(e) => {
+                    tracing::error!(
+                        record = %id, token = %token, error = %e,
+                        "lease renewal failed for good; renewal stopped, and the lease runs out as if it were off"
+                    );
+                    return Renewed::Stop;
+                }
+            }
+        }
+    }
+}
+
+/// The source of a renewal that timed out.
+#[derive(Debug, thiserror::Error)]
+#[error("the store did not answer before the lease ran out")]
+struct TimedOut;
+
+/// Awaits `work` while `renewal` (if any) renews its lease; the renewal stops when `work`
+/// finishes (or is dropped, with this future).
+pub(crate) async fn while_renewing<F: Future>(work: F, renewal: Option<Renewal>) -> F::Output {
+    let Some(renewal) = renewal else { return work.await };
+    let mut work = pin!(work);
+    match select(work.as_mut(), pin!(renewal.run())).await {
+        Either::Left((output, _)) => output,
+        // Renewal ended (lease lost, or the store cannot extend): the handler goes on alone.
+        Either::Right(((), work)) => work.await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `lost` future created before the loss never woke, or one created after it did not resolve.
+    #[tokio::test]
+    async fn lost_resolves_for_waiters_before_and_after_the_loss() {
+        let state = LeaseState::new(UnixMillis(0));
+        let before = tokio::spawn(state.lost());
+        tokio::task::yield_now().await;
+        assert!(!before.is_finished() && !state.is_lost());
+        state.set_lost();
+        before.await.unwrap();
+        state.lost().await;
+        assert!(state.is_lease_lost());
+    }
+
+    /// A renewal moved the reported lease end backwards.
+    #[test]
+    fn the_reported_lease_end_only_grows() {
+        let state = LeaseState::new(UnixMillis(100));
+        state.renewed(UnixMillis(300));
+        state.renewed(UnixMillis(200));
+        assert_eq!(state.expires_at(), UnixMillis(300));
+    }
+}
