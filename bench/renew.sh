@@ -13,10 +13,10 @@ cd "$(dirname "$0")/.."
 BENCH=${IDEM_BENCH:-${CARGO_TARGET_DIR:-target}/release/idem-bench}
 CSV=bench/results/renew.csv
 mkdir -p bench/results
-[ -s "$CSV" ] || echo "backend,handlers,lease_ms,interval_ms,demand_per_s,sustained_per_s,p50_ms,p99_ms,max_ms,late,failed,timed_out,least_left_ms,renewals_per_handler,claim_p50_ms,complete_p50_ms,renewals_per_claim_complete_write,kept_up,load1" > "$CSV"
+[ -s "$CSV" ] || echo "backend,handlers,lease_ms,interval_ms,demand_per_s,sustained_per_s,p50_ms,p99_ms,max_ms,late,failed,timed_out,least_left_ms,renewals_per_handler,claim_p50_ms,complete_p50_ms,renewals_per_claim_complete_write,leases_held,on_schedule,load1" > "$CSV"
 for b in ${@:-memory redb sqlite redis postgres}; do
-    "$BENCH" renew --backend "$b" --lease-ms 2000 --hold-ms 20000 --csv "$CSV" | sed -n 2p
+    "$BENCH" renew --backend "$b" --lease-ms 2000 --hold-ms 20000 --csv "$CSV" | sed -n "2,3p"
     for lease in 600 300 150 75; do
-        "$BENCH" renew --backend "$b" --lease-ms "$lease" --hold-ms 10000 --csv "$CSV" | sed -n 2p
+        "$BENCH" renew --backend "$b" --lease-ms "$lease" --hold-ms 10000 --csv "$CSV" | sed -n "2,3p"
     done
 done
