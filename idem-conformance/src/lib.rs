@@ -30,6 +30,8 @@
 //! | [`scenarios::clock`] | 9 | lease and retention edges to the millisecond, 4.999 s / 5.001 s, zero lease, clock steps back |
 //! | [`scenarios::peers`] | 5 | two handles on one store: a fresh claim is never taken over, a dead owner's claim is freed by its lease, a stale owner is fenced, racing first claims have one winner |
 //! | [`scenarios::capability`] | 3 | declared capabilities hold; peer handles; server clock |
+//! | [`scenarios::extend`] | 13 | lease renewal is fenced like `complete`, moves the lease from `now` but never earlier, raises `expires_at` with it, keeps token, state and journal; a renewed lease refuses retries until its new end |
+//! | [`scenarios::generation`] | 5 | a key reused after retention (record swept, expired natively, or still stored) gets a token above every earlier generation's; earlier tokens are refused everywhere; sub-keys change per generation |
 //! | [`scenarios::journal`] | 18 | journal entries are fenced like `complete`, first write wins unless overwritten, survive a reclaim, die with their record (expiry, sweep, replacing claim); `Resumable` steps and intents resume on the store; stores without the capability refuse with `Unsupported` |
 //!
 //! `store_tests!(backend)` also requires the store to declare the journal of resumable
@@ -52,7 +54,7 @@
 //! # Test your own backend
 //!
 //! 1. Implement [`idem_core::Store`] for your engine. Read the contract on each method of
-//!    the trait: every write is atomic, complete and fail are compare-and-set on the
+//!    the trait: every write is atomic, complete, fail and extend are compare-and-set on the
 //!    fencing token, a lost race is a typed outcome (`Existing`, `Conflict`,
 //!    `StoreError::LeaseLost`), all times are milliseconds from one clock.
 //! 2. Let the store read an injected [`idem_core::Clock`] for every `now`. In production
@@ -90,7 +92,9 @@
 //! is a complete, deliberately simple custom backend (one file per record) that does
 //! exactly this; `tests/broken.rs` in this crate shows the suite failing stores that
 //! claim by check-then-insert, complete without checking the token, or sweep live records,
-//! and journals that ignore the token, let the last write win, keep a replaced record's
+//! renew a lease without checking the token, renew a completed or failed record, move a
+//! lease earlier or leave `expires_at` behind it, restart tokens for a new generation, and
+//! journals that ignore the token, let the last write win, keep a replaced record's
 //! entries, or are declared but not implemented.
 //!
 //! The journal ([`idem_core::Store::journal_put`]) is optional for stores written

@@ -69,7 +69,9 @@ impl FencingToken {
     /// A token from the clock is larger than every token of every earlier generation of the
     /// same id, as long as the store's clock does not step back past the earlier
     /// generation's life and no generation was reclaimed 65,536 times per millisecond it
-    /// lived. Fits in a signed 64-bit column (ms below 2^47, year 6429).
+    /// lived. The one exception is a generation that lives zero ms (zero lease and zero
+    /// retention) and leaves the store within that ms: the next claim in that ms repeats
+    /// its first token. Fits in a signed 64-bit column (ms below 2^47, year 6429).
     #[must_use]
     pub fn first_at(now: UnixMillis) -> FencingToken {
         let ms = u64::try_from(now.0).unwrap_or(0).min((1 << (63 - Self::ATTEMPT_BITS)) - 1);

@@ -201,3 +201,45 @@ async fn journal_dies_with_its_record() {
     assert!(again.token > r.token);
     assert_eq!(store.journal_get(r.id, "s:a").await.unwrap(), None);
 }
+
+/// What a lease watch reports: lost once `lost` is set.
+#[derive(Debug, Default)]
+struct Watch {
+    lost: std::sync::atomic::AtomicBool,
+}
+
+impl LeaseWatch for Watch {
+    fn is_lease_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+}
+
+/// A step or intent started its side effect after the attempt's lease was known lost
+/// (the store would only refuse the journal write after the call was made).
+#[tokio::test]
+async fn a_lost_lease_stops_steps_and_intents_before_their_call() {
+    let (store, _clock, req) = setup();
+    let rec = claimed(&store, &req).await;
+    let watch = Arc::new(Watch::default());
+    let run = Resumable::new(Arc::clone(&store), rec.id, rec.token, rec.created_at).with_lease_watch(watch.clone());
+    let calls = Arc::new(AtomicU32::new(0));
+    let call =
+        |calls: Arc<AtomicU32>| async move { Ok::<_, std::convert::Infallible>(calls.fetch_add(1, Ordering::SeqCst)) };
+
+    assert_eq!(run.step("before", |_| call(calls.clone())).await.unwrap(), 0, "a held lease runs the step");
+    watch.lost.store(true, Ordering::SeqCst);
+    let step = run.step("after", |_| call(calls.clone())).await.unwrap_err();
+    assert!(matches!(&step, StepError::LeaseLost { name } if name == "after") && step.is_lease_lost(), "{step:?}");
+    let intent = run
+        .intent(
+            "boot",
+            |_| async { Ok::<_, std::convert::Infallible>("vm-1".to_owned()) },
+            |_| async { Ok(Reconciled::NotFound) },
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(&intent, StepError::LeaseLost { name } if name == "boot"), "{intent:?}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "nothing was called after the loss");
+    assert_eq!(store.journal_get(rec.id, "s:after").await.unwrap(), None, "nothing journalled");
+    assert_eq!(store.journal_get(rec.id, "i:boot").await.unwrap(), None, "no pending intent either");
+}

@@ -5,11 +5,13 @@
 //! 2. resolve the principal (none: [`crate::MissingPrincipal`]);
 //! 3. buffer the body up to the layer's `max_request_body` (over: 413, nothing claimed);
 //! 4. fingerprint, and `claim` the record in the store;
-//! 5. decide ([`idem_core::decide`]): run the handler under the claim, replay, 409, mismatch;
-//! 6. after the handler: read the whole response body, then `complete` (cacheable status)
+//! 5. decide ([`idem_core::decide`]): run the handler under the claim, replay, 409 (or,
+//!    opt-in, wait a bounded time for the first attempt's outcome), mismatch;
+//! 6. while the handler runs, renew its lease ([`crate::LeaseRenewal`]);
+//! 7. after the handler: read the whole response body, then `complete` (cacheable status)
 //!    or `fail` (anything else), and only then return the response.
 //!
-//! Steps 5 (running the handler) and 6 happen in work that outlives the response future
+//! Steps 5 (running the handler), 6 and 7 happen in work that outlives the response future
 //! under [`crate::HandlerExecution::Detached`] (default: polled in place, moved to a task of
 //! its own if the response future is dropped), and in the response future itself under
 //! [`crate::HandlerExecution::Inline`].

@@ -67,7 +67,7 @@ pub enum Error {
     /// The store was built with [`crate::Config::with_auto_migrate`] off and the schema
     /// lacks migrations this build needs.
     #[error(
-        "schema {schema:?} is at migration {found}, this build needs {known}: run PostgresStore::migrate() (a store \
+        "schema {schema:?} is at migration {found}, this build needs {known}: run PostgresStore::migrate(&pool, &config) (a store \
          built with auto-migration on, the default, runs it on start) or apply idem_postgres::MIGRATIONS"
     )]
     NotMigrated {
@@ -185,7 +185,7 @@ impl From<Error> for StoreError {
                 if source.code() == Some(&SqlState::UNDEFINED_TABLE)
                     || source.code() == Some(&SqlState::INVALID_SCHEMA_NAME) =>
             {
-                format!("{operation}: the records table is missing; run PostgresStore::migrate() first")
+                format!("{operation}: the records table is missing; run PostgresStore::migrate(&pool, &config) first")
             }
             Error::Postgres { operation, .. } => (*operation).to_owned(),
             Error::Connection { operation, .. } => format!("{operation}: no connection"),
@@ -227,7 +227,7 @@ mod tests {
         assert!(StoreError::from(Error::Contention { operation: "completing a record" }).is_retryable());
         let e = Error::NotMigrated { schema: "idem".into(), found: 0, known: 2 };
         assert!(!e.is_retryable());
-        assert!(e.to_string().contains("migrate()"), "{e}");
+        assert!(e.to_string().contains("PostgresStore::migrate("), "{e}");
     }
 
     #[test]

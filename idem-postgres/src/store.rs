@@ -151,23 +151,29 @@ impl PostgresStore {
         let sql = Statements::for_schema(&config.schema);
         let store = Self { inner: Arc::new(Inner { pool, schema: config.schema, clock: config.clock, sql }) };
         if config.auto_migrate {
-            store.migrate().await?;
+            sql::migrate(&store.inner.pool, &store.inner.schema).await?;
         } else {
             sql::check_migrated(&store.inner.pool, &store.inner.schema).await?;
         }
         Ok(store)
     }
 
-    /// Creates the schema, the `records` table and its indices, applying whichever shipped
-    /// migrations (`migrations/*.sql`) are missing, in one transaction under an advisory
-    /// lock. Idempotent: safe to call on every start and from several processes at once.
-    /// Returns how many migrations ran.
+    /// Creates `config`'s schema, the `records` table and its indices on `pool`, applying
+    /// whichever shipped migrations (`migrations/*.sql`) are missing, in one transaction
+    /// under an advisory lock. Idempotent: safe to call on every start and from several
+    /// processes at once. Returns how many migrations ran.
+    ///
+    /// An associated function, like `SqliteStore::migrate`, so a deploy step can run it
+    /// before any store exists: a store built with [`Config::with_auto_migrate`] off refuses
+    /// an unmigrated schema.
     ///
     /// # Errors
-    /// [`Error::Connection`], [`Error::Postgres`] (e.g. no `CREATE` privilege), or
-    /// [`Error::SchemaTooNew`] when a newer build migrated the schema.
-    pub async fn migrate(&self) -> Result<usize, Error> {
-        sql::migrate(&self.inner.pool, &self.inner.schema).await
+    /// [`Error::InvalidSchema`] for a bad schema name, [`Error::Connection`],
+    /// [`Error::Postgres`] (e.g. no `CREATE` privilege), or [`Error::SchemaTooNew`] when a
+    /// newer build migrated the schema.
+    pub async fn migrate(pool: &Pool, config: &Config) -> Result<usize, Error> {
+        validate_schema(&config.schema)?;
+        sql::migrate(pool, &config.schema).await
     }
 
     /// The pool (shared with every clone of this store).

@@ -149,13 +149,18 @@ async fn terminated_connection_mid_claim_leaves_no_partial_claim() {
     );
 }
 
+/// Runs the migrations of `store`'s schema on its pool, as a deploy step would.
+async fn migrate(store: &PostgresStore) -> Result<usize, Error> {
+    PostgresStore::migrate(store.pool(), &Config::default().with_schema(store.schema())).await
+}
+
 /// Building a store migrates the schema once and records its version; `migrate()` is a
 /// no-op afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_is_idempotent_and_recorded() {
     let store = common::fresh_store(None, 2).await;
-    assert_eq!(store.inner.migrate().await.expect("second migrate"), 0);
-    assert_eq!(store.inner.migrate().await.expect("third migrate"), 0);
+    assert_eq!(migrate(&store.inner).await.expect("second migrate"), 0);
+    assert_eq!(migrate(&store.inner).await.expect("third migrate"), 0);
     let raw = common::raw().await;
     let versions: Vec<i32> = raw
         .query(&format!("SELECT version FROM \"{}\".schema_migrations ORDER BY version", store.guard.name), &[])
@@ -193,7 +198,7 @@ async fn concurrent_migrations_apply_once() {
     }
     // Empty the schema again, so that the next migrations start from nothing.
     common::raw().await.batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", guard.name)).await.expect("drop");
-    let tasks: Vec<_> = stores.into_iter().map(|store| tokio::spawn(async move { store.migrate().await })).collect();
+    let tasks: Vec<_> = stores.into_iter().map(|store| tokio::spawn(async move { migrate(&store).await })).collect();
     let mut applied = 0;
     for t in tasks {
         applied += t.await.expect("task").expect("migrate");
@@ -213,7 +218,7 @@ async fn newer_schema_is_refused() {
         )
         .await
         .expect("insert");
-    let err = store.inner.migrate().await.expect_err("too new");
+    let err = migrate(&store.inner).await.expect_err("too new");
     assert!(matches!(err, Error::SchemaTooNew { found: 999, .. }), "{err:?}");
     assert!(!err.is_retryable());
     // Building another store on it is refused too, whether it would migrate or only check.
@@ -246,8 +251,8 @@ async fn unreachable_server_is_a_retryable_connection_error() {
 }
 
 /// Without auto-migration, building a store on a schema that lacks migrations fails with
-/// a permanent, typed error that says to run `migrate()`, and creates nothing; once the
-/// schema is migrated the same configuration starts.
+/// a permanent, typed error that says to run `PostgresStore::migrate`, and creates nothing;
+/// once a deploy step has migrated the schema on its own pool, the same configuration starts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unmigrated_schema_without_auto_migrate_says_to_migrate() {
     let guard = common::SchemaGuard::fresh().await;
@@ -255,7 +260,7 @@ async fn unmigrated_schema_without_auto_migrate_says_to_migrate() {
     let err = PostgresStore::connect(&common::url(), checking()).await.expect_err("not migrated");
     assert!(matches!(err, Error::NotMigrated { found: 0, .. }), "{err:?}");
     assert!(!err.is_retryable());
-    assert!(err.to_string().contains("migrate()"), "{err}");
+    assert!(err.to_string().contains("PostgresStore::migrate("), "{err}");
     let schemas: i64 = common::raw()
         .await
         .query_one("SELECT count(*) FROM pg_namespace WHERE nspname = $1", &[&guard.name])
@@ -264,6 +269,12 @@ async fn unmigrated_schema_without_auto_migrate_says_to_migrate() {
         .get(0);
     assert_eq!(schemas, 0, "the check created nothing");
 
+    // The deploy step: migrations run on a pool before any store exists.
+    let pg: idem_postgres::tokio_postgres::Config = common::url().parse().expect("url");
+    let manager = idem_postgres::deadpool_postgres::Manager::new(pg, idem_postgres::tokio_postgres::NoTls);
+    let pool = idem_postgres::deadpool_postgres::Pool::builder(manager).max_size(1).build().expect("pool");
+    let applied = PostgresStore::migrate(&pool, &checking()).await.expect("migrate");
+    assert_eq!(applied, idem_postgres::MIGRATIONS.len());
     let migrating = common::connect(&guard.name, None, 1).await;
     let store = PostgresStore::connect(&common::url(), checking()).await.expect("migrated schema starts");
     let r = must_claim(&store, claim_req("p", "k", Duration::from_secs(5), Duration::from_secs(60))).await;
@@ -412,7 +423,7 @@ async fn store_from_own_pool() {
     let manager = idem_postgres::deadpool_postgres::Manager::new(pg, idem_postgres::tokio_postgres::NoTls);
     let pool = idem_postgres::deadpool_postgres::Pool::builder(manager).max_size(2).build().expect("pool");
     let store = PostgresStore::from_pool(pool, Config::default().with_schema(guard.name.clone())).await.expect("store");
-    assert_eq!(store.migrate().await.expect("migrate"), 0, "building the store applied every migration");
+    assert_eq!(migrate(&store).await.expect("migrate"), 0, "building the store applied every migration");
     let r = must_claim(&store, claim_req("p", "own-pool", Duration::from_secs(5), Duration::from_secs(60))).await;
     assert_eq!(store.get(r.id).await.expect("get"), Some(r));
 }

@@ -43,6 +43,17 @@ async fn first_generation(env: &Env) -> Vec<Record> {
     vec![a, b, c]
 }
 
+/// Claims the key now, as a new generation, and checks it starts at the first token of its
+/// time ([`FencingToken::first_at`]), which is above the stored record's token + 1 whenever
+/// the earlier generation lived at least a ms.
+async fn next_generation(env: &Env) -> Record {
+    let now = UnixMillis(env.clock.now_ms());
+    let new = must_claim(env, short(env)).await;
+    assert_eq!(new.token, FencingToken::first_at(now), "a new generation's first token comes from the clock");
+    assert_eq!(new.created_at, now);
+    new
+}
+
 /// Every write of every earlier-generation token on the new generation `new` is refused
 /// with `LeaseLost { current: Some(new.token) }` and changes nothing; after the new lease a
 /// reclaim with an old token conflicts too. Then the new owner completes.
@@ -100,10 +111,7 @@ pub async fn new_generation_after_removal_fences_every_earlier_token(env: Env) {
         assert_eq!(get(env.store.as_ref(), last.id).await, None, "the sweep removed the expired record");
         env.clock.set(last.expires_at);
     }
-    let now = UnixMillis(env.clock.now_ms());
-    let new = must_claim(&env, short(&env)).await;
-    assert_eq!(new.token, FencingToken::first_at(now), "a new generation's first token comes from the clock");
-    assert_eq!(new.created_at, now);
+    let new = next_generation(&env).await;
     old_tokens_are_fenced_off(&env, &old, &new).await;
 }
 
@@ -113,10 +121,7 @@ pub async fn new_generation_over_a_stored_expired_record_fences_every_earlier_to
     let old = first_generation(&env).await;
     let last = old.last().expect("attempts");
     env.clock.set(UnixMillis(last.expires_at.0 + 500));
-    let now = UnixMillis(env.clock.now_ms());
-    let new = must_claim(&env, short(&env)).await;
-    assert_eq!(new.token, FencingToken::first_at(now), "above the stored record's token + 1, from the clock");
-    assert_eq!(new.created_at, now);
+    let new = next_generation(&env).await;
     old_tokens_are_fenced_off(&env, &old, &new).await;
 }
 
@@ -125,9 +130,7 @@ pub async fn new_generation_over_a_stored_expired_record_fences_every_earlier_to
 pub async fn tokens_grow_over_many_generations(env: Env) {
     let mut last: Option<Record> = None;
     for generation in 0..5 {
-        let now = UnixMillis(env.clock.now_ms());
-        let r = must_claim(&env, short(&env)).await;
-        assert_eq!(r.token, FencingToken::first_at(now), "generation {generation}");
+        let r = next_generation(&env).await;
         if let Some(prev) = &last {
             assert!(r.token > prev.token, "generation {generation}: {} after {}", r.token, prev.token);
             assert_lease_lost(env.store.complete(r.id, prev.token, response()).await, r.id, prev.token, Some(r.token));
