@@ -10,6 +10,7 @@
 //! idem-bench http --store memory --mode first              # layer vs bare handler (needs wrk)
 //! idem-bench size --backend sqlite                         # bytes per record
 //! idem-bench sweep --backend redb --records 1000000        # peak RSS while sweeping
+//! idem-bench renew --backend postgres --handlers 1000      # lease renewals of long handlers
 //! ```
 //!
 //! # Layout
@@ -21,6 +22,8 @@
 //! - `http`: an axum handler with and without `idem_http::IdempotencyLayer`, loaded by `wrk`.
 //! - `size`: bytes per record per backend.
 //! - `sweep`: peak resident memory while sweeping expired records.
+//! - `renew`: N long handlers behind the layer renewing their leases: renewals per second
+//!   sustained, and renewal's store load against claim + complete.
 //! - `benches/pure.rs`: divan micro-benchmarks of the pure paths.
 //!
 //! Embedded files go to a temporary directory under `$IDEM_BENCH_DIR` (default the system
@@ -29,6 +32,7 @@
 mod baseline;
 mod cycles;
 mod http;
+mod renew;
 mod size;
 mod sweep;
 mod workload;
@@ -40,7 +44,10 @@ use idem_core::BoxError;
 pub(crate) const PG_SCHEMA: &str = "idem_bench";
 
 #[derive(Debug, Parser)]
-#[command(name = "idem-bench", about = "idem benchmarks: store cycles, HTTP overhead, storage cost, sweep memory")]
+#[command(
+    name = "idem-bench",
+    about = "idem benchmarks: store cycles, HTTP overhead, storage cost, sweep memory, lease renewal"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -56,6 +63,9 @@ enum Command {
     Size(size::SizeArgs),
     /// Peak resident memory while sweeping expired records.
     Sweep(sweep::SweepArgs),
+    /// Long handlers behind the layer renewing their leases: renewals/s sustained, late
+    /// renewals, and renewal's store load against claim + complete.
+    Renew(renew::RenewArgs),
 }
 
 /// A store backend.
@@ -121,6 +131,7 @@ fn main() -> Result<(), BoxError> {
             Command::Http(args) => http::run(args).await,
             Command::Size(args) => size::run(args).await,
             Command::Sweep(args) => sweep::run(args).await,
+            Command::Renew(args) => renew::run(args).await,
         }
     })
 }

@@ -1,5 +1,9 @@
 //! The leasebroker HTTP API, with the idempotency layer on every route that changes
 //! something, and a fault layer in front that loses responses after the work is done.
+//!
+//! The firmware route is the long one: a flash takes tens of seconds, many times the
+//! lease, and only the layer's lease renewal keeps a retry from reclaiming the record
+//! and starting a second flash, which bricks the node.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,11 +16,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use idem_core::{Policy, Store};
 use idem_core::{Reconciled, StepError};
-use idem_http::{BearerToken, IdempotencyContext, IdempotencyLayer, KeyRequirement, Problem};
+use idem_http::{
+    BearerToken, IdempotencyContext, IdempotencyLayer, KeyRequirement, LeaseRenewal, Problem, ResponseCaching,
+};
 use rand::Rng;
 
 use crate::crash::CrashPlan;
-use crate::state::{Infra, StateError, Worker, WorkerSpec};
+use crate::state::{FirmwareSpec, Flash, Infra, StateError, Worker, WorkerSpec};
 
 /// Faults the server injects, each as a probability in `0.0..=1.0`.
 #[derive(Clone, Copy, Debug, Default)]
@@ -36,23 +42,62 @@ pub struct Faults {
     pub crash: CrashPlan,
 }
 
+/// How long the simulated BMC takes to flash firmware by default, ms: tens of seconds, as
+/// a real one takes minutes.
+pub const DEFAULT_FLASH_MS: u64 = 20_000;
+
+/// How the API is served.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The record rules (lease TTL, retention) of every idempotent route.
+    pub policy: Policy,
+    /// How the layer renews the lease of a running handler (default every lease / 3).
+    /// [`LeaseRenewal::Off`] exists to show what renewal prevents: a flash that outlives
+    /// its lease is started again by a retry, and the node bricks.
+    pub lease_renewal: LeaseRenewal,
+    /// Faults injected (none by default).
+    pub faults: Faults,
+    /// How long the simulated BMC takes to flash firmware, ms (default
+    /// [`DEFAULT_FLASH_MS`]).
+    pub flash_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            policy: Policy::default(),
+            lease_renewal: LeaseRenewal::default(),
+            faults: Faults::default(),
+            flash_ms: DEFAULT_FLASH_MS,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 struct AppState {
     infra: Infra,
     faults: Faults,
+    flash: Duration,
 }
 
 /// Builds the router: `POST /v1/workers`, `GET|DELETE /v1/workers/{id}`,
-/// `POST /v1/workers/{id}/reboot`, `GET /admin/stats` (unauthenticated counters) and
-/// `GET /admin/inventory` (every node, lease, VM and worker, for leak checks).
-pub fn router(infra: Infra, store: Arc<dyn Store>, policy: Policy, faults: Faults) -> Router {
-    let state = AppState { infra, faults };
+/// `POST /v1/workers/{id}/reboot`, `POST /v1/workers/{id}/firmware`, `GET /admin/stats`
+/// (unauthenticated counters) and `GET /admin/inventory` (every node, lease, VM and
+/// worker, for leak checks).
+pub fn router(infra: Infra, store: Arc<dyn Store>, config: &Config) -> Router {
+    let state = AppState { infra, faults: config.faults, flash: Duration::from_millis(config.flash_ms) };
     // POST requires a key; DELETE takes one when sent (a retried DELETE replays its 204).
-    let post_layer = IdempotencyLayer::new(Arc::clone(&store)).with_policy(policy.clone());
-    let delete_layer = IdempotencyLayer::new(store).with_policy(policy).with_key_requirement(KeyRequirement::Optional);
+    let post_layer = IdempotencyLayer::new(Arc::clone(&store))
+        .with_policy(config.policy.clone())
+        .with_lease_renewal(config.lease_renewal);
+    let delete_layer = IdempotencyLayer::new(store)
+        .with_policy(config.policy.clone())
+        .with_lease_renewal(config.lease_renewal)
+        .with_key_requirement(KeyRequirement::Optional);
     let mutating = Router::new()
         .route("/v1/workers", post(create))
         .route("/v1/workers/{id}/reboot", post(reboot))
+        .route("/v1/workers/{id}/firmware", post(firmware))
         .route_layer(post_layer);
     let deleting = Router::new().route("/v1/workers/{id}", get(show).delete(remove)).route_layer(delete_layer);
     Router::new()
@@ -60,7 +105,7 @@ pub fn router(infra: Infra, store: Arc<dyn Store>, policy: Policy, faults: Fault
         .merge(deleting)
         .route("/admin/stats", get(stats))
         .route("/admin/inventory", get(inventory))
-        .layer(middleware::from_fn_with_state(faults, lose_responses))
+        .layer(middleware::from_fn_with_state(config.faults, lose_responses))
         .with_state(state)
 }
 
@@ -100,6 +145,10 @@ fn state_error(e: StateError) -> Response {
     match e {
         StateError::NotFound => problem(StatusCode::NOT_FOUND, "no such worker"),
         StateError::Hypervisor => problem(StatusCode::SERVICE_UNAVAILABLE, "the hypervisor failed to boot; retry"),
+        // A final answer, stored and replayed: the node stays bricked whoever asks again.
+        e @ StateError::Bricked { .. } => {
+            (axum::Extension(ResponseCaching::Store), problem(StatusCode::CONFLICT, &e.to_string())).into_response()
+        }
         StateError::Storage(m) => problem(StatusCode::INTERNAL_SERVER_ERROR, &m),
     }
 }
@@ -201,6 +250,65 @@ async fn provision(
     let worker: Worker = run.step("worker", |sk| blocking(move || infra.put_worker(sk.as_str(), worker))).await?;
     crash.point("after_worker").await;
     Ok(worker)
+}
+
+/// `POST /v1/workers/{id}/firmware`: flashes the worker's node, which takes
+/// [`Config::flash_ms`] (tens of seconds), many times the lease. The flash is one step:
+/// once it ended, its outcome is journalled and a later attempt of the same operation
+/// reuses it. While it runs, only the layer's lease renewal keeps the claim; a retry that
+/// found the lease run out would reclaim the record, run the step again and start a
+/// second flash of the same node, which bricks it (the BMC takes no caller id, so there is
+/// nothing to reconcile by). Answers 200 with the flash, 404 for an unknown worker, 409
+/// (stored) for a bricked node.
+async fn firmware(
+    State(s): State<AppState>,
+    ctx: Option<axum::Extension<IdempotencyContext>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let Some(owner) = owner(&headers) else {
+        return problem(StatusCode::UNAUTHORIZED, "send Authorization: Bearer <token>");
+    };
+    let spec: FirmwareSpec = match serde_json::from_slice(&body) {
+        Ok(s) => s,
+        Err(e) => return problem(StatusCode::UNPROCESSABLE_ENTITY, &format!("invalid firmware spec: {e}")),
+    };
+    let Some(axum::Extension(ctx)) = ctx else {
+        return problem(StatusCode::INTERNAL_SERVER_ERROR, "firmware ran without an idempotency claim");
+    };
+    let infra = s.infra.clone();
+    let worker = match blocking(move || infra.get(&owner, &id)).await {
+        Ok(w) => w,
+        Err(e) => return state_error(e),
+    };
+    let (infra, node, flash_time) = (s.infra.clone(), worker.node.clone(), s.flash);
+    let flashed = ctx
+        .resumable()
+        .step("flash", |_| async move {
+            let (bmc, n) = (infra.clone(), node.clone());
+            let number = blocking(move || bmc.start_flash(&n)).await?;
+            tokio::time::sleep(flash_time).await;
+            blocking(move || infra.finish_flash(&node, number, spec)).await
+        })
+        .await;
+    match flashed {
+        Ok(Flash { node, number, firmware }) => axum::Json(serde_json::json!({
+            "worker": worker.id,
+            "node": node,
+            "image": firmware.image,
+            "version": firmware.version,
+            "flash": number,
+        }))
+        .into_response(),
+        Err(e) => match Problem::from_step_error(&e) {
+            Some(p) => p.into_response(),
+            None => match e {
+                StepError::Failed { source, .. } => state_error(source),
+                other => problem(StatusCode::INTERNAL_SERVER_ERROR, &other.to_string()),
+            },
+        },
+    }
 }
 
 async fn show(State(s): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> Response {

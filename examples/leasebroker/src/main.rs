@@ -4,12 +4,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use idem_core::Policy;
-use leasebroker::app::Faults;
+use idem_http::LeaseRenewal;
+use leasebroker::app::{Config, DEFAULT_FLASH_MS, Faults};
 use leasebroker::crash::CrashPlan;
 use leasebroker::server::{Server, StoreSpec, open};
-use leasebroker::storm::{self, StormConfig};
+use leasebroker::storm::{self, StormConfig, StormMode};
 use tokio::net::TcpListener;
 
 #[derive(Parser, Debug)]
@@ -22,9 +23,17 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Start a server on a temporary redb file with faults on, storm it, print the table.
+    /// With `--mode firmware` the server's lease is 2 s and every flash takes `--flash-ms`.
     Demo {
         #[command(flatten)]
         storm: StormArgs,
+        /// How long a firmware flash takes, ms (`--mode firmware`).
+        #[arg(long, default_value_t = DEFAULT_FLASH_MS)]
+        flash_ms: u64,
+        /// Lease renewal while a handler runs: `on` (every lease / 3) or `off` (to see the
+        /// double flashes renewal prevents).
+        #[arg(long, value_enum, default_value = "on")]
+        lease_renewal: RenewalSwitch,
     },
     /// Run the server.
     Serve(ServeArgs),
@@ -50,11 +59,20 @@ struct ServeArgs {
     #[arg(long, default_value = "leasebroker-state.redb")]
     state: PathBuf,
     /// In-flight lease, ms (at least 100). A retry takes over a claim once its lease has
-    /// passed, so the lease must exceed the create handler's worst-case run time: a lease
-    /// shorter than a hypervisor boot lets a retry reconcile before the first boot is
-    /// visible and boot a second VM.
+    /// passed. With lease renewal on, a running handler keeps extending its lease, so the
+    /// lease only has to outlast a stall of this process (seconds), not the handler: a
+    /// lease of 2 s covers a 20 s flash, and a killed server's claims free up 2 s later.
+    /// With renewal off, the lease must exceed every handler's worst-case run time: a
+    /// lease shorter than a hypervisor boot lets a retry reconcile before the first boot is
+    /// visible and boot a second VM, and one shorter than a flash bricks the node.
     #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(100..))]
     lease_ms: u64,
+    /// Lease renewal while a handler runs: `on` (every lease / 3) or `off`.
+    #[arg(long, value_enum, default_value = "on")]
+    lease_renewal: RenewalSwitch,
+    /// How long the simulated BMC takes to flash firmware, ms.
+    #[arg(long, default_value_t = DEFAULT_FLASH_MS)]
+    flash_ms: u64,
     /// Retention window, ms.
     #[arg(long, default_value_t = 86_400_000)]
     retention_ms: u64,
@@ -90,6 +108,24 @@ impl ServeArgs {
     }
 }
 
+/// `--lease-renewal`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum RenewalSwitch {
+    /// The layer's default: renew every lease / 3 while the handler runs.
+    On,
+    /// Never renew.
+    Off,
+}
+
+impl From<RenewalSwitch> for LeaseRenewal {
+    fn from(s: RenewalSwitch) -> Self {
+        match s {
+            RenewalSwitch::On => LeaseRenewal::default(),
+            RenewalSwitch::Off => LeaseRenewal::Off,
+        }
+    }
+}
+
 #[derive(Args, Debug, Clone, Copy)]
 struct FaultArgs {
     /// Share of responses held back after the work is done (0.0-1.0).
@@ -120,7 +156,11 @@ impl From<FaultArgs> for Faults {
 
 #[derive(Args, Debug, Clone)]
 struct StormArgs {
-    /// Logical create operations.
+    /// What each operation does: `create` a worker, or create one and flash its
+    /// `firmware` (against a server with a short lease, e.g. `serve --lease-ms 2000`).
+    #[arg(long, value_enum, default_value = "create")]
+    mode: ModeArg,
+    /// Logical operations.
     #[arg(long, default_value_t = 200)]
     operations: u32,
     /// Principals (bearer tokens).
@@ -137,10 +177,27 @@ struct StormArgs {
     budget_ms: u64,
 }
 
+/// `--mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ModeArg {
+    /// `POST /v1/workers`.
+    Create,
+    /// `POST /v1/workers/{id}/firmware`.
+    Firmware,
+}
+
 impl StormArgs {
+    fn mode(&self) -> StormMode {
+        match self.mode {
+            ModeArg::Create => StormMode::Create,
+            ModeArg::Firmware => StormMode::Firmware,
+        }
+    }
+
     fn config(&self, target: String) -> StormConfig {
         StormConfig {
             target,
+            mode: self.mode(),
             operations: self.operations,
             principals: self.principals,
             concurrency: self.concurrency,
@@ -175,8 +232,13 @@ async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 .with_lease_ttl(Duration::from_millis(args.lease_ms))
                 .with_retention(Duration::from_millis(args.retention_ms));
             let listener = TcpListener::bind(&args.addr).await?;
-            let faults = Faults { crash, ..args.faults.into() };
-            let server = Server::start(listener, store, infra, policy, faults)?;
+            let config = Config {
+                policy,
+                lease_renewal: args.lease_renewal.into(),
+                faults: Faults { crash, ..args.faults.into() },
+                flash_ms: args.flash_ms,
+            };
+            let server = Server::start(listener, store, infra, &config)?;
             eprintln!("leasebroker: listening on {} (store {:?})", server.url(), args.store);
             if crash.is_armed() {
                 eprintln!("leasebroker: crash points armed: {crash:?}");
@@ -190,7 +252,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Storm { target, storm } => report(storm::run(storm.config(target)).await?),
-        Command::Demo { storm } => {
+        Command::Demo { storm, flash_ms, lease_renewal } => {
             let dir = tempfile::tempdir()?;
             let path = dir.path().join("leasebroker.redb");
             let (store, infra) = open(&StoreSpec::Redb(path.clone()), &dir.path().join("state.redb")).await?;
@@ -203,17 +265,34 @@ async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 hypervisor_fail_rate: 0.05,
                 crash: CrashPlan::default(),
             };
-            let policy = Policy::default().with_lease_ttl(Duration::from_secs(3));
-            let server = Server::start(TcpListener::bind("127.0.0.1:0").await?, store, infra, policy, faults)?;
+            // A flash outlives a 2 s lease ten times over: only renewal keeps its claim.
+            let lease = match storm.mode {
+                ModeArg::Create => Duration::from_secs(3),
+                ModeArg::Firmware => Duration::from_secs(2),
+            };
+            let config = Config {
+                policy: Policy::default().with_lease_ttl(lease),
+                lease_renewal: lease_renewal.into(),
+                faults,
+                flash_ms,
+            };
+            let server = Server::start(TcpListener::bind("127.0.0.1:0").await?, store, infra, &config)?;
             println!(
-                "leasebroker demo: server on {} with store {}, {} operations from {} principals, {} at a time",
+                "leasebroker demo: server on {} with store {}, {} {:?} operations from {} principals, {} at a time",
                 server.url(),
                 path.display(),
                 storm.operations,
+                storm.mode,
                 storm.principals,
                 storm.concurrency
             );
             println!("faults: 25% of responses lost after the work, handlers up to 300 ms, 5% of boots fail");
+            if storm.mode == ModeArg::Firmware {
+                println!(
+                    "firmware: every flash takes {flash_ms} ms under a lease of {} ms, lease renewal {lease_renewal:?}",
+                    lease.as_millis()
+                );
+            }
             let result = storm::run(storm.config(server.url())).await;
             server.stop().await?;
             report(result?)
@@ -227,10 +306,17 @@ fn report(r: storm::StormReport) -> Result<ExitCode, Box<dyn std::error::Error>>
         println!("FAIL: {} phantom workers", r.phantoms());
         return Ok(ExitCode::FAILURE);
     }
+    if r.double_flashes() > 0 || r.server.bricked > 0 {
+        println!("FAIL: {} double flashes, {} bricked nodes", r.double_flashes(), r.server.bricked);
+        return Ok(ExitCode::FAILURE);
+    }
     if r.failed > 0 {
         println!("FAIL: {} operations did not complete within their budget", r.failed);
         return Ok(ExitCode::FAILURE);
     }
-    println!("OK: every operation created exactly one worker; phantom workers 0");
+    match r.mode {
+        StormMode::Create => println!("OK: every operation created exactly one worker; phantom workers 0"),
+        StormMode::Firmware => println!("OK: every operation flashed its node exactly once; bricked nodes 0"),
+    }
     Ok(ExitCode::SUCCESS)
 }

@@ -4,14 +4,14 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use idem_core::{MemoryStore, Policy, Store};
+use idem_core::{MemoryStore, Store};
 use idem_redb::RedbStore;
 use redb::Database;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::app::{Faults, router};
+use crate::app::{Config, router};
 use crate::state::Infra;
 
 /// Where records go: `redb:PATH` (or a bare path ending in `.redb`), `sqlite:PATH`,
@@ -127,7 +127,7 @@ pub struct Server {
 }
 
 impl Server {
-    /// Serves `router(infra, store, policy, faults)` on `listener` until [`Server::stop`].
+    /// Serves `router(infra, store, config)` on `listener` until [`Server::stop`].
     ///
     /// # Errors
     /// When the listener has no local address.
@@ -135,13 +135,12 @@ impl Server {
         listener: TcpListener,
         store: Arc<dyn Store>,
         infra: Infra,
-        policy: Policy,
-        faults: Faults,
+        config: &Config,
     ) -> Result<Self, ServerError> {
         let addr = listener.local_addr()?;
         let sweep = idem::SweepConfig::default().with_period(SWEEP_PERIOD).with_batch(SWEEP_BATCH);
         let sweeper = idem::Sweeper::start(Arc::clone(&store), sweep);
-        let app = router(infra, store, policy, faults);
+        let app = router(infra, store, config);
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             let serve = axum::serve(listener, app).with_graceful_shutdown(async move {

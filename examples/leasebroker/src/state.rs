@@ -1,11 +1,14 @@
-//! The simulated infrastructure behind leasebroker: a node pool, leases and a hypervisor,
-//! all kept in redb tables so they survive a restart, and counted so a test can prove
-//! that no retry created anything twice.
+//! The simulated infrastructure behind leasebroker: a node pool, leases, a hypervisor and
+//! the nodes' baseboard management controllers (BMCs), all kept in redb tables so they
+//! survive a restart, and counted so a test can prove that no retry created or flashed
+//! anything twice.
 //!
 //! Each is a separate side effect with its own commit, as in a real provisioning backend:
 //! a process killed between two of them leaves the first one behind. The pool and the
 //! lease table are idempotent by the caller's sub-key; the hypervisor is not (each boot
-//! is a new VM) but tags every VM, so a retry can find a boot it does not remember.
+//! is a new VM) but tags every VM, so a retry can find a boot it does not remember. The
+//! BMC is the least forgiving: it takes no caller id, cannot be asked what it is doing,
+//! and a second flash started while one runs bricks the node.
 //!
 //! When the idempotency store is redb, these tables live in the same file as the records.
 
@@ -25,6 +28,12 @@ const LEASES: TableDefinition<'_, &str, &str> = TableDefinition::new("leasebroke
 const VMS: TableDefinition<'_, &str, &str> = TableDefinition::new("leasebroker_vms");
 /// Hypervisor: tag -> VM ids booted with it.
 const VM_TAGS: MultimapTableDefinition<'_, &str, &str> = MultimapTableDefinition::new("leasebroker_vm_tags");
+/// BMC: node -> flashes running on it now.
+const FLASHING: TableDefinition<'_, &str, u64> = TableDefinition::new("leasebroker_bmc_flashing");
+/// BMC: node -> `image version` of the firmware its last clean flash installed.
+const FIRMWARE: TableDefinition<'_, &str, &str> = TableDefinition::new("leasebroker_bmc_firmware");
+/// BMC: bricked node -> number of the flash that bricked it.
+const BRICKED: TableDefinition<'_, &str, u64> = TableDefinition::new("leasebroker_bmc_bricked");
 
 /// What the client asks for in `POST /v1/workers`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -38,6 +47,26 @@ pub struct WorkerSpec {
     /// Free-form labels.
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+}
+
+/// What the client asks for in `POST /v1/workers/{id}/firmware`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FirmwareSpec {
+    /// Firmware image, e.g. `bmc-firmware`.
+    pub image: String,
+    /// Version to install, e.g. `2.4.1`.
+    pub version: String,
+}
+
+/// A flash the BMC finished.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Flash {
+    /// The node flashed.
+    pub node: String,
+    /// Number of this flash among every flash the BMCs started (1-based).
+    pub number: u64,
+    /// What was installed.
+    pub firmware: FirmwareSpec,
 }
 
 /// A worker as the API returns it.
@@ -76,6 +105,11 @@ pub struct Stats {
     pub reboots: u64,
     /// Workers deleted.
     pub deletes: u64,
+    /// Firmware flashes the BMCs started (a flash refused because its node was already
+    /// bricked is not counted).
+    pub flashes: u64,
+    /// Nodes bricked by a flash started while another flash of the same node ran.
+    pub bricked: u64,
 }
 
 /// Everything the simulated infrastructure holds, for a leak check: every node, lease and
@@ -104,6 +138,13 @@ pub enum StateError {
     /// The simulated hypervisor refused to boot (fault injection).
     #[error("hypervisor failed to boot the VM")]
     Hypervisor,
+    /// The node's BMC is bricked: a second flash was started while one ran. Permanent
+    /// until someone recovers the node by hand.
+    #[error("{node} is bricked: a second firmware flash started while one was running")]
+    Bricked {
+        /// The node.
+        node: String,
+    },
 }
 
 fn storage(e: impl std::fmt::Display) -> StateError {
@@ -137,6 +178,9 @@ impl Infra {
         tx.open_table(LEASES).map_err(storage)?;
         tx.open_table(VMS).map_err(storage)?;
         tx.open_multimap_table(VM_TAGS).map_err(storage)?;
+        tx.open_table(FLASHING).map_err(storage)?;
+        tx.open_table(FIRMWARE).map_err(storage)?;
+        tx.open_table(BRICKED).map_err(storage)?;
         tx.commit().map_err(storage)?;
         Ok(Self { db })
     }
@@ -216,6 +260,63 @@ impl Infra {
             out.push(vm.map_err(storage)?.value().to_string());
         }
         Ok(out)
+    }
+
+    /// The BMC of `node`: starts flashing `firmware` and returns the flash's number; the
+    /// caller waits out the flash time and then calls [`Infra::finish_flash`]. NOT
+    /// idempotent, as a BMC's update API is not: it takes no caller id, every call starts
+    /// another flash (counted in `flashes`), and a flash started while another one of the
+    /// same node runs bricks the node (counted in `bricked`; the flash still counts as
+    /// started, and both running flashes end in [`StateError::Bricked`]).
+    ///
+    /// # Errors
+    /// [`StateError::Bricked`] when the node is already bricked (no flash starts); storage
+    /// errors.
+    pub fn start_flash(&self, node: &str) -> Result<u64, StateError> {
+        self.write(|tx| {
+            if tx.open_table(BRICKED).map_err(storage)?.get(node).map_err(storage)?.is_some() {
+                return Err(StateError::Bricked { node: node.to_string() });
+            }
+            let number = bump(tx, "flashes")?;
+            let mut flashing = tx.open_table(FLASHING).map_err(storage)?;
+            let running = flashing.get(node).map_err(storage)?.map_or(0, |v| v.value());
+            if running > 0 {
+                tx.open_table(BRICKED).map_err(storage)?.insert(node, number).map_err(storage)?;
+                bump(tx, "bricked")?;
+            }
+            flashing.insert(node, running + 1).map_err(storage)?;
+            Ok(number)
+        })
+    }
+
+    /// Ends flash `number` of `node` (started by [`Infra::start_flash`]) and installs
+    /// `firmware`, unless the node was bricked meanwhile.
+    ///
+    /// # Errors
+    /// [`StateError::Bricked`] when the node is bricked (the flash still ends: it no
+    /// longer counts as running); storage errors.
+    pub fn finish_flash(&self, node: &str, number: u64, firmware: FirmwareSpec) -> Result<Flash, StateError> {
+        // The end of the flash is committed before a bricked node is reported, so the
+        // error does not roll it back.
+        let bricked = self.write(|tx| {
+            let mut flashing = tx.open_table(FLASHING).map_err(storage)?;
+            let running = flashing.get(node).map_err(storage)?.map_or(0, |v| v.value());
+            if running > 1 {
+                flashing.insert(node, running - 1).map_err(storage)?;
+            } else {
+                flashing.remove(node).map_err(storage)?;
+            }
+            if tx.open_table(BRICKED).map_err(storage)?.get(node).map_err(storage)?.is_some() {
+                return Ok(true);
+            }
+            let installed = format!("{} {}", firmware.image, firmware.version);
+            tx.open_table(FIRMWARE).map_err(storage)?.insert(node, installed.as_str()).map_err(storage)?;
+            Ok(false)
+        })?;
+        if bricked {
+            return Err(StateError::Bricked { node: node.to_string() });
+        }
+        Ok(Flash { node: node.to_string(), number, firmware })
     }
 
     /// Writes the worker row for `subkey` (its id is derived from the sub-key), or returns
@@ -344,6 +445,8 @@ impl Infra {
             boots: get("boots")?,
             reboots: get("reboots")?,
             deletes: get("deletes")?,
+            flashes: get("flashes")?,
+            bricked: get("bricked")?,
         })
     }
 }

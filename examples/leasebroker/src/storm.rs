@@ -1,6 +1,11 @@
-//! The retry-storm driver: many logical create operations from several principals, each
-//! with one idempotency key kept across its retries, against a server that loses
-//! responses after doing the work. It counts what the server really created.
+//! The retry-storm driver: many logical operations from several principals, each with
+//! one idempotency key kept across its retries, against a server that loses responses
+//! after doing the work. It counts what the server really did.
+//!
+//! Two modes ([`StormMode`]): `create` makes workers and counts phantoms (workers beyond
+//! one per operation); `firmware` flashes workers and counts double flashes (flashes
+//! beyond one per operation) and bricked nodes. A flash outlives the lease many times over,
+//! so the storm's short attempt timeouts and lost responses send retries all through it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,12 +15,28 @@ use tokio::sync::Semaphore;
 
 use crate::state::Stats;
 
+/// What every operation of a storm does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StormMode {
+    /// `POST /v1/workers`: one worker per operation.
+    #[default]
+    Create,
+    /// Creates a worker (not counted in the report), then `POST /v1/workers/{id}/firmware`
+    /// under a key of its own: one flash per operation, each of a different node.
+    Firmware,
+}
+
+/// The body of every flash the storm asks for.
+pub const FIRMWARE_BODY: &str = r#"{"image":"bmc-firmware","version":"2.4.1"}"#;
+
 /// Storm settings.
 #[derive(Clone, Debug)]
 pub struct StormConfig {
     /// Base URL of the server, e.g. `http://127.0.0.1:8080`.
     pub target: String,
-    /// Logical create operations.
+    /// What each operation does.
+    pub mode: StormMode,
+    /// Logical operations.
     pub operations: u32,
     /// Distinct principals (bearer tokens) the operations are spread over.
     pub principals: u32,
@@ -33,9 +54,11 @@ pub struct StormConfig {
 /// What the storm saw.
 #[derive(Clone, Debug, Default)]
 pub struct StormReport {
+    /// What each operation did.
+    pub mode: StormMode,
     /// Logical operations started.
     pub operations: u32,
-    /// Operations that ended with 201.
+    /// Operations that ended with 201 (create) or 200 (firmware).
     pub succeeded: u32,
     /// Operations that gave up or ended on another status.
     pub failed: u32,
@@ -49,7 +72,7 @@ pub struct StormReport {
     pub transport_errors: u64,
     /// 5xx answers seen.
     pub server_errors: u64,
-    /// Distinct worker ids the clients received.
+    /// Distinct worker ids the clients received (create).
     pub distinct_ids: u64,
     /// The server's counts after the storm (its delta over the storm).
     pub server: Stats,
@@ -61,28 +84,55 @@ impl StormReport {
     /// Workers the server created beyond one per logical operation.
     #[must_use]
     pub fn phantoms(&self) -> u64 {
-        self.server.workers.saturating_sub(u64::from(self.operations))
+        match self.mode {
+            StormMode::Create => self.server.workers.saturating_sub(u64::from(self.operations)),
+            // The firmware storm creates one worker per operation before it flashes.
+            StormMode::Firmware => 0,
+        }
+    }
+
+    /// Flashes the BMCs started beyond one per operation: each one ran while the first
+    /// flash of its node was still running, so it bricked that node.
+    #[must_use]
+    pub fn double_flashes(&self) -> u64 {
+        self.server.flashes.saturating_sub(u64::from(self.operations))
     }
 
     /// Renders the table.
     #[must_use]
     pub fn table(&self) -> String {
-        let rows = [
+        let common = [
             ("operations", self.operations.to_string()),
-            ("succeeded (201)", self.succeeded.to_string()),
+            (
+                match self.mode {
+                    StormMode::Create => "succeeded (201)",
+                    StormMode::Firmware => "succeeded (200)",
+                },
+                self.succeeded.to_string(),
+            ),
             ("failed", self.failed.to_string()),
             ("attempts", self.attempts.to_string()),
             ("replays", self.replays.to_string()),
             ("409 in flight", self.busy_409.to_string()),
             ("lost responses / timeouts", self.transport_errors.to_string()),
             ("5xx", self.server_errors.to_string()),
-            ("distinct worker ids seen", self.distinct_ids.to_string()),
-            ("workers that exist", self.server.workers.to_string()),
-            ("nodes allocated", self.server.allocations.to_string()),
-            ("VMs booted", self.server.boots.to_string()),
-            ("phantom workers", self.phantoms().to_string()),
-            ("elapsed", format!("{} ms", self.elapsed_ms)),
         ];
+        let outcome = match self.mode {
+            StormMode::Create => vec![
+                ("distinct worker ids seen", self.distinct_ids.to_string()),
+                ("workers that exist", self.server.workers.to_string()),
+                ("nodes allocated", self.server.allocations.to_string()),
+                ("VMs booted", self.server.boots.to_string()),
+                ("phantom workers", self.phantoms().to_string()),
+            ],
+            StormMode::Firmware => vec![
+                ("flashes started", self.server.flashes.to_string()),
+                ("double flashes", self.double_flashes().to_string()),
+                ("bricked nodes", self.server.bricked.to_string()),
+            ],
+        };
+        let elapsed = [("elapsed", format!("{} ms", self.elapsed_ms))];
+        let rows = common.into_iter().chain(outcome).chain(elapsed);
         let mut out = String::from("+-----------------------------+-----------+\n");
         for (k, v) in rows {
             out.push_str(&format!("| {k:<27} | {v:>9} |\n"));
@@ -127,7 +177,7 @@ pub async fn run(cfg: StormConfig) -> Result<StormReport, StormError> {
     for op in 0..cfg.operations {
         let client = Arc::clone(&client);
         let gate = Arc::clone(&gate);
-        let url = format!("{}/v1/workers", cfg.target);
+        let (target, mode) = (cfg.target.clone(), cfg.mode);
         let token = format!("{}-{}", cfg.token_prefix, op % cfg.principals.max(1));
         tasks.push(tokio::spawn(async move {
             let _permit = gate.acquire_owned().await;
@@ -136,20 +186,42 @@ pub async fn run(cfg: StormConfig) -> Result<StormReport, StormError> {
             let body = format!(
                 r#"{{"image":"worker-base:2025.11","cpu":16,"memory_gb":64,"labels":{{"team":"ml-eval","op":"{op}"}}}}"#
             );
-            client.post(url, &key).bearer(&token).json_body(body).send().await
+            let created = client.post(format!("{target}/v1/workers"), &key).bearer(&token).json_body(body).send().await;
+            if mode == StormMode::Create {
+                return Some(created);
+            }
+            // The flash needs a worker; an operation whose worker was not created counts
+            // as failed without a flash.
+            let location = match created {
+                Ok(reply) if reply.status == 201 => reply.headers.get("location")?.to_str().ok()?.to_owned(),
+                _ => return None,
+            };
+            let key = OperationKey::generate();
+            Some(
+                client
+                    .post(format!("{target}{location}/firmware"), &key)
+                    .bearer(&token)
+                    .json_body(FIRMWARE_BODY)
+                    .send()
+                    .await,
+            )
         }));
     }
-    let mut report = StormReport { operations: cfg.operations, ..StormReport::default() };
+    let expected: u16 = match cfg.mode {
+        StormMode::Create => 201,
+        StormMode::Firmware => 200,
+    };
+    let mut report = StormReport { mode: cfg.mode, operations: cfg.operations, ..StormReport::default() };
     let mut ids = std::collections::HashSet::new();
     for t in tasks {
         match t.await {
-            Ok(Ok(reply)) => {
+            Ok(Some(Ok(reply))) => {
                 report.attempts += u64::from(reply.stats.attempts);
                 report.busy_409 += u64::from(reply.stats.busy);
                 report.transport_errors += u64::from(reply.stats.transport_errors);
                 report.server_errors += u64::from(reply.stats.server_errors);
                 report.replays += u64::from(reply.replayed);
-                if reply.status == 201 {
+                if reply.status == expected {
                     report.succeeded += 1;
                     if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&reply.body)
                         && let Some(id) = v.get("id").and_then(|i| i.as_str())
@@ -160,14 +232,14 @@ pub async fn run(cfg: StormConfig) -> Result<StormReport, StormError> {
                     report.failed += 1;
                 }
             }
-            Ok(Err(ClientError::GaveUp { stats, .. })) => {
+            Ok(Some(Err(ClientError::GaveUp { stats, .. }))) => {
                 report.failed += 1;
                 report.attempts += u64::from(stats.attempts);
                 report.busy_409 += u64::from(stats.busy);
                 report.transport_errors += u64::from(stats.transport_errors);
                 report.server_errors += u64::from(stats.server_errors);
             }
-            Ok(Err(_)) | Err(_) => report.failed += 1,
+            Ok(Some(Err(_)) | None) | Err(_) => report.failed += 1,
         }
     }
     report.elapsed_ms = started.elapsed().as_millis();
@@ -180,6 +252,8 @@ pub async fn run(cfg: StormConfig) -> Result<StormReport, StormError> {
         boots: after.boots.saturating_sub(before.boots),
         reboots: after.reboots.saturating_sub(before.reboots),
         deletes: after.deletes.saturating_sub(before.deletes),
+        flashes: after.flashes.saturating_sub(before.flashes),
+        bricked: after.bricked.saturating_sub(before.bricked),
     };
     Ok(report)
 }

@@ -5,10 +5,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use idem_core::Policy;
-use leasebroker::app::Faults;
+use leasebroker::app::{Config, Faults};
 use leasebroker::server::{Server, StoreSpec, open};
 use leasebroker::state::Stats;
-use leasebroker::storm::{self, StormConfig};
+use leasebroker::storm::{self, StormConfig, StormMode};
 use tokio::net::TcpListener;
 
 const SPEC: &str = r#"{"image":"worker-base:2025.11","cpu":16,"memory_gb":64,"labels":{"team":"ml-eval"}}"#;
@@ -16,7 +16,9 @@ const SPEC: &str = r#"{"image":"worker-base:2025.11","cpu":16,"memory_gb":64,"la
 async fn start(path: &Path, faults: Faults) -> Server {
     let (store, infra) = open(&StoreSpec::Redb(path.to_path_buf()), &path.with_extension("state")).await.unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    Server::start(listener, store, infra, Policy::default().with_lease_ttl(Duration::from_secs(3)), faults).unwrap()
+    let config =
+        Config { policy: Policy::default().with_lease_ttl(Duration::from_secs(3)), faults, ..Config::default() };
+    Server::start(listener, store, infra, &config).unwrap()
 }
 
 async fn stats(http: &reqwest::Client, base: &str) -> Stats {
@@ -144,6 +146,7 @@ async fn storm_with_lost_responses_makes_no_phantom_workers() {
     let server = start(&dir.path().join("lb.redb"), faults).await;
     let report = storm::run(StormConfig {
         target: server.url(),
+        mode: StormMode::Create,
         operations: 60,
         principals: 3,
         concurrency: 16,
@@ -189,7 +192,7 @@ async fn every_store_flag_serves_create_replay_and_mismatch() {
             .await
             .unwrap_or_else(|e| panic!("{spec}: {e} (scripts/services starts Redis and PostgreSQL)"));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let server = Server::start(listener, store, infra, Policy::default(), Faults::default()).unwrap();
+        let server = Server::start(listener, store, infra, &Config::default()).unwrap();
         let base = server.url();
         // Fresh principal per run: the shared servers keep records for 24 h.
         let token = uuid::Uuid::new_v4().to_string();
