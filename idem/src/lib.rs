@@ -55,8 +55,8 @@ pub use idem_core::{
 pub use idem_http as http;
 #[cfg(feature = "axum")]
 pub use idem_http::{
-    BearerToken, HandlerExecution, IdempotencyContext, IdempotencyLayer, KeyRequirement, MismatchStatus,
-    MissingPrincipal, PrincipalResolver, Problem, ProblemKind, Resumable, StoreFailureMode, SubKey,
+    BearerToken, HandlerExecution, IdempotencyContext, IdempotencyLayer, KeyRequirement, LeaseRenewal, MismatchStatus,
+    MissingPrincipal, PrincipalResolver, Problem, ProblemKind, ResponseCaching, Resumable, StoreFailureMode, SubKey,
 };
 
 /// The embedded redb store (feature `redb`): see [`idem_redb`].

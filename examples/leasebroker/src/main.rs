@@ -157,7 +157,8 @@ impl From<FaultArgs> for Faults {
 #[derive(Args, Debug, Clone)]
 struct StormArgs {
     /// What each operation does: `create` a worker, or create one and flash its
-    /// `firmware` (against a server with a short lease, e.g. `serve --lease-ms 2000`).
+    /// `firmware` (`demo` uses a 2 s lease itself; for `storm`, start the server with
+    /// `serve --lease-ms 2000`).
     #[arg(long, value_enum, default_value = "create")]
     mode: ModeArg,
     /// Logical operations.
