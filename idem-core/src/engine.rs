@@ -40,7 +40,8 @@ pub fn claim<T: RecordTable + ?Sized>(
         if current.is_some() {
             t.journal_clear(new.id)?;
         }
-        t.write(current.as_ref(), &new)?;
+        // The pure rule handed out its own copy for the outcome; this one goes to the table.
+        t.write_owned(current.as_ref(), new)?;
     }
     Ok(outcome)
 }

@@ -148,20 +148,33 @@ impl RecordRead for Model {
     }
 }
 
-impl RecordTable for Model {
-    fn write(&mut self, old: Option<&Record>, new: &Record) -> Result<(), StoreError> {
+impl Model {
+    /// Keeps the expiry index at one entry per record.
+    fn index(&mut self, old: Option<&Record>, new: &Record) {
         if old.map(|o| o.expires_at) != Some(new.expires_at) {
             if let Some(o) = old {
                 self.expiry.remove(&Expired { expires_at: o.expires_at, id: o.id });
             }
             self.expiry.insert(Expired { expires_at: new.expires_at, id: new.id });
         }
+    }
+}
+
+impl RecordTable for Model {
+    fn write(&mut self, old: Option<&Record>, new: &Record) -> Result<(), StoreError> {
+        self.index(old, new);
         match self.records.get_mut(&new.id) {
             Some(slot) => Record::clone_from(slot, new),
             None => {
                 self.records.insert(new.id, Box::new(new.clone()));
             }
         }
+        Ok(())
+    }
+
+    fn write_owned(&mut self, old: Option<&Record>, new: Record) -> Result<(), StoreError> {
+        self.index(old, &new);
+        self.records.insert(new.id, Box::new(new));
         Ok(())
     }
 

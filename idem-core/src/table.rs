@@ -58,6 +58,16 @@ pub trait RecordTable: RecordRead {
     /// leaves the transaction usable.
     fn write(&mut self, old: Option<&Record>, new: &Record) -> Result<(), StoreError>;
 
+    /// [`RecordTable::write`] of a record the caller no longer needs: a table that keeps
+    /// records as values (the in-memory model) takes it without a copy. The default writes
+    /// through [`RecordTable::write`].
+    ///
+    /// # Errors
+    /// As [`RecordTable::write`].
+    fn write_owned(&mut self, old: Option<&Record>, new: Record) -> Result<(), StoreError> {
+        self.write(old, &new)
+    }
+
     /// Up to `limit` index entries with `expires_at <= now`, oldest first.
     ///
     /// # Errors
