@@ -62,11 +62,6 @@ impl<T> TableStore<T> {
         self
     }
 
-    /// Runs `f` on the table under the lock (an application's look at its own table).
-    pub fn with_table<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
-        f(&mut self.lock())
-    }
-
     fn lock(&self) -> MutexGuard<'_, T> {
         // The engine decides before it writes, and each write replaces a whole entry: a
         // panic under the lock cannot leave half a transition, so a poisoned lock is

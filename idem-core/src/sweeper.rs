@@ -115,3 +115,21 @@ impl Drop for Sweeper {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::{SweepConfig, Sweeper};
+    use crate::{Capabilities, MemoryStore};
+
+    /// A store that expires records natively gets no sweep task; one that does not, gets one.
+    #[tokio::test]
+    async fn native_expiry_starts_no_task() {
+        let native = MemoryStore::new().with_capabilities(Capabilities::new().with_native_expiry(true));
+        assert!(!Sweeper::start(Arc::new(native), SweepConfig::default()).is_running());
+        let sweeping = Sweeper::start(Arc::new(MemoryStore::new()), SweepConfig::default());
+        assert!(sweeping.is_running());
+        sweeping.stop().await;
+    }
+}

@@ -64,12 +64,6 @@ pub struct Files {
 }
 
 impl Files {
-    /// The directory holding the record files.
-    #[must_use]
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     fn record(&self, id: RecordId) -> PathBuf {
         self.dir.join(id.to_hex())
     }
