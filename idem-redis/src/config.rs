@@ -61,6 +61,60 @@ impl EvictionCheck {
     }
 }
 
+/// What to do at start-up when a server would lose its records on a restart.
+///
+/// Redis keeps records in memory; what survives a restart depends on its persistence
+/// settings, and every record a restart loses lets a retry claim the key afresh and run its
+/// handler again (a second VM booted, a second charge). The check reads `appendonly`,
+/// `appendfsync` and `save` on the server, or on every primary of a cluster:
+///
+/// | setting | what a restart loses | check |
+/// |---|---|---|
+/// | `appendonly yes`, `appendfsync always` | nothing acknowledged | passes |
+/// | `appendonly yes`, `appendfsync everysec` | a process crash: nothing; a host crash or power loss: about the last second | passes |
+/// | `appendonly yes`, `appendfsync no` | a host crash or power loss: whatever the kernel had not flushed (Linux: up to about 30 s) | flagged |
+/// | `appendonly no`, `save` set (RDB snapshots only) | everything since the last snapshot (minutes, by the `save` rules) | passes, named in the docs |
+/// | `appendonly no`, `save ""` | every record | flagged |
+///
+/// A flagged server is refused ([`PersistenceCheck::Refuse`], [`Error::NotDurable`]) or
+/// logged as a `tracing` warning ([`PersistenceCheck::Warn`]). Where `CONFIG` is disabled
+/// the store cannot tell and warns.
+///
+/// The default is [`PersistenceCheck::Warn`], unlike [`EvictionCheck`]: a server without
+/// persistence is a common, deliberate setup (caches, CI, this project's own test server on
+/// port 6379 runs `--save "" --appendonly no`), it loses records only when it restarts,
+/// and replicas (with [`ReplicaAck`]) cover a process crash without any disk. Choose
+/// `Refuse` where the store must not start on a server whose restart runs requests twice.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PersistenceCheck {
+    /// Refuse to start ([`Error::NotDurable`]) on a flagged server.
+    Refuse,
+    /// Start, logging a `tracing` warning that names the setting and what it loses (the
+    /// default).
+    #[default]
+    Warn,
+}
+
+/// What the persistence check concludes from a server's `appendonly`, `appendfsync` and
+/// `save`: `None` when a restart keeps the records (up to the losses the table above
+/// names), or why it is flagged.
+pub(crate) fn persistence_problem(appendonly: &str, appendfsync: &str, save: &str) -> Option<&'static str> {
+    if appendonly.eq_ignore_ascii_case("yes") {
+        if appendfsync.eq_ignore_ascii_case("no") {
+            return Some(
+                "appendfsync no: the kernel decides when the AOF reaches the disk, so a host crash or power loss \
+                 loses the claims and stored responses of up to about the last 30 s",
+            );
+        }
+        return None;
+    }
+    if save.trim().is_empty() {
+        return Some("neither AOF nor RDB snapshots: a restart loses every claim and stored response");
+    }
+    None
+}
+
 /// Replica acknowledgement after the writes that matter: `WAIT replicas timeout` after a
 /// claim, a reclaim, a lease renewal (extend) and a complete.
 ///
@@ -123,6 +177,7 @@ impl ReplicaAck {
 pub struct Config {
     pub(crate) prefix: String,
     pub(crate) eviction_check: EvictionCheck,
+    pub(crate) persistence_check: PersistenceCheck,
     pub(crate) replica_ack: Option<ReplicaAck>,
     pub(crate) response_timeout: Duration,
     pub(crate) connection_timeout: Duration,
@@ -131,12 +186,13 @@ pub struct Config {
 }
 
 impl Default for Config {
-    /// Prefix `idem:`, [`EvictionCheck::Refuse`], no WAIT, 2 s response timeout, 1 s
+    /// Prefix `idem:`, [`EvictionCheck::Refuse`], [`PersistenceCheck::Warn`], no WAIT, 2 s response timeout, 1 s
     /// connection timeout, no expiry grace, the server's clock.
     fn default() -> Self {
         Self {
             prefix: DEFAULT_PREFIX.to_owned(),
             eviction_check: EvictionCheck::default(),
+            persistence_check: PersistenceCheck::default(),
             replica_ack: None,
             response_timeout: Duration::from_secs(2),
             connection_timeout: Duration::from_secs(1),
@@ -159,6 +215,14 @@ impl Config {
     #[must_use]
     pub fn with_eviction_check(mut self, check: EvictionCheck) -> Self {
         self.eviction_check = check;
+        self
+    }
+
+    /// What to do when the server (every primary of a cluster) would lose records on a
+    /// restart (see [`PersistenceCheck`]).
+    #[must_use]
+    pub fn with_persistence_check(mut self, check: PersistenceCheck) -> Self {
+        self.persistence_check = check;
         self
     }
 
@@ -254,6 +318,16 @@ mod tests {
             // No memory limit: nothing is evicted until someone sets one.
             assert_eq!(EvictionCheck::Refuse.verdict(policy, 0), Verdict::Warn, "{policy}");
         }
+    }
+
+    #[test]
+    fn persistence_settings_are_flagged_as_documented() {
+        assert_eq!(persistence_problem("yes", "always", ""), None);
+        assert_eq!(persistence_problem("yes", "everysec", ""), None);
+        assert!(persistence_problem("yes", "no", "3600 1").is_some());
+        assert_eq!(persistence_problem("no", "everysec", "3600 1 300 100"), None);
+        assert!(persistence_problem("no", "everysec", "").is_some());
+        assert_eq!(Config::default().persistence_check, PersistenceCheck::Warn);
     }
 
     #[test]

@@ -41,8 +41,22 @@ pub enum Error {
         /// The server's `maxmemory`, bytes (0: no limit).
         maxmemory: u64,
     },
+    /// A server (`node`: its address on a cluster, `server` otherwise) would lose records on
+    /// a restart; refused by [`crate::PersistenceCheck::Refuse`].
+    #[error(
+        "Redis {node} would lose idempotency records on a restart ({problem}); a lost claim runs its request \
+         again: enable AOF (`appendonly yes`, `appendfsync everysec` or `always`) or choose PersistenceCheck::Warn"
+    )]
+    NotDurable {
+        /// The server checked.
+        node: String,
+        /// The setting and what it loses.
+        problem: &'static str,
+    },
     /// `WAIT` returned before enough replicas acknowledged the write. The write itself is
-    /// on the primary and stays there (WAIT never rolls back).
+    /// on the primary (WAIT never rolls back); after a claim or a reclaim the store has
+    /// already released it (see [`crate::ReplicaAck`]), so no claim is left that nobody
+    /// owns.
     #[error("WAIT: {acked} of {wanted} replicas acknowledged the write within {timeout_ms} ms")]
     ReplicaShortfall {
         /// Replicas that acknowledged.
@@ -78,7 +92,11 @@ impl Error {
         match self {
             Error::Command { source, .. } => is_retryable_redis(source),
             Error::ReplicaShortfall { .. } => true,
-            Error::Url(_) | Error::Config(_) | Error::EvictingPolicy { .. } | Error::UnexpectedReply { .. } => false,
+            Error::Url(_)
+            | Error::Config(_)
+            | Error::EvictingPolicy { .. }
+            | Error::NotDurable { .. }
+            | Error::UnexpectedReply { .. } => false,
         }
     }
 
@@ -88,6 +106,7 @@ impl Error {
             Error::Config(_) => "configure",
             Error::Command { operation, .. } | Error::UnexpectedReply { operation, .. } => operation,
             Error::EvictingPolicy { .. } => "check maxmemory-policy",
+            Error::NotDurable { .. } => "check persistence",
             Error::ReplicaShortfall { .. } => "WAIT",
         }
     }

@@ -160,10 +160,12 @@
 //!   `tests/connection_kill.rs`: Redis-specific behaviour.
 
 mod config;
+mod conn;
 mod error;
 mod script;
 mod store;
 
-pub use config::{Config, DEFAULT_PREFIX, EvictionCheck, ReplicaAck};
+pub use config::{Config, DEFAULT_PREFIX, EvictionCheck, PersistenceCheck, ReplicaAck};
+pub use conn::Connection;
 pub use error::Error;
-pub use store::RedisStore;
+pub use store::{RedisStore, cluster_builder};

@@ -10,10 +10,13 @@ use idem_core::{
     Endpoint, FencingToken, Fingerprint, IdempotencyKey, Principal, Record, RecordId, RecordState, Scope, StoreError,
     StoredResponse, UnixMillis,
 };
-use redis::aio::ConnectionManager;
-use redis::{Script, Value};
+use redis::aio::ConnectionLike;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::SingleNodeRoutingInfo;
+use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
 
 use crate::config::ReplicaAck;
+use crate::conn::Connection;
 use crate::error::Error;
 
 /// How a script may be sent.
@@ -31,7 +34,15 @@ enum Kind {
 pub(crate) struct Op {
     name: &'static str,
     kind: Kind,
+    /// The full source, for `SCRIPT LOAD` and for `EVAL` after a `NOSCRIPT` on a cluster.
+    source: &'static str,
     script: Script,
+}
+
+impl Op {
+    fn new(name: &'static str, kind: Kind, source: &'static str) -> Self {
+        Self { name, kind, source, script: Script::new(source) }
+    }
 }
 
 pub(crate) struct Scripts {
@@ -54,12 +65,12 @@ pub(crate) struct Scripts {
 /// `no-writes`.
 macro_rules! script {
     ($shebang:literal, $($file:literal),+) => {
-        Script::new(concat!(
+        concat!(
             $shebang,
             "\n",
             include_str!("scripts/common.lua"),
             $("\n", include_str!(concat!("scripts/", $file))),+
-        ))
+        )
     };
 }
 
@@ -67,29 +78,34 @@ macro_rules! script {
 /// `EVALSHA`, and on `NOSCRIPT` (a restarted or failed-over server, a `SCRIPT FLUSH`) the
 /// call loads the source and is sent again ([`Call::send`]).
 pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    claim: Op { name: "claim", kind: Kind::AckedWrite, script: script!("#!lua", "claim.lua") },
-    reclaim: Op { name: "reclaim", kind: Kind::AckedWrite, script: script!("#!lua", "arith.lua", "reclaim.lua") },
-    complete: Op { name: "complete", kind: Kind::AckedWrite, script: script!("#!lua", "complete.lua") },
-    extend: Op { name: "extend", kind: Kind::AckedWrite, script: script!("#!lua", "arith.lua", "extend.lua") },
-    fail: Op { name: "fail", kind: Kind::Write, script: script!("#!lua", "arith.lua", "fail.lua") },
-    get: Op { name: "get", kind: Kind::Read, script: script!("#!lua flags=no-writes", "get.lua") },
-    journal_put: Op { name: "journal_put", kind: Kind::Write, script: script!("#!lua", "journal_put.lua") },
-    journal_get: Op {
-        name: "journal_get",
-        kind: Kind::Read,
-        script: script!("#!lua flags=no-writes", "journal_get.lua"),
-    },
+    claim: Op::new("claim", Kind::AckedWrite, script!("#!lua", "claim.lua")),
+    reclaim: Op::new("reclaim", Kind::AckedWrite, script!("#!lua", "arith.lua", "reclaim.lua")),
+    complete: Op::new("complete", Kind::AckedWrite, script!("#!lua", "complete.lua")),
+    extend: Op::new("extend", Kind::AckedWrite, script!("#!lua", "arith.lua", "extend.lua")),
+    fail: Op::new("fail", Kind::Write, script!("#!lua", "arith.lua", "fail.lua")),
+    get: Op::new("get", Kind::Read, script!("#!lua flags=no-writes", "get.lua")),
+    journal_put: Op::new("journal_put", Kind::Write, script!("#!lua", "journal_put.lua")),
+    journal_get: Op::new("journal_get", Kind::Read, script!("#!lua flags=no-writes", "journal_get.lua")),
 });
 
-/// Loads every script into the server's script cache (`SCRIPT LOAD`), so the first calls
-/// need no `NOSCRIPT` round trip and a server that refuses scripts fails at start-up.
-pub(crate) async fn load_all(conn: &mut ConnectionManager) -> Result<(), Error> {
+/// Loads every script into the script cache (`SCRIPT LOAD`) of the server, or of every
+/// primary of a cluster, so the first calls need no `NOSCRIPT` round trip and a server that
+/// refuses scripts fails at start-up.
+pub(crate) async fn load_all(conn: &mut Connection) -> Result<(), Error> {
     let s = &*SCRIPTS;
     for op in [&s.claim, &s.reclaim, &s.complete, &s.extend, &s.fail, &s.get, &s.journal_put, &s.journal_get] {
-        op.script.prepare_invoke().load_async(conn).await.map_err(|e| Error::command("SCRIPT LOAD", e))?;
+        let mut load = redis::cmd("SCRIPT");
+        load.arg("LOAD").arg(op.source);
+        for (_node, reply) in conn.on_every_primary(load).await.map_err(|e| Error::command("SCRIPT LOAD", e))? {
+            reply.map_err(|e| Error::command("SCRIPT LOAD", e))?;
+        }
     }
     Ok(())
 }
+
+/// How many `MOVED`/`ASK` redirects one call follows before it gives up (retryably). A
+/// slot moves once per migration; more than a few in a row means the topology is churning.
+const MAX_REDIRECTS: usize = 5;
 
 /// One script call: `EVALSHA sha 1 key args...`.
 pub(crate) struct Call {
@@ -117,6 +133,17 @@ impl Call {
         cmd
     }
 
+    /// `EVAL source 1 key args...`: runs the script and leaves it in the script cache of
+    /// the node that ran it.
+    fn eval(&self) -> redis::Cmd {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(self.op.source).arg(1).arg(self.key.as_str());
+        for a in &self.args {
+            cmd.arg(a.as_slice());
+        }
+        cmd
+    }
+
     /// Sends the call. For a write that [`ReplicaAck`] covers, `WAIT` goes in the same
     /// pipeline, so it runs on the connection that made the write (a reconnect between the
     /// two would make WAIT count nothing) and costs no extra round trip; the count it
@@ -127,31 +154,125 @@ impl Call {
     /// after an I/O error, which covers the common case of a connection that died while
     /// idle (a server restart, an idle timeout): the connection manager only notices when
     /// the next command fails.
-    pub(crate) async fn send(&self, mut conn: ConnectionManager, ack: Option<ReplicaAck>) -> Result<Reply, StoreError> {
-        let op = self.op.name;
+    pub(crate) async fn send(&self, conn: Connection, ack: Option<ReplicaAck>) -> Result<Reply, StoreError> {
         let ack = if self.op.kind == Kind::AckedWrite { ack } else { None };
+        match conn {
+            Connection::Single(mut c) => self.send_single(&mut c, ack).await,
+            Connection::Cluster(mut c) => self.send_cluster(&mut c, ack).await,
+        }
+    }
+
+    async fn send_single(&self, conn: &mut impl ConnectionLike, ack: Option<ReplicaAck>) -> Result<Reply, StoreError> {
+        let op = self.op.name;
         let mut loaded = false;
         let mut resent = false;
         loop {
             let result = match ack {
-                None => self.evalsha().query_async::<Value>(&mut conn).await.map(|v| (v, None)),
+                None => self.evalsha().query_async::<Value>(conn).await.map(|v| (v, None)),
                 Some(ack) => {
                     let mut pipe = redis::pipe();
                     pipe.add_command(self.evalsha());
                     pipe.cmd("WAIT").arg(ack.replicas()).arg(ack.timeout_ms());
-                    pipe.query_async::<(Value, u64)>(&mut conn).await.map(|(v, n)| (v, Some(n)))
+                    pipe.query_async::<(Value, u64)>(conn).await.map(|(v, n)| (v, Some(n)))
                 }
             };
             match result {
                 Ok((value, acked)) => return Ok(Reply::parse(op, value, acked)?),
                 // The server forgot the script (restart, failover, SCRIPT FLUSH): it did not
                 // run. Load it and send the call again, once.
-                Err(e) if !loaded && e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                    self.op.script.prepare_invoke().load_async(&mut conn).await.map_err(|e| Error::command(op, e))?;
+                Err(e) if !loaded && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    self.op.script.prepare_invoke().load_async(conn).await.map_err(|e| Error::command(op, e))?;
                     loaded = true;
                 }
-                Err(e) if !resent && self.op.kind == Kind::Read && e.kind() == redis::ErrorKind::Io => resent = true,
+                Err(e) if !resent && self.op.kind == Kind::Read && e.kind() == ErrorKind::Io => resent = true,
                 Err(e) => return Err(Error::command(op, e).into()),
+            }
+        }
+    }
+
+    /// On a cluster: the pipeline goes to the primary that owns the record key's slot (the
+    /// `redis` crate's slot map). The crate is built without retries of its own
+    /// ([`crate::RedisStore::connect_cluster`]), because it would resend a write after a
+    /// dropped connection; the store follows the replies that say the script did not run:
+    ///
+    /// - `MOVED node`: the slot lives elsewhere now (a finished migration, a failover): send
+    ///   it to that node (the crate refreshes its slot map meanwhile);
+    /// - `ASK node`: the slot is being migrated and the key is not on the old owner: send
+    ///   `ASKING` and the call to the importing node;
+    /// - `NOSCRIPT`: the node that answered (a promoted replica, a new node) lacks the
+    ///   script: send the call again as `EVAL` with the source to that same node, which runs
+    ///   it and caches it.
+    ///
+    /// `TRYAGAIN`, `CLUSTERDOWN`, `READONLY`, `LOADING`, `MASTERDOWN` and connection errors
+    /// fail the call retryably (503 at the HTTP layer); a read is sent once more after an
+    /// I/O error.
+    async fn send_cluster(&self, conn: &mut ClusterConnection, ack: Option<ReplicaAck>) -> Result<Reply, StoreError> {
+        let op = self.op.name;
+        // Where to send: `None` routes by the key's slot; `Some` is a redirect's node.
+        let mut target: Option<(String, u16)> = None;
+        let mut asking = false;
+        let mut eval = false;
+        let mut resent = false;
+        let mut hops = 0;
+        loop {
+            let mut pipe = redis::pipe();
+            if asking {
+                pipe.cmd("ASKING");
+            }
+            pipe.add_command(if eval { self.eval() } else { self.evalsha() });
+            if let Some(ack) = ack {
+                pipe.cmd("WAIT").arg(ack.replicas()).arg(ack.timeout_ms());
+            }
+            let n = pipe.len();
+            let result = match &target {
+                None => conn.req_packed_commands(&pipe, 0, n).await,
+                Some((host, port)) => {
+                    let route = SingleNodeRoutingInfo::ByAddress { host: host.clone(), port: *port };
+                    conn.route_pipeline(pipe, 0, n, route).await
+                }
+            };
+            let redirect = |e: &RedisError| {
+                let (addr, _slot) = e.redirect_node()?;
+                let (host, port) = addr.rsplit_once(':')?;
+                Some((host.to_owned(), port.parse::<u16>().ok()?))
+            };
+            let err = match result {
+                Ok(mut values) => {
+                    let mut values = values.drain(usize::from(asking)..);
+                    let script = values.next();
+                    let acked = values.next();
+                    match script {
+                        Some(Value::ServerError(e)) => RedisError::from(e),
+                        Some(value) => {
+                            let acked = match (ack, acked) {
+                                (None, _) => None,
+                                (Some(_), Some(Value::Int(n))) => Some(u64::try_from(n).unwrap_or(0)),
+                                (Some(_), Some(Value::ServerError(e))) => {
+                                    return Err(Error::command("WAIT", e.into()).into());
+                                }
+                                (Some(_), _) => {
+                                    return Err(
+                                        Error::UnexpectedReply { operation: "WAIT", detail: "not a count" }.into()
+                                    );
+                                }
+                            };
+                            return Ok(Reply::parse(op, value, acked)?);
+                        }
+                        None => return Err(Error::UnexpectedReply { operation: op, detail: "no reply" }.into()),
+                    }
+                }
+                Err(e) => e,
+            };
+            match err.kind() {
+                ErrorKind::Server(ServerErrorKind::Moved | ServerErrorKind::Ask) if hops < MAX_REDIRECTS => {
+                    let Some(node) = redirect(&err) else { return Err(Error::command(op, err).into()) };
+                    asking = err.kind() == ErrorKind::Server(ServerErrorKind::Ask);
+                    target = Some(node);
+                    hops += 1;
+                }
+                ErrorKind::Server(ServerErrorKind::NoScript) if !eval => eval = true,
+                ErrorKind::Io if !resent && self.op.kind == Kind::Read => resent = true,
+                _ => return Err(Error::command(op, err).into()),
             }
         }
     }

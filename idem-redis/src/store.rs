@@ -15,25 +15,29 @@ use idem_core::{
     Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ReclaimOutcome, ReclaimRequest, Record,
     RecordId, Store, StoreError, StoredResponse, SweepOutcome,
 };
+use redis::RedisError;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
 
-use crate::config::{Config, Verdict};
+use crate::config::{Config, Verdict, persistence_problem};
+use crate::conn::Connection;
 use crate::error::Error;
 use crate::script::{Call, Op, Reply, SCRIPTS, encode_scope, load_all, ms_arg, ttl_arg};
 
-/// Idempotency records in Redis (or Valkey): one hash per record, claim/reclaim/complete/
-/// extend/fail as Lua compare-and-set scripts, retention as the key's native expiry, time
-/// and first fencing tokens from the server's clock. Cheap to clone; clones share one
-/// reconnecting connection.
+/// Idempotency records in Redis (or Valkey), a single node or a Redis Cluster: one hash per
+/// record, claim/reclaim/complete/extend/fail as Lua compare-and-set scripts, retention as
+/// the key's native expiry, time and first fencing tokens from the server's clock. Cheap to
+/// clone; clones share one reconnecting connection.
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: Connection,
     config: Arc<Config>,
 }
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisStore")
+            .field("connection", &self.conn)
             .field("prefix", &self.config.prefix)
             .field("replica_ack", &self.config.replica_ack)
             .field("clock", &self.config.clock.is_some())
@@ -42,14 +46,16 @@ impl fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    /// Connects to `url` (`redis://[user:password@]host:port[/db]`, `rediss://` needs a TLS
-    /// feature of the `redis` crate), checks `maxmemory-policy` (see
-    /// [`crate::EvictionCheck`]) and loads the scripts.
+    /// Connects to the single server at `url` (`redis://[user:password@]host:port[/db]`,
+    /// `rediss://` needs a TLS feature of the `redis` crate), runs the start-up checks
+    /// (`maxmemory-policy`, see [`crate::EvictionCheck`]; persistence, see
+    /// [`crate::PersistenceCheck`]) and loads the scripts.
     ///
     /// # Errors
     /// [`Error::Url`] for a bad URL, [`Error::Config`] for a bad prefix, [`Error::Command`]
     /// when the server cannot be reached (retryable) or refuses the scripts,
-    /// [`Error::EvictingPolicy`] under [`crate::EvictionCheck::Refuse`].
+    /// [`Error::EvictingPolicy`] under [`crate::EvictionCheck::Refuse`],
+    /// [`Error::NotDurable`] under [`crate::PersistenceCheck::Refuse`].
     pub async fn connect(url: &str, config: Config) -> Result<Self, Error> {
         config.validate()?;
         let client = redis::Client::open(url).map_err(Error::Url)?;
@@ -63,16 +69,51 @@ impl RedisStore {
         Self::from_connection(conn, config).await
     }
 
-    /// Uses the application's own connection (shared with the rest of the application);
-    /// runs the same start-up checks as [`RedisStore::connect`]. The connection's own
-    /// response and connection timeouts apply, not the config's.
+    /// Connects to the Redis Cluster reachable at any of `nodes` (each a `redis://host:port`
+    /// URL; one live node is enough, the rest of the topology is discovered), runs the
+    /// start-up checks on every primary and loads the scripts on every primary.
+    ///
+    /// The cluster client is built with the config's timeouts and **no retries of its own**:
+    /// the `redis` crate would otherwise send a write again after a dropped connection,
+    /// when it may already have run. The store follows `MOVED` and `ASK` itself (the
+    /// script did not run) and answers everything else retryably (see the crate docs,
+    /// "Redis Cluster").
+    ///
+    /// # Errors
+    /// As [`RedisStore::connect`]; [`Error::Url`] also for an empty list.
+    pub async fn connect_cluster<I, S>(nodes: I, config: Config) -> Result<Self, Error>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        config.validate()?;
+        let nodes: Vec<String> = nodes.into_iter().map(|n| n.as_ref().to_owned()).collect();
+        if nodes.is_empty() {
+            return Err(Error::Url(RedisError::from((redis::ErrorKind::InvalidClientConfig, "no cluster node given"))));
+        }
+        let client = cluster_builder(nodes)
+            .connection_timeout(config.connection_timeout)
+            .response_timeout(config.effective_response_timeout())
+            .build()
+            .map_err(Error::Url)?;
+        let conn = client.get_async_connection().await.map_err(|e| Error::command("connect", e))?;
+        Self::from_connection(conn, config).await
+    }
+
+    /// Uses the application's own connection, shared with the rest of the application: a
+    /// [`ConnectionManager`] to one server or a [`redis::cluster_async::ClusterConnection`]
+    /// (both convert into [`Connection`]); runs the same start-up checks as
+    /// [`RedisStore::connect`]. The connection's own timeouts apply, not the config's. A
+    /// cluster connection should be built with `retries(0)` (as
+    /// [`cluster_builder`] does): with retries, the `redis` crate may send a claim again
+    /// after a dropped connection, which leaves a claim nobody owns until its lease ends.
     ///
     /// # Errors
     /// As [`RedisStore::connect`], minus the URL.
-    pub async fn from_connection(conn: ConnectionManager, config: Config) -> Result<Self, Error> {
+    pub async fn from_connection(conn: impl Into<Connection>, config: Config) -> Result<Self, Error> {
         config.validate()?;
-        let store = Self { conn, config: Arc::new(config) };
-        store.check_eviction_policy().await?;
+        let store = Self { conn: conn.into(), config: Arc::new(config) };
+        store.check_servers().await?;
         load_all(&mut store.conn.clone()).await?;
         Ok(store)
     }
@@ -87,34 +128,63 @@ impl RedisStore {
     /// The store's connection (a clone: same reconnecting, multiplexed connection), e.g.
     /// for health checks.
     #[must_use]
-    pub fn connection(&self) -> ConnectionManager {
+    pub fn connection(&self) -> Connection {
         self.conn.clone()
     }
 
-    async fn check_eviction_policy(&self) -> Result<(), Error> {
-        let mut conn = self.conn.clone();
-        let reply: Result<Vec<(String, String)>, _> =
-            redis::cmd("CONFIG").arg("GET").arg("maxmemory*").query_async(&mut conn).await;
-        let pairs = match reply {
-            Ok(pairs) => pairs,
-            Err(e) if e.kind() == redis::ErrorKind::Io => return Err(Error::command("CONFIG GET", e)),
-            Err(e) => {
-                // Managed services often rename or forbid CONFIG.
-                tracing::warn!(
-                    error = %e,
-                    "idem-redis: cannot read maxmemory-policy (CONFIG GET refused); make sure the server runs with \
-                     `maxmemory-policy noeviction`: an evicting policy can drop an in-flight claim and run a request twice"
-                );
-                return Ok(());
+    /// The start-up checks, on the server or on every primary of a cluster: eviction
+    /// policy and persistence. One `CONFIG GET` per primary.
+    async fn check_servers(&self) -> Result<(), Error> {
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("GET").arg("maxmemory").arg("maxmemory-policy").arg("appendonly").arg("appendfsync").arg("save");
+        let replies = self.conn.clone().on_every_primary(cmd).await.map_err(|e| Error::command("CONFIG GET", e))?;
+        for (node, reply) in replies {
+            let pairs: Vec<(String, String)> = match reply
+                .and_then(|v| redis::from_redis_value::<Vec<(String, String)>>(v).map_err(RedisError::from))
+            {
+                Ok(pairs) => pairs,
+                Err(e) => {
+                    // Managed services often rename or forbid CONFIG.
+                    tracing::warn!(
+                        node = %node,
+                        error = %e,
+                        "idem-redis: cannot read maxmemory-policy and persistence settings (CONFIG GET refused); make \
+                         sure the server runs with `maxmemory-policy noeviction` (an evicting policy can drop an \
+                         in-flight claim and run a request twice) and with AOF (a restart without persistence loses \
+                         every claim)"
+                    );
+                    continue;
+                }
+            };
+            let get = |name: &str| pairs.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
+            self.check_eviction(&node, get("maxmemory-policy").unwrap_or("noeviction"), get("maxmemory"))?;
+            // A server that does not report a setting is not flagged for it.
+            let problem = persistence_problem(
+                get("appendonly").unwrap_or("yes"),
+                get("appendfsync").unwrap_or("everysec"),
+                get("save").unwrap_or("900 1"),
+            );
+            if let Some(problem) = problem {
+                match self.config.persistence_check {
+                    crate::PersistenceCheck::Refuse => return Err(Error::NotDurable { node, problem }),
+                    crate::PersistenceCheck::Warn => tracing::warn!(
+                        node = %node,
+                        "idem-redis: Redis {node} would lose idempotency records on a restart ({problem}); a lost claim \
+                         runs its request again. Enable AOF: `appendonly yes` with `appendfsync everysec` or `always`."
+                    ),
+                }
             }
-        };
-        let get = |name: &str| pairs.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
-        let policy = get("maxmemory-policy").unwrap_or("noeviction").to_owned();
-        let maxmemory = get("maxmemory").and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-        match self.config.eviction_check.verdict(&policy, maxmemory) {
+        }
+        Ok(())
+    }
+
+    fn check_eviction(&self, node: &str, policy: &str, maxmemory: Option<&str>) -> Result<(), Error> {
+        let maxmemory = maxmemory.and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        match self.config.eviction_check.verdict(policy, maxmemory) {
             Verdict::Safe => Ok(()),
             Verdict::Warn => {
                 tracing::warn!(
+                    node = %node,
                     policy = %policy,
                     maxmemory,
                     "idem-redis: maxmemory-policy {policy} can evict idempotency records (every record has a TTL); \
@@ -122,7 +192,7 @@ impl RedisStore {
                 );
                 Ok(())
             }
-            Verdict::Refuse => Err(Error::EvictingPolicy { policy, maxmemory }),
+            Verdict::Refuse => Err(Error::EvictingPolicy { policy: policy.to_owned(), maxmemory }),
         }
     }
 
@@ -146,7 +216,7 @@ impl RedisStore {
         Ok(Call::new(op, self.record_key(id)).arg(clock))
     }
 
-    async fn send(&self, call: Call) -> Result<Reply, StoreError> {
+    pub(crate) async fn send(&self, call: Call) -> Result<Reply, StoreError> {
         call.send(self.conn.clone(), self.config.replica_ack).await
     }
 
@@ -164,6 +234,24 @@ impl RedisStore {
             _ => Ok(()),
         }
     }
+
+    /// After a claim or reclaim that WAIT covered: on a shortfall the caller gets an error
+    /// and will not run the handler, so the claim it just made would block every retry for
+    /// a whole lease with nobody running. It is released first: marked failed under its own
+    /// token (`fail.lua`, fenced), which a retry with the same fingerprint reclaims at once.
+    /// If the release itself fails (the primary went away), the claim stays until its lease
+    /// ends, as any claim of a crashed holder does.
+    async fn check_claim_ack(&self, reply: &Reply, record: &Record) -> Result<(), StoreError> {
+        let Err(shortfall) = self.check_ack(reply) else { return Ok(()) };
+        if let Err(e) = self.fail(record.id, record.token).await {
+            tracing::warn!(
+                record = %record.id.to_hex(),
+                error = %e,
+                "idem-redis: could not release a claim whose WAIT fell short; it blocks its key until its lease ends"
+            );
+        }
+        Err(shortfall)
+    }
 }
 
 #[async_trait]
@@ -178,7 +266,7 @@ impl Store for RedisStore {
         let reply = self.send(call).await?;
         if reply.is("claimed") {
             let record = reply.claimed(req.id, req.scope, req.key)?;
-            self.check_ack(&reply)?;
+            self.check_claim_ack(&reply, &record).await?;
             Ok(ClaimOutcome::Claimed(record))
         } else if reply.is("existing") {
             Ok(ClaimOutcome::Existing { record: reply.record(req.id, None)?, now: reply.now })
@@ -197,7 +285,7 @@ impl Store for RedisStore {
         let reply = self.send(call).await?;
         if reply.is("reclaimed") {
             let record = reply.record(req.id, None)?;
-            self.check_ack(&reply)?;
+            self.check_claim_ack(&reply, &record).await?;
             Ok(ReclaimOutcome::Reclaimed(record))
         } else if reply.is("conflict") {
             Ok(ReclaimOutcome::Conflict { current: Some(reply.record(req.id, None)?), now: reply.now })
@@ -316,4 +404,13 @@ impl Store for RedisStore {
             Err(reply.refusal(id))
         }
     }
+}
+
+/// A [`ClusterClientBuilder`] for `nodes` as [`RedisStore::connect_cluster`] uses it:
+/// `retries(0)`, so the `redis` crate never sends a write a second time on its own (the
+/// store follows `MOVED` and `ASK` itself). Add timeouts, credentials or TLS, build the
+/// client, and hand its async connection to [`RedisStore::from_connection`].
+#[must_use]
+pub fn cluster_builder<S: AsRef<str>>(nodes: impl IntoIterator<Item = S>) -> ClusterClientBuilder {
+    ClusterClientBuilder::new(nodes.into_iter().map(|n| n.as_ref().to_owned()).collect::<Vec<_>>()).retries(0)
 }

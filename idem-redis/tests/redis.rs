@@ -13,7 +13,7 @@ use idem_core::{
     Model, ReclaimOutcome, ReclaimRequest, Record, RecordState, Scope, Store, StoreError, StoredBody, StoredResponse,
     SystemClock, UnixMillis,
 };
-use idem_redis::{Config, Error, EvictionCheck, RedisStore, ReplicaAck};
+use idem_redis::{Config, Error, EvictionCheck, PersistenceCheck, RedisStore, ReplicaAck};
 use redis::AsyncCommands;
 
 const LEASE: Duration = Duration::from_secs(5);
@@ -452,12 +452,20 @@ async fn wait_for_replicas_and_readonly() {
     assert!(e.is_retryable(), "{e:?}");
     let src = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<Error>());
     assert!(matches!(src, Some(Error::ReplicaShortfall { acked: 1, wanted: 2, .. })), "{src:?}");
+    // WAIT fell short after the claim: the claim is released (failed under its own token),
+    // so the retry claims again at once instead of meeting a claim nobody owns.
     let k2 = greedy.get(req("p", "k2", b"b").id).await.expect("get").expect("WAIT never rolls back the claim");
+    assert_eq!(k2.state, RecordState::Failed, "released, not left in flight for a lease");
+    let ClaimOutcome::Existing { record, .. } = store.claim(req("p", "k2", b"b")).await.expect("claim") else {
+        panic!("the record exists")
+    };
+    let reclaimed = store.reclaim(reclaim_of(&record, Duration::from_secs(60))).await.expect("reclaim");
+    let ReclaimOutcome::Reclaimed(k2) = reclaimed else { panic!("a released claim is reclaimable at once") };
     let e = greedy.extend(k2.id, k2.token, Duration::from_secs(600)).await.expect_err("only one replica exists");
     let src = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<Error>());
     assert!(e.is_retryable() && matches!(src, Some(Error::ReplicaShortfall { acked: 1, wanted: 2, .. })), "{e:?}");
     let renewed = greedy.get(k2.id).await.expect("get").expect("present");
-    assert!(renewed.lease_expires_at.0 >= k2.created_at.0 + 600_000, "nor the renewal");
+    assert!(renewed.lease_expires_at.0 >= k2.started_at.0 + 600_000, "a renewal is not rolled back");
 
     let on_replica = RedisStore::connect(&replica.url, Config::default()).await.expect("connect to replica");
     let e = on_replica.claim(req("p", "k3", b"b")).await.expect_err("READONLY");
@@ -986,4 +994,66 @@ async fn native_expiry_starts_a_later_generation() {
     assert!(new.token > old.token, "new {} after old {}", new.token, old.token);
     assert_late_owner_fenced(&store, &old, &new).await;
     let _: () = admin.del(&key).await.expect("clean up own key");
+}
+
+/// Pins: a `WAIT` shortfall after a claim left the claim in flight with nobody running its
+/// handler, so every retry got 409 until the lease ended. With the only replica paused
+/// (SIGSTOP), a claim under `WAIT 1` fails retryably and leaves the record failed (released
+/// under its own token); once the replica is back, the retry reclaims it at once and runs.
+#[tokio::test]
+async fn wait_shortfall_after_a_claim_releases_it() {
+    let primary = common::PrivateRedis::start(&[]).await;
+    let port = primary.url.rsplit(':').next().expect("port").to_owned();
+    let replica = common::PrivateRedis::start(&["--replicaof", "127.0.0.1", &port]).await;
+    let mut padmin = primary.admin().await;
+    for _ in 0..400 {
+        let info: String = redis::cmd("INFO").arg("replication").query_async(&mut padmin).await.expect("INFO");
+        if info.contains("connected_slaves:1") && info.contains("state=online") {
+            break;
+        }
+        // Waiting for the replica's initial sync: no clock is involved.
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let config = Config::default().with_replica_ack(Some(ReplicaAck::new(1, Duration::from_millis(300))));
+    let store = RedisStore::connect(&primary.url, config).await.expect("connect");
+    let r = req("p", "paused", b"b");
+    replica.signal("STOP");
+    let e = store.claim(r.clone()).await.expect_err("the replica cannot acknowledge");
+    replica.signal("CONT");
+    let src = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<Error>());
+    assert!(e.is_retryable() && matches!(src, Some(Error::ReplicaShortfall { acked: 0, wanted: 1, .. })), "{e:?}");
+    let left = store.get(r.id).await.expect("get").expect("WAIT never rolls back the write");
+    assert_eq!(left.state, RecordState::Failed, "the claim was released, not left in flight for a lease");
+    // The retry: claim finds the failed record, reclaims it at once, and WAIT now succeeds.
+    let ClaimOutcome::Existing { record, .. } = store.claim(r).await.expect("claim") else { panic!("exists") };
+    let ReclaimOutcome::Reclaimed(rec) =
+        store.reclaim(reclaim_of(&record, Duration::from_secs(60))).await.expect("reclaim with the replica back")
+    else {
+        panic!("a released claim is reclaimable at once")
+    };
+    assert_eq!(rec.token.0, left.token.0 + 1);
+}
+
+/// Pins: a Redis without persistence started quietly, and its restart lost every claim and
+/// journal, so retries booted VMs again (19 extra in the issue-14 storm). The check reads
+/// `appendonly`/`appendfsync`/`save`: `Refuse` refuses a server without AOF or RDB and one
+/// with `appendfsync no`; `Warn` (the default) starts; AOF `everysec` passes `Refuse`.
+#[tokio::test]
+async fn persistence_check_flags_servers_that_lose_records() {
+    let refuse = || Config::default().with_persistence_check(PersistenceCheck::Refuse);
+    // PrivateRedis runs with --save "" --appendonly no unless told otherwise.
+    let none = common::PrivateRedis::start(&[]).await;
+    let e = RedisStore::connect(&none.url, refuse()).await.expect_err("no persistence is refused");
+    assert!(matches!(&e, Error::NotDurable { problem, .. } if problem.contains("neither AOF nor RDB")), "{e:?}");
+    assert!(!e.is_retryable());
+    RedisStore::connect(&none.url, Config::default()).await.expect("the default warns and starts");
+
+    let fsync_no = common::PrivateRedis::start(&["--appendonly", "yes", "--appendfsync", "no"]).await;
+    let e = RedisStore::connect(&fsync_no.url, refuse()).await.expect_err("appendfsync no is refused");
+    assert!(matches!(&e, Error::NotDurable { problem, .. } if problem.contains("appendfsync no")), "{e:?}");
+
+    let aof = common::PrivateRedis::start(&["--appendonly", "yes", "--appendfsync", "everysec"]).await;
+    RedisStore::connect(&aof.url, refuse()).await.expect("AOF everysec passes");
+    let rdb = common::PrivateRedis::start(&["--save", "3600 1"]).await;
+    RedisStore::connect(&rdb.url, refuse()).await.expect("RDB snapshots pass (their loss is documented)");
 }

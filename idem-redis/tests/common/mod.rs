@@ -125,6 +125,16 @@ impl PrivateRedis {
         panic!("private redis-server on port {} did not start", self.port);
     }
 
+    /// Sends `SIG<name>` (`STOP`, `CONT`) to the server process (by its pid).
+    pub fn signal(&self, name: &str) {
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill -{name} of the private redis-server");
+    }
+
     /// A plain connection to it.
     pub async fn admin(&self) -> redis::aio::MultiplexedConnection {
         let client = redis::Client::open(self.url.as_str()).expect("url");
@@ -149,5 +159,27 @@ impl Drop for PrivateRedis {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// The cluster the cluster suite talks to: `IDEM_REDIS_CLUSTER_URLS` (comma-separated),
+/// default the six nodes `scripts/redis-cluster` starts on 127.0.0.1:7000-7005.
+pub fn cluster_urls() -> Vec<String> {
+    match std::env::var("IDEM_REDIS_CLUSTER_URLS") {
+        Ok(v) => v.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect(),
+        Err(_) => (7000..=7005).map(|p| format!("redis://127.0.0.1:{p}")).collect(),
+    }
+}
+
+/// Connects to the cluster at [`cluster_urls`] or fails the test with the start-up hint.
+pub async fn connect_cluster(config: Config) -> RedisStore {
+    let urls = cluster_urls();
+    match RedisStore::connect_cluster(&urls, config).await {
+        Ok(store) => store,
+        Err(e) => panic!(
+            "the Redis Cluster at {urls:?} is not usable ({e}: {:?}). These tests need a real cluster: start one \
+             with scripts/redis-cluster (six nodes on 127.0.0.1:7000-7005), or point IDEM_REDIS_CLUSTER_URLS at one.",
+            std::error::Error::source(&e).map(ToString::to_string)
+        ),
     }
 }
