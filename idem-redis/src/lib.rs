@@ -169,3 +169,7 @@ pub use config::{Config, DEFAULT_PREFIX, EvictionCheck, PersistenceCheck, Replic
 pub use conn::Connection;
 pub use error::Error;
 pub use store::{RedisStore, cluster_builder};
+
+/// The `redis` crate this store is built on, for building a [`Connection`] of the same
+/// version ([`redis::aio::ConnectionManager`], [`redis::cluster_async::ClusterConnection`]).
+pub use redis;
