@@ -52,7 +52,8 @@ struct ServeArgs {
     /// Listen address.
     #[arg(long, default_value = "127.0.0.1:8080")]
     addr: String,
-    /// Record store: `redb:PATH`, `sqlite:PATH`, `redis://HOST:PORT`, `postgres://USER@HOST/DB` or `memory`.
+    /// Record store: `redb:PATH`, `sqlite:PATH`, `redis://HOST:PORT`,
+    /// `redis-cluster://HOST:PORT[,HOST:PORT...][?wait=N]`, `postgres://USER@HOST/DB` or `memory`.
     #[arg(long, default_value = "redb:leasebroker.redb")]
     store: StoreSpec,
     /// Infra state file when the store is not redb.

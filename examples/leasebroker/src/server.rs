@@ -24,6 +24,16 @@ pub enum StoreSpec {
     Sqlite(PathBuf),
     /// Records in Redis at this URL; infra state in the `--state` redb file.
     Redis(String),
+    /// Records in a Redis Cluster reached through any of `nodes` (`redis://HOST:PORT`
+    /// URLs), `WAIT wait` replicas (1 s timeout) after each claim and complete when set;
+    /// infra state in the `--state` redb file. Spelled
+    /// `redis-cluster://HOST:PORT[,HOST:PORT...][?wait=N]`.
+    RedisCluster {
+        /// Seed nodes.
+        nodes: Vec<String>,
+        /// Replicas to wait for.
+        wait: Option<u32>,
+    },
     /// Records in PostgreSQL at this URL (schema `idem`, migrated on start); infra state
     /// in the `--state` redb file.
     Postgres(String),
@@ -38,6 +48,8 @@ impl std::str::FromStr for StoreSpec {
             Ok(StoreSpec::Memory)
         } else if let Some(p) = s.strip_prefix("sqlite:") {
             Ok(StoreSpec::Sqlite(PathBuf::from(p)))
+        } else if let Some(rest) = s.strip_prefix("redis-cluster://") {
+            parse_cluster(rest)
         } else if s.starts_with("redis://") || s.starts_with("rediss://") {
             Ok(StoreSpec::Redis(s.to_string()))
         } else if s.starts_with("postgres://") || s.starts_with("postgresql://") {
@@ -48,10 +60,39 @@ impl std::str::FromStr for StoreSpec {
             Ok(StoreSpec::Redb(PathBuf::from(s)))
         } else {
             Err(format!(
-                "unknown store {s:?}: use redb:PATH, sqlite:PATH, redis://HOST:PORT, postgres://USER@HOST/DB or memory"
+                "unknown store {s:?}: use redb:PATH, sqlite:PATH, redis://HOST:PORT, \
+                 redis-cluster://HOST:PORT[,HOST:PORT...][?wait=N], postgres://USER@HOST/DB or memory"
             ))
         }
     }
+}
+
+/// `HOST:PORT[,HOST:PORT...][?wait=N]`, after `redis-cluster://`.
+fn parse_cluster(rest: &str) -> Result<StoreSpec, String> {
+    let (hosts, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let nodes: Vec<String> = hosts
+        .split(',')
+        .map(str::trim)
+        .filter(|h| !h.is_empty())
+        .map(|h| {
+            let port = h.rsplit_once(':').map(|(_, p)| p).unwrap_or("");
+            match port.parse::<u16>() {
+                Ok(_) => Ok(format!("redis://{h}")),
+                Err(_) => Err(format!("cluster node {h:?} is not HOST:PORT")),
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    if nodes.is_empty() {
+        return Err("redis-cluster:// needs at least one HOST:PORT".into());
+    }
+    let mut wait = None;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("wait", n)) => wait = Some(n.parse::<u32>().map_err(|_| format!("wait={n:?} is not a count"))?),
+            _ => return Err(format!("unknown cluster option {pair:?} (known: wait=N)")),
+        }
+    }
+    Ok(StoreSpec::RedisCluster { nodes, wait })
 }
 
 /// Why the server could not start.
@@ -99,6 +140,14 @@ pub async fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>
             let store = idem_redis::RedisStore::connect(url, idem_redis::Config::default())
                 .await
                 .map_err(|e| open_err(url.clone(), e))?;
+            Ok((Arc::new(store), infra_file()?))
+        }
+        StoreSpec::RedisCluster { nodes, wait } => {
+            let ack = wait.map(|n| idem_redis::ReplicaAck::new(n, std::time::Duration::from_secs(1)));
+            let config = idem_redis::Config::default().with_replica_ack(ack);
+            let store = idem_redis::RedisStore::connect_cluster(nodes, config)
+                .await
+                .map_err(|e| open_err(nodes.join(","), e))?;
             Ok((Arc::new(store), infra_file()?))
         }
         StoreSpec::Postgres(url) => {
