@@ -249,7 +249,7 @@ pub(crate) fn encode_sqlite_response(response: &StoredResponse) -> Vec<u8> {
 /// Redis, the same round trips by hand through the store's `ConnectionManager`.
 #[derive(Clone)]
 pub(crate) struct RedisByHand {
-    conn: redis::aio::ConnectionManager,
+    conn: idem_redis::Connection,
     prefix: String,
 }
 
@@ -260,8 +260,9 @@ impl std::fmt::Debug for RedisByHand {
 }
 
 impl RedisByHand {
-    /// Sends on `conn`; keys are `prefix` + hex record id.
-    pub(crate) fn new(conn: redis::aio::ConnectionManager, prefix: String) -> Self {
+    /// Sends on `conn` (the store's own: one server, or the cluster, where each key goes to
+    /// its slot's primary); keys are `prefix` + hex record id.
+    pub(crate) fn new(conn: idem_redis::Connection, prefix: String) -> Self {
         Self { conn, prefix }
     }
 

@@ -39,6 +39,11 @@ pub(crate) struct CyclesArgs {
     /// Append the row to this CSV file.
     #[arg(long)]
     csv: Option<PathBuf>,
+    /// With `--backend redis`: run on the Redis Cluster reachable at these comma-separated
+    /// node URLs (e.g. the six nodes `scripts/redis-cluster` starts on 7000-7005) instead
+    /// of `--redis-url`; the baseline's `SET NX` + `SET` go to the same cluster.
+    #[arg(long, value_delimiter = ',')]
+    redis_cluster: Vec<String>,
     #[command(flatten)]
     endpoints: Endpoints,
 }
@@ -83,6 +88,9 @@ async fn library_cycle(store: &dyn Store, work: &Workload, i: u64, replay: bool)
 
 /// Runs one row and prints it.
 pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
+    if !args.redis_cluster.is_empty() && args.backend != Backend::Redis {
+        return Err("--redis-cluster goes with --backend redis".into());
+    }
     let run = crate::run_id();
     let dir = crate::bench_dir()?;
     let work = Arc::new(Workload::new(&run, args.body_bytes));
@@ -107,7 +115,11 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
         Backend::Redis => {
             let prefix = format!("idem-bench:{run}:");
             let config = idem_redis::Config::default().with_prefix(format!("{prefix}lib:"));
-            let store = RedisStore::connect(&args.endpoints.redis_url, config).await?;
+            let store = if args.redis_cluster.is_empty() {
+                RedisStore::connect(&args.endpoints.redis_url, config).await?
+            } else {
+                RedisStore::connect_cluster(&args.redis_cluster, config).await?
+            };
             let hand = RedisByHand::new(store.connection(), format!("{prefix}hand:"));
             (Arc::new(store), Baseline::Redis(hand))
         }
@@ -188,9 +200,10 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
         "ratio",
         "ops/batch"
     );
+    let backend = if args.redis_cluster.is_empty() { args.backend.name() } else { "redis-cl" };
     println!(
         "{:<9} {:>5} {:>7} {:>12.0} {:>9.3} {:>9.3} {:>12} {:>9} {:>9} {:>7} {:>9}",
-        args.backend.name(),
+        backend,
         args.concurrency,
         lib_sum.cycles,
         lib_sum.rate(),
@@ -208,7 +221,7 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
         writeln!(
             f,
             "{},{},{},{},{:.1},{:.4},{:.4},{:.1},{:.4},{:.4},{:.3},{}",
-            args.backend.name(),
+            backend,
             args.concurrency,
             cycle,
             lib_sum.cycles,

@@ -120,17 +120,28 @@ pub(crate) fn persistence_problem(appendonly: &str, appendfsync: &str, save: &st
 ///
 /// What it guarantees: when the call returns `Ok`, at least `replicas` replicas had
 /// received the write. What it does not: Redis replication stays asynchronous, so WAIT
-/// does not roll back a write that was not acknowledged (the store then returns a
-/// retryable [`Error::ReplicaShortfall`], and the write stays on the primary), and a
-/// failover may still promote a replica that had not received it (Sentinel and Cluster
-/// pick the most up-to-date replica they can reach, not necessarily an acknowledging one).
-/// It narrows the window in which a failover loses a claim, a renewal or a stored response;
-/// it does not close it. A lost renewal matters as much as a lost claim: on the new primary
-/// the lease ends where the last replicated renewal left it, so a retry may reclaim the
-/// record while its holder still runs (the holder's next write is then fenced, but what it
-/// did since is done). A shortfall after an extend leaves the renewal on the primary and
-/// fails the call retryably, like any other write here; the renewing side retries it within
-/// the lease.
+/// does not roll back a write that was not acknowledged, and a failover may still promote a
+/// replica that had not received it (Sentinel and Cluster pick the most up-to-date replica
+/// they can reach, not necessarily an acknowledging one; with one replica per primary and
+/// `WAIT 1` they are the same). It narrows the window in which a failover loses a claim, a
+/// renewal or a stored response; it does not close it. A lost renewal matters as much as a
+/// lost claim: on the new primary the lease ends where the last replicated renewal left it,
+/// so a retry may reclaim the record while its holder still runs (the holder's next write
+/// is then fenced, but what it did since is done).
+///
+/// A shortfall fails the call with a retryable [`Error::ReplicaShortfall`]:
+/// - after a **claim or reclaim**, the store first releases the claim (marks it failed
+///   under its own token), because the caller will not run the handler: left in flight it
+///   would block every retry for a lease with nobody running. The retry reclaims the
+///   failed record at once. If the release fails too (the primary is gone), the claim
+///   stays until its lease ends, like the claim of a crashed holder;
+/// - after an **extend**, the renewal stays on the primary and the renewing side retries
+///   within the lease;
+/// - after a **complete**, the stored response stays on the primary: a retry replays it
+///   unless a failover lost it.
+///
+/// On a Redis Cluster the `WAIT` goes to the record's primary and counts its replicas (the
+/// crate docs' "Redis Cluster" section says what each kind of failover loses).
 ///
 /// WAIT goes in the same pipeline as the script, on the same connection, so it covers that
 /// write even if the connection is replaced right after (both then fail, retryably). It is

@@ -29,19 +29,25 @@
 //! - **the server's clock**: every script reads `TIME`, so application servers with skewed
 //!   clocks still agree on when a lease ends. Tests replace it with
 //!   [`Config::with_clock`];
-//! - **a start-up check of `maxmemory-policy`**: an evicting policy can drop an in-flight
-//!   claim and let a duplicate run. See [`EvictionCheck`]. The safe setting is
-//!   `maxmemory-policy noeviction`;
+//! - **start-up checks** on the server, or on every primary of a cluster: `maxmemory-policy`
+//!   (an evicting policy can drop an in-flight claim and let a duplicate run; see
+//!   [`EvictionCheck`], safe setting `maxmemory-policy noeviction`) and persistence (a
+//!   server without AOF or RDB, or with `appendfsync no`, loses claims on a restart; see
+//!   [`PersistenceCheck`] for what each setting loses);
 //! - an optional `WAIT` for replicas after claim, reclaim, extend and complete, pipelined
 //!   with the script on the same connection ([`ReplicaAck`] says what it does and does not
-//!   guarantee on failover);
+//!   guarantee on failover). A claim whose `WAIT` falls short is released before the call
+//!   fails, so no claim is left that nobody owns;
+//! - **a single node or a Redis Cluster** ([`RedisStore::connect_cluster`]; section "Redis
+//!   Cluster" below);
 //! - the per-record journal of resumable handlers ([`idem_core::Store::journal_put`]) as
 //!   fields of the record's own hash, so entries live and die with their record;
 //! - a key prefix on every key it writes. It never calls `KEYS`, `SCAN` or `FLUSH*`.
 //!
-//! Build it with [`RedisStore::connect`] (a URL) or [`RedisStore::from_connection`] (the
-//! application's own `redis::aio::ConnectionManager`), and a [`Config`] from
-//! `Config::default()` and its `with_*` methods.
+//! Build it with [`RedisStore::connect`] (a URL), [`RedisStore::connect_cluster`] (a list
+//! of cluster node URLs) or [`RedisStore::from_connection`] (the application's own
+//! `redis::aio::ConnectionManager` or `redis::cluster_async::ClusterConnection`, see
+//! [`Connection`]), and a [`Config`] from `Config::default()` and its `with_*` methods.
 //!
 //! # Fencing tokens and the server's clock
 //! A claim of an absent record gets [`idem_core::FencingToken::first_at`] of the script's
@@ -113,11 +119,10 @@
 //! - Run with `maxmemory-policy noeviction`. With an evicting policy and a `maxmemory`
 //!   limit, [`RedisStore::connect`] refuses to start by default. Where `CONFIG` is disabled
 //!   (many managed services), it logs a warning and starts.
-//! - Persistence is the operator's choice. Without AOF (`appendfsync everysec` or
-//!   `always`), a restart loses claims and stored responses: retries then run again.
-//! - Redis Cluster: the key layout is cluster-safe (one key per operation). This crate
-//!   connects through the `redis` crate's standalone `ConnectionManager`. Cluster clients
-//!   need a cluster connection, which is not wired yet.
+//! - Run with AOF (`appendonly yes`, `appendfsync everysec` or `always`). A restart of a
+//!   server without persistence loses every claim and stored response, and retries then
+//!   run again. The start-up check flags it; by default it only warns
+//!   ([`PersistenceCheck::Warn`], reasons there), [`PersistenceCheck::Refuse`] refuses.
 //! - Errors: connection refused, reset or timed out, and `READONLY`, `LOADING`,
 //!   `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `BUSY`, `OOM`, `NOREPLICAS` are retryable
 //!   ([`idem_core::StoreError::is_retryable`]). The HTTP layer answers them with 503 and
@@ -128,6 +133,56 @@
 //!   fail is never sent twice, because whether the first attempt ran is unknown, so that
 //!   one call fails with a retryable error and the next one uses the new connection. A
 //!   killed connection never leaves half a record: each script runs whole or not at all.
+//!
+//! # Redis Cluster
+//! [`RedisStore::connect_cluster`] takes the URLs of one or more nodes (the rest of the
+//! topology is discovered) and uses the `redis` crate's async cluster client; an
+//! application with its own `ClusterConnection` passes it to [`RedisStore::from_connection`]
+//! (build it with [`cluster_builder`], which turns the crate's own retries off).
+//!
+//! - **Routing**: each operation is one script on one key, the record's, so it goes to the
+//!   primary that owns the slot of the record id (the hash tag). No operation spans two
+//!   slots: the `#!lua` flags make Redis refuse any other key inside a script, and the only
+//!   other commands sent with a script (`WAIT`, `ASKING`) have no key.
+//! - **Resharding**: while a slot migrates, a record still on the old owner is served
+//!   there; one already moved is answered `ASK node` and the store sends `ASKING` and the
+//!   script to the importing node; after the move the stale slot map meets `MOVED node`
+//!   and the store sends the call there while the crate refreshes its map. At most five
+//!   redirects per call. A script runs whole on exactly one node, so a migration never
+//!   splits a record or runs a script twice.
+//! - **Scripts**: loaded on every primary at start-up; a node that answers `NOSCRIPT` (a
+//!   promoted replica, a new node, a `SCRIPT FLUSH`) gets the same call again as `EVAL`
+//!   with the source, which runs it and leaves it cached on that node.
+//! - **No resend after a connection error**: the `redis` crate's cluster client resends a
+//!   command after a dropped connection by default; for a claim whose first send may have
+//!   run, that resend finds the claim already made and answers "in flight", leaving a claim
+//!   nobody owns for a lease. The store's cluster client is built with `retries(0)` and
+//!   follows only the redirects that say the script did not run (`MOVED`, `ASK`,
+//!   `NOSCRIPT`). `CLUSTERDOWN`, `TRYAGAIN`, `READONLY` (a write that reached a demoted
+//!   primary), `MASTERDOWN`, `LOADING` and connection errors fail the call retryably (503
+//!   with `Retry-After` at the HTTP layer); the client's retry lands on the new topology.
+//! - **Start-up checks** (`maxmemory-policy`, persistence) and `SCRIPT LOAD` run on every
+//!   primary; a refusal names the node.
+//! - **Time** is the `TIME` of the record's primary. Keep the nodes on NTP: after a
+//!   failover a record's next `TIME` comes from its new primary (see "Failover" above).
+//! - **`WAIT` on a cluster** goes in the same pipeline as the script, to the same primary,
+//!   and counts that primary's replicas. What a failover can lose:
+//!   - *manual failover* (`CLUSTER FAILOVER` on a replica): the replica catches up with its
+//!     primary before it takes over, so nothing is lost, with or without `WAIT`;
+//!   - *forced failover* (the primary dies; its replica is elected after
+//!     `cluster-node-timeout`): without `WAIT`, writes the replica had not received are
+//!     gone: a completed record may come back in flight or absent (a retry then runs the
+//!     handler again) and a claim may vanish (two holders). With `WAIT 1` and one replica
+//!     per primary, every write whose call returned `Ok` was on the replica that is
+//!     promoted, so no acknowledged claim, renewal or completion is lost; with several
+//!     replicas per primary, ask `WAIT` for all of them (the cluster promotes the replica
+//!     with the most data, but only `WAIT n` of `n` makes that one an acknowledging one);
+//!   - a `WAIT` shortfall: the call fails retryably; a claim or reclaim is first released
+//!     (marked failed under its own token, reclaimable at once by the retry); a complete
+//!     stays on the primary (a retry replays it or, if a failover lost it, runs again).
+//!
+//!   `tests/cluster_faults.rs` measures both failovers with and without `WAIT 1`; the
+//!   numbers are in RELIABILITY.md ("Redis Cluster").
 //!
 //! # Testing and benchmarks
 //! `cargo test -p idem-redis` runs the conformance suite (every scenario and the model
@@ -140,6 +195,11 @@
 //! private `redis-server` processes on free ports, so `redis-server` must be on `PATH`.
 //! Each runs in a temporary directory of its own, so a replica's sync or a cluster node
 //! never writes an RDB or `nodes.conf` file into the crate.
+//! `tests/cluster.rs` runs the same conformance suite and model test on the Redis Cluster
+//! at `IDEM_REDIS_CLUSTER_URLS` (default the six nodes, three primaries and three
+//! replicas, that `scripts/redis-cluster` starts on 127.0.0.1:7000-7005; `scripts/services`
+//! calls it), failing when it is not there; `tests/cluster_faults.rs` starts private
+//! clusters on 7010-7015 and 7030-7035 for slot migration and failovers.
 //! `cargo bench -p idem-redis --bench throughput` compares claim + complete against the
 //! same two round trips written by hand (`SET NX`, `SET`): medians of 0.71-0.92x with one
 //! caller and 0.37-0.42x with 32 on a loaded 2-core machine. The scripts cost about 7 µs of server time
@@ -147,17 +207,21 @@
 //! the clock, reads the record and writes it (the bench's notes give the numbers).
 //!
 //! # Layout
-//! - `src/config.rs`: [`Config`], [`EvictionCheck`], [`ReplicaAck`].
+//! - `src/config.rs`: [`Config`], [`EvictionCheck`], [`PersistenceCheck`], [`ReplicaAck`].
+//! - `src/conn.rs`: [`Connection`] (single node or cluster) and commands sent to every
+//!   primary.
 //! - `src/store.rs`: [`RedisStore`] and its [`idem_core::Store`] impl: the claim path and
 //!   every other operation, one script call each.
-//! - `src/script.rs`: loading and calling the scripts, their replies, and the record bytes
+//! - `src/script.rs`: loading and calling the scripts (and, on a cluster, following
+//!   `MOVED`/`ASK`/`NOSCRIPT`), their replies, and the record bytes
 //!   they read and write (header, scope, response).
 //! - `src/error.rs`: [`Error`] and its retry classification.
 //! - `src/scripts/*.lua`: the scripts (`common.lua` is prepended to each, `arith.lua` to
 //!   `reclaim`, `extend` and `fail`): `claim`, `reclaim`, `complete`, `extend`, `fail`,
 //!   `get`, `journal_put`, `journal_get`.
 //! - `tests/conformance.rs`: the shared conformance suite; `tests/redis.rs` and
-//!   `tests/connection_kill.rs`: Redis-specific behaviour.
+//!   `tests/connection_kill.rs`: Redis-specific behaviour; `tests/cluster.rs` and
+//!   `tests/cluster_faults.rs`: the suite on a cluster, resharding and failovers.
 
 mod config;
 mod conn;
