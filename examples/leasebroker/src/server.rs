@@ -252,7 +252,8 @@ mod tests {
         }
         let one: StoreSpec = "redis-cluster://10.0.0.5:6379".parse().expect("one node");
         assert!(matches!(one, StoreSpec::RedisCluster { ref nodes, wait: None } if nodes.len() == 1));
-        for bad in ["redis-cluster://", "redis-cluster://host", "redis-cluster://h:1?wait=x", "redis-cluster://h:1?x=1"] {
+        for bad in ["redis-cluster://", "redis-cluster://host", "redis-cluster://h:1?wait=x", "redis-cluster://h:1?x=1"]
+        {
             assert!(bad.parse::<StoreSpec>().is_err(), "{bad}");
         }
     }
