@@ -154,9 +154,12 @@
 //!   promoted replica, a new node, a `SCRIPT FLUSH`) gets the same call again as `EVAL`
 //!   with the source, which runs it and leaves it cached on that node.
 //! - **No resend after a connection error**: the `redis` crate's cluster client resends a
-//!   command after a dropped connection by default; for a claim whose first send may have
-//!   run, that resend finds the claim already made and answers "in flight", leaving a claim
-//!   nobody owns for a lease. The store's cluster client is built with `retries(0)` and
+//!   command after a dropped connection by default. For a write whose first send may have
+//!   run, the resend turns an unknown outcome into a wrong one: a claim finds its own claim
+//!   and answers "in flight" (as if another request held it), a complete finds its own
+//!   completion and answers "lease lost". The store keeps the single-node rule instead (a
+//!   write is never sent twice; the call fails retryably and says the write may have
+//!   happened). Its cluster client is built with `retries(0)` and
 //!   follows only the redirects that say the script did not run (`MOVED`, `ASK`,
 //!   `NOSCRIPT`). `CLUSTERDOWN`, `TRYAGAIN`, `READONLY` (a write that reached a demoted
 //!   primary), `MASTERDOWN`, `LOADING` and connection errors fail the call retryably (503

@@ -105,8 +105,9 @@ impl RedisStore {
     /// (both convert into [`Connection`]); runs the same start-up checks as
     /// [`RedisStore::connect`]. The connection's own timeouts apply, not the config's. A
     /// cluster connection should be built with `retries(0)` (as
-    /// [`cluster_builder`] does): with retries, the `redis` crate may send a claim again
-    /// after a dropped connection, which leaves a claim nobody owns until its lease ends.
+    /// [`cluster_builder`] does): with retries, the `redis` crate may send a write again
+    /// after a dropped connection, and a claim that already ran then reads as another
+    /// request's claim (see the crate docs, "Redis Cluster").
     ///
     /// # Errors
     /// As [`RedisStore::connect`], minus the URL.
