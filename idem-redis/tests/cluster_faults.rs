@@ -241,3 +241,77 @@ async fn failovers_lose_no_acknowledged_completion_with_wait() {
         }
     }
 }
+
+/// Holds a node's event loop for 800 ms with a script that only reads `TIME` (below the
+/// 5 s busy threshold, so other clients simply wait).
+fn hold_node(mut c: redis::aio::MultiplexedConnection) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let script = "local t = redis.call('TIME') local s = t[1] * 1000000 + t[2] \
+                      repeat local n = redis.call('TIME') until n[1] * 1000000 + n[2] - s > tonumber(ARGV[1]) \
+                      return 1";
+        let _: i64 = redis::cmd("EVAL").arg(script).arg(0).arg(800_000).query_async(&mut c).await.expect("hold");
+    })
+}
+
+/// Pins: the `redis` crate's cluster client, with its default retries, sends a claim again
+/// after its connection dropped, and the claim that had already run then reads as another
+/// request's claim (`Existing`, in flight). The store's own client (`retries(0)`) reports
+/// what happened: a retryable error, the claim whole on its primary, never sent twice.
+/// Ordered deterministically: a busy script holds the key's primary while the claim and
+/// then `CLIENT KILL TYPE normal` queue up; the claim runs, and its connection is killed
+/// before the reply is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_is_never_resent_after_its_connection_dropped() {
+    let cluster = PrivateCluster::start(7040, NODE_TIMEOUT_MS).await;
+    for driver_retries in [false, true] {
+        let config = Config::default().with_prefix(format!("kill-{driver_retries}:"));
+        let store = if driver_retries {
+            let client = redis::cluster::ClusterClient::new(cluster.urls()).expect("client");
+            let conn = client.get_async_connection().await.expect("connection");
+            RedisStore::from_connection(conn, config).await.expect("store")
+        } else {
+            RedisStore::connect_cluster(cluster.urls(), config).await.expect("store")
+        };
+        let r = req("k");
+        let port = cluster.primary_for(&store.record_key(r.id)).await;
+        let (holder, mut killer) = (cluster.node(port).await, cluster.node(port).await);
+        // Warm the store's connection to that node (the claim must not open it during the hold).
+        assert_eq!(store.get(r.id).await.expect("get"), None);
+        let hold = hold_node(holder);
+        // Lets already-sent bytes reach the node while it is held: orders events on the
+        // wire, no clock is involved.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let claim = {
+            let (store, r) = (store.clone(), r.clone());
+            tokio::spawn(async move { store.claim(r).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let kill = tokio::spawn(async move {
+            let n: i64 = redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("TYPE")
+                .arg("normal")
+                .arg("SKIPME")
+                .arg("yes")
+                .query_async(&mut killer)
+                .await
+                .expect("CLIENT KILL");
+            n
+        });
+        hold.await.expect("hold task");
+        assert!(kill.await.expect("kill task") >= 1, "the store's connection was killed");
+        let outcome = claim.await.expect("claim task");
+        let on_node = store.get(r.id).await.expect("get").expect("the claim ran before the kill");
+        assert_eq!(on_node.state, RecordState::InFlight);
+        if driver_retries {
+            // The failure this store avoids: the resent claim met the claim it had made.
+            assert!(
+                matches!(&outcome, Ok(ClaimOutcome::Existing { record, .. }) if record.token == on_node.token),
+                "the driver resent the claim: {outcome:?}"
+            );
+        } else {
+            let e = outcome.expect_err("the reply was lost with the connection");
+            assert!(e.is_retryable(), "{e:?}");
+        }
+    }
+}
