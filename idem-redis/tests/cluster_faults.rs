@@ -260,6 +260,8 @@ fn hold_node(mut c: redis::aio::MultiplexedConnection) -> tokio::task::JoinHandl
 /// Ordered deterministically: a busy script holds the key's primary while the claim and
 /// then `CLIENT KILL TYPE normal` queue up; the claim runs, and its connection is killed
 /// before the reply is written.
+///
+/// Pins `docs/failures.md#cluster-slot-moves-or-fails-over`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_is_never_resent_after_its_connection_dropped() {
     let cluster = PrivateCluster::start(7040, NODE_TIMEOUT_MS).await;

@@ -1,7 +1,8 @@
 //! Redis-specific behaviour the generic suite cannot see: the key layout and its native
 //! expiry, exact 64-bit arithmetic inside the scripts, byte-exact responses, corrupt and
-//! foreign values, script reloading, the `maxmemory-policy` check, `WAIT` with a real
-//! replica, `READONLY`, and a differential run against `idem_core::Model`.
+//! foreign values, script reloading, the `maxmemory-policy` and persistence checks, `WAIT`
+//! with a real replica (and a paused one), `READONLY`, and a differential run against
+//! `idem_core::Model`.
 
 mod common;
 
@@ -1000,6 +1001,8 @@ async fn native_expiry_starts_a_later_generation() {
 /// handler, so every retry got 409 until the lease ended. With the only replica paused
 /// (SIGSTOP), a claim under `WAIT 1` fails retryably and leaves the record failed (released
 /// under its own token); once the replica is back, the retry reclaims it at once and runs.
+///
+/// Pins `docs/failures.md#replica-acknowledgement-falls-short-after-a-claim`.
 #[tokio::test]
 async fn wait_shortfall_after_a_claim_releases_it() {
     let primary = common::PrivateRedis::start(&[]).await;
@@ -1038,6 +1041,8 @@ async fn wait_shortfall_after_a_claim_releases_it() {
 /// journal, so retries booted VMs again (19 extra in the issue-14 storm). The check reads
 /// `appendonly`/`appendfsync`/`save`: `Refuse` refuses a server without AOF or RDB and one
 /// with `appendfsync no`; `Warn` (the default) starts; AOF `everysec` passes `Refuse`.
+///
+/// Pins `docs/failures.md#redis-restart-without-persistence`.
 #[tokio::test]
 async fn persistence_check_flags_servers_that_lose_records() {
     let refuse = || Config::default().with_persistence_check(PersistenceCheck::Refuse);
