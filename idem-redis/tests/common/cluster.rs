@@ -37,6 +37,13 @@ impl PrivateCluster {
     /// them into a cluster with one replica per primary. Returns once every node reports
     /// `cluster_state:ok` and every replica's link is up.
     pub async fn start(base: u16, node_timeout_ms: u64) -> Self {
+        for port in (base..base + 6).chain(base + 10_000..base + 10_006) {
+            // A node left over from an interrupted run would answer in place of a new one.
+            assert!(
+                std::net::TcpListener::bind(("127.0.0.1", port)).is_ok(),
+                "port {port} is in use (a redis-server left over from an interrupted test run? stop it by its pid)"
+            );
+        }
         let dir = tempfile::Builder::new().prefix("idem-redis-cluster-").tempdir().expect("temp dir");
         let mut cluster = Self { base, children: Vec::new(), dir };
         for i in 0..6 {
