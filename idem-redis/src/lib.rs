@@ -202,7 +202,8 @@
 //! at `IDEM_REDIS_CLUSTER_URLS` (default the six nodes, three primaries and three
 //! replicas, that `scripts/redis-cluster` starts on 127.0.0.1:7000-7005; `scripts/services`
 //! calls it), failing when it is not there; `tests/cluster_faults.rs` starts private
-//! clusters on 7010-7015 and 7030-7035 for slot migration and failovers.
+//! clusters (7010-7015, 7030-7035, 7040-7045) for slot migration, failovers and a
+//! connection killed after a claim ran.
 //! `cargo bench -p idem-redis --bench throughput` compares claim + complete against the
 //! same two round trips written by hand (`SET NX`, `SET`): medians of 0.71-0.92x with one
 //! caller and 0.37-0.42x with 32 on a loaded 2-core machine. The scripts cost about 7 µs of server time
