@@ -113,6 +113,16 @@ pub enum StoredBody {
         /// Length of the original body in bytes, when it was known.
         len: Option<u64>,
     },
+    /// A body followed by trailer fields (RFC 9110 §6.5; gRPC sends its `grpc-status`
+    /// there). A variant rather than a field of [`StoredResponse`] so that records written
+    /// before trailers were stored decode unchanged: postcard numbers enum variants, and
+    /// this one comes last. `body` is never itself `WithTrailers`.
+    WithTrailers {
+        /// The body itself: `Identity`, `Lz4` or `NotRetained`.
+        body: Box<StoredBody>,
+        /// `(lower-case name, raw value)` trailer pairs in the order they were sent.
+        trailers: Vec<(String, Vec<u8>)>,
+    },
 }
 
 /// The response replayed to every retry: status, headers (hop-by-hop and denied headers
@@ -156,6 +166,39 @@ impl StoredResponse {
         Self { status, headers, body }
     }
 
+    /// The same response with `trailers` after its body (nothing changes when `trailers`
+    /// is empty).
+    #[must_use]
+    pub fn with_trailers(mut self, trailers: Vec<(String, Vec<u8>)>) -> Self {
+        if !trailers.is_empty() {
+            let body = match self.body {
+                StoredBody::WithTrailers { body, .. } => body,
+                body => Box::new(body),
+            };
+            self.body = StoredBody::WithTrailers { body, trailers };
+        }
+        self
+    }
+
+    /// The stored trailer fields, `(lower-case name, raw value)`; empty when the response
+    /// had none.
+    #[must_use]
+    pub fn trailers(&self) -> &[(String, Vec<u8>)] {
+        match &self.body {
+            StoredBody::WithTrailers { trailers, .. } => trailers,
+            _ => &[],
+        }
+    }
+
+    /// The body without its trailers.
+    #[must_use]
+    pub fn plain_body(&self) -> &StoredBody {
+        match &self.body {
+            StoredBody::WithTrailers { body, .. } => body,
+            body => body,
+        }
+    }
+
     /// The first value of header `name` (lower-case).
     #[must_use]
     pub fn header(&self, name: &str) -> Option<&[u8]> {
@@ -169,7 +212,8 @@ impl StoredResponse {
     /// [`MAX_DECODED_BODY`] bytes.
     pub fn body_bytes(&self) -> Result<Option<std::borrow::Cow<'_, [u8]>>, crate::corrupt::CodecError> {
         use std::borrow::Cow;
-        match &self.body {
+        match self.plain_body() {
+            StoredBody::WithTrailers { .. } => Err(crate::corrupt::CodecError::NestedTrailers),
             StoredBody::Identity(b) => Ok(Some(Cow::Borrowed(b))),
             StoredBody::NotRetained { .. } => Ok(None),
             StoredBody::Lz4 { len, data } => {

@@ -222,6 +222,10 @@ pub(crate) struct Config {
     pub(crate) in_flight_retry_after: Duration,
     /// How long a duplicate of an in-flight request waits for its outcome; `None`: 409 at once.
     pub(crate) in_flight_wait: Option<Duration>,
+    /// When a response the layer may store is streamed instead of buffered.
+    pub(crate) streaming: crate::streaming::Streaming,
+    /// Retry hint headers on the layer's own answers.
+    pub(crate) retry_hints: crate::hints::RetryHints,
 }
 
 impl Config {
@@ -243,6 +247,8 @@ impl Config {
             lease_renewal: LeaseRenewal::default(),
             in_flight_retry_after: DEFAULT_IN_FLIGHT_RETRY_AFTER,
             in_flight_wait: None,
+            streaming: crate::streaming::Streaming::default(),
+            retry_hints: crate::hints::RetryHints::default(),
         }
     }
 }
@@ -264,6 +270,8 @@ impl fmt::Debug for Config {
             .field("lease_renewal", &self.lease_renewal)
             .field("in_flight_retry_after", &self.in_flight_retry_after)
             .field("in_flight_wait", &self.in_flight_wait)
+            .field("streaming", &self.streaming)
+            .field("retry_hints", &self.retry_hints)
             .finish_non_exhaustive()
     }
 }
