@@ -177,6 +177,42 @@ mod tests {
         assert!(is_lasting(&HeaderMap::new(), None), "not gRPC: the HTTP status decided");
     }
 
+    /// The documented mapping drifted from the code.
+    #[test]
+    fn every_layer_answer_has_its_documented_code() {
+        use ProblemKind as K;
+        let table = [
+            (K::MissingKey, 3),
+            (K::InvalidKey, 3),
+            (K::DuplicateKey, 3),
+            (K::UnreadableBody, 3),
+            (K::MissingPrincipal, 16),
+            (K::BodyTooLarge, 8),
+            (K::InFlight, 10),
+            (K::Busy, 10),
+            (K::Mismatch, 9),
+            (K::StoreUnavailable, 14),
+            (K::ResponseNotRetained, 6),
+            (K::ResponseBodyFailed, 13),
+        ];
+        for (kind, code) in table {
+            assert_eq!(grpc_code_for(kind), code, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn a_problem_becomes_a_trailers_only_status() {
+        let problem = Problem::new(ProblemKind::Mismatch, StatusCode::CONFLICT, "key reused; 100%");
+        let res = problem.clone().into_response::<http_body_util::Empty<Bytes>>();
+        let res = problem_to_status(res, &problem);
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(res.headers()["content-type"], "application/grpc");
+        assert_eq!(res.headers()["grpc-status"], "9");
+        assert_eq!(res.headers()["grpc-message"], "key reused; 100%25");
+        assert_eq!(res.headers()["idem-problem"], "urn:idem:problem:mismatch");
+        assert!(http_body::Body::is_end_stream(res.body()), "no message: trailers-only");
+    }
+
     #[test]
     fn grpc_message_is_percent_encoded() {
         assert_eq!(percent_encode("retry in 1 s; 100% é"), "retry in 1 s; 100%25 %C3%A9");

@@ -104,6 +104,30 @@ async fn a_missing_key_or_principal_is_refused_with_grpc_codes() {
     assert_eq!(workers.executions(), 0);
 }
 
+/// A request over `max_request_body` is RESOURCE_EXHAUSTED, nothing claimed.
+#[tokio::test]
+async fn a_request_over_the_body_limit_is_resource_exhausted() {
+    let workers = Workers::new();
+    let mut client = serve(workers.clone(), memory().with_max_request_body(8)).await;
+    let err = client.create(msg("a-name-longer-than-eight-bytes"), Some("k-1"), Some("ops")).await.expect_err("413");
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert_eq!(workers.executions(), 0);
+}
+
+/// A reply over `max_stored_body` reaches the first caller whole (message and status), and
+/// its retry is ALREADY_EXISTS (done, reply not kept), never a second execution.
+#[tokio::test]
+async fn a_reply_that_was_not_retained_is_already_exists_on_retry() {
+    let workers = Workers::new();
+    let mut client = serve(workers.clone(), memory().with_max_stored_body(4)).await;
+    let first = client.create(msg("gpu-7"), Some("k-1"), Some("ops")).await.expect("first call, streamed");
+    assert_eq!(first.get_ref().name, "gpu-7");
+    let retry = client.create(msg("gpu-7"), Some("k-1"), Some("ops")).await.expect_err("not retained");
+    assert_eq!(retry.code(), Code::AlreadyExists, "{retry:?}");
+    assert_eq!(retry.metadata().get("x-should-retry").unwrap(), "false");
+    assert_eq!(workers.executions(), 1);
+}
+
 /// The store is down: UNAVAILABLE, handler not run (fail closed).
 #[tokio::test]
 async fn an_unavailable_store_is_unavailable() {
