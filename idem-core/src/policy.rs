@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 /// The record rules: retention, lease, cacheable statuses, and what a stored response
-/// keeps. `Policy::default()` gives 24 h retention, a 5 min lease, 2xx and most 4xx
+/// keeps. `Policy::default()` gives 24 h retention, a 5 min lease, 2xx, 303 and most 4xx
 /// stored, bodies up to 1 MiB kept, LZ4 over 4 KiB, `set-cookie` and `date` dropped.
 #[derive(Clone, Debug)]
 #[non_exhaustive]

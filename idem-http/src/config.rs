@@ -92,7 +92,7 @@ pub enum StoreFailureMode {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum HandlerExecution {
-    /// The handler call, the reading of its whole response body and the `complete` or
+    /// The handler call, the bounded reading of its response body and the `complete` or
     /// `fail` write are work that outlives the response future (default). While the client
     /// waits, the response future polls that work in place (no task per request); if the
     /// response future is dropped before the work finished, the work moves to a task of its

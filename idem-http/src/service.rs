@@ -8,8 +8,11 @@
 //! 5. decide ([`idem_core::decide`]): run the handler under the claim, replay, 409 (or,
 //!    opt-in, wait a bounded time for the first attempt's outcome), mismatch;
 //! 6. while the handler runs, renew its lease ([`crate::LeaseRenewal`]);
-//! 7. after the handler: read the whole response body, then `complete` (cacheable status)
-//!    or `fail` (anything else), and only then return the response.
+//! 7. after the handler: for a cacheable status, read the body up to `max_stored_body + 1`
+//!    bytes (or not at all for a streaming media type, or until the buffering deadline),
+//!    then `complete` (with the body if it ended in time, not retained otherwise); for any
+//!    other status `fail` without reading; only then return the response, whose unread
+//!    rest streams straight from the handler.
 //!
 //! Steps 5 (running the handler), 6 and 7 happen in work that outlives the response future
 //! under [`crate::HandlerExecution::Detached`] (default: polled in place, moved to a task of
