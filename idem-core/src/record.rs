@@ -118,11 +118,49 @@ pub enum StoredBody {
     /// before trailers were stored decode unchanged: postcard numbers enum variants, and
     /// this one comes last. `body` is never itself `WithTrailers`.
     WithTrailers {
-        /// The body itself: `Identity`, `Lz4` or `NotRetained`.
+        /// The body itself: `Identity`, `Lz4` or `NotRetained`. Decoded as one of those
+        /// three only, so hostile bytes cannot nest trailers without bound and exhaust the
+        /// decoder's stack.
+        #[serde(deserialize_with = "plain_body")]
+        #[cfg_attr(feature = "arbitrary", arbitrary(with = arbitrary_plain_body))]
         body: Box<StoredBody>,
         /// `(lower-case name, raw value)` trailer pairs in the order they were sent.
         trailers: Vec<(String, Vec<u8>)>,
     },
+}
+
+/// The body variants that can sit inside [`StoredBody::WithTrailers`], with the same
+/// variant numbers and fields as [`StoredBody`], so both read the same bytes.
+#[derive(Deserialize)]
+enum PlainBody {
+    Identity(#[serde(with = "serde_bytes")] Vec<u8>),
+    Lz4 {
+        len: u64,
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
+    NotRetained {
+        len: Option<u64>,
+    },
+}
+
+/// Reads the body inside `WithTrailers`: a [`PlainBody`], so a nested `WithTrailers` is a
+/// decoding error rather than a recursion.
+fn plain_body<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Box<StoredBody>, D::Error> {
+    Ok(Box::new(match PlainBody::deserialize(d)? {
+        PlainBody::Identity(b) => StoredBody::Identity(b),
+        PlainBody::Lz4 { len, data } => StoredBody::Lz4 { len, data },
+        PlainBody::NotRetained { len } => StoredBody::NotRetained { len },
+    }))
+}
+
+#[cfg(feature = "arbitrary")]
+fn arbitrary_plain_body(u: &mut arbitrary::Unstructured<'_>) -> arbitrary::Result<Box<StoredBody>> {
+    Ok(Box::new(match u.int_in_range(0..=2u8)? {
+        0 => StoredBody::Identity(u.arbitrary()?),
+        1 => StoredBody::Lz4 { len: u.arbitrary()?, data: u.arbitrary()? },
+        _ => StoredBody::NotRetained { len: u.arbitrary()? },
+    }))
 }
 
 /// The response replayed to every retry: status, headers (hop-by-hop and denied headers
