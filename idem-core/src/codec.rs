@@ -125,9 +125,7 @@ mod tests {
         // Hostile bytes that nest trailers a million deep are refused by the decoder at
         // the second level, never by a stack overflow.
         let mut deep = vec![RESPONSE_FORMAT_VERSION, 0xc8, 0x01, 0x00];
-        for _ in 0..1_000_000 {
-            deep.push(3);
-        }
+        deep.extend(std::iter::repeat_n(3, 1_000_000));
         assert!(matches!(decode_response(&deep), Err(CodecError::Malformed(_))));
         assert!(matches!(decode_response(&encode_response(&nested)), Err(CodecError::Malformed(_))));
     }
