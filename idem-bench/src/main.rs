@@ -11,6 +11,7 @@
 //! idem-bench size --backend sqlite                         # bytes per record
 //! idem-bench sweep --backend redb --records 1000000        # peak RSS while sweeping
 //! idem-bench renew --backend postgres --handlers 1000      # lease renewals of long handlers
+//! idem-bench memory --concurrency 64 --mib 100              # peak RSS of streamed responses
 //! ```
 //!
 //! # Layout
@@ -24,6 +25,8 @@
 //! - `sweep`: peak resident memory while sweeping expired records.
 //! - `renew`: N long handlers behind the layer renewing their leases: renewals per second
 //!   sustained, and renewal's store load against claim + complete.
+//! - `memory`: peak resident memory of N concurrent large streamed responses, with and
+//!   without the layer, each side in a child process of its own.
 //! - `benches/pure.rs`: divan micro-benchmarks of the pure paths.
 //!
 //! Embedded files go to a temporary directory under `$IDEM_BENCH_DIR` (default the system
@@ -32,6 +35,7 @@
 mod baseline;
 mod cycles;
 mod http;
+mod memory;
 mod renew;
 mod size;
 mod sweep;
@@ -46,7 +50,7 @@ pub(crate) const PG_SCHEMA: &str = "idem_bench";
 #[derive(Debug, Parser)]
 #[command(
     name = "idem-bench",
-    about = "idem benchmarks: store cycles, HTTP overhead, storage cost, sweep memory, lease renewal"
+    about = "idem benchmarks: store cycles, HTTP overhead, storage cost, sweep memory, lease renewal, streamed-response memory"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -66,6 +70,8 @@ enum Command {
     /// Long handlers behind the layer renewing their leases: renewals/s sustained, late
     /// renewals, and renewal's store load against claim + complete.
     Renew(renew::RenewArgs),
+    /// Peak RSS of N concurrent large streamed responses, with and without the layer.
+    Memory(memory::MemoryArgs),
 }
 
 /// A store backend.
@@ -132,6 +138,7 @@ fn main() -> Result<(), BoxError> {
             Command::Size(args) => size::run(args).await,
             Command::Sweep(args) => sweep::run(args).await,
             Command::Renew(args) => renew::run(args).await,
+            Command::Memory(args) => memory::run(args).await,
         }
     })
 }

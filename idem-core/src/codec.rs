@@ -86,4 +86,47 @@ mod tests {
         long.push(0);
         assert!(matches!(decode_response(&long), Err(CodecError::Trailing(1))));
     }
+
+    /// Storing trailers changed the bytes of responses without trailers, so records
+    /// written before trailers existed no longer decoded (or decoded differently).
+    #[test]
+    fn trailers_round_trip_and_records_from_before_trailers_still_decode() {
+        // 201, no headers, Identity(b"hi"), as every earlier build wrote it.
+        let before = [RESPONSE_FORMAT_VERSION, 0xc9, 0x01, 0x00, 0x00, 0x02, b'h', b'i'];
+        let old = decode_response(&before).expect("an old record decodes");
+        assert_eq!(old, StoredResponse::new(201, vec![], b"hi".to_vec()));
+        assert!(old.trailers().is_empty());
+        assert_eq!(encode_response(&old), before, "no trailers: the same bytes as before");
+
+        let grpc = StoredResponse::new(200, vec![("content-type".into(), b"application/grpc".to_vec())], vec![0; 9])
+            .with_trailers(vec![("grpc-status".into(), b"0".to_vec()), ("grpc-message".into(), vec![])]);
+        let back = decode_response(&encode_response(&grpc)).expect("decodes");
+        assert_eq!(back, grpc);
+        assert_eq!(back.trailers()[0], ("grpc-status".to_owned(), b"0".to_vec()));
+        assert_eq!(back.body_bytes().expect("body").as_deref(), Some(&[0u8; 9][..]));
+        let lz4 = StoredResponse::compressed_over(200, vec![], vec![7; 10_000], 16)
+            .with_trailers(vec![("x-checksum".into(), b"abc".to_vec())]);
+        assert_eq!(
+            decode_response(&encode_response(&lz4)).expect("decodes").body_bytes().expect("body").map(|b| b.len()),
+            Some(10_000)
+        );
+        let nested = StoredResponse {
+            status: 200,
+            headers: vec![],
+            body: crate::StoredBody::WithTrailers {
+                body: Box::new(crate::StoredBody::WithTrailers {
+                    body: Box::new(crate::StoredBody::Identity(vec![])),
+                    trailers: vec![],
+                }),
+                trailers: vec![],
+            },
+        };
+        assert!(matches!(nested.body_bytes(), Err(CodecError::NestedTrailers)));
+        // Hostile bytes that nest trailers a million deep are refused by the decoder at
+        // the second level, never by a stack overflow.
+        let mut deep = vec![RESPONSE_FORMAT_VERSION, 0xc8, 0x01, 0x00];
+        deep.extend(std::iter::repeat_n(3, 1_000_000));
+        assert!(matches!(decode_response(&deep), Err(CodecError::Malformed(_))));
+        assert!(matches!(decode_response(&encode_response(&nested)), Err(CodecError::Malformed(_))));
+    }
 }

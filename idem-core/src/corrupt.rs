@@ -27,4 +27,19 @@ pub enum CodecError {
     /// A compressed body does not decompress.
     #[error("a stored body's compression is corrupt")]
     BadCompression,
+    /// One field (a column, a hash field) of a record kept as separate fields holds a
+    /// value the store never writes: the wrong length, an unknown state name, a negative
+    /// token. Every backend reports such a record with this variant, inside
+    /// [`crate::StoreError::Corrupt`], so a caller tells "the record does not decode" from
+    /// "the store is unavailable" the same way on every backend.
+    #[error("stored field {field} is invalid: {reason}")]
+    BadField {
+        /// The field or column, e.g. `state`.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A stored body nests trailers inside trailers, which no writer produces.
+    #[error("a stored body nests trailers twice")]
+    NestedTrailers,
 }

@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 /// The record rules: retention, lease, cacheable statuses, and what a stored response
-/// keeps. `Policy::default()` gives 24 h retention, a 5 min lease, 2xx and most 4xx
+/// keeps. `Policy::default()` gives 24 h retention, a 5 min lease, 2xx, 303 and most 4xx
 /// stored, bodies up to 1 MiB kept, LZ4 over 4 KiB, `set-cookie` and `date` dropped.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -24,15 +24,16 @@ pub struct Policy {
     pub lease_ttl: Duration,
     /// 4xx statuses that are not stored because the server made no decision the client
     /// should see again (default 401, 403, 408, 409, 423, 425, 429). Entries outside
-    /// 400..=499 change nothing: 2xx are always stored, 1xx, 3xx and 5xx never.
+    /// 400..=499 change nothing: 2xx and 303 are always stored, 1xx, the other 3xx and
+    /// 5xx never (see [`Policy::is_cacheable`]).
     pub uncacheable_4xx: Vec<u16>,
     /// Largest response body stored for replay, bytes (default 1 MiB). Larger responses
     /// still complete the record; the replay reports the body was not retained.
     pub max_stored_body: usize,
     /// Bodies longer than this many bytes are stored LZ4-compressed (default 4 KiB).
     pub compress_over: usize,
-    /// Response headers (lower-case) never stored, besides hop-by-hop ones (default
-    /// `set-cookie`, `date`).
+    /// Response headers (lower-case) never stored, besides hop-by-hop ones and those a
+    /// response's `Connection` field names (default `set-cookie`, `date`).
     pub header_deny_list: Vec<String>,
 }
 
@@ -101,13 +102,31 @@ impl Policy {
         self
     }
 
-    /// Sets the response headers never stored besides hop-by-hop ones (default
+    /// Adds response headers never to store, on top of those already denied (default
     /// `set-cookie`, `date`; per-exchange ids such as `x-request-id` belong here too).
-    /// Names are lower-cased.
+    /// Names are lower-cased. Adding never drops a default: a deny list that silently
+    /// started storing `Set-Cookie` would replay one client's session cookie to whoever
+    /// retries with the key. To drop a default, use
+    /// [`Policy::with_header_deny_list_replaced`].
     #[must_use]
     pub fn with_header_deny_list<I: IntoIterator<Item = S>, S: Into<String>>(mut self, names: I) -> Self {
-        self.header_deny_list = names.into_iter().map(|s| s.into().to_ascii_lowercase()).collect();
+        for name in names {
+            let name = name.into().to_ascii_lowercase();
+            if !self.header_deny_list.contains(&name) {
+                self.header_deny_list.push(name);
+            }
+        }
         self
+    }
+
+    /// Replaces the whole deny list, defaults included: only `names` (lower-cased) and the
+    /// hop-by-hop headers are not stored. `with_header_deny_list_replaced(["date"])`
+    /// stores `Set-Cookie`; only do that for responses whose cookies are safe to hand to
+    /// every retry of the same key.
+    #[must_use]
+    pub fn with_header_deny_list_replaced<I: IntoIterator<Item = S>, S: Into<String>>(mut self, names: I) -> Self {
+        self.header_deny_list = Vec::new();
+        self.with_header_deny_list(names)
     }
 
     /// The retention actually applied: never shorter than the lease.
@@ -116,13 +135,20 @@ impl Policy {
         self.retention.max(self.lease_ttl)
     }
 
-    /// Whether a response with `status` is stored and replayed: 2xx, and 4xx outside
+    /// Whether a response with `status` is stored and replayed: 2xx, 303, and 4xx outside
     /// `uncacheable_4xx` (the server made a durable change, or decided that none will
-    /// ever happen). Never 1xx, 3xx or 5xx.
+    /// ever happen). Never 1xx, 5xx or any other 3xx.
+    ///
+    /// The 3xx rule (RFC 9110 §15.4): 303 See Other is how a server answers a POST whose
+    /// work is done and whose result lives elsewhere (post/redirect/get), so it is stored
+    /// like a 201. The others say the request was not processed here: 301, 302, 307 and
+    /// 308 send the client to another URI (where the retry belongs), 300 asks it to
+    /// choose, 304 answers a conditional GET, 305 and 306 are obsolete. A retry of those
+    /// runs the handler again, which is what the redirected client expects.
     #[must_use]
     pub fn is_cacheable(&self, status: u16) -> bool {
         match status {
-            200..=299 => true,
+            200..=299 | 303 => true,
             400..=499 => !self.uncacheable_4xx.contains(&status),
             _ => false,
         }
@@ -146,10 +172,10 @@ mod tests {
     #[test]
     fn only_2xx_and_lasting_4xx_are_cacheable_by_default() {
         let p = Policy::default();
-        for s in [200, 201, 202, 204, 400, 404, 410, 422] {
+        for s in [200, 201, 202, 204, 303, 400, 404, 410, 422] {
             assert!(p.is_cacheable(s), "{s}");
         }
-        for s in [100, 301, 303, 401, 403, 408, 409, 423, 425, 429, 500, 502, 503, 504] {
+        for s in [100, 300, 301, 302, 304, 307, 308, 401, 403, 408, 409, 423, 425, 429, 500, 502, 503, 504] {
             assert!(!p.is_cacheable(s), "{s}");
         }
     }
@@ -187,5 +213,18 @@ mod tests {
         assert!(!q.stores_header("x-request-id"));
         assert!(!q.stores_header("Set-Cookie"));
         assert!(!Policy::default().with_header_deny_list(["X-Trace"]).stores_header("x-trace"));
+    }
+
+    /// One extra deny-list name silently dropped the defaults, so `Set-Cookie` was stored
+    /// and replayed to every retry.
+    #[test]
+    fn the_deny_list_extends_the_defaults_and_replacing_is_explicit() {
+        let p = Policy::default().with_header_deny_list(["X-Request-Id", "date"]);
+        assert!(!p.stores_header("x-request-id"));
+        assert!(!p.stores_header("set-cookie") && !p.stores_header("date"));
+        assert_eq!(p.header_deny_list, ["set-cookie", "date", "x-request-id"]);
+        let q = Policy::default().with_header_deny_list_replaced(["X-Request-Id"]);
+        assert!(q.stores_header("set-cookie") && q.stores_header("date"));
+        assert!(!q.stores_header("x-request-id"));
     }
 }

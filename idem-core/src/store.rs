@@ -102,6 +102,15 @@ impl StoreError {
     pub fn is_lease_lost(&self) -> bool {
         matches!(self, StoreError::LeaseLost { .. })
     }
+
+    /// Whether a stored record does not decode ([`StoreError::Corrupt`]). Unlike an
+    /// unavailable store, retrying does not help, and a front end must not treat it as an
+    /// outage: the record may be a completed operation, so running its handler again
+    /// (fail-open) could repeat it.
+    #[must_use]
+    pub fn is_corrupt(&self) -> bool {
+        matches!(self, StoreError::Corrupt { .. })
+    }
 }
 
 /// What a backend offers beyond the required behaviour. The conformance suite runs the

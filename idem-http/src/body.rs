@@ -1,17 +1,22 @@
 //! The response body the layer returns: the inner service's body untouched (safe methods,
-//! keyless requests, fail-open), or a buffered one (every keyed response, whose body had
-//! to be read whole so that it could be stored before the response leaves).
+//! keyless requests, fail-open, responses that are not stored), a buffered one (a keyed
+//! response that ended within `max_stored_body`, and every replay), or a streamed one (a
+//! keyed response longer than that, or endless: the part read while deciding, then the
+//! rest straight from the handler).
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 
 /// Body of responses from [`crate::Idempotency`].
 ///
-/// Its error type is the inner body's: a buffered body never fails.
+/// Its error type is the inner body's: a buffered body never fails; a streamed one fails
+/// when the handler's body does, after the part the layer had read.
 pub struct ResponseBody<B> {
     kind: Kind<B>,
 }
@@ -19,17 +24,27 @@ pub struct ResponseBody<B> {
 enum Kind<B> {
     /// Passed through; boxed so the wrapper is `Unpin` whatever `B` is.
     Inner(Pin<Box<B>>),
-    /// Buffered bytes, sent as one frame; `None` once sent.
-    Full(Option<Bytes>),
+    /// Buffered bytes, sent as one frame (`None` once sent), then the trailers, if any.
+    Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
+    /// The frames read before the layer stopped buffering, then the rest of the inner body.
+    Streamed { read: VecDeque<Bytes>, rest: Pin<Box<B>> },
 }
 
 impl<B> ResponseBody<B> {
-    pub(crate) fn inner(body: B) -> Self {
-        Self { kind: Kind::Inner(Box::pin(body)) }
+    pub(crate) fn inner(body: Pin<Box<B>>) -> Self {
+        Self { kind: Kind::Inner(body) }
     }
 
     pub(crate) fn full(bytes: Bytes) -> Self {
-        Self { kind: Kind::Full(Some(bytes)) }
+        Self { kind: Kind::Full { data: Some(bytes), trailers: None } }
+    }
+
+    pub(crate) fn full_with_trailers(bytes: Bytes, trailers: Option<HeaderMap>) -> Self {
+        Self { kind: Kind::Full { data: Some(bytes), trailers: trailers.filter(|t| !t.is_empty()) } }
+    }
+
+    pub(crate) fn streamed(read: Vec<Bytes>, rest: Pin<Box<B>>) -> Self {
+        Self { kind: Kind::Streamed { read: read.into(), rest } }
     }
 }
 
@@ -37,7 +52,13 @@ impl<B> fmt::Debug for ResponseBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.kind {
             Kind::Inner(_) => f.write_str("ResponseBody::Inner(..)"),
-            Kind::Full(b) => write!(f, "ResponseBody::Full({} bytes)", b.as_ref().map_or(0, Bytes::len)),
+            Kind::Full { data, trailers } => write!(
+                f,
+                "ResponseBody::Full({} bytes, {} trailers)",
+                data.as_ref().map_or(0, Bytes::len),
+                trailers.as_ref().map_or(0, HeaderMap::len)
+            ),
+            Kind::Streamed { read, .. } => write!(f, "ResponseBody::Streamed({} frames read, ..)", read.len()),
         }
     }
 }
@@ -52,21 +73,41 @@ where
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match &mut self.get_mut().kind {
             Kind::Inner(body) => body.as_mut().poll_frame(cx),
-            Kind::Full(bytes) => Poll::Ready(bytes.take().filter(|b| !b.is_empty()).map(|b| Ok(Frame::data(b)))),
+            Kind::Full { data, trailers } => {
+                if let Some(bytes) = data.take().filter(|b| !b.is_empty()) {
+                    return Poll::Ready(Some(Ok(Frame::data(bytes))));
+                }
+                Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t))))
+            }
+            Kind::Streamed { read, rest } => match read.pop_front() {
+                Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
+                None => rest.as_mut().poll_frame(cx),
+            },
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Kind::Inner(body) => body.is_end_stream(),
-            Kind::Full(bytes) => bytes.as_ref().is_none_or(Bytes::is_empty),
+            Kind::Full { data, trailers } => data.as_ref().is_none_or(Bytes::is_empty) && trailers.is_none(),
+            Kind::Streamed { read, rest } => read.is_empty() && rest.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             Kind::Inner(body) => body.size_hint(),
-            Kind::Full(bytes) => SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64)),
+            Kind::Full { data, .. } => SizeHint::with_exact(data.as_ref().map_or(0, |b| b.len() as u64)),
+            Kind::Streamed { read, rest } => {
+                let read: u64 = read.iter().map(|b| b.len() as u64).sum();
+                let rest = rest.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest.lower().saturating_add(read));
+                if let Some(upper) = rest.upper() {
+                    hint.set_upper(upper.saturating_add(read));
+                }
+                hint
+            }
         }
     }
 }

@@ -92,7 +92,7 @@ pub enum StoreFailureMode {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum HandlerExecution {
-    /// The handler call, the reading of its whole response body and the `complete` or
+    /// The handler call, the bounded reading of its response body and the `complete` or
     /// `fail` write are work that outlives the response future (default). While the client
     /// waits, the response future polls that work in place (no task per request); if the
     /// response future is dropped before the work finished, the work moves to a task of its
@@ -222,6 +222,10 @@ pub(crate) struct Config {
     pub(crate) in_flight_retry_after: Duration,
     /// How long a duplicate of an in-flight request waits for its outcome; `None`: 409 at once.
     pub(crate) in_flight_wait: Option<Duration>,
+    /// When a response the layer may store is streamed instead of buffered.
+    pub(crate) streaming: crate::streaming::Streaming,
+    /// Retry hint headers on the layer's own answers.
+    pub(crate) retry_hints: crate::hints::RetryHints,
 }
 
 impl Config {
@@ -243,6 +247,8 @@ impl Config {
             lease_renewal: LeaseRenewal::default(),
             in_flight_retry_after: DEFAULT_IN_FLIGHT_RETRY_AFTER,
             in_flight_wait: None,
+            streaming: crate::streaming::Streaming::default(),
+            retry_hints: crate::hints::RetryHints::default(),
         }
     }
 }
@@ -264,6 +270,8 @@ impl fmt::Debug for Config {
             .field("lease_renewal", &self.lease_renewal)
             .field("in_flight_retry_after", &self.in_flight_retry_after)
             .field("in_flight_wait", &self.in_flight_wait)
+            .field("streaming", &self.streaming)
+            .field("retry_hints", &self.retry_hints)
             .finish_non_exhaustive()
     }
 }

@@ -10,6 +10,7 @@ use tower::Layer;
 use crate::config::{
     Config, HandlerExecution, KeyRequirement, LeaseRenewal, MismatchStatus, MissingPrincipal, StoreFailureMode,
 };
+use crate::hints::RetryHints;
 use crate::principal::PrincipalResolver;
 use crate::service::Idempotency;
 
@@ -27,7 +28,7 @@ use crate::service::Idempotency;
 /// | [`with_uncacheable_4xx`](Self::with_uncacheable_4xx) | 401, 403, 408, 409, 423, 425, 429 |
 /// | [`with_max_stored_body`](Self::with_max_stored_body) | 1 MiB (1 048 576 bytes) |
 /// | [`with_compress_over`](Self::with_compress_over) | 4 KiB (4 096 bytes) |
-/// | [`with_header_deny_list`](Self::with_header_deny_list) | `set-cookie`, `date` |
+/// | [`with_header_deny_list`](Self::with_header_deny_list) (adds) / [`with_header_deny_list_replaced`](Self::with_header_deny_list_replaced) | `set-cookie`, `date` |
 /// | [`with_key_requirement`](Self::with_key_requirement) | [`KeyRequirement::Required`] |
 /// | [`with_max_key_len`](Self::with_max_key_len) | 255 bytes |
 /// | [`with_principal_resolver`](Self::with_principal_resolver) | [`crate::BearerToken`] |
@@ -41,6 +42,9 @@ use crate::service::Idempotency;
 /// | [`with_lease_renewal`](Self::with_lease_renewal) | [`LeaseRenewal::Fraction`]`(3)`: every lease TTL / 3 |
 /// | [`with_in_flight_retry_after`](Self::with_in_flight_retry_after) | 2 s |
 /// | [`with_in_flight_wait`](Self::with_in_flight_wait) | `None`: a duplicate of a running request gets 409 at once |
+/// | [`with_buffer_deadline`](Self::with_buffer_deadline) | 500 ms |
+/// | [`with_streaming_content_types`](Self::with_streaming_content_types) | `text/event-stream` |
+/// | [`with_retry_hints`](Self::with_retry_hints) | `x-should-retry` on, `Stripe-Should-Retry` off |
 ///
 /// Cloning is cheap (one `Arc`).
 ///
@@ -134,12 +138,20 @@ impl IdempotencyLayer {
         self.map_policy(|p| p.with_compress_over(bytes))
     }
 
-    /// Sets the response headers never stored besides hop-by-hop ones (default
-    /// `set-cookie`, `date`; per-exchange ids such as `x-request-id` belong here too).
-    /// Names compare case-insensitively.
+    /// Adds response headers never to store, on top of the defaults (`set-cookie`,
+    /// `date`; per-exchange ids such as `x-request-id` belong here too). Names compare
+    /// case-insensitively. Hop-by-hop headers and those named by a response's `Connection`
+    /// field are never stored either. See [`Policy::with_header_deny_list`].
     #[must_use]
     pub fn with_header_deny_list<I: IntoIterator<Item = S>, S: Into<String>>(self, names: I) -> Self {
         self.map_policy(|p| p.with_header_deny_list(names))
+    }
+
+    /// Replaces the whole deny list, defaults included (so `Set-Cookie` is stored unless
+    /// listed). See [`Policy::with_header_deny_list_replaced`].
+    #[must_use]
+    pub fn with_header_deny_list_replaced<I: IntoIterator<Item = S>, S: Into<String>>(self, names: I) -> Self {
+        self.map_policy(|p| p.with_header_deny_list_replaced(names))
     }
 
     // Requests and answers.
@@ -260,6 +272,34 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Sets how long the layer waits, after a storable response's head, for its body to
+    /// end before it streams the response instead (default 500 ms; `None`: no deadline,
+    /// only the size and the content type decide). A streamed response completes the
+    /// record as not retained before its first byte is sent: a retry gets the
+    /// `response-not-retained` problem, never a second run. Needs tokio's timer.
+    #[must_use]
+    pub fn with_buffer_deadline(mut self, deadline: Option<Duration>) -> Self {
+        self.config().streaming.buffer_for = deadline;
+        self
+    }
+
+    /// Sets the response media types streamed at once, without buffering any of the body
+    /// (default `text/event-stream`). Names compare case-insensitively, parameters
+    /// (`; charset=...`) ignored.
+    #[must_use]
+    pub fn with_streaming_content_types<I: IntoIterator<Item = S>, S: Into<String>>(mut self, types: I) -> Self {
+        self.config().streaming.content_types = types.into_iter().map(|s| s.into().to_ascii_lowercase()).collect();
+        self
+    }
+
+    /// Sets the retry hint headers of the layer's own answers (default `x-should-retry`
+    /// on, `Stripe-Should-Retry` off; see [`RetryHints`]).
+    #[must_use]
+    pub fn with_retry_hints(mut self, hints: RetryHints) -> Self {
+        self.config().retry_hints = hints;
+        self
+    }
+
     /// The record rules in force.
     #[must_use]
     pub fn policy(&self) -> &Policy {
@@ -305,7 +345,8 @@ mod tests {
         assert_eq!((p.retention, p.lease_ttl), (Duration::from_secs(7), Duration::from_secs(3)));
         assert!(!p.is_cacheable(404) && p.is_cacheable(409));
         assert_eq!((p.max_stored_body, p.compress_over), (10, 5));
-        assert!(!p.stores_header("x-request-id") && p.stores_header("set-cookie"));
+        assert!(!p.stores_header("x-request-id") && !p.stores_header("set-cookie"), "adds to the defaults");
+        assert!(layer().with_header_deny_list_replaced(["x-request-id"]).policy().stores_header("set-cookie"));
     }
 
     /// `with_policy` replaced the HTTP settings too, or left earlier record rules behind.

@@ -78,7 +78,7 @@
 //! | different request (method, path, query, fingerprinted headers, body) | the layer's mismatch status ([`MismatchStatus`], 409 default) `mismatch`; never retry |
 //! | the record changed under the request three times in a row | 409 `busy` + `Retry-After: 1` |
 //! | store unreachable | 503 `store-unavailable` + `Retry-After: 1`, handler not run ([`StoreFailureMode::FailClosed`], default); or the handler runs unprotected and a warning is logged ([`StoreFailureMode::FailOpen`]) |
-//! | completed record whose stored response does not decode | 503 `store-unavailable`, logged as an error, in both failure modes (running again could repeat a completed operation) |
+//! | record that does not decode (`StoreError::Corrupt`, on every backend), or a completed record whose stored response does not decode | 503 `store-unavailable` + `x-should-retry: false`, logged as an error, in both failure modes (running again could repeat a completed operation) |
 //!
 //! Every response about an existing record (run, replay, in flight, mismatch) carries
 //! [`IDEMPOTENCY_KEY_EXPIRES`], a non-standard field with the HTTP-date until which the key
@@ -115,20 +115,70 @@
 //! `ServiceBuilder` in front of it) runs before routing and scopes by concrete path.
 //!
 //! # After the handler
-//! The whole response body is read (streamed bodies too), then, before the response is
+//! The layer looks at the handler's response head first, then, before the response is
 //! returned to the client:
-//! - status cacheable per [`idem_core::Policy::is_cacheable`] (2xx; 4xx except 401, 403,
-//!   408, 409, 423, 425, 429): `complete` with the status, headers minus hop-by-hop and
-//!   `header_deny_list` (default `set-cookie`, `date`), and body (LZ4 over
-//!   `compress_over`; over `max_stored_body` the record completes without the body and a
-//!   replay answers a `response-not-retained` problem with the original status and
-//!   `Location`);
-//! - anything else (5xx, 1xx, 3xx, uncacheable 4xx): `fail`, so the retry runs again;
+//! - status cacheable per [`idem_core::Policy::is_cacheable`] (2xx, 303, and 4xx except
+//!   401, 403, 408, 409, 423, 425, 429): the body is read up to `max_stored_body + 1`
+//!   bytes ([Streamed and large responses](#streamed-and-large-responses)). A body that
+//!   ends within the limit is stored: `complete` with the status, the kept headers
+//!   ([Stored headers](#stored-headers)), the body (LZ4 over `compress_over`) and the
+//!   trailers. A longer, endless or streaming body completes the record as not retained
+//!   (status and kept headers, no body) and then streams through; a replay answers a
+//!   `response-not-retained` problem with the original status and `Location`;
+//! - anything else (5xx, 1xx, 3xx other than 303, uncacheable 4xx, a gRPC status that is
+//!   not lasting, see [`grpc`]): `fail`, so the retry runs again; the body is not read by
+//!   the layer at all and streams through;
 //! - a handler may override the status rule for one response with the [`ResponseCaching`]
 //!   response extension (never to store a 5xx);
-//! - the handler returns an error, panics, or its body fails: `fail`. A panic is re-raised
-//!   after the write; a body failure answers 500 `response-body-failed`;
+//! - the handler returns an error, panics, or its body fails while the layer reads it:
+//!   `fail`. A panic is re-raised after the write; a body failure answers 500
+//!   `response-body-failed`. A body that fails after it started streaming (the record is
+//!   already complete, not retained) ends the client's response early; the retry gets
+//!   the `response-not-retained` problem;
 //! - the client disconnects mid-handler: see [Where the handler runs](#where-the-handler-runs).
+//!
+//! 303 See Other is stored because it is how a server answers a POST whose work is done
+//! and whose result lives elsewhere (post/redirect/get); the other 3xx say the request was
+//! not processed here (301, 302, 307, 308 send it elsewhere, 300 asks the client to choose,
+//! 304 answers a conditional GET), so a retry runs again.
+//!
+//! # Streamed and large responses
+//! Memory per request is bounded whatever the response size: the layer holds at most
+//! `max_stored_body` bytes plus the one frame that crossed it. It stops buffering, records
+//! the response as completed and not retained, and passes everything read so far and the
+//! rest of the body straight to the client when:
+//! - the body passes `max_stored_body` bytes (or its declared length is larger);
+//! - the response's media type is a streaming one (default `text/event-stream`,
+//!   [`IdempotencyLayer::with_streaming_content_types`]): at once, before any of its body;
+//! - the body is still open 500 ms after the head ([`IdempotencyLayer::with_buffer_deadline`]):
+//!   chunked progress, a long poll.
+//!
+//! The record completes before the first byte leaves, so a retry of a streamed operation,
+//! during the stream or after it, never runs the handler again: it gets the
+//! `response-not-retained` problem with the original status and `Location` (and, over
+//! gRPC, `ALREADY_EXISTS`). A client that must be able to fetch the result again should be
+//! sent a `Location` to read it from.
+//!
+//! # Stored headers
+//! A record keeps every response header (and trailer) except the hop-by-hop ones (RFC 9110
+//! §7.6.1), those a response's own `Connection` field names, and the deny list: default
+//! `set-cookie` and `date`; [`IdempotencyLayer::with_header_deny_list`] adds to it, and
+//! only [`IdempotencyLayer::with_header_deny_list_replaced`] drops a default.
+//!
+//! # Trailers and gRPC
+//! Trailers are stored with the body and replayed after it. A gRPC service behind the layer
+//! (the key in `idempotency-key` metadata) gets back its message and `grpc-status` on a
+//! retry; the layer's own answers to a gRPC request are gRPC statuses, not problem bodies.
+//! The mapping, and which gRPC outcomes are stored, are in [`grpc`]; `examples/grpc` runs
+//! a tonic service behind the layer.
+//!
+//! # Retry hints
+//! The layer's own answers carry `x-should-retry: false` when retrying with the same key
+//! cannot help (mismatch, key and principal errors, a too large request, a not-retained
+//! replay, a record that does not decode) and `x-should-retry: true` when it can (in flight,
+//! busy, store unavailable): generated SDKs that retry every 409 stop at a mismatch at
+//! once. `Stripe-Should-Retry` is opt-in. See [`hints`] and
+//! [`IdempotencyLayer::with_retry_hints`].
 //!
 //! When `complete` or `fail` is refused with `LeaseLost` (the lease ran out, renewal off or
 //! refused, and a retry reclaimed the record), the response still goes to this client and
@@ -352,7 +402,12 @@
 //! - [`service`] holds [`Idempotency`], the request flow.
 //! - [`future`] holds [`ResponseFuture`] (a boxed `async fn`) and the drop guard that marks a
 //!   record failed.
-//! - [`body`] holds [`ResponseBody`].
+//! - [`body`] holds [`ResponseBody`] (passed through, buffered, or streamed after a read
+//!   prefix).
+//! - `streaming` (private) holds the rules for when a storable response streams instead.
+//! - [`grpc`] holds the gRPC rules: which gRPC outcomes are stored, and the layer's
+//!   answers as gRPC statuses ([`grpc_code_for`]).
+//! - [`hints`] holds [`RetryHints`] and the last touch on the layer's own answers.
 //! - [`principal`] holds [`PrincipalResolver`], [`BearerToken`].
 //! - [`problem`] holds RFC 9457 bodies, [`ProblemKind`].
 //! - [`context`] holds [`IdempotencyContext`], the request extension a claimed handler sees
@@ -367,18 +422,23 @@ pub mod body;
 pub mod config;
 pub mod context;
 pub mod future;
+pub mod grpc;
 pub mod headers;
+pub mod hints;
 pub mod layer;
 mod lease;
 pub mod principal;
 pub mod problem;
 pub mod service;
+mod streaming;
 
 pub use body::ResponseBody;
 pub use config::{HandlerExecution, KeyRequirement, LeaseRenewal, MismatchStatus, MissingPrincipal, StoreFailureMode};
 pub use context::{IdempotencyContext, ResponseCaching};
 pub use future::ResponseFuture;
+pub use grpc::grpc_code_for;
 pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};
+pub use hints::{RetryHints, STRIPE_SHOULD_RETRY, X_SHOULD_RETRY};
 pub use idem_core::resume::{LeaseWatch, Reconciled, Resumable, StepError, SubKey};
 pub use idem_core::{FingerprintMode, Policy};
 pub use layer::IdempotencyLayer;

@@ -273,10 +273,13 @@ impl Problem {
     }
 
     /// The response: this status, `Content-Type: application/problem+json`, the JSON body.
+    /// The problem rides along as a response extension until the layer's last step adds the
+    /// retry hints (or turns it into a gRPC status), which takes it out again.
     pub(crate) fn into_response<B>(self) -> Response<ResponseBody<B>> {
         let mut res = Response::new(ResponseBody::full(Bytes::from(self.to_json())));
         *res.status_mut() = self.status;
         res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        res.extensions_mut().insert(self);
         res
     }
 }

@@ -8,8 +8,11 @@
 //! 5. decide ([`idem_core::decide`]): run the handler under the claim, replay, 409 (or,
 //!    opt-in, wait a bounded time for the first attempt's outcome), mismatch;
 //! 6. while the handler runs, renew its lease ([`crate::LeaseRenewal`]);
-//! 7. after the handler: read the whole response body, then `complete` (cacheable status)
-//!    or `fail` (anything else), and only then return the response.
+//! 7. after the handler: for a cacheable status, read the body up to `max_stored_body + 1`
+//!    bytes (or not at all for a streaming media type, or until the buffering deadline),
+//!    then `complete` (with the body if it ended in time, not retained otherwise); for any
+//!    other status `fail` without reading; only then return the response, whose unread
+//!    rest streams straight from the handler.
 //!
 //! Steps 5 (running the handler), 6 and 7 happen in work that outlives the response future
 //! under [`crate::HandlerExecution::Detached`] (default: polled in place, moved to a task of
@@ -17,6 +20,7 @@
 //! [`crate::HandlerExecution::Inline`].
 
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -42,6 +46,7 @@ use crate::future::{FailGuard, ResponseFuture, detach_on_drop};
 use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, expires_value};
 use crate::lease::{LeaseState, Renewal, while_renewing};
 use crate::problem::{Problem, ProblemKind};
+use crate::streaming::Streaming;
 
 /// How many times one request re-reads a record that changed under it (a lost reclaim, a
 /// record that expired between two reads) before it answers 409 busy. Each round follows
@@ -142,6 +147,28 @@ where
     if req.method().is_safe() {
         return pass_through(inner, req).await;
     }
+    let grpc = crate::grpc::is_grpc(req.headers());
+    let res = handle_keyed(&cfg, inner, req).await?;
+    // The layer's own answers (they carry their `ProblemKind`) get the retry hints, and
+    // become gRPC statuses for a gRPC request; handler responses and replays of them pass
+    // unchanged.
+    Ok(crate::hints::dress(res, &cfg.retry_hints, grpc))
+}
+
+async fn handle_keyed<S, ReqBody, ResBody>(
+    cfg: &Config,
+    inner: S,
+    req: Request<ReqBody>,
+) -> Result<Res<ResBody>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
+    ReqBody: Body + From<Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
     let (parts, body) = req.into_parts();
     let key = match read_key(&parts.headers, cfg.max_key_len) {
         Ok(Some(key)) => key,
@@ -181,7 +208,7 @@ where
         Ok(bytes) => bytes,
         Err(problem) => return Ok(problem.into_response()),
     };
-    let fingerprint = fingerprint(&parts, &bytes, &cfg);
+    let fingerprint = fingerprint(&parts, &bytes, cfg);
     let claim = ClaimRequest::new(
         Scope { principal, endpoint },
         key,
@@ -190,10 +217,10 @@ where
         cfg.policy.effective_retention(),
     );
     let id = claim.id;
-    match acquire(&cfg, claim).await {
+    match acquire(cfg, claim).await {
         Acquired::Run(record, claimed_at) => match cfg.handler_execution {
-            HandlerExecution::Inline => run_claimed(&cfg, inner, parts, bytes, record, claimed_at).await,
-            HandlerExecution::Detached => run_detached(&cfg, inner, parts, bytes, record, claimed_at).await,
+            HandlerExecution::Inline => run_claimed(cfg, inner, parts, bytes, record, claimed_at).await,
+            HandlerExecution::Detached => run_detached(cfg, inner, parts, bytes, record, claimed_at).await,
         },
         Acquired::Answer(res) => Ok(res),
         Acquired::StoreFailed(error) => match cfg.store_failure_mode {
@@ -213,8 +240,13 @@ where
             }
         },
         Acquired::Unreadable(why) => {
-            tracing::error!(record = %id, why, "stored idempotency record cannot be replayed");
-            Ok(store_unavailable("the stored response for this idempotency key cannot be read"))
+            // In both failure modes: the record may be a completed operation, and running
+            // its handler again (fail-open) could repeat it. Retrying cannot fix the
+            // record, so SDK retry loops are told not to.
+            tracing::error!(record = %id, why, "stored idempotency record cannot be read or replayed");
+            let mut res = store_unavailable("the stored record for this idempotency key cannot be read");
+            crate::hints::never_retry(res.headers_mut(), &cfg.retry_hints);
+            Ok(res)
         }
     }
 }
@@ -223,7 +255,7 @@ async fn pass_through<S, ReqBody, ResBody>(mut inner: S, req: Request<ReqBody>) 
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
 {
-    inner.call(req).await.map(|res| res.map(ResponseBody::inner))
+    inner.call(req).await.map(|res| res.map(|body| ResponseBody::inner(Box::pin(body))))
 }
 
 /// One `Idempotency-Key` field, parsed. Two or more fields are a 400 even when their
@@ -311,7 +343,8 @@ enum Acquired<B> {
     Answer(Res<B>),
     /// The store failed: fail closed or open, per the layer's store failure mode.
     StoreFailed(StoreError),
-    /// A completed record whose response cannot be rebuilt.
+    /// A record that does not decode ([`StoreError::Corrupt`]), or a completed record
+    /// whose response cannot be rebuilt.
     Unreadable(String),
 }
 
@@ -334,6 +367,8 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
     let (mut current, mut now) = match store.claim(claim).await {
         Ok(ClaimOutcome::Claimed(record)) => return Acquired::Run(record, sent),
         Ok(ClaimOutcome::Existing { record, now }) => (Some(record), now),
+        // A record that does not decode is no outage: it may be a completed operation.
+        Err(e) if e.is_corrupt() => return Acquired::Unreadable(e.to_string()),
         Err(e) => return Acquired::StoreFailed(e),
     };
     // When the store's `now` was last read, for the estimate a `get` (which reports no
@@ -357,6 +392,7 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
                 match store.claim(again(scope, key)).await {
                     Ok(ClaimOutcome::Claimed(record)) => return Acquired::Run(record, sent),
                     Ok(ClaimOutcome::Existing { record, now: n }) => (Some(record), n),
+                    Err(e) if e.is_corrupt() => return Acquired::Unreadable(e.to_string()),
                     Err(e) => return Acquired::StoreFailed(e),
                 }
             }
@@ -405,6 +441,7 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
                     Ok(ReclaimOutcome::Reclaimed(record)) => return Acquired::Run(record, sent),
                     // Another retry won the compare-and-set, or the record moved on: look again.
                     Ok(ReclaimOutcome::Conflict { current, now: n }) => (current, n),
+                    Err(e) if e.is_corrupt() => return Acquired::Unreadable(e.to_string()),
                     Err(e) => return Acquired::StoreFailed(e),
                 }
             }
@@ -475,13 +512,14 @@ fn replay<B>(record: &Record) -> Result<Res<B>, String> {
     let status = StatusCode::from_u16(stored.status).map_err(|e| format!("stored status {}: {e}", stored.status))?;
     let mut res = match stored.body_bytes().map_err(|e| e.to_string())? {
         Some(body) => {
-            let mut res = Response::new(ResponseBody::full(Bytes::from(body.into_owned())));
+            let trailers = stored_trailers(stored.trailers());
+            let mut res = Response::new(ResponseBody::full_with_trailers(Bytes::from(body.into_owned()), trailers));
             *res.status_mut() = status;
             append_stored_headers(res.headers_mut(), &stored.headers, |_| true);
             res
         }
         None => {
-            let len = match stored.body {
+            let len = match stored.plain_body() {
                 StoredBody::NotRetained { len: Some(len) } => format!(" ({len} bytes)"),
                 _ => String::new(),
             };
@@ -498,6 +536,16 @@ fn replay<B>(record: &Record) -> Result<Res<B>, String> {
     res.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     set_expires(res.headers_mut(), record.expires_at);
     Ok(res)
+}
+
+/// The stored trailers as a field map; `None` when there are none.
+fn stored_trailers(stored: &[(String, Vec<u8>)]) -> Option<HeaderMap> {
+    if stored.is_empty() {
+        return None;
+    }
+    let mut map = HeaderMap::new();
+    append_stored_headers(&mut map, stored, |_| true);
+    Some(map)
 }
 
 fn append_stored_headers(out: &mut HeaderMap, stored: &[(String, Vec<u8>)], keep: impl Fn(&str) -> bool) {
@@ -572,18 +620,34 @@ where
         store: Arc::clone(&store),
     });
     let req = Request::from_parts(parts, ReqBody::from(bytes));
-    // The handler's own future and the reading of its body both run inside catch_unwind:
-    // a streamed body that panics half-way is a handler panic too. The renewal covers both
-    // and ends with them, before the outcome is written.
+    let policy = &cfg.policy;
+    let streaming = &cfg.streaming;
+    // The handler's own future and the bounded reading of its body both run inside
+    // catch_unwind: a streamed body that panics half-way is a handler panic too. The
+    // renewal covers both and ends with them, before the outcome is written.
     let work = AssertUnwindSafe(async move {
         let res = inner.call(req).await?;
-        let (head, body) = res.into_parts();
-        let body = body.collect().await.map(http_body_util::Collected::to_bytes).map_err(Into::<BoxError>::into);
-        Ok((head, body))
+        let (mut head, body) = res.into_parts();
+        let caching = head.extensions.remove::<ResponseCaching>();
+        let cacheable = match caching {
+            _ if head.status.is_server_error() => false,
+            Some(ResponseCaching::Store) => true,
+            Some(ResponseCaching::DoNotStore) => false,
+            None => policy.is_cacheable(head.status.as_u16()),
+        };
+        let body = Box::pin(body);
+        // A response that is not stored is not read here at all: it streams through as
+        // it comes, after the record is marked failed.
+        let read = if cacheable {
+            read_bounded(body, &head, policy.max_stored_body, streaming).await
+        } else {
+            Read::Untouched(body)
+        };
+        Ok((head, caching, read))
     })
     .catch_unwind();
     let outcome = while_renewing(work, renewal).await;
-    let (mut head, body) = match outcome {
+    let (mut head, caching, read) = match outcome {
         Err(panic) => {
             // Mark failed first, deterministically, then let the panic continue to whatever
             // catches panics above this layer (a layer must not turn a panic into a response).
@@ -594,7 +658,12 @@ where
             guard.fail_now("handler returned an error").await;
             return Err(error);
         }
-        Ok(Ok((_, Err(error)))) => {
+        Ok(Ok(parts)) => parts,
+    };
+    let mut expires_at = claimed_expires_at;
+    let status = head.status.as_u16();
+    let (stored, body) = match read {
+        Read::Failed(error) => {
             guard.fail_now("response body failed").await;
             tracing::error!(record = %id, error = %error, "handler response body failed; record marked failed");
             return Ok(Problem::new(
@@ -604,18 +673,26 @@ where
             )
             .into_response());
         }
-        Ok(Ok((head, Ok(body)))) => (head, body),
+        Read::Untouched(body) => (None, ResponseBody::inner(body)),
+        Read::Whole(bytes, trailers) => {
+            // gRPC answers its errors with HTTP 200 and the real outcome in `grpc-status`;
+            // only a lasting one is stored (see `crate::grpc`), unless the handler said.
+            let lasting = caching.is_some() || crate::grpc::is_lasting(&head.headers, trailers.as_ref());
+            let stored = lasting.then(|| {
+                stored_response(policy, status, &head.headers, &bytes)
+                    .with_trailers(trailers.as_ref().map_or_else(Vec::new, |t| kept_fields(policy, t)))
+            });
+            (stored, ResponseBody::full_with_trailers(bytes, trailers))
+        }
+        Read::Streamed { read, len, rest, why } => {
+            tracing::debug!(record = %id, status, why, "response streamed: the record completes without its body");
+            let headers = kept_fields(policy, &head.headers);
+            let stored = StoredResponse { status, headers, body: StoredBody::NotRetained { len } };
+            (Some(stored), ResponseBody::streamed(read, rest))
+        }
     };
-    let mut expires_at = claimed_expires_at;
-    let status = head.status.as_u16();
-    let cacheable = match head.extensions.remove::<ResponseCaching>() {
-        _ if head.status.is_server_error() => false,
-        Some(ResponseCaching::Store) => true,
-        Some(ResponseCaching::DoNotStore) => false,
-        None => cfg.policy.is_cacheable(status),
-    };
-    if cacheable {
-        match store.complete(id, token, stored_response(&cfg.policy, status, &head.headers, &body)).await {
+    if let Some(stored) = stored {
+        match store.complete(id, token, stored).await {
             Ok(done) => expires_at = done.expires_at,
             Err(e) if e.is_lease_lost() => tracing::warn!(
                 record = %id, token = %token, error = %e,
@@ -630,12 +707,113 @@ where
         }
         guard.disarm();
     } else {
-        // 5xx, 1xx, 3xx, the uncacheable 4xx, and what the handler marked `DoNotStore`:
-        // never stored, so a retry runs again.
+        // 5xx, 1xx, 3xx other than 303, the uncacheable 4xx, a gRPC status that is not
+        // lasting, and what the handler marked `DoNotStore`: never stored, so a retry runs
+        // again.
         guard.fail_now("response status is not cacheable").await;
     }
     set_expires(&mut head.headers, expires_at);
-    Ok(Response::from_parts(head, ResponseBody::full(body)))
+    Ok(Response::from_parts(head, body))
+}
+
+/// What the layer read of a response body it may store.
+enum Read<B> {
+    /// Not read: the response is not stored, so it streams through.
+    Untouched(Pin<Box<B>>),
+    /// The whole body ended within `max_stored_body` bytes, with its trailers.
+    Whole(Bytes, Option<HeaderMap>),
+    /// The layer stopped buffering: `read` is what it had read, `rest` the body from there.
+    Streamed {
+        read: Vec<Bytes>,
+        /// The body's full length, when its size hint said it exactly.
+        len: Option<u64>,
+        rest: Pin<Box<B>>,
+        why: &'static str,
+    },
+    /// The body failed while it was read.
+    Failed(BoxError),
+}
+
+/// Reads `body` until it ends, or it has given more than `limit` bytes, or it is a stream
+/// (`text/event-stream`, a declared length over `limit`), or it has not ended within the
+/// layer's buffering deadline after the head. Holds at most `limit` bytes plus the one
+/// frame that crossed the limit: memory per request is bounded whatever the response size.
+async fn read_bounded<B>(
+    mut body: Pin<Box<B>>,
+    head: &http::response::Parts,
+    limit: usize,
+    streaming: &Streaming,
+) -> Read<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let exact = body.size_hint().exact();
+    if exact.is_some_and(|len| len > limit as u64) {
+        return Read::Streamed {
+            read: Vec::new(),
+            len: exact,
+            rest: body,
+            why: "declared length over max_stored_body",
+        };
+    }
+    if streaming.is_stream(&head.headers) {
+        return Read::Streamed { read: Vec::new(), len: None, rest: body, why: "streaming content type" };
+    }
+    // The deadline needs tokio's timer; without a runtime the layer reads by size alone.
+    let deadline =
+        streaming.buffer_for.filter(|_| tokio::runtime::Handle::try_current().is_ok()).map(|d| Instant::now() + d);
+    let mut read: Vec<Bytes> = Vec::new();
+    let mut total = 0usize;
+    let mut trailers: Option<HeaderMap> = None;
+    loop {
+        let next = match deadline {
+            Some(at) => match tokio::time::timeout_at(at, body.frame()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    return Read::Streamed {
+                        read,
+                        len: None,
+                        rest: body,
+                        why: "body still open at the buffering deadline",
+                    };
+                }
+            },
+            None => body.frame().await,
+        };
+        match next {
+            None => break,
+            Some(Err(e)) => return Read::Failed(e.into()),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => {
+                    total = total.saturating_add(data.len());
+                    if !data.is_empty() {
+                        read.push(data);
+                    }
+                    if total > limit {
+                        return Read::Streamed { read, len: exact, rest: body, why: "body over max_stored_body" };
+                    }
+                }
+                Err(frame) => {
+                    if let Ok(t) = frame.into_trailers() {
+                        trailers.get_or_insert_with(HeaderMap::new).extend(t);
+                    }
+                }
+            },
+        }
+    }
+    let bytes = match read.len() {
+        0 => Bytes::new(),
+        1 => read.pop().unwrap_or_default(),
+        _ => {
+            let mut all = bytes::BytesMut::with_capacity(total);
+            for chunk in read {
+                all.extend_from_slice(&chunk);
+            }
+            all.freeze()
+        }
+    };
+    Read::Whole(bytes, trailers)
 }
 
 /// The renewal duty of a claimed attempt, or `None` when the layer does not renew: renewal
@@ -657,16 +835,31 @@ fn renewal(
 }
 
 fn stored_response(policy: &Policy, status: u16, headers: &HeaderMap, body: &Bytes) -> StoredResponse {
-    let headers: Vec<(String, Vec<u8>)> = headers
-        .iter()
-        .filter(|(name, _)| policy.stores_header(name.as_str()))
-        .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
-        .collect();
+    let headers = kept_fields(policy, headers);
     if body.len() > policy.max_stored_body {
         StoredResponse { status, headers, body: StoredBody::NotRetained { len: Some(body.len() as u64) } }
     } else {
         StoredResponse::compressed_over(status, headers, body.to_vec(), policy.compress_over)
     }
+}
+
+/// The fields of `fields` (headers or trailers) a record keeps: not hop-by-hop, not on the
+/// deny list, and not named by the message's own `Connection` field (RFC 9110 §7.6.1: a
+/// sender lists there the fields meant for the next hop only).
+fn kept_fields(policy: &Policy, fields: &HeaderMap) -> Vec<(String, Vec<u8>)> {
+    let per_hop: Vec<String> = fields
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|name| name.trim().to_ascii_lowercase())
+        .filter(|name| !name.is_empty())
+        .collect();
+    fields
+        .iter()
+        .filter(|(name, _)| policy.stores_header(name.as_str()) && !per_hop.iter().any(|p| p == name.as_str()))
+        .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+        .collect()
 }
 
 fn set_retry_after(headers: &mut HeaderMap, secs: u64) {

@@ -471,9 +471,10 @@ pub(crate) fn token_param(t: FencingToken) -> i64 {
     i64::try_from(t.0).unwrap_or(-1)
 }
 
-/// A value the table's constraints should have excluded.
-pub(crate) fn corrupt(id: Option<RecordId>, why: postcard::Error) -> StoreError {
-    StoreError::Corrupt { id, source: CodecError::Malformed(why) }
+/// A value the table's constraints should have excluded: the one "does not decode" kind
+/// every backend reports ([`CodecError::BadField`]).
+pub(crate) fn corrupt(id: Option<RecordId>, column: &'static str, reason: &'static str) -> StoreError {
+    StoreError::Corrupt { id, source: CodecError::BadField { field: column, reason: reason.into() } }
 }
 
 /// Reads the record whose columns start at `base` (in [`COLUMNS`] order). Values the
@@ -492,26 +493,26 @@ pub(crate) fn record_at(
         row.try_get(idx).map_err(|e| Error::postgres("decoding a record")(e).into())
     }
     let id_bytes: Vec<u8> = get(row, base)?;
-    let id = RecordId(id_bytes.try_into().map_err(|_| corrupt(None, postcard::Error::DeserializeBadEncoding))?);
-    let bad = |why| corrupt(Some(id), why);
-    let text = |idx| -> Result<String, StoreError> {
-        String::from_utf8(get::<Vec<u8>>(row, idx)?).map_err(|_| bad(postcard::Error::DeserializeBadUtf8))
+    let id = RecordId(id_bytes.try_into().map_err(|_| corrupt(None, "id", "not 32 bytes"))?);
+    let bad = |column, why| corrupt(Some(id), column, why);
+    let text = |idx, column| -> Result<String, StoreError> {
+        String::from_utf8(get::<Vec<u8>>(row, idx)?).map_err(|_| bad(column, "not UTF-8"))
     };
-    let principal = text(base + 1)?;
-    let endpoint = text(base + 2)?;
+    let principal = text(base + 1, "principal")?;
+    let endpoint = text(base + 2, "endpoint")?;
     let key: String = get(row, base + 3)?;
-    let key = IdempotencyKey::from_stored(&key).ok_or_else(|| bad(postcard::Error::DeserializeBadEncoding))?;
+    let key = IdempotencyKey::from_stored(&key).ok_or_else(|| bad("key", "not a valid idempotency key"))?;
     let fingerprint: Vec<u8> = get(row, base + 4)?;
-    let fingerprint = Fingerprint(fingerprint.try_into().map_err(|_| bad(postcard::Error::DeserializeBadEncoding))?);
-    let state = RecordState::from_name(get(row, base + 5)?).ok_or_else(|| bad(postcard::Error::DeserializeBadEnum))?;
-    let token = u64::try_from(get::<i64>(row, base + 6)?).map_err(|_| bad(postcard::Error::DeserializeBadVarint))?;
+    let fingerprint = Fingerprint(fingerprint.try_into().map_err(|_| bad("fingerprint", "not 32 bytes"))?);
+    let state = RecordState::from_name(get(row, base + 5)?).ok_or_else(|| bad("state", "unknown state"))?;
+    let token = u64::try_from(get::<i64>(row, base + 6)?).map_err(|_| bad("token", "negative"))?;
     let response = match (written, get::<Option<&[u8]>>(row, base + 7)?) {
         (Some(written), _) => Some(written),
         (None, Some(b)) => Some(decode_response(b).map_err(|source| StoreError::Corrupt { id: Some(id), source })?),
         (None, None) => None,
     };
     if response.is_some() != (state == RecordState::Completed) {
-        return Err(bad(postcard::Error::DeserializeBadOption));
+        return Err(bad("response", "present exactly when the state is not completed"));
     }
     Ok(Record {
         id,

@@ -239,7 +239,7 @@ impl PostgresStore {
     ) -> Result<(Object, Option<Record>, UnixMillis), StoreError> {
         const OP: &str = "reading a record";
         let (client, row) = self.run(client, OP, self.inner.sql.read(), &[&&id.0[..], &now]).await?;
-        let row = row.ok_or_else(|| corrupt(Some(id), postcard::Error::DeserializeUnexpectedEnd))?;
+        let row = row.ok_or_else(|| corrupt(Some(id), "row", "the statement returned no row"))?;
         let now = UnixMillis(row.try_get(COLUMNS.len()).map_err(Error::postgres(OP))?);
         let present: Option<&[u8]> = row.try_get(0).map_err(Error::postgres(OP))?;
         let record = if present.is_some() { Some(record_at(&row, 0, None)?) } else { None };
@@ -333,7 +333,7 @@ impl Store for PostgresStore {
             )
             .await?;
         // An upsert with RETURNING always yields its row.
-        let row = row.ok_or_else(|| corrupt(Some(req.id), postcard::Error::DeserializeUnexpectedEnd))?;
+        let row = row.ok_or_else(|| corrupt(Some(req.id), "row", "the statement returned no row"))?;
         let claimed: bool = row.try_get(1).map_err(Error::postgres(OP))?;
         let record = record_at(&row, 2, None)?;
         if claimed {
@@ -442,7 +442,7 @@ impl Store for PostgresStore {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let probe = limit.saturating_add(1);
         let (_, row) = self.run(client, OP, self.inner.sql.sweep(), &[&limit, &probe, &now]).await?;
-        let row = row.ok_or_else(|| corrupt(None, postcard::Error::DeserializeUnexpectedEnd))?;
+        let row = row.ok_or_else(|| corrupt(None, "row", "the statement returned no row"))?;
         let removed: i64 = row.try_get(0).map_err(Error::postgres(OP))?;
         let found: i64 = row.try_get(1).map_err(Error::postgres(OP))?;
         Ok(SweepOutcome { removed: u64::try_from(removed).unwrap_or(0), more: found > removed })
@@ -467,7 +467,7 @@ impl Store for PostgresStore {
             let params: [&(dyn ToSql + Sync); 6] =
                 [&&id.0[..], &token_param(token), &name.as_bytes(), &value, &overwrite, &now];
             let (c, row) = self.run(client, OP, self.inner.sql.journal_put(), &params).await?;
-            let row = row.ok_or_else(|| corrupt(Some(id), postcard::Error::DeserializeUnexpectedEnd))?;
+            let row = row.ok_or_else(|| corrupt(Some(id), "row", "the statement returned no row"))?;
             let owned: bool = row.try_get(0).map_err(Error::postgres(OP))?;
             let written: bool = row.try_get(1).map_err(Error::postgres(OP))?;
             let existing: Option<Vec<u8>> = row.try_get(2).map_err(Error::postgres(OP))?;

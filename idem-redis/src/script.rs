@@ -391,11 +391,11 @@ fn corrupt(id: RecordId, field: &'static str, source: CodecError) -> StoreError 
 }
 
 fn bad_field(id: RecordId, field: &'static str) -> StoreError {
-    corrupt(id, field, CodecError::Malformed(postcard::Error::DeserializeBadEncoding))
+    corrupt(id, field, CodecError::BadField { field, reason: "not a value this crate writes".into() })
 }
 
 fn missing_field(id: RecordId, field: &'static str) -> StoreError {
-    corrupt(id, field, CodecError::Malformed(postcard::Error::DeserializeUnexpectedEnd))
+    corrupt(id, field, CodecError::BadField { field, reason: "missing".into() })
 }
 
 /// A duration in ms as the scripts take it: a big-endian u64 (negative reads as zero).

@@ -128,6 +128,13 @@ impl Error {
 
 impl From<Error> for StoreError {
     fn from(err: Error) -> Self {
+        // A row that breaks the schema's rules is a record that does not decode, the same
+        // kind on every backend, never "unavailable": a front end must not run the handler
+        // of a possibly completed operation again because its row is damaged.
+        if let Error::InvalidRow { id, column, reason } = err {
+            let source = idem_core::codec::CodecError::BadField { field: column, reason };
+            return StoreError::Corrupt { id: RecordId::from_hex(&id), source };
+        }
         let retryable = err.is_retryable();
         let message = err.to_string();
         StoreError::unavailable(BACKEND, message, retryable, err)

@@ -51,6 +51,9 @@ pub(crate) struct Backend {
     pub(crate) name: &'static str,
     pub(crate) clock: ManualClock,
     pub(crate) store: Arc<Frozen>,
+    /// The backend's own store, for tests that write to it behind the `Store` trait's back.
+    #[allow(dead_code, reason = "the lease scenarios go through the Store trait only")]
+    pub(crate) raw: Raw,
     /// Keeps a temporary directory (or a server namespace) for as long as the store.
     _keep: Box<dyn Send + Sync>,
 }
@@ -62,13 +65,30 @@ impl fmt::Debug for Backend {
 }
 
 impl Backend {
-    fn new(name: &'static str, clock: ManualClock, store: Arc<dyn Store>, keep: Box<dyn Send + Sync>) -> Self {
-        Self { name, clock, store: Arc::new(Frozen::new(store)), _keep: keep }
+    fn new(name: &'static str, clock: ManualClock, raw: Raw, keep: Box<dyn Send + Sync>) -> Self {
+        let store: Arc<dyn Store> = match &raw {
+            Raw::Memory(s) => Arc::new(s.clone()),
+            Raw::Redb(s) => Arc::new(s.clone()),
+            Raw::Sqlite(s) => Arc::new(s.clone()),
+            Raw::Redis(s) => Arc::new(s.clone()),
+            Raw::Postgres(s) => Arc::new(s.clone()),
+        };
+        Self { name, clock, store: Arc::new(Frozen::new(store)), raw, _keep: keep }
     }
 
     pub(crate) fn dyn_store(&self) -> Arc<dyn Store> {
         self.store.clone()
     }
+}
+
+/// A backend's own store type.
+#[allow(dead_code, reason = "each test binary reaches into some backends only")]
+pub(crate) enum Raw {
+    Memory(MemoryStore),
+    Redb(idem_redb::RedbStore),
+    Sqlite(idem_sqlite::SqliteStore),
+    Redis(idem_redis::RedisStore),
+    Postgres(idem_postgres::PostgresStore),
 }
 
 /// Opens one backend for one scenario (called on the scenario's runtime).
@@ -79,7 +99,7 @@ pub(crate) fn memory() -> BoxFuture<'static, Backend> {
     Box::pin(async {
         let clock = ManualClock::new(T0);
         let store = MemoryStore::with_clock(Arc::new(clock.clone()));
-        Backend::new("memory", clock, Arc::new(store), Box::new(()))
+        Backend::new("memory", clock, Raw::Memory(store), Box::new(()))
     })
 }
 
@@ -91,7 +111,7 @@ pub(crate) fn redb() -> BoxFuture<'static, Backend> {
         let path = dir.path().join("idem.redb");
         let config = idem_redb::Config::default().with_clock(Arc::new(clock.clone()));
         let store = on_io(async move { idem_redb::RedbStore::open(path, config) }).await.expect("open redb");
-        Backend::new("redb", clock, Arc::new(store), Box::new(dir))
+        Backend::new("redb", clock, Raw::Redb(store), Box::new(dir))
     })
 }
 
@@ -103,7 +123,7 @@ pub(crate) fn sqlite() -> BoxFuture<'static, Backend> {
         let path = dir.path().join("idem.sqlite3");
         let config = idem_sqlite::Config::default().with_clock(Arc::new(clock.clone()));
         let store = on_io(async move { idem_sqlite::SqliteStore::open(path, config) }).await.expect("open sqlite");
-        Backend::new("sqlite", clock, Arc::new(store), Box::new(dir))
+        Backend::new("sqlite", clock, Raw::Sqlite(store), Box::new(dir))
     })
 }
 
@@ -124,7 +144,7 @@ pub(crate) fn redis() -> BoxFuture<'static, Backend> {
         let store = on_io(async move { idem_redis::RedisStore::connect(&u, config).await })
             .await
             .unwrap_or_else(|e| panic!("Redis is not reachable at {url}: {e}; these tests need a real Redis"));
-        Backend::new("redis", clock, Arc::new(store), Box::new(RedisPrefix { url, prefix }))
+        Backend::new("redis", clock, Raw::Redis(store), Box::new(RedisPrefix { url, prefix }))
     })
 }
 
@@ -172,7 +192,7 @@ pub(crate) fn postgres() -> BoxFuture<'static, Backend> {
             .await
             .unwrap_or_else(|e| panic!("PostgreSQL is not reachable at {url}: {e}; these tests need a real server"));
         let pool = store.pool().clone();
-        Backend::new("postgres", clock, Arc::new(store), Box::new(PostgresSchema { pool: Some(pool), schema }))
+        Backend::new("postgres", clock, Raw::Postgres(store), Box::new(PostgresSchema { pool: Some(pool), schema }))
     })
 }
 

@@ -1,0 +1,220 @@
+//! gRPC behind the layer: which handler outcomes are stored, and the layer's own answers
+//! as gRPC statuses.
+//!
+//! gRPC runs over HTTP/2 with `content-type: application/grpc` (or `application/grpc+proto`
+//! and the like); metadata are header fields, so the key travels as `idempotency-key`
+//! metadata and the principal as `authorization`, exactly as over HTTP. A unary RPC
+//! answers HTTP 200, one message, and its status in the `grpc-status` trailer (or, with no
+//! message, in the headers: "trailers-only"). The layer stores the trailers with the
+//! message and replays both, so a retry gets the same message and the same `grpc-status`.
+//!
+//! **What is stored.** HTTP 200 says nothing about a gRPC call's outcome, so a gRPC
+//! response is stored only when its `grpc-status` is a lasting one, the gRPC counterpart
+//! of "2xx and lasting 4xx": `OK`, `INVALID_ARGUMENT`, `NOT_FOUND`, `ALREADY_EXISTS`,
+//! `FAILED_PRECONDITION`, `OUT_OF_RANGE`. Every other code (`UNAVAILABLE`, `INTERNAL`,
+//! `DEADLINE_EXCEEDED`, `ABORTED`, `RESOURCE_EXHAUSTED`, `UNAUTHENTICATED`,
+//! `PERMISSION_DENIED`, `UNKNOWN`, `CANCELLED`, `DATA_LOSS`, `UNIMPLEMENTED`) or a missing
+//! status marks the record failed, so a retry runs the handler again. A handler's
+//! [`crate::ResponseCaching`] still decides for one response. A server-streaming response
+//! longer than `max_stored_body` or still open at the buffering deadline completes as not
+//! retained (its status is not known yet when the record completes).
+//!
+//! **The layer's answers.** For a gRPC request the layer answers trailers-only (HTTP 200,
+//! `grpc-status`, `grpc-message`), never a problem body a gRPC client cannot read:
+//!
+//! | layer answer | gRPC status |
+//! |---|---|
+//! | missing, invalid or duplicate key; unreadable request | `INVALID_ARGUMENT` (3) |
+//! | missing principal | `UNAUTHENTICATED` (16) |
+//! | request body over `max_request_body` | `RESOURCE_EXHAUSTED` (8) |
+//! | in flight, busy | `ABORTED` (10): retry the whole call later, per the gRPC status guide |
+//! | mismatch | `FAILED_PRECONDITION` (9): do not retry until the request is fixed |
+//! | store unavailable, record does not decode | `UNAVAILABLE` (14) |
+//! | replay of a response that was not retained | `ALREADY_EXISTS` (6): the operation was done |
+//! | the handler's body failed | `INTERNAL` (13) |
+//!
+//! The problem's `detail` becomes `grpc-message` (percent-encoded, as the gRPC HTTP/2
+//! protocol requires), the problem's `type` URI the `idem-problem` metadata entry, and
+//! `Retry-After`, `idempotency-key-expires` and the retry hints stay as metadata.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
+
+use crate::body::ResponseBody;
+use crate::problem::{Problem, ProblemKind};
+
+/// gRPC status codes the layer uses or reads (grpc/doc/statuscodes.md).
+mod code {
+    pub(super) const OK: u32 = 0;
+    pub(super) const INVALID_ARGUMENT: u32 = 3;
+    pub(super) const NOT_FOUND: u32 = 5;
+    pub(super) const ALREADY_EXISTS: u32 = 6;
+    pub(super) const RESOURCE_EXHAUSTED: u32 = 8;
+    pub(super) const FAILED_PRECONDITION: u32 = 9;
+    pub(super) const ABORTED: u32 = 10;
+    pub(super) const OUT_OF_RANGE: u32 = 11;
+    pub(super) const INTERNAL: u32 = 13;
+    pub(super) const UNAVAILABLE: u32 = 14;
+    pub(super) const UNAUTHENTICATED: u32 = 16;
+}
+
+/// Whether a request (or response) with `headers` is gRPC: `content-type` is
+/// `application/grpc` or `application/grpc+<format>`.
+#[must_use]
+pub fn is_grpc(headers: &HeaderMap) -> bool {
+    headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|ct| {
+        let media = ct.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+        media == "application/grpc" || media.starts_with("application/grpc+")
+    })
+}
+
+/// The gRPC status code the layer answers a gRPC request with instead of a problem of
+/// `kind` (the table in this module's docs).
+#[must_use]
+pub fn grpc_code_for(kind: ProblemKind) -> u32 {
+    match kind {
+        ProblemKind::MissingKey | ProblemKind::InvalidKey | ProblemKind::DuplicateKey | ProblemKind::UnreadableBody => {
+            code::INVALID_ARGUMENT
+        }
+        ProblemKind::MissingPrincipal => code::UNAUTHENTICATED,
+        ProblemKind::BodyTooLarge => code::RESOURCE_EXHAUSTED,
+        ProblemKind::InFlight | ProblemKind::Busy => code::ABORTED,
+        ProblemKind::Mismatch => code::FAILED_PRECONDITION,
+        ProblemKind::StoreUnavailable => code::UNAVAILABLE,
+        ProblemKind::ResponseNotRetained => code::ALREADY_EXISTS,
+        _ => code::INTERNAL,
+    }
+}
+
+/// Whether a finished response is a lasting outcome: `true` for any response that is not
+/// gRPC (its HTTP status already decided), and for a gRPC one whose `grpc-status`
+/// (trailers first, then headers) is lasting (module docs).
+pub(crate) fn is_lasting(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> bool {
+    if !is_grpc(headers) {
+        return true;
+    }
+    let status = trailers
+        .and_then(|t| t.get("grpc-status"))
+        .or_else(|| headers.get("grpc-status"))
+        .and_then(|v| v.to_str().ok()?.trim().parse::<u32>().ok());
+    matches!(
+        status,
+        Some(
+            code::OK
+                | code::INVALID_ARGUMENT
+                | code::NOT_FOUND
+                | code::ALREADY_EXISTS
+                | code::FAILED_PRECONDITION
+                | code::OUT_OF_RANGE
+        )
+    )
+}
+
+/// The layer's answer `res` (a problem) as a trailers-only gRPC response.
+pub(crate) fn problem_to_status<B>(res: Response<ResponseBody<B>>, problem: &Problem) -> Response<ResponseBody<B>> {
+    let (mut head, _) = res.into_parts();
+    head.status = StatusCode::OK;
+    head.headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    head.headers.insert("grpc-status", HeaderValue::from(grpc_code_for(problem.kind())));
+    if let Ok(message) = HeaderValue::from_str(&percent_encode(problem.detail())) {
+        head.headers.insert("grpc-message", message);
+    }
+    if let Ok(kind) = HeaderValue::from_str(&problem.kind().type_uri()) {
+        head.headers.insert("idem-problem", kind);
+    }
+    Response::from_parts(head, ResponseBody::full(Bytes::new()))
+}
+
+/// `grpc-message` encoding: bytes outside printable ASCII, and `%`, as `%XX` (UTF-8).
+fn percent_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_content_types_are_recognised() {
+        let ct = |v: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static(v));
+            is_grpc(&h)
+        };
+        assert!(ct("application/grpc") && ct("application/grpc+proto") && ct("Application/GRPC; charset=x"));
+        assert!(!ct("application/grpc-web") && !ct("application/json"));
+        assert!(!is_grpc(&HeaderMap::new()));
+    }
+
+    /// A gRPC error answered with HTTP 200 was stored and replayed to every retry.
+    #[test]
+    fn only_lasting_grpc_statuses_are_stored() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        let with = |s: &'static str| {
+            let mut t = HeaderMap::new();
+            t.insert("grpc-status", HeaderValue::from_static(s));
+            is_lasting(&h, Some(&t))
+        };
+        for s in ["0", "3", "5", "6", "9", "11"] {
+            assert!(with(s), "{s}");
+        }
+        for s in ["1", "2", "4", "7", "8", "10", "12", "13", "14", "15", "16", "x"] {
+            assert!(!with(s), "{s}");
+        }
+        assert!(!is_lasting(&h, None), "no status at all is a broken response");
+        let mut trailers_only = h.clone();
+        trailers_only.insert("grpc-status", HeaderValue::from_static("5"));
+        assert!(is_lasting(&trailers_only, None));
+        assert!(is_lasting(&HeaderMap::new(), None), "not gRPC: the HTTP status decided");
+    }
+
+    /// The documented mapping drifted from the code.
+    #[test]
+    fn every_layer_answer_has_its_documented_code() {
+        use ProblemKind as K;
+        let table = [
+            (K::MissingKey, 3),
+            (K::InvalidKey, 3),
+            (K::DuplicateKey, 3),
+            (K::UnreadableBody, 3),
+            (K::MissingPrincipal, 16),
+            (K::BodyTooLarge, 8),
+            (K::InFlight, 10),
+            (K::Busy, 10),
+            (K::Mismatch, 9),
+            (K::StoreUnavailable, 14),
+            (K::ResponseNotRetained, 6),
+            (K::ResponseBodyFailed, 13),
+        ];
+        for (kind, code) in table {
+            assert_eq!(grpc_code_for(kind), code, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn a_problem_becomes_a_trailers_only_status() {
+        let problem = Problem::new(ProblemKind::Mismatch, StatusCode::CONFLICT, "key reused; 100%");
+        let res = problem.clone().into_response::<http_body_util::Empty<Bytes>>();
+        let res = problem_to_status(res, &problem);
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(res.headers()["content-type"], "application/grpc");
+        assert_eq!(res.headers()["grpc-status"], "9");
+        assert_eq!(res.headers()["grpc-message"], "key reused; 100%25");
+        assert_eq!(res.headers()["idem-problem"], "urn:idem:problem:mismatch");
+        assert!(http_body::Body::is_end_stream(res.body()), "no message: trailers-only");
+    }
+
+    #[test]
+    fn grpc_message_is_percent_encoded() {
+        assert_eq!(percent_encode("retry in 1 s; 100% é"), "retry in 1 s; 100%25 %C3%A9");
+    }
+}
