@@ -225,24 +225,27 @@ impl RedisStore {
         duration_ms(self.config.expiry_grace)
     }
 
-    /// After a write that WAIT covered: fails when too few replicas acknowledged it.
-    fn check_ack(&self, reply: &Reply) -> Result<(), StoreError> {
-        match (self.config.replica_ack, reply.acked) {
-            (Some(ack), Some(acked)) if acked < u64::from(ack.replicas()) => {
+    /// After a write that WAIT covered: fails when too few replicas acknowledged it, or
+    /// when WAIT itself failed (the write is on the primary either way).
+    fn check_ack(&self, reply: &mut Reply) -> Result<(), StoreError> {
+        match (self.config.replica_ack, reply.acked.take()) {
+            (Some(ack), Some(Ok(acked))) if acked < u64::from(ack.replicas()) => {
                 Err(Error::ReplicaShortfall { acked, wanted: u64::from(ack.replicas()), timeout_ms: ack.timeout_ms() }
                     .into())
             }
+            (_, Some(Err(e))) => Err(e.into()),
             _ => Ok(()),
         }
     }
 
-    /// After a claim or reclaim that WAIT covered: on a shortfall the caller gets an error
+    /// After a claim or reclaim that WAIT covered: on a shortfall (or a WAIT that failed
+    /// outright, e.g. an ACL without `WAIT`) the caller gets an error
     /// and will not run the handler, so the claim it just made would block every retry for
     /// a whole lease with nobody running. It is released first: marked failed under its own
     /// token (`fail.lua`, fenced), which a retry with the same fingerprint reclaims at once.
     /// If the release itself fails (the primary went away), the claim stays until its lease
     /// ends, as any claim of a crashed holder does.
-    async fn check_claim_ack(&self, reply: &Reply, record: &Record) -> Result<(), StoreError> {
+    async fn check_claim_ack(&self, reply: &mut Reply, record: &Record) -> Result<(), StoreError> {
         let Err(shortfall) = self.check_ack(reply) else { return Ok(()) };
         if let Err(e) = self.fail(record.id, record.token).await {
             tracing::warn!(
@@ -264,10 +267,10 @@ impl Store for RedisStore {
             .arg(self.grace_ms())
             .arg(&req.fingerprint.0[..])
             .arg(encode_scope(&req.scope, &req.key));
-        let reply = self.send(call).await?;
+        let mut reply = self.send(call).await?;
         if reply.is("claimed") {
             let record = reply.claimed(req.id, req.scope, req.key)?;
-            self.check_claim_ack(&reply, &record).await?;
+            self.check_claim_ack(&mut reply, &record).await?;
             Ok(ClaimOutcome::Claimed(record))
         } else if reply.is("existing") {
             Ok(ClaimOutcome::Existing { record: reply.record(req.id, None)?, now: reply.now })
@@ -283,10 +286,10 @@ impl Store for RedisStore {
             .arg(&req.fingerprint.0[..])
             .arg(&ttl_arg(req.lease_ms(), req.retention_ms())[..])
             .arg(self.grace_ms());
-        let reply = self.send(call).await?;
+        let mut reply = self.send(call).await?;
         if reply.is("reclaimed") {
             let record = reply.record(req.id, None)?;
-            self.check_claim_ack(&reply, &record).await?;
+            self.check_claim_ack(&mut reply, &record).await?;
             Ok(ReclaimOutcome::Reclaimed(record))
         } else if reply.is("conflict") {
             Ok(ReclaimOutcome::Conflict { current: Some(reply.record(req.id, None)?), now: reply.now })
@@ -304,10 +307,10 @@ impl Store for RedisStore {
         response: StoredResponse,
     ) -> Result<Record, StoreError> {
         let call = self.call(&SCRIPTS.complete, id)?.arg(&token.0.to_be_bytes()[..]).arg(encode_response(&response));
-        let reply = self.send(call).await?;
+        let mut reply = self.send(call).await?;
         if reply.is("ok") {
             let record = reply.record(id, Some(response))?;
-            self.check_ack(&reply)?;
+            self.check_ack(&mut reply)?;
             Ok(record)
         } else if reply.is("lost") {
             Err(reply.lease_lost(id, token))
@@ -325,10 +328,10 @@ impl Store for RedisStore {
             .arg(&token.0.to_be_bytes()[..])
             .arg(&ms_arg(duration_ms(lease_ttl))[..])
             .arg(self.grace_ms());
-        let reply = self.send(call).await?;
+        let mut reply = self.send(call).await?;
         if reply.is("ok") {
             let record = reply.record(id, None)?;
-            self.check_ack(&reply)?;
+            self.check_ack(&mut reply)?;
             Ok(record)
         } else if reply.is("lost") {
             Err(reply.lease_lost(id, token))
