@@ -1098,3 +1098,21 @@ async fn a_refused_wait_after_a_claim_releases_it() {
     };
     assert_eq!(rec.token.0, left.token.0 + 1);
 }
+
+/// Guards: over RESP3 (`?protocol=resp3`) `CONFIG GET` answers a map, not pairs; a check
+/// that only read pairs would see "CONFIG refused", warn, and start on an evicting or
+/// non-durable server. Both checks must refuse over RESP3 as over RESP2.
+#[tokio::test]
+async fn start_up_checks_read_resp3_replies() {
+    let lru = common::PrivateRedis::start(&["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]).await;
+    let e = RedisStore::connect(&format!("{}?protocol=resp3", lru.url), Config::default())
+        .await
+        .expect_err("an evicting policy is refused over RESP3");
+    assert!(matches!(e, Error::EvictingPolicy { .. }), "{e:?}");
+    let none = common::PrivateRedis::start(&[]).await;
+    let refuse = Config::default().with_persistence_check(PersistenceCheck::Refuse);
+    let e = RedisStore::connect(&format!("{}?protocol=resp3", none.url), refuse)
+        .await
+        .expect_err("no persistence is refused over RESP3");
+    assert!(matches!(e, Error::NotDurable { .. }), "{e:?}");
+}
