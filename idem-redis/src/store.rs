@@ -137,7 +137,13 @@ impl RedisStore {
     /// policy and persistence. One `CONFIG GET` per primary.
     async fn check_servers(&self) -> Result<(), Error> {
         let mut cmd = redis::cmd("CONFIG");
-        cmd.arg("GET").arg("maxmemory").arg("maxmemory-policy").arg("appendonly").arg("appendfsync").arg("save");
+        cmd.arg("GET")
+            .arg("maxmemory")
+            .arg("maxmemory-policy")
+            .arg("appendonly")
+            .arg("appendfsync")
+            .arg("save")
+            .arg("cluster-enabled");
         let replies = self.conn.clone().on_every_primary(cmd).await.map_err(|e| Error::command("CONFIG GET", e))?;
         for (node, reply) in replies {
             let pairs: Vec<(String, String)> = match reply
@@ -158,6 +164,14 @@ impl RedisStore {
                 }
             };
             let get = |name: &str| pairs.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
+            // A single-node connection to a Cluster node would serve only that node's slots
+            // and fail every other key with `MOVED`, for good: say so at start-up.
+            if matches!(self.conn, Connection::Single(_)) && get("cluster-enabled") == Some("yes") {
+                return Err(Error::Config(
+                    "the server is a Redis Cluster node: connect with RedisStore::connect_cluster (or pass a \
+                     ClusterConnection), a single-node connection reaches only this node's slots",
+                ));
+            }
             self.check_eviction(&node, get("maxmemory-policy").unwrap_or("noeviction"), get("maxmemory"))?;
             // A server that does not report a setting is not flagged for it.
             let problem = persistence_problem(
