@@ -161,6 +161,8 @@ mod tests {
     /// Pins: a call that met more `MOVED`/`ASK` redirects than it follows (a slot moving
     /// again and again) failed as a permanent error (HTTP 500) although the script never
     /// ran and the next call lands on the refreshed slot map; it is retryable (503).
+    ///
+    /// Pins `docs/failures.md#redis-wait-refused-or-redirected-past-its-budget`.
     #[test]
     fn redirects_past_the_budget_are_retryable() {
         let moved = redis::parse_redis_value(b"-MOVED 3999 127.0.0.1:7001\r\n").expect("reply");

@@ -552,6 +552,8 @@ mod tests {
     /// Pins: a WAIT that failed after its script ran (`[ASKING,] script, WAIT` with WAIT
     /// answered by an error) was reported as a failed call, hiding that the write happened;
     /// the script's reply must come through with WAIT's error beside it, after `ASKING` too.
+    ///
+    /// Pins `docs/failures.md#redis-wait-refused-or-redirected-past-its-budget`.
     #[test]
     fn a_failed_wait_keeps_the_script_reply() {
         let noperm = || redis::parse_redis_value(b"-NOPERM no WAIT for you\r\n").expect("an error reply");

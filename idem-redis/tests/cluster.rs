@@ -100,6 +100,8 @@ async fn persistence_check_reaches_the_cluster_primaries() {
 /// Pins: a single-node URL pointed at a Cluster node started quietly, then served only that
 /// node's slots and failed every other key with `MOVED` (a permanent error, HTTP 500) for
 /// good; start-up refuses it and names `connect_cluster`. Nothing is written to the node.
+///
+/// Pins `docs/failures.md#redis-wait-refused-or-redirected-past-its-budget`.
 #[tokio::test]
 async fn a_single_node_connection_to_a_cluster_node_is_refused() {
     let url = common::cluster_urls().into_iter().next().expect("a node");

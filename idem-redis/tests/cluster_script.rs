@@ -33,6 +33,8 @@ impl Drop for Stop {
 /// started the other five nodes around it, waited for a cluster that could never form, and
 /// then advised `--reset`, which did the same again; it must refuse at once, name the
 /// port, and start nothing.
+///
+/// Pins `docs/failures.md#redis-wait-refused-or-redirected-past-its-budget`.
 #[test]
 fn a_port_held_by_another_program_is_refused_by_name() {
     let dir = tempfile::Builder::new().prefix("idem-redis-cluster-script-").tempdir().expect("temp dir");

@@ -1069,6 +1069,8 @@ async fn persistence_check_flags_servers_that_lose_records() {
 /// failed WAIT is treated like a shortfall: the claim is released (failed under its own
 /// token) and the retry reclaims it at once; the error names WAIT and is not retryable
 /// (a permission problem does not go away by retrying).
+///
+/// Pins `docs/failures.md#redis-wait-refused-or-redirected-past-its-budget`.
 #[tokio::test]
 async fn a_refused_wait_after_a_claim_releases_it() {
     let server = common::PrivateRedis::start(&[]).await;
