@@ -164,13 +164,8 @@ impl RedisStore {
                 }
             };
             let get = |name: &str| pairs.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
-            // A single-node connection to a Cluster node would serve only that node's slots
-            // and fail every other key with `MOVED`, for good: say so at start-up.
             if matches!(self.conn, Connection::Single(_)) && get("cluster-enabled") == Some("yes") {
-                return Err(Error::Config(
-                    "the server is a Redis Cluster node: connect with RedisStore::connect_cluster (or pass a \
-                     ClusterConnection), a single-node connection reaches only this node's slots",
-                ));
+                self.check_single_node_cluster().await?;
             }
             self.check_eviction(&node, get("maxmemory-policy").unwrap_or("noeviction"), get("maxmemory"))?;
             // A server that does not report a setting is not flagged for it.
@@ -189,6 +184,27 @@ impl RedisStore {
                     ),
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// A single-node connection to a node of a Cluster with several primaries would serve
+    /// only that node's slots and fail every other key with `MOVED`, for good: refused at
+    /// start-up. A one-primary cluster (it owns every slot) works on a single connection.
+    async fn check_single_node_cluster(&self) -> Result<(), Error> {
+        let info: String = redis::cmd("CLUSTER")
+            .arg("INFO")
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| Error::command("CLUSTER INFO", e))?;
+        let size =
+            info.lines().find_map(|l| l.trim().strip_prefix("cluster_size:")).and_then(|n| n.parse::<u32>().ok());
+        if size.is_some_and(|n| n > 1) {
+            return Err(Error::Config(
+                "the server is a node of a Redis Cluster with several primaries: connect with \
+                 RedisStore::connect_cluster (or pass a ClusterConnection); a single-node connection reaches only \
+                 this node's slots",
+            ));
         }
         Ok(())
     }

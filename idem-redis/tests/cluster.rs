@@ -97,7 +97,7 @@ async fn persistence_check_reaches_the_cluster_primaries() {
     RedisStore::connect_cluster(&urls, Config::default()).await.expect("Warn (the default) starts");
 }
 
-/// Pins: a single-node URL pointed at a Cluster node started quietly, then served only that
+/// Pins: a single-node URL pointed at a node of a three-primary cluster started quietly, then served only that
 /// node's slots and failed every other key with `MOVED` (a permanent error, HTTP 500) for
 /// good; start-up refuses it and names `connect_cluster`. Nothing is written to the node.
 ///
