@@ -129,7 +129,9 @@ pub(crate) fn persistence_problem(appendonly: &str, appendfsync: &str, save: &st
 /// so a retry may reclaim the record while its holder still runs (the holder's next write
 /// is then fenced, but what it did since is done).
 ///
-/// A shortfall fails the call with a retryable [`Error::ReplicaShortfall`]:
+/// A shortfall fails the call with a retryable [`Error::ReplicaShortfall`] (a `WAIT` that
+/// fails outright, e.g. for a user whose ACL lacks `WAIT`, fails it with that error, which
+/// is not retryable, and is otherwise handled the same way):
 /// - after a **claim or reclaim**, the store first releases the claim (marks it failed
 ///   under its own token), because the caller will not run the handler: left in flight it
 ///   would block every retry for a lease with nobody running. The retry reclaims the

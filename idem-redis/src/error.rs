@@ -85,7 +85,8 @@ impl Error {
     /// Whether the same call may succeed if retried: connection refused, reset or timed
     /// out, and the server replies that mean "not now" (`READONLY` after a failover,
     /// `LOADING`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `BUSY`, `OOM` under
-    /// `noeviction`, `NOREPLICAS`), and a `WAIT` shortfall.
+    /// `noeviction`, `NOREPLICAS`, and `MOVED`/`ASK` past the redirect budget), and a
+    /// `WAIT` shortfall.
     /// Bad URLs, configuration, authentication, permission and unknown replies are not.
     #[must_use]
     pub fn is_retryable(&self) -> bool {
@@ -122,7 +123,11 @@ pub(crate) fn is_retryable_redis(e: &RedisError) -> bool {
             | ServerErrorKind::BusyLoading
             | ServerErrorKind::TryAgain
             | ServerErrorKind::ClusterDown
-            | ServerErrorKind::MasterDown,
+            | ServerErrorKind::MasterDown
+            // A slot that kept moving past the store's redirect budget (the script did not
+            // run): the crate refreshes its slot map meanwhile, so the retry lands.
+            | ServerErrorKind::Moved
+            | ServerErrorKind::Ask,
         ) => true,
         // `BUSY`: another client's script is running past the busy threshold. `OOM`: memory
         // is full under `noeviction`; records expiring free it. `NOREPLICAS`: fewer replicas
@@ -150,6 +155,22 @@ mod tests {
         match redis::parse_redis_value(reply.as_bytes()) {
             Ok(redis::Value::ServerError(e)) => e.into(),
             other => panic!("not a server error: {other:?}"),
+        }
+    }
+
+    /// Pins: a call that met more `MOVED`/`ASK` redirects than it follows (a slot moving
+    /// again and again) failed as a permanent error (HTTP 500) although the script never
+    /// ran and the next call lands on the refreshed slot map; it is retryable (503).
+    ///
+    /// Pins `docs/failures.md#redis-wait-refused-or-redirected-past-its-budget`.
+    #[test]
+    fn redirects_past_the_budget_are_retryable() {
+        let moved = redis::parse_redis_value(b"-MOVED 3999 127.0.0.1:7001\r\n").expect("reply");
+        let ask = redis::parse_redis_value(b"-ASK 3999 127.0.0.1:7001\r\n").expect("reply");
+        for reply in [moved, ask] {
+            let redis::Value::ServerError(e) = reply else { panic!("an error reply") };
+            let store: StoreError = Error::command("claim", e.into()).into();
+            assert!(store.is_retryable(), "{store:?}");
         }
     }
 

@@ -165,7 +165,12 @@
 //!   primary), `MASTERDOWN`, `LOADING` and connection errors fail the call retryably (503
 //!   with `Retry-After` at the HTTP layer); the client's retry lands on the new topology.
 //! - **Start-up checks** (`maxmemory-policy`, persistence) and `SCRIPT LOAD` run on every
-//!   primary; a refusal names the node.
+//!   primary; a refusal names the node. [`RedisStore::connect`] (a single-node URL)
+//!   pointed at a node of a Cluster with several primaries refuses to start
+//!   ([`Error::Config`]): it would reach only that node's slots (a one-primary cluster,
+//!   owning every slot, works on a single connection).
+//! - **Redirect budget**: a call that meets more than five `MOVED`/`ASK` in a row (a slot
+//!   moving again and again) fails retryably; the script did not run.
 //! - **Time** is the `TIME` of the record's primary. Keep the nodes on NTP: after a
 //!   failover a record's next `TIME` comes from its new primary (see "Failover" above).
 //! - **`WAIT` on a cluster** goes in the same pipeline as the script, to the same primary,

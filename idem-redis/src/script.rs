@@ -173,7 +173,12 @@ impl Call {
                     let mut pipe = redis::pipe();
                     pipe.add_command(self.evalsha());
                     pipe.cmd("WAIT").arg(ack.replicas()).arg(ack.timeout_ms());
-                    pipe.query_async::<(Value, u64)>(conn).await.map(|(v, n)| (v, Some(n)))
+                    // Raw replies, not `query_async`: that turns an error reply of WAIT into
+                    // an error of the whole call, although the script before it ran.
+                    match conn.req_packed_commands(&pipe, 0, 2).await {
+                        Ok(values) => split_acked(values, 0),
+                        Err(e) => Err(e),
+                    }
                 }
             };
             match result {
@@ -237,30 +242,15 @@ impl Call {
                 Some((host.to_owned(), port.parse::<u16>().ok()?))
             };
             let err = match result {
-                Ok(mut values) => {
-                    let mut values = values.drain(usize::from(asking)..);
-                    let script = values.next();
-                    let acked = values.next();
-                    match script {
-                        Some(Value::ServerError(e)) => RedisError::from(e),
-                        Some(value) => {
-                            let acked = match (ack, acked) {
-                                (None, _) => None,
-                                (Some(_), Some(Value::Int(n))) => Some(u64::try_from(n).unwrap_or(0)),
-                                (Some(_), Some(Value::ServerError(e))) => {
-                                    return Err(Error::command("WAIT", e.into()).into());
-                                }
-                                (Some(_), _) => {
-                                    return Err(
-                                        Error::UnexpectedReply { operation: "WAIT", detail: "not a count" }.into()
-                                    );
-                                }
-                            };
-                            return Ok(Reply::parse(op, value, acked)?);
-                        }
-                        None => return Err(Error::UnexpectedReply { operation: op, detail: "no reply" }.into()),
-                    }
-                }
+                Ok(values) if ack.is_some() => match split_acked(values, usize::from(asking)) {
+                    Ok((value, acked)) => return Ok(Reply::parse(op, value, acked)?),
+                    Err(e) => e,
+                },
+                Ok(mut values) => match values.drain(usize::from(asking)..).next() {
+                    Some(Value::ServerError(e)) => RedisError::from(e),
+                    Some(value) => return Ok(Reply::parse(op, value, None)?),
+                    None => return Err(Error::UnexpectedReply { operation: op, detail: "no reply" }.into()),
+                },
                 Err(e) => e,
             };
             match err.kind() {
@@ -278,18 +268,41 @@ impl Call {
     }
 }
 
+/// Splits the raw replies of `[ASKING,] script, WAIT` (`skip`: 1 after `ASKING`): `Err`
+/// when the script itself was answered with an error (it did not run, or failed whole);
+/// otherwise its reply and what WAIT said. A WAIT that failed after the script ran is
+/// kept as its own `Err` inside: the caller must still learn that the write happened.
+fn split_acked(values: Vec<Value>, skip: usize) -> Result<(Value, Option<Result<u64, Error>>), RedisError> {
+    let mut values = values.into_iter().skip(skip);
+    let script = match values.next() {
+        Some(Value::ServerError(e)) => return Err(e.into()),
+        Some(value) => value,
+        None => return Err((ErrorKind::UnexpectedReturnType, "no reply to the script").into()),
+    };
+    let acked = match values.next() {
+        Some(Value::Int(n)) => Ok(u64::try_from(n).unwrap_or(0)),
+        Some(Value::ServerError(e)) => Err(Error::command("WAIT", e.into())),
+        _ => Err(Error::UnexpectedReply { operation: "WAIT", detail: "not a count" }),
+    };
+    Ok((script, Some(acked)))
+}
+
 /// A script's reply: `{status, now, rest...}`, and the replicas `WAIT` counted.
 pub(crate) struct Reply {
     op: &'static str,
     status: Vec<u8>,
     pub(crate) now: UnixMillis,
     rest: Vec<Value>,
-    /// Replicas that acknowledged the write (`None`: no `WAIT` was sent).
-    pub(crate) acked: Option<u64>,
+    /// What the `WAIT` sent after the script said: the replicas that acknowledged the
+    /// write, or why WAIT failed (an ACL without `WAIT`, a writable replica); `None`: no
+    /// `WAIT` was sent. A WAIT error leaves the script's write in place, exactly as a
+    /// shortfall does, so the store treats both alike ([`crate::RedisStore`]'s
+    /// `check_claim_ack` releases a claim after either).
+    pub(crate) acked: Option<Result<u64, Error>>,
 }
 
 impl Reply {
-    fn parse(op: &'static str, value: Value, acked: Option<u64>) -> Result<Self, Error> {
+    fn parse(op: &'static str, value: Value, acked: Option<Result<u64, Error>>) -> Result<Self, Error> {
         let bad = |detail| Error::UnexpectedReply { operation: op, detail };
         let Value::Array(items) = value else { return Err(bad("not an array")) };
         let mut items = items.into_iter();
@@ -534,6 +547,29 @@ mod tests {
         }
         h.extend_from_slice(&[7; 32]);
         h
+    }
+
+    /// Pins: a WAIT that failed after its script ran (`[ASKING,] script, WAIT` with WAIT
+    /// answered by an error) was reported as a failed call, hiding that the write happened;
+    /// the script's reply must come through with WAIT's error beside it, after `ASKING` too.
+    ///
+    /// Pins `docs/failures.md#redis-wait-refused-or-redirected-past-its-budget`.
+    #[test]
+    fn a_failed_wait_keeps_the_script_reply() {
+        let noperm = || redis::parse_redis_value(b"-NOPERM no WAIT for you\r\n").expect("an error reply");
+        let script = || Value::Array(vec![Value::BulkString(b"claimed".to_vec()), Value::Int(1)]);
+        for skip in [0, 1] {
+            let mut values = vec![Value::Okay; skip];
+            values.extend([script(), noperm()]);
+            let (value, acked) = split_acked(values, skip).expect("the script ran");
+            assert_eq!(value, script());
+            assert!(matches!(acked, Some(Err(Error::Command { operation: "WAIT", .. }))), "{acked:?}");
+        }
+        let (_, acked) = split_acked(vec![Value::Okay, script(), Value::Int(1)], 1).expect("ran");
+        assert!(matches!(acked, Some(Ok(1))));
+        // The script itself refused (NOSCRIPT, MOVED): the call did not run, whatever WAIT says.
+        let e = split_acked(vec![noperm(), Value::Int(0)], 0).expect_err("script error");
+        assert_eq!(e.code(), Some("NOPERM"));
     }
 
     #[test]

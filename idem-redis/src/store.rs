@@ -137,7 +137,13 @@ impl RedisStore {
     /// policy and persistence. One `CONFIG GET` per primary.
     async fn check_servers(&self) -> Result<(), Error> {
         let mut cmd = redis::cmd("CONFIG");
-        cmd.arg("GET").arg("maxmemory").arg("maxmemory-policy").arg("appendonly").arg("appendfsync").arg("save");
+        cmd.arg("GET")
+            .arg("maxmemory")
+            .arg("maxmemory-policy")
+            .arg("appendonly")
+            .arg("appendfsync")
+            .arg("save")
+            .arg("cluster-enabled");
         let replies = self.conn.clone().on_every_primary(cmd).await.map_err(|e| Error::command("CONFIG GET", e))?;
         for (node, reply) in replies {
             let pairs: Vec<(String, String)> = match reply
@@ -158,6 +164,9 @@ impl RedisStore {
                 }
             };
             let get = |name: &str| pairs.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
+            if matches!(self.conn, Connection::Single(_)) && get("cluster-enabled") == Some("yes") {
+                self.check_single_node_cluster().await?;
+            }
             self.check_eviction(&node, get("maxmemory-policy").unwrap_or("noeviction"), get("maxmemory"))?;
             // A server that does not report a setting is not flagged for it.
             let problem = persistence_problem(
@@ -175,6 +184,27 @@ impl RedisStore {
                     ),
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// A single-node connection to a node of a Cluster with several primaries would serve
+    /// only that node's slots and fail every other key with `MOVED`, for good: refused at
+    /// start-up. A one-primary cluster (it owns every slot) works on a single connection.
+    async fn check_single_node_cluster(&self) -> Result<(), Error> {
+        let info: String = redis::cmd("CLUSTER")
+            .arg("INFO")
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| Error::command("CLUSTER INFO", e))?;
+        let size =
+            info.lines().find_map(|l| l.trim().strip_prefix("cluster_size:")).and_then(|n| n.parse::<u32>().ok());
+        if size.is_some_and(|n| n > 1) {
+            return Err(Error::Config(
+                "the server is a node of a Redis Cluster with several primaries: connect with \
+                 RedisStore::connect_cluster (or pass a ClusterConnection); a single-node connection reaches only \
+                 this node's slots",
+            ));
         }
         Ok(())
     }
@@ -225,24 +255,27 @@ impl RedisStore {
         duration_ms(self.config.expiry_grace)
     }
 
-    /// After a write that WAIT covered: fails when too few replicas acknowledged it.
-    fn check_ack(&self, reply: &Reply) -> Result<(), StoreError> {
-        match (self.config.replica_ack, reply.acked) {
-            (Some(ack), Some(acked)) if acked < u64::from(ack.replicas()) => {
+    /// After a write that WAIT covered: fails when too few replicas acknowledged it, or
+    /// when WAIT itself failed (the write is on the primary either way).
+    fn check_ack(&self, reply: &mut Reply) -> Result<(), StoreError> {
+        match (self.config.replica_ack, reply.acked.take()) {
+            (Some(ack), Some(Ok(acked))) if acked < u64::from(ack.replicas()) => {
                 Err(Error::ReplicaShortfall { acked, wanted: u64::from(ack.replicas()), timeout_ms: ack.timeout_ms() }
                     .into())
             }
+            (_, Some(Err(e))) => Err(e.into()),
             _ => Ok(()),
         }
     }
 
-    /// After a claim or reclaim that WAIT covered: on a shortfall the caller gets an error
+    /// After a claim or reclaim that WAIT covered: on a shortfall (or a WAIT that failed
+    /// outright, e.g. an ACL without `WAIT`) the caller gets an error
     /// and will not run the handler, so the claim it just made would block every retry for
     /// a whole lease with nobody running. It is released first: marked failed under its own
     /// token (`fail.lua`, fenced), which a retry with the same fingerprint reclaims at once.
     /// If the release itself fails (the primary went away), the claim stays until its lease
     /// ends, as any claim of a crashed holder does.
-    async fn check_claim_ack(&self, reply: &Reply, record: &Record) -> Result<(), StoreError> {
+    async fn check_claim_ack(&self, reply: &mut Reply, record: &Record) -> Result<(), StoreError> {
         let Err(shortfall) = self.check_ack(reply) else { return Ok(()) };
         if let Err(e) = self.fail(record.id, record.token).await {
             tracing::warn!(
@@ -264,10 +297,10 @@ impl Store for RedisStore {
             .arg(self.grace_ms())
             .arg(&req.fingerprint.0[..])
             .arg(encode_scope(&req.scope, &req.key));
-        let reply = self.send(call).await?;
+        let mut reply = self.send(call).await?;
         if reply.is("claimed") {
             let record = reply.claimed(req.id, req.scope, req.key)?;
-            self.check_claim_ack(&reply, &record).await?;
+            self.check_claim_ack(&mut reply, &record).await?;
             Ok(ClaimOutcome::Claimed(record))
         } else if reply.is("existing") {
             Ok(ClaimOutcome::Existing { record: reply.record(req.id, None)?, now: reply.now })
@@ -283,10 +316,10 @@ impl Store for RedisStore {
             .arg(&req.fingerprint.0[..])
             .arg(&ttl_arg(req.lease_ms(), req.retention_ms())[..])
             .arg(self.grace_ms());
-        let reply = self.send(call).await?;
+        let mut reply = self.send(call).await?;
         if reply.is("reclaimed") {
             let record = reply.record(req.id, None)?;
-            self.check_claim_ack(&reply, &record).await?;
+            self.check_claim_ack(&mut reply, &record).await?;
             Ok(ReclaimOutcome::Reclaimed(record))
         } else if reply.is("conflict") {
             Ok(ReclaimOutcome::Conflict { current: Some(reply.record(req.id, None)?), now: reply.now })
@@ -304,10 +337,10 @@ impl Store for RedisStore {
         response: StoredResponse,
     ) -> Result<Record, StoreError> {
         let call = self.call(&SCRIPTS.complete, id)?.arg(&token.0.to_be_bytes()[..]).arg(encode_response(&response));
-        let reply = self.send(call).await?;
+        let mut reply = self.send(call).await?;
         if reply.is("ok") {
             let record = reply.record(id, Some(response))?;
-            self.check_ack(&reply)?;
+            self.check_ack(&mut reply)?;
             Ok(record)
         } else if reply.is("lost") {
             Err(reply.lease_lost(id, token))
@@ -325,10 +358,10 @@ impl Store for RedisStore {
             .arg(&token.0.to_be_bytes()[..])
             .arg(&ms_arg(duration_ms(lease_ttl))[..])
             .arg(self.grace_ms());
-        let reply = self.send(call).await?;
+        let mut reply = self.send(call).await?;
         if reply.is("ok") {
             let record = reply.record(id, None)?;
-            self.check_ack(&reply)?;
+            self.check_ack(&mut reply)?;
             Ok(record)
         } else if reply.is("lost") {
             Err(reply.lease_lost(id, token))

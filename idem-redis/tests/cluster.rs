@@ -96,3 +96,18 @@ async fn persistence_check_reaches_the_cluster_primaries() {
     assert!(matches!(&e, idem_redis::Error::NotDurable { node, .. } if node.contains("127.0.0.1")), "{e:?}");
     RedisStore::connect_cluster(&urls, Config::default()).await.expect("Warn (the default) starts");
 }
+
+/// Pins: a single-node URL pointed at a node of a three-primary cluster started quietly, then served only that
+/// node's slots and failed every other key with `MOVED` (a permanent error, HTTP 500) for
+/// good; start-up refuses it and names `connect_cluster`. Nothing is written to the node.
+///
+/// Pins `docs/failures.md#redis-wait-refused-or-redirected-past-its-budget`.
+#[tokio::test]
+async fn a_single_node_connection_to_a_cluster_node_is_refused() {
+    let url = common::cluster_urls().into_iter().next().expect("a node");
+    let e = RedisStore::connect(&url, Config::default().with_prefix(common::fresh_prefix()))
+        .await
+        .expect_err("a cluster node is not a single server");
+    assert!(matches!(&e, idem_redis::Error::Config(m) if m.contains("connect_cluster")), "{e:?}");
+    assert!(!e.is_retryable());
+}

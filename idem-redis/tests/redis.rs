@@ -1062,3 +1062,59 @@ async fn persistence_check_flags_servers_that_lose_records() {
     let rdb = common::PrivateRedis::start(&["--save", "3600 1"]).await;
     RedisStore::connect(&rdb.url, refuse()).await.expect("RDB snapshots pass (their loss is documented)");
 }
+
+/// Pins: a `WAIT` that failed outright after its claim ran (here an ACL user without the
+/// `WAIT` command; also a writable replica) failed the call while the claim stayed in
+/// flight with nobody running its handler, so the key answered 409 for a whole lease. The
+/// failed WAIT is treated like a shortfall: the claim is released (failed under its own
+/// token) and the retry reclaims it at once; the error names WAIT and is not retryable
+/// (a permission problem does not go away by retrying).
+///
+/// Pins `docs/failures.md#redis-wait-refused-or-redirected-past-its-budget`.
+#[tokio::test]
+async fn a_refused_wait_after_a_claim_releases_it() {
+    let server = common::PrivateRedis::start(&[]).await;
+    let mut admin = server.admin().await;
+    let () = redis::cmd("ACL")
+        .arg(&["SETUSER", "app", "on", ">pw", "~*", "+@all", "-wait"])
+        .query_async(&mut admin)
+        .await
+        .expect("ACL SETUSER");
+    let url = server.url.replacen("redis://", "redis://app:pw@", 1);
+    let config = Config::default().with_replica_ack(Some(ReplicaAck::new(0, Duration::from_millis(100))));
+    let store = RedisStore::connect(&url, config).await.expect("connect as the restricted user");
+    let r = req("p", "k", b"b");
+    let e = store.claim(r.clone()).await.expect_err("WAIT is refused");
+    let left = store.get(r.id).await.expect("get").expect("the claim ran before WAIT");
+    assert_eq!(left.state, RecordState::Failed, "released, not left in flight for a lease");
+    let src = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<Error>());
+    assert!(matches!(src, Some(Error::Command { operation: "WAIT", .. })), "{e:?}");
+    assert!(!e.is_retryable(), "NOPERM is not fixed by retrying: {e:?}");
+    // The operator grants WAIT; the retry finds the released claim and reclaims it at once.
+    let () = redis::cmd("ACL").arg(&["SETUSER", "app", "+wait"]).query_async(&mut admin).await.expect("grant WAIT");
+    let ClaimOutcome::Existing { record, .. } = store.claim(r).await.expect("claim") else { panic!("exists") };
+    let ReclaimOutcome::Reclaimed(rec) =
+        store.reclaim(reclaim_of(&record, Duration::from_secs(60))).await.expect("reclaim")
+    else {
+        panic!("a released claim is reclaimable at once")
+    };
+    assert_eq!(rec.token.0, left.token.0 + 1);
+}
+
+/// Guards: over RESP3 (`?protocol=resp3`) `CONFIG GET` answers a map, not pairs; a check
+/// that only read pairs would see "CONFIG refused", warn, and start on an evicting or
+/// non-durable server. Both checks must refuse over RESP3 as over RESP2.
+#[tokio::test]
+async fn start_up_checks_read_resp3_replies() {
+    let lru = common::PrivateRedis::start(&["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]).await;
+    let e = RedisStore::connect(&format!("{}?protocol=resp3", lru.url), Config::default())
+        .await
+        .expect_err("an evicting policy is refused over RESP3");
+    assert!(matches!(e, Error::EvictingPolicy { .. }), "{e:?}");
+    let none = common::PrivateRedis::start(&[]).await;
+    let refuse = Config::default().with_persistence_check(PersistenceCheck::Refuse);
+    let e = RedisStore::connect(&format!("{}?protocol=resp3", none.url), refuse)
+        .await
+        .expect_err("no persistence is refused over RESP3");
+    assert!(matches!(e, Error::NotDurable { .. }), "{e:?}");
+}

@@ -163,11 +163,17 @@ impl Drop for PrivateRedis {
 }
 
 /// The cluster the cluster suite talks to: `IDEM_REDIS_CLUSTER_URLS` (comma-separated),
-/// default the six nodes `scripts/redis-cluster` starts on 127.0.0.1:7000-7005.
+/// default the six nodes `scripts/redis-cluster` starts on 127.0.0.1:7000-7005 (or from
+/// `IDEM_REDIS_CLUSTER_PORT`, as the script does).
 pub fn cluster_urls() -> Vec<String> {
     match std::env::var("IDEM_REDIS_CLUSTER_URLS") {
         Ok(v) => v.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect(),
-        Err(_) => (7000..=7005).map(|p| format!("redis://127.0.0.1:{p}")).collect(),
+        Err(_) => {
+            // The same six ports as `scripts/redis-cluster`, which IDEM_REDIS_CLUSTER_PORT moves.
+            let base =
+                std::env::var("IDEM_REDIS_CLUSTER_PORT").ok().and_then(|p| p.parse::<u16>().ok()).unwrap_or(7000);
+            (base..=base + 5).map(|p| format!("redis://127.0.0.1:{p}")).collect()
+        }
     }
 }
 
