@@ -75,15 +75,24 @@
 //! - `benches/claim_complete.rs`: library vs hand-sent statements, 1 and 32 callers.
 
 mod config;
+mod driver;
 mod error;
 mod sql;
 mod store;
 
 pub use config::Config;
+#[cfg(feature = "sqlx")]
+pub use driver::Sqlx;
+pub use driver::{Deadpool, Driver};
+#[cfg(feature = "sqlx")]
+pub use error::is_retryable_sqlx;
 pub use error::{Error, is_retryable_pg, is_retryable_pool};
 pub use sql::{DEFAULT_SCHEMA, MIGRATIONS, Migration, Statements, validate_schema};
 pub use store::PostgresStore;
 
 /// The driver crates, re-exported so callers building their own pool use the same versions.
 pub use deadpool_postgres;
+/// sqlx, re-exported (feature `sqlx`) so callers build their `PgPool` with the same version.
+#[cfg(feature = "sqlx")]
+pub use sqlx;
 pub use tokio_postgres;
