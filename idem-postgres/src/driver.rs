@@ -94,8 +94,11 @@ impl Row {
                 row.try_get::<_, Option<i64>>(i)?.map_or(Value::Null, Value::I64)
             } else if *ty == Type::BOOL {
                 row.try_get::<_, Option<bool>>(i)?.map_or(Value::Null, Value::Bool)
-            } else {
+            } else if *ty == Type::TEXT || *ty == Type::VARCHAR || *ty == Type::NAME {
                 row.try_get::<_, Option<String>>(i)?.map_or(Value::Null, Value::Text)
+            } else {
+                // No statement of the store reads another type (`void` of a lock call).
+                Value::Null
             };
             values.push(v);
         }
@@ -325,7 +328,9 @@ mod sqlx_driver {
             "BYTEA" => row.try_get::<Option<Vec<u8>>, _>(i)?.map_or(Value::Null, Value::Bytes),
             "INT8" => row.try_get::<Option<i64>, _>(i)?.map_or(Value::Null, Value::I64),
             "BOOL" => row.try_get::<Option<bool>, _>(i)?.map_or(Value::Null, Value::Bool),
-            _ => row.try_get::<Option<String>, _>(i)?.map_or(Value::Null, Value::Text),
+            "TEXT" | "VARCHAR" | "NAME" => row.try_get::<Option<String>, _>(i)?.map_or(Value::Null, Value::Text),
+            // No statement of the store reads another type (`void` of a lock call).
+            _ => Value::Null,
         })
     }
 
