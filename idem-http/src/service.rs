@@ -608,8 +608,17 @@ where
     };
     let mut expires_at = claimed_expires_at;
     let status = head.status.as_u16();
-    let cacheable = match head.extensions.remove::<ResponseCaching>() {
+    let caching = head.extensions.remove::<ResponseCaching>();
+    if caching == Some(ResponseCaching::CompletedByHandler) {
+        // Completed in the handler's own transaction, together with its writes; a
+        // completion does not move the retention end the claim set.
+        guard.disarm();
+        set_expires(&mut head.headers, claimed_expires_at);
+        return Ok(Response::from_parts(head, ResponseBody::full(body)));
+    }
+    let cacheable = match caching {
         _ if head.status.is_server_error() => false,
+        Some(ResponseCaching::CompletedByHandler) => false,
         Some(ResponseCaching::Store) => true,
         Some(ResponseCaching::DoNotStore) => false,
         None => cfg.policy.is_cacheable(status),
