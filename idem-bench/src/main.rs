@@ -11,6 +11,7 @@
 //! idem-bench size --backend sqlite                         # bytes per record
 //! idem-bench sweep --backend redb --records 1000000        # peak RSS while sweeping
 //! idem-bench renew --backend postgres --handlers 1000      # lease renewals of long handlers
+//! idem-bench pgtx --via pgbouncer                          # completion in the handler's transaction
 //! ```
 //!
 //! # Layout
@@ -24,6 +25,8 @@
 //! - `sweep`: peak resident memory while sweeping expired records.
 //! - `renew`: N long handlers behind the layer renewing their leases: renewals per second
 //!   sustained, and renewal's store load against claim + complete.
+//! - `pgtx`: claim + the handler's insert + completion in one transaction on a sqlx pool,
+//!   against the same statements by hand, straight to PostgreSQL or through PgBouncer.
 //! - `benches/pure.rs`: divan micro-benchmarks of the pure paths.
 //!
 //! Embedded files go to a temporary directory under `$IDEM_BENCH_DIR` (default the system
@@ -32,6 +35,7 @@
 mod baseline;
 mod cycles;
 mod http;
+mod pgtx;
 mod renew;
 mod size;
 mod sweep;
@@ -66,6 +70,9 @@ enum Command {
     /// Long handlers behind the layer renewing their leases: renewals/s sustained, late
     /// renewals, and renewal's store load against claim + complete.
     Renew(renew::RenewArgs),
+    /// Claim + the handler's insert + completion in one transaction (sqlx pool), against
+    /// the same statements sent by hand through the same pool.
+    Pgtx(pgtx::PgTxArgs),
 }
 
 /// A store backend.
@@ -132,6 +139,7 @@ fn main() -> Result<(), BoxError> {
             Command::Size(args) => size::run(args).await,
             Command::Sweep(args) => sweep::run(args).await,
             Command::Renew(args) => renew::run(args).await,
+            Command::Pgtx(args) => pgtx::run(args).await,
         }
     })
 }
