@@ -58,7 +58,7 @@ fn bit(name: &str) -> Option<u16> {
 /// Which points are armed, how often they fire, and how.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CrashPlan {
-    /// Bit `i` arms `POINTS[i]`.
+    /// Bit `i` arms `POINTS[i]`; bit `8 + i` arms `PG_POINTS[i]`.
     armed: u16,
     /// Probability in `0.0..=1.0` that an armed point fires when a request passes it.
     pub rate: f64,
