@@ -35,22 +35,21 @@ use crate::sql::{COLUMNS, Statements, corrupt, record_at, token_param, validate_
 /// handler, and a dropped future can at worst leave a statement that either committed or
 /// not.
 ///
-/// - **claim** is `INSERT ... ON CONFLICT (id) DO UPDATE SET col = CASE WHEN t.expires_at
-///   <= now THEN <new value> ELSE t.col END ... RETURNING`. With no row, the insert wins;
-///   with a row, `ON CONFLICT DO UPDATE` locks it and evaluates the `CASE` against its
-///   latest committed version (under READ COMMITTED the upsert always acts on the newest
-///   row, never on the statement's snapshot). A live row is rewritten with its own values
-///   and returned as `Existing`; a row past `expires_at` counts as absent and is replaced
-///   by the new claim with `GREATEST(token + 1, first_at(now))` (an inserted row gets
-///   `first_at(now)`, see the crate docs on fencing tokens). Of N concurrent claims
-///   exactly one inserts or replaces; the rest wait on the row lock and then see the live
-///   winner. `DO NOTHING` would return no row on conflict, which is why it is not used.
-///   `RETURNING` cannot see the row as it was before the upsert, so "this call claimed" is
-///   read from the `claim_txid` column, which an insert or replacement sets to the writing
-///   transaction's `txid_current()` and a live hit leaves alone; `xmax = 0` tells an insert
-///   from a replacement. The price of returning the row in one statement is that a claim
-///   which finds a live record still writes one new row version (same values, so a HOT
-///   update that touches no index), reclaimed by page pruning and autovacuum.
+/// - **claim** is `INSERT ... ON CONFLICT (id) DO UPDATE SET <new values> WHERE
+///   t.expires_at <= now RETURNING ...`, with a second branch of the same statement that
+///   selects the row when the upsert returned nothing. With no row, the insert wins; with a
+///   row, `ON CONFLICT DO UPDATE` locks it and evaluates the `WHERE` against its latest
+///   committed version. A row past `expires_at` counts as absent and is replaced by the new
+///   claim with `GREATEST(token + 1, first_at(now))` (an inserted row gets `first_at(now)`,
+///   see the crate docs on fencing tokens). A live row is locked but **not written** (no new
+///   row version: nothing for a concurrent compare-and-set under REPEATABLE READ to
+///   conflict with, nothing for autovacuum) and comes back from the second branch as
+///   `Existing`, as the statement's snapshot saw it; when the live row was committed after
+///   that snapshot the statement returns no row and a fresh read returns it. Of N
+///   concurrent claims exactly one inserts or replaces; the rest wait on the row lock and
+///   then see the live winner. `DO NOTHING` would not lock the row and return nothing,
+///   which is why it is not used. `xmax = 0` tells an insert from a replacement; the
+///   `claim_txid` column records the claiming transaction for operators.
 /// - **reclaim**, **complete**, **extend**, **fail** are `UPDATE ... WHERE id = $1 AND
 ///   token = $2 AND <conditions> RETURNING ...`: compare-and-set on the fencing token. When
 ///   the update matches nothing, a second statement reads the current row to build
@@ -83,9 +82,10 @@ use crate::sql::{COLUMNS, Statements, corrupt, record_at, token_param, validate_
 ///   new claim, never a mix. `VACUUM` of the deleted rows is left to autovacuum.
 ///
 /// # Round trips
-/// Each statement is prepared once per pooled connection (deadpool's statement cache) and
-/// then runs as one round trip. A call takes a connection for one statement (two on the
-/// lost-CAS path) and returns it at once. A connection whose session died (terminated
+/// Each statement is prepared once per pooled connection (deadpool's statement cache, or
+/// sqlx's) and then runs as one round trip; with [`Config::with_prepared_statements`] off
+/// (PgBouncer in transaction mode) it is sent unnamed, still in one round trip. A call
+/// takes a connection for one statement (two on the lost-CAS path) and returns it at once. A connection whose session died (terminated
 /// backend, server restart, broken socket) is detached from the pool rather than returned,
 /// so the next call opens a fresh one instead of failing on the dead one.
 ///
