@@ -204,6 +204,7 @@
 //!   `tests/conformance_sqlx.rs`, `tests/conformance_pgbouncer.rs`,
 //!   `tests/conformance_pgbouncer_sqlx.rs`: the same on a sqlx pool and through PgBouncer;
 //!   `tests/isolation.rs`: REPEATABLE READ and SERIALIZABLE as the connections' default;
+//!   `tests/pgbouncer.rs`: named statements against unnamed ones behind PgBouncer;
 //!   `tests/postgres.rs`: backend-specific tests (connection loss, migrations, corrupt rows).
 //! - `benches/claim_complete.rs`: library vs hand-sent statements, 1 and 32 callers.
 
