@@ -12,6 +12,7 @@
 //! idem-bench sweep --backend redb --records 1000000        # peak RSS while sweeping
 //! idem-bench renew --backend postgres --handlers 1000      # lease renewals of long handlers
 //! idem-bench memory --concurrency 64 --mib 100              # peak RSS of streamed responses
+//! idem-bench pgtx --via pgbouncer                          # completion in the handler's transaction
 //! ```
 //!
 //! # Layout
@@ -27,6 +28,8 @@
 //!   sustained, and renewal's store load against claim + complete.
 //! - `memory`: peak resident memory of N concurrent large streamed responses, with and
 //!   without the layer, each side in a child process of its own.
+//! - `pgtx`: claim + the handler's insert + completion in one transaction on a sqlx pool,
+//!   against the same statements by hand, straight to PostgreSQL or through PgBouncer.
 //! - `benches/pure.rs`: divan micro-benchmarks of the pure paths.
 //!
 //! Embedded files go to a temporary directory under `$IDEM_BENCH_DIR` (default the system
@@ -36,6 +39,7 @@ mod baseline;
 mod cycles;
 mod http;
 mod memory;
+mod pgtx;
 mod renew;
 mod size;
 mod sweep;
@@ -72,6 +76,9 @@ enum Command {
     Renew(renew::RenewArgs),
     /// Peak RSS of N concurrent large streamed responses, with and without the layer.
     Memory(memory::MemoryArgs),
+    /// Claim + the handler's insert + completion in one transaction (sqlx pool), against
+    /// the same statements sent by hand through the same pool.
+    Pgtx(pgtx::PgTxArgs),
 }
 
 /// A store backend.
@@ -139,6 +146,7 @@ fn main() -> Result<(), BoxError> {
             Command::Sweep(args) => sweep::run(args).await,
             Command::Renew(args) => renew::run(args).await,
             Command::Memory(args) => memory::run(args).await,
+            Command::Pgtx(args) => pgtx::run(args).await,
         }
     })
 }

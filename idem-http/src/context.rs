@@ -168,4 +168,10 @@ pub enum ResponseCaching {
     /// Do not store this response; mark the record failed, so a retry runs the handler
     /// again.
     DoNotStore,
+    /// The handler has already completed the record itself, with this response stored,
+    /// inside its own database transaction that has committed (e.g.
+    /// `idem_postgres::PostgresStore::complete_in`): the layer writes nothing for it. Set
+    /// it only after that commit succeeded; on any other outcome return the response
+    /// without it, and the layer completes or fails the record as usual.
+    CompletedByHandler,
 }

@@ -631,6 +631,8 @@ where
         let caching = head.extensions.remove::<ResponseCaching>();
         let cacheable = match caching {
             _ if head.status.is_server_error() => false,
+            // Completed in the handler's own transaction: nothing more to store.
+            Some(ResponseCaching::CompletedByHandler) => false,
             Some(ResponseCaching::Store) => true,
             Some(ResponseCaching::DoNotStore) => false,
             None => policy.is_cacheable(head.status.as_u16()),
@@ -661,6 +663,28 @@ where
         Ok(Ok(parts)) => parts,
     };
     let mut expires_at = claimed_expires_at;
+    if caching == Some(ResponseCaching::CompletedByHandler) {
+        // The handler completed the record in its own transaction, together with its
+        // writes; a completion does not move the retention end the claim set. Its body is
+        // not read here (nothing is stored), so it streams through.
+        guard.disarm();
+        set_expires(&mut head.headers, claimed_expires_at);
+        let body = match read {
+            Read::Untouched(body) => ResponseBody::inner(body),
+            Read::Whole(bytes, trailers) => ResponseBody::full_with_trailers(bytes, trailers),
+            Read::Streamed { read, rest, .. } => ResponseBody::streamed(read, rest),
+            Read::Failed(error) => {
+                tracing::error!(record = %id, error = %error, "handler response body failed after the handler completed its record");
+                return Ok(Problem::new(
+                    ProblemKind::ResponseBodyFailed,
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the response failed while it was being produced",
+                )
+                .into_response());
+            }
+        };
+        return Ok(Response::from_parts(head, body));
+    }
     let status = head.status.as_u16();
     let (stored, body) = match read {
         Read::Failed(error) => {

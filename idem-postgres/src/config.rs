@@ -18,6 +18,8 @@ pub struct Config {
     pub(crate) max_connections: usize,
     pub(crate) acquire_timeout: Duration,
     pub(crate) connect_timeout: Duration,
+    pub(crate) isolation_pin: bool,
+    pub(crate) prepared_statements: bool,
 }
 
 impl Default for Config {
@@ -31,6 +33,8 @@ impl Default for Config {
             max_connections: 16,
             acquire_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
+            isolation_pin: true,
+            prepared_statements: true,
         }
     }
 }
@@ -69,6 +73,32 @@ impl Config {
     #[must_use]
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = Some(clock);
+        self
+    }
+
+    /// Whether [`crate::PostgresStore::connect`] pins READ COMMITTED on the connections it
+    /// opens (default `true`): each carries the startup option `-c
+    /// default_transaction_isolation=read\ committed`, whatever the role's or database's
+    /// default. Turn it off for a server or proxy that refuses the `options` startup
+    /// parameter (PgBouncer before 1.20 does, unless its `ignore_startup_parameters` lists
+    /// `options`, which then drops it). The store stays correct without it (see the crate
+    /// docs, "Isolation").
+    #[must_use]
+    pub fn with_isolation_pin(mut self, on: bool) -> Self {
+        self.isolation_pin = on;
+        self
+    }
+
+    /// Whether statements are prepared once per connection and then sent by name (default
+    /// `true`: one round trip, parsed and planned once). Turn it off behind PgBouncer in
+    /// transaction mode before 1.21 (or with `max_prepared_statements = 0`), where a named
+    /// statement prepared on one server connection is unknown to the next: each statement
+    /// is then sent unnamed, still in one round trip (deadpool: parse, bind and execute of
+    /// the unnamed statement in one batch; sqlx: the simple query protocol, values inlined
+    /// as hex and decimal literals), and parsed and planned on every call.
+    #[must_use]
+    pub fn with_prepared_statements(mut self, on: bool) -> Self {
+        self.prepared_statements = on;
         self
     }
 

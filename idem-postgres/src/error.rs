@@ -78,6 +78,22 @@ pub enum Error {
         /// Highest migration this build ships.
         known: i32,
     },
+    /// A statement failed on the `sqlx::PgPool` the store was built on (feature `sqlx`).
+    #[cfg(feature = "sqlx")]
+    #[error("PostgreSQL statement failed (sqlx) while {operation}")]
+    Sqlx {
+        /// What was being done.
+        operation: &'static str,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// The connection was closed after its session was lost, and the call went on with it.
+    #[error("the PostgreSQL connection was closed while {operation}")]
+    Detached {
+        /// What was being done.
+        operation: &'static str,
+    },
     /// A compare-and-set kept losing to claims its statement snapshot could not see.
     #[error("the record changed under every compare-and-set attempt while {operation}")]
     Contention {
@@ -95,13 +111,33 @@ impl Error {
         match self {
             Error::Connection { source, .. } => is_retryable_pool(source),
             Error::Postgres { source, .. } => is_retryable_pg(source),
-            Error::Contention { .. } => true,
+            #[cfg(feature = "sqlx")]
+            Error::Sqlx { source, .. } => is_retryable_sqlx(source),
+            Error::Contention { .. } | Error::Detached { .. } => true,
             Error::InvalidSchema { .. }
             | Error::InvalidUrl(_)
             | Error::Pool(_)
             | Error::SchemaTooNew { .. }
             | Error::NotMigrated { .. } => false,
         }
+    }
+
+    /// Whether the statement was rolled back by a serialization failure or a deadlock
+    /// (SQLSTATE 40001, 40P01): running it again, with a fresh snapshot, can succeed.
+    #[must_use]
+    pub fn is_serialization_failure(&self) -> bool {
+        let code = match self {
+            Error::Postgres { source, .. } => source.code().map(|c| c.code().to_owned()),
+            #[cfg(feature = "sqlx")]
+            Error::Sqlx { source, .. } => source.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned()),
+            _ => None,
+        };
+        matches!(code.as_deref(), Some("40001" | "40P01"))
+    }
+
+    #[cfg(feature = "sqlx")]
+    pub(crate) fn sqlx(operation: &'static str) -> impl FnOnce(sqlx::Error) -> Self {
+        move |source| Error::Sqlx { operation, source }
     }
 
     pub(crate) fn postgres(operation: &'static str) -> impl FnOnce(tokio_postgres::Error) -> Self {
@@ -154,6 +190,34 @@ pub(crate) fn is_session_lost(e: &tokio_postgres::Error) -> bool {
     }
 }
 
+/// Whether a sqlx error is transient: a retryable SQLSTATE (as for [`is_retryable_pg`]),
+/// an I/O failure, a pool timeout, or a crashed connection worker.
+#[cfg(feature = "sqlx")]
+#[must_use]
+pub fn is_retryable_sqlx(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| is_retryable_code(&SqlState::from_code(&c))),
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => true,
+        _ => false,
+    }
+}
+
+/// Whether a sqlx error means the connection's session is gone.
+#[cfg(feature = "sqlx")]
+pub(crate) fn is_session_lost_sqlx(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| {
+            let c = SqlState::from_code(&c);
+            c == SqlState::ADMIN_SHUTDOWN
+                || c == SqlState::CRASH_SHUTDOWN
+                || c == SqlState::CANNOT_CONNECT_NOW
+                || c.code().starts_with("08")
+        }),
+        sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed | sqlx::Error::Protocol(_) => true,
+        _ => false,
+    }
+}
+
 fn is_retryable_code(code: &SqlState) -> bool {
     code == &SqlState::T_R_SERIALIZATION_FAILURE
         || code == &SqlState::T_R_DEADLOCK_DETECTED
@@ -190,6 +254,8 @@ impl From<Error> for StoreError {
             Error::Postgres { operation, .. } => (*operation).to_owned(),
             Error::Connection { operation, .. } => format!("{operation}: no connection"),
             Error::Contention { operation } => format!("{operation}: contention"),
+            #[cfg(feature = "sqlx")]
+            Error::Sqlx { operation, .. } => (*operation).to_owned(),
             other => other.to_string(),
         };
         StoreError::unavailable(BACKEND, message, retryable, e)

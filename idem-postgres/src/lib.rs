@@ -4,10 +4,138 @@
 //! as the resources it guards. Every operation is one statement (one round trip on the
 //! common path), and time comes from the server's `clock_timestamp()`.
 //!
-//! Build it with [`PostgresStore::connect`] (a URL) or [`PostgresStore::from_pool`] (the
-//! application's own deadpool `Pool`), and a [`Config`] from `Config::default()` and its
-//! `with_*` methods. Either constructor migrates the schema first unless
-//! [`Config::with_auto_migrate`] is off.
+//! Build it with [`PostgresStore::connect`] (a URL; [`PostgresStore::connect_tls`] with a
+//! TLS connector), [`PostgresStore::from_pool`] (the application's own deadpool `Pool`), or,
+//! with the `sqlx` feature, [`PostgresStore::from_sqlx`] (the application's own
+//! `sqlx::PgPool`), and a [`Config`] from `Config::default()` and its `with_*` methods.
+//! Each constructor migrates the schema first unless [`Config::with_auto_migrate`] is off.
+//!
+//! # Postgres the way teams run it
+//!
+//! ## Your own pool: deadpool or sqlx
+//! [`PostgresStore`] is generic over its [`Driver`]: `PostgresStore` (=
+//! `PostgresStore<Deadpool>`) runs on a `deadpool_postgres::Pool` of tokio-postgres
+//! connections; `PostgresStore<Sqlx>` (feature `sqlx`) on a `sqlx::PgPool`, the pool most
+//! axum services already hold. Both run the same statements ([`Statements`]), pass the same
+//! conformance suite, and share the pool with the application: each store call takes a
+//! connection for one statement (two on a lost compare-and-set) and gives it back.
+//!
+//! ```rust,ignore
+//! // Cargo.toml: idem-postgres = { version = "0.1", features = ["sqlx"] }
+//! let pool = sqlx::PgPool::connect("postgres://app@db/app").await?;
+//! let store = idem_postgres::PostgresStore::from_sqlx(pool.clone(), idem_postgres::Config::default()).await?;
+//! ```
+//!
+//! ## TLS
+//! - deadpool: [`PostgresStore::connect_tls`] takes any tokio-postgres TLS connector
+//!   (`postgres_native_tls::MakeTlsConnector`, `tokio_postgres_rustls::MakeRustlsConnect`);
+//!   `sslmode=require` in the URL refuses a plain connection. Or build the deadpool
+//!   `Manager` with the connector yourself and pass the pool to
+//!   [`PostgresStore::from_pool`].
+//! - sqlx: enable sqlx's `tls-rustls` (or `tls-native-tls`) feature in your own
+//!   `Cargo.toml` (features unify: this crate's sqlx is yours) and set
+//!   `PgConnectOptions::ssl_mode(PgSslMode::Require)` (or `VerifyFull` with
+//!   `ssl_root_cert`), or `?sslmode=require` in the URL.
+//!
+//! This crate picks no TLS library: the choice (and its certificate store) is the
+//! application's.
+//!
+//! ## Migrations
+//! Applied on start by default ([`Config::with_auto_migrate`]), through the store's pool,
+//! whichever driver: one transaction under an advisory lock, safe from several replicas
+//! at once. A deploy step can run them alone ([`PostgresStore::migrate`] on a deadpool
+//! pool, [`PostgresStore::migrate_sqlx`] on a sqlx pool), and a team with its own
+//! migration tool (sqlx-cli, refinery, Flyway) takes the SQL instead: [`MIGRATIONS`], each
+//! with [`Migration::sql_for`] for the schema, recording each applied version in
+//! `<schema>.schema_migrations` (`version`, `name`) so that stores built with
+//! auto-migration off find it.
+//!
+//! ## Isolation
+//! The statements are written for READ COMMITTED, PostgreSQL's default, and stay correct
+//! under REPEATABLE READ and SERIALIZABLE, which some organisations set as the default of
+//! every role:
+//! - a claim that finds a live record writes nothing (its upsert's `DO UPDATE` applies only
+//!   to an expired row), so it never invalidates the snapshot of a concurrent
+//!   compare-and-set;
+//! - every store statement is its own implicit transaction, so one rolled back by a
+//!   serialization failure or a deadlock (SQLSTATE 40001, 40P01) runs again, with a fresh
+//!   snapshot, up to 8 times (1, 4, 9, ... ms apart) before the error is returned
+//!   (retryable);
+//! - [`PostgresStore::connect`] pins READ COMMITTED on the connections it opens (startup
+//!   option `-c default_transaction_isolation=read\ committed`, [`Config::with_isolation_pin`]);
+//!   a pool you pass in is left as it is, its isolation level read at start
+//!   ([`PostgresStore::isolation`]) and logged as a warning when it is not READ COMMITTED:
+//!   the store is still correct, but contended records cost retries.
+//!
+//! [`PostgresStore::complete_in`] runs in your transaction, at your isolation level: under
+//! REPEATABLE READ or SERIALIZABLE it may fail with 40001, and then the whole transaction
+//! must run again (the store cannot retry part of your transaction).
+//!
+//! ## Behind PgBouncer (transaction mode)
+//! The store keeps no session state: no `SET`, no temporary tables, no session advisory
+//! locks (the migration lock is transaction-scoped), and each statement is its own
+//! transaction. What breaks behind PgBouncer in transaction mode is named prepared
+//! statements (before PgBouncer 1.21, or with `max_prepared_statements = 0`): a statement
+//! prepared on one server connection is unknown on the next. Build the store with
+//! `Config::default().with_prepared_statements(false)`: statements are then sent unnamed, in
+//! one round trip each (deadpool: parse, bind and execute of the unnamed statement in one
+//! batch; sqlx: the simple query protocol with the values as hex and decimal literals,
+//! because sqlx prepares even an unnamed statement in a round trip of its own). PgBouncer
+//! refuses the `options` startup parameter that pins the isolation level, so turn
+//! [`Config::with_isolation_pin`] off there too (or list `options` in PgBouncer's
+//! `ignore_startup_parameters`, which drops it). For sqlx, list `extra_float_digits` in
+//! `ignore_startup_parameters` (sqlx sends it at startup). The conformance suite runs
+//! through a real PgBouncer 1.18 in transaction mode for both drivers
+//! (`tests/conformance_pgbouncer*.rs`, `scripts/pgbouncer`).
+//!
+//! ## Completion inside the handler's transaction
+//! A handler whose side effects are rows in the same database can make them and the
+//! stored response commit together: [`PostgresStore::complete_in`] runs the completion's
+//! compare-and-set inside the handler's own transaction (a deadpool/tokio-postgres
+//! `Transaction`, or `sqlx::Transaction` with the `sqlx` feature). The claim is not part of
+//! that transaction: the layer claims with its own statement before the handler starts,
+//! so no transaction is held open while the claim waits, and the handler's transaction
+//! starts only when the handler does. With `idem_http`, the handler returns its response
+//! with the `ResponseCaching::CompletedByHandler` extension after the commit, and the layer
+//! writes nothing more:
+//!
+//! ```rust,ignore
+//! async fn create(State(app): State<App>, Extension(ctx): Extension<IdempotencyContext>) -> Response {
+//!     let mut tx = app.pool.begin().await?;
+//!     let id: i64 = sqlx::query_scalar("INSERT INTO workers (op) VALUES ($1) RETURNING id")
+//!         .bind(ctx.key().as_str()).fetch_one(&mut *tx).await?;
+//!     let body = serde_json::to_vec(&json!({ "id": id }))?;
+//!     let stored = StoredResponse::new(201, vec![("content-type".into(), b"application/json".to_vec())], body.clone());
+//!     // LeaseLost: another attempt owns the record; return (tx rolls back on drop).
+//!     app.store.complete_in(&mut tx, ctx.record_id(), ctx.token(), stored).await?;
+//!     tx.commit().await?;
+//!     (StatusCode::CREATED, [(CONTENT_TYPE, "application/json")], Extension(ResponseCaching::CompletedByHandler), body)
+//!         .into_response()
+//! }
+//! ```
+//!
+//! The completion locks the record's row until the transaction ends, so no retry can
+//! reclaim the record between the completion and the commit; a completion refused with
+//! `LeaseLost` (the lease ran out and a retry took the record) means this attempt's rows
+//! must roll back. The stored response is the one the handler passes: return the same
+//! status, headers and body.
+//!
+//! What each mode guarantees when the process dies (SIGKILL, power loss) at any point:
+//!
+//! | crash | separate completion (the layer completes after the handler) | completion in the handler's transaction |
+//! |---|---|---|
+//! | before the handler's commit | no rows, record in flight: the retry runs again after the lease | the same: no rows, no response, the retry runs again |
+//! | after the handler's commit, before the completion | **rows committed, record in flight: the retry runs the handler again after the lease (a second set of rows)** | cannot happen: rows and response commit together |
+//! | after both | rows and response: the retry replays | rows and response: the retry replays |
+//!
+//! So separate completion gives at-least-once execution of the handler's writes (exactly
+//! once when nothing crashes between commit and completion; make the writes idempotent by
+//! [`idem_core::SubKey`] to close the gap), and completion in the handler's transaction
+//! gives exactly-once for writes to this database. Side effects outside the database (an
+//! HTTP call, a queue) are outside any transaction either way: journal them as steps or
+//! intents. The crash test `examples/leasebroker/tests/pg_crash.rs` kills a server 100 times
+//! at these points and checks one worker row and one stored response per operation, and
+//! shows the duplicate rows of separate completion.
 //!
 //! # Schema
 //! `<schema>.records`, keyed by the 32-byte record id (`bytea` primary key: the scope
@@ -64,6 +192,8 @@
 //!
 //! # Layout
 //! - `src/config.rs`: [`Config`].
+//! - `src/driver.rs`: [`Driver`], [`Deadpool`] and [`Sqlx`]: acquiring a connection and
+//!   running one statement on either pool (prepared, or unnamed for PgBouncer).
 //! - `src/store.rs`: [`PostgresStore`] and its [`idem_core::Store`] impl: the claim path
 //!   and every other operation, how each is one atomic statement.
 //! - `src/sql.rs`: the SQL: schema-name validation, the shipped [`MIGRATIONS`] and how
@@ -71,19 +201,35 @@
 //! - `src/error.rs`: [`Error`] and the retryable classification.
 //! - `migrations/*.sql`: the schema, one file per version.
 //! - `tests/conformance.rs`: the shared conformance suite against a real server;
+//!   `tests/conformance_sqlx.rs`, `tests/conformance_pgbouncer.rs`,
+//!   `tests/conformance_pgbouncer_sqlx.rs`: the same on a sqlx pool and through PgBouncer;
+//!   `tests/isolation.rs`: REPEATABLE READ and SERIALIZABLE as the connections' default;
+//!   `tests/pgbouncer.rs`: named statements against unnamed ones behind PgBouncer;
 //!   `tests/postgres.rs`: backend-specific tests (connection loss, migrations, corrupt rows).
 //! - `benches/claim_complete.rs`: library vs hand-sent statements, 1 and 32 callers.
 
+// The docs name the sqlx driver, which exists only with the feature.
+#![cfg_attr(not(feature = "sqlx"), allow(rustdoc::broken_intra_doc_links))]
+
 mod config;
+mod driver;
 mod error;
 mod sql;
 mod store;
 
 pub use config::Config;
+#[cfg(feature = "sqlx")]
+pub use driver::Sqlx;
+pub use driver::{Deadpool, Driver};
+#[cfg(feature = "sqlx")]
+pub use error::is_retryable_sqlx;
 pub use error::{Error, is_retryable_pg, is_retryable_pool};
 pub use sql::{DEFAULT_SCHEMA, MIGRATIONS, Migration, Statements, validate_schema};
 pub use store::PostgresStore;
 
 /// The driver crates, re-exported so callers building their own pool use the same versions.
 pub use deadpool_postgres;
+/// sqlx, re-exported (feature `sqlx`) so callers build their `PgPool` with the same version.
+#[cfg(feature = "sqlx")]
+pub use sqlx;
 pub use tokio_postgres;

@@ -11,13 +11,15 @@
 //! [`Migration::sql_for`] instead, and record each applied version (`version`, `name`)
 //! in `<schema>.schema_migrations` so that stores built without auto-migration find it.
 
-use deadpool_postgres::{GenericClient, Pool};
+use deadpool_postgres::Pool;
 use idem_core::codec::{CodecError, decode_response};
 use idem_core::{
     Endpoint, FencingToken, Fingerprint, IdempotencyKey, Principal, Record, RecordId, RecordState, Scope, StoreError,
     StoredResponse, UnixMillis,
 };
+use tokio_postgres::types::Type;
 
+use crate::driver::Row;
 use crate::error::Error;
 
 /// One versioned migration.
@@ -68,46 +70,78 @@ fn applied_version_sql(schema: &str) -> String {
     format!("SELECT COALESCE(max(version), 0) FROM {}.schema_migrations", quote_ident(schema))
 }
 
-/// The highest migration recorded in `schema` (0 when it has none, or does not exist),
-/// read without changing anything; refuses a schema migrated by a newer build.
-async fn applied_version(client: &impl GenericClient, schema: &str) -> Result<i32, Error> {
-    const OP: &str = "reading the schema's migration version";
-    // Whether the bookkeeping table exists is asked of the catalog tables, not by naming
-    // it: a failed lookup by name leaves the session a cached "no such schema", which the
-    // migration that follows would trust even after waiting on the lock for another
-    // process that creates the schema (and then fail creating it twice).
-    let exists: bool = client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class AS c
-                JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
-                WHERE n.nspname = $1 AND c.relname = 'schema_migrations')",
-            &[&schema],
-        )
-        .await
-        .and_then(|row| row.try_get(0))
-        .map_err(Error::postgres(OP))?;
-    if !exists {
-        return Ok(0);
-    }
-    let found: i32 = client
-        .query_one(&applied_version_sql(schema), &[])
-        .await
-        .and_then(|row| row.try_get(0))
-        .map_err(Error::postgres(OP))?;
+/// Whether the bookkeeping table exists is asked of the catalog tables, not by naming it:
+/// a failed lookup by name leaves the session a cached "no such schema", which the
+/// migration that follows would trust even after waiting on the lock for another process
+/// that creates the schema (and then fail creating it twice).
+const MIGRATIONS_TABLE_EXISTS: &str = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class AS c
+    JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE n.nspname = $1::text AND c.relname = 'schema_migrations')";
+
+/// Statements that serialise concurrent `migrate()` calls on a schema (several replicas
+/// starting at once); the lock is released at commit or rollback.
+const MIGRATION_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext($1::text))";
+
+fn lock_key(schema: &str) -> String {
+    format!("idem-postgres migrate {schema}")
+}
+
+fn create_bookkeeping(schema: &str) -> String {
+    let q = quote_ident(schema);
+    format!(
+        "CREATE SCHEMA IF NOT EXISTS {q};
+         CREATE TABLE IF NOT EXISTS {q}.schema_migrations (
+             version    integer     PRIMARY KEY,
+             name       text        NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         );"
+    )
+}
+
+fn record_migration_sql(schema: &str) -> String {
+    format!("INSERT INTO {}.schema_migrations (version, name) VALUES ($1::integer, $2::text)", quote_ident(schema))
+}
+
+fn checked_version(schema: &str, found: i32) -> Result<i32, Error> {
     if found > KNOWN_VERSION {
         return Err(Error::SchemaTooNew { schema: schema.to_owned(), found, known: KNOWN_VERSION });
     }
     Ok(found)
 }
 
+fn not_migrated(schema: &str, found: i32) -> Result<(), Error> {
+    match found {
+        KNOWN_VERSION => Ok(()),
+        found => Err(Error::NotMigrated { schema: schema.to_owned(), found, known: KNOWN_VERSION }),
+    }
+}
+
+/// The highest migration recorded in `schema` (0 when it has none, or does not exist),
+/// read without changing anything; refuses a schema migrated by a newer build. Unnamed
+/// statements only, so that it runs behind PgBouncer in transaction mode too.
+async fn applied_version(client: &impl tokio_postgres::GenericClient, schema: &str) -> Result<i32, Error> {
+    const OP: &str = "reading the schema's migration version";
+    let exists: bool = client
+        .query_typed(MIGRATIONS_TABLE_EXISTS, &[(&schema, Type::TEXT)])
+        .await
+        .and_then(|rows| rows.first().map_or(Ok(false), |row| row.try_get(0)))
+        .map_err(Error::postgres(OP))?;
+    if !exists {
+        return Ok(0);
+    }
+    let found: i32 = client
+        .query_typed(&applied_version_sql(schema), &[])
+        .await
+        .and_then(|rows| rows.first().map_or(Ok(0), |row| row.try_get(0)))
+        .map_err(Error::postgres(OP))?;
+    checked_version(schema, found)
+}
+
 /// Checks, without changing anything, that `schema` is at exactly this build's migration:
 /// the start-up check of a store built without auto-migration.
 pub(crate) async fn check_migrated(pool: &Pool, schema: &str) -> Result<(), Error> {
     let client = pool.get().await.map_err(Error::connection("reading the schema's migration version"))?;
-    match applied_version(&client, schema).await? {
-        KNOWN_VERSION => Ok(()),
-        found => Err(Error::NotMigrated { schema: schema.to_owned(), found, known: KNOWN_VERSION }),
-    }
+    not_migrated(schema, applied_version(&**client, schema).await?)
 }
 
 /// The schema used when none is configured.
@@ -158,7 +192,7 @@ pub(crate) fn quote_ident(name: &str) -> String {
 /// alone would need `CREATE` on the database).
 pub(crate) async fn migrate(pool: &Pool, schema: &str) -> Result<usize, Error> {
     let mut client = pool.get().await.map_err(Error::connection("migrating"))?;
-    if applied_version(&client, schema).await? == KNOWN_VERSION {
+    if applied_version(&**client, schema).await? == KNOWN_VERSION {
         return Ok(0);
     }
     let tx = client.transaction().await.map_err(Error::postgres("starting the migration transaction"))?;
@@ -177,37 +211,95 @@ pub(crate) async fn migrate(pool: &Pool, schema: &str) -> Result<usize, Error> {
 }
 
 async fn apply(tx: &deadpool_postgres::Transaction<'_>, schema: &str) -> Result<usize, Error> {
-    let q = quote_ident(schema);
-    // Serialise concurrent migrate() calls on this schema (several replicas starting at
-    // once); the lock is released at commit or rollback.
-    tx.execute("SELECT pg_advisory_xact_lock(hashtext($1))", &[&format!("idem-postgres migrate {schema}")])
+    tx.query_typed(MIGRATION_LOCK, &[(&lock_key(schema), Type::TEXT)])
         .await
         .map_err(Error::postgres("taking the migration lock"))?;
-    tx.batch_execute(&format!(
-        "CREATE SCHEMA IF NOT EXISTS {q};
-         CREATE TABLE IF NOT EXISTS {q}.schema_migrations (
-             version    integer     PRIMARY KEY,
-             name       text        NOT NULL,
-             applied_at timestamptz NOT NULL DEFAULT now()
-         );"
-    ))
-    .await
-    .map_err(Error::postgres("creating the schema"))?;
+    tx.batch_execute(&create_bookkeeping(schema)).await.map_err(Error::postgres("creating the schema"))?;
     // Read again under the lock: another process may have migrated meanwhile. (The table
     // exists now, so the read cannot fail on a missing one and abort the transaction.)
-    let found = applied_version(tx, schema).await?;
+    let found = applied_version(&**tx, schema).await?;
     let mut applied = 0;
     for m in MIGRATIONS.iter().filter(|m| m.version > found) {
         tx.batch_execute(&m.sql_for(schema)).await.map_err(Error::postgres("applying a migration"))?;
-        tx.execute(
-            &format!("INSERT INTO {q}.schema_migrations (version, name) VALUES ($1, $2)"),
-            &[&m.version, &m.name],
-        )
-        .await
-        .map_err(Error::postgres("recording a migration"))?;
+        tx.query_typed(&record_migration_sql(schema), &[(&m.version, Type::INT4), (&m.name, Type::TEXT)])
+            .await
+            .map_err(Error::postgres("recording a migration"))?;
         applied += 1;
     }
     Ok(applied)
+}
+
+/// The migrations through a `sqlx::PgPool`: the same statements, the same transaction and
+/// lock.
+#[cfg(feature = "sqlx")]
+pub(crate) mod via_sqlx {
+    use sqlx::Connection as _;
+
+    use super::*;
+    use crate::driver::{Param, Protocol, sqlx_query_opt};
+
+    /// Unnamed (simple protocol) statements only, as the store's own behind PgBouncer.
+    async fn query(
+        conn: &mut sqlx::PgConnection,
+        op: &'static str,
+        sql: &str,
+        params: &[Param<'_>],
+    ) -> Result<Option<Row>, Error> {
+        sqlx_query_opt(conn, sql, params, Protocol::Unnamed).await.map_err(Error::sqlx(op))
+    }
+
+    async fn applied_version(conn: &mut sqlx::PgConnection, schema: &str) -> Result<i32, Error> {
+        const OP: &str = "reading the schema's migration version";
+        let bad = || Error::sqlx(OP)(sqlx::Error::RowNotFound);
+        let exists = query(conn, OP, MIGRATIONS_TABLE_EXISTS, &[Param::Text(schema)]).await?;
+        if !exists.ok_or_else(bad)?.bool(0).map_err(|_| bad())? {
+            return Ok(0);
+        }
+        let sql = applied_version_sql(schema).replace("COALESCE(max(version), 0)", "COALESCE(max(version), 0)::bigint");
+        let found = query(conn, OP, &sql, &[]).await?.ok_or_else(bad)?.i64(0).map_err(|_| bad())?;
+        checked_version(schema, i32::try_from(found).unwrap_or(i32::MAX))
+    }
+
+    pub(crate) async fn check_migrated(pool: &sqlx::PgPool, schema: &str) -> Result<(), Error> {
+        let mut conn = pool.acquire().await.map_err(Error::sqlx("reading the schema's migration version"))?;
+        not_migrated(schema, applied_version(&mut conn, schema).await?)
+    }
+
+    pub(crate) async fn migrate(pool: &sqlx::PgPool, schema: &str) -> Result<usize, Error> {
+        let mut conn = pool.acquire().await.map_err(Error::sqlx("migrating"))?;
+        if applied_version(&mut conn, schema).await? == KNOWN_VERSION {
+            return Ok(0);
+        }
+        let mut tx = conn.begin().await.map_err(Error::sqlx("starting the migration transaction"))?;
+        match apply(&mut tx, schema).await {
+            Ok(applied) => {
+                tx.commit().await.map_err(Error::sqlx("committing the migrations"))?;
+                Ok(applied)
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn apply(tx: &mut sqlx::PgConnection, schema: &str) -> Result<usize, Error> {
+        query(tx, "taking the migration lock", MIGRATION_LOCK, &[Param::Text(&lock_key(schema))]).await?;
+        sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&create_bookkeeping(schema)))
+            .await
+            .map_err(Error::sqlx("creating the schema"))?;
+        let found = applied_version(tx, schema).await?;
+        let mut applied = 0;
+        for m in MIGRATIONS.iter().filter(|m| m.version > found) {
+            sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&m.sql_for(schema)))
+                .await
+                .map_err(Error::sqlx("applying a migration"))?;
+            let sql = record_migration_sql(schema).replace("$1::integer", "$1::bigint::integer");
+            query(tx, "recording a migration", &sql, &[Param::I64(i64::from(m.version)), Param::Text(m.name)]).await?;
+            applied += 1;
+        }
+        Ok(applied)
+    }
 }
 
 /// The SQL text of every statement a store runs, for `EXPLAIN`, for operators, and for
@@ -254,7 +346,9 @@ const FIRST_TOKEN: &str = "GREATEST(LEAST(GREATEST(n.ms, 0), 140737488355327) <<
 impl Statements {
     /// Claim. `$1` id, `$2` principal (UTF-8 bytes), `$3` endpoint (UTF-8 bytes), `$4`
     /// key, `$5` fingerprint, `$6` lease ms, `$7` retention ms, `$8` now. Returns
-    /// `inserted, claimed`, the record columns, and `now`.
+    /// `inserted, claimed`, the record columns, and `now`: the new claim, or the live
+    /// record (`claimed` false, nothing written), or no row when the live record was
+    /// committed after the statement's snapshot (read it with [`Statements::read`]).
     #[must_use]
     pub fn claim(&self) -> &str {
         &self.claim
@@ -323,8 +417,7 @@ impl Statements {
         let now = |p: &str| format!("COALESCE({p}::bigint, {SERVER_NOW_MS})");
         // now + d, saturating like the pure model (a huge retention must not overflow).
         let plus = |d: &str| format!("LEAST(n.ms::numeric + {d}::bigint, 9223372036854775807)::bigint");
-        let expired = "t.expires_at <= EXCLUDED.created_at";
-        let replace = |c: &str| format!("{c} = CASE WHEN {expired} THEN EXCLUDED.{c} ELSE t.{c} END");
+        let replace = |c: &str| format!("{c} = EXCLUDED.{c}");
         let replaced_cols = [
             "principal",
             "endpoint",
@@ -340,6 +433,12 @@ impl Statements {
         ]
         .map(replace)
         .join(",\n        ");
+        // The upsert writes only when there is no live row: `DO UPDATE ... WHERE expired`
+        // locks a live row but leaves it unchanged (no new row version, nothing for a
+        // concurrent compare-and-set to conflict with under REPEATABLE READ). The live row
+        // is then returned by the second branch as the statement's snapshot saw it; a live
+        // row committed after that snapshot returns no row at all, and the store reads it
+        // in a fresh statement.
         let claim = format!(
             "WITH n AS (SELECT {now8} AS ms),
 up AS (
@@ -349,15 +448,20 @@ up AS (
     FROM n
     ON CONFLICT (id) DO UPDATE SET
         {replaced_cols},
-        token = CASE WHEN {expired} THEN GREATEST(t.token + 1, EXCLUDED.token) ELSE t.token END
-    RETURNING (t.xmax = 0) AS inserted, (t.claim_txid = txid_current()) AS claimed, {tcols}
+        token = GREATEST(t.token + 1, EXCLUDED.token)
+    WHERE t.expires_at <= EXCLUDED.created_at
+    RETURNING (t.xmax = 0) AS inserted, true AS claimed, {tcols}
 )
-SELECT up.*, n.ms AS now FROM up CROSS JOIN n",
+SELECT up.*, n.ms AS now FROM up CROSS JOIN n
+UNION ALL
+SELECT false, false, {rcols}, n.ms FROM {table} AS r CROSS JOIN n
+WHERE r.id = $1::bytea AND n.ms < r.expires_at AND NOT EXISTS (SELECT 1 FROM up)",
             now8 = now("$8"),
             cols = cols(""),
             lease = plus("$6"),
             retention = plus("$7"),
             tcols = cols("t."),
+            rcols = cols("r."),
         );
         let reclaim = format!(
             "WITH n AS (SELECT {now6} AS ms)
@@ -481,32 +585,20 @@ pub(crate) fn corrupt(id: Option<RecordId>, column: &'static str, reason: &'stat
 /// table's constraints should have excluded are reported as [`StoreError::Corrupt`].
 /// `written` is the response this call just stored (complete), used instead of decoding
 /// the column back.
-pub(crate) fn record_at(
-    row: &tokio_postgres::Row,
-    base: usize,
-    written: Option<StoredResponse>,
-) -> Result<Record, StoreError> {
-    fn get<'a, T: tokio_postgres::types::FromSql<'a>>(
-        row: &'a tokio_postgres::Row,
-        idx: usize,
-    ) -> Result<T, StoreError> {
-        row.try_get(idx).map_err(|e| Error::postgres("decoding a record")(e).into())
-    }
-    let id_bytes: Vec<u8> = get(row, base)?;
-    let id = RecordId(id_bytes.try_into().map_err(|_| corrupt(None, "id", "not 32 bytes"))?);
+pub(crate) fn record_at(row: &Row, base: usize, written: Option<StoredResponse>) -> Result<Record, StoreError> {
+    let id = RecordId(row.bytes(base)?.try_into().map_err(|_| corrupt(None, "id", "not 32 bytes"))?);
     let bad = |column, why| corrupt(Some(id), column, why);
     let text = |idx, column| -> Result<String, StoreError> {
-        String::from_utf8(get::<Vec<u8>>(row, idx)?).map_err(|_| bad(column, "not UTF-8"))
+        String::from_utf8(row.bytes(idx)?.to_vec()).map_err(|_| bad(column, "not UTF-8"))
     };
     let principal = text(base + 1, "principal")?;
     let endpoint = text(base + 2, "endpoint")?;
-    let key: String = get(row, base + 3)?;
-    let key = IdempotencyKey::from_stored(&key).ok_or_else(|| bad("key", "not a valid idempotency key"))?;
-    let fingerprint: Vec<u8> = get(row, base + 4)?;
-    let fingerprint = Fingerprint(fingerprint.try_into().map_err(|_| bad("fingerprint", "not 32 bytes"))?);
-    let state = RecordState::from_name(get(row, base + 5)?).ok_or_else(|| bad("state", "unknown state"))?;
-    let token = u64::try_from(get::<i64>(row, base + 6)?).map_err(|_| bad("token", "negative"))?;
-    let response = match (written, get::<Option<&[u8]>>(row, base + 7)?) {
+    let key =
+        IdempotencyKey::from_stored(row.text(base + 3)?).ok_or_else(|| bad("key", "not a valid idempotency key"))?;
+    let fingerprint = Fingerprint(row.bytes(base + 4)?.try_into().map_err(|_| bad("fingerprint", "not 32 bytes"))?);
+    let state = RecordState::from_name(row.text(base + 5)?).ok_or_else(|| bad("state", "unknown state"))?;
+    let token = u64::try_from(row.i64(base + 6)?).map_err(|_| bad("token", "negative"))?;
+    let response = match (written, row.opt_bytes(base + 7)?) {
         (Some(written), _) => Some(written),
         (None, Some(b)) => Some(decode_response(b).map_err(|source| StoreError::Corrupt { id: Some(id), source })?),
         (None, None) => None,
@@ -523,10 +615,10 @@ pub(crate) fn record_at(
         state,
         token: FencingToken(token),
         response,
-        created_at: UnixMillis(get(row, base + 8)?),
-        started_at: UnixMillis(get(row, base + 9)?),
-        lease_expires_at: UnixMillis(get(row, base + 10)?),
-        expires_at: UnixMillis(get(row, base + 11)?),
+        created_at: UnixMillis(row.i64(base + 8)?),
+        started_at: UnixMillis(row.i64(base + 9)?),
+        lease_expires_at: UnixMillis(row.i64(base + 10)?),
+        expires_at: UnixMillis(row.i64(base + 11)?),
     })
 }
 

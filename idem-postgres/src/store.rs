@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use idem_core::codec::encode_response;
 use idem_core::time::duration_ms;
 use idem_core::transition::is_reclaimable;
@@ -14,11 +14,14 @@ use idem_core::{
     Record, RecordId, RecordState, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
 };
 use tokio_postgres::NoTls;
-use tokio_postgres::types::ToSql;
+use tokio_postgres::Socket;
+use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 
 use crate::config::Config;
-use crate::error::{Error, is_session_lost};
-use crate::sql::{self, COLUMNS, Statements, corrupt, record_at, token_param, validate_schema};
+use crate::driver::sealed::Sealed as _;
+use crate::driver::{Deadpool, Driver, Param, Protocol, Row};
+use crate::error::Error;
+use crate::sql::{COLUMNS, Statements, corrupt, record_at, token_param, validate_schema};
 
 /// An idempotency [`Store`] in one PostgreSQL table. Cheap to clone (shares the pool).
 ///
@@ -32,22 +35,21 @@ use crate::sql::{self, COLUMNS, Statements, corrupt, record_at, token_param, val
 /// handler, and a dropped future can at worst leave a statement that either committed or
 /// not.
 ///
-/// - **claim** is `INSERT ... ON CONFLICT (id) DO UPDATE SET col = CASE WHEN t.expires_at
-///   <= now THEN <new value> ELSE t.col END ... RETURNING`. With no row, the insert wins;
-///   with a row, `ON CONFLICT DO UPDATE` locks it and evaluates the `CASE` against its
-///   latest committed version (under READ COMMITTED the upsert always acts on the newest
-///   row, never on the statement's snapshot). A live row is rewritten with its own values
-///   and returned as `Existing`; a row past `expires_at` counts as absent and is replaced
-///   by the new claim with `GREATEST(token + 1, first_at(now))` (an inserted row gets
-///   `first_at(now)`, see the crate docs on fencing tokens). Of N concurrent claims
-///   exactly one inserts or replaces; the rest wait on the row lock and then see the live
-///   winner. `DO NOTHING` would return no row on conflict, which is why it is not used.
-///   `RETURNING` cannot see the row as it was before the upsert, so "this call claimed" is
-///   read from the `claim_txid` column, which an insert or replacement sets to the writing
-///   transaction's `txid_current()` and a live hit leaves alone; `xmax = 0` tells an insert
-///   from a replacement. The price of returning the row in one statement is that a claim
-///   which finds a live record still writes one new row version (same values, so a HOT
-///   update that touches no index), reclaimed by page pruning and autovacuum.
+/// - **claim** is `INSERT ... ON CONFLICT (id) DO UPDATE SET <new values> WHERE
+///   t.expires_at <= now RETURNING ...`, with a second branch of the same statement that
+///   selects the row when the upsert returned nothing. With no row, the insert wins; with a
+///   row, `ON CONFLICT DO UPDATE` locks it and evaluates the `WHERE` against its latest
+///   committed version. A row past `expires_at` counts as absent and is replaced by the new
+///   claim with `GREATEST(token + 1, first_at(now))` (an inserted row gets `first_at(now)`,
+///   see the crate docs on fencing tokens). A live row is locked but **not written** (no new
+///   row version: nothing for a concurrent compare-and-set under REPEATABLE READ to
+///   conflict with, nothing for autovacuum) and comes back from the second branch as
+///   `Existing`, as the statement's snapshot saw it; when the live row was committed after
+///   that snapshot the statement returns no row and a fresh read returns it. Of N
+///   concurrent claims exactly one inserts or replaces; the rest wait on the row lock and
+///   then see the live winner. `DO NOTHING` would not lock the row and return nothing,
+///   which is why it is not used. `xmax = 0` tells an insert from a replacement; the
+///   `claim_txid` column records the claiming transaction for operators.
 /// - **reclaim**, **complete**, **extend**, **fail** are `UPDATE ... WHERE id = $1 AND
 ///   token = $2 AND <conditions> RETURNING ...`: compare-and-set on the fencing token. When
 ///   the update matches nothing, a second statement reads the current row to build
@@ -80,9 +82,10 @@ use crate::sql::{self, COLUMNS, Statements, corrupt, record_at, token_param, val
 ///   new claim, never a mix. `VACUUM` of the deleted rows is left to autovacuum.
 ///
 /// # Round trips
-/// Each statement is prepared once per pooled connection (deadpool's statement cache) and
-/// then runs as one round trip. A call takes a connection for one statement (two on the
-/// lost-CAS path) and returns it at once. A connection whose session died (terminated
+/// Each statement is prepared once per pooled connection (deadpool's statement cache, or
+/// sqlx's) and then runs as one round trip; with [`Config::with_prepared_statements`] off
+/// (PgBouncer in transaction mode) it is sent unnamed, still in one round trip. A call
+/// takes a connection for one statement (two on the lost-CAS path) and returns it at once. A connection whose session died (terminated
 /// backend, server restart, broken socket) is detached from the pool rather than returned,
 /// so the next call opens a fresh one instead of failing on the dead one.
 ///
@@ -92,30 +95,64 @@ use crate::sql::{self, COLUMNS, Statements, corrupt, record_at, token_param, val
 /// is taken from it too. A test may pin time with
 /// [`Config::with_clock`]: its reading is passed as a parameter and used instead,
 /// through `COALESCE($n, <server now>)`, so tests run the very statements production runs.
-#[derive(Clone, Debug)]
-pub struct PostgresStore {
-    inner: Arc<Inner>,
+#[derive(Debug)]
+pub struct PostgresStore<D: Driver = Deadpool> {
+    inner: Arc<Inner<D>>,
+}
+
+impl<D: Driver> Clone for PostgresStore<D> {
+    fn clone(&self) -> Self {
+        Self { inner: Arc::clone(&self.inner) }
+    }
 }
 
 #[derive(Debug)]
-struct Inner {
-    pool: Pool,
+struct Inner<D> {
+    driver: D,
     schema: String,
     clock: Option<Arc<dyn Clock>>,
     sql: Statements,
+    protocol: Protocol,
+    /// `transaction_isolation` of a pooled connection when the store was built.
+    isolation: String,
 }
 
-impl PostgresStore {
+/// The option that pins READ COMMITTED on a connection the store opens itself (see
+/// [`Config::with_isolation_pin`]).
+const PIN_READ_COMMITTED: &str = "-c default_transaction_isolation=read\\ committed";
+
+impl PostgresStore<Deadpool> {
     /// Connects to `url` (`postgres://user@host:port/db?...` or the key=value form) over
     /// plain TCP or a Unix socket, without TLS, then migrates or checks the schema as
     /// [`PostgresStore::from_pool`] does. Connections carry
-    /// `application_name=idem-postgres` unless the URL sets one.
+    /// `application_name=idem-postgres` unless the URL sets one, and (unless
+    /// [`Config::with_isolation_pin`] is off) the startup option
+    /// `-c default_transaction_isolation=read\ committed`, appended to any `options` the
+    /// URL sets. For TLS use [`PostgresStore::connect_tls`].
     ///
     /// # Errors
     /// [`Error::InvalidSchema`], [`Error::InvalidUrl`], [`Error::Pool`],
     /// [`Error::Connection`] when the server cannot be reached (retryable), and those of
     /// [`PostgresStore::from_pool`].
     pub async fn connect(url: &str, config: Config) -> Result<Self, Error> {
+        Self::connect_tls(url, NoTls, config).await
+    }
+
+    /// [`PostgresStore::connect`] with a TLS connector, e.g.
+    /// `postgres_native_tls::MakeTlsConnector` or `tokio_postgres_rustls::MakeRustlsConnect`
+    /// (crates of their own; this crate does not pick a TLS library for you). Whether TLS is
+    /// required follows the URL's `sslmode` (`prefer` by default in tokio-postgres,
+    /// `require` to refuse plain connections).
+    ///
+    /// # Errors
+    /// As [`PostgresStore::connect`].
+    pub async fn connect_tls<T>(url: &str, tls: T, config: Config) -> Result<Self, Error>
+    where
+        T: MakeTlsConnect<Socket> + Clone + Sync + Send + 'static,
+        T::Stream: Sync + Send,
+        T::TlsConnect: Sync + Send,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
         validate_schema(&config.schema)?;
         let mut pg: tokio_postgres::Config = url.parse().map_err(Error::InvalidUrl)?;
         if pg.get_application_name().is_none() {
@@ -124,7 +161,15 @@ impl PostgresStore {
         if pg.get_connect_timeout().is_none() {
             pg.connect_timeout(config.connect_timeout);
         }
-        let manager = Manager::from_config(pg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        if config.isolation_pin {
+            // Appended, so it wins over an isolation level the URL's own options set.
+            let options = match pg.get_options() {
+                Some(o) if !o.trim().is_empty() => format!("{o} {PIN_READ_COMMITTED}"),
+                _ => PIN_READ_COMMITTED.to_owned(),
+            };
+            pg.options(options);
+        }
+        let manager = Manager::from_config(pg, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
         let pool = Pool::builder(manager)
             .max_size(config.max_connections)
             .runtime(Runtime::Tokio1)
@@ -139,7 +184,9 @@ impl PostgresStore {
     /// Uses the application's own pool. The pool's own settings (size, timeouts, TLS)
     /// apply; the config's pool settings are ignored. Applies the missing migrations
     /// ([`PostgresStore::migrate`]), or with [`Config::with_auto_migrate`] off only checks
-    /// that the schema is at this build's migration.
+    /// that the schema is at this build's migration. Reads the isolation level of a pooled
+    /// connection and logs a warning when it is not READ COMMITTED (see
+    /// [`PostgresStore::isolation`]).
     ///
     /// # Errors
     /// [`Error::InvalidSchema`]; [`Error::Connection`] when no connection opens
@@ -147,15 +194,7 @@ impl PostgresStore {
     /// missing; [`Error::SchemaTooNew`]; [`Error::Postgres`] when a migration fails (e.g.
     /// no `CREATE` privilege).
     pub async fn from_pool(pool: Pool, config: Config) -> Result<Self, Error> {
-        validate_schema(&config.schema)?;
-        let sql = Statements::for_schema(&config.schema);
-        let store = Self { inner: Arc::new(Inner { pool, schema: config.schema, clock: config.clock, sql }) };
-        if config.auto_migrate {
-            sql::migrate(&store.inner.pool, &store.inner.schema).await?;
-        } else {
-            sql::check_migrated(&store.inner.pool, &store.inner.schema).await?;
-        }
-        Ok(store)
+        Self::build(Deadpool(pool), config).await
     }
 
     /// Creates `config`'s schema, the `records` table and its indices on `pool`, applying
@@ -173,13 +212,168 @@ impl PostgresStore {
     /// newer build migrated the schema.
     pub async fn migrate(pool: &Pool, config: &Config) -> Result<usize, Error> {
         validate_schema(&config.schema)?;
-        sql::migrate(pool, &config.schema).await
+        Deadpool(pool.clone()).migrate(&config.schema).await
     }
 
     /// The pool (shared with every clone of this store).
     #[must_use]
     pub fn pool(&self) -> &Pool {
-        &self.inner.pool
+        &self.inner.driver.0
+    }
+
+    /// Completes the record inside the caller's own transaction `tx`: the handler's rows
+    /// and the stored response commit together, or neither does. See the crate docs,
+    /// "Completion inside the handler's transaction", for what each mode guarantees.
+    ///
+    /// The statement is the compare-and-set of [`Store::complete`]: it locks the record's
+    /// row until `tx` ends, so no reclaim can take the record between this call and the
+    /// commit. Roll `tx` back on any error: [`StoreError::LeaseLost`] means another attempt
+    /// owns the record now (a retry reclaimed it after the lease ran out) and this attempt's
+    /// rows must not commit. A serialization failure (SQLSTATE 40001, possible when `tx`
+    /// runs under REPEATABLE READ or SERIALIZABLE) is returned, not retried: the whole
+    /// transaction must run again.
+    ///
+    /// # Errors
+    /// [`StoreError::LeaseLost`]; [`StoreError::Unavailable`] for a driver failure.
+    pub async fn complete_in(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        id: RecordId,
+        token: FencingToken,
+        response: StoredResponse,
+    ) -> Result<Record, StoreError> {
+        const OP: &str = "completing a record in the caller's transaction";
+        let bytes = encode_response(&response);
+        let params = complete_params(&id, token, &bytes, self.pinned_now());
+        // Unnamed: the caller's connection may sit behind PgBouncer, and a named statement
+        // would outlive the transaction in its connection's cache.
+        let row = crate::driver::pg_query_unnamed(tx, self.inner.sql.complete(), &params)
+            .await
+            .map_err(Error::postgres(OP))?;
+        match row {
+            Some(row) => record_at(&row, 0, Some(response)),
+            None => {
+                let current =
+                    crate::driver::pg_query_unnamed(tx, self.inner.sql.read(), &read_params(&id, self.pinned_now()))
+                        .await
+                        .map_err(Error::postgres(OP))?;
+                Err(lease_lost_in(id, token, current.as_ref())?)
+            }
+        }
+    }
+}
+
+#[cfg(feature = "sqlx")]
+impl PostgresStore<crate::driver::Sqlx> {
+    /// Builds the store on the application's own `sqlx::PgPool`: the pool's settings (size,
+    /// timeouts, TLS through `PgConnectOptions::ssl_mode` and sqlx's `tls-rustls` or
+    /// `tls-native-tls` feature) apply; the config's pool settings are ignored. Migrates or
+    /// checks the schema and reads the isolation level as [`PostgresStore::from_pool`] does.
+    /// To pin READ COMMITTED on the pool's connections, give sqlx the startup option:
+    /// `PgConnectOptions::options([("default_transaction_isolation", "read committed")])`.
+    ///
+    /// # Errors
+    /// As [`PostgresStore::from_pool`], with [`Error::Sqlx`] for driver failures.
+    pub async fn from_sqlx(pool: sqlx::PgPool, config: Config) -> Result<Self, Error> {
+        Self::build(crate::driver::Sqlx(pool), config).await
+    }
+
+    /// [`PostgresStore::migrate`] on a `sqlx::PgPool`: the shipped migrations run through
+    /// the application's pool, in one transaction under an advisory lock.
+    ///
+    /// # Errors
+    /// As [`PostgresStore::migrate`], with [`Error::Sqlx`] for driver failures.
+    pub async fn migrate_sqlx(pool: &sqlx::PgPool, config: &Config) -> Result<usize, Error> {
+        validate_schema(&config.schema)?;
+        crate::driver::Sqlx(pool.clone()).migrate(&config.schema).await
+    }
+
+    /// The pool (shared with every clone of this store).
+    #[must_use]
+    pub fn pool(&self) -> &sqlx::PgPool {
+        &self.inner.driver.0
+    }
+
+    /// [`PostgresStore::complete_in`] for a sqlx transaction: the handler's rows and the
+    /// stored response commit together, or neither does. Roll back on any error.
+    ///
+    /// # Errors
+    /// [`StoreError::LeaseLost`]; [`StoreError::Unavailable`] for a driver failure.
+    pub async fn complete_in(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+        id: RecordId,
+        token: FencingToken,
+        response: StoredResponse,
+    ) -> Result<Record, StoreError> {
+        const OP: &str = "completing a record in the caller's transaction";
+        let bytes = encode_response(&response);
+        let params = complete_params(&id, token, &bytes, self.pinned_now());
+        let conn: &mut sqlx::PgConnection = tx;
+        let row = crate::driver::sqlx_query_opt(conn, self.inner.sql.complete(), &params, self.inner.protocol)
+            .await
+            .map_err(Error::sqlx(OP))?;
+        match row {
+            Some(row) => record_at(&row, 0, Some(response)),
+            None => {
+                let current = crate::driver::sqlx_query_opt(
+                    conn,
+                    self.inner.sql.read(),
+                    &read_params(&id, self.pinned_now()),
+                    self.inner.protocol,
+                )
+                .await
+                .map_err(Error::sqlx(OP))?;
+                Err(lease_lost_in(id, token, current.as_ref())?)
+            }
+        }
+    }
+}
+
+fn complete_params<'a>(id: &'a RecordId, token: FencingToken, bytes: &'a [u8], now: Option<i64>) -> [Param<'a>; 4] {
+    [Param::Bytes(&id.0), Param::I64(token_param(token)), Param::Bytes(bytes), Param::OptI64(now)]
+}
+
+fn read_params(id: &RecordId, now: Option<i64>) -> [Param<'_>; 2] {
+    [Param::Bytes(&id.0), Param::OptI64(now)]
+}
+
+/// `LeaseLost` from the read that followed a refused completion in a caller's transaction.
+fn lease_lost_in(id: RecordId, token: FencingToken, current: Option<&Row>) -> Result<StoreError, StoreError> {
+    let current = match current {
+        Some(row) if row.opt_bytes(0)?.is_some() => Some(record_at(row, 0, None)?.token),
+        _ => None,
+    };
+    Ok(StoreError::LeaseLost { id, presented: token, current })
+}
+
+impl<D: Driver> PostgresStore<D> {
+    async fn build(driver: D, config: Config) -> Result<Self, Error> {
+        validate_schema(&config.schema)?;
+        let sql = Statements::for_schema(&config.schema);
+        let protocol = if config.prepared_statements { Protocol::Prepared } else { Protocol::Unnamed };
+        if config.auto_migrate {
+            driver.migrate(&config.schema).await?;
+        } else {
+            driver.check_migrated(&config.schema).await?;
+        }
+        const OP: &str = "reading the isolation level";
+        let mut conn = Some(driver.acquire(OP).await?);
+        let row = D::query_opt(&mut conn, OP, "SELECT current_setting('transaction_isolation')", &[], protocol).await?;
+        let isolation = row.and_then(|r| r.text(0).ok().map(str::to_owned)).unwrap_or_default();
+        if isolation != "read committed" {
+            tracing::warn!(
+                isolation = %isolation, schema = %config.schema,
+                "idem-postgres: the pool's connections run at {isolation:?}, not READ COMMITTED; the store stays correct \
+                 (claims of live records write nothing and serialization failures are retried) but contended records \
+                 cost retries. Pin READ COMMITTED on the pool's connections (startup option \
+                 `-c default_transaction_isolation=read\\ committed`) where you can."
+            );
+        }
+        drop(conn);
+        Ok(Self {
+            inner: Arc::new(Inner { driver, schema: config.schema, clock: config.clock, sql, protocol, isolation }),
+        })
     }
 
     /// The schema name.
@@ -194,71 +388,74 @@ impl PostgresStore {
         &self.inner.sql
     }
 
+    /// `transaction_isolation` of a pooled connection when the store was built, as
+    /// PostgreSQL spells it (`read committed`, `repeatable read`, `serializable`). The
+    /// store assumes nothing about it: see the crate docs, "Isolation".
+    #[must_use]
+    pub fn isolation(&self) -> &str {
+        &self.inner.isolation
+    }
+
     /// The pinned time, or `None` to use the server's clock.
     fn pinned_now(&self) -> Option<i64> {
         self.inner.clock.as_ref().map(|c| c.now().0)
     }
 
-    async fn client(&self, operation: &'static str) -> Result<Object, StoreError> {
-        Ok(self.inner.pool.get().await.map_err(Error::connection(operation))?)
-    }
-
-    /// Runs `sql` (prepared once per connection) and returns at most one row, handing the
-    /// connection back for a follow-up statement. On an error that means the session is
-    /// gone (terminated backend, closed socket), the connection is detached from the pool
-    /// instead of returned to it: the driver may not have noticed the close yet, and the
-    /// pool's recycle check would then hand the dead connection to the next call.
+    /// Runs `sql` (one statement, its own implicit transaction) and returns at most one
+    /// row, leaving the connection in `conn` for a follow-up statement (or taking one when
+    /// `conn` is empty). A serialization failure or deadlock (SQLSTATE 40001, 40P01; under
+    /// REPEATABLE READ or SERIALIZABLE a row changed after the statement's snapshot) rolled
+    /// the statement back whole, so it runs again, with a fresh snapshot, a few times.
     async fn run(
         &self,
-        client: Object,
+        conn: &mut Option<D::Conn>,
         operation: &'static str,
         sql: &str,
-        params: &[&(dyn ToSql + Sync)],
-    ) -> Result<(Object, Option<tokio_postgres::Row>), StoreError> {
-        let result = match client.prepare_cached(sql).await {
-            Ok(stmt) => client.query_opt(&stmt, params).await,
-            Err(e) => Err(e),
-        };
-        match result {
-            Ok(row) => Ok((client, row)),
-            Err(e) => {
-                if is_session_lost(&e) {
-                    drop(Object::take(client));
+        params: &[Param<'_>],
+    ) -> Result<Option<Row>, StoreError> {
+        let mut attempt: u32 = 0;
+        loop {
+            if conn.is_none() {
+                *conn = Some(self.inner.driver.acquire(operation).await?);
+            }
+            match D::query_opt(conn, operation, sql, params, self.inner.protocol).await {
+                Ok(row) => return Ok(row),
+                Err(e) if e.is_serialization_failure() && attempt < SERIALIZATION_RETRIES => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(u64::from(attempt * attempt))).await;
                 }
-                Err(Error::postgres(operation)(e).into())
+                Err(e) => return Err(e.into()),
             }
         }
     }
 
-    /// The live record and the store's `now`, handing the connection back.
+    /// The live record and the store's `now`.
     async fn read(
         &self,
-        client: Object,
+        conn: &mut Option<D::Conn>,
         id: RecordId,
         now: Option<i64>,
-    ) -> Result<(Object, Option<Record>, UnixMillis), StoreError> {
+    ) -> Result<(Option<Record>, UnixMillis), StoreError> {
         const OP: &str = "reading a record";
-        let (client, row) = self.run(client, OP, self.inner.sql.read(), &[&&id.0[..], &now]).await?;
+        let row = self.run(conn, OP, self.inner.sql.read(), &read_params(&id, now)).await?;
         let row = row.ok_or_else(|| corrupt(Some(id), "row", "the statement returned no row"))?;
-        let now = UnixMillis(row.try_get(COLUMNS.len()).map_err(Error::postgres(OP))?);
-        let present: Option<&[u8]> = row.try_get(0).map_err(Error::postgres(OP))?;
-        let record = if present.is_some() { Some(record_at(&row, 0, None)?) } else { None };
-        Ok((client, record, now))
+        let now = UnixMillis(row.i64(COLUMNS.len())?);
+        let record = if row.opt_bytes(0)?.is_some() { Some(record_at(&row, 0, None)?) } else { None };
+        Ok((record, now))
     }
 
     /// The journal entry `name` of the live record's current generation.
     async fn journal_read(
         &self,
-        client: Object,
+        conn: &mut Option<D::Conn>,
         id: RecordId,
         name: &str,
         now: Option<i64>,
-    ) -> Result<(Object, Option<Vec<u8>>), StoreError> {
+    ) -> Result<Option<Vec<u8>>, StoreError> {
         const OP: &str = "reading a journal entry";
-        let (client, row) =
-            self.run(client, OP, self.inner.sql.journal_get(), &[&&id.0[..], &name.as_bytes(), &now]).await?;
-        let value = row.map(|row| row.try_get::<_, Vec<u8>>(0)).transpose().map_err(Error::postgres(OP))?;
-        Ok((client, value))
+        let params = [Param::Bytes(&id.0), Param::Bytes(name.as_bytes()), Param::OptI64(now)];
+        let row = self.run(conn, OP, self.inner.sql.journal_get(), &params).await?;
+        row.map(|row| row.bytes(0).map(<[u8]>::to_vec)).transpose()
     }
 
     /// Runs a compare-and-set `UPDATE` (`params` end with the pinned `now`). When it
@@ -278,20 +475,18 @@ impl PostgresStore {
         operation: &'static str,
         id: RecordId,
         sql: &str,
-        params: &[&(dyn ToSql + Sync)],
+        params: &[Param<'_>],
         now: Option<i64>,
         would_apply: impl Fn(&Record, UnixMillis) -> bool,
-    ) -> Result<Result<tokio_postgres::Row, (Option<Record>, UnixMillis)>, StoreError> {
-        let mut client = self.client(operation).await?;
+    ) -> Result<Result<Row, (Option<Record>, UnixMillis)>, StoreError> {
+        let mut conn = None;
         for _ in 0..CAS_ATTEMPTS {
-            let (c, row) = self.run(client, operation, sql, params).await?;
-            if let Some(row) = row {
+            if let Some(row) = self.run(&mut conn, operation, sql, params).await? {
                 return Ok(Ok(row));
             }
-            let (c, current, read_now) = self.read(c, id, now).await?;
-            match current {
-                Some(r) if would_apply(&r, read_now) => client = c,
-                current => return Ok(Err((current, read_now))),
+            match self.read(&mut conn, id, now).await? {
+                (Some(r), read_now) if would_apply(&r, read_now) => {}
+                (current, read_now) => return Ok(Err((current, read_now))),
             }
         }
         Err(Error::Contention { operation }.into())
@@ -303,6 +498,10 @@ impl PostgresStore {
 /// record is replaced again and again in the same milliseconds.
 const CAS_ATTEMPTS: usize = 4;
 
+/// How often a statement runs again after a serialization failure or deadlock (40001,
+/// 40P01), waiting 1, 4, 9, ... ms in between.
+const SERIALIZATION_RETRIES: u32 = 8;
+
 /// Whether `token` is the live record's current in-flight claim (the rule complete and fail
 /// check; the read already excludes expired records).
 fn owns(r: &Record, token: FencingToken) -> bool {
@@ -310,58 +509,56 @@ fn owns(r: &Record, token: FencingToken) -> bool {
 }
 
 #[async_trait]
-impl Store for PostgresStore {
+impl<D: Driver> Store for PostgresStore<D> {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         const OP: &str = "claiming a record";
-        let client = self.client(OP).await?;
         let now = self.pinned_now();
-        let (_, row) = self
-            .run(
-                client,
-                OP,
-                self.inner.sql.claim(),
-                &[
-                    &&req.id.0[..],
-                    &req.scope.principal.0.as_bytes(),
-                    &req.scope.endpoint.0.as_bytes(),
-                    &req.key.as_str(),
-                    &&req.fingerprint.0[..],
-                    &req.lease_ms(),
-                    &req.retention_ms(),
-                    &now,
-                ],
-            )
-            .await?;
-        // An upsert with RETURNING always yields its row.
-        let row = row.ok_or_else(|| corrupt(Some(req.id), "row", "the statement returned no row"))?;
-        let claimed: bool = row.try_get(1).map_err(Error::postgres(OP))?;
-        let record = record_at(&row, 2, None)?;
-        if claimed {
-            Ok(ClaimOutcome::Claimed(record))
-        } else {
-            let now = UnixMillis(row.try_get(2 + COLUMNS.len()).map_err(Error::postgres(OP))?);
-            Ok(ClaimOutcome::Existing { record, now })
+        let mut conn = None;
+        let params = [
+            Param::Bytes(&req.id.0),
+            Param::Bytes(req.scope.principal.0.as_bytes()),
+            Param::Bytes(req.scope.endpoint.0.as_bytes()),
+            Param::Text(req.key.as_str()),
+            Param::Bytes(&req.fingerprint.0),
+            Param::I64(req.lease_ms()),
+            Param::I64(req.retention_ms()),
+            Param::OptI64(now),
+        ];
+        for _ in 0..CAS_ATTEMPTS {
+            // One row: the claim (inserted or replaced), or the live record as the
+            // statement's snapshot saw it; no row when the live record was committed after
+            // that snapshot (then a fresh read finds it).
+            if let Some(row) = self.run(&mut conn, OP, self.inner.sql.claim(), &params).await? {
+                let claimed = row.bool(1)?;
+                let record = record_at(&row, 2, None)?;
+                if claimed {
+                    return Ok(ClaimOutcome::Claimed(record));
+                }
+                let now = UnixMillis(row.i64(2 + COLUMNS.len())?);
+                return Ok(ClaimOutcome::Existing { record, now });
+            }
+            if let (Some(record), now) = self.read(&mut conn, req.id, now).await? {
+                return Ok(ClaimOutcome::Existing { record, now });
+            }
+            // Gone again (expired or swept) between the two statements: claim again.
         }
+        Err(Error::Contention { operation: OP }.into())
     }
 
     async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
         let now = self.pinned_now();
+        let params = [
+            Param::Bytes(&req.id.0),
+            Param::I64(token_param(req.expected)),
+            Param::Bytes(&req.fingerprint.0),
+            Param::I64(req.lease_ms()),
+            Param::I64(req.retention_ms()),
+            Param::OptI64(now),
+        ];
         let outcome = self
-            .compare_and_set(
-                "reclaiming a record",
-                req.id,
-                self.inner.sql.reclaim(),
-                &[
-                    &&req.id.0[..],
-                    &token_param(req.expected),
-                    &&req.fingerprint.0[..],
-                    &req.lease_ms(),
-                    &req.retention_ms(),
-                    &now,
-                ],
-                now,
-                |r, now| is_reclaimable(r, &req, now),
-            )
+            .compare_and_set("reclaiming a record", req.id, self.inner.sql.reclaim(), &params, now, |r, now| {
+                is_reclaimable(r, &req, now)
+            })
             .await?;
         match outcome {
             Ok(row) => Ok(ReclaimOutcome::Reclaimed(record_at(&row, 0, None)?)),
@@ -377,15 +574,9 @@ impl Store for PostgresStore {
     ) -> Result<Record, StoreError> {
         let now = self.pinned_now();
         let bytes = encode_response(&response);
+        let params = complete_params(&id, token, &bytes, now);
         let outcome = self
-            .compare_and_set(
-                "completing a record",
-                id,
-                self.inner.sql.complete(),
-                &[&&id.0[..], &token_param(token), &bytes, &now],
-                now,
-                |r, _| owns(r, token),
-            )
+            .compare_and_set("completing a record", id, self.inner.sql.complete(), &params, now, |r, _| owns(r, token))
             .await?;
         match outcome {
             Ok(row) => record_at(&row, 0, Some(response)),
@@ -395,16 +586,14 @@ impl Store for PostgresStore {
 
     async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
         let now = self.pinned_now();
-        let lease_ms = duration_ms(lease_ttl);
+        let params = [
+            Param::Bytes(&id.0),
+            Param::I64(token_param(token)),
+            Param::I64(duration_ms(lease_ttl)),
+            Param::OptI64(now),
+        ];
         let outcome = self
-            .compare_and_set(
-                "extending a lease",
-                id,
-                self.inner.sql.extend(),
-                &[&&id.0[..], &token_param(token), &lease_ms, &now],
-                now,
-                |r, _| owns(r, token),
-            )
+            .compare_and_set("extending a lease", id, self.inner.sql.extend(), &params, now, |r, _| owns(r, token))
             .await?;
         match outcome {
             Ok(row) => record_at(&row, 0, None),
@@ -414,15 +603,9 @@ impl Store for PostgresStore {
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
         let now = self.pinned_now();
+        let params = [Param::Bytes(&id.0), Param::I64(token_param(token)), Param::OptI64(now)];
         let outcome = self
-            .compare_and_set(
-                "marking a record failed",
-                id,
-                self.inner.sql.fail(),
-                &[&&id.0[..], &token_param(token), &now],
-                now,
-                |r, _| owns(r, token),
-            )
+            .compare_and_set("marking a record failed", id, self.inner.sql.fail(), &params, now, |r, _| owns(r, token))
             .await?;
         match outcome {
             Ok(row) => record_at(&row, 0, None),
@@ -431,20 +614,19 @@ impl Store for PostgresStore {
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        let client = self.client("reading a record").await?;
-        Ok(self.read(client, id, self.pinned_now()).await?.1)
+        Ok(self.read(&mut None, id, self.pinned_now()).await?.0)
     }
 
     async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
         const OP: &str = "sweeping expired records";
-        let client = self.client(OP).await?;
         let now = self.pinned_now();
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let probe = limit.saturating_add(1);
-        let (_, row) = self.run(client, OP, self.inner.sql.sweep(), &[&limit, &probe, &now]).await?;
+        let params = [Param::I64(limit), Param::I64(probe), Param::OptI64(now)];
+        let row = self.run(&mut None, OP, self.inner.sql.sweep(), &params).await?;
         let row = row.ok_or_else(|| corrupt(None, "row", "the statement returned no row"))?;
-        let removed: i64 = row.try_get(0).map_err(Error::postgres(OP))?;
-        let found: i64 = row.try_get(1).map_err(Error::postgres(OP))?;
+        let removed = row.i64(0)?;
+        let found = row.i64(1)?;
         Ok(SweepOutcome { removed: u64::try_from(removed).unwrap_or(0), more: found > removed })
     }
 
@@ -462,36 +644,38 @@ impl Store for PostgresStore {
     ) -> Result<JournalWrite, StoreError> {
         const OP: &str = "writing a journal entry";
         let now = self.pinned_now();
-        let mut client = self.client(OP).await?;
+        let mut conn = None;
+        let params = [
+            Param::Bytes(&id.0),
+            Param::I64(token_param(token)),
+            Param::Bytes(name.as_bytes()),
+            Param::Bytes(&value),
+            Param::Bool(overwrite),
+            Param::OptI64(now),
+        ];
         for _ in 0..CAS_ATTEMPTS {
-            let params: [&(dyn ToSql + Sync); 6] =
-                [&&id.0[..], &token_param(token), &name.as_bytes(), &value, &overwrite, &now];
-            let (c, row) = self.run(client, OP, self.inner.sql.journal_put(), &params).await?;
+            let row = self.run(&mut conn, OP, self.inner.sql.journal_put(), &params).await?;
             let row = row.ok_or_else(|| corrupt(Some(id), "row", "the statement returned no row"))?;
-            let owned: bool = row.try_get(0).map_err(Error::postgres(OP))?;
-            let written: bool = row.try_get(1).map_err(Error::postgres(OP))?;
-            let existing: Option<Vec<u8>> = row.try_get(2).map_err(Error::postgres(OP))?;
+            let owned = row.bool(0)?;
+            let written = row.bool(1)?;
             if written {
                 return Ok(JournalWrite::Written);
             }
             if owned {
-                if let Some(v) = existing {
-                    return Ok(JournalWrite::Exists(v));
+                if let Some(v) = row.opt_bytes(2)? {
+                    return Ok(JournalWrite::Exists(v.to_vec()));
                 }
                 // The entry that won was inserted by a put that committed after this
                 // statement's snapshot: read it with a fresh one.
-                let (c, stored) = self.journal_read(c, id, name, now).await?;
-                if let Some(v) = stored {
+                if let Some(v) = self.journal_read(&mut conn, id, name, now).await? {
                     return Ok(JournalWrite::Exists(v));
                 }
-                client = c;
                 continue;
             }
             // Not the owner, or the record was claimed after this statement's snapshot
             // (then the put runs again rather than report a refusal no order explains).
-            let (c, current, _) = self.read(c, id, now).await?;
-            match current {
-                Some(r) if owns(&r, token) => client = c,
+            match self.read(&mut conn, id, now).await?.0 {
+                Some(r) if owns(&r, token) => {}
                 current => {
                     return Err(StoreError::LeaseLost { id, presented: token, current: current.map(|r| r.token) });
                 }
@@ -501,7 +685,6 @@ impl Store for PostgresStore {
     }
 
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        let client = self.client("reading a journal entry").await?;
-        Ok(self.journal_read(client, id, name, self.pinned_now()).await?.1)
+        self.journal_read(&mut None, id, name, self.pinned_now()).await
     }
 }

@@ -1,69 +1,12 @@
 //! The shared conformance suite (every scenario and the model-based test) against the real
-//! PostgreSQL at `IDEM_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`).
-//! Each scenario runs in its own `idem_test_*` schema, dropped when the scenario's last
-//! store handle goes. No server: every test fails with the command that starts one.
+//! PostgreSQL at `IDEM_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`),
+//! on the default deadpool pool. Each scenario runs in its own `idem_test_*` schema,
+//! dropped when the scenario's last store handle goes. No server: every test fails with
+//! the command that starts one. `conformance_sqlx.rs`, `conformance_pgbouncer.rs` and
+//! `conformance_pgbouncer_sqlx.rs` run the same suite on a sqlx pool and through PgBouncer.
 
+#[path = "common/backend.rs"]
+mod backend;
 mod common;
 
-use std::sync::{Arc, Mutex, Weak};
-
-use async_trait::async_trait;
-use idem_core::{ManualClock, Store};
-
-use common::{SchemaGuard, TestStore};
-
-/// Connections per store handle: enough for real races (32 tasks share them), few enough
-/// that parallel test threads stay far below the server's `max_connections` (100).
-const POOL: usize = 6;
-
-/// A handle this backend opened, and the schema it lives in.
-type Opened = (Weak<dyn Store>, Weak<SchemaGuard>);
-
-/// Opens stores on fresh schemas; remembers which schema each handle uses so that
-/// `open_peer` can open a second pool on it.
-#[derive(Default)]
-struct Postgres {
-    opened: Mutex<Vec<Opened>>,
-}
-
-impl Postgres {
-    fn remember(&self, store: &Arc<dyn Store>, guard: &Arc<SchemaGuard>) {
-        let mut opened = self.opened.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        opened.retain(|(s, _)| s.strong_count() > 0);
-        opened.push((Arc::downgrade(store), Arc::downgrade(guard)));
-    }
-
-    fn guard_of(&self, store: &Arc<dyn Store>) -> Option<Arc<SchemaGuard>> {
-        let opened = self.opened.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        opened
-            .iter()
-            .find(|(s, _)| s.upgrade().is_some_and(|s| std::ptr::addr_eq(Arc::as_ptr(&s), Arc::as_ptr(store))))
-            .and_then(|(_, g)| g.upgrade())
-    }
-}
-
-#[async_trait]
-impl idem_conformance::Backend for Postgres {
-    async fn open(&self, clock: ManualClock) -> Arc<dyn Store> {
-        let store = common::fresh_store(Some(clock), POOL).await;
-        let guard = Arc::clone(&store.guard);
-        let store: Arc<dyn Store> = Arc::new(store);
-        self.remember(&store, &guard);
-        store
-    }
-
-    async fn open_peer(&self, store: &Arc<dyn Store>, clock: ManualClock) -> Arc<dyn Store> {
-        let guard = self.guard_of(store).expect("open_peer is given a store this backend opened");
-        let inner = common::connect(&guard.name, Some(clock), POOL).await;
-        let peer: Arc<dyn Store> = Arc::new(TestStore { inner, guard: Arc::clone(&guard) });
-        self.remember(&peer, &guard);
-        peer
-    }
-
-    async fn open_server_clock(&self) -> Option<Arc<dyn Store>> {
-        // No pinned clock: the statements fall back to the server's clock_timestamp().
-        Some(Arc::new(common::fresh_store(None, 2).await))
-    }
-}
-
-idem_conformance::store_tests!(Postgres::default());
+idem_conformance::store_tests!(backend::Postgres::new(common::Kind::Deadpool, common::Via::Direct));

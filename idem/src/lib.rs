@@ -15,6 +15,7 @@
 //! | `sqlite` | [`sqlite`]: the embedded store several processes may share | `idem-sqlite` |
 //! | `redis` | [`redis`]: the shared store, one node or a cluster | `idem-redis` |
 //! | `postgres` | [`postgres`]: the shared store in a team's database | `idem-postgres` |
+//! | `postgres-sqlx` | `postgres` on the application's own `sqlx::PgPool` | `idem-postgres/sqlx` |
 //! | `client` | [`client`]: one key per operation, retries honouring `Retry-After` | `idem-client` |
 //!
 //! Always here: the [`Store`] contract and its types, the in-memory [`MemoryStore`], and

@@ -31,10 +31,34 @@ pub const POINTS: [&str; 8] = [
     "after_completion",
 ];
 
+/// The crash points of the create variant whose worker row lives in PostgreSQL
+/// ([`crate::pgworkers`]), in the order a request passes them. `any` does not arm them: they
+/// are armed by name.
+pub const PG_POINTS: [&str; 4] = [
+    // Inside the handler's transaction: the worker row is inserted, nothing committed.
+    "pg_after_insert",
+    // Inside the handler's transaction: the record's completion is written too (in
+    // transactional mode), nothing committed.
+    "pg_before_commit",
+    // Right after the handler's commit: the worker row (and, in transactional mode, the
+    // stored response) is durable; the layer has not run after the handler yet.
+    "pg_after_commit",
+    // The response left the handler; in separate mode the layer has just completed.
+    "pg_after_response",
+];
+
+/// Bit of point `name` in [`CrashPlan`]'s mask: [`POINTS`] take bits 0-7, [`PG_POINTS`]
+/// bits 8-11.
+fn bit(name: &str) -> Option<u16> {
+    let i =
+        POINTS.iter().position(|n| *n == name).or_else(|| PG_POINTS.iter().position(|n| *n == name).map(|i| i + 8))?;
+    Some(1 << i)
+}
+
 /// Which points are armed, how often they fire, and how.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CrashPlan {
-    /// Bit `i` arms `POINTS[i]`.
+    /// Bit `i` arms `POINTS[i]`; bit `8 + i` arms `PG_POINTS[i]`.
     armed: u16,
     /// Probability in `0.0..=1.0` that an armed point fires when a request passes it.
     pub rate: f64,
@@ -53,11 +77,13 @@ impl CrashPlan {
             if p == "any" {
                 armed = (1 << POINTS.len()) - 1;
             } else {
-                let i = POINTS
-                    .iter()
-                    .position(|n| *n == p)
-                    .ok_or_else(|| format!("unknown crash point {p:?}: use any or one of {}", POINTS.join(", ")))?;
-                armed |= 1 << i;
+                armed |= bit(p).ok_or_else(|| {
+                    format!(
+                        "unknown crash point {p:?}: use any or one of {}, {}",
+                        POINTS.join(", "),
+                        PG_POINTS.join(", ")
+                    )
+                })?;
             }
         }
         Ok(Self { armed, rate: rate.clamp(0.0, 1.0), abort })
@@ -72,8 +98,8 @@ impl CrashPlan {
     /// Passes point `name`: returns at once unless it is armed and fires; then never
     /// returns.
     pub async fn point(&self, name: &str) {
-        let Some(i) = POINTS.iter().position(|n| *n == name) else { return };
-        let fires = self.armed & (1 << i) != 0 && rand::rng().random_bool(self.rate);
+        let Some(bit) = bit(name) else { return };
+        let fires = self.armed & bit != 0 && rand::rng().random_bool(self.rate);
         if !fires {
             return;
         }

@@ -18,9 +18,12 @@
 //! - [`crash`]: crash points inside the create handler (`serve --crash-at`).
 //! - [`server`]: opening the store and running the server.
 //! - [`storm`]: the retry-storm driver.
+//! - [`pgworkers`]: the create variant whose worker row lives in PostgreSQL and whose
+//!   record completes in the handler's own transaction (binary `leasebroker-pg`).
 
 pub mod app;
 pub mod crash;
+pub mod pgworkers;
 pub mod server;
 pub mod state;
 pub mod storm;

@@ -152,15 +152,15 @@ pub(crate) async fn fresh_store(clock: Option<ManualClock>, max_connections: usi
     TestStore { inner: store, guard }
 }
 
-/// A [`PostgresStore`] that keeps its schema alive.
+/// A store (a [`PostgresStore`] on either driver) that keeps its schema alive.
 #[derive(Clone, Debug)]
-pub(crate) struct TestStore {
-    pub(crate) inner: PostgresStore,
+pub(crate) struct TestStore<S = PostgresStore> {
+    pub(crate) inner: S,
     pub(crate) guard: Arc<SchemaGuard>,
 }
 
 #[async_trait]
-impl Store for TestStore {
+impl<S: Store> Store for TestStore<S> {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         self.inner.claim(req).await
     }
@@ -202,5 +202,103 @@ impl Store for TestStore {
     }
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
         self.inner.journal_get(id, name).await
+    }
+}
+
+/// PgBouncer (transaction mode) in front of the test server, started by
+/// `scripts/pgbouncer` (from `scripts/services`), or `IDEM_PGBOUNCER_URL`.
+pub(crate) fn pgbouncer_url() -> String {
+    std::env::var("IDEM_PGBOUNCER_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:6401/test".to_owned())
+}
+
+/// How a test store reaches the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Via {
+    /// Straight to PostgreSQL.
+    Direct,
+    /// Through PgBouncer in transaction mode: unnamed statements, no startup options.
+    PgBouncer,
+}
+
+impl Via {
+    pub(crate) fn url(self) -> String {
+        match self {
+            Via::Direct => url(),
+            Via::PgBouncer => pgbouncer_url(),
+        }
+    }
+
+    pub(crate) fn config(self, config: Config) -> Config {
+        match self {
+            Via::Direct => config,
+            Via::PgBouncer => config.with_prepared_statements(false).with_isolation_pin(false),
+        }
+    }
+
+    fn unreachable(self, err: &dyn std::error::Error) -> ! {
+        match self {
+            Via::Direct => unreachable(err),
+            Via::PgBouncer => panic!(
+                "\n\nPgBouncer is not reachable at {} ({err}).\nThese tests need it; they fail rather than skip. \
+                 Start it with scripts/pgbouncer (scripts/services runs it), or set IDEM_PGBOUNCER_URL.\n",
+                pgbouncer_url()
+            ),
+        }
+    }
+}
+
+/// A deadpool store on `schema` reached `via`.
+pub(crate) async fn deadpool_store(via: Via, schema: &str, clock: Option<ManualClock>, max: usize) -> PostgresStore {
+    match PostgresStore::connect(&via.url(), via.config(config(schema, clock, max))).await {
+        Ok(s) => s,
+        Err(e @ idem_postgres::Error::Connection { .. }) => via.unreachable(&e),
+        Err(e) => panic!("connecting: {e:?}"),
+    }
+}
+
+/// A sqlx pool of `max` connections reached `via`.
+pub(crate) async fn sqlx_pool(via: Via, max: usize) -> sqlx::PgPool {
+    match sqlx::postgres::PgPoolOptions::new()
+        .max_connections(u32::try_from(max).unwrap_or(u32::MAX))
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(&via.url())
+        .await
+    {
+        Ok(pool) => pool,
+        Err(e) => via.unreachable(&e),
+    }
+}
+
+/// A sqlx store on `schema` reached `via`.
+pub(crate) async fn sqlx_store(
+    via: Via,
+    schema: &str,
+    clock: Option<ManualClock>,
+    max: usize,
+) -> PostgresStore<idem_postgres::Sqlx> {
+    PostgresStore::from_sqlx(sqlx_pool(via, max).await, via.config(config(schema, clock, max)))
+        .await
+        .unwrap_or_else(|e| panic!("building the store on a sqlx pool: {e:?}"))
+}
+
+/// Which driver a conformance run uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Deadpool,
+    Sqlx,
+}
+
+/// A store of `kind` reached `via` on `guard`'s schema.
+pub(crate) async fn open(
+    kind: Kind,
+    via: Via,
+    guard: &Arc<SchemaGuard>,
+    clock: Option<ManualClock>,
+    max: usize,
+) -> Arc<dyn Store> {
+    let guard = Arc::clone(guard);
+    match kind {
+        Kind::Deadpool => Arc::new(TestStore { inner: deadpool_store(via, &guard.name, clock, max).await, guard }),
+        Kind::Sqlx => Arc::new(TestStore { inner: sqlx_store(via, &guard.name, clock, max).await, guard }),
     }
 }

@@ -1,0 +1,102 @@
+//! `ResponseCaching::CompletedByHandler`: a handler that completed its record itself (in
+//! its own database transaction, e.g. `idem_postgres::PostgresStore::complete_in`) gets no
+//! second write from the layer, and retries replay what the handler stored.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use axum::Router;
+use axum::body::Body;
+use axum::extract::Extension;
+use axum::http::{Request, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use idem_core::{
+    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, MemoryStore, ReclaimOutcome, ReclaimRequest, Record,
+    RecordId, Store, StoreError, StoredResponse, SweepOutcome,
+};
+use idem_http::{IdempotencyContext, IdempotencyLayer, ResponseCaching};
+use tower::ServiceExt;
+
+/// A memory store that counts the completions and fails written to it.
+#[derive(Debug, Default)]
+struct Counting {
+    inner: MemoryStore,
+    completes: AtomicUsize,
+    fails: AtomicUsize,
+}
+
+#[async_trait]
+impl Store for Counting {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.inner.claim(req).await
+    }
+    async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
+        self.inner.reclaim(req).await
+    }
+    async fn complete(&self, id: RecordId, token: FencingToken, r: StoredResponse) -> Result<Record, StoreError> {
+        self.completes.fetch_add(1, Ordering::SeqCst);
+        self.inner.complete(id, token, r).await
+    }
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
+        self.fails.fetch_add(1, Ordering::SeqCst);
+        self.inner.fail(id, token).await
+    }
+    async fn extend(&self, id: RecordId, token: FencingToken, lease: Duration) -> Result<Record, StoreError> {
+        self.inner.extend(id, token, lease).await
+    }
+    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        self.inner.get(id).await
+    }
+    async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
+        self.inner.sweep(limit).await
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+}
+
+fn request() -> Request<Body> {
+    Request::post("/v1/workers")
+        .header("authorization", "Bearer t")
+        .header("idempotency-key", "op-1")
+        .body(Body::from("{}"))
+        .expect("request")
+}
+
+// Pins: with CompletedByHandler the layer must write nothing after the handler (no second
+// complete, and no fail of a 409 the handler already stored), and the retry must replay the
+// response the handler stored.
+#[tokio::test]
+async fn the_layer_writes_nothing_after_a_handler_that_completed_its_record() {
+    let store = Arc::new(Counting::default());
+    let handler = |Extension(ctx): Extension<IdempotencyContext>| async move {
+        // A final business answer the policy would not store by status (409): the handler
+        // stores it itself, as it would inside its own transaction.
+        let stored = StoredResponse::new(409, vec![("content-type".into(), b"text/plain".to_vec())], b"taken".to_vec());
+        ctx.store().complete(ctx.record_id(), ctx.token(), stored).await.expect("complete");
+        (
+            StatusCode::CONFLICT,
+            [("content-type", "text/plain")],
+            Extension(ResponseCaching::CompletedByHandler),
+            "taken",
+        )
+            .into_response()
+    };
+    let app = Router::new().route("/v1/workers", post(handler)).layer(IdempotencyLayer::new(store.clone()));
+
+    let first = app.clone().oneshot(request()).await.expect("first");
+    assert_eq!(first.status(), StatusCode::CONFLICT);
+    assert!(first.headers().get("idempotency-key-expires").is_some());
+    assert_eq!(store.completes.load(Ordering::SeqCst), 1, "only the handler's own completion");
+    assert_eq!(store.fails.load(Ordering::SeqCst), 0, "the layer must not fail a record the handler completed");
+
+    let again = app.oneshot(request()).await.expect("retry");
+    assert_eq!(again.status(), StatusCode::CONFLICT);
+    assert_eq!(again.headers().get("idempotent-replayed").map(|v| v.as_bytes()), Some(&b"true"[..]));
+    let body = axum::body::to_bytes(again.into_body(), 1024).await.expect("body");
+    assert_eq!(&body[..], b"taken");
+    assert_eq!(store.completes.load(Ordering::SeqCst), 1);
+}
