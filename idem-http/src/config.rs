@@ -11,6 +11,7 @@ use std::time::Duration;
 use idem_core::key::DEFAULT_MAX_KEY_LEN;
 use idem_core::{FingerprintMode, Policy, Store};
 
+use crate::deadline::{DeadlineStore, StoreDeadlines};
 use crate::principal::{BearerToken, PrincipalResolver};
 
 /// What the layer does with a non-safe request that has no `Idempotency-Key` field.
@@ -222,6 +223,8 @@ pub(crate) struct Config {
     pub(crate) in_flight_retry_after: Duration,
     /// How long a duplicate of an in-flight request waits for its outcome; `None`: 409 at once.
     pub(crate) in_flight_wait: Option<Duration>,
+    /// Per-operation store deadlines and the completion retry rule.
+    pub(crate) store_deadlines: StoreDeadlines,
 }
 
 impl Config {
@@ -243,7 +246,17 @@ impl Config {
             lease_renewal: LeaseRenewal::default(),
             in_flight_retry_after: DEFAULT_IN_FLIGHT_RETRY_AFTER,
             in_flight_wait: None,
+            store_deadlines: StoreDeadlines::default(),
         }
+    }
+
+    /// The settings a service runs with: these, with `store` wrapped in the deadlines and
+    /// completion retries ([`crate::deadline`]). Done when a service is made, not per
+    /// setter, because the retry window follows the lease TTL, whichever was set last.
+    pub(crate) fn for_service(&self) -> Self {
+        let mut cfg = self.clone();
+        cfg.store = Arc::new(DeadlineStore::new(Arc::clone(&self.store), self.store_deadlines, self.policy.lease_ttl));
+        cfg
     }
 }
 
@@ -264,6 +277,7 @@ impl fmt::Debug for Config {
             .field("lease_renewal", &self.lease_renewal)
             .field("in_flight_retry_after", &self.in_flight_retry_after)
             .field("in_flight_wait", &self.in_flight_wait)
+            .field("store_deadlines", &self.store_deadlines)
             .finish_non_exhaustive()
     }
 }

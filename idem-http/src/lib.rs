@@ -53,7 +53,7 @@
 //!   requirement and longest key (bytes), principal resolver and what a missing principal
 //!   gets, largest buffered request body (bytes), fingerprinted headers and fingerprint
 //!   mode, mismatch status, store failure mode, where the handler runs, lease renewal,
-//!   the in-flight `Retry-After` cap and the bounded wait. Their types live
+//!   the in-flight `Retry-After` cap, the bounded wait and the store deadlines. Their types live
 //!   in [`config`]; they are HTTP's business, not the record's, so [`idem_core::Policy`]
 //!   does not carry them.
 //!
@@ -366,6 +366,7 @@
 pub mod body;
 pub mod config;
 pub mod context;
+pub mod deadline;
 pub mod future;
 pub mod headers;
 pub mod layer;
@@ -377,6 +378,7 @@ pub mod service;
 pub use body::ResponseBody;
 pub use config::{HandlerExecution, KeyRequirement, LeaseRenewal, MismatchStatus, MissingPrincipal, StoreFailureMode};
 pub use context::{IdempotencyContext, ResponseCaching};
+pub use deadline::{CompletionRetry, StoreDeadlines};
 pub use future::ResponseFuture;
 pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};
 pub use idem_core::resume::{LeaseWatch, Reconciled, Resumable, StepError, SubKey};

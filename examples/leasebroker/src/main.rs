@@ -307,6 +307,10 @@ fn report(r: storm::StormReport) -> Result<ExitCode, Box<dyn std::error::Error>>
         println!("FAIL: {} phantom workers", r.phantoms());
         return Ok(ExitCode::FAILURE);
     }
+    if r.extra_vms() > 0 {
+        println!("FAIL: {} VMs booted beyond one per operation", r.extra_vms());
+        return Ok(ExitCode::FAILURE);
+    }
     if r.double_flashes() > 0 || r.server.bricked > 0 {
         println!("FAIL: {} double flashes, {} bricked nodes", r.double_flashes(), r.server.bricked);
         return Ok(ExitCode::FAILURE);
@@ -316,7 +320,7 @@ fn report(r: storm::StormReport) -> Result<ExitCode, Box<dyn std::error::Error>>
         return Ok(ExitCode::FAILURE);
     }
     match r.mode {
-        StormMode::Create => println!("OK: every operation created exactly one worker; phantom workers 0"),
+        StormMode::Create => println!("OK: every operation created exactly one worker; phantom workers 0, extra VMs 0"),
         StormMode::Firmware => println!("OK: every operation flashed its node exactly once; bricked nodes 0"),
     }
     Ok(ExitCode::SUCCESS)
