@@ -3,7 +3,7 @@
 //!
 //! Every store call the layer makes (the claim and the calls that decide a request, the
 //! `complete`/`fail` after the handler, lease renewals, the handler's journal steps) goes
-//! through [`DeadlineStore`], a [`Store`] wrapper the layer puts around the store it was
+//! through a [`Store`] wrapper (`DeadlineStore`) the layer puts around the store it was
 //! given. It does two things:
 //!
 //! 1. **A deadline per call** ([`StoreDeadlines`]). A call that has not answered by its
