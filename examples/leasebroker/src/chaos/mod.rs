@@ -138,8 +138,8 @@ impl Fault {
             Fault::Stall(Backend::Redis),
             Fault::PostgresImmediateRestart,
             Fault::PostgresTerminateBackends,
-            Fault::AppKill(Backend::Sqlite),
-            Fault::FullDisk(Backend::Redb),
+            Fault::AppKill(Backend::Redb),
+            Fault::FullDisk(Backend::Sqlite),
         ]
     }
 }
@@ -210,6 +210,8 @@ pub struct FaultRow {
     pub unavailable_503: u64,
     /// The slowest answer to the probe while the fault lasted, ms.
     pub slowest_answer_ms: u64,
+    /// Probe requests that got no answer within 10 s while the fault lasted (a hang).
+    pub hung: u64,
     /// From lifting the fault to the probe's first answer from the handler, ms.
     pub recovery_ms: u64,
     /// The fault did something measurable (e.g. connections terminated); `None` when it
@@ -219,11 +221,12 @@ pub struct FaultRow {
 
 impl FaultRow {
     /// Whether the row breaks the run's promise: any phantom, extra VM or lost response on
-    /// a durable configuration, or an unfinished operation.
+    /// a durable configuration, an unfinished operation, or a request that hung.
     #[must_use]
     pub fn failed(&self) -> bool {
         self.durable && (self.phantom_workers > 0 || self.extra_vms > 0 || self.lost_responses > 0)
             || self.unfinished > 0
+            || self.hung > 0
     }
 }
 
@@ -237,13 +240,13 @@ pub fn tables(rows: &[FaultRow]) -> String {
         out.push_str(&format!("\n### {b}\n\n"));
         out.push_str(
             "| fault | operations | attempts | phantom workers | extra VMs | double flashes | lost stored responses \
-             | 503s during fault | slowest answer during fault | time to recover |\n",
+             | 503s during fault | slowest 5xx during fault | hung requests | time to recover |\n",
         );
-        out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for r in rows.iter().filter(|r| r.backend == b) {
             let durable = if r.durable { "" } else { " (not durable)" };
             out.push_str(&format!(
-                "| {}{durable} | {} | {} | {} | {} | {} | {} | {} | {} ms | {} ms |\n",
+                "| {}{durable} | {} | {} | {} | {} | {} | {} | {} | {} ms | {} | {} ms |\n",
                 r.fault,
                 r.operations,
                 r.attempts,
@@ -253,6 +256,7 @@ pub fn tables(rows: &[FaultRow]) -> String {
                 r.lost_responses,
                 r.unavailable_503,
                 r.slowest_answer_ms,
+                r.hung,
                 r.recovery_ms
             ));
         }
@@ -409,7 +413,7 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
         }
         (Fault::FullDisk(_), StoreSide::File { disk: Some(disk), .. }) => {
             let filled = tokio::task::block_in_place(|| disk.fill())?;
-            note = format!("{filled} bytes of filler");
+            note = format!("{filled} bytes of filler filled the disk");
             tokio::time::sleep(cfg.fault_for).await;
             disk.free();
         }
@@ -423,7 +427,18 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
     let lifted = Instant::now();
     during.store(false, Ordering::SeqCst);
     let seen = probe.await.map_err(|e| ChaosError::Stats(e.to_string()))?;
-    let recovery_ms = recover(&http, &target, lifted).await;
+    let mut recovery_ms = recover(&http, &target, lifted, RECOVERY_LIMIT).await;
+    if recovery_ms.is_none() && matches!(fault, Fault::FullDisk(_)) {
+        // redb keeps refusing every transaction after a failed commit (its `PreviousIo`)
+        // until the file is opened again: do what a supervisor would, restart the server.
+        tokio::task::block_in_place(|| app.restart())?;
+        note.push_str(&format!(
+            "; not recovered {} s after the disk was freed: the server was restarted",
+            RECOVERY_LIMIT.as_secs()
+        ));
+        recovery_ms = recover(&http, &target, lifted, Duration::from_secs(120)).await;
+    }
+    let recovery_ms = recovery_ms.unwrap_or(u64::MAX);
 
     let ops = storm.await.map_err(|e| ChaosError::Stats(e.to_string()))?;
     let (lost_responses, unfinished) = check(&http, &target, &ops.results).await;
@@ -446,6 +461,7 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
         unfinished,
         unavailable_503: seen.unavailable + ops.unavailable_during.load(Ordering::SeqCst),
         slowest_answer_ms: seen.slowest_ms,
+        hung: seen.hung,
         recovery_ms,
         note,
     })
@@ -551,15 +567,20 @@ fn probe_request(http: &reqwest::Client, target: &str, n: u32) -> reqwest::Reque
 struct Probe {
     unavailable: u64,
     slowest_ms: u64,
+    hung: u64,
 }
 
+/// How long the probe waits for an answer before it counts the request as hung: far past
+/// the layer's 2 s store deadline and the drop fault's 2.5 s hold.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+
 async fn probe(http: reqwest::Client, target: String, during: Arc<AtomicBool>) -> Probe {
-    let mut seen = Probe { unavailable: 0, slowest_ms: 0 };
+    let mut seen = Probe { unavailable: 0, slowest_ms: 0, hung: 0 };
     let mut n = 0u32;
     while during.load(Ordering::SeqCst) {
         n += 1;
         let sent = Instant::now();
-        let answer = probe_request(&http, &target, n).timeout(Duration::from_secs(30)).send().await;
+        let answer = probe_request(&http, &target, n).timeout(PROBE_TIMEOUT).send().await;
         let took = u64::try_from(sent.elapsed().as_millis()).unwrap_or(u64::MAX);
         match answer {
             Ok(r) if r.status() == 503 => {
@@ -569,7 +590,9 @@ async fn probe(http: reqwest::Client, target: String, during: Arc<AtomicBool>) -
             // An answer held by the drop fault is slow on purpose; count only store answers.
             Ok(r) if r.status().is_server_error() => seen.slowest_ms = seen.slowest_ms.max(took),
             Ok(_) => {}
-            // The server itself is down (app kill): not an answer.
+            // No answer at all: the request hung (a refused connection while the server
+            // process is down, in the app kill, is not a hang).
+            Err(e) if e.is_timeout() => seen.hung += 1,
             Err(_) => {}
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -579,9 +602,9 @@ async fn probe(http: reqwest::Client, target: String, during: Arc<AtomicBool>) -
 
 /// Sends fresh probe requests until one is answered by the handler (its 404): ms from
 /// `lifted` to then.
-async fn recover(http: &reqwest::Client, target: &str, lifted: Instant) -> u64 {
+async fn recover(http: &reqwest::Client, target: &str, lifted: Instant, limit: Duration) -> Option<u64> {
     let mut n = 0u32;
-    while lifted.elapsed() < Duration::from_secs(120) {
+    while lifted.elapsed() < limit {
         n += 1;
         let ok = probe_request(http, target, n)
             .timeout(Duration::from_secs(10))
@@ -589,12 +612,15 @@ async fn recover(http: &reqwest::Client, target: &str, lifted: Instant) -> u64 {
             .await
             .is_ok_and(|r| r.status() == 404);
         if ok {
-            return u64::try_from(lifted.elapsed().as_millis()).unwrap_or(u64::MAX);
+            return Some(u64::try_from(lifted.elapsed().as_millis()).unwrap_or(u64::MAX));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    u64::MAX
+    None
 }
+
+/// How long after a fault is lifted the server must answer again on its own.
+const RECOVERY_LIMIT: Duration = Duration::from_secs(15);
 
 /// Sends every operation once more with its key: returns (lost stored responses,
 /// operations still without a 201).
