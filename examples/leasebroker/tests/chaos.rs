@@ -16,10 +16,10 @@ async fn a_short_chaos_pass_has_no_double_execution_and_no_lost_response() {
     let cfg = ChaosConfig {
         exe: PathBuf::from(env!("CARGO_BIN_EXE_leasebroker")),
         faults: Fault::one_of_each_kind(),
-        operations: 100,
+        operations: 80,
         concurrency: 16,
         fault_after: Duration::from_millis(1_000),
-        fault_for: Duration::from_secs(3),
+        fault_for: Duration::from_secs(2),
         lease: Duration::from_secs(3),
         base_port: 7110,
     };
