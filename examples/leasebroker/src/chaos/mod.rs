@@ -215,8 +215,10 @@ pub struct FaultRow {
     pub hung: u64,
     /// From lifting the fault to the probe's first answer from the handler, ms.
     pub recovery_ms: u64,
-    /// The fault did something measurable (e.g. connections terminated); `None` when it
-    /// could not be applied.
+    /// The server refused the store's configuration at start-up: nothing was measured.
+    pub refused: bool,
+    /// What the fault did (connections terminated, bytes of filler, a restart it needed),
+    /// or why it measured nothing.
     pub note: String,
 }
 
@@ -246,6 +248,10 @@ pub fn tables(rows: &[FaultRow]) -> String {
         out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for r in rows.iter().filter(|r| r.backend == b) {
             let durable = if r.durable { "" } else { " (not durable)" };
+            if r.refused {
+                out.push_str(&format!("| {}{durable} | refused at start-up (see below) |||||||||\n", r.fault));
+                continue;
+            }
             out.push_str(&format!(
                 "| {}{durable} | {} | {} | {} | {} | {} | {} | {} | {} ms | {} | {} ms |\n",
                 r.fault,
@@ -368,7 +374,25 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
     ];
     let exe = cfg.exe.clone();
     let log = work.path().join("serve.log");
-    let mut app = blocking(move || AppServer::start(&exe, app_port, args, &log)).await?;
+    let log_path = log.clone();
+    let mut app = match blocking(move || AppServer::start(&exe, app_port, args, &log)).await {
+        Ok(app) => app,
+        // A store that refuses a configuration that loses records on restart (the Redis
+        // persistence check) is the right answer for a non-durable row: say so.
+        Err(e) if !fault.durable() => {
+            let why = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let why = why.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim().to_owned();
+            return Ok(FaultRow {
+                fault: fault.label(),
+                backend: backend.name(),
+                durable: false,
+                refused: true,
+                note: format!("the server refused this configuration at start-up ({e}: {why})"),
+                ..FaultRow::default()
+            });
+        }
+        Err(e) => return Err(e.into()),
+    };
     let target = app.url();
     let http = reqwest::Client::builder().pool_max_idle_per_host(cfg.concurrency).build().map_err(stats_err)?;
     let before = stats(&http, &target).await?;
@@ -463,6 +487,7 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
         unavailable_503: seen.unavailable + ops.unavailable_during.load(Ordering::SeqCst),
         slowest_answer_ms: seen.slowest_ms,
         hung: seen.hung,
+        refused: false,
         recovery_ms,
         note,
     })
