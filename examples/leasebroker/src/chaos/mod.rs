@@ -240,7 +240,7 @@ pub fn tables(rows: &[FaultRow]) -> String {
     let mut backends: Vec<&str> = rows.iter().map(|r| r.backend).collect();
     backends.dedup();
     for b in backends {
-        out.push_str(&format!("\n### {b}\n\n"));
+        out.push_str(&format!("\n#### {b}\n\n"));
         out.push_str(
             "| fault | operations | attempts | phantom workers | extra VMs | double flashes | lost stored responses \
              | 503s during fault | slowest answer during fault | hung requests | time to recover |\n",
