@@ -357,6 +357,9 @@
 //! - [`problem`] holds RFC 9457 bodies, [`ProblemKind`].
 //! - [`context`] holds [`IdempotencyContext`], the request extension a claimed handler sees
 //!   (with its lease state), and [`ResponseCaching`], the response extension it may set.
+//! - [`deadline`] holds [`StoreDeadlines`] and [`CompletionRetry`], and the store wrapper
+//!   the layer puts around its store: a deadline on every call (a missed claim is a 503),
+//!   completions retried while the lease lasts.
 //! - `lease` (private) holds the renewal loop and the lease state it shares with the
 //!   context.
 //! - [`Resumable`], [`SubKey`], [`Reconciled`], [`StepError`] and [`LeaseWatch`] are re-exported from
