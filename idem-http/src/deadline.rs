@@ -75,7 +75,7 @@ const RETRY_MAX: Duration = Duration::from_secs(1);
 /// | [`extend`](Self::with_extend) | `extend` (lease renewal) | 2 s | renewal retries it |
 /// | [`journal`](Self::with_journal) | `journal_put` (steps, intents) | 2 s | the step fails transiently |
 ///
-/// `sweep` runs without a deadline: the layer never sweeps (the [`idem_core::Sweeper`] does).
+/// `sweep` runs without a deadline: the layer never sweeps (the [`idem_core::sweeper::Sweeper`] does).
 /// A zero deadline is taken as 1 ms.
 ///
 /// ```
