@@ -41,6 +41,6 @@ pub mod retry;
 
 pub use journal::{JournalError, KeyJournal};
 pub use retry::{
-    AttemptStats, ClientError, IdempotentClient, MISMATCH_PROBLEM_TYPE, OperationKey, Reply, RequestBuilder,
-    RetryPolicy,
+    AttemptStats, ClientError, IdempotentClient, MAX_RETRY_AFTER, MISMATCH_PROBLEM_TYPE, OperationKey, Reply,
+    RequestBuilder, RetryPolicy,
 };

@@ -263,7 +263,8 @@ impl RequestBuilder<'_> {
             return Err(ClientError::InvalidRequest(e));
         }
         let policy = &self.client.policy;
-        let deadline = Instant::now() + policy.budget;
+        // A budget of `Duration::MAX` ("no budget") must not overflow the clock.
+        let deadline = Instant::now().checked_add(policy.budget).unwrap_or_else(far_future);
         let mut stats = AttemptStats::default();
         let mut last: (String, Option<reqwest::Error>);
         loop {
@@ -382,8 +383,22 @@ const BUDGET_END_MARGIN: Duration = Duration::from_millis(10);
 
 /// `Retry-After` as delay-seconds (RFC 9110 §10.2.3); HTTP-date forms are not used by
 /// idem servers and count as absent.
+///
+/// Clamped to [`MAX_RETRY_AFTER`]: a broken or hostile server's `Retry-After` near
+/// `u64::MAX` would otherwise overflow the clock when the client adds it to `now`. A value
+/// that is not a number (or past `u64::MAX`) counts as absent.
 fn retry_after(headers: &HeaderMap) -> Option<Duration> {
-    headers.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim().parse::<u64>().ok().map(Duration::from_secs)
+    let secs = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim().parse::<u64>().ok()?;
+    Some(Duration::from_secs(secs).min(MAX_RETRY_AFTER))
+}
+
+/// The longest `Retry-After` the client takes from a server: one day. Longer than any
+/// budget worth setting, short enough that `now + wait` never overflows.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(86_400);
+
+/// An instant a century away: the deadline of an unbounded budget.
+fn far_future() -> Instant {
+    Instant::now() + Duration::from_secs(100 * 365 * 86_400)
 }
 
 /// 408, 425 and 429 are retried, and a 409 that carries `Retry-After` (request in flight).
@@ -449,6 +464,22 @@ mod tests {
         assert_eq!(next_wait(&p, &polled(1, 0), secs(60), secs(0), Some(secs(1)), false), Some(secs(1)));
         // A 503's Retry-After past the budget is not cut: the client stops.
         assert_eq!(next_wait(&p, &polled(1, 0), secs(60), secs(0), Some(secs(300)), false), None);
+    }
+
+    /// A `Retry-After` of `u64::MAX` seconds was taken as is; `now + wait` (a sleep's
+    /// deadline) then overflowed and panicked.
+    #[test]
+    fn retry_after_is_clamped_so_now_plus_it_cannot_overflow() {
+        let mut h = HeaderMap::new();
+        h.insert(http::header::RETRY_AFTER, u64::MAX.to_string().parse().unwrap());
+        let wait = retry_after(&h).unwrap();
+        assert_eq!(wait, MAX_RETRY_AFTER);
+        assert!(std::time::Instant::now().checked_add(wait).is_some());
+        let _ = Instant::now() + wait;
+        h.insert(http::header::RETRY_AFTER, "7".parse().unwrap());
+        assert_eq!(retry_after(&h), Some(Duration::from_secs(7)));
+        h.insert(http::header::RETRY_AFTER, "99999999999999999999999".parse().unwrap());
+        assert_eq!(retry_after(&h), None, "past u64::MAX: not a number the client can use");
     }
 
     #[test]

@@ -177,3 +177,40 @@ async fn a_retry_after_past_the_budget_is_polled_at_the_budget_end() {
     let elapsed = started.elapsed();
     assert!(elapsed >= Duration::from_millis(2_900) && elapsed < Duration::from_secs(4), "{elapsed:?}");
 }
+
+/// A `Retry-After` near `u64::MAX` (a broken or hostile server) panicked the client with an
+/// `Instant + Duration` overflow; it must be clamped: a 503 stops within the budget, an
+/// in-flight 409 is polled once more at the budget's end, and neither panics. A budget of
+/// `Duration::MAX` must not overflow either.
+#[tokio::test]
+async fn a_huge_retry_after_is_clamped_not_a_panic() {
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = calls.clone();
+    let app = Router::new().route(
+        "/w",
+        post(move || async move {
+            let n = c.fetch_add(1, Ordering::SeqCst);
+            let huge = [("retry-after", u64::MAX.to_string())];
+            match n {
+                0 => (StatusCode::SERVICE_UNAVAILABLE, huge).into_response(),
+                1 => (StatusCode::CONFLICT, huge).into_response(),
+                _ => (StatusCode::CREATED, "made").into_response(),
+            }
+        }),
+    );
+    let base = serve(app).await;
+    let policy = fast().with_budget(Duration::from_millis(300));
+    let client = IdempotentClient::new(reqwest::Client::new(), policy);
+    // The 503's Retry-After reaches past the budget: the client stops at once.
+    let err = client.post(format!("{base}/w"), &OperationKey::generate()).json_body("{}").send().await.unwrap_err();
+    assert!(matches!(err, ClientError::GaveUp { .. }), "{err:?}");
+    // The 409's: one last poll at the budget's end gets the 201.
+    let reply = client.post(format!("{base}/w"), &OperationKey::generate()).json_body("{}").send().await.unwrap();
+    assert_eq!(reply.status, 201);
+    // An unbounded budget with an in-flight 409 of u64::MAX seconds.
+    calls.store(1, Ordering::SeqCst);
+    let endless = IdempotentClient::new(reqwest::Client::new(), fast().with_budget(Duration::MAX));
+    let pending = endless.post(format!("{base}/w"), &OperationKey::generate()).json_body("{}").send();
+    // The clamped wait is long; the point is that building the request loop did not panic.
+    assert!(tokio::time::timeout(Duration::from_millis(300), pending).await.is_err());
+}

@@ -11,6 +11,7 @@ use std::time::Duration;
 use idem_core::key::DEFAULT_MAX_KEY_LEN;
 use idem_core::{FingerprintMode, Policy, Store};
 
+use crate::deadline::{DeadlineStore, StoreDeadlines};
 use crate::principal::{BearerToken, PrincipalResolver};
 
 /// What the layer does with a non-safe request that has no `Idempotency-Key` field.
@@ -226,6 +227,8 @@ pub(crate) struct Config {
     pub(crate) streaming: crate::streaming::Streaming,
     /// Retry hint headers on the layer's own answers.
     pub(crate) retry_hints: crate::hints::RetryHints,
+    /// Per-operation store deadlines and the completion retry rule.
+    pub(crate) store_deadlines: StoreDeadlines,
 }
 
 impl Config {
@@ -249,7 +252,17 @@ impl Config {
             in_flight_wait: None,
             streaming: crate::streaming::Streaming::default(),
             retry_hints: crate::hints::RetryHints::default(),
+            store_deadlines: StoreDeadlines::default(),
         }
+    }
+
+    /// The settings a service runs with: these, with `store` wrapped in the deadlines and
+    /// completion retries ([`crate::deadline`]). Done when a service is made, not per
+    /// setter, because the retry window follows the lease TTL, whichever was set last.
+    pub(crate) fn for_service(&self) -> Self {
+        let mut cfg = self.clone();
+        cfg.store = Arc::new(DeadlineStore::new(Arc::clone(&self.store), self.store_deadlines, self.policy.lease_ttl));
+        cfg
     }
 }
 
@@ -272,6 +285,7 @@ impl fmt::Debug for Config {
             .field("in_flight_wait", &self.in_flight_wait)
             .field("streaming", &self.streaming)
             .field("retry_hints", &self.retry_hints)
+            .field("store_deadlines", &self.store_deadlines)
             .finish_non_exhaustive()
     }
 }

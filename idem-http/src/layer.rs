@@ -10,6 +10,7 @@ use tower::Layer;
 use crate::config::{
     Config, HandlerExecution, KeyRequirement, LeaseRenewal, MismatchStatus, MissingPrincipal, StoreFailureMode,
 };
+use crate::deadline::StoreDeadlines;
 use crate::hints::RetryHints;
 use crate::principal::PrincipalResolver;
 use crate::service::Idempotency;
@@ -45,6 +46,7 @@ use crate::service::Idempotency;
 /// | [`with_buffer_deadline`](Self::with_buffer_deadline) | 500 ms |
 /// | [`with_streaming_content_types`](Self::with_streaming_content_types) | `text/event-stream` |
 /// | [`with_retry_hints`](Self::with_retry_hints) | `x-should-retry` on, `Stripe-Should-Retry` off |
+/// | [`with_store_deadlines`](Self::with_store_deadlines) | 2 s per store call; completions retried while the lease lasts |
 ///
 /// Cloning is cheap (one `Arc`).
 ///
@@ -300,6 +302,17 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Sets the deadline of each store call and whether a `complete`/`fail` that misses it
+    /// or fails transiently is sent again (default: 2 s per call, completions retried with
+    /// backoff for up to one lease TTL). A claim that misses its deadline is answered 503
+    /// (or runs unprotected under [`StoreFailureMode::FailOpen`]); see
+    /// [`crate::deadline`] for what an abandoned call may leave behind.
+    #[must_use]
+    pub fn with_store_deadlines(mut self, deadlines: StoreDeadlines) -> Self {
+        self.config().store_deadlines = deadlines;
+        self
+    }
+
     /// The record rules in force.
     #[must_use]
     pub fn policy(&self) -> &Policy {
@@ -317,7 +330,7 @@ impl<S> Layer<S> for IdempotencyLayer {
     type Service = Idempotency<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::new(inner, Arc::clone(&self.config))
+        Idempotency::new(inner, Arc::new(self.config.for_service()))
     }
 }
 

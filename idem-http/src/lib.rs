@@ -53,7 +53,7 @@
 //!   requirement and longest key (bytes), principal resolver and what a missing principal
 //!   gets, largest buffered request body (bytes), fingerprinted headers and fingerprint
 //!   mode, mismatch status, store failure mode, where the handler runs, lease renewal,
-//!   the in-flight `Retry-After` cap and the bounded wait. Their types live
+//!   the in-flight `Retry-After` cap, the bounded wait and the store deadlines. Their types live
 //!   in [`config`]; they are HTTP's business, not the record's, so [`idem_core::Policy`]
 //!   does not carry them.
 //!
@@ -412,6 +412,9 @@
 //! - [`problem`] holds RFC 9457 bodies, [`ProblemKind`].
 //! - [`context`] holds [`IdempotencyContext`], the request extension a claimed handler sees
 //!   (with its lease state), and [`ResponseCaching`], the response extension it may set.
+//! - [`deadline`] holds [`StoreDeadlines`] and [`CompletionRetry`], and the store wrapper
+//!   the layer puts around its store: a deadline on every call (a missed claim is a 503),
+//!   completions retried while the lease lasts.
 //! - `lease` (private) holds the renewal loop and the lease state it shares with the
 //!   context.
 //! - [`Resumable`], [`SubKey`], [`Reconciled`], [`StepError`] and [`LeaseWatch`] are re-exported from
@@ -421,6 +424,7 @@
 pub mod body;
 pub mod config;
 pub mod context;
+pub mod deadline;
 pub mod future;
 pub mod grpc;
 pub mod headers;
@@ -435,6 +439,7 @@ mod streaming;
 pub use body::ResponseBody;
 pub use config::{HandlerExecution, KeyRequirement, LeaseRenewal, MismatchStatus, MissingPrincipal, StoreFailureMode};
 pub use context::{IdempotencyContext, ResponseCaching};
+pub use deadline::{CompletionRetry, StoreDeadlines};
 pub use future::ResponseFuture;
 pub use grpc::grpc_code_for;
 pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};

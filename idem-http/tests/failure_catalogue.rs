@@ -13,7 +13,10 @@ use bytes::Bytes;
 use common::{Counter, Env, Gate, Got, Script, Step, T0, app, eventually, post, put, send, start_and_crash};
 use http_body_util::Full;
 use idem_core::{FencingToken, RecordState};
-use idem_http::{HandlerExecution, IdempotencyLayer, KeyRequirement, MissingPrincipal, Policy, StoreFailureMode};
+use idem_http::{
+    CompletionRetry, HandlerExecution, IdempotencyLayer, KeyRequirement, MissingPrincipal, Policy, StoreDeadlines,
+    StoreFailureMode,
+};
 use std::sync::atomic::Ordering;
 use tower::{Layer, ServiceExt};
 
@@ -257,7 +260,10 @@ async fn a_stream_that_fails_marks_the_record_failed() {
 async fn a_failed_complete_blocks_retries_only_until_the_lease_ends() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
-    let app = app(layer(&env), &n, &s);
+    // Completion retries off: this pins what a lost completion costs without them
+    // (`tests/deadlines.rs` shows the retry preventing the second run).
+    let no_retry = StoreDeadlines::default().with_completion_retry(CompletionRetry::Off);
+    let app = app(layer(&env).with_store_deadlines(no_retry), &n, &s);
     let req = post("/v1/orders").key("k1").body("{}");
     env.store.fail_complete.store(true, Ordering::SeqCst);
     let first = send(&app, &req).await;

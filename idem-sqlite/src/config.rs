@@ -6,6 +6,10 @@ use std::time::Duration;
 use idem_core::group_commit::{BatchConfig, Linger};
 use idem_core::{Clock, SystemClock};
 
+/// The default [`Config::with_max_clock_skew`]: well inside NTP's usual accuracy on a
+/// healthy host (milliseconds), far below any sensible lease (seconds).
+pub const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_secs(1);
+
 /// `PRAGMA synchronous` for the writer: what a commit waits for before the caller hears
 /// "done". Both keep the database consistent after any crash; they differ in whether the
 /// newest commits survive a power loss or an operating-system crash.
@@ -58,6 +62,7 @@ pub struct Config {
     pub(crate) max_readers: usize,
     pub(crate) claim_reads: bool,
     pub(crate) auto_migrate: bool,
+    pub(crate) max_clock_skew: Duration,
     /// A claim whose idempotency key is this panics inside the writer's batch (the panic
     /// recovery test).
     #[cfg(test)]
@@ -67,7 +72,7 @@ pub struct Config {
 impl Default for Config {
     /// System clock, `synchronous = FULL`, 5 s busy timeout, the executor's batching
     /// defaults ([`BatchConfig::default`]), 4 pooled readers, claims of live records
-    /// answered by a reader, migrations applied on open.
+    /// answered by a reader, migrations applied on open, 1 s clock skew limit.
     fn default() -> Self {
         Self {
             clock: Arc::new(SystemClock),
@@ -77,6 +82,7 @@ impl Default for Config {
             max_readers: 4,
             claim_reads: true,
             auto_migrate: true,
+            max_clock_skew: DEFAULT_MAX_CLOCK_SKEW,
             #[cfg(test)]
             panic_on_key: None,
         }
@@ -144,6 +150,15 @@ impl Config {
     /// [`crate::Error::SchemaOutdated`] until [`crate::SqliteStore::migrate`] has run.
     pub fn with_auto_migrate(mut self, on: bool) -> Self {
         self.auto_migrate = on;
+        self
+    }
+
+    /// How far the file's newest claim may lie ahead of this process's clock when the
+    /// store opens (default 1 s): further, and [`crate::SqliteStore::open`] refuses with
+    /// [`crate::Error::ClockBehind`]. `Duration::MAX` turns the refusal off (the skew is
+    /// then only logged). See the crate docs, "Clocks of processes sharing a file".
+    pub fn with_max_clock_skew(mut self, limit: Duration) -> Self {
+        self.max_clock_skew = limit;
         self
     }
 

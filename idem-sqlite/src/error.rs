@@ -88,6 +88,20 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// The file holds a claim made at a time further ahead of this process's clock than
+    /// [`crate::Config::with_max_clock_skew`] allows: another process sharing the file
+    /// runs a clock ahead of this one (or this clock was stepped back), and this process
+    /// would see that process's leases as longer than they are, and it would see this
+    /// one's as shorter. Fix the clocks (NTP), or raise the limit.
+    #[error(
+        "this process's clock is {ahead_ms} ms behind the newest claim in the SQLite file (limit {limit_ms} ms);          sync the clocks of every process sharing the file"
+    )]
+    ClockBehind {
+        /// How far the newest claim's `started_at` lies ahead of this clock, ms.
+        ahead_ms: u64,
+        /// The configured limit, ms.
+        limit_ms: u64,
+    },
     /// The group-commit writer thread could not be started.
     #[error("cannot start the SQLite writer thread")]
     Spawn(#[source] std::io::Error),

@@ -82,6 +82,29 @@
 //! up to `limit` of them, oldest first, through the `expires_at` index;
 //! [`idem_core::sweeper::Sweeper`] runs it on a period.
 //!
+//! ## Clocks of processes sharing a file
+//! SQLite has no server and so no server clock: each process that opens the file reads its
+//! own (SQLite's own `unixepoch()` would read the same operating-system clock), and stamps
+//! claims and leases with it. Between processes on one host that is one clock and nothing
+//! can go wrong; the rule below matters when a process runs with a different clock (a
+//! container or VM with its own time, a clock stepped by hand). The store therefore
+//! states a bound and measures the skew it can see, rather than pretending to a shared
+//! clock:
+//! - **The bound.** Leases are honoured exactly when the clocks of the processes sharing
+//!   the file agree within much less than a lease: a process whose clock runs `d` ahead
+//!   sees every other process's lease end `d` early, and with lease renewal every lease /
+//!   3, a handler is safe while `d` stays under two thirds of the lease TTL minus one
+//!   renewal's latency. NTP on a healthy host keeps `d` in milliseconds.
+//! - **The measurement.** [`SqliteStore::open`] reads the newest claim time in the file
+//!   (in-flight claims and the 1 000 newest rows); if it lies ahead of this process's
+//!   clock by more than [`Config::with_max_clock_skew`] (default 1 s), the open fails with
+//!   [`Error::ClockBehind`]; a smaller skew is logged and kept in
+//!   [`SqliteStore::clock_skew_at_open_ms`]. This catches the process whose clock is
+//!   *behind* (the one whose claims the others would reclaim early), when it starts after
+//!   a faster process wrote; a process whose clock is ahead is caught when a slower one
+//!   (re)starts. It cannot catch a clock that drifts while every process keeps running:
+//!   that is what the bound and NTP are for.
+//!
 //! ## Schema and migrations
 //! One table, `idem_records`, one column per record field (the response as a postcard
 //! blob, [`idem_core::codec::encode_response`]), with three indices: the scope key
@@ -131,7 +154,7 @@ mod sql;
 mod store;
 mod table;
 
-pub use config::{Config, Synchronous};
+pub use config::{Config, DEFAULT_MAX_CLOCK_SKEW, Synchronous};
 pub use error::Error;
 pub use sql::{MIGRATIONS, Migration, SCHEMA_VERSION};
 pub use store::SqliteStore;

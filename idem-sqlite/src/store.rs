@@ -10,8 +10,8 @@ use async_trait::async_trait;
 use idem_core::engine::{self, Write};
 use idem_core::group_commit::{BatchStats, Engine, GroupCommit, Stage, TransactionFailed};
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ReclaimOutcome, ReclaimRequest, Record,
-    RecordId, RecordTable, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
+    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ReclaimOutcome, ReclaimRequest,
+    Record, RecordId, RecordTable, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
 };
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 
@@ -43,6 +43,8 @@ struct Inner {
     commit: GroupCommit,
     readers: Readers,
     claim_reads: bool,
+    /// How far the newest claim lay ahead of this clock at open, ms.
+    clock_skew_ms: u64,
 }
 
 impl fmt::Debug for SqliteStore {
@@ -68,8 +70,10 @@ impl SqliteStore {
     /// # Errors
     /// [`Error::Open`] when the file cannot be opened or configured, [`Error::NotWal`] when
     /// it cannot use WAL (e.g. `:memory:`), [`Error::Migration`] / [`Error::SchemaTooNew`] /
-    /// [`Error::SchemaOutdated`] for schema problems, [`Error::Spawn`] when the writer
-    /// thread cannot start.
+    /// [`Error::SchemaOutdated`] for schema problems, [`Error::ClockBehind`] when the
+    /// file's newest claim lies further ahead of this clock than
+    /// [`Config::with_max_clock_skew`] allows, [`Error::Spawn`] when the writer thread
+    /// cannot start.
     pub fn open(path: impl AsRef<Path>, config: Config) -> Result<Self, Error> {
         let path = path.as_ref().to_path_buf();
         let mut conn = open_writer(&path, &config)?;
@@ -78,6 +82,7 @@ impl SqliteStore {
         } else {
             sql::check(&conn)?;
         }
+        let clock_skew_ms = check_clock(&conn, &*config.clock, config.max_clock_skew)?;
         conn.set_prepared_statement_cache_capacity(16);
         let readers = Readers::open(&path, config.busy_timeout, config.max_readers)?;
         let writer = Writer {
@@ -86,7 +91,7 @@ impl SqliteStore {
             panic_on_key: config.panic_on_key.clone(),
         };
         let commit = GroupCommit::start(writer, config.clock, config.batch).map_err(Error::Spawn)?;
-        Ok(Self { inner: Arc::new(Inner { path, commit, readers, claim_reads: config.claim_reads }) })
+        Ok(Self { inner: Arc::new(Inner { path, commit, readers, claim_reads: config.claim_reads, clock_skew_ms }) })
     }
 
     /// Applies the migrations the file at `path` is missing (creating the file if needed)
@@ -101,6 +106,15 @@ impl SqliteStore {
     /// file keeps its previous version); [`Error::SchemaTooNew`].
     pub fn migrate(path: impl AsRef<Path>, config: &Config) -> Result<usize, Error> {
         sql::migrate(&mut open_writer(path.as_ref(), config)?)
+    }
+
+    /// The clock skew measured when the store opened: how far the newest claim in the
+    /// file (its `started_at`, written by whichever process claimed it) lay ahead of this
+    /// process's clock, ms; 0 when none did. A lower bound of how far another process's
+    /// clock runs ahead of this one (see [`Config::with_max_clock_skew`]).
+    #[must_use]
+    pub fn clock_skew_at_open_ms(&self) -> u64 {
+        self.inner.clock_skew_ms
     }
 
     /// The database file.
@@ -129,6 +143,38 @@ impl SqliteStore {
 }
 
 /// The writer's connection: WAL, busy timeout, `synchronous`; not yet migrated.
+/// Measures how far the newest claim in the file lies ahead of `clock` (ms, 0 when none
+/// does) and refuses over `limit`. Looks at the in-flight claims (their partial index) and
+/// the 1 000 newest rows, so opening a large file stays cheap.
+fn check_clock(conn: &Connection, clock: &dyn Clock, limit: Duration) -> Result<u64, Error> {
+    let newest: Option<i64> = conn
+        .query_row(
+            "SELECT max(m) FROM (
+                 SELECT max(started_at) AS m FROM idem_records WHERE state = 'in_flight'
+                 UNION ALL
+                 SELECT max(started_at) FROM (SELECT started_at FROM idem_records ORDER BY rowid DESC LIMIT 1000)
+             )",
+            [],
+            |row| row.get(0),
+        )
+        .map_err(Error::sqlite("read the newest claim time"))?;
+    let now = clock.now().0;
+    let ahead_ms = newest.map_or(0, |t| u64::try_from(t.saturating_sub(now)).unwrap_or(0));
+    if ahead_ms == 0 {
+        return Ok(0);
+    }
+    let limit_ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
+    if ahead_ms > limit_ms {
+        return Err(Error::ClockBehind { ahead_ms, limit_ms });
+    }
+    tracing::warn!(
+        ahead_ms,
+        "the newest claim in the SQLite file lies ahead of this process's clock: another process sharing the \
+         file runs a faster clock, and leases are off by that much"
+    );
+    Ok(ahead_ms)
+}
+
 fn open_writer(path: &Path, config: &Config) -> Result<Connection, Error> {
     let open_err = |step| move |source| Error::Open { path: path.to_path_buf(), step, source };
     let conn = Connection::open(path).map_err(open_err("open"))?;

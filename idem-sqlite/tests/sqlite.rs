@@ -309,3 +309,50 @@ fn without_auto_migrate_open_refuses_an_outdated_file_until_migrate_runs() {
     assert_eq!(SqliteStore::migrate(&path, &manual).expect("migrate again"), 0);
     drop(SqliteStore::open(&path, manual).expect("open after migrate"));
 }
+
+/// Two processes sharing one file with clocks 10 s apart: the slow one's claims looked
+/// expired to the fast one at once, which reclaimed a live lease and ran the handler a
+/// second time. The slow process must refuse to open over the skew limit.
+#[tokio::test]
+async fn a_process_whose_clock_is_behind_the_file_refuses_to_open() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.sqlite3");
+    let t0 = UnixMillis(1_700_000_000_000);
+    let fast = ManualClock::new(t0.saturating_add(Duration::from_secs(10)));
+    let slow = ManualClock::new(t0);
+    let fast_store = open(path.clone(), &fast).await;
+    let ClaimOutcome::Claimed(_) = fast_store.claim(req("warm-up")).await.expect("claim") else { panic!() };
+
+    // The default limit (1 s): the slow process is refused, naming the skew.
+    let p = path.clone();
+    let s = Arc::new(slow.clone());
+    let refused = tokio::task::spawn_blocking(move || SqliteStore::open(p, Config::default().with_clock(s)))
+        .await
+        .expect("open task");
+    match refused {
+        Err(Error::ClockBehind { ahead_ms, limit_ms }) => assert_eq!((ahead_ms, limit_ms), (10_000, 1_000)),
+        other => panic!("opened despite a 10 s skew: {other:?}"),
+    }
+
+    // With the check off, the measurement is kept and the failure shows: the slow
+    // process's fresh 5 s claim is reclaimed by the fast one at once.
+    let p = path.clone();
+    let s = Arc::new(slow.clone());
+    let slow_store = tokio::task::spawn_blocking(move || {
+        SqliteStore::open(p, Config::default().with_clock(s).with_max_clock_skew(Duration::MAX))
+    })
+    .await
+    .expect("open task")
+    .expect("open with the check off");
+    assert_eq!(slow_store.clock_skew_at_open_ms(), 10_000);
+    let ClaimOutcome::Claimed(held) = slow_store.claim(req("k1")).await.expect("claim") else { panic!() };
+    let again = ReclaimRequest {
+        id: held.id,
+        expected: held.token,
+        fingerprint: held.fingerprint,
+        lease_ttl: Duration::from_secs(5),
+        retention: Duration::from_secs(60),
+    };
+    let stolen = fast_store.reclaim(again).await.expect("reclaim");
+    assert!(matches!(stolen, ReclaimOutcome::Reclaimed(_)), "a live lease was reclaimed early: {stolen:?}");
+}

@@ -56,8 +56,9 @@ pub use idem_core::{
 pub use idem_http as http;
 #[cfg(feature = "axum")]
 pub use idem_http::{
-    BearerToken, HandlerExecution, IdempotencyContext, IdempotencyLayer, KeyRequirement, LeaseRenewal, MismatchStatus,
-    MissingPrincipal, PrincipalResolver, Problem, ProblemKind, ResponseCaching, Resumable, StoreFailureMode, SubKey,
+    BearerToken, CompletionRetry, HandlerExecution, IdempotencyContext, IdempotencyLayer, KeyRequirement, LeaseRenewal,
+    MismatchStatus, MissingPrincipal, PrincipalResolver, Problem, ProblemKind, ResponseCaching, Resumable,
+    StoreDeadlines, StoreFailureMode, SubKey,
 };
 
 /// The embedded redb store (feature `redb`): see [`idem_redb`].

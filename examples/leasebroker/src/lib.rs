@@ -10,6 +10,7 @@
 //!   postgres://… | memory`); `--crash-at POINTS` arms crash points inside the create
 //!   handler ([`crash`]), which `tests/crash.rs` uses to SIGKILL it mid-request.
 //! - `leasebroker storm --target URL`: the storm against a running server.
+//! - `leasebroker chaos`: the storm while faults hit real stores ([`chaos`]).
 //!
 //! # Layout
 //! - [`state`]: the simulated pool, leases and hypervisor, in redb tables.
@@ -20,8 +21,11 @@
 //! - [`storm`]: the retry-storm driver.
 //! - [`pgworkers`]: the create variant whose worker row lives in PostgreSQL and whose
 //!   record completes in the handler's own transaction (binary `leasebroker-pg`).
+//! - [`chaos`]: the chaos run (`leasebroker chaos`): the storm while faults hit the store
+//!   or the server, on private servers it starts and cleans up itself.
 
 pub mod app;
+pub mod chaos;
 pub mod crash;
 pub mod pgworkers;
 pub mod server;

@@ -1,4 +1,4 @@
-//! The leasebroker command line: `demo`, `serve`, `storm`.
+//! The leasebroker command line: `demo`, `serve`, `storm`, `chaos`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use idem_core::Policy;
 use idem_http::LeaseRenewal;
 use leasebroker::app::{Config, DEFAULT_FLASH_MS, Faults};
+use leasebroker::chaos;
 use leasebroker::crash::CrashPlan;
 use leasebroker::server::{Server, StoreSpec, open};
 use leasebroker::storm::{self, StormConfig, StormMode};
@@ -37,6 +38,13 @@ enum Command {
     },
     /// Run the server.
     Serve(ServeArgs),
+    /// The chaos run: the retry storm against `serve` on real stores (a private
+    /// redis-server, a private PostgreSQL cluster, SQLite and redb files on a small tmpfs)
+    /// while faults hit them; prints one table per backend and exits non-zero on any
+    /// phantom worker, extra VM or lost stored response of a durable configuration. Uses
+    /// loopback ports BASE_PORT to BASE_PORT+3 and temp dirs only; needs redis-server,
+    /// PostgreSQL's initdb, and root for the tmpfs.
+    Chaos(ChaosArgs),
     /// Storm a running server.
     Storm {
         /// Base URL of the server.
@@ -45,6 +53,35 @@ enum Command {
         #[command(flatten)]
         storm: StormArgs,
     },
+}
+
+#[derive(Args, Debug)]
+struct ChaosArgs {
+    /// Logical operations per fault.
+    #[arg(long, default_value_t = 2_000)]
+    operations: u32,
+    /// Operations in flight at once.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// How long a stall or a full disk lasts, ms.
+    #[arg(long, default_value_t = 10_000)]
+    fault_ms: u64,
+    /// When the fault hits after the storm started, ms.
+    #[arg(long, default_value_t = 3_000)]
+    fault_after_ms: u64,
+    /// The server's lease TTL, ms.
+    #[arg(long, default_value_t = 3_000)]
+    lease_ms: u64,
+    /// First private loopback port (the run uses it to +3).
+    #[arg(long, default_value_t = 7100)]
+    base_port: u16,
+    /// One fault of each kind instead of every fault.
+    #[arg(long)]
+    short: bool,
+    /// Only the faults whose `backend / fault` title contains this text (e.g. `redis`,
+    /// `stall`).
+    #[arg(long)]
+    only: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -253,6 +290,36 @@ async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Chaos(args) => {
+            let mut cfg = chaos::ChaosConfig::full(chaos::current_exe()?);
+            cfg.operations = args.operations;
+            cfg.concurrency = args.concurrency;
+            cfg.fault_for = Duration::from_millis(args.fault_ms);
+            cfg.fault_after = Duration::from_millis(args.fault_after_ms);
+            cfg.lease = Duration::from_millis(args.lease_ms);
+            cfg.base_port = args.base_port;
+            if args.short {
+                cfg.faults = chaos::Fault::one_of_each_kind();
+            }
+            if let Some(only) = &args.only {
+                cfg.faults.retain(|f| format!("{} / {}", f.backend().name(), f.label()).contains(only.as_str()));
+            }
+            if !chaos::uses_private_ports(&cfg) {
+                return Err("--base-port must keep clear of the shared Redis (6379) and Postgres (5432)".into());
+            }
+            let rows = chaos::run(&cfg).await?;
+            print!("{}", chaos::report(&rows, &cfg));
+            let failed: Vec<_> = rows.iter().filter(|r| r.failed()).collect();
+            if failed.is_empty() {
+                println!("OK: no phantom worker, extra VM or lost stored response on any durable configuration");
+                Ok(ExitCode::SUCCESS)
+            } else {
+                for r in failed {
+                    println!("FAIL: {} / {}", r.backend, r.fault);
+                }
+                Ok(ExitCode::FAILURE)
+            }
+        }
         Command::Storm { target, storm } => report(storm::run(storm.config(target)).await?),
         Command::Demo { storm, flash_ms, lease_renewal } => {
             let dir = tempfile::tempdir()?;
@@ -308,6 +375,10 @@ fn report(r: storm::StormReport) -> Result<ExitCode, Box<dyn std::error::Error>>
         println!("FAIL: {} phantom workers", r.phantoms());
         return Ok(ExitCode::FAILURE);
     }
+    if r.extra_vms() > 0 {
+        println!("FAIL: {} VMs booted beyond one per operation", r.extra_vms());
+        return Ok(ExitCode::FAILURE);
+    }
     if r.double_flashes() > 0 || r.server.bricked > 0 {
         println!("FAIL: {} double flashes, {} bricked nodes", r.double_flashes(), r.server.bricked);
         return Ok(ExitCode::FAILURE);
@@ -317,7 +388,7 @@ fn report(r: storm::StormReport) -> Result<ExitCode, Box<dyn std::error::Error>>
         return Ok(ExitCode::FAILURE);
     }
     match r.mode {
-        StormMode::Create => println!("OK: every operation created exactly one worker; phantom workers 0"),
+        StormMode::Create => println!("OK: every operation created exactly one worker; phantom workers 0, extra VMs 0"),
         StormMode::Firmware => println!("OK: every operation flashed its node exactly once; bricked nodes 0"),
     }
     Ok(ExitCode::SUCCESS)

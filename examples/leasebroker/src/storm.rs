@@ -91,6 +91,16 @@ impl StormReport {
         }
     }
 
+    /// VMs the hypervisor booted beyond one per logical operation (both modes create one
+    /// worker, so boot one VM, per operation): a retry that lost the record (a store that
+    /// forgot it on restart, a lease reclaimed while the first boot still ran) and booted
+    /// again. Each one is a leaked VM someone pays for, so the table flags it like a
+    /// phantom worker. A failed boot boots nothing and is not counted.
+    #[must_use]
+    pub fn extra_vms(&self) -> u64 {
+        self.server.boots.saturating_sub(u64::from(self.operations))
+    }
+
     /// Flashes the BMCs started beyond one per operation: each one ran while the first
     /// flash of its node was still running, so it bricked that node.
     #[must_use]
@@ -124,8 +134,11 @@ impl StormReport {
                 ("nodes allocated", self.server.allocations.to_string()),
                 ("VMs booted", self.server.boots.to_string()),
                 ("phantom workers", self.phantoms().to_string()),
+                ("extra VMs", self.extra_vms().to_string()),
             ],
             StormMode::Firmware => vec![
+                ("VMs booted", self.server.boots.to_string()),
+                ("extra VMs", self.extra_vms().to_string()),
                 ("flashes started", self.server.flashes.to_string()),
                 ("double flashes", self.double_flashes().to_string()),
                 ("bricked nodes", self.server.bricked.to_string()),

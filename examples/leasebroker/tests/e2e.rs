@@ -160,6 +160,7 @@ async fn storm_with_lost_responses_makes_no_phantom_workers() {
     assert_eq!(report.failed, 0);
     assert_eq!(report.succeeded, 60);
     assert_eq!(report.phantoms(), 0);
+    assert_eq!(report.extra_vms(), 0, "VMs booted beyond one per operation");
     assert_eq!(report.server.workers, 60);
     // A failed boot keeps its node and lease journalled; the retry reuses them and only
     // boots, so nothing is allocated twice.

@@ -71,6 +71,15 @@ pub struct FlakyStore {
     pub fail_complete: AtomicBool,
     /// `reclaim` always loses the compare-and-set (as if another retry won every time).
     pub lose_reclaims: AtomicBool,
+    /// The next this many `complete` calls return `Unavailable` and write nothing (a blip).
+    pub complete_blips: AtomicUsize,
+    /// The next this many `complete` calls write the response, then return `Unavailable`
+    /// (the answer was lost on the way back: an ambiguous success).
+    pub complete_answers_lost: AtomicUsize,
+    /// `claim` never answers (a stalled server).
+    pub stall_claims: AtomicBool,
+    /// How many `complete` calls reached the store.
+    pub completes: AtomicUsize,
     /// How many `fail` calls reached the store.
     pub fails: AtomicUsize,
     /// How many `reclaim` calls reached the store.
@@ -85,6 +94,10 @@ impl FlakyStore {
             fail_all: AtomicBool::new(false),
             fail_complete: AtomicBool::new(false),
             lose_reclaims: AtomicBool::new(false),
+            complete_blips: AtomicUsize::new(0),
+            complete_answers_lost: AtomicUsize::new(0),
+            stall_claims: AtomicBool::new(false),
+            completes: AtomicUsize::new(0),
             fails: AtomicUsize::new(0),
             reclaims: AtomicUsize::new(0),
         }
@@ -106,6 +119,9 @@ impl FlakyStore {
 impl Store for FlakyStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         self.down("claim")?;
+        if self.stall_claims.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         self.inner.claim(req).await
     }
     async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
@@ -123,7 +139,16 @@ impl Store for FlakyStore {
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Record, StoreError> {
+        self.completes.fetch_add(1, Ordering::SeqCst);
         self.down("complete")?;
+        let take = |n: &AtomicUsize| n.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| v.checked_sub(1)).is_ok();
+        if take(&self.complete_blips) {
+            return Err(StoreError::unavailable("flaky", "complete", true, std::io::Error::other("injected blip")));
+        }
+        if take(&self.complete_answers_lost) {
+            self.inner.complete(id, token, response).await?;
+            return Err(StoreError::unavailable("flaky", "complete", true, std::io::Error::other("answer lost")));
+        }
         if self.fail_complete.load(Ordering::SeqCst) {
             return Err(StoreError::unavailable(
                 "flaky",

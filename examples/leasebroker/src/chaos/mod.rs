@@ -1,0 +1,717 @@
+//! The chaos run: the retry storm against `leasebroker serve` on a real store while a fault
+//! hits the store or the server, one row per fault, one table per backend.
+//!
+//! For each fault the run starts its own store server (a private `redis-server`, a private
+//! PostgreSQL cluster made with `initdb`, a SQLite or redb file on a small tmpfs) and its
+//! own `leasebroker serve` child, on the loopback ports it is given, in temp dirs; it
+//! drives the storm (every operation one key, kept across retries; a quarter of the
+//! responses held past the client's attempt timeout, so they are lost after the work was
+//! done), hits the fault while the storm runs, lifts it, and then:
+//! - sends every operation once more with its key (after the storm, with a long budget):
+//!   an operation that had its 201 must get it replayed, same worker; one that did not
+//!   must replay or finish now. A 201 whose replay names another worker, or is not a
+//!   replay, is a **lost stored response**;
+//! - reads the server's counts: workers beyond one per operation are **phantom workers**,
+//!   VMs booted beyond one per operation **extra VMs**;
+//! - from a probe that sends a fresh keyed request every 100 ms during the fault: the 503s
+//!   and the slowest answer while the fault lasted (a stall must be answered within the
+//!   layer's store deadline, never hang), and the **time to recover** from lifting the fault
+//!   to the probe's first answer from the handler. The probe reboots workers that do not
+//!   exist (a stored 404), so it never creates anything the counts would see.
+//!
+//! Everything is cleaned up by the run itself (child processes killed by id, temp dirs
+//! removed, the tmpfs unmounted), also when it fails half-way.
+
+pub mod servers;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use idem_client::{IdempotentClient, OperationKey, RetryPolicy};
+use tokio::sync::Semaphore;
+
+use self::servers::{AppServer, PrivatePostgres, PrivateRedis, RedisPersistence, ServerError, SmallDisk, signal};
+use crate::state::Stats;
+
+/// A backend the run covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Backend {
+    /// A private `redis-server`.
+    Redis,
+    /// A private PostgreSQL cluster.
+    Postgres,
+    /// A SQLite file.
+    Sqlite,
+    /// A redb file.
+    Redb,
+}
+
+impl Backend {
+    /// The table title.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Redis => "redis",
+            Backend::Postgres => "postgres",
+            Backend::Sqlite => "sqlite",
+            Backend::Redb => "redb",
+        }
+    }
+}
+
+/// One fault the run injects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// SIGKILL of the Redis server, restarted at once on the same dir.
+    RedisRestart(RedisPersistence),
+    /// Immediate shutdown of the PostgreSQL cluster (SIGQUIT), started again.
+    PostgresImmediateRestart,
+    /// `pg_terminate_backend` of every connection of the store's pool.
+    PostgresTerminateBackends,
+    /// SIGSTOP of the store's server processes for the stall time, then SIGCONT.
+    Stall(Backend),
+    /// SIGKILL of `leasebroker serve`, restarted on the same store.
+    AppKill(Backend),
+    /// The store file's disk fills up for the stall time (a tmpfs), then frees.
+    FullDisk(Backend),
+}
+
+impl Fault {
+    /// The backend the fault runs on.
+    #[must_use]
+    pub fn backend(self) -> Backend {
+        match self {
+            Fault::RedisRestart(_) => Backend::Redis,
+            Fault::PostgresImmediateRestart | Fault::PostgresTerminateBackends => Backend::Postgres,
+            Fault::Stall(b) | Fault::AppKill(b) | Fault::FullDisk(b) => b,
+        }
+    }
+
+    /// The row title.
+    #[must_use]
+    pub fn label(self) -> String {
+        match self {
+            Fault::RedisRestart(p) => format!("restart, {}", p.label()),
+            Fault::PostgresImmediateRestart => "immediate restart".into(),
+            Fault::PostgresTerminateBackends => "pg_terminate_backend".into(),
+            Fault::Stall(_) => "stall (SIGSTOP)".into(),
+            Fault::AppKill(_) => "app server SIGKILL".into(),
+            Fault::FullDisk(_) => "full disk (tmpfs)".into(),
+        }
+    }
+
+    /// Whether the configuration is durable, so the run requires zero phantoms, extra VMs
+    /// and lost responses. Redis without persistence loses every record on restart: its
+    /// loss is measured, not required to be zero.
+    #[must_use]
+    pub fn durable(self) -> bool {
+        !matches!(self, Fault::RedisRestart(RedisPersistence::None))
+    }
+
+    /// Every fault of the full run, in table order.
+    #[must_use]
+    pub fn all() -> Vec<Fault> {
+        vec![
+            Fault::RedisRestart(RedisPersistence::AofAlways),
+            Fault::RedisRestart(RedisPersistence::AofEverysec),
+            Fault::RedisRestart(RedisPersistence::None),
+            Fault::Stall(Backend::Redis),
+            Fault::AppKill(Backend::Redis),
+            Fault::PostgresImmediateRestart,
+            Fault::PostgresTerminateBackends,
+            Fault::Stall(Backend::Postgres),
+            Fault::AppKill(Backend::Postgres),
+            Fault::FullDisk(Backend::Sqlite),
+            Fault::AppKill(Backend::Sqlite),
+            Fault::FullDisk(Backend::Redb),
+            Fault::AppKill(Backend::Redb),
+        ]
+    }
+
+    /// One fault of each kind (the short pass `cargo test` runs).
+    #[must_use]
+    pub fn one_of_each_kind() -> Vec<Fault> {
+        vec![
+            Fault::RedisRestart(RedisPersistence::AofAlways),
+            Fault::Stall(Backend::Redis),
+            Fault::PostgresImmediateRestart,
+            Fault::PostgresTerminateBackends,
+            Fault::AppKill(Backend::Redb),
+            Fault::FullDisk(Backend::Sqlite),
+        ]
+    }
+}
+
+/// Settings of a chaos run.
+#[derive(Clone, Debug)]
+pub struct ChaosConfig {
+    /// The `leasebroker` binary to run as the server under test.
+    pub exe: PathBuf,
+    /// The faults, in order.
+    pub faults: Vec<Fault>,
+    /// Logical operations per fault.
+    pub operations: u32,
+    /// Operations in flight at once.
+    pub concurrency: usize,
+    /// When the fault hits, after the storm started.
+    pub fault_after: Duration,
+    /// How long a stall or a full disk lasts; how long a restarted server stays down.
+    pub fault_for: Duration,
+    /// The server's lease TTL.
+    pub lease: Duration,
+    /// First of the private loopback ports the run may use (it uses this one to +3).
+    pub base_port: u16,
+}
+
+impl ChaosConfig {
+    /// The full run: every fault, 2,000 operations each, 32 at a time, 10 s stalls.
+    #[must_use]
+    pub fn full(exe: PathBuf) -> Self {
+        Self {
+            exe,
+            faults: Fault::all(),
+            operations: 2_000,
+            concurrency: 32,
+            fault_after: Duration::from_secs(3),
+            fault_for: Duration::from_secs(10),
+            lease: Duration::from_secs(3),
+            base_port: 7100,
+        }
+    }
+}
+
+/// What one fault's run measured.
+#[derive(Clone, Debug, Default)]
+pub struct FaultRow {
+    /// The fault's row title.
+    pub fault: String,
+    /// The backend.
+    pub backend: &'static str,
+    /// Whether zero loss is required.
+    pub durable: bool,
+    /// Logical operations.
+    pub operations: u32,
+    /// HTTP attempts of the storm (the check pass not counted).
+    pub attempts: u64,
+    /// Workers beyond one per operation.
+    pub phantom_workers: u64,
+    /// VMs booted beyond one per operation.
+    pub extra_vms: u64,
+    /// Flashes beyond one per operation (the run creates workers and flashes nothing, so
+    /// this stays 0; the firmware storm counts it).
+    pub double_flashes: u64,
+    /// 201s whose replay was another worker, or not a replay.
+    pub lost_responses: u64,
+    /// Operations that did not end with a 201 even in the check pass.
+    pub unfinished: u64,
+    /// 503 answers the storm and the probe got while the fault lasted.
+    pub unavailable_503: u64,
+    /// The slowest answer to the probe while the fault lasted, ms (the probe is exempt
+    /// from the drop fault's holds, so this is the server's own time).
+    pub slowest_answer_ms: u64,
+    /// Probe requests that got no answer within 10 s while the fault lasted (a hang).
+    pub hung: u64,
+    /// From lifting the fault to the probe's first answer from the handler, ms.
+    pub recovery_ms: u64,
+    /// The server refused the store's configuration at start-up: nothing was measured.
+    pub refused: bool,
+    /// What the fault did (connections terminated, bytes of filler, a restart it needed),
+    /// or why it measured nothing.
+    pub note: String,
+}
+
+impl FaultRow {
+    /// Whether the row breaks the run's promise: any phantom, extra VM or lost response on
+    /// a durable configuration, an unfinished operation, or a request that hung.
+    #[must_use]
+    pub fn failed(&self) -> bool {
+        self.durable && (self.phantom_workers > 0 || self.extra_vms > 0 || self.lost_responses > 0)
+            || self.unfinished > 0
+            || self.hung > 0
+    }
+}
+
+/// Renders the rows as one Markdown table per backend.
+#[must_use]
+pub fn tables(rows: &[FaultRow]) -> String {
+    let mut out = String::new();
+    let mut backends: Vec<&str> = rows.iter().map(|r| r.backend).collect();
+    backends.dedup();
+    for b in backends {
+        out.push_str(&format!("\n#### {b}\n\n"));
+        out.push_str(
+            "| fault | operations | attempts | phantom workers | extra VMs | double flashes | lost stored responses \
+             | 503s during fault | slowest answer during fault | hung requests | time to recover |\n",
+        );
+        out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        for r in rows.iter().filter(|r| r.backend == b) {
+            let durable = if r.durable { "" } else { " (not durable)" };
+            if r.refused {
+                out.push_str(&format!("| {}{durable} | refused at start-up (see below) |||||||||\n", r.fault));
+                continue;
+            }
+            out.push_str(&format!(
+                "| {}{durable} | {} | {} | {} | {} | {} | {} | {} | {} ms | {} | {} ms |\n",
+                r.fault,
+                r.operations,
+                r.attempts,
+                r.phantom_workers,
+                r.extra_vms,
+                r.double_flashes,
+                r.lost_responses,
+                r.unavailable_503,
+                r.slowest_answer_ms,
+                r.hung,
+                r.recovery_ms
+            ));
+        }
+    }
+    out
+}
+
+/// Why the run could not go on.
+#[derive(Debug, thiserror::Error)]
+pub enum ChaosError {
+    /// A private server or the server under test.
+    #[error(transparent)]
+    Server(#[from] ServerError),
+    /// The server's counters could not be read.
+    #[error("cannot read the server's stats: {0}")]
+    Stats(String),
+}
+
+/// The store side of one fault's run: what must live as long as the run.
+enum StoreSide {
+    Redis(PrivateRedis),
+    Postgres(PrivatePostgres),
+    File { _dir: tempfile::TempDir, disk: Option<SmallDisk> },
+}
+
+/// Runs every fault of `cfg` in turn and returns one row per fault.
+///
+/// # Errors
+/// [`ChaosError`] when a server cannot be started or read.
+pub async fn run(cfg: &ChaosConfig) -> Result<Vec<FaultRow>, ChaosError> {
+    let mut rows = Vec::new();
+    for &fault in &cfg.faults {
+        eprintln!("chaos: {} / {} ...", fault.backend().name(), fault.label());
+        let row = run_fault(cfg, fault).await?;
+        eprintln!(
+            "chaos: {} / {}: phantoms {} extra VMs {} lost {} unfinished {} 503s {} slowest {} ms recovered in {} ms",
+            row.backend,
+            row.fault,
+            row.phantom_workers,
+            row.extra_vms,
+            row.lost_responses,
+            row.unfinished,
+            row.unavailable_503,
+            row.slowest_answer_ms,
+            row.recovery_ms
+        );
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ServerError> + Send + 'static,
+) -> Result<T, ServerError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ServerError::Failed { what: "task".into(), message: e.to_string() })?
+}
+
+async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosError> {
+    let backend = fault.backend();
+    let work = tempfile::tempdir().map_err(|e| ChaosError::Stats(e.to_string()))?;
+    let store_port = cfg.base_port + 1;
+    let app_port = cfg.base_port + 2;
+    let (mut side, spec) = match backend {
+        Backend::Redis => {
+            let persistence = match fault {
+                Fault::RedisRestart(p) => p,
+                _ => RedisPersistence::AofAlways,
+            };
+            let redis = blocking(move || PrivateRedis::start(store_port, persistence)).await?;
+            let url = redis.url();
+            (StoreSide::Redis(redis), url)
+        }
+        Backend::Postgres => {
+            let pg = blocking(move || PrivatePostgres::start(store_port)).await?;
+            let url = pg.url();
+            (StoreSide::Postgres(pg), url)
+        }
+        Backend::Sqlite | Backend::Redb => {
+            let dir = tempfile::tempdir().map_err(|e| ChaosError::Stats(e.to_string()))?;
+            let disk = match fault {
+                Fault::FullDisk(_) => Some(blocking(|| SmallDisk::mount(64)).await?),
+                _ => None,
+            };
+            let base = disk.as_ref().map_or(dir.path(), SmallDisk::path).to_path_buf();
+            let spec = match backend {
+                Backend::Sqlite => format!("sqlite:{}", base.join("records.sqlite3").display()),
+                _ => format!("redb:{}", base.join("records.redb").display()),
+            };
+            (StoreSide::File { _dir: dir, disk }, spec)
+        }
+    };
+    let args = vec![
+        "--store".to_string(),
+        spec,
+        "--state".into(),
+        work.path().join("state.redb").display().to_string(),
+        "--lease-ms".into(),
+        cfg.lease.as_millis().to_string(),
+        "--drop-rate".into(),
+        "0.25".into(),
+        // Held past the client's attempt timeout: the response is lost after the work.
+        "--hold-ms".into(),
+        "2500".into(),
+        "--work-ms".into(),
+        "100".into(),
+    ];
+    let exe = cfg.exe.clone();
+    let log = work.path().join("serve.log");
+    let log_path = log.clone();
+    let mut app = match blocking(move || AppServer::start(&exe, app_port, args, &log)).await {
+        Ok(app) => app,
+        // A store that refuses a configuration that loses records on restart (the Redis
+        // persistence check) is the right answer for a non-durable row: say so.
+        Err(e) if !fault.durable() => {
+            let why = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let why = why.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim().to_owned();
+            return Ok(FaultRow {
+                fault: fault.label(),
+                backend: backend.name(),
+                durable: false,
+                refused: true,
+                note: format!("the server refused this configuration at start-up ({e}: {why})"),
+                ..FaultRow::default()
+            });
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let target = app.url();
+    let http = reqwest::Client::builder().pool_max_idle_per_host(cfg.concurrency).build().map_err(stats_err)?;
+    let before = stats(&http, &target).await?;
+
+    let storm = tokio::spawn(storm(http.clone(), target.clone(), cfg.operations, cfg.concurrency));
+    tokio::time::sleep(cfg.fault_after).await;
+
+    // The fault, with the probe running while it lasts.
+    let during = Arc::new(AtomicBool::new(true));
+    let probe = tokio::spawn(probe(http.clone(), target.clone(), Arc::clone(&during)));
+    let mut note = String::new();
+    match (fault, &mut side) {
+        (Fault::RedisRestart(_), StoreSide::Redis(redis)) => {
+            redis.kill();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            tokio::task::block_in_place(|| redis.restart())?;
+        }
+        (Fault::Stall(_), StoreSide::Redis(redis)) => {
+            let pid = redis.pid().unwrap_or(0);
+            signal(pid, "STOP")?;
+            tokio::time::sleep(cfg.fault_for).await;
+            signal(pid, "CONT")?;
+        }
+        (Fault::PostgresImmediateRestart, StoreSide::Postgres(pg)) => {
+            tokio::task::block_in_place(|| pg.immediate_restart())?;
+        }
+        (Fault::PostgresTerminateBackends, StoreSide::Postgres(pg)) => {
+            let n = tokio::task::block_in_place(|| pg.terminate_backends())?;
+            note = format!("{n} connections terminated");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let n = tokio::task::block_in_place(|| pg.terminate_backends())?;
+            note.push_str(&format!(", then {n} more a second later"));
+        }
+        (Fault::Stall(_), StoreSide::Postgres(pg)) => {
+            let pids = pg.pids();
+            for &p in &pids {
+                signal(p, "STOP")?;
+            }
+            tokio::time::sleep(cfg.fault_for).await;
+            for &p in &pids {
+                signal(p, "CONT")?;
+            }
+        }
+        (Fault::FullDisk(_), StoreSide::File { disk: Some(disk), .. }) => {
+            let filled = tokio::task::block_in_place(|| disk.fill())?;
+            note = format!("{filled} bytes of filler filled the disk");
+            tokio::time::sleep(cfg.fault_for).await;
+            disk.free();
+        }
+        (Fault::AppKill(_), _) => {
+            app.kill();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            tokio::task::block_in_place(|| app.restart())?;
+        }
+        _ => note = "fault does not apply to this backend".into(),
+    }
+    let lifted = Instant::now();
+    during.store(false, Ordering::SeqCst);
+    let seen = probe.await.map_err(|e| ChaosError::Stats(e.to_string()))?;
+    let mut recovery_ms = recover(&http, &target, lifted, RECOVERY_LIMIT).await;
+    if recovery_ms.is_none() && matches!(fault, Fault::FullDisk(_)) {
+        // redb keeps refusing every transaction after a failed commit (its `PreviousIo`)
+        // until the file is opened again: do what a supervisor would, restart the server.
+        tokio::task::block_in_place(|| app.restart())?;
+        note.push_str(&format!(
+            "; not recovered {} s after the disk was freed: the server was restarted",
+            RECOVERY_LIMIT.as_secs()
+        ));
+        recovery_ms = recover(&http, &target, lifted, Duration::from_secs(120)).await;
+    }
+    let recovery_ms = recovery_ms.unwrap_or(u64::MAX);
+
+    let ops = storm.await.map_err(|e| ChaosError::Stats(e.to_string()))?;
+    let (lost_responses, unfinished) = check(&http, &target, &ops.results).await;
+    let after = stats(&http, &target).await?;
+    let workers = after.workers.saturating_sub(before.workers);
+    let boots = after.boots.saturating_sub(before.boots);
+    let n = u64::from(cfg.operations);
+    drop(app);
+    drop(side);
+    Ok(FaultRow {
+        fault: fault.label(),
+        backend: backend.name(),
+        durable: fault.durable(),
+        operations: cfg.operations,
+        attempts: ops.attempts,
+        phantom_workers: workers.saturating_sub(n),
+        extra_vms: boots.saturating_sub(n),
+        double_flashes: after.flashes.saturating_sub(before.flashes),
+        lost_responses,
+        unfinished,
+        unavailable_503: seen.unavailable + ops.unavailable_during.load(Ordering::SeqCst),
+        slowest_answer_ms: seen.slowest_ms,
+        hung: seen.hung,
+        refused: false,
+        recovery_ms,
+        note,
+    })
+}
+
+fn stats_err(e: impl std::fmt::Display) -> ChaosError {
+    ChaosError::Stats(e.to_string())
+}
+
+async fn stats(http: &reqwest::Client, target: &str) -> Result<Stats, ChaosError> {
+    http.get(format!("{target}/admin/stats")).send().await.map_err(stats_err)?.json().await.map_err(stats_err)
+}
+
+/// One logical operation: its principal, key and body, and the worker its 201 named.
+struct Op {
+    token: String,
+    key: OperationKey,
+    body: String,
+    worker: Option<String>,
+}
+
+struct StormOutcome {
+    results: Vec<Op>,
+    attempts: u64,
+    unavailable_during: Arc<AtomicU64>,
+}
+
+fn create_body(op: u32) -> String {
+    format!(r#"{{"image":"worker-base:2025.11","cpu":16,"memory_gb":64,"labels":{{"team":"chaos","op":"{op}"}}}}"#)
+}
+
+fn worker_id(body: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    Some(v.get("id")?.as_str()?.to_owned())
+}
+
+fn client(budget: Duration) -> RetryPolicy {
+    RetryPolicy::default()
+        // Longer than the layer's 2 s store deadline (a 503 arrives in time), shorter than
+        // the server's 2.5 s hold (a held response is lost).
+        .with_attempt_timeout(Duration::from_millis(2_300))
+        .with_budget(budget)
+        .with_backoff(Duration::from_millis(50), Duration::from_secs(1))
+        .with_max_attempts(200)
+}
+
+async fn storm(http: reqwest::Client, target: String, operations: u32, concurrency: usize) -> StormOutcome {
+    let client = Arc::new(IdempotentClient::new(http, client(Duration::from_secs(60))));
+    let gate = Arc::new(Semaphore::new(concurrency.max(1)));
+    let prefix = format!("chaos-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let unavailable_during = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for op in 0..operations {
+        let (client, gate, target) = (Arc::clone(&client), Arc::clone(&gate), target.clone());
+        let token = format!("{prefix}-{}", op % 4);
+        tasks.push(tokio::spawn(async move {
+            let _permit = gate.acquire_owned().await;
+            let key = OperationKey::generate();
+            let body = create_body(op);
+            let reply =
+                client.post(format!("{target}/v1/workers"), &key).bearer(&token).json_body(body.clone()).send().await;
+            let (worker, attempts, unavailable) = match reply {
+                Ok(r) => {
+                    let w = (r.status == 201).then(|| worker_id(&r.body)).flatten();
+                    (w, u64::from(r.stats.attempts), u64::from(r.stats.server_errors))
+                }
+                Err(idem_client::ClientError::GaveUp { stats, .. }) => {
+                    (None, u64::from(stats.attempts), u64::from(stats.server_errors))
+                }
+                Err(_) => (None, 1, 0),
+            };
+            (Op { token, key, body, worker }, attempts, unavailable)
+        }));
+    }
+    let mut out =
+        StormOutcome { results: Vec::new(), attempts: 0, unavailable_during: Arc::clone(&unavailable_during) };
+    let mut unavailable = 0;
+    for t in tasks {
+        if let Ok((op, attempts, u)) = t.await {
+            out.results.push(op);
+            out.attempts += attempts;
+            unavailable += u;
+        }
+    }
+    // Every 5xx of the storm: the server answers 5xx only for an unavailable store (503)
+    // or a failed boot, and the run's boots do not fail.
+    out.unavailable_during.store(unavailable, Ordering::SeqCst);
+    out
+}
+
+/// A keyed request that goes through the claim and the completion but creates nothing:
+/// a reboot of a worker that does not exist (404, a stored answer). So the probe's own
+/// requests never show up as workers or VMs.
+fn probe_request(http: &reqwest::Client, target: &str, n: u32) -> reqwest::RequestBuilder {
+    http.post(format!("{target}/v1/workers/w-chaos-probe-{n}/reboot"))
+        .bearer_auth("chaos-probe")
+        .header(crate::app::NO_FAULTS, "1")
+        .header("idempotency-key", OperationKey::generate().as_str())
+        .header("content-type", "application/json")
+        .body("{}")
+}
+
+/// What the probe saw while the fault lasted.
+struct Probe {
+    unavailable: u64,
+    slowest_ms: u64,
+    hung: u64,
+}
+
+/// How long the probe waits for an answer before it counts the request as hung: far past
+/// the layer's 2 s store deadline and the drop fault's 2.5 s hold.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn probe(http: reqwest::Client, target: String, during: Arc<AtomicBool>) -> Probe {
+    let mut seen = Probe { unavailable: 0, slowest_ms: 0, hung: 0 };
+    let mut n = 0u32;
+    while during.load(Ordering::SeqCst) {
+        n += 1;
+        let sent = Instant::now();
+        let answer = probe_request(&http, &target, n).timeout(PROBE_TIMEOUT).send().await;
+        let took = u64::try_from(sent.elapsed().as_millis()).unwrap_or(u64::MAX);
+        match answer {
+            Ok(r) => {
+                seen.unavailable += u64::from(r.status() == 503);
+                seen.slowest_ms = seen.slowest_ms.max(took);
+            }
+            // No answer at all: the request hung (a refused connection while the server
+            // process is down, in the app kill, is not a hang).
+            Err(e) if e.is_timeout() => seen.hung += 1,
+            Err(_) => {}
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    seen
+}
+
+/// Sends fresh probe requests until one is answered by the handler (its 404): ms from
+/// `lifted` to then.
+async fn recover(http: &reqwest::Client, target: &str, lifted: Instant, limit: Duration) -> Option<u64> {
+    let mut n = 0u32;
+    while lifted.elapsed() < limit {
+        n += 1;
+        let ok = probe_request(http, target, n)
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 404);
+        if ok {
+            return Some(u64::try_from(lifted.elapsed().as_millis()).unwrap_or(u64::MAX));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+/// How long after a fault is lifted the server must answer again on its own.
+const RECOVERY_LIMIT: Duration = Duration::from_secs(15);
+
+/// Sends every operation once more with its key: returns (lost stored responses,
+/// operations still without a 201).
+async fn check(http: &reqwest::Client, target: &str, ops: &[Op]) -> (u64, u64) {
+    let client = Arc::new(IdempotentClient::new(http.clone(), client(Duration::from_secs(30))));
+    let gate = Arc::new(Semaphore::new(64));
+    let mut tasks = Vec::new();
+    for op in ops {
+        let (client, gate, target) = (Arc::clone(&client), Arc::clone(&gate), target.to_owned());
+        let (token, key, body, first) = (op.token.clone(), op.key.clone(), op.body.clone(), op.worker.clone());
+        tasks.push(tokio::spawn(async move {
+            let _permit = gate.acquire_owned().await;
+            let reply = client.post(format!("{target}/v1/workers"), &key).bearer(&token).json_body(body).send().await;
+            let again = match &reply {
+                Ok(r) if r.status == 201 => worker_id(&r.body).map(|w| (w, r.replayed)),
+                _ => None,
+            };
+            match (first, again) {
+                // The first 201 must come back as a replay naming the same worker.
+                (Some(first), Some((w, replayed))) => (!replayed || w != first, false),
+                (Some(_), None) => (true, false),
+                (None, Some(_)) => (false, false),
+                (None, None) => (false, true),
+            }
+        }));
+    }
+    let (mut lost, mut unfinished) = (0, 0);
+    for t in tasks {
+        if let Ok((l, u)) = t.await {
+            lost += u64::from(l);
+            unfinished += u64::from(u);
+        }
+    }
+    (lost, unfinished)
+}
+
+/// The path of the running binary, for the server under test.
+///
+/// # Errors
+/// When the OS cannot say.
+pub fn current_exe() -> std::io::Result<PathBuf> {
+    std::env::current_exe()
+}
+
+/// The run's Markdown report: the tables and a verdict line.
+#[must_use]
+pub fn report(rows: &[FaultRow], cfg: &ChaosConfig) -> String {
+    let mut out = format!(
+        "{} operations per fault, {} at a time, a quarter of responses lost after the work, lease {} ms, faults \
+         lasting {} ms, hitting {} ms into the storm.\n",
+        cfg.operations,
+        cfg.concurrency,
+        cfg.lease.as_millis(),
+        cfg.fault_for.as_millis(),
+        cfg.fault_after.as_millis()
+    );
+    out.push_str(&tables(rows));
+    for r in rows.iter().filter(|r| !r.note.is_empty()) {
+        out.push_str(&format!("\n- {} / {}: {}", r.backend, r.fault, r.note));
+    }
+    out.push('\n');
+    out
+}
+
+/// Whether the run's ports stay clear of the shared servers' (Redis 6379, Postgres 5432).
+#[must_use]
+pub fn uses_private_ports(cfg: &ChaosConfig) -> bool {
+    let ports = cfg.base_port..=cfg.base_port + 3;
+    !ports.contains(&6379) && !ports.contains(&5432)
+}

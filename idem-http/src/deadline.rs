@@ -1,0 +1,343 @@
+//! Store deadlines and completion retries: what the layer does when its store stalls or
+//! blips.
+//!
+//! Every store call the layer makes (the claim and the calls that decide a request, the
+//! `complete`/`fail` after the handler, lease renewals, the handler's journal steps) goes
+//! through a [`Store`] wrapper (`DeadlineStore`) the layer puts around the store it was
+//! given. It does two things:
+//!
+//! 1. **A deadline per call** ([`StoreDeadlines`]). A call that has not answered by its
+//!    deadline is abandoned and counts as a transient [`StoreError::Unavailable`]: a claim
+//!    that misses its deadline is answered 503 with `Retry-After` (fail closed, or run
+//!    unprotected under fail-open), instead of holding the client's request for as long as
+//!    a black-holed connection, a writer stuck in `fsync` or a `SIGSTOP`ped server takes.
+//! 2. **Completion retries** ([`CompletionRetry`]). A `complete` or `fail` that misses its
+//!    deadline or fails transiently ([`StoreError::is_retryable`]) is sent again with
+//!    backoff (25 ms, doubling, at most 1 s) for as long as the lease can last. Without
+//!    this, the response goes out, the record stays in flight, and once the lease runs out
+//!    a retry reclaims the record and runs the handler a second time.
+//!
+//! # Ambiguous outcomes
+//! A call abandoned at its deadline, or one that failed on a dropped connection, may still
+//! have been applied by the store. For a claim this is safe: the client got 503, its retry
+//! finds the orphan claim in flight (409 `in-flight`) and reclaims it once its lease ran out;
+//! nothing ran. For a completion it matters: the resend finds the record completed, and the
+//! store refuses it with `LeaseLost` (`complete` is a compare-and-set on an in-flight record,
+//! and the record is no longer in flight). So after an ambiguous attempt a `LeaseLost` is
+//! checked with a `get`: a record that carries this attempt's fencing token in the state
+//! the call asked for (completed for `complete`, failed for `fail`) was written by this
+//! attempt, and the call reads as done. Fencing tokens never repeat for a record id, so no
+//! other attempt can have left that token behind.
+//!
+//! # Bounds
+//! - A stalled store answers the first call within its deadline; a request makes a
+//!   bounded number of calls (a claim, and at most a few reads or reclaims after a race),
+//!   each with its own deadline.
+//! - Completion retries stop at the first of: success, `LeaseLost` (another attempt owns
+//!   the record), a permanent error, or the retry window, one lease TTL after the first
+//!   attempt was sent. The lease was renewed until the handler ended, so by then it may
+//!   have run out and a retry may have reclaimed the record; a later `complete` would be
+//!   refused anyway. The response is returned once the retries end, so a long store
+//!   outage delays the response by up to one lease TTL: that is the price of not running
+//!   the handler twice.
+//! - Deadlines use tokio's timer: the runtime must have time enabled, as for lease renewal.
+//!   Outside a tokio runtime calls run without a deadline.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idem_core::{
+    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ReclaimOutcome, ReclaimRequest, Record,
+    RecordId, RecordState, Store, StoreError, StoredResponse, SweepOutcome,
+};
+use tokio::time::Instant;
+
+/// The default deadline of every store call: long enough for a healthy store under load
+/// (an `fsync`, a group-commit batch, a pool checkout), short enough that a client whose
+/// own timeout is a few seconds hears a 503 before it gives up.
+pub const DEFAULT_STORE_DEADLINE: Duration = Duration::from_secs(2);
+
+/// First pause before a completion is sent again.
+const RETRY_FIRST: Duration = Duration::from_millis(25);
+/// Longest pause between two completion attempts.
+const RETRY_MAX: Duration = Duration::from_secs(1);
+
+/// How long each store operation may take before the layer gives up on it, per operation.
+///
+/// | operation | store calls | default | when missed |
+/// |---|---|---|---|
+/// | [`claim`](Self::with_claim) | `claim`, `reclaim` | 2 s | 503 (fail closed) |
+/// | [`read`](Self::with_read) | `get`, `journal_get` | 2 s | 503 / the read's caller sees a transient error |
+/// | [`complete`](Self::with_complete) | `complete`, `fail` (each attempt) | 2 s | retried, see [`CompletionRetry`] |
+/// | [`extend`](Self::with_extend) | `extend` (lease renewal) | 2 s | renewal retries it |
+/// | [`journal`](Self::with_journal) | `journal_put` (steps, intents) | 2 s | the step fails transiently |
+///
+/// `sweep` runs without a deadline: the layer never sweeps (the [`idem_core::sweeper::Sweeper`] does).
+/// A zero deadline is taken as 1 ms.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_http::{CompletionRetry, StoreDeadlines};
+///
+/// let deadlines = StoreDeadlines::default()
+///     .with_claim(Duration::from_millis(500))
+///     .with_completion_retry(CompletionRetry::Off);
+/// assert_eq!(deadlines.claim(), Duration::from_millis(500));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreDeadlines {
+    claim: Duration,
+    read: Duration,
+    complete: Duration,
+    extend: Duration,
+    journal: Duration,
+    completion_retry: CompletionRetry,
+}
+
+impl Default for StoreDeadlines {
+    fn default() -> Self {
+        Self {
+            claim: DEFAULT_STORE_DEADLINE,
+            read: DEFAULT_STORE_DEADLINE,
+            complete: DEFAULT_STORE_DEADLINE,
+            extend: DEFAULT_STORE_DEADLINE,
+            journal: DEFAULT_STORE_DEADLINE,
+            completion_retry: CompletionRetry::default(),
+        }
+    }
+}
+
+/// Whether a `complete` or `fail` that missed its deadline or failed transiently is sent
+/// again.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CompletionRetry {
+    /// Retry with backoff (25 ms, doubling, at most 1 s) for up to one lease TTL after the
+    /// first attempt (default).
+    #[default]
+    WhileLeaseLasts,
+    /// Send once. A completion lost to a blip leaves the record in flight until its lease
+    /// ends, and a retry after that runs the handler again. For measuring what the retry
+    /// prevents, not for production.
+    Off,
+}
+
+macro_rules! setter {
+    ($(#[$doc:meta])* $with:ident, $get:ident) => {
+        $(#[$doc])*
+        #[must_use]
+        pub fn $with(mut self, deadline: Duration) -> Self {
+            self.$get = deadline.max(Duration::from_millis(1));
+            self
+        }
+
+        #[doc = concat!("The `", stringify!($get), "` deadline in force.")]
+        #[must_use]
+        pub fn $get(&self) -> Duration {
+            self.$get
+        }
+    };
+}
+
+impl StoreDeadlines {
+    /// The same deadline for every operation, completion retries on.
+    #[must_use]
+    pub fn all(deadline: Duration) -> Self {
+        Self::default()
+            .with_claim(deadline)
+            .with_read(deadline)
+            .with_complete(deadline)
+            .with_extend(deadline)
+            .with_journal(deadline)
+    }
+
+    setter!(
+        /// Sets the deadline of `claim` and `reclaim` (default 2 s). A miss answers 503.
+        with_claim, claim
+    );
+    setter!(
+        /// Sets the deadline of `get` and `journal_get` (default 2 s).
+        with_read, read
+    );
+    setter!(
+        /// Sets the deadline of one `complete` or `fail` attempt (default 2 s).
+        with_complete, complete
+    );
+    setter!(
+        /// Sets the deadline of one lease renewal (`extend`, default 2 s). Renewal also
+        /// never waits past the lease it tries to keep.
+        with_extend, extend
+    );
+    setter!(
+        /// Sets the deadline of `journal_put` (default 2 s).
+        with_journal, journal
+    );
+
+    /// Sets whether completions are retried (default [`CompletionRetry::WhileLeaseLasts`]).
+    #[must_use]
+    pub fn with_completion_retry(mut self, retry: CompletionRetry) -> Self {
+        self.completion_retry = retry;
+        self
+    }
+
+    /// The completion retry rule in force.
+    #[must_use]
+    pub fn completion_retry(&self) -> CompletionRetry {
+        self.completion_retry
+    }
+}
+
+/// The source of a [`StoreError::Unavailable`] for a call that missed its deadline.
+#[derive(Debug, thiserror::Error)]
+#[error("no answer from the store within {} ms", .0.as_millis())]
+pub struct DeadlineMissed(Duration);
+
+/// The layer's store: `inner` with a deadline on every call and completion retries.
+pub(crate) struct DeadlineStore {
+    inner: Arc<dyn Store>,
+    deadlines: StoreDeadlines,
+    /// How long completions are retried: the lease TTL.
+    retry_window: Duration,
+}
+
+impl fmt::Debug for DeadlineStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeadlineStore")
+            .field("inner", &self.inner)
+            .field("deadlines", &self.deadlines)
+            .field("retry_window", &self.retry_window)
+            .finish()
+    }
+}
+
+impl DeadlineStore {
+    pub(crate) fn new(inner: Arc<dyn Store>, deadlines: StoreDeadlines, lease_ttl: Duration) -> Self {
+        Self { inner, deadlines, retry_window: lease_ttl }
+    }
+
+    /// `call`, abandoned after `limit` as a transient failure named `what`.
+    async fn within<T>(
+        limit: Duration,
+        what: &'static str,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        // No tokio runtime, no timer: nothing can time the call out.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return call.await;
+        }
+        match tokio::time::timeout(limit, call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::unavailable("idem-http", what, true, DeadlineMissed(limit))),
+        }
+    }
+
+    /// Sends a completion (`complete` when `want` is completed, `fail` when failed) until
+    /// it lands, is refused, fails for good, or the retry window closes.
+    async fn finish<F, Fut>(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        want: RecordState,
+        what: &'static str,
+        mut send: F,
+    ) -> Result<Record, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<Record, StoreError>>,
+    {
+        let retry = self.deadlines.completion_retry == CompletionRetry::WhileLeaseLasts
+            && tokio::runtime::Handle::try_current().is_ok();
+        let window_end = Instant::now() + self.retry_window;
+        let mut pause = RETRY_FIRST;
+        // Whether an earlier attempt may have been applied without this call hearing so.
+        let mut ambiguous = false;
+        loop {
+            let error = match Self::within(self.deadlines.complete, what, send()).await {
+                Ok(record) => return Ok(record),
+                Err(e) => e,
+            };
+            if error.is_lease_lost() {
+                if ambiguous && let Some(record) = self.own_write(id, token, want).await {
+                    tracing::debug!(record = %id, token = %token, what, "resent completion found already applied");
+                    return Ok(record);
+                }
+                return Err(error);
+            }
+            if !retry || !error.is_retryable() || Instant::now() + pause >= window_end {
+                return Err(error);
+            }
+            tracing::warn!(record = %id, token = %token, what, error = %error, "store completion failed; retrying");
+            ambiguous = true;
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(RETRY_MAX);
+        }
+    }
+
+    /// The record, if it carries `token` in state `want`: this attempt's own earlier write.
+    async fn own_write(&self, id: RecordId, token: FencingToken, want: RecordState) -> Option<Record> {
+        match Self::within(self.deadlines.read, "read after an ambiguous completion", self.inner.get(id)).await {
+            Ok(Some(record)) if record.token == token && record.state == want => Some(record),
+            _ => None,
+        }
+    }
+}
+
+#[async_trait]
+impl Store for DeadlineStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        Self::within(self.deadlines.claim, "claim", self.inner.claim(req)).await
+    }
+
+    async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
+        Self::within(self.deadlines.claim, "reclaim", self.inner.reclaim(req)).await
+    }
+
+    async fn complete(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        response: StoredResponse,
+    ) -> Result<Record, StoreError> {
+        self.finish(id, token, RecordState::Completed, "complete", || self.inner.complete(id, token, response.clone()))
+            .await
+    }
+
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
+        self.finish(id, token, RecordState::Failed, "fail", || self.inner.fail(id, token)).await
+    }
+
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+        Self::within(self.deadlines.extend, "extend", self.inner.extend(id, token, lease_ttl)).await
+    }
+
+    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        Self::within(self.deadlines.read, "get", self.inner.get(id)).await
+    }
+
+    async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
+        self.inner.sweep(limit).await
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        Self::within(self.deadlines.journal, "journal_put", self.inner.journal_put(id, token, name, value, overwrite))
+            .await
+    }
+
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        Self::within(self.deadlines.read, "journal_get", self.inner.journal_get(id, name)).await
+    }
+}

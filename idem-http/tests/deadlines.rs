@@ -1,0 +1,125 @@
+//! Store deadlines and completion retries (`idem_http::deadline`), through the layer: a
+//! stalled claim hung the request instead of answering 503, and a completion lost to a
+//! blip left the record in flight so the handler ran again after the lease. The store is
+//! a memory store on a manual clock behind injected faults; the deadlines and retry pauses
+//! run on tokio's real timer. The same stall against real servers (a `SIGSTOP`ped Redis and
+//! Postgres) is in `examples/leasebroker/tests/stalled_store.rs`.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::{Counter, Env, Script, app, post, send};
+use idem_core::RecordState;
+use idem_http::{CompletionRetry, IdempotencyLayer, StoreDeadlines};
+
+const ORDERS: &str = "POST /v1/orders";
+const LEASE_MS: i64 = 300_000;
+
+fn layer(env: &Env, deadlines: StoreDeadlines) -> IdempotencyLayer {
+    IdempotencyLayer::new(env.dyn_store()).with_store_deadlines(deadlines)
+}
+
+async fn state(env: &Env, key: &str) -> Option<RecordState> {
+    env.record("tok-p", ORDERS, key).await.map(|r| r.state)
+}
+
+/// A claim on a stalled store hung the request forever instead of answering 503.
+#[tokio::test]
+async fn a_stalled_claim_answers_503_at_its_deadline() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    let deadlines = StoreDeadlines::default().with_claim(Duration::from_millis(200));
+    let app = app(layer(&env, deadlines), &n, &s);
+    env.store.stall_claims.store(true, Ordering::SeqCst);
+    // The outer timeout only turns a hang into a failure; the deadline is 200 ms.
+    let got = tokio::time::timeout(Duration::from_secs(10), send(&app, &post("/v1/orders").key("k1").body("{}")))
+        .await
+        .expect("the request hung on a stalled store");
+    got.problem(503, "store-unavailable");
+    assert_eq!(got.retry_after(), 1);
+    assert_eq!(n.get(), 0, "the handler never runs without a claim");
+
+    env.store.stall_claims.store(false, Ordering::SeqCst);
+    assert_eq!(send(&app, &post("/v1/orders").key("k1").body("{}")).await.status, 201);
+    assert_eq!(n.get(), 1);
+}
+
+/// Without a deadline (switched off by making it an hour) the same stalled claim hangs:
+/// the test above can fail.
+#[tokio::test]
+async fn without_a_deadline_the_stalled_claim_hangs() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    let app = app(layer(&env, StoreDeadlines::default().with_claim(Duration::from_secs(3_600))), &n, &s);
+    env.store.stall_claims.store(true, Ordering::SeqCst);
+    let hung = tokio::time::timeout(Duration::from_secs(3), send(&app, &post("/v1/orders").key("k1").body("{}"))).await;
+    assert!(hung.is_err(), "the request answered although the store never did");
+}
+
+/// A `complete` lost to a transient store error left the record in flight; after the lease a
+/// retry reclaimed it and ran the handler a second time.
+#[tokio::test]
+async fn a_transient_complete_failure_is_retried_and_the_handler_runs_once() {
+    for (retry, runs) in [(CompletionRetry::WhileLeaseLasts, 1), (CompletionRetry::Off, 2)] {
+        let env = Env::new();
+        let (n, s) = (Counter::default(), Script::default());
+        let app = app(layer(&env, StoreDeadlines::default().with_completion_retry(retry)), &n, &s);
+        let req = post("/v1/orders").key("k1").body("{}");
+        env.store.complete_blips.store(2, Ordering::SeqCst);
+        let first = send(&app, &req).await;
+        assert_eq!(first.status, 201, "{retry:?}");
+        let expected = match retry {
+            CompletionRetry::WhileLeaseLasts => RecordState::Completed,
+            _ => RecordState::InFlight,
+        };
+        assert_eq!(state(&env, "k1").await, Some(expected), "{retry:?}");
+
+        env.advance_ms(LEASE_MS + 1_000);
+        let retried = send(&app, &req).await;
+        assert_eq!(retried.status, 201, "{retry:?}");
+        assert_eq!(retried.replayed(), retry == CompletionRetry::WhileLeaseLasts, "{retry:?}");
+        assert_eq!(n.get(), runs, "{retry:?}: handler runs");
+    }
+}
+
+/// A resent `complete` after an ambiguous success (the write landed, its answer was lost)
+/// was refused as `LeaseLost` because the record was no longer in flight; the layer then
+/// logged the response as not stored. The resend must read as done.
+#[tokio::test]
+async fn a_resend_after_a_lost_answer_reads_as_done() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    let app = app(layer(&env, StoreDeadlines::default()), &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    env.store.complete_answers_lost.store(1, Ordering::SeqCst);
+    let first = send(&app, &req).await;
+    assert_eq!(first.status, 201);
+    assert_eq!(env.store.completes.load(Ordering::SeqCst), 2, "the lost answer was resent once");
+    let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
+    assert_eq!(record.state, RecordState::Completed);
+    let replay = send(&app, &req).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(n.get(), 1);
+}
+
+/// A completion retry outlived its window: on a store that never recovers it must give up
+/// (the response still goes out) instead of holding the request forever.
+#[tokio::test]
+async fn completion_retries_stop_at_the_lease() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    // A 1 s lease: the retry window is the lease TTL.
+    let layer = layer(&env, StoreDeadlines::default()).with_lease_ttl(Duration::from_secs(1));
+    let app = app(layer, &n, &s);
+    env.store.fail_complete.store(true, Ordering::SeqCst);
+    let got = tokio::time::timeout(Duration::from_secs(10), send(&app, &post("/v1/orders").key("k1").body("{}")))
+        .await
+        .expect("completion retries never stopped");
+    assert_eq!(got.status, 201);
+    let attempts = env.store.completes.load(Ordering::SeqCst);
+    assert!(attempts > 2, "the completion was retried: {attempts} attempts");
+    assert_eq!(state(&env, "k1").await, Some(RecordState::InFlight));
+}
