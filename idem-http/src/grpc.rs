@@ -17,7 +17,12 @@
 //! status marks the record failed, so a retry runs the handler again. A handler's
 //! [`crate::ResponseCaching`] still decides for one response. A server-streaming response
 //! longer than `max_stored_body` or still open at the buffering deadline completes as not
-//! retained (its status is not known yet when the record completes).
+//! retained (its status is not known yet when the record completes). gRPC-Web
+//! (`application/grpc-web[-text]`) answers an error trailers-only too: a `grpc-status`
+//! header that is not lasting marks the record failed the same way. A gRPC-Web response
+//! with a message carries its status inside the body, which the layer does not parse: it
+//! is stored by its HTTP status. The layer's own answers to a gRPC-Web request are
+//! problem bodies, not gRPC statuses.
 //!
 //! **The layer's answers.** For a gRPC request the layer answers trailers-only (HTTP 200,
 //! `grpc-status`, `grpc-message`), never a problem body a gRPC client cannot read:
@@ -86,17 +91,40 @@ pub fn grpc_code_for(kind: ProblemKind) -> u32 {
     }
 }
 
+/// Whether a response with `headers` is gRPC-Web: `content-type` is
+/// `application/grpc-web`, `application/grpc-web-text`, or either with `+<format>`.
+fn is_grpc_web(headers: &HeaderMap) -> bool {
+    headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|ct| {
+        let media = ct.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+        ["application/grpc-web", "application/grpc-web-text"]
+            .iter()
+            .any(|t| media == *t || media.strip_prefix(t).is_some_and(|rest| rest.starts_with('+')))
+    })
+}
+
 /// Whether a finished response is a lasting outcome: `true` for any response that is not
 /// gRPC (its HTTP status already decided), and for a gRPC one whose `grpc-status`
 /// (trailers first, then headers) is lasting (module docs).
 pub(crate) fn is_lasting(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> bool {
+    if is_grpc_web(headers) {
+        // gRPC-Web (tonic-web, Envoy's filter) also answers errors with HTTP 200, as a
+        // trailers-only response whose `grpc-status` is a header. A response with a
+        // message carries its status in a trailer frame inside the body, which the layer
+        // does not parse: stored by its HTTP status, as any other response.
+        return match headers.get("grpc-status") {
+            None => true,
+            status => lasting_code(status),
+        };
+    }
     if !is_grpc(headers) {
         return true;
     }
-    let status = trailers
-        .and_then(|t| t.get("grpc-status"))
-        .or_else(|| headers.get("grpc-status"))
-        .and_then(|v| v.to_str().ok()?.trim().parse::<u32>().ok());
+    lasting_code(trailers.and_then(|t| t.get("grpc-status")).or_else(|| headers.get("grpc-status")))
+}
+
+/// Whether `grpc-status` value `status` is a lasting outcome (module docs).
+fn lasting_code(status: Option<&HeaderValue>) -> bool {
+    let status = status.and_then(|v| v.to_str().ok()?.trim().parse::<u32>().ok());
     matches!(
         status,
         Some(
@@ -175,6 +203,26 @@ mod tests {
         trailers_only.insert("grpc-status", HeaderValue::from_static("5"));
         assert!(is_lasting(&trailers_only, None));
         assert!(is_lasting(&HeaderMap::new(), None), "not gRPC: the HTTP status decided");
+    }
+
+    /// A gRPC-Web error (HTTP 200, trailers-only, `grpc-status: 14` as a header) was
+    /// stored as a lasting outcome and replayed to every retry: `is_lasting` knew only
+    /// `application/grpc`.
+    #[test]
+    fn a_grpc_web_error_is_not_lasting() {
+        for ct in ["application/grpc-web", "application/grpc-web+proto", "application/grpc-web-text"] {
+            let mut h = HeaderMap::new();
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static(ct));
+            assert!(is_lasting(&h, None), "{ct}: a message, its status in the body: stored");
+            h.insert("grpc-status", HeaderValue::from_static("14"));
+            assert!(!is_lasting(&h, None), "{ct}: UNAVAILABLE");
+            h.insert("grpc-status", HeaderValue::from_static("5"));
+            assert!(is_lasting(&h, None), "{ct}: NOT_FOUND");
+        }
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc-webby"));
+        h.insert("grpc-status", HeaderValue::from_static("14"));
+        assert!(is_lasting(&h, None), "not gRPC-Web: the HTTP status decided");
     }
 
     /// The documented mapping drifted from the code.

@@ -113,3 +113,30 @@ async fn a_size_hint_that_undercounts_is_not_recorded_as_the_length() {
     assert!(!detail.contains("(4 bytes)"), "the replay states the lying hint as the length: {detail}");
     assert_eq!(runs.get(), 1);
 }
+
+#[tokio::test]
+async fn a_grpc_web_unavailable_is_not_replayed() {
+    // A gRPC-Web UNAVAILABLE (HTTP 200, trailers-only) was stored and replayed to every
+    // retry: the transient failure became the operation's lasting outcome.
+    let env = Env::new();
+    let runs = Counter::default();
+    let r = runs.clone();
+    let app = Router::new()
+        .route(
+            "/v1/blobs",
+            route_post(move || {
+                let r = r.clone();
+                async move {
+                    let status = if r.bump() == 1 { "14" } else { "0" };
+                    ([("content-type", "application/grpc-web+proto"), ("grpc-status", status)], "")
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::new(env.dyn_store()));
+    let req = post("/v1/blobs").key("k").body("{}");
+    assert_eq!(send(&app, &req).await.header("grpc-status"), Some("14"));
+    let retry = send(&app, &req).await;
+    assert!(!retry.replayed(), "the UNAVAILABLE answer was replayed");
+    assert_eq!(retry.header("grpc-status"), Some("0"));
+    assert_eq!(runs.get(), 2);
+}
