@@ -844,7 +844,7 @@ impl Coalesced {
         let len = self.joined.len();
         if self.joined.capacity() - len < data.len() {
             // Double, as `BytesMut` would, but never past `limit + 1` bytes, plus this frame.
-            let doubled = len.max(data.len()).min((self.limit + 1).saturating_sub(len));
+            let doubled = len.max(data.len()).min(self.limit.saturating_add(1).saturating_sub(len));
             self.joined.reserve(doubled.max(data.len()));
         }
         self.joined.extend_from_slice(data);

@@ -140,3 +140,30 @@ async fn a_grpc_web_unavailable_is_not_replayed() {
     assert_eq!(retry.header("grpc-status"), Some("0"));
     assert_eq!(runs.get(), 2);
 }
+
+#[tokio::test]
+async fn an_unbounded_max_stored_body_stores_a_body_of_many_frames() {
+    // `max_stored_body(usize::MAX)` ("keep everything") overflowed `limit + 1` while the
+    // layer grew its buffer for a second frame: a panic in the handler's work.
+    let env = Env::new();
+    let runs = Counter::default();
+    let r = runs.clone();
+    let app = Router::new()
+        .route(
+            "/v1/blobs",
+            route_post(move || {
+                let r = r.clone();
+                async move {
+                    r.bump();
+                    Body::new(Framed::new(&data(100), 10, None))
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::new(env.dyn_store()).with_max_stored_body(usize::MAX));
+    let req = post("/v1/blobs").key("k").body("{}");
+    assert_eq!(send(&app, &req).await.body.as_ref(), data(100).as_slice());
+    let replay = send(&app, &req).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body.as_ref(), data(100).as_slice());
+    assert_eq!(runs.get(), 1);
+}
