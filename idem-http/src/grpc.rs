@@ -34,7 +34,8 @@
 //! | request body over `max_request_body` | `RESOURCE_EXHAUSTED` (8) |
 //! | in flight, busy | `ABORTED` (10): retry the whole call later, per the gRPC status guide |
 //! | mismatch | `FAILED_PRECONDITION` (9): do not retry until the request is fixed |
-//! | store unavailable, record does not decode | `UNAVAILABLE` (14) |
+//! | store unavailable | `UNAVAILABLE` (14) |
+//! | record does not decode | `DATA_LOSS` (15): retrying cannot mend it, and gRPC retry policies retry `UNAVAILABLE` |
 //! | replay of a response that was not retained | `ALREADY_EXISTS` (6): the operation was done |
 //! | the handler's body failed | `INTERNAL` (13) |
 //!
@@ -60,6 +61,7 @@ mod code {
     pub(super) const OUT_OF_RANGE: u32 = 11;
     pub(super) const INTERNAL: u32 = 13;
     pub(super) const UNAVAILABLE: u32 = 14;
+    pub(super) const DATA_LOSS: u32 = 15;
     pub(super) const UNAUTHENTICATED: u32 = 16;
 }
 
@@ -74,7 +76,8 @@ pub fn is_grpc(headers: &HeaderMap) -> bool {
 }
 
 /// The gRPC status code the layer answers a gRPC request with instead of a problem of
-/// `kind` (the table in this module's docs).
+/// `kind` (the table in this module's docs). The 503 for a stored record that does not
+/// decode is a `StoreUnavailable` problem, yet answers `DATA_LOSS` (15), not this code.
 #[must_use]
 pub fn grpc_code_for(kind: ProblemKind) -> u32 {
     match kind {
@@ -138,12 +141,22 @@ fn lasting_code(status: Option<&HeaderValue>) -> bool {
     )
 }
 
+/// Marks the layer's 503 for a stored record that does not decode: a gRPC request gets
+/// `DATA_LOSS`, which gRPC retry policies do not retry, rather than `UNAVAILABLE`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Unrecoverable;
+
 /// The layer's answer `res` (a problem) as a trailers-only gRPC response.
 pub(crate) fn problem_to_status<B>(res: Response<ResponseBody<B>>, problem: &Problem) -> Response<ResponseBody<B>> {
     let (mut head, _) = res.into_parts();
+    let code = if head.extensions.remove::<Unrecoverable>().is_some() {
+        code::DATA_LOSS
+    } else {
+        grpc_code_for(problem.kind())
+    };
     head.status = StatusCode::OK;
     head.headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-    head.headers.insert("grpc-status", HeaderValue::from(grpc_code_for(problem.kind())));
+    head.headers.insert("grpc-status", HeaderValue::from(code));
     if let Ok(message) = HeaderValue::from_str(&percent_encode(problem.detail())) {
         head.headers.insert("grpc-message", message);
     }
@@ -259,6 +272,18 @@ mod tests {
         assert_eq!(res.headers()["grpc-message"], "key reused; 100%25");
         assert_eq!(res.headers()["idem-problem"], "urn:idem:problem:mismatch");
         assert!(http_body::Body::is_end_stream(res.body()), "no message: trailers-only");
+    }
+
+    /// A record that does not decode was answered `UNAVAILABLE`, which gRPC retry
+    /// policies retry, while the HTTP answer says no retry can mend it.
+    #[test]
+    fn a_record_that_does_not_decode_is_data_loss() {
+        let problem = Problem::new(ProblemKind::StoreUnavailable, StatusCode::SERVICE_UNAVAILABLE, "unreadable");
+        let mut res = problem.clone().into_response::<http_body_util::Empty<Bytes>>();
+        res.extensions_mut().insert(Unrecoverable);
+        assert_eq!(problem_to_status(res, &problem).headers()["grpc-status"], "15");
+        let res = problem.clone().into_response::<http_body_util::Empty<Bytes>>();
+        assert_eq!(problem_to_status(res, &problem).headers()["grpc-status"], "14", "an outage stays UNAVAILABLE");
     }
 
     #[test]

@@ -246,6 +246,7 @@ where
             tracing::error!(record = %id, why, "stored idempotency record cannot be read or replayed");
             let mut res = store_unavailable("the stored record for this idempotency key cannot be read");
             crate::hints::never_retry(res.headers_mut(), &cfg.retry_hints);
+            res.extensions_mut().insert(crate::grpc::Unrecoverable);
             Ok(res)
         }
     }
