@@ -15,7 +15,10 @@
 //!   (at most 2 s by default) while its lease renewal keeps a long operation claimed, so a
 //!   client with a 60 s budget sees a 40 s operation through to its response;
 //! - stop on a fingerprint mismatch (a problem body of type `urn:idem:problem:mismatch`,
-//!   whatever status the server maps it to) and on any other 4xx; done on 2xx.
+//!   whatever status the server maps it to) and on any other 4xx; done on 2xx;
+//! - stop at once on an answer it would otherwise retry that carries `x-should-retry:
+//!   false` (an idem server's 503 for a record that does not decode): the server says no
+//!   retry can change it. The error is [`ClientError::GaveUp`] after that one attempt.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), idem_client::ClientError> {

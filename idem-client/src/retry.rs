@@ -319,6 +319,13 @@ impl RequestBuilder<'_> {
                     }
                     server_wait = retry_after;
                     last = (format!("status {status}"), None);
+                    if headers.get("x-should-retry").and_then(|v| v.to_str().ok()).is_some_and(|v| v == "false") {
+                        // The server says no retry can change this answer (an idem server
+                        // sends it on a record that does not decode): stop now rather
+                        // than spend the budget on it.
+                        last.0.push_str(" (x-should-retry: false)");
+                        return Err(gave_up(stats, last));
+                    }
                 }
             }
             if !wait_or_stop(policy, &stats, deadline, server_wait, in_flight).await {

@@ -214,3 +214,27 @@ async fn a_huge_retry_after_is_clamped_not_a_panic() {
     // The clamped wait is long; the point is that building the request loop did not panic.
     assert!(tokio::time::timeout(Duration::from_millis(300), pending).await.is_err());
 }
+
+#[tokio::test]
+async fn a_503_marked_should_not_retry_stops_at_once() {
+    // The client retried the layer's 503 for a record that does not decode (`x-should-retry:
+    // false`, retrying cannot mend it) until its whole budget was spent.
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = calls.clone();
+    let app = Router::new().route(
+        "/corrupt",
+        post(move || async move {
+            c.fetch_add(1, Ordering::SeqCst);
+            let headers =
+                [("retry-after", "1"), ("x-should-retry", "false"), ("content-type", "application/problem+json")];
+            (StatusCode::SERVICE_UNAVAILABLE, headers, r#"{"type":"urn:idem:problem:store-unavailable"}"#)
+                .into_response()
+        }),
+    );
+    let base = serve(app).await;
+    let client = IdempotentClient::new(reqwest::Client::new(), fast().with_budget(Duration::from_secs(3)));
+    let err = client.post(format!("{base}/corrupt"), &OperationKey::generate()).send().await.unwrap_err();
+    let ClientError::GaveUp { stats, .. } = &err else { panic!("{err:?}") };
+    assert_eq!(stats.attempts, 1, "{err:?}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}

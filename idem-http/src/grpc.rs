@@ -17,7 +17,12 @@
 //! status marks the record failed, so a retry runs the handler again. A handler's
 //! [`crate::ResponseCaching`] still decides for one response. A server-streaming response
 //! longer than `max_stored_body` or still open at the buffering deadline completes as not
-//! retained (its status is not known yet when the record completes).
+//! retained (its status is not known yet when the record completes). gRPC-Web
+//! (`application/grpc-web[-text]`) answers an error trailers-only too: a `grpc-status`
+//! header that is not lasting marks the record failed the same way. A gRPC-Web response
+//! with a message carries its status inside the body, which the layer does not parse: it
+//! is stored by its HTTP status. The layer's own answers to a gRPC-Web request are
+//! problem bodies, not gRPC statuses.
 //!
 //! **The layer's answers.** For a gRPC request the layer answers trailers-only (HTTP 200,
 //! `grpc-status`, `grpc-message`), never a problem body a gRPC client cannot read:
@@ -29,7 +34,8 @@
 //! | request body over `max_request_body` | `RESOURCE_EXHAUSTED` (8) |
 //! | in flight, busy | `ABORTED` (10): retry the whole call later, per the gRPC status guide |
 //! | mismatch | `FAILED_PRECONDITION` (9): do not retry until the request is fixed |
-//! | store unavailable, record does not decode | `UNAVAILABLE` (14) |
+//! | store unavailable | `UNAVAILABLE` (14) |
+//! | record does not decode | `DATA_LOSS` (15): retrying cannot mend it, and gRPC retry policies retry `UNAVAILABLE` |
 //! | replay of a response that was not retained | `ALREADY_EXISTS` (6): the operation was done |
 //! | the handler's body failed | `INTERNAL` (13) |
 //!
@@ -55,6 +61,7 @@ mod code {
     pub(super) const OUT_OF_RANGE: u32 = 11;
     pub(super) const INTERNAL: u32 = 13;
     pub(super) const UNAVAILABLE: u32 = 14;
+    pub(super) const DATA_LOSS: u32 = 15;
     pub(super) const UNAUTHENTICATED: u32 = 16;
 }
 
@@ -69,7 +76,8 @@ pub fn is_grpc(headers: &HeaderMap) -> bool {
 }
 
 /// The gRPC status code the layer answers a gRPC request with instead of a problem of
-/// `kind` (the table in this module's docs).
+/// `kind` (the table in this module's docs). The 503 for a stored record that does not
+/// decode is a `StoreUnavailable` problem, yet answers `DATA_LOSS` (15), not this code.
 #[must_use]
 pub fn grpc_code_for(kind: ProblemKind) -> u32 {
     match kind {
@@ -86,17 +94,40 @@ pub fn grpc_code_for(kind: ProblemKind) -> u32 {
     }
 }
 
+/// Whether a response with `headers` is gRPC-Web: `content-type` is
+/// `application/grpc-web`, `application/grpc-web-text`, or either with `+<format>`.
+fn is_grpc_web(headers: &HeaderMap) -> bool {
+    headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|ct| {
+        let media = ct.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+        ["application/grpc-web", "application/grpc-web-text"]
+            .iter()
+            .any(|t| media == *t || media.strip_prefix(t).is_some_and(|rest| rest.starts_with('+')))
+    })
+}
+
 /// Whether a finished response is a lasting outcome: `true` for any response that is not
 /// gRPC (its HTTP status already decided), and for a gRPC one whose `grpc-status`
 /// (trailers first, then headers) is lasting (module docs).
 pub(crate) fn is_lasting(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> bool {
+    if is_grpc_web(headers) {
+        // gRPC-Web (tonic-web, Envoy's filter) also answers errors with HTTP 200, as a
+        // trailers-only response whose `grpc-status` is a header. A response with a
+        // message carries its status in a trailer frame inside the body, which the layer
+        // does not parse: stored by its HTTP status, as any other response.
+        return match headers.get("grpc-status") {
+            None => true,
+            status => lasting_code(status),
+        };
+    }
     if !is_grpc(headers) {
         return true;
     }
-    let status = trailers
-        .and_then(|t| t.get("grpc-status"))
-        .or_else(|| headers.get("grpc-status"))
-        .and_then(|v| v.to_str().ok()?.trim().parse::<u32>().ok());
+    lasting_code(trailers.and_then(|t| t.get("grpc-status")).or_else(|| headers.get("grpc-status")))
+}
+
+/// Whether `grpc-status` value `status` is a lasting outcome (module docs).
+fn lasting_code(status: Option<&HeaderValue>) -> bool {
+    let status = status.and_then(|v| v.to_str().ok()?.trim().parse::<u32>().ok());
     matches!(
         status,
         Some(
@@ -110,12 +141,22 @@ pub(crate) fn is_lasting(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> b
     )
 }
 
+/// Marks the layer's 503 for a stored record that does not decode: a gRPC request gets
+/// `DATA_LOSS`, which gRPC retry policies do not retry, rather than `UNAVAILABLE`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Unrecoverable;
+
 /// The layer's answer `res` (a problem) as a trailers-only gRPC response.
 pub(crate) fn problem_to_status<B>(res: Response<ResponseBody<B>>, problem: &Problem) -> Response<ResponseBody<B>> {
     let (mut head, _) = res.into_parts();
+    let code = if head.extensions.remove::<Unrecoverable>().is_some() {
+        code::DATA_LOSS
+    } else {
+        grpc_code_for(problem.kind())
+    };
     head.status = StatusCode::OK;
     head.headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-    head.headers.insert("grpc-status", HeaderValue::from(grpc_code_for(problem.kind())));
+    head.headers.insert("grpc-status", HeaderValue::from(code));
     if let Ok(message) = HeaderValue::from_str(&percent_encode(problem.detail())) {
         head.headers.insert("grpc-message", message);
     }
@@ -177,6 +218,26 @@ mod tests {
         assert!(is_lasting(&HeaderMap::new(), None), "not gRPC: the HTTP status decided");
     }
 
+    /// A gRPC-Web error (HTTP 200, trailers-only, `grpc-status: 14` as a header) was
+    /// stored as a lasting outcome and replayed to every retry: `is_lasting` knew only
+    /// `application/grpc`.
+    #[test]
+    fn a_grpc_web_error_is_not_lasting() {
+        for ct in ["application/grpc-web", "application/grpc-web+proto", "application/grpc-web-text"] {
+            let mut h = HeaderMap::new();
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static(ct));
+            assert!(is_lasting(&h, None), "{ct}: a message, its status in the body: stored");
+            h.insert("grpc-status", HeaderValue::from_static("14"));
+            assert!(!is_lasting(&h, None), "{ct}: UNAVAILABLE");
+            h.insert("grpc-status", HeaderValue::from_static("5"));
+            assert!(is_lasting(&h, None), "{ct}: NOT_FOUND");
+        }
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc-webby"));
+        h.insert("grpc-status", HeaderValue::from_static("14"));
+        assert!(is_lasting(&h, None), "not gRPC-Web: the HTTP status decided");
+    }
+
     /// The documented mapping drifted from the code.
     #[test]
     fn every_layer_answer_has_its_documented_code() {
@@ -211,6 +272,18 @@ mod tests {
         assert_eq!(res.headers()["grpc-message"], "key reused; 100%25");
         assert_eq!(res.headers()["idem-problem"], "urn:idem:problem:mismatch");
         assert!(http_body::Body::is_end_stream(res.body()), "no message: trailers-only");
+    }
+
+    /// A record that does not decode was answered `UNAVAILABLE`, which gRPC retry
+    /// policies retry, while the HTTP answer says no retry can mend it.
+    #[test]
+    fn a_record_that_does_not_decode_is_data_loss() {
+        let problem = Problem::new(ProblemKind::StoreUnavailable, StatusCode::SERVICE_UNAVAILABLE, "unreadable");
+        let mut res = problem.clone().into_response::<http_body_util::Empty<Bytes>>();
+        res.extensions_mut().insert(Unrecoverable);
+        assert_eq!(problem_to_status(res, &problem).headers()["grpc-status"], "15");
+        let res = problem.clone().into_response::<http_body_util::Empty<Bytes>>();
+        assert_eq!(problem_to_status(res, &problem).headers()["grpc-status"], "14", "an outage stays UNAVAILABLE");
     }
 
     #[test]

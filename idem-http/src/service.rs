@@ -246,6 +246,7 @@ where
             tracing::error!(record = %id, why, "stored idempotency record cannot be read or replayed");
             let mut res = store_unavailable("the stored record for this idempotency key cannot be read");
             crate::hints::never_retry(res.headers_mut(), &cfg.retry_hints);
+            res.extensions_mut().insert(crate::grpc::Unrecoverable);
             Ok(res)
         }
     }
@@ -787,8 +788,7 @@ where
     // The deadline needs tokio's timer; without a runtime the layer reads by size alone.
     let deadline =
         streaming.buffer_for.filter(|_| tokio::runtime::Handle::try_current().is_ok()).map(|d| Instant::now() + d);
-    let mut read: Vec<Bytes> = Vec::new();
-    let mut total = 0usize;
+    let mut read = Coalesced::new(limit);
     let mut trailers: Option<HeaderMap> = None;
     loop {
         let next = match deadline {
@@ -796,7 +796,7 @@ where
                 Ok(next) => next,
                 Err(_) => {
                     return Read::Streamed {
-                        read,
+                        read: read.into_frames(),
                         len: None,
                         rest: body,
                         why: "body still open at the buffering deadline",
@@ -810,12 +810,16 @@ where
             Some(Err(e)) => return Read::Failed(e.into()),
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => {
-                    total = total.saturating_add(data.len());
-                    if !data.is_empty() {
-                        read.push(data);
-                    }
-                    if total > limit {
-                        return Read::Streamed { read, len: exact, rest: body, why: "body over max_stored_body" };
+                    read.push(data);
+                    if read.total > limit {
+                        // The size hint (if any) said at most `limit` bytes, and the body
+                        // sent more: the hint was wrong, so the full length is unknown.
+                        return Read::Streamed {
+                            read: read.into_frames(),
+                            len: None,
+                            rest: body,
+                            why: "body over max_stored_body",
+                        };
                     }
                 }
                 Err(frame) => {
@@ -826,18 +830,59 @@ where
             },
         }
     }
-    let bytes = match read.len() {
-        0 => Bytes::new(),
-        1 => read.pop().unwrap_or_default(),
-        _ => {
-            let mut all = bytes::BytesMut::with_capacity(total);
-            for chunk in read {
-                all.extend_from_slice(&chunk);
-            }
-            all.freeze()
+    Read::Whole(read.into_bytes(), trailers)
+}
+
+/// The bytes of a body read so far, in one buffer: kept frame by frame, a body of tiny
+/// frames would cost a `Bytes` handle and an allocation per frame (~64 bytes of heap per
+/// one-byte frame), far over `limit`. A body of one frame is kept as it came (no copy);
+/// from the second frame on, they are copied into one buffer that never grows past
+/// `limit` plus the frame that crossed it.
+struct Coalesced {
+    limit: usize,
+    first: Option<Bytes>,
+    joined: bytes::BytesMut,
+    total: usize,
+}
+
+impl Coalesced {
+    fn new(limit: usize) -> Self {
+        Self { limit, first: None, joined: bytes::BytesMut::new(), total: 0 }
+    }
+
+    fn push(&mut self, data: Bytes) {
+        if data.is_empty() {
+            return;
         }
-    };
-    Read::Whole(bytes, trailers)
+        self.total = self.total.saturating_add(data.len());
+        if self.first.is_none() && self.joined.is_empty() {
+            self.first = Some(data);
+            return;
+        }
+        if let Some(first) = self.first.take() {
+            self.append(&first);
+        }
+        self.append(&data);
+    }
+
+    fn append(&mut self, data: &[u8]) {
+        let len = self.joined.len();
+        if self.joined.capacity() - len < data.len() {
+            // Double, as `BytesMut` would, but never past `limit + 1` bytes, plus this frame.
+            let doubled = len.max(data.len()).min(self.limit.saturating_add(1).saturating_sub(len));
+            self.joined.reserve(doubled.max(data.len()));
+        }
+        self.joined.extend_from_slice(data);
+    }
+
+    fn into_bytes(self) -> Bytes {
+        self.first.unwrap_or_else(|| self.joined.freeze())
+    }
+
+    fn into_frames(self) -> Vec<Bytes> {
+        let bytes = self.into_bytes();
+        if bytes.is_empty() { Vec::new() } else { vec![bytes] }
+    }
 }
 
 /// The renewal duty of a claimed attempt, or `None` when the layer does not renew: renewal
