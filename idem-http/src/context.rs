@@ -172,6 +172,10 @@ pub enum ResponseCaching {
     /// inside its own database transaction that has committed (e.g.
     /// `idem_postgres::PostgresStore::complete_in`): the layer writes nothing for it. Set
     /// it only after that commit succeeded; on any other outcome return the response
-    /// without it, and the layer completes or fails the record as usual.
+    /// without it, and the layer completes or fails the record as usual. The layer reads
+    /// the record once to check: if it is still in flight under this claim's token (the
+    /// handler's transaction rolled back after all), the layer marks it failed and answers
+    /// 500 `response-body-failed` instead of the handler's response, so the client retries
+    /// and the retry runs the handler again.
     CompletedByHandler,
 }

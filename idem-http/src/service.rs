@@ -33,8 +33,8 @@ use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idem_core::{
     BoxError, ClaimOutcome, ClaimRequest, Decision, Endpoint, FencingToken, Fingerprint, IdempotencyKey, Policy,
-    ReclaimOutcome, ReclaimRequest, Record, RecordId, RequestParts, Scope, StoreError, StoredBody, StoredResponse,
-    UnixMillis, decide,
+    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, RequestParts, Scope, StoreError, StoredBody,
+    StoredResponse, UnixMillis, decide,
 };
 use tokio::time::Instant;
 use tower::Service;
@@ -668,6 +668,28 @@ where
         // The handler completed the record in its own transaction, together with its
         // writes; a completion does not move the retention end the claim set. Its body is
         // not read here (nothing is stored), so it streams through.
+        //
+        // Trust, but check once: a handler that set the marker and whose transaction then
+        // rolled back (or that never completed) would otherwise leave the record in flight
+        // with nobody running it, every retry answered "in flight" until the lease ran out,
+        // and the client told it succeeded. Still in flight under this claim's token means
+        // the completion did not commit: fail the record, so a retry runs cleanly.
+        if let Ok(Some(current)) = store.get(id).await
+            && current.token == token
+            && current.state == RecordState::InFlight
+        {
+            guard.fail_now("handler said it completed its record, but the record is still in flight").await;
+            tracing::error!(
+                record = %id, token = %token,
+                "handler returned ResponseCaching::CompletedByHandler but its completion did not commit; record marked failed"
+            );
+            return Ok(Problem::new(
+                ProblemKind::ResponseBodyFailed,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the handler's completion of this request did not commit; the request may be retried with the same key",
+            )
+            .into_response());
+        }
         guard.disarm();
         set_expires(&mut head.headers, claimed_expires_at);
         let body = match read {

@@ -100,3 +100,42 @@ async fn the_layer_writes_nothing_after_a_handler_that_completed_its_record() {
     assert_eq!(&body[..], b"taken");
     assert_eq!(store.completes.load(Ordering::SeqCst), 1);
 }
+
+// Pins: a handler that set CompletedByHandler but whose completion never committed (its
+// transaction rolled back after complete_in) left the record in flight with nobody running
+// it: every retry got 409 in-flight until the lease ran out, and the client got a success.
+// The layer now sees the record still in flight under the claim's token, fails it, answers
+// 500, and the retry runs the handler again.
+#[tokio::test]
+async fn a_completion_that_rolled_back_fails_the_record_and_the_retry_runs_again() {
+    let store = Arc::new(Counting::default());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&runs);
+    let handler = move |Extension(ctx): Extension<IdempotencyContext>| {
+        let counter = Arc::clone(&counter);
+        async move {
+            // First run: its transaction (rows + complete_in) rolled back, and it sets the
+            // marker anyway. Second run: the completion commits.
+            if counter.fetch_add(1, Ordering::SeqCst) > 0 {
+                let stored = StoredResponse::new(201, Vec::new(), b"created".to_vec());
+                ctx.store().complete(ctx.record_id(), ctx.token(), stored).await.expect("complete");
+            }
+            (StatusCode::CREATED, Extension(ResponseCaching::CompletedByHandler), "created").into_response()
+        }
+    };
+    let app = Router::new().route("/v1/workers", post(handler)).layer(IdempotencyLayer::new(store.clone()));
+
+    let first = app.clone().oneshot(request()).await.expect("first");
+    assert_eq!(
+        first.status(),
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "never a success for a completion that did not commit"
+    );
+    assert_eq!(store.fails.load(Ordering::SeqCst), 1, "the record is marked failed, not left in flight");
+    assert_eq!(store.completes.load(Ordering::SeqCst), 0);
+
+    let again = app.oneshot(request()).await.expect("retry");
+    assert_eq!(again.status(), StatusCode::CREATED, "the retry runs the handler again instead of 409 in-flight");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert_eq!(store.fails.load(Ordering::SeqCst), 1, "a completion that committed is not failed");
+}
