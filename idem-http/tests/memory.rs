@@ -19,30 +19,12 @@ use idem_core::MemoryStore;
 use idem_http::IdempotencyLayer;
 use tower::ServiceExt;
 
+mod rss;
+
+use rss::{current_rss, take_peak};
+
 const MIB: usize = 1 << 20;
 const CHUNK: usize = 64 << 10;
-
-/// Peak resident set since the last reset, bytes; then resets it to the current RSS.
-fn take_peak() -> usize {
-    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
-    let kib = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.split_whitespace().next()?.parse::<usize>().ok())
-        .expect("VmHWM");
-    std::fs::write("/proc/self/clear_refs", "5").expect("reset the peak (clear_refs)");
-    kib * 1024
-}
-
-fn current_rss() -> usize {
-    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse::<usize>().ok())
-        .expect("VmRSS")
-        * 1024
-}
 
 /// `POST /v1/exports`: `total` bytes in fresh 64 KiB chunks, as a handler that produces
 /// its export piece by piece would send them.

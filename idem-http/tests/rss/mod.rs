@@ -1,0 +1,24 @@
+//! Resident-memory readings of this test process, from `/proc/self/status` (Linux). Each
+//! memory test is the only test in its binary, so no other test's allocations count.
+
+/// Peak resident set since the last reset, bytes; then resets it to the current RSS
+/// (`clear_refs` 5, Linux 4.0+).
+pub fn take_peak() -> usize {
+    let kib = status_kib("VmHWM:");
+    std::fs::write("/proc/self/clear_refs", "5").expect("reset the peak (clear_refs)");
+    kib * 1024
+}
+
+/// Current resident set, bytes.
+pub fn current_rss() -> usize {
+    status_kib("VmRSS:") * 1024
+}
+
+fn status_kib(field: &str) -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next()?.parse::<usize>().ok())
+        .unwrap_or_else(|| panic!("{field} in /proc/self/status"))
+}
