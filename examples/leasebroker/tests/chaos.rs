@@ -1,7 +1,8 @@
 //! The short chaos pass: a fault of each kind (a Redis restart with AOF always, a SIGSTOP
 //! stall of Redis, a PostgreSQL immediate restart and `pg_terminate_backend`, a SIGKILL of
 //! the server on redb, a full disk under SQLite) hit a retry storm of a few hundred
-//! operations; a double execution (phantom worker, extra VM), a lost stored response, an
+//! operations, a quarter of them also flashing firmware; a double execution (phantom worker,
+//! extra VM, double flash), a lost stored response, an
 //! unfinished operation or a hung request fails the test. Every server is private (loopback
 //! ports 7110-7113, temp dirs) and cleaned up by the run. The full run is
 //! `cargo run --release -p leasebroker -- chaos` (RELIABILITY.md, "Chaos run").
@@ -10,6 +11,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use leasebroker::chaos::{self, ChaosConfig, Fault};
+
+/// The run's first private port: `default`, or `LEASEBROKER_CHAOS_PORT` when set (so two
+/// checkouts on one machine do not collide).
+fn base_port(default: u16) -> u16 {
+    std::env::var("LEASEBROKER_CHAOS_PORT").ok().and_then(|p| p.parse().ok()).unwrap_or(default)
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_short_chaos_pass_has_no_double_execution_and_no_lost_response() {
@@ -21,7 +28,12 @@ async fn a_short_chaos_pass_has_no_double_execution_and_no_lost_response() {
         fault_after: Duration::from_millis(1_000),
         fault_for: Duration::from_secs(2),
         lease: Duration::from_secs(3),
-        base_port: 7110,
+        base_port: base_port(7110),
+        // A quarter of the operations also flash firmware; a flash (4 s) outlives the lease
+        // (3 s), so the faults hit running flashes that only renewal keeps claimed.
+        firmware_every: 4,
+        flash: Duration::from_secs(4),
+        lease_renewal: true,
     };
     let rows = chaos::run(&cfg).await.expect("chaos run");
     let report = chaos::report(&rows, &cfg);
