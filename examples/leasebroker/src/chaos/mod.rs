@@ -116,6 +116,16 @@ impl Fault {
         !matches!(self, Fault::RedisRestart(RedisPersistence::None))
     }
 
+    /// Whether the fault kills the process running the handlers. A flash is one journalled
+    /// step with nothing to reconcile by (the BMC takes no caller id): a flash running
+    /// when its process dies has no outcome in the journal, so the retry that reclaims the
+    /// record after the lease starts a second one. Lease renewal cannot help there (the
+    /// renewer died too); only a BMC that can be asked what it runs could.
+    #[must_use]
+    pub fn kills_handler(self) -> bool {
+        matches!(self, Fault::AppKill(_))
+    }
+
     /// Every fault of the full run, in table order.
     #[must_use]
     pub fn all() -> Vec<Fault> {
@@ -220,6 +230,9 @@ pub struct FaultRow {
     pub firmware_operations: u64,
     /// Flashes the BMCs started beyond one per firmware operation.
     pub double_flashes: u64,
+    /// Nodes a double flash bricked (their operations end in a stored 409, counted here
+    /// and in [`Self::double_flashes`], not as unfinished).
+    pub bricked: u64,
     /// 201s whose replay was another worker, or not a replay.
     pub lost_responses: u64,
     /// Operations that did not end with a 201 even in the check pass.
@@ -246,8 +259,14 @@ impl FaultRow {
     /// that hung.
     #[must_use]
     pub fn failed(&self) -> bool {
-        self.durable
-            && (self.phantom_workers > 0 || self.extra_vms > 0 || self.double_flashes > 0 || self.lost_responses > 0)
+        self.durable && self.double_flashes > 0 || self.failed_apart_from_flashes()
+    }
+
+    /// [`Self::failed`] without the double flashes: what the short pass requires of a row
+    /// whose fault kills the handler's process mid-flash (see [`Fault::kills_handler`]).
+    #[must_use]
+    pub fn failed_apart_from_flashes(&self) -> bool {
+        self.durable && (self.phantom_workers > 0 || self.extra_vms > 0 || self.lost_responses > 0)
             || self.unfinished > 0
             || self.hung > 0
     }
@@ -319,13 +338,14 @@ pub async fn run(cfg: &ChaosConfig) -> Result<Vec<FaultRow>, ChaosError> {
         eprintln!("chaos: {} / {} ...", fault.backend().name(), fault.label());
         let row = run_fault(cfg, fault).await?;
         eprintln!(
-            "chaos: {} / {}: phantoms {} extra VMs {} double flashes {} lost {} unfinished {} 503s {} slowest {} ms \
-             recovered in {} ms",
+            "chaos: {} / {}: phantoms {} extra VMs {} double flashes {} (bricked {}) lost {} unfinished {} 503s {} \
+             slowest {} ms recovered in {} ms",
             row.backend,
             row.fault,
             row.phantom_workers,
             row.extra_vms,
             row.double_flashes,
+            row.bricked,
             row.lost_responses,
             row.unfinished,
             row.unavailable_503,
@@ -497,8 +517,22 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
     let workers = after.workers.saturating_sub(before.workers);
     let boots = after.boots.saturating_sub(before.boots);
     let flashes = after.flashes.saturating_sub(before.flashes);
+    let bricked = after.bricked.saturating_sub(before.bricked);
     let n = u64::from(cfg.operations);
     let firmware_operations = ops.results.iter().filter(|o| o.flash.is_some()).count() as u64;
+    let double_flashes = flashes.saturating_sub(firmware_operations);
+    if double_flashes > 0 {
+        note.push_str(&format!(
+            "{}{double_flashes} double flashes ({bricked} nodes bricked){}",
+            if note.is_empty() { "" } else { "; " },
+            if fault.kills_handler() {
+                ": flashes running when the server was killed had no outcome in the journal, and the retries that \
+                 reclaimed them after the lease flashed again (the flash step has nothing to reconcile by)"
+            } else {
+                ""
+            }
+        ));
+    }
     drop(app);
     drop(side);
     Ok(FaultRow {
@@ -510,7 +544,8 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
         phantom_workers: workers.saturating_sub(n),
         extra_vms: boots.saturating_sub(n),
         firmware_operations,
-        double_flashes: flashes.saturating_sub(firmware_operations),
+        double_flashes,
+        bricked,
         lost_responses,
         unfinished,
         unavailable_503: seen.unavailable + ops.unavailable_during.load(Ordering::SeqCst),
@@ -618,7 +653,7 @@ async fn storm(
             // A firmware operation whose worker was not created yet flashes it in the
             // check pass, with the same key.
             if let (Some(f), Some(w)) = (flash.as_mut(), worker.as_deref()) {
-                let (n, a, u) = send_flash(&client, &target, &token, w, &f.key).await;
+                let (n, a, u, _) = send_flash(&client, &target, &token, w, &f.key).await;
                 f.number = n;
                 attempts += a;
                 unavailable += u;
@@ -642,14 +677,15 @@ async fn storm(
     out
 }
 
-/// Flashes `worker`'s node under `key`: (the flash number of its 200, attempts, 5xx).
+/// Flashes `worker`'s node under `key`: (the flash number of its 200, attempts, 5xx, the
+/// final status if any).
 async fn send_flash(
     client: &IdempotentClient,
     target: &str,
     token: &str,
     worker: &str,
     key: &OperationKey,
-) -> (Option<u64>, u64, u64) {
+) -> (Option<u64>, u64, u64, Option<u16>) {
     let reply = client
         .post(format!("{target}/v1/workers/{worker}/firmware"), key)
         .bearer(token)
@@ -661,11 +697,12 @@ async fn send_flash(
             (r.status == 200).then(|| flash_number(&r.body)).flatten(),
             u64::from(r.stats.attempts),
             u64::from(r.stats.server_errors),
+            Some(r.status.as_u16()),
         ),
         Err(idem_client::ClientError::GaveUp { stats, .. }) => {
-            (None, u64::from(stats.attempts), u64::from(stats.server_errors))
+            (None, u64::from(stats.attempts), u64::from(stats.server_errors), None)
         }
-        Err(_) => (None, 1, 0),
+        Err(_) => (None, 1, 0, None),
     }
 }
 
@@ -767,9 +804,10 @@ async fn check(http: &reqwest::Client, target: &str, ops: &[Op]) -> (u64, u64) {
             let Some(worker) = worker else { return (lost, true) };
             // The flash's first 200 must come back naming the same flash (a replay); one
             // that had none must replay or flash now.
-            let (again, _, _) = send_flash(&client, &target, &token, &worker, &flash_key).await;
+            let (again, _, _, status) = send_flash(&client, &target, &token, &worker, &flash_key).await;
             lost |= first_flash.is_some_and(|n| again != Some(n));
-            (lost, unfinished || again.is_none())
+            // A stored 409 is a bricked node: a final answer, counted as a double flash.
+            (lost, unfinished || again.is_none() && status != Some(409))
         }));
     }
     let (mut lost, mut unfinished) = (0, 0);
@@ -839,7 +877,8 @@ mod tests {
             ..FaultRow::default()
         };
         assert!(row.failed());
-        assert!(tables(std::slice::from_ref(&row)).contains("| 0 | 0 | 1 | 0 |"), "{}", tables(&[row.clone()]));
+        let table = tables(std::slice::from_ref(&row));
+        assert!(table.contains("| 0 | 0 | 1 | 0 |"), "{table}");
         assert!(!FaultRow { double_flashes: 0, ..row.clone() }.failed());
         // Not durable: measured, not required to be zero.
         assert!(!FaultRow { durable: false, ..row }.failed());
