@@ -149,8 +149,10 @@ pub enum HandlerExecution {
 /// still returned to the client, and the store refuses to store it (the newer attempt owns
 /// the record). A renewal that fails transiently (`StoreError::is_retryable`) is retried
 /// with a short backoff (25 ms, doubling, at most 1 s) while the lease still has time,
-/// then once per interval. A renewal that fails for good (the store cannot extend) stops
-/// renewing and logs an error; the lease then runs out as without renewal.
+/// then once per interval; so is one the store reports unavailable without retry (a full
+/// disk, an I/O error: the store may recover while the handler runs on). A renewal that
+/// fails for good (the store cannot extend: `Unsupported`, `Corrupt`) stops renewing and
+/// logs an error; the lease then runs out as without renewal.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum LeaseRenewal {

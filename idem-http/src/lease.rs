@@ -162,7 +162,12 @@ impl Renewal {
                     );
                     return Renewed::Stop;
                 }
-                Err(e) if e.is_retryable() => {
+                // A non-retryable `Unavailable` (a full disk, an I/O error) is retried like a
+                // blip: the handler runs on, and the store may well recover (the disk freed)
+                // before anyone reclaims; giving up would let the lease run out under a
+                // running handler and a retry run it twice. The fence keeps a renewal after
+                // a reclaim harmless (`LeaseLost`).
+                Err(e) if e.is_retryable() || matches!(e, StoreError::Unavailable { .. }) => {
                     let retry_at = Instant::now() + pause;
                     if retry_at >= lease_end {
                         tracing::warn!(

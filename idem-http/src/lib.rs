@@ -233,7 +233,8 @@
 //! [`HandlerExecution::Detached`] it moves with the work when the client goes away.
 //!
 //! A renewal that fails transiently is retried with a short backoff while the lease still
-//! has time. One refused with `LeaseLost` (the lease ran out, say the process was paused
+//! has time, and so is one the store reports unavailable without retry (a full disk): the
+//! store may recover while the handler runs on. One refused with `LeaseLost` (the lease ran out, say the process was paused
 //! longer than the lease, and a retry reclaimed the record) stops renewing and tells the
 //! handler: [`IdempotencyContext::lease_lost`] resolves, [`IdempotencyContext::is_lease_lost`]
 //! turns true, [`Resumable`] steps and intents refuse to start

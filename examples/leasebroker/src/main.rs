@@ -41,7 +41,8 @@ enum Command {
     /// The chaos run: the retry storm against `serve` on real stores (a private
     /// redis-server, a private PostgreSQL cluster, SQLite and redb files on a small tmpfs)
     /// while faults hit them; prints one table per backend and exits non-zero on any
-    /// phantom worker, extra VM or lost stored response of a durable configuration. Uses
+    /// phantom worker, extra VM, double flash or lost stored response of a durable
+    /// configuration. Uses
     /// loopback ports BASE_PORT to BASE_PORT+3 and temp dirs only; needs redis-server,
     /// PostgreSQL's initdb, and root for the tmpfs.
     Chaos(ChaosArgs),
@@ -82,6 +83,16 @@ struct ChaosArgs {
     /// `stall`).
     #[arg(long)]
     only: Option<String>,
+    /// Every this many operations one also flashes firmware (0: none).
+    #[arg(long, default_value_t = 10)]
+    firmware_every: u32,
+    /// How long a firmware flash takes, ms (longer than the lease, so it needs renewal).
+    #[arg(long, default_value_t = 4_000)]
+    flash_ms: u64,
+    /// The server's lease renewal: `off` only to see the double flashes it prevents (the
+    /// run then fails).
+    #[arg(long, value_enum, default_value = "on")]
+    lease_renewal: RenewalSwitch,
 }
 
 #[derive(Args, Debug)]
@@ -298,6 +309,9 @@ async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             cfg.fault_after = Duration::from_millis(args.fault_after_ms);
             cfg.lease = Duration::from_millis(args.lease_ms);
             cfg.base_port = args.base_port;
+            cfg.firmware_every = args.firmware_every;
+            cfg.flash = Duration::from_millis(args.flash_ms);
+            cfg.lease_renewal = matches!(args.lease_renewal, RenewalSwitch::On);
             if args.short {
                 cfg.faults = chaos::Fault::one_of_each_kind();
             }
@@ -311,7 +325,9 @@ async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             print!("{}", chaos::report(&rows, &cfg));
             let failed: Vec<_> = rows.iter().filter(|r| r.failed()).collect();
             if failed.is_empty() {
-                println!("OK: no phantom worker, extra VM or lost stored response on any durable configuration");
+                println!(
+                    "OK: no phantom worker, extra VM, double flash or lost stored response on any durable configuration"
+                );
                 Ok(ExitCode::SUCCESS)
             } else {
                 for r in failed {

@@ -230,6 +230,8 @@ pub(crate) struct Frozen {
     /// The next this many `extend` calls fail with a retryable `Unavailable` (and write
     /// nothing).
     pub(crate) failing_extends: AtomicUsize,
+    /// Whether the injected `extend` failures are non-retryable (a full disk) instead.
+    pub(crate) failing_for_good: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for Frozen {
@@ -249,7 +251,13 @@ impl Drop for Pending<'_> {
 
 impl Frozen {
     fn new(inner: Arc<dyn Store>) -> Self {
-        Self { inner, pending: AtomicUsize::new(0), extends: AtomicUsize::new(0), failing_extends: AtomicUsize::new(0) }
+        Self {
+            inner,
+            pending: AtomicUsize::new(0),
+            extends: AtomicUsize::new(0),
+            failing_extends: AtomicUsize::new(0),
+            failing_for_good: false.into(),
+        }
     }
 
     /// Store calls under way.
@@ -301,7 +309,8 @@ impl Store for Frozen {
         self.extends.fetch_add(1, Ordering::SeqCst);
         let injected = self.failing_extends.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
         if injected.is_ok() {
-            return Err(StoreError::unavailable("frozen", "extend", true, std::io::Error::other("injected blip")));
+            let retryable = !self.failing_for_good.load(Ordering::SeqCst);
+            return Err(StoreError::unavailable("frozen", "extend", retryable, std::io::Error::other("injected blip")));
         }
         self.run(move |s| async move { s.extend(id, token, lease_ttl).await }).await
     }

@@ -120,6 +120,30 @@ async fn transient_renewal_failures_are_retried_within_the_lease() {
     assert_eq!((fw.runs(), b.store.failing_extends.load(Ordering::SeqCst)), (1, 0));
 }
 
+/// A renewal refused with a non-retryable `Unavailable` (SQLite's full disk) stopped
+/// renewing for good: the lease ran out while the flash still ran, and a retry flashed
+/// again once the disk was freed (the chaos run's double flashes on a full disk).
+#[tokio::test(start_paused = true)]
+async fn a_renewal_failing_for_good_keeps_renewing_once_the_store_recovers() {
+    let b = memory().await;
+    let fw = Firmware::with_plan([Run::Flash(Duration::from_secs(60))]);
+    let app = fw.app(layer(&b));
+    let req = flash_req();
+    b.store.failing_for_good.store(true, Ordering::SeqCst);
+    b.store.failing_extends.store(3, Ordering::SeqCst);
+    let holder = start(&app, &req);
+    settle(&b).await;
+    for _ in 0..59 {
+        advance(&b, Duration::from_secs(1)).await;
+        let retry = start(&app, &req);
+        settle(&b).await;
+        answer(retry).await.problem(409, "in-flight");
+    }
+    advance(&b, Duration::from_secs(1)).await;
+    assert_eq!(answer(holder).await.status, 201);
+    assert_eq!((fw.runs(), b.store.failing_extends.load(Ordering::SeqCst)), (1, 0));
+}
+
 /// Renewal gave up for good when an outage outlasted the lease, although nobody had
 /// reclaimed the record and the store would still extend it.
 #[tokio::test(start_paused = true)]

@@ -7,12 +7,18 @@
 //! drives the storm (every operation one key, kept across retries; a quarter of the
 //! responses held past the client's attempt timeout, so they are lost after the work was
 //! done), hits the fault while the storm runs, lifts it, and then:
+//! - every [`ChaosConfig::firmware_every`]-th operation is a firmware operation: it
+//!   creates its worker, then flashes the worker's node under a key of its own
+//!   (`POST /v1/workers/{id}/firmware`). A flash lasts longer than the lease, so only
+//!   lease renewal keeps a retry from reclaiming it and starting a second flash; the
+//!   faults hit while flashes run;
 //! - sends every operation once more with its key (after the storm, with a long budget):
 //!   an operation that had its 201 must get it replayed, same worker; one that did not
 //!   must replay or finish now. A 201 whose replay names another worker, or is not a
 //!   replay, is a **lost stored response**;
 //! - reads the server's counts: workers beyond one per operation are **phantom workers**,
-//!   VMs booted beyond one per operation **extra VMs**;
+//!   VMs booted beyond one per operation **extra VMs**, firmware flashes beyond one per
+//!   firmware operation **double flashes**;
 //! - from a probe that sends a fresh keyed request every 100 ms during the fault: the 503s
 //!   and the slowest answer while the fault lasted (a stall must be answered within the
 //!   layer's store deadline, never hang), and the **time to recover** from lifting the fault
@@ -110,6 +116,16 @@ impl Fault {
         !matches!(self, Fault::RedisRestart(RedisPersistence::None))
     }
 
+    /// Whether the fault kills the process running the handlers. A flash is one journalled
+    /// step with nothing to reconcile by (the BMC takes no caller id): a flash running
+    /// when its process dies has no outcome in the journal, so the retry that reclaims the
+    /// record after the lease starts a second one. Lease renewal cannot help there (the
+    /// renewer died too); only a BMC that can be asked what it runs could.
+    #[must_use]
+    pub fn kills_handler(self) -> bool {
+        matches!(self, Fault::AppKill(_))
+    }
+
     /// Every fault of the full run, in table order.
     #[must_use]
     pub fn all() -> Vec<Fault> {
@@ -163,6 +179,14 @@ pub struct ChaosConfig {
     pub lease: Duration,
     /// First of the private loopback ports the run may use (it uses this one to +3).
     pub base_port: u16,
+    /// Every this many operations one is a firmware operation (creates its worker, then
+    /// flashes it); 0 for none.
+    pub firmware_every: u32,
+    /// How long the server's simulated BMC takes to flash, longer than [`Self::lease`]
+    /// so that a flash outlives its lease and needs renewal.
+    pub flash: Duration,
+    /// The server's lease renewal (`false` only to show the double flashes it prevents).
+    pub lease_renewal: bool,
 }
 
 impl ChaosConfig {
@@ -178,6 +202,9 @@ impl ChaosConfig {
             fault_for: Duration::from_secs(10),
             lease: Duration::from_secs(3),
             base_port: 7100,
+            firmware_every: 10,
+            flash: Duration::from_secs(4),
+            lease_renewal: true,
         }
     }
 }
@@ -199,9 +226,13 @@ pub struct FaultRow {
     pub phantom_workers: u64,
     /// VMs booted beyond one per operation.
     pub extra_vms: u64,
-    /// Flashes beyond one per operation (the run creates workers and flashes nothing, so
-    /// this stays 0; the firmware storm counts it).
+    /// Of [`Self::operations`], those that also flashed firmware.
+    pub firmware_operations: u64,
+    /// Flashes the BMCs started beyond one per firmware operation.
     pub double_flashes: u64,
+    /// Nodes a double flash bricked (their operations end in a stored 409, counted here
+    /// and in [`Self::double_flashes`], not as unfinished).
+    pub bricked: u64,
     /// 201s whose replay was another worker, or not a replay.
     pub lost_responses: u64,
     /// Operations that did not end with a 201 even in the check pass.
@@ -223,10 +254,18 @@ pub struct FaultRow {
 }
 
 impl FaultRow {
-    /// Whether the row breaks the run's promise: any phantom, extra VM or lost response on
-    /// a durable configuration, an unfinished operation, or a request that hung.
+    /// Whether the row breaks the run's promise: any phantom, extra VM, double flash or
+    /// lost response on a durable configuration, an unfinished operation, or a request
+    /// that hung.
     #[must_use]
     pub fn failed(&self) -> bool {
+        self.durable && self.double_flashes > 0 || self.failed_apart_from_flashes()
+    }
+
+    /// [`Self::failed`] without the double flashes: what the short pass requires of a row
+    /// whose fault kills the handler's process mid-flash (see [`Fault::kills_handler`]).
+    #[must_use]
+    pub fn failed_apart_from_flashes(&self) -> bool {
         self.durable && (self.phantom_workers > 0 || self.extra_vms > 0 || self.lost_responses > 0)
             || self.unfinished > 0
             || self.hung > 0
@@ -299,11 +338,14 @@ pub async fn run(cfg: &ChaosConfig) -> Result<Vec<FaultRow>, ChaosError> {
         eprintln!("chaos: {} / {} ...", fault.backend().name(), fault.label());
         let row = run_fault(cfg, fault).await?;
         eprintln!(
-            "chaos: {} / {}: phantoms {} extra VMs {} lost {} unfinished {} 503s {} slowest {} ms recovered in {} ms",
+            "chaos: {} / {}: phantoms {} extra VMs {} double flashes {} (bricked {}) lost {} unfinished {} 503s {} \
+             slowest {} ms recovered in {} ms",
             row.backend,
             row.fault,
             row.phantom_workers,
             row.extra_vms,
+            row.double_flashes,
+            row.bricked,
             row.lost_responses,
             row.unfinished,
             row.unavailable_503,
@@ -371,6 +413,10 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
         "2500".into(),
         "--work-ms".into(),
         "100".into(),
+        "--flash-ms".into(),
+        cfg.flash.as_millis().to_string(),
+        "--lease-renewal".into(),
+        if cfg.lease_renewal { "on" } else { "off" }.into(),
     ];
     let exe = cfg.exe.clone();
     let log = work.path().join("serve.log");
@@ -397,7 +443,7 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
     let http = reqwest::Client::builder().pool_max_idle_per_host(cfg.concurrency).build().map_err(stats_err)?;
     let before = stats(&http, &target).await?;
 
-    let storm = tokio::spawn(storm(http.clone(), target.clone(), cfg.operations, cfg.concurrency));
+    let storm = tokio::spawn(storm(http.clone(), target.clone(), cfg.operations, cfg.concurrency, cfg.firmware_every));
     tokio::time::sleep(cfg.fault_after).await;
 
     // The fault, with the probe running while it lasts.
@@ -470,7 +516,23 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
     let after = stats(&http, &target).await?;
     let workers = after.workers.saturating_sub(before.workers);
     let boots = after.boots.saturating_sub(before.boots);
+    let flashes = after.flashes.saturating_sub(before.flashes);
+    let bricked = after.bricked.saturating_sub(before.bricked);
     let n = u64::from(cfg.operations);
+    let firmware_operations = ops.results.iter().filter(|o| o.flash.is_some()).count() as u64;
+    let double_flashes = flashes.saturating_sub(firmware_operations);
+    if double_flashes > 0 {
+        note.push_str(&format!(
+            "{}{double_flashes} double flashes ({bricked} nodes bricked){}",
+            if note.is_empty() { "" } else { "; " },
+            if fault.kills_handler() {
+                ": flashes running when the server was killed had no outcome in the journal, and the retries that \
+                 reclaimed them after the lease flashed again (the flash step has nothing to reconcile by)"
+            } else {
+                ""
+            }
+        ));
+    }
     drop(app);
     drop(side);
     Ok(FaultRow {
@@ -481,7 +543,9 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
         attempts: ops.attempts,
         phantom_workers: workers.saturating_sub(n),
         extra_vms: boots.saturating_sub(n),
-        double_flashes: after.flashes.saturating_sub(before.flashes),
+        firmware_operations,
+        double_flashes,
+        bricked,
         lost_responses,
         unfinished,
         unavailable_503: seen.unavailable + ops.unavailable_during.load(Ordering::SeqCst),
@@ -501,12 +565,31 @@ async fn stats(http: &reqwest::Client, target: &str) -> Result<Stats, ChaosError
     http.get(format!("{target}/admin/stats")).send().await.map_err(stats_err)?.json().await.map_err(stats_err)
 }
 
-/// One logical operation: its principal, key and body, and the worker its 201 named.
+/// One logical operation: its principal, key and body, the worker its 201 named, and for
+/// a firmware operation its flash.
 struct Op {
     token: String,
     key: OperationKey,
     body: String,
     worker: Option<String>,
+    flash: Option<FlashOp>,
+}
+
+/// The flash of a firmware operation: its key (made with the operation, kept across
+/// retries and the check pass) and the flash number its 200 named.
+struct FlashOp {
+    key: OperationKey,
+    number: Option<u64>,
+}
+
+/// Whether operation `op` of the storm also flashes firmware.
+fn is_firmware(op: u32, every: u32) -> bool {
+    every > 0 && op % every == every - 1
+}
+
+fn flash_number(body: &[u8]) -> Option<u64> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    v.get("flash")?.as_u64()
 }
 
 struct StormOutcome {
@@ -534,7 +617,13 @@ fn client(budget: Duration) -> RetryPolicy {
         .with_max_attempts(200)
 }
 
-async fn storm(http: reqwest::Client, target: String, operations: u32, concurrency: usize) -> StormOutcome {
+async fn storm(
+    http: reqwest::Client,
+    target: String,
+    operations: u32,
+    concurrency: usize,
+    firmware_every: u32,
+) -> StormOutcome {
     let client = Arc::new(IdempotentClient::new(http, client(Duration::from_secs(60))));
     let gate = Arc::new(Semaphore::new(concurrency.max(1)));
     let prefix = format!("chaos-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
@@ -549,7 +638,7 @@ async fn storm(http: reqwest::Client, target: String, operations: u32, concurren
             let body = create_body(op);
             let reply =
                 client.post(format!("{target}/v1/workers"), &key).bearer(&token).json_body(body.clone()).send().await;
-            let (worker, attempts, unavailable) = match reply {
+            let (worker, mut attempts, mut unavailable) = match reply {
                 Ok(r) => {
                     let w = (r.status == 201).then(|| worker_id(&r.body)).flatten();
                     (w, u64::from(r.stats.attempts), u64::from(r.stats.server_errors))
@@ -559,7 +648,17 @@ async fn storm(http: reqwest::Client, target: String, operations: u32, concurren
                 }
                 Err(_) => (None, 1, 0),
             };
-            (Op { token, key, body, worker }, attempts, unavailable)
+            let mut flash =
+                is_firmware(op, firmware_every).then(|| FlashOp { key: OperationKey::generate(), number: None });
+            // A firmware operation whose worker was not created yet flashes it in the
+            // check pass, with the same key.
+            if let (Some(f), Some(w)) = (flash.as_mut(), worker.as_deref()) {
+                let (n, a, u, _) = send_flash(&client, &target, &token, w, &f.key).await;
+                f.number = n;
+                attempts += a;
+                unavailable += u;
+            }
+            (Op { token, key, body, worker, flash }, attempts, unavailable)
         }));
     }
     let mut out =
@@ -576,6 +675,35 @@ async fn storm(http: reqwest::Client, target: String, operations: u32, concurren
     // or a failed boot, and the run's boots do not fail.
     out.unavailable_during.store(unavailable, Ordering::SeqCst);
     out
+}
+
+/// Flashes `worker`'s node under `key`: (the flash number of its 200, attempts, 5xx, the
+/// final status if any).
+async fn send_flash(
+    client: &IdempotentClient,
+    target: &str,
+    token: &str,
+    worker: &str,
+    key: &OperationKey,
+) -> (Option<u64>, u64, u64, Option<u16>) {
+    let reply = client
+        .post(format!("{target}/v1/workers/{worker}/firmware"), key)
+        .bearer(token)
+        .json_body(crate::storm::FIRMWARE_BODY)
+        .send()
+        .await;
+    match reply {
+        Ok(r) => (
+            (r.status == 200).then(|| flash_number(&r.body)).flatten(),
+            u64::from(r.stats.attempts),
+            u64::from(r.stats.server_errors),
+            Some(r.status.as_u16()),
+        ),
+        Err(idem_client::ClientError::GaveUp { stats, .. }) => {
+            (None, u64::from(stats.attempts), u64::from(stats.server_errors), None)
+        }
+        Err(_) => (None, 1, 0, None),
+    }
 }
 
 /// A keyed request that goes through the claim and the completion but creates nothing:
@@ -646,8 +774,9 @@ async fn recover(http: &reqwest::Client, target: &str, lifted: Instant, limit: D
 /// How long after a fault is lifted the server must answer again on its own.
 const RECOVERY_LIMIT: Duration = Duration::from_secs(15);
 
-/// Sends every operation once more with its key: returns (lost stored responses,
-/// operations still without a 201).
+/// Sends every operation once more with its key (and a firmware operation's flash with
+/// its own key): returns (lost stored responses, operations still without a 201, or a
+/// firmware operation without its flash's 200).
 async fn check(http: &reqwest::Client, target: &str, ops: &[Op]) -> (u64, u64) {
     let client = Arc::new(IdempotentClient::new(http.clone(), client(Duration::from_secs(30))));
     let gate = Arc::new(Semaphore::new(64));
@@ -655,6 +784,7 @@ async fn check(http: &reqwest::Client, target: &str, ops: &[Op]) -> (u64, u64) {
     for op in ops {
         let (client, gate, target) = (Arc::clone(&client), Arc::clone(&gate), target.to_owned());
         let (token, key, body, first) = (op.token.clone(), op.key.clone(), op.body.clone(), op.worker.clone());
+        let flash = op.flash.as_ref().map(|f| (f.key.clone(), f.number));
         tasks.push(tokio::spawn(async move {
             let _permit = gate.acquire_owned().await;
             let reply = client.post(format!("{target}/v1/workers"), &key).bearer(&token).json_body(body).send().await;
@@ -662,13 +792,22 @@ async fn check(http: &reqwest::Client, target: &str, ops: &[Op]) -> (u64, u64) {
                 Ok(r) if r.status == 201 => worker_id(&r.body).map(|w| (w, r.replayed)),
                 _ => None,
             };
-            match (first, again) {
+            let worker = again.as_ref().map(|(w, _)| w.clone());
+            let (mut lost, unfinished) = match (first, again) {
                 // The first 201 must come back as a replay naming the same worker.
                 (Some(first), Some((w, replayed))) => (!replayed || w != first, false),
                 (Some(_), None) => (true, false),
                 (None, Some(_)) => (false, false),
                 (None, None) => (false, true),
-            }
+            };
+            let Some((flash_key, first_flash)) = flash else { return (lost, unfinished) };
+            let Some(worker) = worker else { return (lost, true) };
+            // The flash's first 200 must come back naming the same flash (a replay); one
+            // that had none must replay or flash now.
+            let (again, _, _, status) = send_flash(&client, &target, &token, &worker, &flash_key).await;
+            lost |= first_flash.is_some_and(|n| again != Some(n));
+            // A stored 409 is a bricked node: a final answer, counted as a double flash.
+            (lost, unfinished || again.is_none() && status != Some(409))
         }));
     }
     let (mut lost, mut unfinished) = (0, 0);
@@ -692,12 +831,16 @@ pub fn current_exe() -> std::io::Result<PathBuf> {
 /// The run's Markdown report: the tables and a verdict line.
 #[must_use]
 pub fn report(rows: &[FaultRow], cfg: &ChaosConfig) -> String {
+    let flashing = u64::from(cfg.operations).checked_div(u64::from(cfg.firmware_every)).unwrap_or(0);
     let mut out = format!(
-        "{} operations per fault, {} at a time, a quarter of responses lost after the work, lease {} ms, faults \
-         lasting {} ms, hitting {} ms into the storm.\n",
+        "{} operations per fault ({} of them also flash firmware, each flash {} ms), {} at a time, a quarter of \
+         responses lost after the work, lease {} ms (renewal {}), faults lasting {} ms, hitting {} ms into the storm.\n",
         cfg.operations,
+        flashing,
+        cfg.flash.as_millis(),
         cfg.concurrency,
         cfg.lease.as_millis(),
+        if cfg.lease_renewal { "on" } else { "off" },
         cfg.fault_for.as_millis(),
         cfg.fault_after.as_millis()
     );
@@ -714,4 +857,37 @@ pub fn report(rows: &[FaultRow], cfg: &ChaosConfig) -> String {
 pub fn uses_private_ports(cfg: &ChaosConfig) -> bool {
     let ports = cfg.base_port..=cfg.base_port + 3;
     !ports.contains(&6379) && !ports.contains(&5432)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Pins: a double flash on a durable configuration must fail the row (the column once
+    // could not fail: the storm flashed nothing).
+    #[test]
+    fn a_double_flash_fails_a_durable_row_and_shows_in_the_table() {
+        let row = FaultRow {
+            fault: "stall (SIGSTOP)".into(),
+            backend: "redis",
+            durable: true,
+            operations: 80,
+            firmware_operations: 20,
+            double_flashes: 1,
+            ..FaultRow::default()
+        };
+        assert!(row.failed());
+        let table = tables(std::slice::from_ref(&row));
+        assert!(table.contains("| 0 | 0 | 1 | 0 |"), "{table}");
+        assert!(!FaultRow { double_flashes: 0, ..row.clone() }.failed());
+        // Not durable: measured, not required to be zero.
+        assert!(!FaultRow { durable: false, ..row }.failed());
+    }
+
+    #[test]
+    fn every_nth_operation_flashes() {
+        let flashing: Vec<u32> = (0..12).filter(|&op| is_firmware(op, 4)).collect();
+        assert_eq!(flashing, [3, 7, 11]);
+        assert!(!(0..12).any(|op| is_firmware(op, 0)));
+    }
 }
