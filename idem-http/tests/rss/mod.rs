@@ -3,14 +3,14 @@
 
 /// Peak resident set since the last reset, bytes; then resets it to the current RSS
 /// (`clear_refs` 5, Linux 4.0+).
-pub fn take_peak() -> usize {
+pub(crate) fn take_peak() -> usize {
     let kib = status_kib("VmHWM:");
     std::fs::write("/proc/self/clear_refs", "5").expect("reset the peak (clear_refs)");
     kib * 1024
 }
 
 /// Current resident set, bytes.
-pub fn current_rss() -> usize {
+pub(crate) fn current_rss() -> usize {
     status_kib("VmRSS:") * 1024
 }
 
