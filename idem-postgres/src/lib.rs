@@ -38,7 +38,9 @@
 //!   `ssl_root_cert`), or `?sslmode=require` in the URL.
 //!
 //! This crate picks no TLS library: the choice (and its certificate store) is the
-//! application's.
+//! application's. Both paths are tested against the real server (`tests/tls.rs`:
+//! native-tls on each driver, `sslmode=require`, every store session checked encrypted in
+//! `pg_stat_ssl`).
 //!
 //! ## Migrations
 //! Applied on start by default ([`Config::with_auto_migrate`]), through the store's pool,
