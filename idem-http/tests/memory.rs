@@ -14,14 +14,12 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::post;
 use bytes::Bytes;
-use http_body_util::BodyExt;
 use idem_core::MemoryStore;
 use idem_http::IdempotencyLayer;
-use tower::ServiceExt;
 
 mod rss;
 
-use rss::{current_rss, take_peak};
+use rss::{current_rss, drain_post, take_peak};
 
 const MIB: usize = 1 << 20;
 const CHUNK: usize = 64 << 10;
@@ -40,23 +38,6 @@ fn app(layer: IdempotencyLayer, total: usize) -> Router {
         .layer(layer)
 }
 
-/// Sends one keyed POST and reads the body frame by frame, keeping none; returns its length.
-async fn export(app: &Router, key: &str) -> usize {
-    let req = http::Request::post("/v1/exports")
-        .header("authorization", "Bearer ops")
-        .header("idempotency-key", key)
-        .body(Body::empty())
-        .unwrap();
-    let res = app.clone().oneshot(req).await.unwrap();
-    assert_eq!(res.status(), 200);
-    let mut body = res.into_body();
-    let mut len = 0;
-    while let Some(frame) = body.frame().await {
-        len += frame.unwrap().into_data().map_or(0, |d| d.len());
-    }
-    len
-}
-
 #[test]
 fn a_100_mib_response_grows_memory_by_less_than_twice_max_stored_body() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -65,10 +46,10 @@ fn a_100_mib_response_grows_memory_by_less_than_twice_max_stored_body() {
         let limit = 4 * MIB;
         let bounded = app(IdempotencyLayer::new(Arc::new(MemoryStore::new())).with_max_stored_body(limit), total);
         // Warm up: allocator arenas, the runtime, the router.
-        assert_eq!(export(&bounded, "warm-up").await, total);
+        assert_eq!(drain_post(&bounded, "/v1/exports", "warm-up").await, total);
         let start = current_rss();
         take_peak();
-        assert_eq!(export(&bounded, "export-1").await, total);
+        assert_eq!(drain_post(&bounded, "/v1/exports", "export-1").await, total);
         let grew = take_peak().saturating_sub(start);
         assert!(grew < 2 * limit, "peak RSS grew by {} KiB, over 2 x max_stored_body", grew / 1024);
 
@@ -82,7 +63,7 @@ fn a_100_mib_response_grows_memory_by_less_than_twice_max_stored_body() {
         );
         let start = current_rss();
         take_peak();
-        assert_eq!(export(&whole, "export-2").await, total);
+        assert_eq!(drain_post(&whole, "/v1/exports", "export-2").await, total);
         let grew_whole = take_peak().saturating_sub(start);
         assert!(grew_whole > total, "a stored 100 MiB body grew the peak by only {} KiB", grew_whole / 1024);
         eprintln!("peak RSS growth: bounded {} KiB, whole body stored {} KiB", grew / 1024, grew_whole / 1024);

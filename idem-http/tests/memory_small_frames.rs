@@ -12,14 +12,12 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::post;
 use bytes::Bytes;
-use http_body_util::BodyExt;
 use idem_core::MemoryStore;
 use idem_http::IdempotencyLayer;
-use tower::ServiceExt;
 
 mod rss;
 
-use rss::{current_rss, take_peak};
+use rss::{current_rss, drain_post, take_peak};
 
 const MIB: usize = 1 << 20;
 
@@ -37,22 +35,6 @@ fn app(layer: IdempotencyLayer, total: usize) -> Router {
         .layer(layer)
 }
 
-async fn progress(app: &Router, key: &str) -> usize {
-    let req = http::Request::post("/v1/progress")
-        .header("authorization", "Bearer ops")
-        .header("idempotency-key", key)
-        .body(Body::empty())
-        .unwrap();
-    let res = app.clone().oneshot(req).await.unwrap();
-    assert_eq!(res.status(), 200);
-    let mut body = res.into_body();
-    let mut len = 0;
-    while let Some(frame) = body.frame().await {
-        len += frame.unwrap().into_data().map_or(0, |d| d.len());
-    }
-    len
-}
-
 #[test]
 fn one_byte_frames_grow_memory_by_less_than_twice_max_stored_body() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -65,20 +47,20 @@ fn one_byte_frames_grow_memory_by_less_than_twice_max_stored_body() {
             IdempotencyLayer::new(Arc::new(MemoryStore::new())).with_max_stored_body(limit).with_buffer_deadline(None)
         };
         let bounded = app(layer(), total);
-        assert_eq!(progress(&bounded, "warm-up").await, total);
+        assert_eq!(drain_post(&bounded, "/v1/progress", "warm-up").await, total);
         let start = current_rss();
         take_peak();
-        assert_eq!(progress(&bounded, "progress-1").await, total);
+        assert_eq!(drain_post(&bounded, "/v1/progress", "progress-1").await, total);
         let grew = take_peak().saturating_sub(start);
         eprintln!("peak RSS growth over the limit: {} KiB", grew / 1024);
         assert!(grew < 2 * limit, "peak RSS grew by {} KiB, over 2 x max_stored_body", grew / 1024);
 
         // Within the limit (stored whole): the same bound.
         let within = app(layer(), limit);
-        assert_eq!(progress(&within, "warm-up").await, limit);
+        assert_eq!(drain_post(&within, "/v1/progress", "warm-up").await, limit);
         let start = current_rss();
         take_peak();
-        assert_eq!(progress(&within, "progress-2").await, limit);
+        assert_eq!(drain_post(&within, "/v1/progress", "progress-2").await, limit);
         let grew = take_peak().saturating_sub(start);
         eprintln!("peak RSS growth within the limit: {} KiB", grew / 1024);
         assert!(grew < 3 * limit, "peak RSS grew by {} KiB, over 3 x max_stored_body", grew / 1024);

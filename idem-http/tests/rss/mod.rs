@@ -22,3 +22,23 @@ fn status_kib(field: &str) -> usize {
         .and_then(|v| v.split_whitespace().next()?.parse::<usize>().ok())
         .unwrap_or_else(|| panic!("{field} in /proc/self/status"))
 }
+
+/// Sends one keyed `POST path` through `app` and reads the body frame by frame, keeping
+/// none (so the reading itself adds nothing to the RSS); returns the body's length.
+pub(crate) async fn drain_post(app: &axum::Router, path: &str, key: &str) -> usize {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let req = http::Request::post(path)
+        .header("authorization", "Bearer ops")
+        .header("idempotency-key", key)
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let res = app.clone().oneshot(req).await.unwrap();
+    assert_eq!(res.status(), 200);
+    let mut body = res.into_body();
+    let mut len = 0;
+    while let Some(frame) = body.frame().await {
+        len += frame.unwrap().into_data().map_or(0, |d| d.len());
+    }
+    len
+}
