@@ -32,6 +32,7 @@
 //! | [`scenarios::capability`] | 3 | declared capabilities hold; peer handles; server clock |
 //! | [`scenarios::extend`] | 13 | lease renewal is fenced like `complete`, moves the lease from `now` but never earlier, raises `expires_at` with it, keeps token, state and journal; a renewed lease refuses retries until its new end |
 //! | [`scenarios::generation`] | 5 | a key reused after retention (record swept, expired natively, or still stored) gets a token above every earlier generation's; earlier tokens are refused everywhere; sub-keys change per generation |
+//! | [`scenarios::list`] | 2 | operators' listing: live records only, in id order, by state, age and principal; pages resume after the cursor; stores without the capability refuse with `Unsupported` |
 //! | [`scenarios::journal`] | 18 | journal entries are fenced like `complete`, first write wins unless overwritten, survive a reclaim, die with their record (expiry, sweep, replacing claim); `Resumable` steps and intents resume on the store; stores without the capability refuse with `Unsupported` |
 //!
 //! `store_tests!(backend)` also requires the store to declare the journal of resumable

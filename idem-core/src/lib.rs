@@ -40,6 +40,7 @@
 //! - [`resume`]: sub-keys, steps and intents for handlers whose side effects must
 //!   converge on retry.
 //! - [`store`]: the [`Store`] contract and [`StoreError`].
+//! - [`list`]: what [`Store::list`] returns to operators, and the pure page selection.
 //! - [`codec`]: the versioned postcard byte form of a record.
 //! - [`time`]: milliseconds since the epoch and the clocks stores read.
 //! - `memory` (feature `memory`, on by default): [`MemoryStore`] and [`TableStore`], any
@@ -59,6 +60,7 @@ pub mod fingerprint;
 pub mod group_commit;
 mod hash;
 pub mod key;
+pub mod list;
 #[cfg(feature = "memory")]
 pub mod memory;
 pub mod model;
@@ -76,6 +78,7 @@ pub mod transition;
 pub use decision::{Decision, decide, retry_after_secs};
 pub use fingerprint::{Fingerprint, FingerprintMode, RequestParts};
 pub use key::{IdempotencyKey, KeyError};
+pub use list::{ListFilter, Listing};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryStore, TableStore};
 pub use model::Model;

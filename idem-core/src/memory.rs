@@ -10,6 +10,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::engine;
+use crate::list::{ListFilter, Listing};
 use crate::model::Model;
 use crate::record::{FencingToken, Record, StoredResponse};
 use crate::scope::RecordId;
@@ -91,7 +92,8 @@ impl MemoryStore {
     /// An empty in-memory store on `clock` (tests pass a [`crate::ManualClock`]).
     #[must_use]
     pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
-        Self::from_table(Model::new(), clock)
+        // The model can enumerate its map, so the memory store lists records too.
+        Self::from_table(Model::new(), clock).with_capabilities(Capabilities::new().with_journal(true).with_list(true))
     }
 }
 
@@ -147,5 +149,19 @@ impl<T: RecordTable + Send + 'static> Store for TableStore<T> {
 
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
         self.run(|t, now| engine::journal_get(t, id, name, now))
+    }
+
+    /// Through [`crate::table::RecordRead::scan`] under the lock: a table that cannot scan
+    /// answers `Unsupported` (and its store should leave [`Capabilities::list`] unset).
+    async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
+        self.run(|t, now| {
+            let mut matching = Vec::new();
+            t.scan(&mut |r| {
+                if filter.matches(&r, now) {
+                    matching.push(r);
+                }
+            })?;
+            Ok(filter.select(matching, now))
+        })
     }
 }

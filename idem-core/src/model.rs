@@ -146,6 +146,13 @@ impl RecordRead for Model {
     fn journal_read(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
         Ok(self.journal.get(&(id, name.to_owned())).cloned())
     }
+
+    fn scan(&self, visit: &mut dyn FnMut(Record)) -> Result<(), StoreError> {
+        for record in self.records.values() {
+            visit(Record::clone(record));
+        }
+        Ok(())
+    }
 }
 
 impl Model {

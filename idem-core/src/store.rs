@@ -19,6 +19,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::codec::CodecError;
+use crate::list::{ListFilter, Listing};
 use crate::record::{FencingToken, Record, StoredResponse};
 use crate::scope::RecordId;
 use crate::transition::{ClaimOutcome, ClaimRequest, LeaseLost, ReclaimOutcome, ReclaimRequest};
@@ -128,13 +129,15 @@ pub struct Capabilities {
     /// The store keeps a per-record journal ([`Store::journal_put`], [`Store::journal_get`])
     /// for resumable handlers' steps and intents.
     pub journal: bool,
+    /// The store lists its records for operators ([`Store::list`]).
+    pub list: bool,
 }
 
 impl Capabilities {
     /// No optional capability.
     #[must_use]
     pub const fn new() -> Self {
-        Self { native_expiry: false, server_clock: false, shared: false, journal: false }
+        Self { native_expiry: false, server_clock: false, shared: false, journal: false, list: false }
     }
 
     /// Sets `native_expiry`.
@@ -162,6 +165,13 @@ impl Capabilities {
     #[must_use]
     pub const fn with_shared(mut self, v: bool) -> Self {
         self.shared = v;
+        self
+    }
+
+    /// Sets `list`.
+    #[must_use]
+    pub const fn with_list(mut self, v: bool) -> Self {
+        self.list = v;
         self
     }
 }
@@ -318,6 +328,26 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         let _ = (id, name);
         Err(StoreError::Unsupported { operation: "journal_get" })
     }
+
+    /// Lists live records for operators (the `idem` CLI), one page at a time (see
+    /// [`crate::list`] for the order and paging).
+    ///
+    /// # Contract
+    /// - Returns the records with `now < expires_at` that match every condition of
+    ///   `filter` ([`ListFilter::matches`]), ascending by [`RecordId`], at most
+    ///   `filter.limit` of them, with `more` true exactly when further records matched,
+    ///   and the store's `now`.
+    /// - Reads only: changes nothing, takes no lease. Not a snapshot across pages: a record
+    ///   written between two calls may or may not appear.
+    /// - A record that does not decode is an error ([`StoreError::Corrupt`]), so an
+    ///   operator never reads a partial listing as complete.
+    ///
+    /// The default returns [`StoreError::Unsupported`]; stores that implement it set
+    /// [`Capabilities::list`].
+    async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
+        let _ = filter;
+        Err(StoreError::Unsupported { operation: "list" })
+    }
 }
 
 #[async_trait]
@@ -363,5 +393,8 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
         (**self).journal_get(id, name).await
+    }
+    async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
+        (**self).list(filter).await
     }
 }

@@ -46,6 +46,18 @@ pub trait RecordRead {
     /// # Errors
     /// An engine error.
     fn journal_read(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError>;
+
+    /// Visits every stored record, expired or not, in any order, for
+    /// [`crate::Store::list`] on a [`crate::TableStore`]. The default answers
+    /// [`StoreError::Unsupported`]: a table that cannot enumerate its records simply does
+    /// not offer listing.
+    ///
+    /// # Errors
+    /// [`StoreError::Corrupt`] for a record that does not decode; an engine error otherwise.
+    fn scan(&self, visit: &mut dyn FnMut(Record)) -> Result<(), StoreError> {
+        let _ = visit;
+        Err(StoreError::Unsupported { operation: "list" })
+    }
 }
 
 /// Writes inside one write transaction (see the module's contract).

@@ -340,4 +340,8 @@ impl Store for DeadlineStore {
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
         Self::within(self.deadlines.read, "journal_get", self.inner.journal_get(id, name)).await
     }
+    /// An operator's listing: no request waits on it, so no deadline (like `sweep`).
+    async fn list(&self, filter: idem_core::ListFilter) -> Result<idem_core::Listing, StoreError> {
+        self.inner.list(filter).await
+    }
 }

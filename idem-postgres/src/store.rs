@@ -10,8 +10,8 @@ use idem_core::codec::encode_response;
 use idem_core::time::duration_ms;
 use idem_core::transition::is_reclaimable;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ReclaimOutcome, ReclaimRequest,
-    Record, RecordId, RecordState, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
+    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ListFilter, Listing, ReclaimOutcome,
+    ReclaimRequest, Record, RecordId, RecordState, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
 };
 use tokio_postgres::NoTls;
 use tokio_postgres::Socket;
@@ -631,7 +631,48 @@ impl<D: Driver> Store for PostgresStore<D> {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new().with_server_clock(true).with_shared(true).with_journal(true)
+        Capabilities::new().with_server_clock(true).with_shared(true).with_journal(true).with_list(true)
+    }
+
+    /// One statement per record on one pooled connection, each the next matching id after
+    /// the last (see [`Statements::list`]), up to one past the limit (that one only says
+    /// `more`). Every statement runs at the first one's `now` (the pinned clock or the
+    /// server's), so liveness and age in one page are judged at one instant.
+    async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
+        const OP: &str = "listing records";
+        let mut conn = None;
+        let state = filter.state.map_or("", RecordState::as_str);
+        let principal = filter.principal.as_ref().map_or(&[][..], |p| p.0.as_bytes());
+        let mut cursor: Vec<u8> = filter.after.map_or_else(Vec::new, |id| id.0.to_vec());
+        let mut page = Vec::new();
+        let mut first_now = None;
+        let mut more = false;
+        loop {
+            let now = first_now.map(|n: UnixMillis| n.0).or(self.pinned_now());
+            let params = [
+                Param::Bytes(&cursor),
+                Param::Text(state),
+                Param::OptI64(filter.started_before.map(|t| t.0)),
+                Param::Bool(filter.principal.is_some()),
+                Param::Bytes(principal),
+                Param::OptI64(now),
+            ];
+            let row = self.run(&mut conn, OP, self.inner.sql.list(), &params).await?;
+            let row = row.ok_or_else(|| corrupt(None, "row", "the statement returned no row"))?;
+            first_now.get_or_insert(UnixMillis(row.i64(COLUMNS.len())?));
+            if row.opt_bytes(0)?.is_none() {
+                break;
+            }
+            if page.len() == filter.limit {
+                more = true;
+                break;
+            }
+            let record = record_at(&row, 0, None)?;
+            cursor = record.id.0.to_vec();
+            page.push(record);
+        }
+        let now = first_now.unwrap_or(UnixMillis(0));
+        Ok(Listing::new(now, page, more))
     }
 
     async fn journal_put(

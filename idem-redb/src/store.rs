@@ -10,8 +10,8 @@ use idem_core::engine::{self, Write};
 use idem_core::group_commit::{BatchStats, GroupCommit};
 use idem_core::store::JournalWrite;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, ReclaimOutcome, ReclaimRequest, Record, RecordId, Store,
-    StoreError, StoredResponse, SweepOutcome, UnixMillis,
+    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, ListFilter, Listing, ReclaimOutcome, ReclaimRequest,
+    Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
 };
 use redb::Database;
 
@@ -117,7 +117,7 @@ impl RedbStore {
 #[async_trait]
 impl Store for RedbStore {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new().with_journal(true)
+        Capabilities::new().with_journal(true).with_list(true)
     }
 
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
@@ -173,5 +173,10 @@ impl Store for RedbStore {
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
         let name = name.to_owned();
         self.read(move |view, now| engine::journal_get(view, id, &name, now)).await
+    }
+
+    /// One read transaction on the blocking pool: a range scan of the records table.
+    async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
+        self.read(move |view, now| view.list(&filter, now)).await
     }
 }

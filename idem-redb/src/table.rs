@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use idem_core::group_commit::{Engine, Stage, TransactionFailed};
 use idem_core::table::{Expired, RecordRead, RecordTable};
-use idem_core::{Record, RecordId, StoreError, UnixMillis, codec};
+use idem_core::{ListFilter, Listing, Record, RecordId, StoreError, UnixMillis, codec};
 use redb::{
     Database, ReadTransaction, ReadableDatabase, ReadableTable, StorageError, TableDefinition, WriteTransaction,
 };
@@ -174,6 +174,33 @@ pub(crate) struct RedbView(ReadTransaction);
 impl RedbView {
     pub(crate) fn begin(db: &Database) -> Result<Self, Error> {
         Ok(Self(db.begin_read()?))
+    }
+}
+
+impl RedbView {
+    /// A page of [`idem_core::Store::list`]: a range scan of the records table from the
+    /// cursor, in key (= record id) order, decoding each record and stopping one past the
+    /// limit (that one only says `more`).
+    pub(crate) fn list(&self, filter: &ListFilter, now: UnixMillis) -> Result<Listing, StoreError> {
+        use std::ops::Bound;
+        let records = self.0.open_table(RECORDS).map_err(table_error(RECORDS_NAME))?;
+        let start = filter.after.as_ref().map_or(Bound::Unbounded, |id| Bound::Excluded(&id.0));
+        let mut page = Vec::new();
+        let mut more = false;
+        for entry in records.range::<&[u8; 32]>((start, Bound::Unbounded)).map_err(Error::from)? {
+            let (key, value) = entry.map_err(Error::from)?;
+            let id = RecordId(*key.value());
+            let record = codec::decode(value.value()).map_err(|source| StoreError::Corrupt { id: Some(id), source })?;
+            if !filter.matches(&record, now) {
+                continue;
+            }
+            if page.len() == filter.limit {
+                more = true;
+                break;
+            }
+            page.push(record);
+        }
+        Ok(Listing::new(now, page, more))
     }
 }
 

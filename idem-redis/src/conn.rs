@@ -3,7 +3,7 @@
 
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
 
 /// The connection a [`crate::RedisStore`] sends its scripts on: a single node (or a primary
@@ -109,4 +109,72 @@ impl Connection {
             }
         }
     }
+
+    /// Every key matching the glob `pattern` on the one server, or on each primary of the
+    /// cluster (a key lives on exactly one primary, so none is reported twice): `SCAN`
+    /// with `MATCH` to the end of every cursor. `SCAN` never blocks the server the way
+    /// `KEYS` would; a key written or removed during the scan may or may not be reported.
+    pub(crate) async fn scan_every_primary(&mut self, pattern: &str) -> RedisResult<Vec<Vec<u8>>> {
+        let mut keys = Vec::new();
+        match self {
+            Connection::Single(c) => {
+                let mut cursor = 0_u64;
+                loop {
+                    let (next, batch): (u64, Vec<Vec<u8>>) = scan_cmd(cursor, pattern).query_async(c).await?;
+                    keys.extend(batch);
+                    if next == 0 {
+                        break;
+                    }
+                    cursor = next;
+                }
+            }
+            Connection::Cluster(c) => {
+                let primaries = self_primaries(c).await?;
+                for (host, port) in primaries {
+                    let mut cursor = 0_u64;
+                    loop {
+                        let routing =
+                            RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host: host.clone(), port });
+                        let reply = c.route_command(scan_cmd(cursor, pattern), routing).await?;
+                        let (next, batch): (u64, Vec<Vec<u8>>) = redis::from_redis_value(reply)?;
+                        keys.extend(batch);
+                        if next == 0 {
+                            break;
+                        }
+                        cursor = next;
+                    }
+                }
+            }
+        }
+        Ok(keys)
+    }
+}
+
+fn scan_cmd(cursor: u64, pattern: &str) -> Cmd {
+    let mut cmd = redis::cmd("SCAN");
+    cmd.arg(cursor).arg("MATCH").arg(pattern).arg("COUNT").arg(1_000);
+    cmd
+}
+
+/// `(host, port)` of every primary of the cluster, as the client knows the topology: the
+/// node names a `PING` to all primaries answers from.
+async fn self_primaries(c: &mut ClusterConnection) -> RedisResult<Vec<(String, u16)>> {
+    let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+    let reply = c.route_command(redis::cmd("PING"), routing).await?;
+    let Value::Map(pairs) = reply else {
+        return Err((redis::ErrorKind::UnexpectedReturnType, "per-node replies are not a map").into());
+    };
+    let mut nodes = Vec::with_capacity(pairs.len());
+    for (node, _) in pairs {
+        let Value::BulkString(name) = node else {
+            return Err((redis::ErrorKind::UnexpectedReturnType, "a node name is not a string").into());
+        };
+        let name = String::from_utf8_lossy(&name).into_owned();
+        let parsed = name.rsplit_once(':').and_then(|(host, port)| Some((host.to_owned(), port.parse::<u16>().ok()?)));
+        let Some(node) = parsed else {
+            return Err((redis::ErrorKind::UnexpectedReturnType, "a node name is not host:port").into());
+        };
+        nodes.push(node);
+    }
+    Ok(nodes)
 }

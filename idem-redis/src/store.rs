@@ -12,8 +12,8 @@ use async_trait::async_trait;
 use idem_core::codec::encode_response;
 use idem_core::time::duration_ms;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ReclaimOutcome, ReclaimRequest, Record,
-    RecordId, Store, StoreError, StoredResponse, SweepOutcome,
+    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ListFilter, Listing, ReclaimOutcome,
+    ReclaimRequest, Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
 };
 use redis::RedisError;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -398,7 +398,12 @@ impl Store for RedisStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new().with_native_expiry(true).with_server_clock(true).with_shared(true).with_journal(true)
+        Capabilities::new()
+            .with_native_expiry(true)
+            .with_server_clock(true)
+            .with_shared(true)
+            .with_journal(true)
+            .with_list(true)
     }
 
     /// Entries are fields `j:<name>` of the record's hash (see `journal_put.lua`).
@@ -438,6 +443,67 @@ impl Store for RedisStore {
             Err(reply.refusal(id))
         }
     }
+
+    /// `SCAN` for `<prefix>{*}` on the server or every cluster primary, then each record
+    /// read by the `get` script (so expiry, decoding and the clock are exactly `get`'s).
+    /// Redis keeps no order, so every call scans the whole keyspace and reads every
+    /// matching record; an operator tool, not a request path.
+    async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
+        let pattern = format!("{}{{*}}", glob_escape(&self.config.prefix));
+        let keys = self.conn.clone().scan_every_primary(&pattern).await.map_err(|e| Error::command("list", e))?;
+        let mut now = self.config.clock.as_ref().map(|c| c.now());
+        let mut records = Vec::new();
+        for key in keys {
+            let Some(id) = self.id_of_key(&key) else { continue };
+            if filter.after.is_some_and(|after| id <= after) {
+                continue;
+            }
+            let reply = self.send(self.call(&SCRIPTS.get, id)?).await?;
+            // The server's clock of the latest read: every record read was live then.
+            now = Some(now.map_or(reply.now, |n: UnixMillis| n.max(reply.now)));
+            if reply.is("found") {
+                records.push(reply.record(id, None)?);
+            } else if !reply.is("absent") {
+                return Err(reply.refusal(id));
+            }
+        }
+        let now = match now {
+            Some(now) => now,
+            None => self.server_now().await?,
+        };
+        Ok(filter.select(records, now))
+    }
+}
+
+impl RedisStore {
+    /// The record id in a key `<prefix>{<64 hex digits>}`; `None` for any other key that
+    /// happens to match the scan's pattern.
+    fn id_of_key(&self, key: &[u8]) -> Option<RecordId> {
+        let rest = key.strip_prefix(self.config.prefix.as_bytes())?;
+        let hex = rest.strip_prefix(b"{")?.strip_suffix(b"}")?;
+        RecordId::from_hex(std::str::from_utf8(hex).ok()?)
+    }
+
+    /// The server's `TIME` in ms (a listing that read no record still reports a `now`).
+    async fn server_now(&self) -> Result<UnixMillis, StoreError> {
+        let (secs, micros): (i64, i64) = redis::cmd("TIME")
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| Error::command("read the server clock", e))?;
+        Ok(UnixMillis(secs * 1_000 + micros / 1_000))
+    }
+}
+
+/// `s` with the glob characters of `SCAN MATCH` escaped, so a prefix matches only itself.
+fn glob_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// A [`ClusterClientBuilder`] for `nodes` as [`RedisStore::connect_cluster`] uses it:

@@ -10,8 +10,8 @@ use async_trait::async_trait;
 use idem_core::engine::{self, Write};
 use idem_core::group_commit::{BatchStats, Engine, GroupCommit, Stage, TransactionFailed};
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ReclaimOutcome, ReclaimRequest,
-    Record, RecordId, RecordTable, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
+    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ListFilter, Listing, ReclaimOutcome,
+    ReclaimRequest, Record, RecordId, RecordTable, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
 };
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 
@@ -370,7 +370,7 @@ impl Store for SqliteStore {
 
     fn capabilities(&self) -> Capabilities {
         // Several processes may open the same file: BEGIN IMMEDIATE serialises them.
-        Capabilities::new().with_shared(true).with_journal(true)
+        Capabilities::new().with_shared(true).with_journal(true).with_list(true)
     }
 
     async fn journal_put(
@@ -394,6 +394,11 @@ impl Store for SqliteStore {
             engine::journal_get(&SqliteView::new(&snapshot), id, &name, now)
         })
         .await
+    }
+
+    /// One statement on a read connection: a range of the primary key from the cursor.
+    async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
+        self.read(move |conn, now| crate::table::list(conn, &filter, now)).await
     }
 }
 

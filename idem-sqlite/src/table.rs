@@ -13,8 +13,8 @@
 
 use idem_core::codec::decode_response;
 use idem_core::{
-    Endpoint, Expired, FencingToken, Fingerprint, IdempotencyKey, Principal, Record, RecordId, RecordRead, RecordState,
-    RecordTable, Scope, StoreError, UnixMillis, codec,
+    Endpoint, Expired, FencingToken, Fingerprint, IdempotencyKey, ListFilter, Listing, Principal, Record, RecordId,
+    RecordRead, RecordState, RecordTable, Scope, StoreError, UnixMillis, codec,
 };
 use rusqlite::types::ValueRef;
 use rusqlite::{Connection, OptionalExtension, Row, Transaction, params};
@@ -35,6 +35,13 @@ const UPSERT_RECORD: &str = "INSERT INTO idem_records (id, principal, endpoint, 
 /// Oldest expiry first, through the index `idem_records_expires`.
 pub(crate) const SELECT_EXPIRED: &str =
     "SELECT id, expires_at FROM idem_records WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2";
+
+/// A page of [`idem_core::Store::list`], by primary key from the cursor (`?2`, an empty
+/// blob sorts before every id); `NULL` in `?3`..`?5` leaves that condition out.
+const LIST_RECORDS: &str = "SELECT id, principal, endpoint, key, fingerprint, state, token, created_at, started_at, \
+     lease_expires_at, expires_at, response FROM idem_records \
+     WHERE expires_at > ?1 AND id > ?2 AND (?3 IS NULL OR state = ?3) AND (?4 IS NULL OR started_at <= ?4) \
+     AND (?5 IS NULL OR principal = ?5) ORDER BY id LIMIT ?6";
 
 const DELETE_RECORD: &str = "DELETE FROM idem_records WHERE id = ?1";
 
@@ -178,6 +185,33 @@ fn read_record(conn: &Connection, id: RecordId) -> Result<Option<Record>, StoreE
     let mut stmt = conn.prepare_cached(SELECT_RECORD).map_err(Error::sqlite("prepare read"))?;
     let row = stmt.query_row([&id.0[..]], |row| Ok(from_row(row))).optional().map_err(Error::sqlite("read record"))?;
     row.transpose()
+}
+
+/// One page of live records matching `filter` at `now`, in id order.
+pub(crate) fn list(conn: &Connection, filter: &ListFilter, now: UnixMillis) -> Result<Listing, StoreError> {
+    let after: &[u8] = filter.after.as_ref().map_or(&[], |id| &id.0[..]);
+    let probe = i64::try_from(filter.limit).unwrap_or(i64::MAX).saturating_add(1);
+    let mut stmt = conn.prepare_cached(LIST_RECORDS).map_err(Error::sqlite("prepare list"))?;
+    let rows = stmt
+        .query_map(
+            params![
+                now.0,
+                after,
+                filter.state.map(|s| s.as_str()),
+                filter.started_before.map(|t| t.0),
+                filter.principal.as_ref().map(|p| p.0.as_str()),
+                probe
+            ],
+            |row| Ok(from_row(row)),
+        )
+        .map_err(Error::sqlite("list records"))?;
+    let mut page = Vec::new();
+    for row in rows {
+        page.push(row.map_err(Error::sqlite("list records"))??);
+    }
+    let more = page.len() > filter.limit;
+    page.truncate(filter.limit);
+    Ok(Listing::new(now, page, more))
 }
 
 fn read_journal(conn: &Connection, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {

@@ -16,6 +16,7 @@
 //! - [`capability`] - capability variants (native expiry, server clock, peer handles).
 //! - [`journal`] - the per-record journal of resumable handlers' steps and intents.
 //! - [`extend`] - lease renewal: fenced like `complete`, never earlier, never swept.
+//! - [`list`] - listing for operators: live records, filters, pages.
 //! - [`generation`] - a key reused after retention: tokens above every earlier
 //!   generation's, earlier owners fenced off, new sub-keys.
 //!
@@ -44,6 +45,7 @@ pub mod generation;
 pub mod inflight;
 pub mod journal;
 pub mod limits;
+pub mod list;
 pub mod peers;
 pub mod reclaim;
 pub mod replay;
@@ -392,5 +394,7 @@ macro_rules! __for_each_scenario {
         $m!($backend, generation::tokens_grow_over_many_generations);
         $m!($backend, generation::sub_keys_stay_within_a_generation_and_change_between_generations);
         $m!($backend, generation::late_step_of_an_earlier_generation_is_fenced);
+        $m!($backend, list::list_filters_live_records_by_state_age_and_principal);
+        $m!($backend, list::list_pages_resume_after_the_cursor);
     };
 }

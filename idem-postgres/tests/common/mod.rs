@@ -203,6 +203,9 @@ impl<S: Store> Store for TestStore<S> {
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
         self.inner.journal_get(id, name).await
     }
+    async fn list(&self, filter: idem_core::ListFilter) -> Result<idem_core::Listing, StoreError> {
+        self.inner.list(filter).await
+    }
 }
 
 /// PgBouncer (transaction mode) in front of the test server, started by
