@@ -1,0 +1,393 @@
+//! The built `idem` binary against real stores: a stuck claim made through the store is
+//! shown in flight with its lease, `release` refuses a live lease without `--force` and
+//! frees it with it (or once the lease expired), and the next request's claim reclaims
+//! the record and runs; `list`, `stats`, `sweep` and `--json` outputs are parsed and
+//! checked; a bad URL exits 2 and a missing record 1. One test per backend, each on its
+//! own file, key prefix or schema.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use idem_core::{
+    ClaimOutcome, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey, ReclaimOutcome, ReclaimRequest,
+    Record, RecordState, Scope, Store, StoredResponse, decide,
+};
+use serde_json::Value;
+
+const ENDPOINT: &str = "POST /v1/workers/{id}/reboot";
+const LONG_LEASE: Duration = Duration::from_secs(300);
+/// Short enough that nothing stays behind on a shared Redis for long.
+const RETENTION: Duration = Duration::from_secs(600);
+
+/// What one run of the binary did.
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {}", self.stdout))
+    }
+}
+
+fn idem(store: &str, args: &[&str]) -> Run {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("--store")
+        .arg(store)
+        .args(args)
+        .env_remove("IDEM_STORE")
+        .output()
+        .expect("run the idem binary");
+    Run {
+        code: out.status.code().expect("exit code"),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn local_ms() -> i64 {
+    i64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_millis()).expect("ms")
+}
+
+/// Opens the backend's store from the test process. Embedded stores are closed (dropped)
+/// before the binary runs: redb allows one opener per file.
+type Open = Box<dyn Fn() -> Pin<Box<dyn Future<Output = Arc<dyn Store>> + Send>> + Send + Sync>;
+
+fn request(principal: &str, key: &str, lease: Duration, retention: Duration) -> ClaimRequest {
+    let scope = Scope::new(principal, Endpoint(ENDPOINT.to_owned())).expect("scope");
+    let key = IdempotencyKey::parse(key.as_bytes()).expect("key");
+    let fingerprint = Fingerprint::of_bytes(format!("reboot {}", key.as_str()).as_bytes());
+    ClaimRequest::new(scope, key, fingerprint, lease, retention)
+}
+
+async fn claimed(store: &dyn Store, req: ClaimRequest) -> Record {
+    match store.claim(req).await.expect("claim") {
+        ClaimOutcome::Claimed(r) => r,
+        other => panic!("expected a fresh claim, got {other:?}"),
+    }
+}
+
+/// Waits until this machine's clock is past `t` (ms): a hang guard, not a timing bound.
+async fn until_past(t: i64) {
+    for _ in 0..2_000 {
+        if local_ms() > t {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the clock never passed {t}");
+}
+
+/// The whole operator story on one backend. `native_expiry`: the store removes records
+/// itself (sweep reports zero).
+async fn operator_story(url: &str, open: Open, native_expiry: bool) {
+    let principal = format!("cli-{}", uuid::Uuid::new_v4().simple());
+    let store = open().await;
+    // A stuck claim (its process died), a completed record, a failed one, a claim whose
+    // lease already ran out, and a record past its retention.
+    let stuck = claimed(store.as_ref(), request(&principal, "stuck", LONG_LEASE, RETENTION)).await;
+    until_past(stuck.started_at.0).await;
+    let done = claimed(store.as_ref(), request(&principal, "done", LONG_LEASE, RETENTION)).await;
+    let done = store.complete(done.id, done.token, StoredResponse::new(201, vec![], b"{\"id\":1}".to_vec())).await;
+    let done = done.expect("complete");
+    let broke = claimed(store.as_ref(), request(&principal, "broke", LONG_LEASE, RETENTION)).await;
+    store.fail(broke.id, broke.token).await.expect("fail");
+    let lapsed = claimed(store.as_ref(), request(&principal, "lapsed", Duration::from_millis(1), RETENTION)).await;
+    let gone = claimed(store.as_ref(), request(&principal, "gone", Duration::ZERO, Duration::ZERO)).await;
+    until_past(lapsed.lease_expires_at.0.max(gone.expires_at.0)).await;
+    drop(store);
+
+    // inspect by scope and key: in flight, its token, a live lease.
+    let run = idem(url, &["--json", "inspect", "--principal", &principal, "--endpoint", ENDPOINT, "--key", "stuck"]);
+    assert_eq!(run.code, 0, "inspect: {}", run.stderr);
+    let shown = &run.json()["record"];
+    assert_eq!(shown["record_id"], stuck.id.to_hex(), "the CLI derives the layer's record id");
+    assert_eq!(shown["state"], "in_flight");
+    assert_eq!(shown["token"], stuck.token.0);
+    assert_eq!(shown["lease_live"], true);
+    assert_eq!(shown["lease_expires_at_ms"], stuck.lease_expires_at.0);
+    let remaining = shown["lease_remaining_ms"].as_u64().expect("remaining ms");
+    assert!(remaining > 0 && remaining <= 300_000, "remaining lease {remaining} ms");
+    assert_eq!(shown["response"], Value::Null);
+    // The quoted (structured-field) spelling of the key is the same record.
+    let run =
+        idem(url, &["--json", "inspect", "--principal", &principal, "--endpoint", ENDPOINT, "--key", "\"stuck\""]);
+    assert_eq!(run.json()["record"]["record_id"], stuck.id.to_hex());
+    // By record id, as text.
+    let run = idem(url, &["inspect", "--record-id", &done.id.to_hex()]);
+    assert_eq!(run.code, 0, "inspect: {}", run.stderr);
+    assert!(run.stdout.contains("completed") && run.stdout.contains("201"), "{}", run.stdout);
+
+    // list: the principal's four live records; by state; by age.
+    let run = idem(url, &["--json", "list", "--principal", &principal]);
+    assert_eq!(run.code, 0, "list: {}", run.stderr);
+    let listing = run.json();
+    let mut listed: Vec<String> =
+        listing["records"].as_array().expect("records").iter().map(|r| r["record_id"].to_string()).collect();
+    listed.sort();
+    let mut expected: Vec<String> = [&stuck, &done, &broke, &lapsed].iter().map(|r| format!("\"{}\"", r.id)).collect();
+    expected.sort();
+    assert_eq!(listed, expected, "live records only: the expired one is not listed");
+    assert_eq!(listing["more"], false);
+    let run = idem(url, &["--json", "list", "--principal", &principal, "--state", "in_flight", "--limit", "1"]);
+    let page = run.json();
+    assert_eq!(page["count"], 1);
+    assert_eq!(page["more"], true, "two in-flight records, a page of one");
+    let next = page["next_after"].as_str().expect("next_after").to_owned();
+    let run = idem(url, &["--json", "list", "--principal", &principal, "--state", "in_flight", "--after", &next]);
+    assert_eq!(run.json()["count"], 1, "the second page holds the other in-flight record");
+    let run = idem(url, &["--json", "list", "--principal", &principal, "--min-age", "1h"]);
+    assert_eq!(run.json()["count"], 0, "nothing started an hour ago");
+    let run = idem(url, &["list", "--principal", &principal, "--state", "failed"]);
+    assert!(run.stdout.contains(&broke.id.to_hex()) && run.stdout.contains("1 records"), "{}", run.stdout);
+
+    // stats: counts by state and the oldest in-flight claim.
+    let run = idem(url, &["--json", "stats", "--principal", &principal]);
+    assert_eq!(run.code, 0, "stats: {}", run.stderr);
+    let stats = run.json();
+    assert_eq!(
+        (
+            &stats["records"],
+            &stats["in_flight"],
+            &stats["in_flight_lease_expired"],
+            &stats["completed"],
+            &stats["failed"]
+        ),
+        (&Value::from(4), &Value::from(2), &Value::from(1), &Value::from(1), &Value::from(1))
+    );
+    assert_eq!(stats["oldest_in_flight"]["record_id"], stuck.id.to_hex(), "the stuck claim started first");
+
+    // release of a live claim without --force: refused, nothing changed.
+    let target = ["--principal", principal.as_str(), "--endpoint", ENDPOINT, "--key", "stuck"];
+    let run = idem(url, &[&["release"], &target[..]].concat());
+    assert_eq!(run.code, 4, "a live lease needs --force: {}", run.stderr);
+    assert!(run.stderr.contains("--force"), "{}", run.stderr);
+    let run = idem(url, &[&["--json", "inspect"], &target[..]].concat());
+    assert_eq!(run.json()["record"]["state"], "in_flight", "the refused release changed nothing");
+    assert_eq!(run.json()["record"]["token"], stuck.token.0);
+
+    // release --force: a fenced fail with the record's token.
+    let run = idem(url, &[&["--json", "release", "--force"], &target[..]].concat());
+    assert_eq!(run.code, 0, "release --force: {}", run.stderr);
+    let released = run.json();
+    assert_eq!((&released["released"], &released["forced"]), (&Value::Bool(true), &Value::Bool(true)));
+    assert_eq!(released["record"]["state"], "failed");
+    assert_eq!(released["record"]["token"], stuck.token.0, "fail keeps the token");
+    // Again: already failed, nothing to do.
+    let run = idem(url, &[&["release"], &target[..]].concat());
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(run.stdout.contains("already released"), "{}", run.stdout);
+
+    // An expired lease needs no --force.
+    let run = idem(url, &["--json", "release", "--record-id", &lapsed.id.to_hex()]);
+    assert_eq!(run.code, 0, "release of an expired lease: {}", run.stderr);
+    assert_eq!(run.json()["forced"], false);
+    assert_eq!(run.json()["record"]["state"], "failed");
+
+    // A completed record is never "released".
+    let run = idem(url, &["release", "--force", "--record-id", &done.id.to_hex()]);
+    assert_eq!(run.code, 4, "{}", run.stderr);
+
+    // The next request with the stuck key reclaims the record and runs.
+    let store = open().await;
+    let retry = request(&principal, "stuck", LONG_LEASE, RETENTION);
+    let fingerprint = retry.fingerprint;
+    let (record, now) = match store.claim(retry).await.expect("claim") {
+        ClaimOutcome::Existing { record, now } => (record, now),
+        other => panic!("expected the released record, got {other:?}"),
+    };
+    assert_eq!(record.state, RecordState::Failed);
+    assert!(matches!(decide(Some(&record), &fingerprint, now), Decision::Reclaim { .. }), "a failed record is retried");
+    let reclaim = ReclaimRequest {
+        id: record.id,
+        expected: record.token,
+        fingerprint,
+        lease_ttl: LONG_LEASE,
+        retention: RETENTION,
+    };
+    match store.reclaim(reclaim).await.expect("reclaim") {
+        ReclaimOutcome::Reclaimed(r) => {
+            assert_eq!(r.token, stuck.token.next(), "the retry holds the next token");
+            assert_eq!(r.state, RecordState::InFlight);
+        }
+        other => panic!("the retry must win the reclaim, got {other:?}"),
+    }
+    // The old owner is fenced: its completion is refused.
+    let late = store.complete(stuck.id, stuck.token, StoredResponse::new(200, vec![], vec![])).await;
+    assert!(late.is_err_and(|e| e.is_lease_lost()), "the released owner's write is lease lost");
+    drop(store);
+
+    // sweep: one bounded call.
+    let run = idem(url, &["--json", "sweep", "--limit", "100"]);
+    assert_eq!(run.code, 0, "sweep: {}", run.stderr);
+    let swept = run.json();
+    assert_eq!(swept["native_expiry"], native_expiry);
+    let removed = swept["removed"].as_u64().expect("removed");
+    if native_expiry {
+        assert_eq!(removed, 0, "a store that expires records itself sweeps nothing");
+    } else {
+        assert!(removed >= 1, "the record past its retention is swept");
+    }
+    assert!(swept["more"].is_boolean());
+
+    // A missing record: exit 1 with a clear message, as JSON too.
+    let run = idem(url, &["inspect", "--principal", &principal, "--endpoint", ENDPOINT, "--key", "never-sent"]);
+    assert_eq!(run.code, 1, "{}", run.stderr);
+    assert!(run.stderr.contains("no record"), "{}", run.stderr);
+    let run =
+        idem(url, &["--json", "release", "--principal", &principal, "--endpoint", ENDPOINT, "--key", "never-sent"]);
+    assert_eq!(run.code, 1);
+    assert_eq!(run.json()["error"]["kind"], "not_found");
+}
+
+#[test]
+fn bad_urls_and_arguments_exit_2_with_one_line() {
+    for url in ["memory:", "mysql://h/db", "redis-cluster://nohostport", "redis://h:1?prefix=a{b}", "redb://"] {
+        let run = idem(url, &["stats"]);
+        assert_eq!(run.code, 2, "{url}: {}", run.stderr);
+        assert_eq!(run.stderr.lines().count(), 1, "one clear line: {}", run.stderr);
+        assert!(run.stdout.is_empty());
+    }
+    let run = idem("redb:///nonexistent/idem-cli-test.redb", &["--json", "stats"]);
+    assert_eq!(run.code, 2, "a missing file is never created: {}", run.stderr);
+    assert_eq!(run.json()["error"]["kind"], "usage");
+    assert!(!std::path::Path::new("/nonexistent/idem-cli-test.redb").exists());
+    let run = idem("redb:///tmp/x.redb", &["inspect", "--record-id", "xyz"]);
+    assert_eq!(run.code, 2, "a bad record id: {}", run.stderr);
+    let run = idem("redb:///tmp/x.redb", &["inspect", "--principal", "p", "--endpoint", "reboot", "--key", "k"]);
+    assert_eq!(run.code, 2, "an endpoint without a method: {}", run.stderr);
+}
+
+fn temp_file(dir: &tempfile::TempDir, name: &str) -> PathBuf {
+    dir.path().join(name)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redb_end_to_end() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = temp_file(&dir, "records.redb");
+    let url = format!("redb://{}", path.display());
+    let open: Open = Box::new(move || {
+        let path = path.clone();
+        Box::pin(async move {
+            let store =
+                tokio::task::spawn_blocking(move || idem_redb::RedbStore::open(&path, idem_redb::Config::default()))
+                    .await
+                    .expect("join")
+                    .expect("open redb");
+            Arc::new(store) as Arc<dyn Store>
+        })
+    });
+    operator_story(&url, open, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_end_to_end() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = temp_file(&dir, "records.db");
+    let url = format!("sqlite://{}", path.display());
+    let open: Open = Box::new(move || {
+        let path = path.clone();
+        Box::pin(async move {
+            let store = tokio::task::spawn_blocking(move || {
+                idem_sqlite::SqliteStore::open(&path, idem_sqlite::Config::default())
+            })
+            .await
+            .expect("join")
+            .expect("open sqlite");
+            Arc::new(store) as Arc<dyn Store>
+        })
+    });
+    operator_story(&url, open, false).await;
+}
+
+fn redis_config(prefix: &str) -> idem_redis::Config {
+    idem_redis::Config::default().with_prefix(prefix).with_eviction_check(idem_redis::EvictionCheck::Warn)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_end_to_end() {
+    let server = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+    let prefix = format!("idem-cli-test-{}:", uuid::Uuid::new_v4().simple());
+    let url = format!("{server}?prefix={prefix}");
+    let open: Open = Box::new(move || {
+        let (server, prefix) = (server.clone(), prefix.clone());
+        Box::pin(async move {
+            let store = idem_redis::RedisStore::connect(&server, redis_config(&prefix)).await.expect("Redis on 6379");
+            Arc::new(store) as Arc<dyn Store>
+        })
+    });
+    operator_story(&url, open, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_end_to_end() {
+    let nodes: Vec<String> = match std::env::var("IDEM_REDIS_CLUSTER_URLS") {
+        Ok(v) => v.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect(),
+        Err(_) => (7000..=7005).map(|p| format!("redis://127.0.0.1:{p}")).collect(),
+    };
+    let hosts: Vec<&str> = nodes.iter().map(|n| n.trim_start_matches("redis://").trim_end_matches('/')).collect();
+    let prefix = format!("idem-cli-test-{}:", uuid::Uuid::new_v4().simple());
+    let url = format!("redis-cluster://{}?prefix={prefix}", hosts.join(","));
+    let open: Open = Box::new(move || {
+        let (nodes, prefix) = (nodes.clone(), prefix.clone());
+        Box::pin(async move {
+            let store = idem_redis::RedisStore::connect_cluster(&nodes, redis_config(&prefix))
+                .await
+                .expect("the Redis Cluster (scripts/redis-cluster, or IDEM_REDIS_CLUSTER_URLS)");
+            Arc::new(store) as Arc<dyn Store>
+        })
+    });
+    operator_story(&url, open, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_end_to_end() {
+    let server =
+        std::env::var("IDEM_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    // The Postgres suites' naming (`idem_test_<unix seconds>_...`), so a run that dies
+    // before dropping its schema is cleaned up by their next run.
+    let secs = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_secs();
+    let schema = format!("idem_test_{secs}_cli{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let url = format!("{server}?schema={schema}");
+    let open: Open = {
+        let (server, schema) = (server.clone(), schema.clone());
+        Box::new(move || {
+            let (server, schema) = (server.clone(), schema.clone());
+            Box::pin(async move {
+                let config = idem_postgres::Config::default().with_schema(&schema);
+                let store = idem_postgres::PostgresStore::connect(&server, config).await.expect("Postgres on 5432");
+                Arc::new(store) as Arc<dyn Store>
+            })
+        })
+    };
+    // The schema goes away whether or not the story passes.
+    let dropper = SchemaDrop { server: server.clone(), schema: schema.clone() };
+    operator_story(&url, open, false).await;
+    dropper.drop_now().await;
+}
+
+/// Drops the test's schema.
+struct SchemaDrop {
+    server: String,
+    schema: String,
+}
+
+impl SchemaDrop {
+    async fn drop_now(self) {
+        let store = idem_postgres::PostgresStore::connect(
+            &self.server,
+            idem_postgres::Config::default().with_schema(&self.schema),
+        )
+        .await
+        .expect("Postgres");
+        let client = store.pool().get().await.expect("connection");
+        client.batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", self.schema)).await.expect("drop schema");
+    }
+}
