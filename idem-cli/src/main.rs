@@ -33,10 +33,14 @@ use url::StoreUrl;
 #[derive(Debug, Parser)]
 #[command(name = "idem", version)]
 struct Cli {
-    /// Where the records are: redb:///PATH, sqlite:///PATH, redis://HOST:PORT[/DB][?prefix=P],
-    /// redis-cluster://HOST:PORT[,HOST:PORT...][?prefix=P], postgres://USER@HOST/DB[?schema=S].
-    /// Also read from IDEM_STORE.
-    #[arg(long, env = "IDEM_STORE", global = true)]
+    /// The store URL (`docs/operations.md#store-urls`).
+    #[arg(
+        long,
+        env = "IDEM_STORE",
+        global = true,
+        help = "Where the records are: redb:///PATH, sqlite:///PATH, redis://HOST:PORT[/DB][?prefix=P], \
+                redis-cluster://HOST:PORT[,HOST:PORT...][?prefix=P], postgres://USER@HOST/DB[?schema=S]"
+    )]
     store: Option<String>,
     /// Print one JSON document on stdout instead of text (errors too).
     #[arg(long, global = true)]
