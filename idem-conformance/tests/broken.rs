@@ -11,13 +11,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_conformance::scenarios::{
-    claim, clock, extend, fencing, generation, inflight, journal, peers, replay, retention,
+    claim, clock, extend, fencing, generation, inflight, journal, list, peers, replay, retention,
 };
 use idem_conformance::{Backend, Env, model_test};
 use idem_core::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
 use idem_core::{
-    Capabilities, Clock, FencingToken, JournalWrite, ManualClock, Record, RecordId, RecordState, Store, StoreError,
-    StoredResponse, SweepOutcome, UnixMillis,
+    Capabilities, Clock, FencingToken, JournalWrite, ListFilter, Listing, ManualClock, Record, RecordId, RecordState,
+    Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
 };
 
 /// The one bug a [`BrokenStore`] carries.
@@ -62,6 +62,11 @@ enum Bug {
     /// record, the stored expired record's token + 1 otherwise. A record that left the
     /// store takes its tokens with it, and a late owner of it passes the fence on the next.
     TokensRestart,
+    /// The listing judges nothing expired: records past their retention (gone for `get`)
+    /// still show up for operators.
+    ListIncludesExpired,
+    /// The listing ignores the cursor: every page starts again at the first record.
+    ListIgnoresCursor,
 }
 
 /// A map-based store that follows `idem_core::transition` except for its bug.
@@ -238,7 +243,20 @@ impl Store for BrokenStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new().with_journal(self.bug != Bug::NoJournal)
+        Capabilities::new().with_journal(self.bug != Bug::NoJournal).with_list(true)
+    }
+
+    async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
+        let now = self.clock.now();
+        let records: Vec<Record> = self.lock().values().cloned().collect();
+        let mut applied = filter.clone();
+        if self.bug == Bug::ListIgnoresCursor {
+            applied.after = None;
+        }
+        // Judged at the dawn of time, nothing has expired yet.
+        let judged_at = if self.bug == Bug::ListIncludesExpired { UnixMillis(i64::MIN) } else { now };
+        let page = applied.select(records, judged_at);
+        Ok(Listing::new(now, page.records, page.more))
     }
 
     async fn journal_put(
@@ -529,6 +547,16 @@ async fn extend_moving_the_lease_earlier_is_caught() {
 async fn extend_leaving_expires_at_behind_is_caught() {
     caught(Bug::ExtendKeepsExpiresAt, 1, &scenarios![extend::renewed_claim_outlives_its_retention_through_sweeps])
         .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn listing_expired_records_is_caught() {
+    caught(Bug::ListIncludesExpired, 1, &scenarios![list::list_filters_live_records_by_state_age_and_principal]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn listing_that_ignores_the_cursor_is_caught() {
+    caught(Bug::ListIgnoresCursor, 1, &scenarios![list::list_pages_resume_after_the_cursor]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
