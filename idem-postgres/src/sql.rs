@@ -317,7 +317,6 @@ pub struct Statements {
     sweep: String,
     journal_put: String,
     journal_get: String,
-    list: String,
 }
 
 /// The record columns, in the order [`record_at`] reads them.
@@ -410,18 +409,6 @@ impl Statements {
     #[must_use]
     pub fn journal_get(&self) -> &str {
         &self.journal_get
-    }
-
-    /// The next record of a listing ([`idem_core::Store::list`]). `$1` the cursor (the last
-    /// id listed, or an empty `bytea`, which sorts before every id), `$2` the state name or
-    /// `''` for any, `$3` latest `started_at` or `NULL`, `$4` whether to match `$5`, the
-    /// principal (UTF-8 bytes), `$6` now. Always one row: the record columns (all `NULL`
-    /// when no further live record matches) and `now`. One record per statement, found
-    /// through the primary key from the cursor, so a page costs one index step per record
-    /// and the driver reads single rows only.
-    #[must_use]
-    pub fn list(&self) -> &str {
-        &self.list
     }
 
     pub(crate) fn for_schema(schema: &str) -> Self {
@@ -577,9 +564,24 @@ JOIN {journal} AS j ON j.id = r.id AND j.record_created_at = r.created_at
 WHERE r.id = $1::bytea AND j.name = $2::bytea AND {now3} < r.expires_at",
             now3 = now("$3"),
         );
-        let list = format!(
-            "SELECT {rcols}, n.ms AS now
-FROM (SELECT {now6} AS ms) AS n
+        Self { claim, reclaim, complete, extend, fail, read, sweep, journal_put, journal_get }
+    }
+}
+
+/// The next record of a listing ([`idem_core::Store::list`]) in `schema`. `$1` the cursor
+/// (the last id listed, or an empty `bytea`, which sorts before every id), `$2` the state
+/// name or `''` for any, `$3` latest `started_at` or `NULL`, `$4` whether to match `$5`,
+/// the principal (UTF-8 bytes), `$6` now. Always one row: the record columns (all `NULL`
+/// when no further live record matches) and `now`. One record per statement, found
+/// through the primary key from the cursor, so a page costs one index step per record
+/// and the driver reads single rows only. Built per call (listing is an operator's
+/// command, not a request path), so it is not one of the cached [`Statements`].
+pub(crate) fn list_statement(schema: &str) -> String {
+    let table = format!("{}.records", quote_ident(schema));
+    let rcols = COLUMNS.iter().map(|c| format!("r.{c}")).collect::<Vec<_>>().join(", ");
+    format!(
+        "SELECT {rcols}, n.ms AS now
+FROM (SELECT COALESCE($6::bigint, {SERVER_NOW_MS}) AS ms) AS n
 LEFT JOIN LATERAL (
     SELECT * FROM {table} AS t
     WHERE t.id > $1::bytea AND n.ms < t.expires_at
@@ -588,12 +590,8 @@ LEFT JOIN LATERAL (
       AND (NOT $4::boolean OR t.principal = $5::bytea)
     ORDER BY t.id
     LIMIT 1
-) AS r ON true",
-            rcols = cols("r."),
-            now6 = now("$6"),
-        );
-        Self { claim, reclaim, complete, extend, fail, read, sweep, journal_put, journal_get, list }
-    }
+) AS r ON true"
+    )
 }
 
 /// A token as the `bigint` column holds it. Tokens above `i64::MAX` cannot exist in the

@@ -635,7 +635,7 @@ impl<D: Driver> Store for PostgresStore<D> {
     }
 
     /// One statement per record on one pooled connection, each the next matching id after
-    /// the last (see [`Statements::list`]), up to one past the limit (that one only says
+    /// the last (see `sql::list_statement`), up to one past the limit (that one only says
     /// `more`). Every statement runs at the first one's `now` (the pinned clock or the
     /// server's), so liveness and age in one page are judged at one instant.
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
@@ -647,6 +647,7 @@ impl<D: Driver> Store for PostgresStore<D> {
         let mut page = Vec::new();
         let mut first_now = None;
         let mut more = false;
+        let sql = crate::sql::list_statement(&self.inner.schema);
         loop {
             let now = first_now.map(|n: UnixMillis| n.0).or(self.pinned_now());
             let params = [
@@ -657,7 +658,7 @@ impl<D: Driver> Store for PostgresStore<D> {
                 Param::Bytes(principal),
                 Param::OptI64(now),
             ];
-            let row = self.run(&mut conn, OP, self.inner.sql.list(), &params).await?;
+            let row = self.run(&mut conn, OP, &sql, &params).await?;
             let row = row.ok_or_else(|| corrupt(None, "row", "the statement returned no row"))?;
             first_now.get_or_insert(UnixMillis(row.i64(COLUMNS.len())?));
             if row.opt_bytes(0)?.is_none() {
