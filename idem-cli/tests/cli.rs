@@ -10,12 +10,14 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::process::Command;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey, ReclaimOutcome, ReclaimRequest,
-    Record, RecordState, Scope, Store, StoredResponse, decide,
+    ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Record, RecordState, RequestParts, Scope, Store,
+    StoredResponse,
 };
+use idem_http::{BearerToken, IdempotencyLayer};
 use serde_json::Value;
 
 const ENDPOINT: &str = "POST /v1/workers/{id}/reboot";
@@ -59,11 +61,47 @@ fn local_ms() -> i64 {
 /// before the binary runs: redb allows one opener per file.
 type Open = Box<dyn Fn() -> Pin<Box<dyn Future<Output = Arc<dyn Store>> + Send>> + Send + Sync>;
 
+/// The concrete path the requests go to (the endpoint is its route template).
+const PATH: &str = "/v1/workers/7/reboot";
+
+fn body(key: &str) -> String {
+    format!("{{\"reboot\":\"{key}\"}}")
+}
+
+/// The claim the HTTP layer makes for a POST of [`body`] to [`PATH`] with `key`: the same
+/// scope and the same fingerprint (method, path, `content-type`, body).
 fn request(principal: &str, key: &str, lease: Duration, retention: Duration) -> ClaimRequest {
     let scope = Scope::new(principal, Endpoint(ENDPOINT.to_owned())).expect("scope");
+    let body = body(key);
     let key = IdempotencyKey::parse(key.as_bytes()).expect("key");
-    let fingerprint = Fingerprint::of_bytes(format!("reboot {}", key.as_str()).as_bytes());
-    ClaimRequest::new(scope, key, fingerprint, lease, retention)
+    let headers: [(&str, &[u8]); 1] = [("content-type", b"application/json")];
+    let parts = RequestParts { method: "POST", path: PATH, query: None, headers: &headers, body: body.as_bytes() };
+    ClaimRequest::new(scope, key, Fingerprint::of(&parts), lease, retention)
+}
+
+/// Sends the client's retry through the real layer on `store`; returns the status and how
+/// many times the handler ran.
+async fn retry_through_the_layer(store: Arc<dyn Store>, token: &str, key: &str) -> (u16, usize) {
+    use axum::routing::post;
+    use tower::ServiceExt as _;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let handler = move || {
+        let counted = Arc::clone(&counted);
+        async move {
+            counted.fetch_add(1, Ordering::SeqCst);
+            (axum::http::StatusCode::CREATED, "rebooted")
+        }
+    };
+    let app = axum::Router::new().route("/v1/workers/{id}/reboot", post(handler)).layer(IdempotencyLayer::new(store));
+    let req = axum::http::Request::post(PATH)
+        .header("authorization", format!("Bearer {token}"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body(key)))
+        .expect("request");
+    let resp = app.oneshot(req).await.expect("infallible");
+    (resp.status().as_u16(), runs.load(Ordering::SeqCst))
 }
 
 async fn claimed(store: &dyn Store, req: ClaimRequest) -> Record {
@@ -87,7 +125,8 @@ async fn until_past(t: i64) {
 /// The whole operator story on one backend. `native_expiry`: the store removes records
 /// itself (sweep reports zero).
 async fn operator_story(url: &str, open: Open, native_expiry: bool) {
-    let principal = format!("cli-{}", uuid::Uuid::new_v4().simple());
+    let bearer = format!("cli-{}", uuid::Uuid::new_v4().simple());
+    let principal = BearerToken::principal_for(bearer.as_bytes());
     let store = open().await;
     // A stuck claim (its process died), a completed record, a failed one, a claim whose
     // lease already ran out, and a record past its retention.
@@ -194,30 +233,18 @@ async fn operator_story(url: &str, open: Open, native_expiry: bool) {
     let run = idem(url, &["release", "--force", "--record-id", &done.id.to_hex()]);
     assert_eq!(run.code, 4, "{}", run.stderr);
 
-    // The next request with the stuck key reclaims the record and runs.
+    // The client's next request with the stuck key, through the real layer: the record is
+    // reclaimed and the handler runs once.
     let store = open().await;
-    let retry = request(&principal, "stuck", LONG_LEASE, RETENTION);
-    let fingerprint = retry.fingerprint;
-    let (record, now) = match store.claim(retry).await.expect("claim") {
-        ClaimOutcome::Existing { record, now } => (record, now),
-        other => panic!("expected the released record, got {other:?}"),
-    };
-    assert_eq!(record.state, RecordState::Failed);
-    assert!(matches!(decide(Some(&record), &fingerprint, now), Decision::Reclaim { .. }), "a failed record is retried");
-    let reclaim = ReclaimRequest {
-        id: record.id,
-        expected: record.token,
-        fingerprint,
-        lease_ttl: LONG_LEASE,
-        retention: RETENTION,
-    };
-    match store.reclaim(reclaim).await.expect("reclaim") {
-        ReclaimOutcome::Reclaimed(r) => {
-            assert_eq!(r.token, stuck.token.next(), "the retry holds the next token");
-            assert_eq!(r.state, RecordState::InFlight);
-        }
-        other => panic!("the retry must win the reclaim, got {other:?}"),
-    }
+    let (status, runs) = retry_through_the_layer(Arc::clone(&store), &bearer, "stuck").await;
+    assert_eq!((status, runs), (201, 1), "the released key runs again");
+    let record = store.get(stuck.id).await.expect("get").expect("record");
+    assert_eq!(record.state, RecordState::Completed, "the retry completed the record");
+    assert_eq!(record.token, stuck.token.next(), "the retry held the next token");
+    // The control: a live claim nobody released still answers 409 and runs nothing.
+    claimed(store.as_ref(), request(&principal, "held", LONG_LEASE, RETENTION)).await;
+    let (status, runs) = retry_through_the_layer(Arc::clone(&store), &bearer, "held").await;
+    assert_eq!((status, runs), (409, 0), "a live claim is not run again");
     // The old owner is fenced: its completion is refused.
     let late = store.complete(stuck.id, stuck.token, StoredResponse::new(200, vec![], vec![])).await;
     assert!(late.is_err_and(|e| e.is_lease_lost()), "the released owner's write is lease lost");
