@@ -16,6 +16,13 @@
 //!    backoff (25 ms, doubling, at most 1 s) for as long as the lease can last. Without
 //!    this, the response goes out, the record stays in flight, and once the lease runs out
 //!    a retry reclaims the record and runs the handler a second time.
+//! 3. **Journal write retries** (same switch). A resumable step's outcome, or an intent's
+//!    `pending`/`done`, that misses its deadline or meets any `Unavailable` (a blip, and
+//!    also SQLite's full disk, which the backend reports as not retryable) is written
+//!    again with the same backoff for up to one lease TTL, while the handler's lease is
+//!    being renewed. The step's side effect has already happened when its outcome is
+//!    written; without the retry the request fails with nothing journalled and the next
+//!    attempt runs the step again.
 //!
 //! # Ambiguous outcomes
 //! A call abandoned at its deadline, or one that failed on a dropped connection, may still
@@ -73,7 +80,7 @@ const RETRY_MAX: Duration = Duration::from_secs(1);
 /// | [`read`](Self::with_read) | `get`, `journal_get` | 2 s | 503 / the read's caller sees a transient error |
 /// | [`complete`](Self::with_complete) | `complete`, `fail` (each attempt) | 2 s | retried, see [`CompletionRetry`] |
 /// | [`extend`](Self::with_extend) | `extend` (lease renewal) | 2 s | renewal retries it |
-/// | [`journal`](Self::with_journal) | `journal_put` (steps, intents) | 2 s | the step fails transiently |
+/// | [`journal`](Self::with_journal) | `journal_put` (steps, intents) | 2 s | retried like a completion, then the step fails transiently |
 ///
 /// `sweep` runs without a deadline: the layer never sweeps (the [`idem_core::sweeper::Sweeper`] does).
 /// A zero deadline is taken as 1 ms.
@@ -111,16 +118,18 @@ impl Default for StoreDeadlines {
 }
 
 /// Whether a `complete` or `fail` that missed its deadline or failed transiently is sent
-/// again.
+/// again; the same switch governs journal writes (a step's outcome, an intent's state),
+/// which are also retried on an `Unavailable` the backend calls permanent (a full disk).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum CompletionRetry {
     /// Retry with backoff (25 ms, doubling, at most 1 s) for up to one lease TTL after the
-    /// first attempt (default).
+    /// first attempt (default). Applies to completions and journal writes.
     #[default]
     WhileLeaseLasts,
     /// Send once. A completion lost to a blip leaves the record in flight until its lease
-    /// ends, and a retry after that runs the handler again. For measuring what the retry
+    /// ends, and a retry after that runs the handler again; a step outcome lost to a blip
+    /// fails the request, and its retry runs the step again. For measuring what the retry
     /// prevents, not for production.
     Off,
 }
@@ -194,6 +203,16 @@ impl StoreDeadlines {
 #[derive(Debug, thiserror::Error)]
 #[error("no answer from the store within {} ms", .0.as_millis())]
 pub struct DeadlineMissed(Duration);
+
+/// Whether a journal write that failed with `error` may land if sent again: any
+/// [`StoreError::Unavailable`], the retryable ones (a blip, a busy timeout, a missed
+/// deadline) and the others too (SQLite's full disk, an I/O error), as lease renewal
+/// treats them: the store may recover within the retry window, and the fence keeps a late
+/// write harmless. Refusals (`LeaseLost`), corrupt records and unsupported operations are
+/// final.
+fn is_outage(error: &StoreError) -> bool {
+    matches!(error, StoreError::Unavailable { .. })
+}
 
 /// The layer's store: `inner` with a deadline on every call and completion retries.
 pub(crate) struct DeadlineStore {
@@ -276,6 +295,43 @@ impl DeadlineStore {
         }
     }
 
+    /// Writes a journal entry (a step's outcome, an intent's `pending` or `done`), sent
+    /// again like a completion when it misses its deadline or the store is unavailable, for
+    /// up to one lease TTL. The step's side effect has already happened when its outcome is
+    /// written: giving up at the first failure (a full disk, a blip) fails the request with
+    /// no outcome journalled, and the retry that reclaims the record runs the step again.
+    ///
+    /// A resend after an ambiguous success is safe: the write is fenced by `token`, a
+    /// step's entry is written only if absent (the resend finds it and returns
+    /// [`JournalWrite::Exists`] with the same value), and an intent's entry is overwritten
+    /// with the same state. `LeaseLost` (another attempt owns the record) ends the retries.
+    async fn journal_put_retried(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        let retry = self.deadlines.completion_retry == CompletionRetry::WhileLeaseLasts
+            && tokio::runtime::Handle::try_current().is_ok();
+        let window_end = Instant::now() + self.retry_window;
+        let mut pause = RETRY_FIRST;
+        loop {
+            let call = self.inner.journal_put(id, token, name, value.clone(), overwrite);
+            let error = match Self::within(self.deadlines.journal, "journal_put", call).await {
+                Ok(written) => return Ok(written),
+                Err(e) => e,
+            };
+            if !retry || !is_outage(&error) || Instant::now() + pause >= window_end {
+                return Err(error);
+            }
+            tracing::warn!(record = %id, token = %token, name, error = %error, "journal write failed; retrying");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(RETRY_MAX);
+        }
+    }
+
     /// The record, if it carries `token` in state `want`: this attempt's own earlier write.
     async fn own_write(&self, id: RecordId, token: FencingToken, want: RecordState) -> Option<Record> {
         match Self::within(self.deadlines.read, "read after an ambiguous completion", self.inner.get(id)).await {
@@ -333,8 +389,7 @@ impl Store for DeadlineStore {
         value: Vec<u8>,
         overwrite: bool,
     ) -> Result<JournalWrite, StoreError> {
-        Self::within(self.deadlines.journal, "journal_put", self.inner.journal_put(id, token, name, value, overwrite))
-            .await
+        self.journal_put_retried(id, token, name, value, overwrite).await
     }
 
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {

@@ -10,9 +10,12 @@ mod common;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use axum::response::IntoResponse;
+use axum::{Extension, Router, routing};
 use common::{Counter, Env, Script, app, post, send};
+use http::StatusCode;
 use idem_core::RecordState;
-use idem_http::{CompletionRetry, IdempotencyLayer, StoreDeadlines};
+use idem_http::{CompletionRetry, IdempotencyContext, IdempotencyLayer, Problem, StoreDeadlines};
 
 const ORDERS: &str = "POST /v1/orders";
 const LEASE_MS: i64 = 300_000;
@@ -122,4 +125,50 @@ async fn completion_retries_stop_at_the_lease() {
     let attempts = env.store.completes.load(Ordering::SeqCst);
     assert!(attempts > 2, "the completion was retried: {attempts} attempts");
     assert_eq!(state(&env, "k1").await, Some(RecordState::InFlight));
+}
+
+/// A step's outcome write that failed on a full disk (SQLite reports it as not retryable)
+/// failed the request with nothing journalled, so the retry ran the step's side effect
+/// again: the chaos run's SQLite full disk re-ran finished firmware flashes this way.
+#[tokio::test]
+async fn a_step_outcome_lost_to_a_full_disk_is_written_again_and_the_step_runs_once() {
+    for (retry, runs) in [(CompletionRetry::WhileLeaseLasts, 1), (CompletionRetry::Off, 3)] {
+        let env = Env::new();
+        env.store.journal.store(true, Ordering::SeqCst);
+        let effects = Counter::default();
+        let counted = effects.clone();
+        let app = Router::new()
+            .route(
+                "/v1/flashes",
+                routing::post(move |Extension(ctx): Extension<IdempotencyContext>| {
+                    let counted = counted.clone();
+                    async move {
+                        let flashed = ctx
+                            .resumable()
+                            .step("flash", |_| async move { Ok::<_, std::io::Error>(counted.bump()) })
+                            .await;
+                        match flashed {
+                            Ok(n) => (StatusCode::CREATED, n.to_string()).into_response(),
+                            Err(e) => Problem::from_step_error(&e).expect("a store error").into_response(),
+                        }
+                    }
+                }),
+            )
+            .layer(layer(&env, StoreDeadlines::default().with_completion_retry(retry)));
+        let req = post("/v1/flashes").key("k1").body("{}");
+        env.store.journal_put_blips.store(2, Ordering::SeqCst);
+        // The client retries each 503 until it gets its 201.
+        let mut statuses = Vec::new();
+        loop {
+            let got = send(&app, &req).await;
+            statuses.push(got.status.as_u16());
+            if got.status == StatusCode::CREATED || statuses.len() == 5 {
+                break;
+            }
+            assert_eq!(got.status, StatusCode::SERVICE_UNAVAILABLE, "{retry:?}");
+        }
+        assert_eq!(statuses.last(), Some(&201), "{retry:?}: {statuses:?}");
+        assert_eq!(effects.get(), runs, "{retry:?}: side effects of the step; answers {statuses:?}");
+        assert_eq!(env.store.journal_puts.load(Ordering::SeqCst), 3, "{retry:?}: two failed writes, one that landed");
+    }
 }

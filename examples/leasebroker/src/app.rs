@@ -22,7 +22,7 @@ use idem_http::{
 use rand::Rng;
 
 use crate::crash::CrashPlan;
-use crate::state::{FirmwareSpec, Flash, Infra, StateError, Worker, WorkerSpec};
+use crate::state::{FirmwareSpec, Flash, FlashProgress, Infra, StateError, Worker, WorkerSpec};
 
 /// Faults the server injects, each as a probability in `0.0..=1.0`.
 #[derive(Clone, Copy, Debug, Default)]
@@ -46,6 +46,23 @@ pub struct Faults {
 /// a real one takes minutes.
 pub const DEFAULT_FLASH_MS: u64 = 20_000;
 
+/// Which simulated BMC flashes firmware (see [`crate::state`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Bmc {
+    /// A BMC with a task monitor (Redfish `UpdateService` style, the default): a flash is a
+    /// task named by the caller's tag and can be looked up later. The firmware route runs
+    /// it as an intent: a retry that finds the task, running or done, waits for it and
+    /// adopts it instead of flashing again, even after the process that started it was
+    /// killed.
+    #[default]
+    Tasks,
+    /// An older BMC that takes no caller id and cannot be asked what it is doing. The
+    /// flash is one journalled step; only lease renewal keeps a second attempt away while
+    /// it runs, and a flash whose caller dies mid-flash is flashed again by the retry
+    /// (nothing can be reconciled). Kept to show what renewal alone protects.
+    Blind,
+}
+
 /// How the API is served.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -60,6 +77,8 @@ pub struct Config {
     /// How long the simulated BMC takes to flash firmware, ms (default
     /// [`DEFAULT_FLASH_MS`]).
     pub flash_ms: u64,
+    /// Which BMC flashes (default [`Bmc::Tasks`]).
+    pub bmc: Bmc,
 }
 
 impl Default for Config {
@@ -69,6 +88,7 @@ impl Default for Config {
             lease_renewal: LeaseRenewal::default(),
             faults: Faults::default(),
             flash_ms: DEFAULT_FLASH_MS,
+            bmc: Bmc::default(),
         }
     }
 }
@@ -78,6 +98,7 @@ struct AppState {
     infra: Infra,
     faults: Faults,
     flash: Duration,
+    bmc: Bmc,
 }
 
 /// Builds the router: `POST /v1/workers`, `GET|DELETE /v1/workers/{id}`,
@@ -85,7 +106,8 @@ struct AppState {
 /// (unauthenticated counters) and `GET /admin/inventory` (every node, lease, VM and
 /// worker, for leak checks).
 pub fn router(infra: Infra, store: Arc<dyn Store>, config: &Config) -> Router {
-    let state = AppState { infra, faults: config.faults, flash: Duration::from_millis(config.flash_ms) };
+    let state =
+        AppState { infra, faults: config.faults, flash: Duration::from_millis(config.flash_ms), bmc: config.bmc };
     // POST requires a key; DELETE takes one when sent (a retried DELETE replays its 204).
     let post_layer = IdempotencyLayer::new(Arc::clone(&store))
         .with_policy(config.policy.clone())
@@ -259,13 +281,20 @@ async fn provision(
 }
 
 /// `POST /v1/workers/{id}/firmware`: flashes the worker's node, which takes
-/// [`Config::flash_ms`] (tens of seconds), many times the lease. The flash is one step:
-/// once it ended, its outcome is journalled and a later attempt of the same operation
-/// reuses it. While it runs, only the layer's lease renewal keeps the claim; a retry that
-/// found the lease run out would reclaim the record, run the step again and start a
-/// second flash of the same node, which bricks it (the BMC takes no caller id, so there is
-/// nothing to reconcile by). Answers 200 with the flash, 404 for an unknown worker, 409
-/// (stored) for a bricked node.
+/// [`Config::flash_ms`] (tens of seconds), many times the lease. Answers 200 with the
+/// flash, 404 for an unknown worker, 409 (stored) for a bricked node. How a retry is kept
+/// from flashing twice depends on the BMC ([`Config::bmc`]):
+///
+/// - [`Bmc::Tasks`]: the flash is an intent named `flash`. `pending` is journalled, the
+///   task is started with the intent's sub-key as its id, and `done(task id)` journalled;
+///   then the handler waits on the BMC's task monitor until the flash ends. A retry that
+///   finds `pending` (its predecessor was killed, or its journal write failed on a full
+///   disk) asks the BMC for the task and adopts it if it exists; one that finds `done`
+///   only waits. Either way it never starts a second flash of the operation.
+/// - [`Bmc::Blind`]: the flash is one step: its outcome is journalled when it ended.
+///   While it runs only the layer's lease renewal keeps the claim; a retry that found the
+///   lease run out (renewal off, or the process killed) would run the step again and start
+///   a second flash, which bricks the node: there is nothing to reconcile by.
 async fn firmware(
     State(s): State<AppState>,
     ctx: Option<axum::Extension<IdempotencyContext>>,
@@ -288,16 +317,10 @@ async fn firmware(
         Ok(w) => w,
         Err(e) => return state_error(e),
     };
-    let (infra, node, flash_time) = (s.infra.clone(), worker.node.clone(), s.flash);
-    let flashed = ctx
-        .resumable()
-        .step("flash", |_| async move {
-            let (bmc, n) = (infra.clone(), node.clone());
-            let number = blocking(move || bmc.start_flash(&n)).await?;
-            tokio::time::sleep(flash_time).await;
-            blocking(move || infra.finish_flash(&node, number, spec)).await
-        })
-        .await;
+    let flashed = match s.bmc {
+        Bmc::Tasks => flash_task(&s, &ctx, worker.node.clone(), spec).await,
+        Bmc::Blind => flash_blind(&s, &ctx, worker.node.clone(), spec).await,
+    };
     match flashed {
         Ok(Flash { node, number, firmware }) => axum::Json(serde_json::json!({
             "worker": worker.id,
@@ -314,6 +337,63 @@ async fn firmware(
                 other => problem(StatusCode::INTERNAL_SERVER_ERROR, &other.to_string()),
             },
         },
+    }
+}
+
+/// The blind BMC's flash: one step, started and awaited in this process.
+async fn flash_blind(
+    s: &AppState,
+    ctx: &IdempotencyContext,
+    node: String,
+    spec: FirmwareSpec,
+) -> Result<Flash, StepError<StateError>> {
+    let (infra, flash_time) = (s.infra.clone(), s.flash);
+    ctx.resumable()
+        .step("flash", |_| async move {
+            let (bmc, n) = (infra.clone(), node.clone());
+            let number = blocking(move || bmc.start_flash(&n)).await?;
+            tokio::time::sleep(flash_time).await;
+            blocking(move || infra.finish_flash(&node, number, spec)).await
+        })
+        .await
+}
+
+/// The task BMC's flash: an intent (start the task, or adopt the one a previous attempt
+/// started), then a wait on the task monitor. The wait reads the BMC only, so it needs
+/// no journal entry of its own: every attempt that gets here waits for the same task.
+async fn flash_task(
+    s: &AppState,
+    ctx: &IdempotencyContext,
+    node: String,
+    spec: FirmwareSpec,
+) -> Result<Flash, StepError<StateError>> {
+    let (issuer, finder) = (s.infra.clone(), s.infra.clone());
+    let flash_ms = u64::try_from(s.flash.as_millis()).unwrap_or(u64::MAX);
+    let task = ctx
+        .resumable()
+        .intent(
+            "flash",
+            |tag| async move {
+                blocking(move || issuer.start_flash_task(&node, tag.as_str(), spec, flash_ms)).await.map(|t| t.id)
+            },
+            |tag| async move {
+                let found = blocking(move || finder.flash_task(tag.as_str())).await?;
+                Ok(found.map_or(Reconciled::NotFound, |t| Reconciled::Found(t.id)))
+            },
+        )
+        .await?;
+    loop {
+        let (infra, id) = (s.infra.clone(), task.clone());
+        match blocking(move || infra.finish_flash_task(&id)).await {
+            Ok(FlashProgress::Done(flash)) => return Ok(flash),
+            Ok(FlashProgress::Running { ends_at_ms }) => {
+                let left = ends_at_ms.saturating_sub(crate::state::unix_ms());
+                // Polled at most every second: the task monitor is the source of truth, and
+                // the wait stays short if the clock moves.
+                tokio::time::sleep(Duration::from_millis(left.clamp(10, 1_000))).await;
+            }
+            Err(source) => return Err(StepError::Failed { name: "flash".into(), source }),
+        }
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use idem_core::Policy;
 use idem_http::LeaseRenewal;
-use leasebroker::app::{Config, DEFAULT_FLASH_MS, Faults};
+use leasebroker::app::{Bmc, Config, DEFAULT_FLASH_MS, Faults};
 use leasebroker::chaos;
 use leasebroker::crash::CrashPlan;
 use leasebroker::server::{Server, StoreSpec, open};
@@ -32,9 +32,13 @@ enum Command {
         #[arg(long, default_value_t = DEFAULT_FLASH_MS)]
         flash_ms: u64,
         /// Lease renewal while a handler runs: `on` (every lease / 3) or `off` (to see the
-        /// double flashes renewal prevents).
+        /// double flashes renewal prevents; with `--bmc blind`).
         #[arg(long, value_enum, default_value = "on")]
         lease_renewal: RenewalSwitch,
+        /// The simulated BMC: `tasks` (flashes can be looked up, so a retry adopts a running
+        /// flash) or `blind` (no lookup: only renewal keeps a second flash away).
+        #[arg(long, value_enum, default_value = "tasks")]
+        bmc: BmcSwitch,
     },
     /// Run the server.
     Serve(ServeArgs),
@@ -89,10 +93,14 @@ struct ChaosArgs {
     /// How long a firmware flash takes, ms (longer than the lease, so it needs renewal).
     #[arg(long, default_value_t = 4_000)]
     flash_ms: u64,
-    /// The server's lease renewal: `off` only to see the double flashes it prevents (the
-    /// run then fails).
+    /// The server's lease renewal: `off` only to see the double flashes it prevents (with
+    /// `--bmc blind`; the run then fails).
     #[arg(long, value_enum, default_value = "on")]
     lease_renewal: RenewalSwitch,
+    /// The server's simulated BMC: `tasks` (default) or `blind` (the app-kill rows then
+    /// double-flash: nothing can be reconciled).
+    #[arg(long, value_enum, default_value = "tasks")]
+    bmc: BmcSwitch,
 }
 
 #[derive(Args, Debug)]
@@ -122,6 +130,11 @@ struct ServeArgs {
     /// How long the simulated BMC takes to flash firmware, ms.
     #[arg(long, default_value_t = DEFAULT_FLASH_MS)]
     flash_ms: u64,
+    /// The simulated BMC: `tasks` (a flash is a task the server can look up by its
+    /// idempotency sub-key, so a retry after a crash adopts it) or `blind` (an older BMC
+    /// with no lookup: a flash whose server dies mid-flash is flashed again by the retry).
+    #[arg(long, value_enum, default_value = "tasks")]
+    bmc: BmcSwitch,
     /// Retention window, ms.
     #[arg(long, default_value_t = 86_400_000)]
     retention_ms: u64,
@@ -171,6 +184,24 @@ impl From<RenewalSwitch> for LeaseRenewal {
         match s {
             RenewalSwitch::On => LeaseRenewal::default(),
             RenewalSwitch::Off => LeaseRenewal::Off,
+        }
+    }
+}
+
+/// `--bmc`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum BmcSwitch {
+    /// A BMC with a task monitor: flashes can be looked up by the caller's id.
+    Tasks,
+    /// A BMC that takes no caller id and cannot be asked what it flashes.
+    Blind,
+}
+
+impl From<BmcSwitch> for Bmc {
+    fn from(s: BmcSwitch) -> Self {
+        match s {
+            BmcSwitch::Tasks => Bmc::Tasks,
+            BmcSwitch::Blind => Bmc::Blind,
         }
     }
 }
@@ -287,6 +318,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 lease_renewal: args.lease_renewal.into(),
                 faults: Faults { crash, ..args.faults.into() },
                 flash_ms: args.flash_ms,
+                bmc: args.bmc.into(),
             };
             let server = Server::start(listener, store, infra, &config)?;
             eprintln!("leasebroker: listening on {} (store {:?})", server.url(), args.store);
@@ -312,6 +344,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             cfg.firmware_every = args.firmware_every;
             cfg.flash = Duration::from_millis(args.flash_ms);
             cfg.lease_renewal = matches!(args.lease_renewal, RenewalSwitch::On);
+            cfg.bmc = args.bmc.into();
             if args.short {
                 cfg.faults = chaos::Fault::one_of_each_kind();
             }
@@ -337,7 +370,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             }
         }
         Command::Storm { target, storm } => report(storm::run(storm.config(target)).await?),
-        Command::Demo { storm, flash_ms, lease_renewal } => {
+        Command::Demo { storm, flash_ms, lease_renewal, bmc } => {
             let dir = tempfile::tempdir()?;
             let path = dir.path().join("leasebroker.redb");
             let (store, infra) = open(&StoreSpec::Redb(path.clone()), &dir.path().join("state.redb")).await?;
@@ -360,6 +393,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 lease_renewal: lease_renewal.into(),
                 faults,
                 flash_ms,
+                bmc: bmc.into(),
             };
             let server = Server::start(TcpListener::bind("127.0.0.1:0").await?, store, infra, &config)?;
             println!(
@@ -374,7 +408,8 @@ async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             println!("faults: 25% of responses lost after the work, handlers up to 300 ms, 5% of boots fail");
             if storm.mode == ModeArg::Firmware {
                 println!(
-                    "firmware: every flash takes {flash_ms} ms under a lease of {} ms, lease renewal {lease_renewal:?}",
+                    "firmware: every flash takes {flash_ms} ms under a lease of {} ms, lease renewal {lease_renewal:?}, \
+                     {bmc:?} BMC",
                     lease.as_millis()
                 );
             }

@@ -7,8 +7,17 @@
 //! a process killed between two of them leaves the first one behind. The pool and the
 //! lease table are idempotent by the caller's sub-key; the hypervisor is not (each boot
 //! is a new VM) but tags every VM, so a retry can find a boot it does not remember. The
-//! BMC is the least forgiving: it takes no caller id, cannot be asked what it is doing,
-//! and a second flash started while one runs bricks the node.
+//! BMC is the least forgiving: a second flash started while one runs bricks the node. It
+//! comes in two generations:
+//!
+//! - the **blind** BMC ([`Infra::start_flash`], [`Infra::finish_flash`]) takes no caller
+//!   id and cannot be asked what it is doing, as older BMCs' update APIs;
+//! - the **task** BMC ([`Infra::start_flash_task`], [`Infra::flash_task`],
+//!   [`Infra::finish_flash_task`]) works like a Redfish `UpdateService` with a task
+//!   monitor: a flash is a task named by the caller's id, and anyone can ask for the task
+//!   later, from another process too. The flash runs on the BMC, not in the caller: its
+//!   end time is fixed when it starts, and it ends when the clock passes it whether or not
+//!   the caller still lives.
 //!
 //! When the idempotency store is redb, these tables live in the same file as the records.
 
@@ -34,6 +43,47 @@ const FLASHING: TableDefinition<'_, &str, u64> = TableDefinition::new("leasebrok
 const FIRMWARE: TableDefinition<'_, &str, &str> = TableDefinition::new("leasebroker_bmc_firmware");
 /// BMC: bricked node -> number of the flash that bricked it.
 const BRICKED: TableDefinition<'_, &str, u64> = TableDefinition::new("leasebroker_bmc_bricked");
+/// Task BMC: task id (the caller's tag) -> the task, JSON ([`FlashTask`]).
+const FLASH_TASKS: TableDefinition<'_, &str, &[u8]> = TableDefinition::new("leasebroker_bmc_tasks");
+/// Task BMC: node -> end of the latest task flash started on it, Unix ms.
+const FLASH_UNTIL: TableDefinition<'_, &str, u64> = TableDefinition::new("leasebroker_bmc_flash_until");
+
+/// A flash task of the task BMC: what it flashes, where, and when it ends.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FlashTask {
+    /// The task id: the tag the caller started it with.
+    pub id: String,
+    /// The node flashed.
+    pub node: String,
+    /// Number of this flash among every flash the BMCs started (1-based).
+    pub number: u64,
+    /// What it installs.
+    pub firmware: FirmwareSpec,
+    /// When it started, Unix ms.
+    pub started_at_ms: u64,
+    /// When it ends, Unix ms (fixed at the start: the BMC flashes on its own).
+    pub ends_at_ms: u64,
+}
+
+/// What [`Infra::finish_flash_task`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FlashProgress {
+    /// Still flashing until this Unix ms.
+    Running {
+        /// End of the flash, Unix ms.
+        ends_at_ms: u64,
+    },
+    /// Done: the firmware is installed.
+    Done(Flash),
+}
+
+/// The wall clock, Unix ms: the BMC's clock, shared by every process on this machine.
+#[must_use]
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
 
 /// What the client asks for in `POST /v1/workers`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -181,6 +231,8 @@ impl Infra {
         tx.open_table(FLASHING).map_err(storage)?;
         tx.open_table(FIRMWARE).map_err(storage)?;
         tx.open_table(BRICKED).map_err(storage)?;
+        tx.open_table(FLASH_TASKS).map_err(storage)?;
+        tx.open_table(FLASH_UNTIL).map_err(storage)?;
         tx.commit().map_err(storage)?;
         Ok(Self { db })
     }
@@ -317,6 +369,94 @@ impl Infra {
             return Err(StateError::Bricked { node: node.to_string() });
         }
         Ok(Flash { node: node.to_string(), number, firmware })
+    }
+
+    /// The task BMC of `node`: starts flashing `firmware` as task `id` (the caller's tag),
+    /// for `flash_ms`, and returns the task. Like the blind BMC it is not idempotent: a
+    /// second call with the same id starts another flash (counted in `flashes`), and a
+    /// flash started while another one of the same node runs (blind or task) bricks the
+    /// node (counted in `bricked`). What makes it safe is [`Infra::flash_task`]: a caller
+    /// that does not know whether it started the task asks first.
+    ///
+    /// # Errors
+    /// [`StateError::Bricked`] when the node is already bricked (no flash starts); storage
+    /// errors.
+    pub fn start_flash_task(
+        &self,
+        node: &str,
+        id: &str,
+        firmware: FirmwareSpec,
+        flash_ms: u64,
+    ) -> Result<FlashTask, StateError> {
+        self.write(|tx| {
+            if tx.open_table(BRICKED).map_err(storage)?.get(node).map_err(storage)?.is_some() {
+                return Err(StateError::Bricked { node: node.to_string() });
+            }
+            let number = bump(tx, "flashes")?;
+            let now = unix_ms();
+            let mut until = tx.open_table(FLASH_UNTIL).map_err(storage)?;
+            let task_running = until.get(node).map_err(storage)?.is_some_and(|v| v.value() > now);
+            let blind_running =
+                tx.open_table(FLASHING).map_err(storage)?.get(node).map_err(storage)?.is_some_and(|v| v.value() > 0);
+            if task_running || blind_running {
+                tx.open_table(BRICKED).map_err(storage)?.insert(node, number).map_err(storage)?;
+                bump(tx, "bricked")?;
+            }
+            let task = FlashTask {
+                id: id.to_string(),
+                node: node.to_string(),
+                number,
+                firmware,
+                started_at_ms: now,
+                ends_at_ms: now.saturating_add(flash_ms),
+            };
+            let latest = until.get(node).map_err(storage)?.map_or(0, |v| v.value());
+            until.insert(node, latest.max(task.ends_at_ms)).map_err(storage)?;
+            let bytes = serde_json::to_vec(&task).map_err(storage)?;
+            tx.open_table(FLASH_TASKS).map_err(storage)?.insert(id, bytes.as_slice()).map_err(storage)?;
+            Ok(task)
+        })
+    }
+
+    /// The task BMC's task monitor: task `id`, if a flash was ever started with it.
+    ///
+    /// # Errors
+    /// Storage errors.
+    pub fn flash_task(&self, id: &str) -> Result<Option<FlashTask>, StateError> {
+        let tx = self.db.begin_read().map_err(storage)?;
+        let tasks = tx.open_table(FLASH_TASKS).map_err(storage)?;
+        let Some(bytes) = tasks.get(id).map_err(storage)? else {
+            return Ok(None);
+        };
+        serde_json::from_slice(bytes.value()).map(Some).map_err(storage)
+    }
+
+    /// Where task `id` stands: running until its end, or done, in which case its firmware
+    /// is installed (idempotent: asking again installs the same version again).
+    ///
+    /// # Errors
+    /// [`StateError::NotFound`] for an unknown task; [`StateError::Bricked`] once the task
+    /// ended on a node that a second flash bricked; storage errors.
+    pub fn finish_flash_task(&self, id: &str) -> Result<FlashProgress, StateError> {
+        let task = self.flash_task(id)?.ok_or(StateError::NotFound)?;
+        if unix_ms() < task.ends_at_ms {
+            return Ok(FlashProgress::Running { ends_at_ms: task.ends_at_ms });
+        }
+        let bricked = self.write(|tx| {
+            if tx.open_table(BRICKED).map_err(storage)?.get(task.node.as_str()).map_err(storage)?.is_some() {
+                return Ok(true);
+            }
+            let installed = format!("{} {}", task.firmware.image, task.firmware.version);
+            tx.open_table(FIRMWARE)
+                .map_err(storage)?
+                .insert(task.node.as_str(), installed.as_str())
+                .map_err(storage)?;
+            Ok(false)
+        })?;
+        if bricked {
+            return Err(StateError::Bricked { node: task.node });
+        }
+        Ok(FlashProgress::Done(Flash { node: task.node, number: task.number, firmware: task.firmware }))
     }
 
     /// Writes the worker row for `subkey` (its id is derived from the sub-key), or returns

@@ -2,15 +2,15 @@
 //! stall of Redis, a PostgreSQL immediate restart and `pg_terminate_backend`, a SIGKILL of
 //! the server on redb, a full disk under SQLite) hit a retry storm of a few hundred
 //! operations, a quarter of them also flashing firmware; a double execution (phantom worker,
-//! extra VM, double flash; the app-kill row's double flashes are a known gap, see below), a
-//! lost stored response, an
-//! unfinished operation or a hung request fails the test. Every server is private (loopback
+//! extra VM, double flash, on every row, the server SIGKILL included), a lost stored
+//! response, an unfinished operation or a hung request fails the test. Every server is private (loopback
 //! ports 7110-7113, temp dirs) and cleaned up by the run. The full run is
 //! `cargo run --release -p leasebroker -- chaos` (RELIABILITY.md, "Chaos run").
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+use leasebroker::app::Bmc;
 use leasebroker::chaos::{self, ChaosConfig, Fault};
 
 /// The run's first private port: `default`, or `LEASEBROKER_CHAOS_PORT` when set (so two
@@ -39,22 +39,16 @@ async fn a_short_chaos_pass_has_no_double_execution_and_no_lost_response() {
         firmware_every: 4,
         flash: Duration::from_secs(6),
         lease_renewal: true,
+        // The BMC with a task monitor: a flash killed with its server is adopted by the
+        // retry, so every row, the app kill included, must be free of double flashes.
+        bmc: Bmc::Tasks,
     };
     let rows = chaos::run(&cfg).await.expect("chaos run");
     let report = chaos::report(&rows, &cfg);
     println!("{report}");
     assert_eq!(rows.len(), cfg.faults.len());
     for r in &rows {
-        // Known gap, not hidden: a SIGKILL of the server mid-flash loses the running
-        // flash's outcome, and the retry that reclaims it after the lease flashes again (the
-        // flash step has nothing to reconcile by; renewal died with the process). The row is
-        // flagged (`failed()`, the CLI exits non-zero) and RELIABILITY.md names it; the pass
-        // requires everything else of that row. Every other fault: no double flash.
-        if Fault::all().iter().any(|f| f.kills_handler() && f.label() == r.fault) {
-            assert!(!r.failed_apart_from_flashes(), "{} / {}: {r:?}\n{report}", r.backend, r.fault);
-        } else {
-            assert!(!r.failed(), "{} / {}: {r:?}\n{report}", r.backend, r.fault);
-        }
+        assert!(!r.failed(), "{} / {}: {r:?}\n{report}", r.backend, r.fault);
     }
     // The firmware operations ran: each fault's storm flashed.
     assert!(rows.iter().all(|r| r.firmware_operations == u64::from(cfg.operations / cfg.firmware_every)), "{report}");

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use idem_core::Policy;
 use idem_http::LeaseRenewal;
-use leasebroker::app::{Config, Faults};
+use leasebroker::app::{Bmc, Config, Faults};
 use leasebroker::server::{Server, StoreSpec, open};
 use leasebroker::storm::{self, StormConfig, StormMode, StormReport};
 use tokio::net::TcpListener;
@@ -35,6 +35,10 @@ async fn storm_with(spec: &str, state: &Path, lease_renewal: LeaseRenewal) -> St
         // client's timeout, so retries arrive after the work too.
         faults: Faults { drop_rate: 0.3, hold_ms: 800, ..Faults::default() },
         flash_ms: FLASH_MS,
+        // The blind BMC: renewal is the only thing that keeps a second flash away, which
+        // is what this test measures. The task BMC would adopt the running flash even
+        // without renewal.
+        bmc: Bmc::Blind,
     };
     let server = Server::start(TcpListener::bind("127.0.0.1:0").await.unwrap(), store, infra, &config).unwrap();
     let report = storm::run(StormConfig {

@@ -15,9 +15,9 @@ use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, Endpoint, FencingToken, IdempotencyKey, ManualClock, MemoryStore,
-    ReclaimOutcome, ReclaimRequest, Record, RecordId, Scope, Store, StoreError, StoredResponse, SweepOutcome,
-    UnixMillis,
+    Capabilities, ClaimOutcome, ClaimRequest, Endpoint, FencingToken, IdempotencyKey, JournalWrite, ManualClock,
+    MemoryStore, ReclaimOutcome, ReclaimRequest, Record, RecordId, Scope, Store, StoreError, StoredResponse,
+    SweepOutcome, UnixMillis,
 };
 use idem_http::BearerToken;
 use tower::ServiceExt;
@@ -84,6 +84,14 @@ pub struct FlakyStore {
     pub fails: AtomicUsize,
     /// How many `reclaim` calls reached the store.
     pub reclaims: AtomicUsize,
+    /// Delegate the journal (`journal_put`, `journal_get`) to the memory store. Off by
+    /// default: the journal calls are then the trait's defaults (`Unsupported`).
+    pub journal: AtomicBool,
+    /// The next this many `journal_put` calls return `Unavailable` and write nothing,
+    /// reported as not retryable (SQLite's full disk).
+    pub journal_put_blips: AtomicUsize,
+    /// How many `journal_put` calls reached the store.
+    pub journal_puts: AtomicUsize,
 }
 
 impl FlakyStore {
@@ -100,6 +108,9 @@ impl FlakyStore {
             completes: AtomicUsize::new(0),
             fails: AtomicUsize::new(0),
             reclaims: AtomicUsize::new(0),
+            journal: AtomicBool::new(false),
+            journal_put_blips: AtomicUsize::new(0),
+            journal_puts: AtomicUsize::new(0),
         }
     }
 
@@ -179,6 +190,31 @@ impl Store for FlakyStore {
     }
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
+    }
+    async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        if !self.journal.load(Ordering::SeqCst) {
+            return Err(StoreError::Unsupported { operation: "journal_put" });
+        }
+        self.journal_puts.fetch_add(1, Ordering::SeqCst);
+        self.down("journal_put")?;
+        if self.journal_put_blips.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| v.checked_sub(1)).is_ok() {
+            return Err(StoreError::unavailable("flaky", "journal_put", false, std::io::Error::other("disk full")));
+        }
+        self.inner.journal_put(id, token, name, value, overwrite).await
+    }
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        if !self.journal.load(Ordering::SeqCst) {
+            return Err(StoreError::Unsupported { operation: "journal_get" });
+        }
+        self.down("journal_get")?;
+        self.inner.journal_get(id, name).await
     }
 }
 

@@ -39,6 +39,7 @@ use idem_client::{IdempotentClient, OperationKey, RetryPolicy};
 use tokio::sync::Semaphore;
 
 use self::servers::{AppServer, PrivatePostgres, PrivateRedis, RedisPersistence, ServerError, SmallDisk, signal};
+use crate::app::Bmc;
 use crate::state::Stats;
 
 /// A backend the run covers.
@@ -116,11 +117,11 @@ impl Fault {
         !matches!(self, Fault::RedisRestart(RedisPersistence::None))
     }
 
-    /// Whether the fault kills the process running the handlers. A flash is one journalled
-    /// step with nothing to reconcile by (the BMC takes no caller id): a flash running
-    /// when its process dies has no outcome in the journal, so the retry that reclaims the
-    /// record after the lease starts a second one. Lease renewal cannot help there (the
-    /// renewer died too); only a BMC that can be asked what it runs could.
+    /// Whether the fault kills the process running the handlers. Under the blind BMC
+    /// ([`Bmc::Blind`]) a flash is one journalled step with nothing to reconcile by: a
+    /// flash running when its process dies has no outcome in the journal, so the retry
+    /// that reclaims the record after the lease starts a second one (renewal died with the
+    /// process). The task BMC ([`Bmc::Tasks`]) lets the retry find the flash and adopt it.
     #[must_use]
     pub fn kills_handler(self) -> bool {
         matches!(self, Fault::AppKill(_))
@@ -187,6 +188,9 @@ pub struct ChaosConfig {
     pub flash: Duration,
     /// The server's lease renewal (`false` only to show the double flashes it prevents).
     pub lease_renewal: bool,
+    /// The server's BMC ([`Bmc::Tasks`] by default; [`Bmc::Blind`] only to show what a
+    /// BMC that cannot be asked about its flashes loses when the server is killed).
+    pub bmc: Bmc,
 }
 
 impl ChaosConfig {
@@ -205,6 +209,7 @@ impl ChaosConfig {
             firmware_every: 10,
             flash: Duration::from_secs(4),
             lease_renewal: true,
+            bmc: Bmc::Tasks,
         }
     }
 }
@@ -259,14 +264,8 @@ impl FaultRow {
     /// that hung.
     #[must_use]
     pub fn failed(&self) -> bool {
-        self.durable && self.double_flashes > 0 || self.failed_apart_from_flashes()
-    }
-
-    /// [`Self::failed`] without the double flashes: what the short pass requires of a row
-    /// whose fault kills the handler's process mid-flash (see [`Fault::kills_handler`]).
-    #[must_use]
-    pub fn failed_apart_from_flashes(&self) -> bool {
-        self.durable && (self.phantom_workers > 0 || self.extra_vms > 0 || self.lost_responses > 0)
+        self.durable
+            && (self.phantom_workers > 0 || self.extra_vms > 0 || self.double_flashes > 0 || self.lost_responses > 0)
             || self.unfinished > 0
             || self.hung > 0
     }
@@ -417,6 +416,12 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
         cfg.flash.as_millis().to_string(),
         "--lease-renewal".into(),
         if cfg.lease_renewal { "on" } else { "off" }.into(),
+        "--bmc".into(),
+        match cfg.bmc {
+            Bmc::Tasks => "tasks",
+            Bmc::Blind => "blind",
+        }
+        .into(),
     ];
     let exe = cfg.exe.clone();
     let log = work.path().join("serve.log");
@@ -525,9 +530,9 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
         note.push_str(&format!(
             "{}{double_flashes} double flashes ({bricked} nodes bricked){}",
             if note.is_empty() { "" } else { "; " },
-            if fault.kills_handler() {
+            if fault.kills_handler() && cfg.bmc == Bmc::Blind {
                 ": flashes running when the server was killed had no outcome in the journal, and the retries that \
-                 reclaimed them after the lease flashed again (the flash step has nothing to reconcile by)"
+                 reclaimed them after the lease flashed again (the blind BMC has nothing to reconcile by)"
             } else {
                 ""
             }
@@ -834,13 +839,18 @@ pub fn report(rows: &[FaultRow], cfg: &ChaosConfig) -> String {
     let flashing = u64::from(cfg.operations).checked_div(u64::from(cfg.firmware_every)).unwrap_or(0);
     let mut out = format!(
         "{} operations per fault ({} of them also flash firmware, each flash {} ms), {} at a time, a quarter of \
-         responses lost after the work, lease {} ms (renewal {}), faults lasting {} ms, hitting {} ms into the storm.\n",
+         responses lost after the work, lease {} ms (renewal {}), {} BMC, faults lasting {} ms, hitting {} ms into the \
+         storm.\n",
         cfg.operations,
         flashing,
         cfg.flash.as_millis(),
         cfg.concurrency,
         cfg.lease.as_millis(),
         if cfg.lease_renewal { "on" } else { "off" },
+        match cfg.bmc {
+            Bmc::Tasks => "task",
+            Bmc::Blind => "blind",
+        },
         cfg.fault_for.as_millis(),
         cfg.fault_after.as_millis()
     );
