@@ -13,6 +13,7 @@
 //! idem-bench renew --backend postgres --handlers 1000      # lease renewals of long handlers
 //! idem-bench memory --concurrency 64 --mib 100              # peak RSS of streamed responses
 //! idem-bench pgtx --via pgbouncer                          # completion in the handler's transaction
+//! idem-bench seal --store redis --mode replay --body 1024   # sealed vs unsealed responses
 //! ```
 //!
 //! # Layout
@@ -22,6 +23,7 @@
 //!   round trips by hand, the Postgres statements by hand).
 //! - `cycles`: library against baseline, claim -> complete -> replay.
 //! - `http`: an axum handler with and without `idem_http::IdempotencyLayer`, loaded by `wrk`.
+//! - `seal`: sealed against unsealed stored responses behind the layer, in process.
 //! - `size`: bytes per record per backend.
 //! - `sweep`: peak resident memory while sweeping expired records.
 //! - `renew`: N long handlers behind the layer renewing their leases: renewals per second
@@ -41,6 +43,7 @@ mod http;
 mod memory;
 mod pgtx;
 mod renew;
+mod seal;
 mod size;
 mod sweep;
 mod workload;
@@ -79,6 +82,9 @@ enum Command {
     /// Claim + the handler's insert + completion in one transaction (sqlx pool), against
     /// the same statements sent by hand through the same pool.
     Pgtx(pgtx::PgTxArgs),
+    /// Sealed against unsealed stored responses behind the layer (first-time requests or
+    /// replays), interleaved runs.
+    Seal(seal::SealArgs),
 }
 
 /// A store backend.
@@ -147,6 +153,7 @@ fn main() -> Result<(), BoxError> {
             Command::Renew(args) => renew::run(args).await,
             Command::Memory(args) => memory::run(args).await,
             Command::Pgtx(args) => pgtx::run(args).await,
+            Command::Seal(args) => seal::run(args).await,
         }
     })
 }

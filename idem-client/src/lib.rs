@@ -38,8 +38,12 @@
 //! # Layout
 //! - [`retry`]: [`RetryPolicy`], [`IdempotentClient`], [`Reply`], [`ClientError`].
 //! - [`journal`]: [`KeyJournal`], keys that survive a restart.
+//! - `middleware` (feature `middleware`): the same behaviour as a `reqwest-middleware`
+//!   middleware that composes with `reqwest-retry` and tracing middleware.
 
 pub mod journal;
+#[cfg(feature = "middleware")]
+pub mod middleware;
 pub mod retry;
 
 pub use journal::{JournalError, KeyJournal};

@@ -394,7 +394,7 @@ const BUDGET_END_MARGIN: Duration = Duration::from_millis(10);
 /// Clamped to [`MAX_RETRY_AFTER`]: a broken or hostile server's `Retry-After` near
 /// `u64::MAX` would otherwise overflow the clock when the client adds it to `now`. A value
 /// that is not a number (or past `u64::MAX`) counts as absent.
-fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let secs = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim().parse::<u64>().ok()?;
     Some(Duration::from_secs(secs).min(MAX_RETRY_AFTER))
 }

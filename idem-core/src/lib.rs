@@ -42,6 +42,10 @@
 //! - [`store`]: the [`Store`] contract and [`StoreError`].
 //! - [`list`]: what [`Store::list`] returns to operators, and the pure page selection.
 //! - [`codec`]: the versioned postcard byte form of a record.
+//! - `seal` (feature `seal`): `Sealed`, a store wrapper that encrypts and authenticates
+//!   stored responses (XChaCha20-Poly1305) bound to their record id and fencing token.
+//!   It reads OS randomness for nonces, the one thing here besides the executors that
+//!   touches the system.
 //! - [`time`]: milliseconds since the epoch and the clocks stores read.
 //! - `memory` (feature `memory`, on by default): [`MemoryStore`] and [`TableStore`], any
 //!   record table behind one mutex.
@@ -68,6 +72,8 @@ pub mod policy;
 pub mod record;
 pub mod resume;
 pub mod scope;
+#[cfg(feature = "seal")]
+pub mod seal;
 pub mod store;
 #[cfg(feature = "sweeper")]
 pub mod sweeper;

@@ -231,6 +231,9 @@ pub(crate) struct Config {
     pub(crate) retry_hints: crate::hints::RetryHints,
     /// Per-operation store deadlines and the completion retry rule.
     pub(crate) store_deadlines: StoreDeadlines,
+    /// Keys that seal stored responses, and whether plain ones are still replayed.
+    #[cfg(feature = "seal")]
+    pub(crate) sealing: Option<(idem_core::seal::SealingKeys, bool)>,
 }
 
 impl Config {
@@ -255,16 +258,37 @@ impl Config {
             streaming: crate::streaming::Streaming::default(),
             retry_hints: crate::hints::RetryHints::default(),
             store_deadlines: StoreDeadlines::default(),
+            #[cfg(feature = "seal")]
+            sealing: None,
         }
     }
 
-    /// The settings a service runs with: these, with `store` wrapped in the deadlines and
-    /// completion retries ([`crate::deadline`]). Done when a service is made, not per
-    /// setter, because the retry window follows the lease TTL, whichever was set last.
+    /// The settings a service runs with: these, with `store` wrapped in the sealing (when
+    /// keys were given, [`idem_core::seal`]) and then in the deadlines and completion
+    /// retries ([`crate::deadline`]). Done when a service is made, not per setter, because
+    /// the retry window follows the lease TTL, whichever was set last. Sealing sits inside
+    /// the deadlines so that a resent completion is sealed afresh and the deadline store's
+    /// read-back after an ambiguous completion sees the opened response.
     pub(crate) fn for_service(&self) -> Self {
         let mut cfg = self.clone();
-        cfg.store = Arc::new(DeadlineStore::new(Arc::clone(&self.store), self.store_deadlines, self.policy.lease_ttl));
+        #[cfg_attr(not(feature = "seal"), expect(unused_mut, reason = "only sealing rewraps the store"))]
+        let mut store = Arc::clone(&self.store);
+        #[cfg(feature = "seal")]
+        if let Some((keys, accept_unsealed)) = &self.sealing {
+            store = Arc::new(idem_core::seal::Sealed::new(store, keys.clone()).accept_unsealed(*accept_unsealed));
+        }
+        cfg.store = Arc::new(DeadlineStore::new(store, self.store_deadlines, self.policy.lease_ttl));
         cfg
+    }
+}
+
+impl Config {
+    /// Whether stored responses are sealed (key ids only; never key bytes).
+    fn sealed(&self) -> Option<u32> {
+        #[cfg(feature = "seal")]
+        return self.sealing.as_ref().map(|(keys, _)| keys.sealing_key_id());
+        #[cfg(not(feature = "seal"))]
+        None
     }
 }
 
@@ -288,6 +312,7 @@ impl fmt::Debug for Config {
             .field("streaming", &self.streaming)
             .field("retry_hints", &self.retry_hints)
             .field("store_deadlines", &self.store_deadlines)
+            .field("sealed", &self.sealed())
             .finish_non_exhaustive()
     }
 }

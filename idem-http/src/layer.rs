@@ -313,6 +313,37 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Seals every stored response with `keys` (XChaCha20-Poly1305; the record id and
+    /// fencing token are the associated data): a reader of the store sees no status,
+    /// header or body, and a response that was altered, moved to another record, or
+    /// sealed by a key no longer in `keys` is answered 503 with `x-should-retry: false`,
+    /// never by running the handler again. Responses stored unsealed are refused the same
+    /// way unless [`Self::with_unsealed_accepted`] is on. See [`idem_core::seal`] and
+    /// `docs/contract.md#sealed-responses`.
+    ///
+    /// A handler that completes its record itself ([`crate::ResponseCaching::CompletedByHandler`])
+    /// must store `keys.seal(id, token, &response)`, not the plain response.
+    #[cfg(feature = "seal")]
+    #[must_use]
+    pub fn with_sealing(mut self, keys: idem_core::seal::SealingKeys) -> Self {
+        let accept = self.config.sealing.as_ref().is_some_and(|(_, a)| *a);
+        self.config().sealing = Some((keys, accept));
+        self
+    }
+
+    /// With sealing on, whether responses stored before it was turned on (unsealed) are
+    /// still replayed (default `false`: refused as corrupt, so a writer to the store
+    /// cannot swap a sealed response for a plain one). Turn on for one retention window
+    /// while migrating. No effect without [`Self::with_sealing`].
+    #[cfg(feature = "seal")]
+    #[must_use]
+    pub fn with_unsealed_accepted(mut self, accept: bool) -> Self {
+        if let Some((_, a)) = &mut self.config().sealing {
+            *a = accept;
+        }
+        self
+    }
+
     /// The record rules in force.
     #[must_use]
     pub fn policy(&self) -> &Policy {

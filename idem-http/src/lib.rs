@@ -446,6 +446,8 @@ pub use grpc::grpc_code_for;
 pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};
 pub use hints::{RetryHints, STRIPE_SHOULD_RETRY, X_SHOULD_RETRY};
 pub use idem_core::resume::{LeaseWatch, Reconciled, Resumable, StepError, SubKey};
+#[cfg(feature = "seal")]
+pub use idem_core::seal::SealingKeys;
 pub use idem_core::{FingerprintMode, Policy};
 pub use layer::IdempotencyLayer;
 pub use principal::{BearerToken, PrincipalResolver};

@@ -1,0 +1,486 @@
+//! Sealed responses through the layer on every backend (issue 19): a replay opens what
+//! `complete` sealed; a sealed response moved onto another record with the backend's own
+//! commands, or with one byte flipped, is answered 503 and the handler does not run again;
+//! the stored bytes never hold the plaintext; key rotation; unsealed records.
+//!
+//! Real servers: Redis at `IDEM_REDIS_URL` (default `redis://127.0.0.1:6379`) under a
+//! fresh key prefix, PostgreSQL at `IDEM_POSTGRES_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/test`) in a fresh schema; both removed afterwards.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::post;
+use http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use idem_core::seal::{SEALED_HEADER, SEALED_STATUS, SealingKeys};
+use idem_core::{Endpoint, IdempotencyKey, MemoryStore, RecordId, Scope, Store};
+use idem_http::IdempotencyLayer;
+use redb::{ReadableDatabase, ReadableTable};
+use tower::ServiceExt;
+
+const PRINCIPAL: &str = "tenant-sealed";
+
+/// The handler: counts its runs, answers 201 with a secret in a header and in the body.
+#[derive(Clone)]
+struct App {
+    runs: Arc<AtomicUsize>,
+    secret: String,
+}
+
+impl App {
+    fn new() -> Self {
+        Self { runs: Arc::default(), secret: format!("bootstrap-{}", uuid::Uuid::new_v4().simple()) }
+    }
+
+    fn router(&self, layer: IdempotencyLayer) -> Router {
+        let (runs, secret) = (self.runs.clone(), self.secret.clone());
+        Router::new()
+            .route(
+                "/v1/workers",
+                post(move || {
+                    let (runs, secret) = (runs.clone(), secret.clone());
+                    async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        (
+                            StatusCode::CREATED,
+                            [("x-bootstrap-token", secret.clone())],
+                            format!("{{\"token\":\"{secret}\"}}"),
+                        )
+                    }
+                }),
+            )
+            .layer(layer.with_principal_resolver(|_: &http::request::Parts| Some(PRINCIPAL.to_owned())))
+    }
+
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+}
+
+fn layer(store: Arc<dyn Store>, keys: Option<SealingKeys>) -> IdempotencyLayer {
+    let layer = IdempotencyLayer::new(store);
+    match keys {
+        Some(keys) => layer.with_sealing(keys),
+        None => layer,
+    }
+}
+
+fn record_id(key: &str) -> RecordId {
+    let scope = Scope::new(PRINCIPAL, Endpoint::new("POST", "/v1/workers")).expect("scope");
+    scope.record_id(&IdempotencyKey::parse(key.as_bytes()).expect("key"))
+}
+
+/// Sends one keyed POST; returns status, `Idempotent-Replayed`, the token header and body.
+async fn send(router: &Router, key: &str) -> (StatusCode, bool, Option<String>, String) {
+    let req = Request::post("/v1/workers")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Body::from("{\"image\":\"base\"}"))
+        .expect("request");
+    let res = router.clone().oneshot(req).await.expect("infallible");
+    let status = res.status();
+    let replayed = res.headers().get("idempotent-replayed").is_some_and(|v| v == "true");
+    let token = res.headers().get("x-bootstrap-token").map(|v| v.to_str().expect("ascii").to_owned());
+    let body = res.into_body().collect().await.expect("body").to_bytes();
+    (status, replayed, token, String::from_utf8_lossy(&body).into_owned())
+}
+
+fn keys_v1() -> SealingKeys {
+    SealingKeys::new(1, [0x11; 32])
+}
+
+/// A backend, and its own commands on the stored response bytes.
+enum Raw {
+    Memory,
+    Redb(idem_redb::RedbStore),
+    Sqlite(idem_sqlite::SqliteStore),
+    Redis { store: idem_redis::RedisStore, conn: redis::aio::MultiplexedConnection },
+    Postgres { store: idem_postgres::PostgresStore, client: deadpool_postgres::tokio_postgres::Client },
+}
+
+struct Backend {
+    store: Arc<dyn Store>,
+    raw: Raw,
+    cleanup: Option<Box<dyn FnOnce() + Send>>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        if let Some(cleanup) = self.cleanup.take() {
+            cleanup();
+        }
+    }
+}
+
+fn redis_url() -> String {
+    std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+fn postgres_url() -> String {
+    std::env::var("IDEM_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+async fn open(name: &'static str) -> Backend {
+    match name {
+        "memory" => {
+            let s = MemoryStore::new();
+            Backend { store: Arc::new(s), raw: Raw::Memory, cleanup: None, _dir: None }
+        }
+        "redb" => {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let s = idem_redb::RedbStore::open(dir.path().join("idem.redb"), idem_redb::Config::default())
+                .expect("open redb");
+            Backend { store: Arc::new(s.clone()), raw: Raw::Redb(s), cleanup: None, _dir: Some(dir) }
+        }
+        "sqlite" => {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let s = idem_sqlite::SqliteStore::open(dir.path().join("idem.sqlite3"), idem_sqlite::Config::default())
+                .expect("open sqlite");
+            Backend { store: Arc::new(s.clone()), raw: Raw::Sqlite(s), cleanup: None, _dir: Some(dir) }
+        }
+        "redis" => {
+            let url = redis_url();
+            let prefix = format!("idem-test:sealed:{}:", uuid::Uuid::new_v4().simple());
+            let s = idem_redis::RedisStore::connect(&url, idem_redis::Config::default().with_prefix(prefix.clone()))
+                .await
+                .unwrap_or_else(|e| panic!("Redis is not reachable at {url}: {e}; these tests need a real Redis"));
+            let conn = redis::Client::open(url.as_str())
+                .expect("url")
+                .get_multiplexed_async_connection()
+                .await
+                .expect("redis connection");
+            let cleanup = move || {
+                // Drop runs inside the test's runtime: do the blocking I/O on a thread.
+                let _ = std::thread::spawn(move || -> redis::RedisResult<()> {
+                    let mut c = redis::Client::open(url.as_str())?.get_connection()?;
+                    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{prefix}*")).query(&mut c)?;
+                    if !keys.is_empty() {
+                        redis::cmd("DEL").arg(keys).query::<()>(&mut c)?;
+                    }
+                    Ok(())
+                })
+                .join();
+            };
+            Backend {
+                store: Arc::new(s.clone()),
+                raw: Raw::Redis { store: s, conn },
+                cleanup: Some(Box::new(cleanup)),
+                _dir: None,
+            }
+        }
+        "postgres" => {
+            let url = postgres_url();
+            let schema = format!("idem_test_sealed_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+            let s = idem_postgres::PostgresStore::connect(
+                &url,
+                idem_postgres::Config::default().with_schema(schema.clone()).with_max_connections(2),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL is not reachable at {url}: {e}; these tests need a real server"));
+            let (client, conn) =
+                deadpool_postgres::tokio_postgres::connect(&url, deadpool_postgres::tokio_postgres::NoTls)
+                    .await
+                    .expect("postgres connection");
+            tokio::spawn(conn);
+            let cleanup = move || {
+                let _ = std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+                    rt.block_on(async {
+                        let tls = deadpool_postgres::tokio_postgres::NoTls;
+                        if let Ok((c, conn)) = deadpool_postgres::tokio_postgres::connect(&url, tls).await {
+                            tokio::spawn(conn);
+                            let _ = c.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE")).await;
+                        }
+                    });
+                })
+                .join();
+            };
+            Backend {
+                store: Arc::new(s.clone()),
+                raw: Raw::Postgres { store: s, client },
+                cleanup: Some(Box::new(cleanup)),
+                _dir: None,
+            }
+        }
+        other => unreachable!("no backend {other}"),
+    }
+}
+
+impl Backend {
+    /// The response bytes exactly as the backend keeps them (for redb, the whole record).
+    async fn raw_response(&mut self, id: RecordId) -> Option<Vec<u8>> {
+        match &mut self.raw {
+            Raw::Memory => None,
+            Raw::Redb(s) => {
+                let tx = s.database().begin_read().expect("read tx");
+                let table = tx.open_table(idem_redb::table::RECORDS).expect("table");
+                table.get(&id.0).expect("get").map(|v| v.value().to_vec())
+            }
+            Raw::Sqlite(s) => {
+                let c = rusqlite::Connection::open(s.path()).expect("open");
+                c.query_row("SELECT response FROM idem_records WHERE id = ?1", [&id.0[..]], |r| r.get(0)).expect("row")
+            }
+            Raw::Redis { store, conn } => {
+                redis::cmd("HGET").arg(store.record_key(id)).arg("r").query_async(conn).await.expect("HGET")
+            }
+            Raw::Postgres { store, client } => {
+                let sql = format!("SELECT response FROM \"{}\".records WHERE id = $1", store.schema());
+                client.query_one(&sql, &[&&id.0[..]]).await.expect("row").get(0)
+            }
+        }
+    }
+
+    /// Copies record `from`'s stored response onto record `to`, with the backend's own
+    /// commands (no `Store` call). Returns false for the memory store, which has none.
+    async fn move_response(&mut self, from: RecordId, to: RecordId) -> bool {
+        match &mut self.raw {
+            Raw::Memory => return false,
+            Raw::Redb(s) => {
+                let db = s.database();
+                let tx = db.begin_write().expect("write tx");
+                {
+                    let mut table = tx.open_table(idem_redb::table::RECORDS).expect("table");
+                    let src = idem_core::codec::decode(table.get(&from.0).expect("get").expect("from").value())
+                        .expect("decodes");
+                    let mut dst =
+                        idem_core::codec::decode(table.get(&to.0).expect("get").expect("to").value()).expect("decodes");
+                    dst.response = src.response;
+                    table.insert(&to.0, idem_core::codec::encode(&dst).as_slice()).expect("insert");
+                }
+                tx.commit().expect("commit");
+            }
+            Raw::Sqlite(s) => {
+                let c = rusqlite::Connection::open(s.path()).expect("open");
+                let n = c
+                    .execute(
+                        "UPDATE idem_records SET response = (SELECT response FROM idem_records WHERE id = ?1) WHERE id = ?2",
+                        [&from.0[..], &to.0[..]],
+                    )
+                    .expect("update");
+                assert_eq!(n, 1);
+            }
+            Raw::Redis { store, conn } => {
+                let bytes: Vec<u8> =
+                    redis::cmd("HGET").arg(store.record_key(from)).arg("r").query_async(conn).await.expect("HGET");
+                let () = redis::cmd("HSET")
+                    .arg(store.record_key(to))
+                    .arg("r")
+                    .arg(bytes)
+                    .query_async(conn)
+                    .await
+                    .expect("HSET");
+            }
+            Raw::Postgres { store, client } => {
+                let sql = format!(
+                    "UPDATE \"{0}\".records SET response = (SELECT response FROM \"{0}\".records WHERE id = $1) WHERE id = $2",
+                    store.schema()
+                );
+                assert_eq!(client.execute(&sql, &[&&from.0[..], &&to.0[..]]).await.expect("update"), 1);
+            }
+        }
+        true
+    }
+
+    /// Flips the last byte of record `id`'s stored response (the end of the AEAD tag) with
+    /// the backend's own commands. Returns false for the memory store.
+    async fn flip_last_byte(&mut self, id: RecordId) -> bool {
+        let Some(mut bytes) = self.raw_response(id).await else { return false };
+        if let Raw::Redb(_) = self.raw {
+            // redb keeps the whole record: flip the last byte of the sealed body inside it
+            // (an `Identity` body is stored as is, so this is one byte of the stored value).
+            let mut record = idem_core::codec::decode(&bytes).expect("decodes");
+            let Some(idem_core::StoredBody::Identity(body)) = record.response.as_mut().map(|r| &mut r.body) else {
+                panic!("redb: not a sealed body");
+            };
+            let last = body.len() - 1;
+            body[last] ^= 0x01;
+            let flipped = idem_core::codec::encode(&record);
+            assert_eq!(flipped.len(), bytes.len());
+            assert_eq!(flipped.iter().zip(&bytes).filter(|(a, b)| a != b).count(), 1, "one byte differs");
+            bytes = flipped;
+        } else {
+            let last = bytes.len() - 1;
+            bytes[last] ^= 0x01;
+        }
+        match &mut self.raw {
+            Raw::Memory => return false,
+            Raw::Redb(s) => {
+                let db = s.database();
+                let tx = db.begin_write().expect("write tx");
+                tx.open_table(idem_redb::table::RECORDS)
+                    .expect("table")
+                    .insert(&id.0, bytes.as_slice())
+                    .expect("insert");
+                tx.commit().expect("commit");
+            }
+            Raw::Sqlite(s) => {
+                let c = rusqlite::Connection::open(s.path()).expect("open");
+                let n = c
+                    .execute("UPDATE idem_records SET response = ?1 WHERE id = ?2", rusqlite::params![bytes, &id.0[..]])
+                    .expect("update");
+                assert_eq!(n, 1);
+            }
+            Raw::Redis { store, conn } => {
+                let () = redis::cmd("HSET")
+                    .arg(store.record_key(id))
+                    .arg("r")
+                    .arg(bytes)
+                    .query_async(conn)
+                    .await
+                    .expect("HSET");
+            }
+            Raw::Postgres { store, client } => {
+                let sql = format!("UPDATE \"{}\".records SET response = $1 WHERE id = $2", store.schema());
+                assert_eq!(client.execute(&sql, &[&bytes, &&id.0[..]]).await.expect("update"), 1);
+            }
+        }
+        true
+    }
+}
+
+fn contains(haystack: &[u8], needle: &str) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle.as_bytes())
+}
+
+/// The whole sealing story on one backend.
+async fn sealed_round_trip_move_and_flip(name: &'static str) {
+    let mut backend = open(name).await;
+    let app = App::new();
+    let router = app.router(layer(backend.store.clone(), Some(keys_v1())));
+    let (k1, k2) = (format!("k1-{}", uuid::Uuid::new_v4().simple()), format!("k2-{}", uuid::Uuid::new_v4().simple()));
+
+    // First request runs the handler; the retry replays status, header and body.
+    let first = send(&router, &k1).await;
+    assert_eq!((first.0, first.1), (StatusCode::CREATED, false), "{name}: {first:?}");
+    let replay = send(&router, &k1).await;
+    assert_eq!(replay.0, StatusCode::CREATED, "{name}: {replay:?}");
+    assert!(replay.1, "{name}: replayed");
+    assert_eq!(replay.2.as_deref(), Some(app.secret.as_str()), "{name}: the header is replayed");
+    assert_eq!(replay.3, first.3, "{name}: the body is replayed");
+    assert_eq!(app.runs(), 1, "{name}");
+
+    // The backend keeps the sealed form only: status 0, one header, no plaintext.
+    let (id1, id2) = (record_id(&k1), record_id(&k2));
+    let stored = backend.store.get(id1).await.expect("get").expect("the record is there").response.expect("completed");
+    assert_eq!(stored.status, SEALED_STATUS, "{name}");
+    assert_eq!(stored.header(SEALED_HEADER), Some(&b"v1;1"[..]), "{name}");
+    assert!(!contains(&idem_core::codec::encode_response(&stored), &app.secret), "{name}: plaintext through the Store");
+    if let Some(raw) = backend.raw_response(id1).await {
+        assert!(!contains(&raw, &app.secret), "{name}: the secret is in the stored bytes");
+        assert!(!contains(&raw, "x-bootstrap-token"), "{name}: a header name is in the stored bytes");
+    }
+
+    // Another record of the same tenant gets a sealed response of its own.
+    assert_eq!(send(&router, &k2).await.0, StatusCode::CREATED, "{name}");
+    assert_eq!(app.runs(), 2, "{name}");
+
+    // k1's sealed response copied onto k2 with the backend's own commands: 503, no run.
+    if backend.move_response(id1, id2).await {
+        let moved = send(&router, &k2).await;
+        assert_eq!(moved.0, StatusCode::SERVICE_UNAVAILABLE, "{name}: a moved seal opened: {moved:?}");
+        assert!(!moved.3.contains(&app.secret), "{name}: the moved secret leaked");
+        assert_eq!(app.runs(), 2, "{name}: a moved seal ran the handler");
+        // k1 itself is untouched.
+        assert!(send(&router, &k1).await.1, "{name}");
+    }
+    // One byte flipped in place: 503, no run.
+    if backend.flip_last_byte(id1).await {
+        let flipped = send(&router, &k1).await;
+        assert_eq!(flipped.0, StatusCode::SERVICE_UNAVAILABLE, "{name}: a flipped seal opened: {flipped:?}");
+        assert_eq!(flipped.2, None, "{name}");
+        assert_eq!(app.runs(), 2, "{name}: a flipped seal ran the handler");
+    }
+    if name != "memory" {
+        // Without sealing the same handler's secret is in the stored bytes: the check
+        // above can fail.
+        let plain = App::new();
+        let plain_router = plain.router(layer(backend.store.clone(), None));
+        let k3 = format!("k3-{}", uuid::Uuid::new_v4().simple());
+        assert_eq!(send(&plain_router, &k3).await.0, StatusCode::CREATED);
+        let raw = backend.raw_response(record_id(&k3)).await.expect("raw bytes");
+        assert!(contains(&raw, &plain.secret), "{name}: unsealed bytes hold the plaintext");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_sealed_round_trip() {
+    sealed_round_trip_move_and_flip("memory").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redb_sealed_round_trip_move_and_flip() {
+    sealed_round_trip_move_and_flip("redb").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_sealed_round_trip_move_and_flip() {
+    sealed_round_trip_move_and_flip("sqlite").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_sealed_round_trip_move_and_flip() {
+    sealed_round_trip_move_and_flip("redis").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_sealed_round_trip_move_and_flip() {
+    sealed_round_trip_move_and_flip("postgres").await;
+}
+
+/// Rotation: the old key still opens, the new key seals, a record sealed by a removed key
+/// gives 503 without a second run.
+async fn rotation(name: &'static str) {
+    let backend = open(name).await;
+    let app = App::new();
+    let (old, new) =
+        (format!("old-{}", uuid::Uuid::new_v4().simple()), format!("new-{}", uuid::Uuid::new_v4().simple()));
+    let v1 = app.router(layer(backend.store.clone(), Some(keys_v1())));
+    assert_eq!(send(&v1, &old).await.0, StatusCode::CREATED);
+
+    let both = app.router(layer(backend.store.clone(), Some(keys_v1().with_key(2, [0x22; 32]))));
+    let replay = send(&both, &old).await;
+    assert!(replay.0 == StatusCode::CREATED && replay.1, "{name}: the old key no longer opens: {replay:?}");
+    assert_eq!(send(&both, &new).await.0, StatusCode::CREATED);
+    let stored = backend.store.get(record_id(&new)).await.expect("get").expect("record").response.expect("completed");
+    assert_eq!(stored.header(SEALED_HEADER), Some(&b"v1;2"[..]), "{name}: the newest key seals");
+    assert_eq!(app.runs(), 2);
+
+    let v2_only = app.router(layer(backend.store.clone(), Some(SealingKeys::new(2, [0x22; 32]))));
+    assert!(send(&v2_only, &new).await.1, "{name}: key 2 opens its own seal");
+    let removed = send(&v2_only, &old).await;
+    assert_eq!(removed.0, StatusCode::SERVICE_UNAVAILABLE, "{name}: {removed:?}");
+    assert_eq!(app.runs(), 2, "{name}: a record sealed by a removed key ran the handler");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_rotation() {
+    rotation("memory").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_rotation() {
+    rotation("redis").await;
+}
+
+/// Unsealed records once sealing is on: refused by default (a writer could otherwise
+/// swap a sealed response for a plain one), replayed during a migration when accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_unsealed_records_are_refused_unless_accepted() {
+    let backend = open("postgres").await;
+    let app = App::new();
+    let key = format!("plain-{}", uuid::Uuid::new_v4().simple());
+    let plain = app.router(layer(backend.store.clone(), None));
+    assert_eq!(send(&plain, &key).await.0, StatusCode::CREATED);
+
+    let strict = app.router(layer(backend.store.clone(), Some(keys_v1())));
+    assert_eq!(send(&strict, &key).await.0, StatusCode::SERVICE_UNAVAILABLE);
+    let migrating = app.router(layer(backend.store.clone(), Some(keys_v1())).with_unsealed_accepted(true));
+    let replay = send(&migrating, &key).await;
+    assert!(replay.0 == StatusCode::CREATED && replay.1, "{replay:?}");
+    assert_eq!(replay.2.as_deref(), Some(app.secret.as_str()));
+    assert_eq!(app.runs(), 1, "an unsealed record ran the handler again");
+}
