@@ -186,7 +186,16 @@ where
         }
         Err(problem) => return Ok(problem.into_response()),
     };
-    let Some(principal) = cfg.resolver.resolve(&parts).filter(|p| !p.0.is_empty()) else {
+    // Resolved once per request: this one answer is the principal of the claim, the record
+    // id, the handler's context and every later write, so a resolver that would answer
+    // differently on a second call is never asked twice.
+    let resolved = cfg.resolver.resolve(&parts);
+    if resolved.as_ref().is_some_and(|p| crate::principal::is_blank(&p.0)) {
+        // Blank is a resolver bug (or a client-supplied blank identity), not "anonymous":
+        // it never shares a bucket and never skips idempotency, whatever MissingPrincipal says.
+        return Ok(crate::principal::blank_principal().into_response());
+    }
+    let Some(principal) = resolved else {
         return match cfg.missing_principal {
             MissingPrincipal::SkipIdempotency => pass_through(inner, Request::from_parts(parts, body)).await,
             MissingPrincipal::Reject => {
