@@ -71,6 +71,8 @@ struct Setup {
     mismatch: u16,
     fingerprint_headers: Vec<&'static str>,
     lease: Duration,
+    max_fields: usize,
+    max_header_bytes: usize,
 }
 
 const NAMES: [&str; 10] = [
@@ -102,6 +104,8 @@ pub fn layer(data: &[u8]) {
         mismatch: input.pick(&[409, 422, 400]),
         fingerprint_headers: if input.byte() % 2 == 0 { vec!["content-type"] } else { vec!["content-type", "x-a"] },
         lease: Duration::from_secs(1 + u64::from(input.byte() % 10)),
+        max_fields: 1 + usize::from(input.byte() % 4),
+        max_header_bytes: 8 + usize::from(input.byte()),
     };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
     runtime.block_on(run(&setup, &mut input));
@@ -125,6 +129,7 @@ async fn run(setup: &Setup, input: &mut Input<'_>) {
             _ => MismatchStatus::Conflict,
         })
         .with_fingerprint_headers(setup.fingerprint_headers.iter().copied())
+        .with_max_fingerprint_headers(setup.max_fields, setup.max_header_bytes)
         .with_lease_ttl(setup.lease)
         .with_retention(setup.lease * 3)
         .with_principal_resolver(|parts: &http::request::Parts| {
@@ -269,6 +274,14 @@ async fn expect(setup: &Setup, req: &Request<Full<Bytes>>, store: &MemoryStore, 
         Some(p) if p.trim().is_empty() => return refused_or_grpc(grpc, 401),
         Some(p) => p.to_owned(),
     };
+    let fp_fields: Vec<usize> = setup
+        .fingerprint_headers
+        .iter()
+        .flat_map(|name| headers.get_all(*name).iter().map(move |v| name.len() + v.len()))
+        .collect();
+    if fp_fields.len() > setup.max_fields || fp_fields.iter().sum::<usize>() > setup.max_header_bytes {
+        return refused_or_grpc(grpc, 431);
+    }
     let declared = headers.get("content-length").and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     let body = req.body().clone().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     if declared.is_some_and(|n| n > setup.max_body as u64) || body.len() > setup.max_body {

@@ -213,6 +213,14 @@ where
         };
     };
     let endpoint = endpoint_of(&parts);
+    if let Err(problem) = crate::headers::check_fingerprint_headers(
+        &parts.headers,
+        &cfg.fingerprint_headers,
+        cfg.max_fingerprint_fields,
+        cfg.max_fingerprint_header_bytes,
+    ) {
+        return Ok(problem.into_response());
+    }
     let bytes = match buffer(body, &parts.headers, cfg.max_request_body).await {
         Ok(bytes) => bytes,
         Err(problem) => return Ok(problem.into_response()),

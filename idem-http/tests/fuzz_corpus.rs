@@ -48,8 +48,9 @@ fn noise(seed: u64, len: usize) -> Vec<u8> {
 fn write_seed_corpus() {
     let dir = corpus_dir();
     fs::create_dir_all(&dir).expect("corpus dir");
-    // Setup: key required, reject, max key 30, max body 40, 409, content-type only, lease 5 s.
-    let setup = [0u8, 1, 29, 40, 0, 0, 4];
+    // Setup: key required, reject, max key 30, max body 40, 409, content-type only, lease
+    // 5 s, at most 2 fingerprint fields of 108 bytes.
+    let setup = [0u8, 1, 29, 40, 0, 0, 4, 1, 100];
     // A request op (2), status pick, method pick (not custom), POST, path 0, 3 headers:
     // idempotency-key k1, x-tenant tenant-a, content-type json; body "{}".
     let keyed = |status: u8, tenant: u8, body: &[u8]| {
