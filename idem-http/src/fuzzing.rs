@@ -192,7 +192,7 @@ async fn run(setup: &Setup, input: &mut Input<'_>) {
             _ => {
                 *status.lock().expect("status") = input.pick(&STATUSES);
                 let req = request(input);
-                let expected = expect(setup, &req, &*store, &clock).await;
+                let expected = expect(setup, &req, &store, &clock).await;
                 let before = runs.lock().expect("runs").count;
                 let res = service.ready().await.expect("ready").call(req).await.expect("infallible");
                 let (parts, body) = res.into_parts();
@@ -210,7 +210,7 @@ async fn run(setup: &Setup, input: &mut Input<'_>) {
 
 /// Builds one request from the fuzzer's bytes.
 fn request(input: &mut Input<'_>) -> Request<Full<Bytes>> {
-    let method = if input.byte() % 16 == 0 {
+    let method = if input.byte().is_multiple_of(16) {
         Method::from_bytes(input.bytes(12)).unwrap_or(Method::POST)
     } else {
         Method::from_bytes(input.pick(&METHODS).as_bytes()).unwrap_or(Method::POST)

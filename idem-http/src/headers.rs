@@ -72,32 +72,6 @@ pub(crate) fn http_date(t: UnixMillis) -> String {
     )
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn imf_fixdate_matches_known_instants() {
-        assert_eq!(http_date(UnixMillis(0)), "Thu, 01 Jan 1970 00:00:00 GMT");
-        // RFC 9110's own example.
-        assert_eq!(http_date(UnixMillis(784_111_777_000)), "Sun, 06 Nov 1994 08:49:37 GMT");
-        // A leap day, and rounding down of milliseconds.
-        assert_eq!(http_date(UnixMillis(951_782_400_999)), "Tue, 29 Feb 2000 00:00:00 GMT");
-        assert_eq!(http_date(UnixMillis(1_798_761_599_000)), "Thu, 31 Dec 2026 23:59:59 GMT");
-    }
-
-    /// The per-second cache of `Idempotency-Key-Expires` returned a stale date for another second.
-    #[test]
-    fn cached_expires_value_follows_the_second() {
-        let at = |ms| expires_value(UnixMillis(ms)).to_str().map(str::to_owned).unwrap_or_default();
-        assert_eq!(at(784_111_777_000), "Sun, 06 Nov 1994 08:49:37 GMT");
-        assert_eq!(at(784_111_777_999), "Sun, 06 Nov 1994 08:49:37 GMT");
-        assert_eq!(at(784_111_778_000), "Sun, 06 Nov 1994 08:49:38 GMT");
-        assert_eq!(at(784_111_777_500), "Sun, 06 Nov 1994 08:49:37 GMT");
-        assert_eq!(at(-1), "Wed, 31 Dec 1969 23:59:59 GMT");
-    }
-}
-
 /// Refuses a request whose fingerprint headers (every value of every configured name) are
 /// more than `max_fields` fields or `max_bytes` bytes of names plus values: 431
 /// `headers-too-large` (RFC 6585 §5), checked before the body is read or anything claimed.
@@ -125,4 +99,30 @@ pub(crate) fn check_fingerprint_headers(
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn imf_fixdate_matches_known_instants() {
+        assert_eq!(http_date(UnixMillis(0)), "Thu, 01 Jan 1970 00:00:00 GMT");
+        // RFC 9110's own example.
+        assert_eq!(http_date(UnixMillis(784_111_777_000)), "Sun, 06 Nov 1994 08:49:37 GMT");
+        // A leap day, and rounding down of milliseconds.
+        assert_eq!(http_date(UnixMillis(951_782_400_999)), "Tue, 29 Feb 2000 00:00:00 GMT");
+        assert_eq!(http_date(UnixMillis(1_798_761_599_000)), "Thu, 31 Dec 2026 23:59:59 GMT");
+    }
+
+    /// The per-second cache of `Idempotency-Key-Expires` returned a stale date for another second.
+    #[test]
+    fn cached_expires_value_follows_the_second() {
+        let at = |ms| expires_value(UnixMillis(ms)).to_str().map(str::to_owned).unwrap_or_default();
+        assert_eq!(at(784_111_777_000), "Sun, 06 Nov 1994 08:49:37 GMT");
+        assert_eq!(at(784_111_777_999), "Sun, 06 Nov 1994 08:49:37 GMT");
+        assert_eq!(at(784_111_778_000), "Sun, 06 Nov 1994 08:49:38 GMT");
+        assert_eq!(at(784_111_777_500), "Sun, 06 Nov 1994 08:49:37 GMT");
+        assert_eq!(at(-1), "Wed, 31 Dec 1969 23:59:59 GMT");
+    }
 }
