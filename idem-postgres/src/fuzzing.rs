@@ -2,7 +2,7 @@
 //! corpus also replays on stable Rust (`tests/fuzz_corpus.rs`). Not part of the supported
 //! API.
 //!
-//! Input: the twelve columns of a records row (in [`crate::sql`]'s `COLUMNS` order) as the
+//! Input: the twelve columns of a records row (in the store's `COLUMNS` order) as the
 //! drivers hand them over, each a tag byte (NULL, bytes, text, bigint, boolean) then its
 //! value: what a hostile writer with `UPDATE` on the table, or one that dropped its
 //! constraints, could leave. The row decoder every statement goes through must answer with
