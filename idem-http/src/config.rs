@@ -44,7 +44,8 @@ pub enum MissingPrincipal {
     Reject,
     /// Run the handler without idempotency and store nothing, as for a keyless request
     /// under [`KeyRequirement::Optional`]. For APIs with anonymous endpoints that accept
-    /// duplicates.
+    /// duplicates. Applies to "no principal" (`None`) only: a blank principal is refused
+    /// with 401 in this mode too ([`crate::principal::is_blank`]).
     SkipIdempotency,
 }
 
