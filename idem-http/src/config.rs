@@ -44,7 +44,8 @@ pub enum MissingPrincipal {
     Reject,
     /// Run the handler without idempotency and store nothing, as for a keyless request
     /// under [`KeyRequirement::Optional`]. For APIs with anonymous endpoints that accept
-    /// duplicates.
+    /// duplicates. Applies to "no principal" (`None`) only: a blank principal is refused
+    /// with 401 in this mode too ([`crate::principal::is_blank`]).
     SkipIdempotency,
 }
 
@@ -201,6 +202,12 @@ impl LeaseRenewal {
 /// sleeping out a lease that renewal may keep extending for half an hour.
 pub(crate) const DEFAULT_IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(2);
 
+/// Default most header fields that enter the fingerprint (all values of every configured
+/// name together).
+pub const DEFAULT_MAX_FINGERPRINT_FIELDS: usize = 32;
+/// Default most bytes (names plus values) of the header fields that enter the fingerprint.
+pub const DEFAULT_MAX_FINGERPRINT_HEADER_BYTES: usize = 16 * 1024;
+
 /// Everything one layer was configured with, shared read-only by every service it makes.
 #[derive(Clone)]
 pub(crate) struct Config {
@@ -216,6 +223,10 @@ pub(crate) struct Config {
     pub(crate) max_request_body: usize,
     /// Request headers (lower-case) that enter the fingerprint.
     pub(crate) fingerprint_headers: Vec<String>,
+    /// Most header fields that may enter the fingerprint.
+    pub(crate) max_fingerprint_fields: usize,
+    /// Most bytes (names plus values) of the header fields that enter the fingerprint.
+    pub(crate) max_fingerprint_header_bytes: usize,
     pub(crate) fingerprint_mode: FingerprintMode,
     pub(crate) mismatch_status: MismatchStatus,
     pub(crate) store_failure_mode: StoreFailureMode,
@@ -248,6 +259,8 @@ impl Config {
             missing_principal: MissingPrincipal::default(),
             max_request_body: 1 << 20,
             fingerprint_headers: vec!["content-type".into()],
+            max_fingerprint_fields: DEFAULT_MAX_FINGERPRINT_FIELDS,
+            max_fingerprint_header_bytes: DEFAULT_MAX_FINGERPRINT_HEADER_BYTES,
             fingerprint_mode: FingerprintMode::default(),
             mismatch_status: MismatchStatus::default(),
             store_failure_mode: StoreFailureMode::default(),

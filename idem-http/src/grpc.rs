@@ -85,7 +85,7 @@ pub fn grpc_code_for(kind: ProblemKind) -> u32 {
             code::INVALID_ARGUMENT
         }
         ProblemKind::MissingPrincipal => code::UNAUTHENTICATED,
-        ProblemKind::BodyTooLarge => code::RESOURCE_EXHAUSTED,
+        ProblemKind::BodyTooLarge | ProblemKind::HeadersTooLarge => code::RESOURCE_EXHAUSTED,
         ProblemKind::InFlight | ProblemKind::Busy => code::ABORTED,
         ProblemKind::Mismatch => code::FAILED_PRECONDITION,
         ProblemKind::StoreUnavailable => code::UNAVAILABLE,

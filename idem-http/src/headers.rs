@@ -72,6 +72,35 @@ pub(crate) fn http_date(t: UnixMillis) -> String {
     )
 }
 
+/// Refuses a request whose fingerprint headers (every value of every configured name) are
+/// more than `max_fields` fields or `max_bytes` bytes of names plus values: 431
+/// `headers-too-large` (RFC 6585 §5), checked before the body is read or anything claimed.
+pub(crate) fn check_fingerprint_headers(
+    headers: &http::HeaderMap,
+    names: &[String],
+    max_fields: usize,
+    max_bytes: usize,
+) -> Result<(), crate::Problem> {
+    let (mut fields, mut bytes) = (0usize, 0usize);
+    for name in names {
+        for value in headers.get_all(name.as_str()) {
+            fields += 1;
+            bytes = bytes.saturating_add(name.len() + value.len());
+        }
+    }
+    if fields > max_fields || bytes > max_bytes {
+        return Err(crate::Problem::new(
+            crate::ProblemKind::HeadersTooLarge,
+            http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            format!(
+                "the request's fingerprinted header fields are {fields} fields, {bytes} bytes; the limits are \
+                 {max_fields} fields and {max_bytes} bytes"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

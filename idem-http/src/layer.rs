@@ -36,6 +36,7 @@ use crate::service::Idempotency;
 /// | [`with_missing_principal`](Self::with_missing_principal) | [`MissingPrincipal::Reject`] |
 /// | [`with_max_request_body`](Self::with_max_request_body) | 1 MiB (1 048 576 bytes) |
 /// | [`with_fingerprint_headers`](Self::with_fingerprint_headers) | `content-type` |
+/// | [`with_max_fingerprint_headers`](Self::with_max_fingerprint_headers) | 32 fields, 16 KiB (16 384 bytes) |
 /// | [`with_fingerprint_mode`](Self::with_fingerprint_mode) | [`FingerprintMode::Raw`] |
 /// | [`with_mismatch_status`](Self::with_mismatch_status) | [`MismatchStatus::Conflict`] (409) |
 /// | [`with_store_failure_mode`](Self::with_store_failure_mode) | [`StoreFailureMode::FailClosed`] |
@@ -203,6 +204,20 @@ impl IdempotencyLayer {
     #[must_use]
     pub fn with_fingerprint_headers<I: IntoIterator<Item = S>, S: Into<String>>(mut self, names: I) -> Self {
         self.config().fingerprint_headers = names.into_iter().map(|s| s.into().to_ascii_lowercase()).collect();
+        self
+    }
+
+    /// Sets the most header fields (`fields`, default 32) and the most bytes of names plus
+    /// values (`bytes`, default 16 KiB = 16 384 bytes) of the request's
+    /// [fingerprint headers](Self::with_fingerprint_headers), all values of every
+    /// configured name counted. A request over either gets 431 `headers-too-large`
+    /// (RFC 6585 §5) and claims nothing: a client cannot make the layer hash an unbounded
+    /// header set. The HTTP server's own header limits apply before this layer.
+    #[must_use]
+    pub fn with_max_fingerprint_headers(mut self, fields: usize, bytes: usize) -> Self {
+        let config = self.config();
+        config.max_fingerprint_fields = fields;
+        config.max_fingerprint_header_bytes = bytes;
         self
     }
 

@@ -427,6 +427,8 @@ pub mod config;
 pub mod context;
 pub mod deadline;
 pub mod future;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod grpc;
 pub mod headers;
 pub mod hints;

@@ -25,8 +25,11 @@ use idem_core::Principal;
 
 /// Finds the principal of a request.
 ///
-/// Returning `None` (or an empty principal) means "no identity"; see
-/// [`crate::MissingPrincipal`] for what the layer then does. Implemented for closures
+/// Returning `None` means "no identity"; see [`crate::MissingPrincipal`] for what the
+/// layer then does. A blank principal (empty or whitespace only, [`is_blank`]) is refused
+/// with 401 in every configuration. The layer calls `resolve` exactly once per keyed
+/// request and uses that one answer everywhere (record id, claim, handler context), so a
+/// resolver cannot give one request two principals. Implemented for closures
 /// `Fn(&http::request::Parts) -> Option<String>`.
 pub trait PrincipalResolver: Send + Sync + 'static {
     /// The principal `request` runs as, or `None`.
@@ -45,8 +48,26 @@ where
     F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
 {
     fn resolve(&self, request: &Parts) -> Option<Principal> {
-        self(request).filter(|p| !p.is_empty()).map(Principal)
+        self(request).map(Principal)
     }
+}
+
+/// Whether `principal` is empty or only whitespace (Unicode `White_Space`): such a
+/// principal is refused (401, `urn:idem:problem:missing-principal`, nothing claimed, no
+/// handler run) even under [`crate::MissingPrincipal::SkipIdempotency`], because every
+/// request that resolves to it would otherwise share one scope.
+#[must_use]
+pub fn is_blank(principal: &str) -> bool {
+    principal.trim().is_empty()
+}
+
+/// The layer's answer to a blank principal (see [`is_blank`]).
+pub(crate) fn blank_principal() -> crate::Problem {
+    crate::Problem::new(
+        crate::ProblemKind::MissingPrincipal,
+        http::StatusCode::UNAUTHORIZED,
+        "the request's principal is blank; an idempotency key needs a non-blank authenticated principal",
+    )
 }
 
 /// BLAKE3 `derive_key` context for [`BearerToken`] principals.
@@ -138,9 +159,10 @@ mod tests {
     }
 
     #[test]
-    fn closures_resolve_and_empty_means_none() {
+    fn closures_resolve_and_blank_is_detected() {
         let r = |_: &Parts| Some(String::new());
-        assert_eq!(r.resolve(&parts(&[])), None);
+        assert!(r.resolve(&parts(&[])).is_some_and(|p| is_blank(&p.0)));
+        assert!(is_blank(" \t\u{a0}") && !is_blank(" a "));
         let r = |_: &Parts| Some("acct-1".to_owned());
         assert_eq!(r.resolve(&parts(&[])), Some(Principal("acct-1".into())));
     }

@@ -41,6 +41,9 @@ pub enum ProblemKind {
     UnreadableBody,
     /// 413: the request body is larger than the layer's `max_request_body`.
     BodyTooLarge,
+    /// 431 (RFC 6585 §5): the request headers that enter the fingerprint are more fields
+    /// or more bytes than the layer's limits (`with_max_fingerprint_headers`).
+    HeadersTooLarge,
     /// 409 + `Retry-After`: another attempt with this key holds a fresh lease.
     InFlight,
     /// 409 + `Retry-After`: the record changed under this request several times in a row
@@ -73,13 +76,14 @@ pub enum ProblemKind {
 const PREFIX: &str = "urn:idem:problem:";
 
 impl ProblemKind {
-    const ALL: [ProblemKind; 15] = [
+    const ALL: [ProblemKind; 16] = [
         ProblemKind::MissingKey,
         ProblemKind::InvalidKey,
         ProblemKind::DuplicateKey,
         ProblemKind::MissingPrincipal,
         ProblemKind::UnreadableBody,
         ProblemKind::BodyTooLarge,
+        ProblemKind::HeadersTooLarge,
         ProblemKind::InFlight,
         ProblemKind::Busy,
         ProblemKind::Mismatch,
@@ -101,6 +105,7 @@ impl ProblemKind {
             ProblemKind::MissingPrincipal => "missing-principal",
             ProblemKind::UnreadableBody => "unreadable-body",
             ProblemKind::BodyTooLarge => "body-too-large",
+            ProblemKind::HeadersTooLarge => "headers-too-large",
             ProblemKind::InFlight => "in-flight",
             ProblemKind::Busy => "busy",
             ProblemKind::Mismatch => "mismatch",
@@ -137,6 +142,7 @@ impl ProblemKind {
             ProblemKind::MissingPrincipal => "Principal required",
             ProblemKind::UnreadableBody => "Unreadable request body",
             ProblemKind::BodyTooLarge => "Request body too large",
+            ProblemKind::HeadersTooLarge => "Request header fields too large",
             ProblemKind::InFlight => "Request in flight",
             ProblemKind::Busy => "Idempotency record busy",
             ProblemKind::Mismatch => "Idempotency-Key reused with a different request",

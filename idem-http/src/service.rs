@@ -186,7 +186,16 @@ where
         }
         Err(problem) => return Ok(problem.into_response()),
     };
-    let Some(principal) = cfg.resolver.resolve(&parts).filter(|p| !p.0.is_empty()) else {
+    // Resolved once per request: this one answer is the principal of the claim, the record
+    // id, the handler's context and every later write, so a resolver that would answer
+    // differently on a second call is never asked twice.
+    let resolved = cfg.resolver.resolve(&parts);
+    if resolved.as_ref().is_some_and(|p| crate::principal::is_blank(&p.0)) {
+        // Blank is a resolver bug (or a client-supplied blank identity), not "anonymous":
+        // it never shares a bucket and never skips idempotency, whatever MissingPrincipal says.
+        return Ok(crate::principal::blank_principal().into_response());
+    }
+    let Some(principal) = resolved else {
         return match cfg.missing_principal {
             MissingPrincipal::SkipIdempotency => pass_through(inner, Request::from_parts(parts, body)).await,
             MissingPrincipal::Reject => {
@@ -204,6 +213,14 @@ where
         };
     };
     let endpoint = endpoint_of(&parts);
+    if let Err(problem) = crate::headers::check_fingerprint_headers(
+        &parts.headers,
+        &cfg.fingerprint_headers,
+        cfg.max_fingerprint_fields,
+        cfg.max_fingerprint_header_bytes,
+    ) {
+        return Ok(problem.into_response());
+    }
     let bytes = match buffer(body, &parts.headers, cfg.max_request_body).await {
         Ok(bytes) => bytes,
         Err(problem) => return Ok(problem.into_response()),

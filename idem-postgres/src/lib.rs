@@ -216,6 +216,8 @@
 mod config;
 mod driver;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod sql;
 mod store;
 

@@ -95,6 +95,8 @@
 
 pub mod config;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod store;
 pub mod table;
 

@@ -48,7 +48,25 @@ fn read_record(
     let Some(value) = records.get(&id.0).map_err(Error::from)? else {
         return Ok(None);
     };
-    codec::decode(value.value()).map(Some).map_err(|source| StoreError::Corrupt { id: Some(id), source })
+    decode_record(id, value.value()).map(Some)
+}
+
+/// Decodes the value stored at `id` in [`RECORDS`]. A value that decodes to a record of
+/// another id (bytes copied from one key to another by something with write access to the
+/// file) is refused as corrupt, never returned: the layer would otherwise replay one
+/// scope's response under another's key.
+///
+/// # Errors
+/// [`StoreError::Corrupt`] when the bytes do not decode or name another record.
+pub fn decode_record(id: RecordId, bytes: &[u8]) -> Result<Record, StoreError> {
+    let record = codec::decode(bytes).map_err(|source| StoreError::Corrupt { id: Some(id), source })?;
+    if record.id != id {
+        return Err(StoreError::Corrupt {
+            id: Some(id),
+            source: codec::CodecError::BadField { field: "id", reason: "the record names another id".into() },
+        });
+    }
+    Ok(record)
 }
 
 fn read_journal(

@@ -235,6 +235,8 @@
 mod config;
 mod conn;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod script;
 mod store;
 

@@ -397,6 +397,15 @@ fn unexpected(op: &'static str, detail: &'static str) -> StoreError {
     Error::UnexpectedReply { operation: op, detail }.into()
 }
 
+/// The record in a `get` reply whose hash fields `h` and `r` are as given (`None`: the
+/// field is absent), decoded the way [`Reply::record`] decodes every read: the stored-record
+/// fuzz target's entry point.
+pub(crate) fn decode_fields(id: RecordId, h: Option<Vec<u8>>, r: Option<Vec<u8>>) -> Result<Record, StoreError> {
+    let field = |f: Option<Vec<u8>>| f.map_or(Value::Nil, Value::BulkString);
+    let value = Value::Array(vec![Value::BulkString(b"found".to_vec()), Value::Int(7), field(h), field(r)]);
+    Reply::parse("get", value, None)?.record(id, None)
+}
+
 /// A corrupt record: logs which field, returns the typed error.
 fn corrupt(id: RecordId, field: &'static str, source: CodecError) -> StoreError {
     tracing::warn!(record = %id, field, error = %source, "idem-redis: stored record does not decode");
@@ -427,14 +436,14 @@ pub(crate) fn ttl_arg(lease_ms: i64, retention_ms: i64) -> [u8; 16] {
 /// The header (the first [`HEADER_LEN`] bytes of hash field `h`, see `common.lua`): the
 /// fixed-layout part of a record that the scripts decide on. Byte 0 is this version. The
 /// scope field follows it in the same hash field.
-const HEADER_FORMAT: u8 = 2;
+pub(crate) const HEADER_FORMAT: u8 = 2;
 /// Version, state, five big-endian u64 (token, created_at, started_at, lease_expires_at,
 /// expires_at), fingerprint.
-const HEADER_LEN: usize = 2 + 5 * 8 + 32;
+pub(crate) const HEADER_LEN: usize = 2 + 5 * 8 + 32;
 /// State bytes of the header.
-const STATE_IN_FLIGHT: u8 = 1;
-const STATE_COMPLETED: u8 = 2;
-const STATE_FAILED: u8 = 3;
+pub(crate) const STATE_IN_FLIGHT: u8 = 1;
+pub(crate) const STATE_COMPLETED: u8 = 2;
+pub(crate) const STATE_FAILED: u8 = 3;
 /// First byte of the scope (principal, endpoint and idempotency key, postcard), which
 /// follows the header in field `h`.
 const SCOPE_FORMAT: u8 = 1;

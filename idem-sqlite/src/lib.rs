@@ -150,6 +150,8 @@
 
 mod config;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod sql;
 mod store;
 mod table;

@@ -226,7 +226,7 @@ fn bytes32(id: &[u8], column: &'static str, value: &[u8]) -> Result<[u8; 32], Er
     value.try_into().map_err(|_| Error::invalid_row(id, column, format!("{} bytes, expected 32", value.len())))
 }
 
-fn from_row(row: &Row<'_>) -> Result<Record, StoreError> {
+pub(crate) fn from_row(row: &Row<'_>) -> Result<Record, StoreError> {
     // A value of the wrong SQL type is reported by rusqlite (kept as the source).
     let read = || Error::sqlite("read record");
     let raw_id: Vec<u8> = row.get(0).map_err(read())?;
