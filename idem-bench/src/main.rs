@@ -30,6 +30,8 @@
 //!   without the layer, each side in a child process of its own.
 //! - `pgtx`: claim + the handler's insert + completion in one transaction on a sqlx pool,
 //!   against the same statements by hand, straight to PostgreSQL or through PgBouncer.
+//! - `obs`: the layer per request with a silent INFO subscriber and a Prometheus recorder
+//!   against the same without (two builds: `--features metrics` and default).
 //! - `benches/pure.rs`: divan micro-benchmarks of the pure paths.
 //!
 //! Embedded files go to a temporary directory under `$IDEM_BENCH_DIR` (default the system
@@ -39,6 +41,7 @@ mod baseline;
 mod cycles;
 mod http;
 mod memory;
+mod obs;
 mod pgtx;
 mod renew;
 mod size;
@@ -79,6 +82,9 @@ enum Command {
     /// Claim + the handler's insert + completion in one transaction (sqlx pool), against
     /// the same statements sent by hand through the same pool.
     Pgtx(pgtx::PgTxArgs),
+    /// The layer per request with a silent INFO subscriber and (built with `metrics`) a
+    /// Prometheus recorder installed, or without; no sockets.
+    Obs(obs::ObsArgs),
 }
 
 /// A store backend.
@@ -147,6 +153,7 @@ fn main() -> Result<(), BoxError> {
             Command::Renew(args) => renew::run(args).await,
             Command::Memory(args) => memory::run(args).await,
             Command::Pgtx(args) => pgtx::run(args).await,
+            Command::Obs(args) => obs::run(args).await,
         }
     })
 }
