@@ -6,8 +6,10 @@
 //! `MemoryStore`, in alternating slices. Every layered request is a first-time claim and
 //! completion (mode `first`) or a replay (mode `replay`).
 //!
-//! With `--observe`, the slices run with a `tracing` subscriber at INFO whose fmt layer
-//! writes to `io::sink()` (every span and event is formatted, nothing is written), and,
+//! With `--observe`, the slices run with a `tracing` subscriber at INFO that writes
+//! nothing (`--subscriber registry`: the span registry and a layer that keeps nothing;
+//! `--subscriber fmt`: the fmt layer writing to `io::sink()`, so every span's fields are
+//! formatted and dropped), and,
 //! when this binary was built with the `metrics` feature, a Prometheus recorder
 //! (`metrics-exporter-prometheus`, not serving). Both are installed for this thread only.
 //!
@@ -37,13 +39,29 @@ pub(crate) struct ObsArgs {
     /// Slices per server (bare, layered, layered, bare, ...); the medians are reported.
     #[arg(long, default_value_t = 5)]
     rounds: u32,
-    /// Install the silent INFO subscriber and (with the `metrics` feature) the recorder.
+    /// Install a silent INFO subscriber and (with the `metrics` feature) the recorder.
     #[arg(long)]
     observe: bool,
+    /// The subscriber `--observe` installs: `registry` (the span registry with an INFO
+    /// filter and a layer that keeps nothing) or `fmt` (tracing-subscriber's fmt layer
+    /// writing to `io::sink()`: every span's fields are formatted, nothing is written).
+    #[arg(long, value_enum, default_value = "registry")]
+    subscriber: SubscriberKind,
     /// Replays instead of first-time requests.
     #[arg(long)]
     replay: bool,
 }
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum SubscriberKind {
+    Registry,
+    Fmt,
+}
+
+/// A layer that keeps nothing: what a subscriber costs before it writes anything.
+struct Sink;
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Sink {}
 
 fn router() -> Router {
     Router::new().route(
@@ -115,9 +133,11 @@ fn run_here(args: &ObsArgs) -> Result<(f64, f64), BoxError> {
     if !args.observe {
         return measure(args);
     }
-    let subscriber = tracing_subscriber::registry()
-        .with(tracing_subscriber::filter::LevelFilter::INFO)
-        .with(tracing_subscriber::fmt::layer().with_writer(std::io::sink));
+    let registry = tracing_subscriber::registry().with(tracing_subscriber::filter::LevelFilter::INFO);
+    let subscriber: Box<dyn tracing::Subscriber + Send + Sync> = match args.subscriber {
+        SubscriberKind::Registry => Box::new(registry.with(Sink)),
+        SubscriberKind::Fmt => Box::new(registry.with(tracing_subscriber::fmt::layer().with_writer(std::io::sink))),
+    };
     tracing::subscriber::with_default(subscriber, || {
         #[cfg(feature = "metrics")]
         {
@@ -138,9 +158,11 @@ pub(crate) async fn run(args: ObsArgs) -> Result<(), BoxError> {
     let ((bare, layered), args) =
         tokio::task::spawn_blocking(move || worker.join()).await?.map_err(|_| "the measuring thread panicked")??;
     println!(
-        "obs mode={} observe={} metrics_feature={} requests={} rounds={} bare_ns={bare:.0} layered_ns={layered:.0}",
+        "obs mode={} observe={} subscriber={:?} metrics_feature={} requests={} rounds={} bare_ns={bare:.0} \
+         layered_ns={layered:.0}",
         if args.replay { "replay" } else { "first" },
         args.observe,
+        args.subscriber,
         cfg!(feature = "metrics"),
         args.requests,
         args.rounds,

@@ -517,3 +517,24 @@ fn a_detached_handler_keeps_its_parent_span_after_the_client_left() {
     assert_eq!(handler.parent, Some(request));
     seen.assert_counters_match_spans();
 }
+
+#[test]
+fn the_sweeper_counts_its_sweeps_and_the_records_it_removed() {
+    let env = Env::new();
+    let seen = observe(true, || async move {
+        let (n, s) = (Counter::default(), Script::default());
+        let app = app(layer(&env), &n, &s);
+        send(&app, &post("/v1/orders").key("k1").body("{}")).await;
+        env.advance_ms(24 * 3_600_000 + 1);
+        let sweeper = idem_core::sweeper::Sweeper::start(
+            env.store.clone(),
+            idem_core::sweeper::SweepConfig::default().with_period(Duration::from_secs(60)),
+        );
+        // The first sweep runs at once; let the paused clock reach the second.
+        tokio::time::sleep(Duration::from_secs(61)).await;
+        sweeper.stop().await;
+        assert!(env.record("tok-p", ORDERS, "k1").await.is_none(), "swept");
+    });
+    assert!(seen.counter("idem_sweeps_total", &[("backend", "memory"), ("status", "ok")]) >= 2);
+    assert_eq!(seen.counter("idem_swept_records_total", &[("backend", "memory")]), 1);
+}

@@ -18,8 +18,9 @@ use tokio::net::TcpListener;
 #[command(name = "leasebroker", about = "A provisioning API protected by idem, and a retry storm to prove it")]
 struct Cli {
     /// Log lines as text or as JSON objects (one per line, with the current span's
-    /// fields, e.g. the `idempotency` span's `decision`); the level comes from `RUST_LOG`
-    /// (default `warn`).
+    /// fields, e.g. the `idempotency` span's `decision`, and one line per closed span); the
+    /// level comes from `RUST_LOG` (default `warn`; `idem_http=info` logs every keyed
+    /// request).
     #[arg(long, value_enum, default_value = "text", global = true)]
     log_format: LogFormat,
     #[command(subcommand)]
@@ -275,8 +276,11 @@ impl StormArgs {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    // A closed span is logged too: at `RUST_LOG=idem_http=info` every keyed request gives
+    // one line with its `idempotency` span's decision, outcome and renewals.
     let logs = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
         .with_writer(std::io::stderr);
     match cli.log_format {
         LogFormat::Text => logs.init(),
