@@ -121,19 +121,26 @@ pub(crate) fn request_span() -> Span {
 /// One request's observer: its span, and the endpoint its metrics are labelled with.
 pub(crate) struct Observer {
     pub(crate) span: Span,
-    endpoint: Option<Endpoint>,
+    /// The `endpoint` label, made once per request: every later clone is a reference
+    /// count, not a copy of the string.
+    #[cfg(feature = "metrics")]
+    endpoint: Option<metrics::SharedString>,
 }
 
 impl Observer {
     pub(crate) fn new(span: Span) -> Self {
-        Self { span, endpoint: None }
+        Self {
+            span,
+            #[cfg(feature = "metrics")]
+            endpoint: None,
+        }
     }
 
     pub(crate) fn endpoint(&mut self, endpoint: &Endpoint) {
         self.span.record("endpoint", endpoint.0.as_str());
         #[cfg(feature = "metrics")]
         {
-            self.endpoint = Some(endpoint.clone());
+            self.endpoint = Some(metrics::SharedString::from_shared(std::sync::Arc::from(endpoint.0.as_str())));
         }
     }
 
@@ -190,7 +197,7 @@ impl Observer {
     #[cfg(feature = "metrics")]
     fn endpoint_label(&self) -> metrics::SharedString {
         match &self.endpoint {
-            Some(e) => metrics::SharedString::from(e.0.clone()),
+            Some(e) => e.clone(),
             // Rejected before the endpoint was read (never happens: it is read first).
             None => metrics::SharedString::const_str("unknown"),
         }
@@ -199,7 +206,7 @@ impl Observer {
 
 impl fmt::Debug for Observer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Observer").field("span", &self.span).field("endpoint", &self.endpoint).finish()
+        f.debug_struct("Observer").field("span", &self.span).finish_non_exhaustive()
     }
 }
 
