@@ -32,6 +32,8 @@
 //!   without the layer, each side in a child process of its own.
 //! - `pgtx`: claim + the handler's insert + completion in one transaction on a sqlx pool,
 //!   against the same statements by hand, straight to PostgreSQL or through PgBouncer.
+//! - `obs`: the layer per request with a silent INFO subscriber and a Prometheus recorder
+//!   against the same without (two builds: `--features metrics` and default).
 //! - `benches/pure.rs`: divan micro-benchmarks of the pure paths.
 //!
 //! Embedded files go to a temporary directory under `$IDEM_BENCH_DIR` (default the system
@@ -41,6 +43,7 @@ mod baseline;
 mod cycles;
 mod http;
 mod memory;
+mod obs;
 mod pgtx;
 mod renew;
 mod seal;
@@ -85,6 +88,9 @@ enum Command {
     /// Sealed against unsealed stored responses behind the layer (first-time requests or
     /// replays), interleaved runs.
     Seal(seal::SealArgs),
+    /// The layer per request with a silent INFO subscriber and (built with `metrics`) a
+    /// Prometheus recorder installed, or without; no sockets.
+    Obs(obs::ObsArgs),
 }
 
 /// A store backend.
@@ -154,6 +160,7 @@ fn main() -> Result<(), BoxError> {
             Command::Memory(args) => memory::run(args).await,
             Command::Pgtx(args) => pgtx::run(args).await,
             Command::Seal(args) => seal::run(args).await,
+            Command::Obs(args) => obs::run(args).await,
         }
     })
 }

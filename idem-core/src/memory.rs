@@ -53,7 +53,11 @@ impl<T> TableStore<T> {
     /// and no other capability.
     #[must_use]
     pub fn from_table(table: T, clock: Arc<dyn Clock>) -> Self {
-        Self { table: Arc::new(Mutex::new(table)), clock, capabilities: Capabilities::new().with_journal(true) }
+        Self {
+            table: Arc::new(Mutex::new(table)),
+            clock,
+            capabilities: Capabilities::new().with_backend("memory").with_journal(true),
+        }
     }
 
     /// What the table's engine offers beyond the journal.

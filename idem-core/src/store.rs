@@ -116,9 +116,13 @@ impl StoreError {
 
 /// What a backend offers beyond the required behaviour. The conformance suite runs the
 /// matching scenario variants and reports which ones ran; it never skips silently.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Capabilities {
+    /// The backend's name (`memory`, `redb`, `sqlite`, `redis`, `postgres`; `custom` unless
+    /// a store says): the `backend` label of the store metrics and the `backend` field of
+    /// the start-up event (docs/observability.md).
+    pub backend: &'static str,
     /// Records vanish on their own at `expires_at` (Redis `PEXPIREAT`); `sweep` is a no-op
     /// that reports zero.
     pub native_expiry: bool,
@@ -137,7 +141,21 @@ impl Capabilities {
     /// No optional capability.
     #[must_use]
     pub const fn new() -> Self {
-        Self { native_expiry: false, server_clock: false, shared: false, journal: false, list: false }
+        Self {
+            backend: "custom",
+            native_expiry: false,
+            server_clock: false,
+            shared: false,
+            journal: false,
+            list: false,
+        }
+    }
+
+    /// Sets `backend`.
+    #[must_use]
+    pub const fn with_backend(mut self, name: &'static str) -> Self {
+        self.backend = name;
+        self
     }
 
     /// Sets `native_expiry`.
@@ -173,6 +191,12 @@ impl Capabilities {
     pub const fn with_list(mut self, v: bool) -> Self {
         self.list = v;
         self
+    }
+}
+
+impl Default for Capabilities {
+    fn default() -> Self {
+        Self::new()
     }
 }
 

@@ -75,10 +75,27 @@ impl Sweeper {
             tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
+                #[cfg(feature = "metrics")]
+                let backend = store.capabilities().backend;
                 loop {
-                    match store.sweep(config.batch).await {
-                        Ok(outcome) if outcome.more => tokio::task::yield_now().await,
-                        Ok(_) => break,
+                    let result = store.sweep(config.batch).await;
+                    #[cfg(feature = "metrics")]
+                    {
+                        let status = if result.is_ok() { "ok" } else { "error" };
+                        metrics::counter!("idem_sweeps_total", "backend" => backend, "status" => status).increment(1);
+                        if let Ok(outcome) = &result {
+                            metrics::counter!("idem_swept_records_total", "backend" => backend)
+                                .increment(outcome.removed);
+                        }
+                    }
+                    match result {
+                        Ok(outcome) => {
+                            tracing::debug!(removed = outcome.removed, more = outcome.more, "idem sweep");
+                            if !outcome.more {
+                                break;
+                            }
+                            tokio::task::yield_now().await;
+                        }
                         Err(error) => {
                             tracing::warn!(%error, "idem sweep failed; trying again next period");
                             break;

@@ -220,6 +220,9 @@ pub(crate) struct DeadlineStore {
     deadlines: StoreDeadlines,
     /// How long completions are retried: the lease TTL.
     retry_window: Duration,
+    /// `inner`'s backend name, the `backend` label of the store metrics.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code, reason = "read by the metrics only"))]
+    backend: &'static str,
 }
 
 impl fmt::Debug for DeadlineStore {
@@ -234,7 +237,30 @@ impl fmt::Debug for DeadlineStore {
 
 impl DeadlineStore {
     pub(crate) fn new(inner: Arc<dyn Store>, deadlines: StoreDeadlines, lease_ttl: Duration) -> Self {
-        Self { inner, deadlines, retry_window: lease_ttl }
+        let backend = inner.capabilities().backend;
+        Self { inner, deadlines, retry_window: lease_ttl, backend }
+    }
+
+    /// `call`, timed (`idem_store_call_seconds`) and its error counted
+    /// (`idem_store_errors_total`) under the `metrics` feature; as is without it. Measured
+    /// around the deadline and the completion retries: the latency the request saw.
+    async fn observed<T>(
+        &self,
+        operation: &'static str,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        #[cfg(feature = "metrics")]
+        {
+            let started = std::time::Instant::now();
+            let result = call.await;
+            crate::observe::store_call(self.backend, operation, started.elapsed(), result.as_ref().err());
+            result
+        }
+        #[cfg(not(feature = "metrics"))]
+        {
+            let _ = operation;
+            call.await
+        }
     }
 
     /// `call`, abandoned after `limit` as a transient failure named `what`.
@@ -319,10 +345,11 @@ impl DeadlineStore {
         let mut pause = RETRY_FIRST;
         loop {
             let call = self.inner.journal_put(id, token, name, value.clone(), overwrite);
-            let error = match Self::within(self.deadlines.journal, "journal_put", call).await {
-                Ok(written) => return Ok(written),
-                Err(e) => e,
-            };
+            let error =
+                match self.observed("journal_put", Self::within(self.deadlines.journal, "journal_put", call)).await {
+                    Ok(written) => return Ok(written),
+                    Err(e) => e,
+                };
             if !retry || !is_outage(&error) || Instant::now() + pause >= window_end {
                 return Err(error);
             }
@@ -344,11 +371,11 @@ impl DeadlineStore {
 #[async_trait]
 impl Store for DeadlineStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        Self::within(self.deadlines.claim, "claim", self.inner.claim(req)).await
+        self.observed("claim", Self::within(self.deadlines.claim, "claim", self.inner.claim(req))).await
     }
 
     async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
-        Self::within(self.deadlines.claim, "reclaim", self.inner.reclaim(req)).await
+        self.observed("reclaim", Self::within(self.deadlines.claim, "reclaim", self.inner.reclaim(req))).await
     }
 
     async fn complete(
@@ -357,24 +384,25 @@ impl Store for DeadlineStore {
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Record, StoreError> {
-        self.finish(id, token, RecordState::Completed, "complete", || self.inner.complete(id, token, response.clone()))
-            .await
+        let send = || self.inner.complete(id, token, response.clone());
+        self.observed("complete", self.finish(id, token, RecordState::Completed, "complete", send)).await
     }
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
-        self.finish(id, token, RecordState::Failed, "fail", || self.inner.fail(id, token)).await
+        self.observed("fail", self.finish(id, token, RecordState::Failed, "fail", || self.inner.fail(id, token))).await
     }
 
     async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
-        Self::within(self.deadlines.extend, "extend", self.inner.extend(id, token, lease_ttl)).await
+        self.observed("extend", Self::within(self.deadlines.extend, "extend", self.inner.extend(id, token, lease_ttl)))
+            .await
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        Self::within(self.deadlines.read, "get", self.inner.get(id)).await
+        self.observed("get", Self::within(self.deadlines.read, "get", self.inner.get(id))).await
     }
 
     async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
-        self.inner.sweep(limit).await
+        self.observed("sweep", self.inner.sweep(limit)).await
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -393,7 +421,8 @@ impl Store for DeadlineStore {
     }
 
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        Self::within(self.deadlines.read, "journal_get", self.inner.journal_get(id, name)).await
+        self.observed("journal_get", Self::within(self.deadlines.read, "journal_get", self.inner.journal_get(id, name)))
+            .await
     }
     /// An operator's listing: no request waits on it, so no deadline (like `sweep`).
     async fn list(&self, filter: idem_core::ListFilter) -> Result<idem_core::Listing, StoreError> {

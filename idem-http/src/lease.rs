@@ -15,7 +15,7 @@
 use std::future::Future;
 use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::future::{Either, select};
@@ -40,6 +40,8 @@ struct Shared {
     notify: Notify,
     /// `lease_expires_at` of the last write that moved it (claim or renewal), store clock, ms.
     expires_at: AtomicI64,
+    /// Successful renewals so far (the span's `renewals` field).
+    renewals: AtomicU64,
 }
 
 impl LeaseState {
@@ -48,6 +50,7 @@ impl LeaseState {
             lost: AtomicBool::new(false),
             notify: Notify::new(),
             expires_at: AtomicI64::new(expires_at.0),
+            renewals: AtomicU64::new(0),
         }))
     }
 
@@ -61,6 +64,12 @@ impl LeaseState {
 
     fn renewed(&self, expires_at: UnixMillis) {
         self.0.expires_at.fetch_max(expires_at.0, Ordering::AcqRel);
+        self.0.renewals.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many renewals moved the lease so far.
+    pub(crate) fn renewals(&self) -> u64 {
+        self.0.renewals.load(Ordering::Relaxed)
     }
 
     fn set_lost(&self) {

@@ -434,6 +434,7 @@ pub mod headers;
 pub mod hints;
 pub mod layer;
 mod lease;
+mod observe;
 pub mod principal;
 pub mod problem;
 pub mod service;

@@ -38,6 +38,7 @@ use idem_core::{
 };
 use tokio::time::Instant;
 use tower::Service;
+use tracing::Instrument;
 
 use crate::body::ResponseBody;
 use crate::config::{Config, HandlerExecution, KeyRequirement, MissingPrincipal, StoreFailureMode};
@@ -45,6 +46,7 @@ use crate::context::{IdempotencyContext, ResponseCaching};
 use crate::future::{FailGuard, ResponseFuture, detach_on_drop};
 use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, expires_value};
 use crate::lease::{LeaseState, Renewal, while_renewing};
+use crate::observe::{DecisionKind, Observer, Outcome};
 use crate::problem::{Problem, ProblemKind};
 use crate::streaming::Streaming;
 
@@ -148,7 +150,12 @@ where
         return pass_through(inner, req).await;
     }
     let grpc = crate::grpc::is_grpc(req.headers());
-    let res = handle_keyed(&cfg, inner, req).await?;
+    // One span per non-safe request: the handler's own spans nest under it, and it stays
+    // with the work if that moves to a task of its own (`detach_on_drop` takes the
+    // current span).
+    let span = crate::observe::request_span();
+    let mut obs = Observer::new(span.clone());
+    let res = handle_keyed(&cfg, inner, req, &mut obs).instrument(span).await?;
     // The layer's own answers (they carry their `ProblemKind`) get the retry hints, and
     // become gRPC statuses for a gRPC request; handler responses and replays of them pass
     // unchanged.
@@ -159,6 +166,7 @@ async fn handle_keyed<S, ReqBody, ResBody>(
     cfg: &Config,
     inner: S,
     req: Request<ReqBody>,
+    obs: &mut Observer,
 ) -> Result<Res<ResBody>, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
@@ -170,21 +178,25 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let (parts, body) = req.into_parts();
+    let endpoint = endpoint_of(&parts);
+    obs.endpoint(&endpoint);
     let key = match read_key(&parts.headers, cfg.max_key_len) {
         Ok(Some(key)) => key,
         Ok(None) => {
             return match cfg.key_requirement {
-                KeyRequirement::Optional => pass_through(inner, Request::from_parts(parts, body)).await,
-                KeyRequirement::Required => Ok(Problem::new(
+                KeyRequirement::Optional => {
+                    obs.decision(DecisionKind::Skipped);
+                    pass_through(inner, Request::from_parts(parts, body)).await
+                }
+                KeyRequirement::Required => Ok(obs.rejected(Problem::new(
                     ProblemKind::MissingKey,
                     StatusCode::BAD_REQUEST,
                     "this endpoint requires an Idempotency-Key header; generate one unique value per operation and \
                      send it on every retry",
-                )
-                .into_response()),
+                ))),
             };
         }
-        Err(problem) => return Ok(problem.into_response()),
+        Err(problem) => return Ok(obs.rejected(problem)),
     };
     // Resolved once per request: this one answer is the principal of the claim, the record
     // id, the handler's context and every later write, so a resolver that would answer
@@ -193,12 +205,16 @@ where
     if resolved.as_ref().is_some_and(|p| crate::principal::is_blank(&p.0)) {
         // Blank is a resolver bug (or a client-supplied blank identity), not "anonymous":
         // it never shares a bucket and never skips idempotency, whatever MissingPrincipal says.
-        return Ok(crate::principal::blank_principal().into_response());
+        return Ok(obs.rejected(crate::principal::blank_principal()));
     }
     let Some(principal) = resolved else {
         return match cfg.missing_principal {
-            MissingPrincipal::SkipIdempotency => pass_through(inner, Request::from_parts(parts, body)).await,
+            MissingPrincipal::SkipIdempotency => {
+                obs.decision(DecisionKind::Skipped);
+                pass_through(inner, Request::from_parts(parts, body)).await
+            }
             MissingPrincipal::Reject => {
+                obs.decision(DecisionKind::Rejected);
                 let mut res = Problem::new(
                     ProblemKind::MissingPrincipal,
                     StatusCode::UNAUTHORIZED,
@@ -212,18 +228,17 @@ where
             }
         };
     };
-    let endpoint = endpoint_of(&parts);
     if let Err(problem) = crate::headers::check_fingerprint_headers(
         &parts.headers,
         &cfg.fingerprint_headers,
         cfg.max_fingerprint_fields,
         cfg.max_fingerprint_header_bytes,
     ) {
-        return Ok(problem.into_response());
+        return Ok(obs.rejected(problem));
     }
     let bytes = match buffer(body, &parts.headers, cfg.max_request_body).await {
         Ok(bytes) => bytes,
-        Err(problem) => return Ok(problem.into_response()),
+        Err(problem) => return Ok(obs.rejected(problem)),
     };
     let fingerprint = fingerprint(&parts, &bytes, cfg);
     let claim = ClaimRequest::new(
@@ -234,14 +249,23 @@ where
         cfg.policy.effective_retention(),
     );
     let id = claim.id;
-    match acquire(cfg, claim).await {
-        Acquired::Run(record, claimed_at) => match cfg.handler_execution {
-            HandlerExecution::Inline => run_claimed(cfg, inner, parts, bytes, record, claimed_at).await,
-            HandlerExecution::Detached => run_detached(cfg, inner, parts, bytes, record, claimed_at).await,
-        },
+    obs.record(id);
+    let (acquired, decision) = acquire(cfg, claim).await;
+    if let Some(decision) = decision {
+        obs.decision(decision);
+    }
+    match acquired {
+        Acquired::Run(record, claimed_at) => {
+            obs.token(record.token);
+            match cfg.handler_execution {
+                HandlerExecution::Inline => run_claimed(cfg, inner, parts, bytes, record, claimed_at, obs).await,
+                HandlerExecution::Detached => run_detached(cfg, inner, parts, bytes, record, claimed_at, obs).await,
+            }
+        }
         Acquired::Answer(res) => Ok(res),
         Acquired::StoreFailed(error) => match cfg.store_failure_mode {
             StoreFailureMode::FailOpen => {
+                obs.decision(DecisionKind::FailOpen);
                 tracing::warn!(
                     record = %id, endpoint = %endpoint_of(&parts).0, error = %error,
                     "idempotency store failed; running the handler WITHOUT idempotency protection (fail-open)"
@@ -249,6 +273,7 @@ where
                 pass_through(inner, Request::from_parts(parts, ReqBody::from(bytes))).await
             }
             StoreFailureMode::FailClosed => {
+                obs.decision(DecisionKind::StoreUnavailable);
                 tracing::error!(
                     record = %id, endpoint = %endpoint_of(&parts).0, error = %error,
                     "idempotency store failed; answering 503 without running the handler (fail-closed)"
@@ -260,6 +285,7 @@ where
             // In both failure modes: the record may be a completed operation, and running
             // its handler again (fail-open) could repeat it. Retrying cannot fix the
             // record, so SDK retry loops are told not to.
+            obs.decision(DecisionKind::Unreadable);
             tracing::error!(record = %id, why, "stored idempotency record cannot be read or replayed");
             let mut res = store_unavailable("the stored record for this idempotency key cannot be read");
             crate::hints::never_retry(res.headers_mut(), &cfg.retry_hints);
@@ -377,17 +403,20 @@ enum Acquired<B> {
 /// with `get` after short pauses until it is no longer in flight with a fresh lease, or
 /// the wait is over; each read goes through the same decision as the claim's answer.
 /// Nothing is held between two reads: no connection, no lock, no claim.
-async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
+///
+/// Returns the decision for the request's span and metrics with it; `None` for a store
+/// failure and an unreadable record, which the caller names (it knows the failure mode).
+async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> (Acquired<B>, Option<DecisionKind>) {
     let store = &cfg.store;
     let ClaimRequest { id, fingerprint, lease_ttl, retention, .. } = claim;
     let again = |scope: Scope, key: IdempotencyKey| ClaimRequest { id, scope, key, fingerprint, lease_ttl, retention };
     let sent = Instant::now();
     let (mut current, mut now) = match store.claim(claim).await {
-        Ok(ClaimOutcome::Claimed(record)) => return Acquired::Run(record, sent),
+        Ok(ClaimOutcome::Claimed(record)) => return (Acquired::Run(record, sent), Some(DecisionKind::Claimed)),
         Ok(ClaimOutcome::Existing { record, now }) => (Some(record), now),
         // A record that does not decode is no outage: it may be a completed operation.
-        Err(e) if e.is_corrupt() => return Acquired::Unreadable(e.to_string()),
-        Err(e) => return Acquired::StoreFailed(e),
+        Err(e) if e.is_corrupt() => return (Acquired::Unreadable(e.to_string()), None),
+        Err(e) => return (Acquired::StoreFailed(e), None),
     };
     // When the store's `now` was last read, for the estimate a `get` (which reports no
     // `now`) is decided with.
@@ -408,16 +437,18 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
                 seen = Some((scope.clone(), key.clone()));
                 let sent = Instant::now();
                 match store.claim(again(scope, key)).await {
-                    Ok(ClaimOutcome::Claimed(record)) => return Acquired::Run(record, sent),
+                    Ok(ClaimOutcome::Claimed(record)) => {
+                        return (Acquired::Run(record, sent), Some(DecisionKind::Claimed));
+                    }
                     Ok(ClaimOutcome::Existing { record, now: n }) => (Some(record), n),
-                    Err(e) if e.is_corrupt() => return Acquired::Unreadable(e.to_string()),
-                    Err(e) => return Acquired::StoreFailed(e),
+                    Err(e) if e.is_corrupt() => return (Acquired::Unreadable(e.to_string()), None),
+                    Err(e) => return (Acquired::StoreFailed(e), None),
                 }
             }
             (Decision::Replay, Some(record)) => {
                 return match replay(record) {
-                    Ok(res) => Acquired::Answer(res),
-                    Err(why) => Acquired::Unreadable(why),
+                    Ok(res) => (Acquired::Answer(res), Some(DecisionKind::Replayed)),
+                    Err(why) => (Acquired::Unreadable(why), None),
                 };
             }
             (Decision::InFlight { retry_after_secs }, Some(record)) => {
@@ -441,7 +472,7 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
                         ),
                     }
                 }
-                return Acquired::Answer(in_flight(cfg, retry_after_secs, record));
+                return (Acquired::Answer(in_flight(cfg, retry_after_secs, record)), Some(DecisionKind::InFlight));
             }
             (Decision::Mismatch, Some(record)) => {
                 let status = StatusCode::from_u16(cfg.mismatch_status.code()).unwrap_or(StatusCode::CONFLICT);
@@ -449,18 +480,20 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
                               fingerprinted headers or body); use a new key for a new operation";
                 let mut res = Problem::new(ProblemKind::Mismatch, status, detail).into_response();
                 set_expires(res.headers_mut(), record.expires_at);
-                return Acquired::Answer(res);
+                return (Acquired::Answer(res), Some(DecisionKind::Mismatch));
             }
             (Decision::Reclaim { expected }, Some(record)) => {
                 seen = Some((record.scope.clone(), record.key.clone()));
                 let req = ReclaimRequest { id, expected, fingerprint, lease_ttl, retention };
                 let sent = Instant::now();
                 match store.reclaim(req).await {
-                    Ok(ReclaimOutcome::Reclaimed(record)) => return Acquired::Run(record, sent),
+                    Ok(ReclaimOutcome::Reclaimed(record)) => {
+                        return (Acquired::Run(record, sent), Some(DecisionKind::Reclaimed));
+                    }
                     // Another retry won the compare-and-set, or the record moved on: look again.
                     Ok(ReclaimOutcome::Conflict { current, now: n }) => (current, n),
-                    Err(e) if e.is_corrupt() => return Acquired::Unreadable(e.to_string()),
-                    Err(e) => return Acquired::StoreFailed(e),
+                    Err(e) if e.is_corrupt() => return (Acquired::Unreadable(e.to_string()), None),
+                    Err(e) => return (Acquired::StoreFailed(e), None),
                 }
             }
         };
@@ -475,7 +508,7 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> Acquired<B> {
     )
     .into_response();
     set_retry_after(res.headers_mut(), RETRY_AFTER_BUSY_SECS);
-    Acquired::Answer(res)
+    (Acquired::Answer(res), Some(DecisionKind::Busy))
 }
 
 /// 409 `in-flight`: another attempt holds a fresh lease on `record`. `Retry-After` is the
@@ -590,6 +623,7 @@ async fn run_detached<S, ReqBody, ResBody>(
     bytes: Bytes,
     record: Record,
     claimed_at: Instant,
+    obs: &Observer,
 ) -> Result<Res<ResBody>, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
@@ -601,7 +635,7 @@ where
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         detach_on_drop(runtime);
     }
-    run_claimed(cfg, inner, parts, bytes, record, claimed_at).await
+    run_claimed(cfg, inner, parts, bytes, record, claimed_at, obs).await
 }
 
 /// Runs the handler under the claim in `record` (claimed by a call sent at `claimed_at`),
@@ -614,6 +648,7 @@ async fn run_claimed<S, ReqBody, ResBody>(
     bytes: Bytes,
     record: Record,
     claimed_at: Instant,
+    obs: &Observer,
 ) -> Result<Res<ResBody>, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
@@ -628,6 +663,12 @@ where
     let mut guard = FailGuard::new(Arc::clone(&store), id, token);
     let lease = LeaseState::new(lease_expires_at);
     let renewal = renewal(cfg, id, token, claimed_at, &lease);
+    // The outcome, with the renewals so far; a lost lease wins over what the write said.
+    let watch = lease.clone();
+    let done = |outcome: Outcome| {
+        let outcome = if watch.is_lost() { Outcome::LeaseLost } else { outcome };
+        obs.outcome(outcome, watch.renewals());
+    };
     parts.extensions.insert(IdempotencyContext {
         record_id: id,
         token,
@@ -672,10 +713,12 @@ where
             // Mark failed first, deterministically, then let the panic continue to whatever
             // catches panics above this layer (a layer must not turn a panic into a response).
             guard.fail_now("handler panicked").await;
+            done(Outcome::Failed);
             std::panic::resume_unwind(panic);
         }
         Ok(Err(error)) => {
             guard.fail_now("handler returned an error").await;
+            done(Outcome::Failed);
             return Err(error);
         }
         Ok(Ok(parts)) => parts,
@@ -696,6 +739,7 @@ where
             && current.state == RecordState::InFlight
         {
             guard.fail_now("handler said it completed its record, but the record is still in flight").await;
+            done(Outcome::Failed);
             tracing::error!(
                 record = %id, token = %token,
                 "handler returned ResponseCaching::CompletedByHandler but its completion did not commit; record marked failed"
@@ -708,6 +752,7 @@ where
             .into_response());
         }
         guard.disarm();
+        done(Outcome::Completed);
         set_expires(&mut head.headers, claimed_expires_at);
         let body = match read {
             Read::Untouched(body) => ResponseBody::inner(body),
@@ -729,6 +774,7 @@ where
     let (stored, body) = match read {
         Read::Failed(error) => {
             guard.fail_now("response body failed").await;
+            done(Outcome::Failed);
             tracing::error!(record = %id, error = %error, "handler response body failed; record marked failed");
             return Ok(Problem::new(
                 ProblemKind::ResponseBodyFailed,
@@ -756,18 +802,28 @@ where
         }
     };
     if let Some(stored) = stored {
+        let retained = !matches!(stored.body, StoredBody::NotRetained { .. });
         match store.complete(id, token, stored).await {
-            Ok(done) => expires_at = done.expires_at,
-            Err(e) if e.is_lease_lost() => tracing::warn!(
-                record = %id, token = %token, error = %e,
-                "lease lost before completion: another attempt owns the record now; this response is still \
-                 returned but not stored"
-            ),
-            Err(e) => tracing::error!(
-                record = %id, token = %token, error = %e,
-                "could not store the response; it is returned anyway, and the record stays in flight until its \
-                 lease ends, after which a retry reclaims it and runs the handler again"
-            ),
+            Ok(record) => {
+                expires_at = record.expires_at;
+                done(if retained { Outcome::Completed } else { Outcome::NotRetained });
+            }
+            Err(e) if e.is_lease_lost() => {
+                done(Outcome::LeaseLost);
+                tracing::warn!(
+                    record = %id, token = %token, error = %e,
+                    "lease lost before completion: another attempt owns the record now; this response is still \
+                     returned but not stored"
+                );
+            }
+            Err(e) => {
+                done(Outcome::NotStored);
+                tracing::error!(
+                    record = %id, token = %token, error = %e,
+                    "could not store the response; it is returned anyway, and the record stays in flight until \
+                     its lease ends, after which a retry reclaims it and runs the handler again"
+                );
+            }
         }
         guard.disarm();
     } else {
@@ -775,6 +831,7 @@ where
         // lasting, and what the handler marked `DoNotStore`: never stored, so a retry runs
         // again.
         guard.fail_now("response status is not cacheable").await;
+        done(Outcome::Failed);
     }
     set_expires(&mut head.headers, expires_at);
     Ok(Response::from_parts(head, body))

@@ -63,7 +63,7 @@ pub const MIGRATIONS: &[Migration] = &[
 ];
 
 /// The version this build's statements need: the last of [`MIGRATIONS`].
-const KNOWN_VERSION: i32 = MIGRATIONS[MIGRATIONS.len() - 1].version;
+pub(crate) const KNOWN_VERSION: i32 = MIGRATIONS[MIGRATIONS.len() - 1].version;
 
 /// The highest migration recorded in `schema`.
 fn applied_version_sql(schema: &str) -> String {
@@ -220,6 +220,13 @@ async fn apply(tx: &deadpool_postgres::Transaction<'_>, schema: &str) -> Result<
     let found = applied_version(&**tx, schema).await?;
     let mut applied = 0;
     for m in MIGRATIONS.iter().filter(|m| m.version > found) {
+        tracing::debug!(
+            backend = "postgres",
+            schema,
+            version = m.version,
+            name = m.name,
+            "idem-postgres: applying migration"
+        );
         tx.batch_execute(&m.sql_for(schema)).await.map_err(Error::postgres("applying a migration"))?;
         tx.query_typed(&record_migration_sql(schema), &[(&m.version, Type::INT4), (&m.name, Type::TEXT)])
             .await
@@ -291,6 +298,13 @@ pub(crate) mod via_sqlx {
         let found = applied_version(tx, schema).await?;
         let mut applied = 0;
         for m in MIGRATIONS.iter().filter(|m| m.version > found) {
+            tracing::debug!(
+                backend = "postgres",
+                schema,
+                version = m.version,
+                name = m.name,
+                "idem-postgres: applying migration"
+            );
             sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&m.sql_for(schema)))
                 .await
                 .map_err(Error::sqlx("applying a migration"))?;

@@ -371,6 +371,17 @@ impl<D: Driver> PostgresStore<D> {
             );
         }
         drop(conn);
+        // The settings this store runs on (docs/observability.md).
+        tracing::info!(
+            backend = "postgres",
+            schema = %config.schema,
+            schema_version = crate::sql::KNOWN_VERSION,
+            isolation = %isolation,
+            prepared_statements = config.prepared_statements,
+            auto_migrate = config.auto_migrate,
+            server_clock = config.clock.is_none(),
+            "idem-postgres: store settings"
+        );
         Ok(Self {
             inner: Arc::new(Inner { driver, schema: config.schema, clock: config.clock, sql, protocol, isolation }),
         })
@@ -631,7 +642,12 @@ impl<D: Driver> Store for PostgresStore<D> {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new().with_server_clock(true).with_shared(true).with_journal(true).with_list(true)
+        Capabilities::new()
+            .with_backend("postgres")
+            .with_server_clock(true)
+            .with_shared(true)
+            .with_journal(true)
+            .with_list(true)
     }
 
     /// One statement per record on one pooled connection, each the next matching id after

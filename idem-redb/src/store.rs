@@ -73,6 +73,15 @@ impl RedbStore {
         table::create_tables(&db)?;
         let engine = RedbEngine { db: Arc::clone(&db) };
         let writer = GroupCommit::start(engine, Arc::clone(config.clock()), config.batch()).map_err(Error::Spawn)?;
+        // The settings this store runs on (docs/observability.md).
+        tracing::info!(
+            backend = "redb",
+            durability = ?config.durability(),
+            max_batch = config.batch().max_batch(),
+            linger = ?config.batch().linger(),
+            flush_interval_ms = config.batch().flush_interval().map(|d| d.as_millis() as u64),
+            "idem-redb: store settings"
+        );
         Ok(Self { db, config, writer })
     }
 
@@ -117,7 +126,7 @@ impl RedbStore {
 #[async_trait]
 impl Store for RedbStore {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new().with_journal(true).with_list(true)
+        Capabilities::new().with_backend("redb").with_journal(true).with_list(true)
     }
 
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {

@@ -186,10 +186,18 @@ impl Call {
                 // The server forgot the script (restart, failover, SCRIPT FLUSH): it did not
                 // run. Load it and send the call again, once.
                 Err(e) if !loaded && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    tracing::debug!(
+                        backend = "redis",
+                        op,
+                        "idem-redis: NOSCRIPT; reloading the script and sending again"
+                    );
                     self.op.script.prepare_invoke().load_async(conn).await.map_err(|e| Error::command(op, e))?;
                     loaded = true;
                 }
-                Err(e) if !resent && self.op.kind == Kind::Read && e.kind() == ErrorKind::Io => resent = true,
+                Err(e) if !resent && self.op.kind == Kind::Read && e.kind() == ErrorKind::Io => {
+                    tracing::debug!(backend = "redis", op, error = %e, "idem-redis: read failed on I/O; sending once more");
+                    resent = true;
+                }
                 Err(e) => return Err(Error::command(op, e).into()),
             }
         }
@@ -257,11 +265,18 @@ impl Call {
                 ErrorKind::Server(ServerErrorKind::Moved | ServerErrorKind::Ask) if hops < MAX_REDIRECTS => {
                     let Some(node) = redirect(&err) else { return Err(Error::command(op, err).into()) };
                     asking = err.kind() == ErrorKind::Server(ServerErrorKind::Ask);
+                    tracing::debug!(backend = "redis", op, node = ?node, asking, "idem-redis: cluster redirect; sending again");
                     target = Some(node);
                     hops += 1;
                 }
-                ErrorKind::Server(ServerErrorKind::NoScript) if !eval => eval = true,
-                ErrorKind::Io if !resent && self.op.kind == Kind::Read => resent = true,
+                ErrorKind::Server(ServerErrorKind::NoScript) if !eval => {
+                    tracing::debug!(backend = "redis", op, "idem-redis: NOSCRIPT on a cluster node; sending as EVAL");
+                    eval = true;
+                }
+                ErrorKind::Io if !resent && self.op.kind == Kind::Read => {
+                    tracing::debug!(backend = "redis", op, error = %err, "idem-redis: read failed on I/O; sending once more");
+                    resent = true;
+                }
                 _ => return Err(Error::command(op, err).into()),
             }
         }

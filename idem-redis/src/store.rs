@@ -174,6 +174,19 @@ impl RedisStore {
                 get("appendfsync").unwrap_or("everysec"),
                 get("save").unwrap_or("900 1"),
             );
+            // The settings this store runs on, as read (docs/observability.md).
+            tracing::info!(
+                backend = "redis",
+                node = %node,
+                prefix = %self.config.prefix,
+                maxmemory_policy = get("maxmemory-policy").unwrap_or("unknown"),
+                maxmemory = get("maxmemory").unwrap_or("unknown"),
+                appendonly = get("appendonly").unwrap_or("unknown"),
+                appendfsync = get("appendfsync").unwrap_or("unknown"),
+                save = get("save").unwrap_or("unknown"),
+                replica_ack = ?self.config.replica_ack,
+                "idem-redis: store settings"
+            );
             if let Some(problem) = problem {
                 match self.config.persistence_check {
                     crate::PersistenceCheck::Refuse => return Err(Error::NotDurable { node, problem }),
@@ -399,6 +412,7 @@ impl Store for RedisStore {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities::new()
+            .with_backend("redis")
             .with_native_expiry(true)
             .with_server_clock(true)
             .with_shared(true)

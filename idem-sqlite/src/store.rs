@@ -90,6 +90,18 @@ impl SqliteStore {
             #[cfg(test)]
             panic_on_key: config.panic_on_key.clone(),
         };
+        // The settings this store runs on (docs/observability.md).
+        tracing::info!(
+            backend = "sqlite",
+            path = %path.display(),
+            journal_mode = "wal",
+            synchronous = config.synchronous.pragma(),
+            schema_version = crate::SCHEMA_VERSION,
+            auto_migrate = config.auto_migrate,
+            max_batch = config.batch.max_batch(),
+            clock_skew_ms,
+            "idem-sqlite: store settings"
+        );
         let commit = GroupCommit::start(writer, config.clock, config.batch).map_err(Error::Spawn)?;
         Ok(Self { inner: Arc::new(Inner { path, commit, readers, claim_reads: config.claim_reads, clock_skew_ms }) })
     }
@@ -370,7 +382,7 @@ impl Store for SqliteStore {
 
     fn capabilities(&self) -> Capabilities {
         // Several processes may open the same file: BEGIN IMMEDIATE serialises them.
-        Capabilities::new().with_shared(true).with_journal(true).with_list(true)
+        Capabilities::new().with_backend("sqlite").with_shared(true).with_journal(true).with_list(true)
     }
 
     async fn journal_put(

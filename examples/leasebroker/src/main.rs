@@ -17,8 +17,23 @@ use tokio::net::TcpListener;
 #[derive(Parser, Debug)]
 #[command(name = "leasebroker", about = "A provisioning API protected by idem, and a retry storm to prove it")]
 struct Cli {
+    /// Log lines as text or as JSON objects (one per line, with the current span's
+    /// fields, e.g. the `idempotency` span's `decision`, and one line per closed span); the
+    /// level comes from `RUST_LOG` (default `warn`; `idem_http=info` logs every keyed
+    /// request).
+    #[arg(long, value_enum, default_value = "text", global = true)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+/// `--log-format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line (tracing-subscriber's JSON format).
+    Json,
 }
 
 #[derive(Subcommand, Debug)]
@@ -291,11 +306,18 @@ impl StormArgs {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
+    let cli = Cli::parse();
+    // A closed span is logged too: at `RUST_LOG=idem_http=info` every keyed request gives
+    // one line with its `idempotency` span's decision, outcome and renewals.
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
-    match run(Cli::parse()).await {
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().with_current_span(true).with_span_list(false).init(),
+    }
+    match run(cli).await {
         Ok(code) => code,
         Err(e) => {
             eprintln!("leasebroker: {e}");

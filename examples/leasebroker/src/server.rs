@@ -2,10 +2,11 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use idem_core::{MemoryStore, Store};
 use idem_redb::RedbStore;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use redb::Database;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -166,6 +167,43 @@ pub const SWEEP_PERIOD: std::time::Duration = std::time::Duration::from_secs(60)
 /// Records deleted per sweep call; a sweep repeats while the store says there are more.
 pub const SWEEP_BATCH: usize = 1_000;
 
+/// The process's Prometheus recorder for the idem metrics (docs/observability.md):
+/// installed as the global `metrics` recorder on the first call, the same handle on every
+/// later one. `None` when another recorder was installed first (the application chose its
+/// own exporter); `/metrics` then answers 404.
+#[must_use]
+pub fn prometheus() -> Option<PrometheusHandle> {
+    static HANDLE: Mutex<Option<Result<PrometheusHandle, String>>> = Mutex::new(None);
+    let mut handle = HANDLE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let installed = handle.get_or_insert_with(|| {
+        PrometheusBuilder::new().install_recorder().map_err(|e| {
+            tracing::warn!(error = %e, "leasebroker: no Prometheus recorder (another metrics recorder is installed)");
+            e.to_string()
+        })
+    });
+    installed.as_ref().ok().cloned()
+}
+
+/// `GET /metrics`: every metric in the Prometheus text format (version 0.0.4).
+fn metrics_route(handle: Option<PrometheusHandle>) -> axum::Router {
+    use axum::http::{StatusCode, header};
+    use axum::response::IntoResponse;
+    axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let handle = handle.clone();
+            async move {
+                let Some(handle) = handle else {
+                    return (StatusCode::NOT_FOUND, "no Prometheus recorder in this process\n").into_response();
+                };
+                // Histograms are kept in buckets that upkeep rolls over; run it per scrape.
+                handle.run_upkeep();
+                ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], handle.render()).into_response()
+            }
+        }),
+    )
+}
+
 /// A running server.
 #[derive(Debug)]
 pub struct Server {
@@ -176,7 +214,8 @@ pub struct Server {
 }
 
 impl Server {
-    /// Serves `router(infra, store, config)` on `listener` until [`Server::stop`].
+    /// Serves `router(infra, store, config)` on `listener` until [`Server::stop`], plus
+    /// `GET /metrics` (see [`prometheus`]).
     ///
     /// # Errors
     /// When the listener has no local address.
@@ -189,7 +228,7 @@ impl Server {
         let addr = listener.local_addr()?;
         let sweep = idem::SweepConfig::default().with_period(SWEEP_PERIOD).with_batch(SWEEP_BATCH);
         let sweeper = idem::Sweeper::start(Arc::clone(&store), sweep);
-        let app = router(infra, store, config);
+        let app = router(infra, store, config).merge(metrics_route(prometheus()));
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             let serve = axum::serve(listener, app).with_graceful_shutdown(async move {

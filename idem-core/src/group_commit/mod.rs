@@ -535,6 +535,9 @@ impl<E: Engine> Writer<E> {
             (Some(interval), since) => since.is_some_and(|s| s.elapsed() >= interval),
         };
         let backend = self.engine.backend();
+        #[cfg(feature = "metrics")]
+        metrics::histogram!("idem_group_commit_batch_size", "backend" => backend).record(size as f64);
+        tracing::trace!(backend, batch = size, "group commit batch");
         let clock = Arc::clone(&self.clock);
         let counters = Arc::clone(&self.counters);
         let mut pending = jobs.into_iter();

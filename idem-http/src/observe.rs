@@ -1,0 +1,233 @@
+//! What the layer tells an operator: the `idempotency` span of each keyed request, and,
+//! with the `metrics` feature, counters and histograms through the `metrics` facade.
+//! Field and metric names are a stable interface, listed in `docs/observability.md`.
+//!
+//! Cost: the span's fields start empty and are recorded as plain `&str` and `u64` values,
+//! never formatted here (the short record id is a `Display` value a subscriber formats
+//! only if it writes it). With no subscriber interested in the span, it is disabled and
+//! every `record` is a no-op; with the `metrics` feature off, the metric calls compile
+//! to nothing.
+
+use std::fmt;
+
+use idem_core::{Endpoint, FencingToken, RecordId};
+use tracing::Span;
+use tracing::field::Empty;
+
+/// What the layer decided for one request: the `decision` field and the
+/// `idem_decisions_total{decision}` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DecisionKind {
+    /// No live record: this request claimed it and runs the handler.
+    Claimed,
+    /// An expired lease or a failed record: this request won the compare-and-set.
+    Reclaimed,
+    /// A completed record with the same fingerprint: its response was replayed.
+    Replayed,
+    /// Another attempt holds a fresh lease: 409 `in-flight`.
+    InFlight,
+    /// Same key, different request: 409 (or the configured status) `mismatch`.
+    Mismatch,
+    /// The record kept changing under this request: 409 `busy`.
+    Busy,
+    /// The store failed and the layer fails closed: 503.
+    StoreUnavailable,
+    /// The store failed and the layer fails open: the handler ran unprotected.
+    FailOpen,
+    /// The stored record does not decode or cannot be replayed: 503, never retried.
+    Unreadable,
+    /// No key on an endpoint where it is optional, or no principal under
+    /// `MissingPrincipal::SkipIdempotency`: the handler ran without idempotency.
+    Skipped,
+    /// The request was answered before any claim: missing or invalid key, missing
+    /// principal, body too large or unreadable.
+    Rejected,
+}
+
+impl DecisionKind {
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            Self::Claimed => "claimed",
+            Self::Reclaimed => "reclaimed",
+            Self::Replayed => "replayed",
+            Self::InFlight => "in_flight",
+            Self::Mismatch => "mismatch",
+            Self::Busy => "busy",
+            Self::StoreUnavailable => "store_unavailable",
+            Self::FailOpen => "fail_open",
+            Self::Unreadable => "unreadable",
+            Self::Skipped => "skipped",
+            Self::Rejected => "rejected",
+        }
+    }
+}
+
+/// How a claimed attempt ended: the `outcome` field and the
+/// `idem_outcomes_total{outcome}` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// The record completed with the response (or the handler completed it itself).
+    Completed,
+    /// The record completed, but its body was not kept (over `max_stored_body`, streamed).
+    NotRetained,
+    /// The record was marked failed: 5xx, uncacheable status, handler error or panic,
+    /// a response body that failed.
+    Failed,
+    /// Another attempt took the record over: this attempt's writes were refused.
+    LeaseLost,
+    /// The completion could not be written (store unavailable after retries): the record
+    /// stays in flight until its lease ends.
+    NotStored,
+}
+
+impl Outcome {
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            Self::Completed => "completed",
+            Self::NotRetained => "not_retained",
+            Self::Failed => "failed",
+            Self::LeaseLost => "lease_lost",
+            Self::NotStored => "not_stored",
+        }
+    }
+}
+
+/// The first 8 bytes of a record id in hex: enough to find the record in logs and with
+/// the CLI, short enough for a log line. Formatted only by a subscriber that writes it.
+pub(crate) struct ShortId(pub(crate) RecordId);
+
+impl fmt::Display for ShortId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in &self.0.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The `idempotency` span of one request, with every field declared and empty.
+pub(crate) fn request_span() -> Span {
+    tracing::info_span!(
+        "idempotency",
+        endpoint = Empty,
+        record = Empty,
+        token = Empty,
+        decision = Empty,
+        outcome = Empty,
+        renewals = Empty,
+    )
+}
+
+/// One request's observer: its span, and the endpoint its metrics are labelled with.
+pub(crate) struct Observer {
+    pub(crate) span: Span,
+    /// The `endpoint` label, made once per request: every later clone is a reference
+    /// count, not a copy of the string.
+    #[cfg(feature = "metrics")]
+    endpoint: Option<metrics::SharedString>,
+}
+
+impl Observer {
+    pub(crate) fn new(span: Span) -> Self {
+        Self {
+            span,
+            #[cfg(feature = "metrics")]
+            endpoint: None,
+        }
+    }
+
+    pub(crate) fn endpoint(&mut self, endpoint: &Endpoint) {
+        self.span.record("endpoint", endpoint.0.as_str());
+        #[cfg(feature = "metrics")]
+        {
+            self.endpoint = Some(metrics::SharedString::from_shared(std::sync::Arc::from(endpoint.0.as_str())));
+        }
+    }
+
+    pub(crate) fn record(&self, id: RecordId) {
+        if !self.span.is_disabled() {
+            self.span.record("record", tracing::field::display(ShortId(id)));
+        }
+    }
+
+    pub(crate) fn token(&self, token: FencingToken) {
+        self.span.record("token", token.0);
+    }
+
+    pub(crate) fn decision(&self, decision: DecisionKind) {
+        self.span.record("decision", decision.as_str());
+        #[cfg(feature = "metrics")]
+        {
+            let endpoint = self.endpoint_label();
+            metrics::counter!("idem_decisions_total", "decision" => decision.as_str(), "endpoint" => endpoint.clone())
+                .increment(1);
+            if decision == DecisionKind::FailOpen {
+                metrics::counter!("idem_fail_open_total", "endpoint" => endpoint).increment(1);
+            }
+        }
+    }
+
+    /// Names the decision [`DecisionKind::Rejected`] and returns `problem`'s response.
+    pub(crate) fn rejected<B>(&self, problem: crate::problem::Problem) -> http::Response<crate::body::ResponseBody<B>> {
+        self.decision(DecisionKind::Rejected);
+        problem.into_response()
+    }
+
+    pub(crate) fn outcome(&self, outcome: Outcome, renewals: u64) {
+        self.span.record("outcome", outcome.as_str());
+        self.span.record("renewals", renewals);
+        #[cfg(feature = "metrics")]
+        {
+            let endpoint = self.endpoint_label();
+            metrics::counter!("idem_outcomes_total", "outcome" => outcome.as_str(), "endpoint" => endpoint.clone())
+                .increment(1);
+            if renewals > 0 {
+                metrics::counter!("idem_lease_renewals_total", "endpoint" => endpoint.clone()).increment(renewals);
+            }
+            match outcome {
+                Outcome::LeaseLost => metrics::counter!("idem_lease_lost_total", "endpoint" => endpoint).increment(1),
+                Outcome::NotRetained => {
+                    metrics::counter!("idem_bodies_not_retained_total", "endpoint" => endpoint).increment(1);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    #[cfg(feature = "metrics")]
+    fn endpoint_label(&self) -> metrics::SharedString {
+        match &self.endpoint {
+            Some(e) => e.clone(),
+            // Rejected before the endpoint was read (never happens: it is read first).
+            None => metrics::SharedString::const_str("unknown"),
+        }
+    }
+}
+
+impl fmt::Debug for Observer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Observer").field("span", &self.span).finish_non_exhaustive()
+    }
+}
+
+/// One store call's latency and error, labelled with the store's backend name.
+#[cfg(feature = "metrics")]
+pub(crate) fn store_call(
+    backend: &'static str,
+    operation: &'static str,
+    took: std::time::Duration,
+    error: Option<&idem_core::StoreError>,
+) {
+    metrics::histogram!("idem_store_call_seconds", "backend" => backend, "operation" => operation)
+        .record(took.as_secs_f64());
+    if let Some(e) = error
+        && !e.is_lease_lost()
+    {
+        let retryable = if e.is_retryable() { "true" } else { "false" };
+        metrics::counter!(
+            "idem_store_errors_total",
+            "backend" => backend, "operation" => operation, "retryable" => retryable
+        )
+        .increment(1);
+    }
+}
