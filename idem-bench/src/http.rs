@@ -15,7 +15,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use idem_core::{BoxError, MemoryStore, Store};
-use idem_http::{HandlerExecution, IdempotencyLayer};
+use idem_http::{HandlerExecution, IdempotencyLayer, SealingKeys};
 use idem_redb::RedbStore;
 
 /// Settings of one `http` row.
@@ -50,12 +50,30 @@ pub(crate) struct HttpArgs {
     /// Keys in the replay pool (mode `replay`), per wrk thread.
     #[arg(long, default_value_t = 1000)]
     pool: u32,
+    /// The handler's response body: this many incompressible bytes instead of 8 bytes of
+    /// JSON (the sealing rows use 1024).
+    #[arg(long)]
+    body: Option<usize>,
+    /// Compare sealing instead of the layer: the baseline server is the layer over its
+    /// own store, unsealed, and the measured one the same layer with
+    /// `with_sealing` (same backend, another store); the ratio is sealed / unsealed.
+    #[arg(long)]
+    sealed: bool,
+    /// Install, for the whole process, a `tracing` subscriber at INFO that writes
+    /// nothing (registry, INFO filter, a layer that keeps nothing) and, when this binary
+    /// was built with the `metrics` feature, a Prometheus recorder (not serving, upkeep
+    /// every 5 s as an exporter does). Compare this build's ratio with a plain build's.
+    #[arg(long)]
+    observe: bool,
+    #[command(flatten)]
+    endpoints: crate::Endpoints,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 enum HttpStore {
     Memory,
     Redb,
+    Redis,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -99,16 +117,77 @@ function request()
 end
 "#;
 
-fn router() -> Router {
+fn router(response: axum::body::Bytes) -> Router {
     Router::new().route(
         "/v1/workers",
-        post(|body: axum::body::Bytes| async move {
+        post(move |body: axum::body::Bytes| async move {
             // Reads the request body, as any real POST handler does (a bare handler that
             // ignores it would skip hyper's body channel, which the layer must always read).
             let _ = body;
-            (StatusCode::CREATED, [("location", "/v1/workers/7")], r#"{"id":7}"#)
+            (StatusCode::CREATED, [("location", "/v1/workers/7")], response)
         }),
     )
+}
+
+/// The handler's body: 8 bytes of JSON, or `n` incompressible bytes.
+fn response_body(n: Option<usize>) -> axum::body::Bytes {
+    match n {
+        None => axum::body::Bytes::from_static(br#"{"id":7}"#),
+        Some(n) => {
+            (0..n.div_ceil(16)).flat_map(|_| uuid::Uuid::new_v4().into_bytes()).take(n).collect::<Vec<u8>>().into()
+        }
+    }
+}
+
+/// A layer without (`role` unsealed) or with sealing, over a fresh store of the backend.
+async fn layer_for(args: &HttpArgs, dir: &Path, role: &str) -> Result<IdempotencyLayer, BoxError> {
+    let store: Arc<dyn Store> = match args.store {
+        HttpStore::Memory => Arc::new(MemoryStore::new()),
+        HttpStore::Redb => {
+            Arc::new(RedbStore::open(dir.join(format!("http-{role}.redb")), idem_redb::Config::default())?)
+        }
+        HttpStore::Redis => {
+            let config =
+                idem_redis::Config::default().with_prefix(format!("idem-bench-http-{}-{role}:", crate::run_id()));
+            Arc::new(idem_redis::RedisStore::connect(&args.endpoints.redis_url, config).await?)
+        }
+    };
+    let execution = match args.execution {
+        Execution::Detached => HandlerExecution::Detached,
+        Execution::Inline => HandlerExecution::Inline,
+    };
+    // Short retention: Redis expires the bench's keys natively within a minute.
+    let layer = IdempotencyLayer::new(store)
+        .with_handler_execution(execution)
+        .with_retention(std::time::Duration::from_secs(60));
+    Ok(if role == "sealed" {
+        layer.with_sealing(SealingKeys::new(1, *b"idem-bench sealing key, 32 bytes"))
+    } else {
+        layer
+    })
+}
+
+/// `--observe`: a process-wide INFO subscriber that writes nothing and (with the
+/// `metrics` feature) a process-wide Prometheus recorder.
+fn observe() -> Result<(), BoxError> {
+    use tracing_subscriber::layer::SubscriberExt;
+    struct Sink;
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Sink {}
+    let subscriber = tracing_subscriber::registry().with(tracing_subscriber::filter::LevelFilter::INFO).with(Sink);
+    tracing::subscriber::set_global_default(subscriber)?;
+    #[cfg(feature = "metrics")]
+    {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::set_global_recorder(recorder).map_err(|e| e.to_string())?;
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                handle.run_upkeep();
+            }
+        });
+    }
+    Ok(())
 }
 
 async fn serve(app: Router) -> Result<SocketAddr, BoxError> {
@@ -190,16 +269,17 @@ fn wrk(
 /// Runs one row and prints it.
 pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
     let dir = crate::bench_dir()?;
-    let store: Arc<dyn Store> = match args.store {
-        HttpStore::Memory => Arc::new(MemoryStore::new()),
-        HttpStore::Redb => Arc::new(RedbStore::open(dir.path().join("http.redb"), idem_redb::Config::default())?),
+    if args.observe {
+        observe()?;
+    }
+    let response = response_body(args.body);
+    let bare = if args.sealed {
+        serve(router(response.clone()).layer(layer_for(&args, dir.path(), "unsealed").await?)).await?
+    } else {
+        serve(router(response.clone())).await?
     };
-    let bare = serve(router()).await?;
-    let execution = match args.execution {
-        Execution::Detached => HandlerExecution::Detached,
-        Execution::Inline => HandlerExecution::Inline,
-    };
-    let layered = serve(router().layer(IdempotencyLayer::new(store).with_handler_execution(execution))).await?;
+    let role = if args.sealed { "sealed" } else { "layered" };
+    let layered = serve(router(response).layer(layer_for(&args, dir.path(), role).await?)).await?;
     if let Some(secs) = args.serve_for {
         println!("bare http://{bare}/v1/workers layered http://{layered}/v1/workers");
         tokio::time::sleep(std::time::Duration::from_secs(secs)).await;
@@ -250,14 +330,16 @@ pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
     let (bp50, lp50) = (median(&b, |r| r.p50_ms), median(&l, |r| r.p50_ms));
     let (bp99, lp99) = (median(&b, |r| r.p99_ms), median(&l, |r| r.p99_ms));
     let bad: u64 = l.iter().chain(&b).map(|r| r.bad).sum();
+    let (base_label, measured_label) =
+        if args.sealed { ("unseal req/s", "sealed req/s") } else { ("bare req/s", "layer req/s") };
     println!(
         "{:<7} {:<7} {:>11} {:>8} {:>8} {:>11} {:>8} {:>8} {:>7} {:>13} {:>6}",
         "store",
         "mode",
-        "bare req/s",
+        base_label,
         "p50 ms",
         "p99 ms",
-        "layer req/s",
+        measured_label,
         "p50 ms",
         "p99 ms",
         "ratio",
@@ -269,6 +351,7 @@ pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
         match args.store {
             HttpStore::Memory => "memory",
             HttpStore::Redb => "redb",
+            HttpStore::Redis => "redis",
         },
         mode,
         br,
@@ -282,8 +365,14 @@ pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
         bad,
     );
     println!(
-        "(wrk -t{} -c{}, {} x {slice} s per server, loopback, handler {:?}; p50/p99 are the median over slices)",
-        args.threads, args.connections, rounds, args.execution
+        "(wrk -t{} -c{}, {} x {slice} s per server, loopback, handler {:?}, body {}, observe {}{}; p50/p99 are the median over slices)",
+        args.threads,
+        args.connections,
+        rounds,
+        args.execution,
+        args.body.map_or_else(|| "8 B JSON".to_owned(), |n| format!("{n} B")),
+        args.observe,
+        if cfg!(feature = "metrics") { " (metrics compiled in)" } else { "" },
     );
     Ok(())
 }
