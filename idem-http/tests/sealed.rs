@@ -216,7 +216,7 @@ impl Backend {
         match &mut self.raw {
             Raw::Memory => None,
             Raw::Redb(s) => {
-                let tx = s.database().begin_read().expect("read tx");
+                let tx = s.database().expect("the database is open").begin_read().expect("read tx");
                 let table = tx.open_table(idem_redb::table::RECORDS).expect("table");
                 table.get(&id.0).expect("get").map(|v| v.value().to_vec())
             }
@@ -240,7 +240,7 @@ impl Backend {
         match &mut self.raw {
             Raw::Memory => return false,
             Raw::Redb(s) => {
-                let db = s.database();
+                let db = s.database().expect("the database is open");
                 let tx = db.begin_write().expect("write tx");
                 {
                     let mut table = tx.open_table(idem_redb::table::RECORDS).expect("table");
@@ -309,7 +309,7 @@ impl Backend {
         match &mut self.raw {
             Raw::Memory => return false,
             Raw::Redb(s) => {
-                let db = s.database();
+                let db = s.database().expect("the database is open");
                 let tx = db.begin_write().expect("write tx");
                 tx.open_table(idem_redb::table::RECORDS)
                     .expect("table")

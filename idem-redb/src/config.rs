@@ -52,6 +52,7 @@ pub struct Config {
     batch: BatchConfig,
     durability: Durability,
     claim_reads: bool,
+    reopen: bool,
     clock: Arc<dyn Clock>,
 }
 
@@ -61,6 +62,7 @@ impl Default for Config {
             batch: BatchConfig::default().with_thread_name("idem-redb-writer"),
             durability: Durability::Immediate,
             claim_reads: true,
+            reopen: true,
             clock: Arc::new(SystemClock),
         }
     }
@@ -99,6 +101,19 @@ impl Config {
         self
     }
 
+    /// Whether a store opened from a path ([`crate::RedbStore::open`]) closes and reopens
+    /// its file after redb latched an I/O failure (default `true`). redb refuses every
+    /// transaction of a `Database` after a commit failed with an I/O error (a full disk)
+    /// until it is opened again; with `true` the store does that by itself, with a backoff
+    /// of 10 ms doubling up to 1 s between failed opens, and answers unavailable (503)
+    /// meanwhile. With `false` it keeps answering unavailable until the process opens a new
+    /// store. A store on a caller's database ([`crate::RedbStore::from_database`]) never
+    /// reopens.
+    pub fn with_reopen(mut self, on: bool) -> Self {
+        self.reopen = on;
+        self
+    }
+
     /// The clock every `now` is read from (default [`SystemClock`]); tests pass an
     /// [`idem_core::ManualClock`].
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
@@ -128,6 +143,12 @@ impl Config {
     #[must_use]
     pub fn claim_reads(&self) -> bool {
         self.claim_reads
+    }
+
+    /// Whether a store opened from a path reopens its file after a latched I/O failure.
+    #[must_use]
+    pub fn reopen(&self) -> bool {
+        self.reopen
     }
 
     /// The clock.

@@ -45,6 +45,15 @@ pub enum Error {
     /// The writer thread could not be started.
     #[error("could not start the redb writer thread")]
     Spawn(#[source] std::io::Error),
+    /// The file could not be opened again after redb latched an I/O failure (the disk is
+    /// still full, or a reader or the application still holds the old database). Retryable:
+    /// the next attempt follows a backoff of at most 1 s.
+    #[error("could not reopen the redb database after an I/O failure")]
+    Reopen(#[source] redb::DatabaseError),
+    /// The file is closed after an I/O failure and the next attempt to open it again waits
+    /// for its backoff (at most 1 s). Retryable.
+    #[error("the redb database is being reopened after an I/O failure")]
+    Reopening,
     /// The blocking task that ran a read was cancelled or panicked.
     #[error("a blocking redb read task failed")]
     Join(#[source] tokio::task::JoinError),
@@ -73,6 +82,7 @@ impl Error {
             Error::Commit(redb::CommitError::Storage(s)) => storage_is_retryable(s),
             // A poisoned transaction is dropped; the next batch starts a fresh one.
             Error::Commit(_) => true,
+            Error::Reopen(_) | Error::Reopening => true,
             Error::Durability(_) | Error::Spawn(_) | Error::Join(_) => false,
         }
     }
@@ -87,6 +97,7 @@ impl Error {
             Error::Durability(_) => "setting commit durability",
             Error::Spawn(_) => "starting the writer thread",
             Error::Join(_) => "running a blocking read",
+            Error::Reopen(_) | Error::Reopening => "reopening the database after an I/O failure",
         }
     }
 }

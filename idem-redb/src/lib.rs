@@ -67,10 +67,21 @@
 //! open one [`RedbStore`] per database (two would each batch on their own and take turns).
 //!
 //! # Failures
-//! - After an I/O failure (a commit that could not reach the disk), redb refuses every
-//!   later write transaction (`PreviousIo`, reported as not retryable) until the file is
-//!   opened again; reads keep working. The HTTP layer fails closed (503) in the meantime;
-//!   restart the process, or open a new store on the file.
+//! - After an I/O failure (a commit that could not reach the disk, e.g. a full disk),
+//!   redb refuses every later transaction of that `Database` (`PreviousIo`) until the file
+//!   is opened again. A store opened with [`RedbStore::open`] does that by itself: the
+//!   writer closes the database when it meets the latched failure, and the next write or
+//!   read opens the file again (failed opens back off from 10 ms, doubling up to 1 s).
+//!   Until an open succeeds every call answers
+//!   [`StoreError::Unavailable`](idem_core::StoreError::Unavailable) (retryable; 503 at the
+//!   HTTP layer): the store fails closed, and only committed batches were ever
+//!   acknowledged, so nothing acknowledged is lost. Fencing tokens are computed from the
+//!   stored record and the clock, never from memory, so they keep rising across the
+//!   reopen. The reopen waits until no one holds the old database: hold the handle from
+//!   [`RedbStore::database`] only for a transaction. [`Config::with_reopen`] turns this
+//!   off; a store built with [`RedbStore::from_database`] never reopens (drop it and every
+//!   handle, open the file again and build a new store). `tests/full_disk.rs` fills a real
+//!   tmpfs to prove both.
 //! - A value over redb's size limit (3 GiB) fails only its own operation.
 //! - A process killed at any point loses no acknowledged write under
 //!   [`Durability::Immediate`] (see `tests/killed_process.rs`); redb repairs the file on
@@ -97,6 +108,7 @@ pub mod config;
 pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
+mod handle;
 pub mod store;
 pub mod table;
 

@@ -1,7 +1,7 @@
 //! [`RedbStore`]: the [`Store`] on one redb file, and its claim path.
 
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +17,7 @@ use redb::Database;
 
 use crate::config::Config;
 use crate::error::{BACKEND, Error};
+use crate::handle::Handle;
 use crate::table::{self, RedbEngine, RedbView};
 
 /// The [`Store`] on one redb file, with group commit.
@@ -32,7 +33,7 @@ use crate::table::{self, RedbEngine, RedbView};
 /// makes pending commits durable, stops the writer and releases the file.
 #[derive(Clone)]
 pub struct RedbStore {
-    db: Arc<Database>,
+    handle: Arc<Handle>,
     config: Config,
     writer: GroupCommit,
 }
@@ -56,8 +57,9 @@ impl RedbStore {
     /// [`Error::Open`] when redb cannot open the file (for example it is already open, in
     /// this process or another); otherwise as [`RedbStore::from_database`].
     pub fn open(path: impl AsRef<Path>, config: Config) -> Result<Self, Error> {
-        let db = Database::create(path)?;
-        Self::from_database(Arc::new(db), config)
+        let db = Arc::new(Database::create(path.as_ref())?);
+        let reopen_from = config.reopen().then(|| path.as_ref().to_path_buf());
+        Self::start(db, reopen_from, config)
     }
 
     /// Runs the store on a database the application already opened, so the application
@@ -69,9 +71,22 @@ impl RedbStore {
     /// # Errors
     /// [`Error::Transaction`], [`Error::Table`] or [`Error::Commit`] from creating the
     /// tables; [`Error::Spawn`] when the writer thread cannot start.
+    ///
+    /// # After an I/O failure
+    /// The store cannot reopen a database it does not own: after redb latched an I/O
+    /// failure (`PreviousIo`, e.g. a commit on a full disk) every write answers
+    /// [`StoreError::Unavailable`] (503 at the HTTP layer) for as long as this store lives.
+    /// To recover, drop this store and every other handle on the database, open the file
+    /// again (`Database::create`) and build a new store on it; or let the store own the file
+    /// with [`RedbStore::open`], which reopens by itself.
     pub fn from_database(db: Arc<Database>, config: Config) -> Result<Self, Error> {
+        Self::start(db, None, config)
+    }
+
+    fn start(db: Arc<Database>, reopen_from: Option<PathBuf>, config: Config) -> Result<Self, Error> {
         table::create_tables(&db)?;
-        let engine = RedbEngine { db: Arc::clone(&db) };
+        let handle = Arc::new(Handle::new(db, reopen_from));
+        let engine = RedbEngine { handle: Arc::clone(&handle) };
         let writer = GroupCommit::start(engine, Arc::clone(config.clock()), config.batch()).map_err(Error::Spawn)?;
         // The settings this store runs on (docs/observability.md).
         tracing::info!(
@@ -80,15 +95,31 @@ impl RedbStore {
             max_batch = config.batch().max_batch(),
             linger = ?config.batch().linger(),
             flush_interval_ms = config.batch().flush_interval().map(|d| d.as_millis() as u64),
+            reopen = config.reopen(),
             "idem-redb: store settings"
         );
-        Ok(Self { db, config, writer })
+        Ok(Self { handle, config, writer })
     }
 
-    /// The underlying database, for the application's own tables.
+    /// The current database, for the application's own tables. Blocks when the file must
+    /// be opened again (see below).
+    ///
+    /// A store opened with [`RedbStore::open`] replaces its database after redb latched an
+    /// I/O failure; this returns the one open now. Hold it only as long as a transaction:
+    /// the reopen waits until every handle on the old database is dropped, and answers
+    /// unavailable meanwhile.
+    ///
+    /// # Errors
+    /// [`Error::Reopening`] or [`Error::Reopen`] while the file is closed after an I/O
+    /// failure and could not be opened again yet (both retryable).
+    pub fn database(&self) -> Result<Arc<Database>, Error> {
+        self.handle.get()
+    }
+
+    /// How many times the store opened its file again after a latched I/O failure.
     #[must_use]
-    pub fn database(&self) -> Arc<Database> {
-        Arc::clone(&self.db)
+    pub fn reopens(&self) -> u64 {
+        self.handle.reopens()
     }
 
     /// The configuration the store runs with.
@@ -107,7 +138,8 @@ impl RedbStore {
     /// read transaction never waits for the writer, and a claim that goes on to the writer
     /// is queued in the order its future was first polled.
     fn claim_from_view(&self, req: &ClaimRequest) -> Option<ClaimOutcome> {
-        let view = RedbView::begin(&self.db).ok()?;
+        let db = self.handle.current()?;
+        let view = RedbView::begin(&db).ok()?;
         self.writer.claim_from_view(&view, req)
     }
 
@@ -117,9 +149,17 @@ impl RedbStore {
         &self,
         read: impl FnOnce(&RedbView, UnixMillis) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        let db = Arc::clone(&self.db);
+        let handle = Arc::clone(&self.handle);
         let clock = Arc::clone(self.config.clock());
-        tokio::task::spawn_blocking(move || read(&RedbView::begin(&db)?, clock.now())).await.map_err(Error::Join)?
+        tokio::task::spawn_blocking(move || {
+            // The view (a read transaction) is dropped before `db`, and both before the
+            // task ends: a reopen waits only for reads in progress.
+            let db = handle.get()?;
+            let view = RedbView::begin(&db)?;
+            read(&view, clock.now())
+        })
+        .await
+        .map_err(Error::Join)?
     }
 }
 

@@ -15,6 +15,7 @@ use redb::{
 };
 
 use crate::error::{BACKEND, Error};
+use crate::handle::{Handle, needs_reopen};
 
 const RECORDS_NAME: &str = "idem_records";
 const EXPIRY_NAME: &str = "idem_expiry";
@@ -234,7 +235,25 @@ impl RecordRead for RedbView {
 
 /// The writer's transactions on the database.
 pub(crate) struct RedbEngine {
-    pub(crate) db: Arc<Database>,
+    pub(crate) handle: Arc<Handle>,
+}
+
+impl RedbEngine {
+    /// Closes `db` when `e` is redb's latched I/O failure, so the next transaction opens
+    /// the file again (see [`crate::handle`]).
+    fn after(&self, db: &Arc<Database>, e: Error) -> Error {
+        let latched = match &e {
+            Error::Transaction(redb::TransactionError::Storage(s))
+            | Error::Commit(redb::CommitError::Storage(s))
+            | Error::Table { source: redb::TableError::Storage(s), .. }
+            | Error::Storage(s) => needs_reopen(s),
+            _ => false,
+        };
+        if latched {
+            self.handle.close_failed(db);
+        }
+        e
+    }
 }
 
 fn failed(stage: Stage) -> impl FnOnce(Error) -> TransactionFailed {
@@ -251,11 +270,12 @@ impl Engine for RedbEngine {
         durable: bool,
         apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool,
     ) -> Result<(), TransactionFailed> {
-        let mut txn = self.db.begin_write().map_err(Error::from).map_err(failed(Stage::Begin))?;
+        let db = self.handle.get().map_err(failed(Stage::Begin))?;
+        let mut txn = db.begin_write().map_err(|e| self.after(&db, e.into())).map_err(failed(Stage::Begin))?;
         if !durable {
             txn.set_durability(redb::Durability::None).map_err(Error::from).map_err(failed(Stage::Begin))?;
         }
-        let commit = apply(&mut RedbTable::open(&txn).map_err(failed(Stage::Begin))?);
+        let commit = apply(&mut RedbTable::open(&txn).map_err(|e| self.after(&db, e)).map_err(failed(Stage::Begin))?);
         if !commit {
             // A batch that wrote nothing, or one that failed: nothing of it may reach the
             // file. An abort that fails leaves nothing to undo either (redb latches the
@@ -263,12 +283,13 @@ impl Engine for RedbEngine {
             let _ = txn.abort();
             return Ok(());
         }
-        txn.commit().map_err(Error::from).map_err(failed(Stage::Commit))
+        txn.commit().map_err(|e| self.after(&db, e.into())).map_err(failed(Stage::Commit))
     }
 
     fn flush(&mut self) -> Result<(), StoreError> {
         // An empty durable commit makes every earlier non-durable one durable.
-        self.db.begin_write().map_err(Error::from)?.commit().map_err(Error::from)?;
+        let db = self.handle.get()?;
+        db.begin_write().map_err(|e| self.after(&db, e.into()))?.commit().map_err(|e| self.after(&db, e.into()))?;
         Ok(())
     }
 }

@@ -241,7 +241,7 @@ proptest! {
                 .expect("database");
             let store = RedbStore::from_database(Arc::new(db), Config::default().with_clock(Arc::new(clock))).expect("store");
             {
-                let db = store.database();
+                let db = store.database().expect("the database is open");
                 let txn = db.begin_write().expect("write");
                 txn.open_table(idem_redb::table::RECORDS).expect("records").insert(&id(0).0, value.as_slice()).expect("insert");
                 txn.commit().expect("commit");

@@ -62,7 +62,7 @@ type ExpirySet = BTreeSet<(i64, [u8; 32])>;
 
 /// Every record's (expires_at, id) and every index entry, read in one read transaction.
 fn records_and_index(store: &RedbStore) -> (ExpirySet, ExpirySet) {
-    let db = store.database();
+    let db = store.database().expect("the database is open");
     let txn = db.begin_read().expect("read txn");
     let records = txn.open_table(RECORDS).expect("records");
     let expiry = txn.open_table(EXPIRY).expect("expiry");
@@ -82,7 +82,7 @@ fn records_and_index(store: &RedbStore) -> (ExpirySet, ExpirySet) {
 
 /// Record ids that own at least one journal entry.
 fn journal_owners(store: &RedbStore) -> BTreeSet<[u8; 32]> {
-    let db = store.database();
+    let db = store.database().expect("the database is open");
     let txn = db.begin_read().expect("read txn");
     let journal = txn.open_table(JOURNAL).expect("journal");
     journal.iter().expect("iter").map(|e| *e.expect("entry").0.value().0).collect()
@@ -411,7 +411,7 @@ async fn concurrent_claims_of_distinct_and_shared_keys() {
 // ---------------------------------------------------------------------------------------
 
 fn write_raw(store: &RedbStore, id: RecordId, value: &[u8]) {
-    let db = store.database();
+    let db = store.database().expect("the database is open");
     let txn = db.begin_write().expect("write txn");
     {
         let mut t = txn.open_table(RECORDS).expect("records");
@@ -771,7 +771,7 @@ async fn application_tables_share_the_file() {
     for r in &claimed {
         assert!(store.get(r.id).await.expect("get").is_some());
     }
-    let db = store.database();
+    let db = store.database().expect("the database is open");
     let txn = db.begin_read().expect("read");
     assert_eq!(redb::ReadableTableMetadata::len(&txn.open_table(WORKERS).expect("app table")).expect("len"), 50);
 }

@@ -127,7 +127,7 @@ struct ServeArgs {
     /// `redis-cluster://HOST:PORT[,HOST:PORT...][?wait=N]`, `postgres://USER@HOST/DB` or `memory`.
     #[arg(long, default_value = "redb:leasebroker.redb")]
     store: StoreSpec,
-    /// Infra state file when the store is not redb.
+    /// Infra state file (a redb file of its own, whatever the store).
     #[arg(long, default_value = "leasebroker-state.redb")]
     state: PathBuf,
     /// In-flight lease, ms (at least 100). A retry takes over a claim once its lease has

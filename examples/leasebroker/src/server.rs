@@ -19,7 +19,9 @@ use crate::state::Infra;
 /// `redis://…`, `postgres://…` or `memory`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StoreSpec {
-    /// One redb file holding both the idempotency records and the simulated infra.
+    /// Records in a redb file; infra state in the `--state` redb file. The infra keeps its
+    /// own file so that it never holds the records' database: after a commit on a full
+    /// disk the store closes and reopens its file, which waits until no one else holds it.
     Redb(PathBuf),
     /// Records in a SQLite file; infra state in the `--state` redb file.
     Sqlite(PathBuf),
@@ -129,8 +131,7 @@ pub async fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>
         StoreSpec::Redb(path) => {
             let store = RedbStore::open(path, idem_redb::Config::default())
                 .map_err(|e| open_err(path.display().to_string(), e))?;
-            let infra = Infra::new(store.database()).map_err(|e| open_err("infra tables", e))?;
-            Ok((Arc::new(store), infra))
+            Ok((Arc::new(store), infra_file()?))
         }
         StoreSpec::Sqlite(path) => {
             let store = idem_sqlite::SqliteStore::open(path, idem_sqlite::Config::default())

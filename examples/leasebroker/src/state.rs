@@ -19,7 +19,7 @@
 //!   end time is fixed when it starts, and it ends when the clock passes it whether or not
 //!   the caller still lives.
 //!
-//! When the idempotency store is redb, these tables live in the same file as the records.
+//! These tables live in their own redb file (`--state`), whatever the idempotency store.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

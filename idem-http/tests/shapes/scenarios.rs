@@ -359,7 +359,7 @@ async fn corrupt(b: &Backend, id: RecordId, case: &'static str) {
     match &b.raw {
         Raw::Memory(_) => unreachable!("the memory store keeps no bytes"),
         Raw::Redb(store) => {
-            let db = store.database();
+            let db = store.database().expect("the database is open");
             let txn = db.begin_write().unwrap();
             {
                 let mut t = txn.open_table(idem_redb::table::RECORDS).unwrap();
