@@ -97,7 +97,8 @@ impl MemoryStore {
     #[must_use]
     pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
         // The model can enumerate its map, so the memory store lists records too.
-        Self::from_table(Model::new(), clock).with_capabilities(Capabilities::new().with_journal(true).with_list(true))
+        Self::from_table(Model::new(), clock)
+            .with_capabilities(Capabilities::new().with_backend("memory").with_journal(true).with_list(true))
     }
 }
 
