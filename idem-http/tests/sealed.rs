@@ -484,3 +484,68 @@ async fn postgres_unsealed_records_are_refused_unless_accepted() {
     assert_eq!(replay.2.as_deref(), Some(app.secret.as_str()));
     assert_eq!(app.runs(), 1, "an unsealed record ran the handler again");
 }
+
+/// A router whose handler completes its own record on `raw` (the store without the
+/// layer's wrappers, as `PostgresStore::complete_in` writes in the handler's transaction)
+/// and says so with `CompletedByHandler`; `use_stored_form` picks what it stores.
+fn completing_router(
+    raw: Arc<MemoryStore>,
+    keys: SealingKeys,
+    runs: Arc<AtomicUsize>,
+    use_stored_form: bool,
+) -> Router {
+    use axum::extract::Extension;
+    use axum::response::IntoResponse;
+    use idem_core::StoredResponse;
+    use idem_http::{IdempotencyContext, ResponseCaching};
+    let store: Arc<dyn Store> = raw.clone();
+    let handler = move |Extension(ctx): Extension<IdempotencyContext>| {
+        let (raw, runs) = (raw.clone(), runs.clone());
+        async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let plain = StoredResponse::new(201, vec![], b"{\"token\":\"own-secret\"}".to_vec());
+            let stored = if use_stored_form { ctx.stored_form(plain) } else { plain };
+            raw.complete(ctx.record_id(), ctx.token(), stored).await.expect("the handler's own completion");
+            (StatusCode::CREATED, Extension(ResponseCaching::CompletedByHandler), "{\"token\":\"own-secret\"}")
+                .into_response()
+        }
+    };
+    Router::new()
+        .route("/v1/workers", post(handler))
+        .layer(layer(store, Some(keys)).with_principal_resolver(|_: &http::request::Parts| Some(PRINCIPAL.to_owned())))
+}
+
+// Pins: a handler completing its own record (CompletedByHandler) under sealing had no way
+// to seal with the layer's keys, so it stored the plain response: the secret sat in the
+// store unsealed and every retry got 503. `IdempotencyContext::stored_form` seals it.
+#[tokio::test]
+async fn a_handler_completing_its_own_record_stores_it_sealed_and_retries_replay() {
+    let raw = Arc::new(MemoryStore::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let router = completing_router(raw.clone(), keys_v1(), runs.clone(), true);
+    let (status, replayed, _, body) = send(&router, "own-1").await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    assert!(body.contains("own-secret"));
+    let stored = raw.get(record_id("own-1")).await.expect("get").expect("record").response.expect("completed");
+    assert_eq!(stored.status, SEALED_STATUS, "the handler's completion is stored sealed");
+    assert!(stored.header(SEALED_HEADER).is_some());
+    assert!(!contains(&idem_core::codec::encode_response(&stored), "own-secret"), "plaintext in the store");
+    let (status, replayed, _, body) = send(&router, "own-1").await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, true), "the retry replays the opened response");
+    assert!(body.contains("own-secret"));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// What a handler that stores the plain response anyway gets: its own answer (the
+/// completion committed), then 503 for every retry and never a second run.
+#[tokio::test]
+async fn a_handler_completing_its_own_record_unsealed_gets_503_on_retry_not_a_rerun() {
+    let raw = Arc::new(MemoryStore::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let router = completing_router(raw.clone(), keys_v1(), runs.clone(), false);
+    assert_eq!(send(&router, "own-2").await.0, StatusCode::CREATED);
+    let (status, replayed, _, body) = send(&router, "own-2").await;
+    assert_eq!((status, replayed), (StatusCode::SERVICE_UNAVAILABLE, false));
+    assert!(!body.contains("own-secret"));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
