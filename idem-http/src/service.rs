@@ -464,6 +464,9 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> (Acquired<B>, Option<D
                             // A read while waiting is not a round: nothing raced this request.
                             continue;
                         }
+                        // A record that stopped opening (or decoding) while this request
+                        // waited is answered like at the claim: 503, never retry.
+                        Err(e) if e.is_corrupt() => return (Acquired::Unreadable(e.to_string()), None),
                         // The record was in flight at the last read; say so rather than
                         // guess (failing open here could run the handler a second time).
                         Err(e) => tracing::warn!(

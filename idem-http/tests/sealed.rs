@@ -549,3 +549,103 @@ async fn a_handler_completing_its_own_record_unsealed_gets_503_on_retry_not_a_re
     assert!(!body.contains("own-secret"));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// A memory store on which the first attempt of a key finishes right after a duplicate's
+/// claim found it in flight: its response is written plain (as by an instance without
+/// sealing), so the duplicate's next read finds a completed record that does not open.
+#[derive(Debug, Default)]
+struct FinishesPlainAfterClaim {
+    inner: MemoryStore,
+}
+
+#[async_trait::async_trait]
+impl Store for FinishesPlainAfterClaim {
+    async fn claim(&self, req: idem_core::ClaimRequest) -> Result<idem_core::ClaimOutcome, idem_core::StoreError> {
+        let out = self.inner.claim(req).await?;
+        if let idem_core::ClaimOutcome::Existing { record, .. } = &out
+            && record.state == idem_core::RecordState::InFlight
+        {
+            let plain = idem_core::StoredResponse::new(201, vec![], b"{\"token\":\"plain\"}".to_vec());
+            self.inner.complete(record.id, record.token, plain).await?;
+        }
+        Ok(out)
+    }
+    async fn reclaim(
+        &self,
+        req: idem_core::ReclaimRequest,
+    ) -> Result<idem_core::ReclaimOutcome, idem_core::StoreError> {
+        self.inner.reclaim(req).await
+    }
+    async fn complete(
+        &self,
+        id: RecordId,
+        token: idem_core::FencingToken,
+        r: idem_core::StoredResponse,
+    ) -> Result<idem_core::Record, idem_core::StoreError> {
+        self.inner.complete(id, token, r).await
+    }
+    async fn fail(
+        &self,
+        id: RecordId,
+        token: idem_core::FencingToken,
+    ) -> Result<idem_core::Record, idem_core::StoreError> {
+        self.inner.fail(id, token).await
+    }
+    async fn extend(
+        &self,
+        id: RecordId,
+        token: idem_core::FencingToken,
+        lease: std::time::Duration,
+    ) -> Result<idem_core::Record, idem_core::StoreError> {
+        self.inner.extend(id, token, lease).await
+    }
+    async fn get(&self, id: RecordId) -> Result<Option<idem_core::Record>, idem_core::StoreError> {
+        self.inner.get(id).await
+    }
+    async fn sweep(&self, limit: usize) -> Result<idem_core::SweepOutcome, idem_core::StoreError> {
+        self.inner.sweep(limit).await
+    }
+    fn capabilities(&self) -> idem_core::Capabilities {
+        self.inner.capabilities()
+    }
+}
+
+// Pins: with a bounded in-flight wait, a record that stopped opening while the duplicate
+// waited (completed unsealed, or sealed with a key this instance lacks) was answered 409
+// in-flight with Retry-After, inviting retries, instead of 503 with x-should-retry: false
+// like every other read of a record that does not open.
+#[tokio::test]
+async fn a_record_that_does_not_open_during_a_bounded_wait_is_a_503_not_a_409() {
+    let store = Arc::new(FinishesPlainAfterClaim::default());
+    // The first attempt: claimed with the fingerprint the duplicate's request has, still running.
+    let headers: [(&str, &[u8]); 1] = [("content-type", b"application/json")];
+    let fp = idem_core::Fingerprint::of(&idem_core::RequestParts {
+        method: "POST",
+        path: "/v1/workers",
+        query: None,
+        headers: &headers,
+        body: b"{\"image\":\"base\"}",
+    });
+    let scope = Scope::new(PRINCIPAL, Endpoint::new("POST", "/v1/workers")).expect("scope");
+    let key = IdempotencyKey::parse(b"wait-1").expect("key");
+    let claim = idem_core::ClaimRequest::new(
+        scope,
+        key,
+        fp,
+        std::time::Duration::from_secs(60),
+        std::time::Duration::from_secs(3600),
+    );
+    assert!(matches!(store.inner.claim(claim).await, Ok(idem_core::ClaimOutcome::Claimed(_))));
+    let app = App::new();
+    let waiting = layer(store.clone(), Some(keys_v1())).with_in_flight_wait(Some(std::time::Duration::from_secs(30)));
+    let router = app.router(waiting);
+    let req = Request::post("/v1/workers")
+        .header("idempotency-key", "wait-1")
+        .header("content-type", "application/json")
+        .body(Body::from("{\"image\":\"base\"}"))
+        .expect("request");
+    let res = router.oneshot(req).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE, "a record that does not open is a 503");
+    assert_eq!(res.headers().get("x-should-retry").map(|v| v.as_bytes()), Some(&b"false"[..]));
+    assert_eq!(app.runs(), 0);
+}
