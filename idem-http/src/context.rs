@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use idem_core::{FencingToken, IdempotencyKey, RecordId, Resumable, Scope, Store, SubKey, UnixMillis};
+use idem_core::{FencingToken, IdempotencyKey, RecordId, Resumable, Scope, Store, StoredResponse, SubKey, UnixMillis};
 
 use crate::lease::LeaseState;
 
@@ -44,6 +44,10 @@ pub struct IdempotencyContext {
     /// The record's `created_at`: names its generation, which sub-keys depend on.
     pub(crate) created_at: UnixMillis,
     pub(crate) store: Arc<dyn Store>,
+    /// The layer's sealing keys ([`crate::IdempotencyLayer::with_sealing`]); `Debug`
+    /// shows key ids only.
+    #[cfg(feature = "seal")]
+    pub(crate) sealing: Option<idem_core::seal::SealingKeys>,
 }
 
 impl IdempotencyContext {
@@ -115,6 +119,24 @@ impl IdempotencyContext {
     #[must_use]
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
+    }
+
+    /// `response` in the form this layer stores it: sealed for this record and claim with
+    /// the layer's newest key when [`crate::IdempotencyLayer::with_sealing`] is on, as is
+    /// otherwise. A handler that completes its record itself
+    /// ([`ResponseCaching::CompletedByHandler`], e.g. with
+    /// `idem_postgres::PostgresStore::complete_in`) stores this, not the plain response:
+    /// the layer cannot seal a write it does not make, and a plain response under sealing
+    /// leaves the plaintext in the store and is refused on every replay (503).
+    /// Completions through [`IdempotencyContext::store`] are sealed by that store; do not
+    /// pass them through this first (they would be sealed twice and not replay).
+    #[must_use]
+    pub fn stored_form(&self, response: StoredResponse) -> StoredResponse {
+        #[cfg(feature = "seal")]
+        if let Some(keys) = &self.sealing {
+            return keys.seal(self.record_id, self.token, &response);
+        }
+        response
     }
 
     /// The sub-key of step `name` for this record: `idem-` + 48 lower-case hex digits

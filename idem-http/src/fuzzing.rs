@@ -22,8 +22,8 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request, Response};
 use http_body_util::{BodyExt, Full};
 use idem_core::{
-    ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, ManualClock, MemoryStore, RecordState, RequestParts, Scope,
-    Store, StoredBody, UnixMillis,
+    ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, ManualClock, MemoryStore, RecordId, RecordState, RequestParts,
+    Scope, Store, StoredBody, UnixMillis,
 };
 use tower::{Layer, Service, ServiceExt};
 
@@ -60,7 +60,8 @@ struct Runs {
     count: usize,
     /// Set by the handler when its context named a claim the store does not hold.
     unclaimed: Option<String>,
-    with_context: bool,
+    /// The record id the last run's context named (`None`: it ran without one).
+    context: Option<RecordId>,
 }
 
 struct Setup {
@@ -154,7 +155,7 @@ async fn run(setup: &Setup, input: &mut Input<'_>) {
                 {
                     let mut runs = runs.lock().expect("runs");
                     runs.count += 1;
-                    runs.with_context = ctx.is_some();
+                    runs.context = ctx.as_ref().map(IdempotencyContext::record_id);
                     if runs.unclaimed.is_none() {
                         runs.unclaimed = problem;
                     }
@@ -202,7 +203,7 @@ async fn run(setup: &Setup, input: &mut Input<'_>) {
                     panic!("a handler ran without holding its claim: {problem}");
                 }
                 let ran = runs.count > before;
-                check(&expected, ran, runs.with_context, parts.status.as_u16(), &parts.headers, body.ok());
+                check(&expected, ran, runs.context, parts.status.as_u16(), &parts.headers, body.ok());
             }
         }
     }
@@ -239,16 +240,19 @@ enum Expected {
     PassThrough,
     /// Refused before any claim, with this status.
     Refused(u16),
-    /// Claimed (or reclaimed): the handler runs with a context.
-    Run,
+    /// Claimed (or reclaimed): the handler runs with a context naming this record (the
+    /// hash of the request's own principal, endpoint and key, never another tenant's).
+    Run(RecordId),
     /// In flight elsewhere: 409, no run.
     InFlight,
     /// A different request used the key first.
     Mismatch(u16),
     /// A completed record: the stored status (and body, when retained), no run.
     Replay(u16, Option<Vec<u8>>),
-    /// The layer's answer is a gRPC translation; only "no run without a claim" is checked.
-    Grpc,
+    /// The layer's answer is a gRPC translation (its status and body are not compared),
+    /// but the handler runs exactly when the table says: never for a refusal (`None`),
+    /// and as the wrapped expectation says otherwise.
+    Grpc(Option<Box<Expected>>),
 }
 
 async fn expect(setup: &Setup, req: &Request<Full<Bytes>>, store: &MemoryStore, clock: &ManualClock) -> Expected {
@@ -301,16 +305,25 @@ async fn expect(setup: &Setup, req: &Request<Full<Bytes>>, store: &MemoryStore, 
     });
     let scope = Scope::new(principal, Endpoint::new(req.method().as_str(), req.uri().path())).expect("not blank");
     let record = store.get(scope.record_id(&key)).await.expect("the memory store answers");
-    if grpc {
-        return Expected::Grpc;
-    }
-    let Some(record) = record else { return Expected::Run };
-    if record.fingerprint != fingerprint {
+    let table = table(setup, scope.record_id(&key), record, &fingerprint, clock);
+    if grpc { Expected::Grpc(Some(Box::new(table))) } else { table }
+}
+
+/// The decision table's row for `record` (the one the store holds before the request).
+fn table(
+    setup: &Setup,
+    id: RecordId,
+    record: Option<idem_core::Record>,
+    fingerprint: &Fingerprint,
+    clock: &ManualClock,
+) -> Expected {
+    let Some(record) = record else { return Expected::Run(id) };
+    if record.fingerprint != *fingerprint {
         return Expected::Mismatch(setup.mismatch);
     }
     match record.state {
         RecordState::InFlight if clock.now_ms() < record.lease_expires_at.0 => Expected::InFlight,
-        RecordState::InFlight | RecordState::Failed => Expected::Run,
+        RecordState::InFlight | RecordState::Failed => Expected::Run(id),
         RecordState::Completed => {
             let stored = record.response.expect("a completed record holds its response");
             let body = match &stored.body {
@@ -323,22 +336,31 @@ async fn expect(setup: &Setup, req: &Request<Full<Bytes>>, store: &MemoryStore, 
 }
 
 fn refused_or_grpc(grpc: bool, status: u16) -> Expected {
-    if grpc { Expected::Grpc } else { Expected::Refused(status) }
+    if grpc { Expected::Grpc(None) } else { Expected::Refused(status) }
 }
 
 fn check(
     expected: &Expected,
     ran: bool,
-    with_context: bool,
+    context: Option<RecordId>,
     status: u16,
     headers: &http::HeaderMap,
     body: Option<Bytes>,
 ) {
     let replayed = headers.get("idempotent-replayed").is_some_and(|v| v == "true");
+    let with_context = context.is_some();
     match expected {
         Expected::PassThrough => assert!(ran && !with_context, "{expected:?}: ran {ran}, context {with_context}"),
-        Expected::Run => assert!(ran && with_context, "{expected:?}: ran {ran}, context {with_context}"),
-        Expected::Grpc => assert!(!ran || with_context || !replayed, "{expected:?}"),
+        Expected::Run(id) => assert!(ran && context == Some(*id), "{expected:?}: ran {ran}, context {context:?}"),
+        // A refusal runs nothing; past the claim, the handler runs (with its context) exactly
+        // where the table says, whatever the gRPC translation of the answer looks like.
+        Expected::Grpc(None) => assert!(!ran, "{expected:?}: the handler ran"),
+        Expected::Grpc(Some(table)) => match **table {
+            Expected::Run(id) => {
+                assert!(ran && context == Some(id), "{expected:?}: ran {ran}, context {context:?}");
+            }
+            _ => assert!(!ran, "{expected:?}: the handler ran"),
+        },
         Expected::Refused(code) | Expected::Mismatch(code) => {
             assert!(!ran, "{expected:?}: the handler ran");
             assert_eq!(status, *code, "{expected:?}");
@@ -358,5 +380,54 @@ fn check(
                 assert_eq!(&body[..], &stored[..], "a replay repeats the stored body");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: RecordId = RecordId([0xa; 32]);
+    const B: RecordId = RecordId([0xb; 32]);
+
+    // Pins: the oracle accepted a run under any claim the store held, so a layer that ran
+    // one tenant's request under another record (a principal normalised into another
+    // tenant's, say) passed whenever that record was in flight.
+    #[test]
+    #[should_panic(expected = "context Some")]
+    fn oracle_catches_a_run_under_another_record() {
+        check(&Expected::Run(A), true, Some(B), 201, &http::HeaderMap::new(), None);
+    }
+
+    // Pins: the `layer` target's oracle for gRPC requests was `!ran || with_context ||
+    // !replayed`, which a handler run without a claim (no context, no replay header)
+    // passed, so the fuzzer could not catch that on any gRPC input.
+    #[test]
+    #[should_panic(expected = "ran true, context None")]
+    fn grpc_oracle_catches_a_run_without_a_claim() {
+        let headers = http::HeaderMap::new();
+        check(&Expected::Grpc(Some(Box::new(Expected::Run(A)))), true, None, 200, &headers, None);
+    }
+
+    #[test]
+    #[should_panic(expected = "the handler ran")]
+    fn grpc_oracle_catches_a_run_on_a_refused_request() {
+        check(&Expected::Grpc(None), true, None, 200, &http::HeaderMap::new(), None);
+    }
+
+    #[test]
+    #[should_panic(expected = "the handler ran")]
+    fn grpc_oracle_catches_a_run_where_the_table_replays() {
+        let expected = Expected::Grpc(Some(Box::new(Expected::Replay(200, None))));
+        check(&expected, true, Some(A), 200, &http::HeaderMap::new(), None);
+    }
+
+    #[test]
+    fn grpc_oracle_accepts_what_the_table_says() {
+        let headers = http::HeaderMap::new();
+        check(&Expected::Grpc(Some(Box::new(Expected::Run(A)))), true, Some(A), 200, &headers, None);
+        check(&Expected::Run(A), true, Some(A), 201, &headers, None);
+        check(&Expected::Grpc(Some(Box::new(Expected::InFlight))), false, None, 200, &headers, None);
+        check(&Expected::Grpc(None), false, None, 200, &headers, None);
     }
 }

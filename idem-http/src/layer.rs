@@ -337,7 +337,8 @@ impl IdempotencyLayer {
     /// `docs/contract.md#sealed-responses`.
     ///
     /// A handler that completes its record itself ([`crate::ResponseCaching::CompletedByHandler`])
-    /// must store `keys.seal(id, token, &response)`, not the plain response.
+    /// must store [`crate::IdempotencyContext::stored_form`] of its response (the same as
+    /// `keys.seal(id, token, &response)`), not the plain response.
     #[cfg(feature = "seal")]
     #[must_use]
     pub fn with_sealing(mut self, keys: idem_core::seal::SealingKeys) -> Self {

@@ -464,6 +464,9 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> (Acquired<B>, Option<D
                             // A read while waiting is not a round: nothing raced this request.
                             continue;
                         }
+                        // A record that stopped opening (or decoding) while this request
+                        // waited is answered like at the claim: 503, never retry.
+                        Err(e) if e.is_corrupt() => return (Acquired::Unreadable(e.to_string()), None),
                         // The record was in flight at the last read; say so rather than
                         // guess (failing open here could run the handler a second time).
                         Err(e) => tracing::warn!(
@@ -677,6 +680,8 @@ where
         lease,
         created_at,
         store: Arc::clone(&store),
+        #[cfg(feature = "seal")]
+        sealing: cfg.sealing.as_ref().map(|(keys, _)| keys.clone()),
     });
     let req = Request::from_parts(parts, ReqBody::from(bytes));
     let policy = &cfg.policy;
@@ -734,7 +739,21 @@ where
         // with nobody running it, every retry answered "in flight" until the lease ran out,
         // and the client told it succeeded. Still in flight under this claim's token means
         // the completion did not commit: fail the record, so a retry runs cleanly.
-        if let Ok(Some(current)) = store.get(id).await
+        let check = store.get(id).await;
+        if let Err(e) = &check
+            && e.is_corrupt()
+        {
+            // The handler's completion committed (its writes with it), so its answer
+            // stands; but the stored response does not open or decode (under sealing: it
+            // was stored plain, not `IdempotencyContext::stored_form`), so every retry
+            // gets 503, and a plain response sits in the store unsealed.
+            tracing::error!(
+                record = %id, token = %token, error = %e,
+                "handler returned ResponseCaching::CompletedByHandler but the response it stored cannot be read back \
+                 (stored unsealed while sealing is on?); retries of this key will be answered 503"
+            );
+        }
+        if let Ok(Some(current)) = check
             && current.token == token
             && current.state == RecordState::InFlight
         {

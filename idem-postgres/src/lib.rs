@@ -109,7 +109,8 @@
 //!     let body = serde_json::to_vec(&json!({ "id": id }))?;
 //!     let stored = StoredResponse::new(201, vec![("content-type".into(), b"application/json".to_vec())], body.clone());
 //!     // LeaseLost: another attempt owns the record; return (tx rolls back on drop).
-//!     app.store.complete_in(&mut tx, ctx.record_id(), ctx.token(), stored).await?;
+//!     // `stored_form` seals it when the layer seals (`with_sealing`); as is otherwise.
+//!     app.store.complete_in(&mut tx, ctx.record_id(), ctx.token(), ctx.stored_form(stored)).await?;
 //!     tx.commit().await?;
 //!     (StatusCode::CREATED, [(CONTENT_TYPE, "application/json")], Extension(ResponseCaching::CompletedByHandler), body)
 //!         .into_response()
