@@ -176,12 +176,32 @@ pub fn prometheus() -> Option<PrometheusHandle> {
     static HANDLE: Mutex<Option<Result<PrometheusHandle, String>>> = Mutex::new(None);
     let mut handle = HANDLE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let installed = handle.get_or_insert_with(|| {
-        PrometheusBuilder::new().install_recorder().map_err(|e| {
+        prometheus_builder().install_recorder().map_err(|e| {
             tracing::warn!(error = %e, "leasebroker: no Prometheus recorder (another metrics recorder is installed)");
             e.to_string()
         })
     });
     installed.as_ref().ok().cloned()
+}
+
+/// Bucket bounds of `idem_store_call_seconds` (seconds: 100 µs to 10 s).
+pub const LATENCY_BUCKETS: [f64; 12] =
+    [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 1.0, 10.0];
+/// Bucket bounds of `idem_group_commit_batch_size` (operations per batch).
+pub const BATCH_BUCKETS: [f64; 9] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+
+/// The exporter with buckets for idem's histograms: without them
+/// `metrics-exporter-prometheus` renders every histogram as a summary (quantiles per
+/// process), which Prometheus cannot aggregate across servers.
+fn prometheus_builder() -> PrometheusBuilder {
+    use metrics_exporter_prometheus::Matcher;
+    let builder = PrometheusBuilder::new();
+    let with_latency =
+        builder.set_buckets_for_metric(Matcher::Full("idem_store_call_seconds".into()), &LATENCY_BUCKETS);
+    let with_batch = with_latency
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full("idem_group_commit_batch_size".into()), &BATCH_BUCKETS));
+    // Only an empty bucket list is refused; these are constants, never empty.
+    with_batch.unwrap_or_else(|_| PrometheusBuilder::new())
 }
 
 /// `GET /metrics`: every metric in the Prometheus text format (version 0.0.4).
