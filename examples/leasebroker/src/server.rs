@@ -23,7 +23,8 @@ pub enum StoreSpec {
     Redb(PathBuf),
     /// Records in a SQLite file; infra state in the `--state` redb file.
     Sqlite(PathBuf),
-    /// Records in Redis at this URL; infra state in the `--state` redb file.
+    /// Records in Redis at this URL (key prefix `idem:`, or `?prefix=P`); infra state in the
+    /// `--state` redb file.
     Redis(String),
     /// Records in a Redis Cluster reached through any of `nodes` (`redis://HOST:PORT`
     /// URLs), `WAIT wait` replicas (1 s timeout) after each claim and complete when set;
@@ -35,7 +36,7 @@ pub enum StoreSpec {
         /// Replicas to wait for.
         wait: Option<u32>,
     },
-    /// Records in PostgreSQL at this URL (schema `idem`, migrated on start); infra state
+    /// Records in PostgreSQL at this URL (schema `idem`, or `?schema=S`, migrated on start); infra state
     /// in the `--state` redb file.
     Postgres(String),
     /// Records in memory (lost on restart); infra state in the `--state` redb file.
@@ -138,9 +139,13 @@ pub async fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>
             Ok((Arc::new(store), infra_file()?))
         }
         StoreSpec::Redis(url) => {
-            let store = idem_redis::RedisStore::connect(url, idem_redis::Config::default())
-                .await
-                .map_err(|e| open_err(url.clone(), e))?;
+            let (driver_url, prefix) = take_option(url, "prefix");
+            let mut config = idem_redis::Config::default();
+            if let Some(prefix) = prefix {
+                config = config.with_prefix(prefix);
+            }
+            let store =
+                idem_redis::RedisStore::connect(&driver_url, config).await.map_err(|e| open_err(url.clone(), e))?;
             Ok((Arc::new(store), infra_file()?))
         }
         StoreSpec::RedisCluster { nodes, wait } => {
@@ -153,13 +158,38 @@ pub async fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>
         }
         StoreSpec::Postgres(url) => {
             // Applies the missing migrations before it returns.
-            let store = idem_postgres::PostgresStore::connect(url, idem_postgres::Config::default())
+            let (driver_url, schema) = take_option(url, "schema");
+            let mut config = idem_postgres::Config::default();
+            if let Some(schema) = schema {
+                config = config.with_schema(schema);
+            }
+            let store = idem_postgres::PostgresStore::connect(&driver_url, config)
                 .await
                 .map_err(|e| open_err(url.clone(), e))?;
             Ok((Arc::new(store), infra_file()?))
         }
         StoreSpec::Memory => Ok((Arc::new(MemoryStore::new()), infra_file()?)),
     }
+}
+
+/// Splits the option `name` (`?prefix=P`, `?schema=S`) off a store URL, the same spelling
+/// as the `idem` CLI's store URLs (docs/operations.md): the rest of the URL, with its other
+/// query parameters, goes to the driver. Two demos (or a demo and tests) on one shared
+/// Redis or PostgreSQL then keep their records apart.
+fn take_option(url: &str, name: &str) -> (String, Option<String>) {
+    let Some((base, query)) = url.split_once('?') else {
+        return (url.to_owned(), None);
+    };
+    let mut value = None;
+    let mut kept = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some((k, v)) if k == name && !v.is_empty() => value = Some(v.to_owned()),
+            _ => kept.push(pair),
+        }
+    }
+    let rest = if kept.is_empty() { base.to_owned() } else { format!("{base}?{}", kept.join("&")) };
+    (rest, value)
 }
 
 /// How often the server sweeps expired records (stores without native expiry).
@@ -298,6 +328,21 @@ impl Server {
 #[cfg(test)]
 mod tests {
     use super::StoreSpec;
+
+    #[test]
+    fn prefix_and_schema_options_are_taken_off_the_driver_url() {
+        // Regression: `?prefix=` / `?schema=` went to the driver unchanged, so the demo on a
+        // shared Redis or PostgreSQL always wrote under `idem:` / schema `idem`.
+        assert_eq!(
+            super::take_option("redis://127.0.0.1:6379/0?prefix=r2demo:", "prefix"),
+            ("redis://127.0.0.1:6379/0".to_owned(), Some("r2demo:".to_owned()))
+        );
+        assert_eq!(
+            super::take_option("postgres://u@h/db?sslmode=disable&schema=r2&connect_timeout=5", "schema"),
+            ("postgres://u@h/db?sslmode=disable&connect_timeout=5".to_owned(), Some("r2".to_owned()))
+        );
+        assert_eq!(super::take_option("redis://h:1", "prefix"), ("redis://h:1".to_owned(), None));
+    }
 
     #[test]
     fn the_cluster_store_form_parses() {
