@@ -81,19 +81,26 @@ enum Command {
 
 /// Which record: by scope and key, or by record id.
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("which").required(true).args(["record_id", "endpoint"])))]
+#[command(group(clap::ArgGroup::new("who").args(["principal", "bearer"])))]
 struct Target {
     /// The record id (64 hex digits), as `list` and logs show it.
-    #[arg(long, conflicts_with_all = ["principal", "endpoint", "key"], required_unless_present_all = ["principal", "endpoint", "key"])]
+    #[arg(long, conflicts_with_all = ["principal", "bearer", "endpoint", "key"])]
     record_id: Option<String>,
-    /// The principal the request ran as.
+    /// The principal the request ran as (what the application's principal resolver
+    /// returned, e.g. `bearer:<64 hex>` for the default `BearerToken`).
     #[arg(long, requires_all = ["endpoint", "key"])]
     principal: Option<String>,
+    /// The bearer token the request sent (`Authorization: Bearer TOKEN`): the CLI derives
+    /// the principal the default `BearerToken` resolver stores (`bearer:` + BLAKE3 hash).
+    #[arg(long, requires_all = ["endpoint", "key"])]
+    bearer: Option<String>,
     /// Method and route as the layer forms it: `POST /v1/workers/{id}/reboot` (the route
     /// template under axum, the concrete path otherwise).
-    #[arg(long, requires_all = ["principal", "key"])]
+    #[arg(long, requires_all = ["who", "key"])]
     endpoint: Option<String>,
     /// The Idempotency-Key header value (bare, or quoted as a structured-field string).
-    #[arg(long, requires_all = ["principal", "endpoint"])]
+    #[arg(long, requires_all = ["who", "endpoint"])]
     key: Option<String>,
 }
 
@@ -279,13 +286,18 @@ impl Target {
         if let Some(id) = &self.record_id {
             return parse_record_id(id);
         }
-        let (Some(principal), Some(endpoint), Some(key)) = (&self.principal, &self.endpoint, &self.key) else {
-            return Err(Failure::Usage("give --record-id, or all of --principal, --endpoint and --key".into()));
+        let principal = match (&self.principal, &self.bearer) {
+            (Some(p), _) => Some(p.clone()),
+            (None, Some(token)) => Some(idem_http::BearerToken::principal_for(token.as_bytes())),
+            (None, None) => None,
+        };
+        let (Some(principal), Some(endpoint), Some(key)) = (principal, &self.endpoint, &self.key) else {
+            return Err(Failure::Usage("give --record-id, or --principal (or --bearer), --endpoint and --key".into()));
         };
         let key = IdempotencyKey::parse(key.as_bytes())
             .map_err(|e| Failure::Usage(format!("--key {key:?} is not a valid Idempotency-Key: {e}")))?;
         let endpoint = endpoint_arg(endpoint)?;
-        let scope = idem_core::Scope::new(principal.clone(), endpoint).map_err(|e| Failure::Usage(e.to_string()))?;
+        let scope = idem_core::Scope::new(principal, endpoint).map_err(|e| Failure::Usage(e.to_string()))?;
         Ok(scope.record_id(&key))
     }
 }

@@ -5,6 +5,7 @@
 use std::process::ExitCode;
 use std::time::{Duration, UNIX_EPOCH};
 
+use idem_core::seal::{SEALED_HEADER, SEALED_STATUS};
 use idem_core::{Listing, Record, RecordState, StoredBody, SweepOutcome, UnixMillis};
 use serde_json::{Value, json};
 
@@ -40,6 +41,43 @@ fn response_summary(record: &Record) -> Option<(u16, usize, Option<u64>, bool, u
     Some((response.status, response.headers.len(), len, retained, response.trailers().len()))
 }
 
+/// The key id of a sealed response (`idem_core::seal`: status 0 and one `idem-sealed:
+/// v1;<key id>` header). The CLI holds no sealing key, so status, headers and body stay
+/// unknown; without this a sealed response would read as "status 0, 1 header".
+fn sealed_key_id(record: &Record) -> Option<u32> {
+    let response = record.response.as_ref()?;
+    if response.status != SEALED_STATUS {
+        return None;
+    }
+    let (_, value) = response.headers.iter().find(|(name, _)| name == SEALED_HEADER)?;
+    std::str::from_utf8(value).ok()?.strip_prefix("v1;")?.parse().ok()
+}
+
+/// The `response` object of a record's JSON.
+fn response_json(record: &Record) -> Value {
+    let Some((status, headers, body_bytes, retained, trailers)) = response_summary(record) else {
+        return Value::Null;
+    };
+    match sealed_key_id(record) {
+        Some(key_id) => json!({
+            "status": null,
+            "headers": null,
+            "body_bytes": body_bytes,
+            "body_retained": true,
+            "trailers": null,
+            "sealed": { "key_id": key_id },
+        }),
+        None => json!({
+            "status": status,
+            "headers": headers,
+            "body_bytes": body_bytes,
+            "body_retained": retained,
+            "trailers": trailers,
+            "sealed": null,
+        }),
+    }
+}
+
 /// A record as JSON, with lease and age measured at `now`.
 pub(crate) fn record_json(record: &Record, now: UnixMillis) -> Value {
     let in_flight = record.state == RecordState::InFlight;
@@ -58,19 +96,13 @@ pub(crate) fn record_json(record: &Record, now: UnixMillis) -> Value {
         "lease_remaining_ms": if in_flight { now.millis_until(record.lease_expires_at) } else { 0 },
         "lease_live": record.lease_is_fresh(now),
         "expires_at_ms": record.expires_at.0,
-        "response": response_summary(record).map(|(status, headers, body_bytes, retained, trailers)| json!({
-            "status": status,
-            "headers": headers,
-            "body_bytes": body_bytes,
-            "body_retained": retained,
-            "trailers": trailers,
-        })),
+        "response": response_json(record),
     })
 }
 
 fn record_text(record: &Record, now: UnixMillis) -> String {
     let mut s = String::new();
-    let mut line = |k: &str, v: String| s.push_str(&format!("{k:<14}{v}\n"));
+    let mut line = |k: &str, v: String| s.push_str(&format!("{k:<15}{v}\n"));
     line("record id", record.id.to_hex());
     line("principal", record.scope.principal.0.clone());
     line("endpoint", record.scope.endpoint.0.clone());
@@ -94,9 +126,13 @@ fn record_text(record: &Record, now: UnixMillis) -> String {
     };
     line("lease until", format!("{} ({lease})", rfc3339(record.lease_expires_at)));
     line("retained until", format!("{} ({} ms left)", rfc3339(record.expires_at), now.millis_until(record.expires_at)));
-    match response_summary(record) {
-        None => line("response", "none".to_owned()),
-        Some((status, headers, len, retained, trailers)) => {
+    match (response_summary(record), sealed_key_id(record)) {
+        (None, _) => line("response", "none".to_owned()),
+        (Some((_, _, len, _, _)), Some(key_id)) => {
+            let len = len.map_or_else(String::new, |n| format!(", {n} bytes sealed"));
+            line("response", format!("sealed with key {key_id} (status, headers and body encrypted{len})"));
+        }
+        (Some((status, headers, len, retained, trailers)), None) => {
             let body = match (len, retained) {
                 (Some(n), true) => format!("{n} bytes"),
                 (Some(n), false) => format!("{n} bytes, not retained"),

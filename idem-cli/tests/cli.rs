@@ -418,3 +418,76 @@ impl SchemaDrop {
         client.batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", self.schema)).await.expect("drop schema");
     }
 }
+
+/// Opens a fresh redb store at `path` from the test process.
+async fn open_redb(path: PathBuf) -> Arc<dyn Store> {
+    let store = tokio::task::spawn_blocking(move || idem_redb::RedbStore::open(&path, idem_redb::Config::default()))
+        .await
+        .expect("join")
+        .expect("open redb");
+    Arc::new(store)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_by_bearer_token_finds_the_default_resolvers_record() {
+    // Regression: `--principal TOKEN` misses every record the default `BearerToken` resolver
+    // wrote (stored as `bearer:<hash>`), and the CLI had no way to name it from the token.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = temp_file(&dir, "bearer.redb");
+    let url = format!("redb://{}", path.display());
+    let token = "alice";
+    let store = open_redb(path.clone()).await;
+    let record = claimed(
+        store.as_ref(),
+        request(&BearerToken::principal_for(token.as_bytes()), "k-bearer", LONG_LEASE, RETENTION),
+    )
+    .await;
+    drop(store);
+    let by_token = ["--json", "inspect", "--bearer", token, "--endpoint", ENDPOINT, "--key", "k-bearer"];
+    let run = idem(&url, &by_token);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert_eq!(run.json()["record"]["record_id"], record.id.to_hex());
+    assert_eq!(run.json()["record"]["principal"], BearerToken::principal_for(token.as_bytes()));
+    let run = idem(&url, &["inspect", "--principal", token, "--endpoint", ENDPOINT, "--key", "k-bearer"]);
+    assert_eq!(run.code, 1, "the raw token is not the stored principal: {}", run.stderr);
+    let run = idem(&url, &["inspect", "--principal", "p", "--bearer", token, "--endpoint", ENDPOINT, "--key", "k"]);
+    assert_eq!(run.code, 2, "--principal and --bearer together: {}", run.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_response_is_shown_as_sealed_not_as_status_0() {
+    // Regression: `inspect` showed a response stored by `IdempotencyLayer::with_sealing` as
+    // "status 0, 1 headers", as if the handler had answered with status 0.
+    use axum::routing::post;
+    use tower::ServiceExt as _;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = temp_file(&dir, "sealed.redb");
+    let url = format!("redb://{}", path.display());
+    let store = open_redb(path.clone()).await;
+    let layer = IdempotencyLayer::new(store).with_sealing(idem_http::SealingKeys::new(7, [9; 32]));
+    let app = axum::Router::new()
+        .route("/v1/workers/{id}/reboot", post(|| async { (axum::http::StatusCode::CREATED, "rebooted") }))
+        .layer(layer);
+    let req = axum::http::Request::post(PATH)
+        .header("authorization", "Bearer sealer")
+        .header("idempotency-key", "k-sealed")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body("k-sealed")))
+        .expect("request");
+    let resp = app.oneshot(req).await.expect("infallible");
+    assert_eq!(resp.status().as_u16(), 201);
+    // The layer (and its store) must be gone before the binary opens the redb file.
+    let target = ["inspect", "--bearer", "sealer", "--endpoint", ENDPOINT, "--key", "k-sealed"];
+    let mut json_args = vec!["--json"];
+    json_args.extend(target);
+    let run = idem(&url, &json_args);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let response = &run.json()["record"]["response"];
+    assert_eq!(response["sealed"]["key_id"], 7, "{response}");
+    assert!(response["status"].is_null(), "{response}");
+    assert!(response["headers"].is_null(), "{response}");
+    let run = idem(&url, &target);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(run.stdout.contains("sealed with key 7"), "{}", run.stdout);
+    assert!(!run.stdout.contains("response       0,"), "{}", run.stdout);
+}

@@ -25,7 +25,8 @@ pub enum StoreSpec {
     Redb(PathBuf),
     /// Records in a SQLite file; infra state in the `--state` redb file.
     Sqlite(PathBuf),
-    /// Records in Redis at this URL; infra state in the `--state` redb file.
+    /// Records in Redis at this URL (key prefix `idem:`, or `?prefix=P`); infra state in the
+    /// `--state` redb file.
     Redis(String),
     /// Records in a Redis Cluster reached through any of `nodes` (`redis://HOST:PORT`
     /// URLs), `WAIT wait` replicas (1 s timeout) after each claim and complete when set;
@@ -37,7 +38,7 @@ pub enum StoreSpec {
         /// Replicas to wait for.
         wait: Option<u32>,
     },
-    /// Records in PostgreSQL at this URL (schema `idem`, migrated on start); infra state
+    /// Records in PostgreSQL at this URL (schema `idem`, or `?schema=S`, migrated on start); infra state
     /// in the `--state` redb file.
     Postgres(String),
     /// Records in memory (lost on restart); infra state in the `--state` redb file.
@@ -139,9 +140,13 @@ pub async fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>
             Ok((Arc::new(store), infra_file()?))
         }
         StoreSpec::Redis(url) => {
-            let store = idem_redis::RedisStore::connect(url, idem_redis::Config::default())
-                .await
-                .map_err(|e| open_err(url.clone(), e))?;
+            let (driver_url, prefix) = take_option(url, "prefix");
+            let mut config = idem_redis::Config::default();
+            if let Some(prefix) = prefix {
+                config = config.with_prefix(prefix);
+            }
+            let store =
+                idem_redis::RedisStore::connect(&driver_url, config).await.map_err(|e| open_err(url.clone(), e))?;
             Ok((Arc::new(store), infra_file()?))
         }
         StoreSpec::RedisCluster { nodes, wait } => {
@@ -154,13 +159,38 @@ pub async fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>
         }
         StoreSpec::Postgres(url) => {
             // Applies the missing migrations before it returns.
-            let store = idem_postgres::PostgresStore::connect(url, idem_postgres::Config::default())
+            let (driver_url, schema) = take_option(url, "schema");
+            let mut config = idem_postgres::Config::default();
+            if let Some(schema) = schema {
+                config = config.with_schema(schema);
+            }
+            let store = idem_postgres::PostgresStore::connect(&driver_url, config)
                 .await
                 .map_err(|e| open_err(url.clone(), e))?;
             Ok((Arc::new(store), infra_file()?))
         }
         StoreSpec::Memory => Ok((Arc::new(MemoryStore::new()), infra_file()?)),
     }
+}
+
+/// Splits the option `name` (`?prefix=P`, `?schema=S`) off a store URL, the same spelling
+/// as the `idem` CLI's store URLs (docs/operations.md): the rest of the URL, with its other
+/// query parameters, goes to the driver. Two demos (or a demo and tests) on one shared
+/// Redis or PostgreSQL then keep their records apart.
+fn take_option(url: &str, name: &str) -> (String, Option<String>) {
+    let Some((base, query)) = url.split_once('?') else {
+        return (url.to_owned(), None);
+    };
+    let mut value = None;
+    let mut kept = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some((k, v)) if k == name && !v.is_empty() => value = Some(v.to_owned()),
+            _ => kept.push(pair),
+        }
+    }
+    let rest = if kept.is_empty() { base.to_owned() } else { format!("{base}?{}", kept.join("&")) };
+    (rest, value)
 }
 
 /// How often the server sweeps expired records (stores without native expiry).
@@ -177,12 +207,32 @@ pub fn prometheus() -> Option<PrometheusHandle> {
     static HANDLE: Mutex<Option<Result<PrometheusHandle, String>>> = Mutex::new(None);
     let mut handle = HANDLE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let installed = handle.get_or_insert_with(|| {
-        PrometheusBuilder::new().install_recorder().map_err(|e| {
+        prometheus_builder().install_recorder().map_err(|e| {
             tracing::warn!(error = %e, "leasebroker: no Prometheus recorder (another metrics recorder is installed)");
             e.to_string()
         })
     });
     installed.as_ref().ok().cloned()
+}
+
+/// Bucket bounds of `idem_store_call_seconds` (seconds: 100 µs to 10 s).
+pub const LATENCY_BUCKETS: [f64; 12] =
+    [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 1.0, 10.0];
+/// Bucket bounds of `idem_group_commit_batch_size` (operations per batch).
+pub const BATCH_BUCKETS: [f64; 9] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+
+/// The exporter with buckets for idem's histograms: without them
+/// `metrics-exporter-prometheus` renders every histogram as a summary (quantiles per
+/// process), which Prometheus cannot aggregate across servers.
+fn prometheus_builder() -> PrometheusBuilder {
+    use metrics_exporter_prometheus::Matcher;
+    let builder = PrometheusBuilder::new();
+    let with_latency =
+        builder.set_buckets_for_metric(Matcher::Full("idem_store_call_seconds".into()), &LATENCY_BUCKETS);
+    let with_batch = with_latency
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full("idem_group_commit_batch_size".into()), &BATCH_BUCKETS));
+    // Only an empty bucket list is refused; these are constants, never empty.
+    with_batch.unwrap_or_else(|_| PrometheusBuilder::new())
 }
 
 /// `GET /metrics`: every metric in the Prometheus text format (version 0.0.4).
@@ -279,6 +329,21 @@ impl Server {
 #[cfg(test)]
 mod tests {
     use super::StoreSpec;
+
+    #[test]
+    fn prefix_and_schema_options_are_taken_off_the_driver_url() {
+        // Regression: `?prefix=` / `?schema=` went to the driver unchanged, so the demo on a
+        // shared Redis or PostgreSQL always wrote under `idem:` / schema `idem`.
+        assert_eq!(
+            super::take_option("redis://127.0.0.1:6379/0?prefix=r2demo:", "prefix"),
+            ("redis://127.0.0.1:6379/0".to_owned(), Some("r2demo:".to_owned()))
+        );
+        assert_eq!(
+            super::take_option("postgres://u@h/db?sslmode=disable&schema=r2&connect_timeout=5", "schema"),
+            ("postgres://u@h/db?sslmode=disable&connect_timeout=5".to_owned(), Some("r2".to_owned()))
+        );
+        assert_eq!(super::take_option("redis://h:1", "prefix"), ("redis://h:1".to_owned(), None));
+    }
 
     #[test]
     fn the_cluster_store_form_parses() {

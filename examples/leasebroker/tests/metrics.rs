@@ -120,5 +120,11 @@ async fn metrics_after_a_storm_show_one_claim_per_operation_and_replays() {
         "store call latency of the redb backend\n{text}"
     );
     assert!(value(&samples, "idem_group_commit_batch_size_count", &[("backend", "redb")]) > 0.0, "{text}");
+    // Regression: the histograms were rendered as Prometheus summaries (no buckets), which
+    // cannot be aggregated across servers and contradicted docs/observability.md.
+    for name in ["idem_store_call_seconds", "idem_group_commit_batch_size"] {
+        assert!(text.contains(&format!("# TYPE {name} histogram")), "{name} is a histogram\n{text}");
+        assert!(samples.iter().any(|s| s.name == format!("{name}_bucket") && s.labels.contains_key("le")), "{text}");
+    }
     server.stop().await.unwrap();
 }
