@@ -50,7 +50,22 @@ pub const RESPONSE_FORMAT_VERSION: u8 = 1;
 pub fn encode_response(response: &StoredResponse) -> Vec<u8> {
     // Serialising plain data into a Vec cannot fail; the bare version byte (which decodes
     // to a typed error) is the fallback rather than a panic.
-    postcard::to_extend(response, vec![RESPONSE_FORMAT_VERSION]).unwrap_or_else(|_| vec![RESPONSE_FORMAT_VERSION])
+    encode_response_into(response, Vec::new())
+}
+
+/// [`encode_response`] appended to `out` (which keeps its bytes in front): lets a caller
+/// reserve room around the encoding, as sealing does for its nonce and tag.
+#[must_use]
+pub(crate) fn encode_response_into(response: &StoredResponse, mut out: Vec<u8>) -> Vec<u8> {
+    let start = out.len();
+    out.push(RESPONSE_FORMAT_VERSION);
+    postcard::to_extend(response, out).unwrap_or_else(|_| {
+        // Unreachable for plain data; the caller's prefix plus the bare version byte
+        // (which decodes to a typed error) rather than a panic.
+        let mut v = vec![0; start];
+        v.push(RESPONSE_FORMAT_VERSION);
+        v
+    })
 }
 
 /// Decodes bytes written by [`encode_response`].
@@ -69,9 +84,77 @@ pub fn decode_response(bytes: &[u8]) -> Result<StoredResponse, CodecError> {
     Ok(response)
 }
 
+/// [`decode_response`] of `buf[range]`, handing `buf` itself over as the body's bytes when
+/// the body is stored as is (the common case): no second allocation and no copy beyond
+/// moving the body to the front. Any other body decodes as [`decode_response`] does.
+///
+/// # Errors
+/// As [`decode_response`].
+#[cfg(feature = "seal")]
+pub(crate) fn decode_response_reusing(
+    mut buf: Vec<u8>,
+    range: std::ops::Range<usize>,
+) -> Result<StoredResponse, CodecError> {
+    /// The fields of a [`StoredResponse`] with an `Identity` body, the body borrowed.
+    /// Variant 0 is `StoredBody::Identity` in both enums, so postcard reads the same bytes;
+    /// any other variant fails here and takes the general path.
+    #[derive(serde::Deserialize)]
+    struct Borrowed<'a> {
+        status: u16,
+        headers: Vec<(String, Vec<u8>)>,
+        #[serde(borrow)]
+        body: IdentityOnly<'a>,
+    }
+    #[derive(serde::Deserialize)]
+    enum IdentityOnly<'a> {
+        Identity(#[serde(borrow)] &'a [u8]),
+    }
+    let Some(bytes) = buf.get(range.clone()) else {
+        return Err(CodecError::Empty);
+    };
+    if let Some((&RESPONSE_FORMAT_VERSION, rest)) = bytes.split_first()
+        && let Ok((Borrowed { status, headers, body: IdentityOnly::Identity(body) }, [])) =
+            postcard::take_from_bytes::<Borrowed<'_>>(rest)
+    {
+        let start = body.as_ptr().addr() - buf.as_ptr().addr();
+        let end = start + body.len();
+        buf.truncate(end);
+        buf.drain(..start);
+        return Ok(StoredResponse { status, headers, body: crate::record::StoredBody::Identity(buf) });
+    }
+    decode_response(&buf[range])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The in-place decode reads what `decode_response` reads, for every body form.
+    #[cfg(feature = "seal")]
+    #[test]
+    fn decoding_in_place_matches_decoding_by_copy() {
+        use crate::record::StoredBody;
+        let responses = [
+            StoredResponse::new(201, vec![("location".into(), b"/w/1".to_vec())], b"{\"id\":1}".to_vec()),
+            StoredResponse::new(204, vec![], vec![]),
+            StoredResponse::compressed_over(200, vec![], vec![b'a'; 4096], 16),
+            StoredResponse { status: 200, headers: vec![], body: StoredBody::NotRetained { len: Some(9) } },
+            StoredResponse::new(200, vec![], b"x".to_vec()).with_trailers(vec![("grpc-status".into(), b"0".to_vec())]),
+        ];
+        for r in responses {
+            let mut buf = vec![7; 5];
+            buf.extend(encode_response(&r));
+            let end = buf.len();
+            buf.extend([9; 3]);
+            assert_eq!(decode_response_reusing(buf, 5..end).expect("decodes"), r);
+        }
+        let mut bad = encode_response(&StoredResponse::new(200, vec![], b"abc".to_vec()));
+        bad.push(0);
+        let n = bad.len();
+        assert!(decode_response_reusing(bad, 0..n).is_err(), "trailing bytes");
+        assert!(decode_response_reusing(vec![RESPONSE_FORMAT_VERSION], 0..1).is_err());
+        assert!(decode_response_reusing(vec![], 0..1).is_err());
+    }
 
     #[test]
     fn responses_round_trip_byte_exact_and_reject_garbage() {

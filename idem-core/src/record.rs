@@ -271,6 +271,22 @@ impl StoredResponse {
             }
         }
     }
+
+    /// [`Self::body_bytes`], moved out: a body stored as is is handed over without a copy
+    /// and left empty here; a compressed one is decompressed (and stays as it was).
+    ///
+    /// # Errors
+    /// As [`Self::body_bytes`].
+    pub fn take_body_bytes(&mut self) -> Result<Option<Vec<u8>>, crate::corrupt::CodecError> {
+        let body = match &mut self.body {
+            StoredBody::WithTrailers { body, .. } => &mut **body,
+            body => body,
+        };
+        if let StoredBody::Identity(bytes) = body {
+            return Ok(Some(std::mem::take(bytes)));
+        }
+        Ok(self.body_bytes()?.map(std::borrow::Cow::into_owned))
+    }
 }
 
 /// One idempotency record (`docs/contract.md#what-is-stored-and-when`). All times are UTC milliseconds
