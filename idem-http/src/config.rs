@@ -245,6 +245,9 @@ pub(crate) struct Config {
     /// Keys that seal stored responses, and whether plain ones are still replayed.
     #[cfg(feature = "seal")]
     pub(crate) sealing: Option<(idem_core::seal::SealingKeys, bool)>,
+    /// The endpoint counters, registered once per endpoint and recorder
+    /// (`crate::metrics_cache`); shared by every clone of the layer.
+    pub(crate) metrics: Arc<crate::observe::EndpointCache>,
 }
 
 impl Config {
@@ -273,24 +276,23 @@ impl Config {
             store_deadlines: StoreDeadlines::default(),
             #[cfg(feature = "seal")]
             sealing: None,
+            metrics: Arc::default(),
         }
     }
 
-    /// The settings a service runs with: these, with `store` wrapped in the sealing (when
-    /// keys were given, [`idem_core::seal`]) and then in the deadlines and completion
-    /// retries ([`crate::deadline`]). Done when a service is made, not per setter, because
-    /// the retry window follows the lease TTL, whichever was set last. Sealing sits inside
-    /// the deadlines so that a resent completion is sealed afresh and the deadline store's
-    /// read-back after an ambiguous completion sees the opened response.
+    /// The settings a service runs with: these, with `store` wrapped in the deadlines and
+    /// completion retries ([`crate::deadline`]), which also seal and open responses when
+    /// keys were given ([`idem_core::seal::Sealer`]). Done when a service is made, not per
+    /// setter, because the retry window follows the lease TTL, whichever was set last.
     pub(crate) fn for_service(&self) -> Self {
         let mut cfg = self.clone();
-        #[cfg_attr(not(feature = "seal"), expect(unused_mut, reason = "only sealing rewraps the store"))]
-        let mut store = Arc::clone(&self.store);
+        #[cfg_attr(not(feature = "seal"), expect(unused_mut, reason = "only sealing adds to the store"))]
+        let mut store = DeadlineStore::new(Arc::clone(&self.store), self.store_deadlines, self.policy.lease_ttl);
         #[cfg(feature = "seal")]
         if let Some((keys, accept_unsealed)) = &self.sealing {
-            store = Arc::new(idem_core::seal::Sealed::new(store, keys.clone()).accept_unsealed(*accept_unsealed));
+            store = store.with_sealer(idem_core::seal::Sealer::new(keys.clone()).accept_unsealed(*accept_unsealed));
         }
-        cfg.store = Arc::new(DeadlineStore::new(store, self.store_deadlines, self.policy.lease_ttl));
+        cfg.store = Arc::new(store);
         cfg
     }
 }

@@ -62,6 +62,8 @@ use idem_core::{
 };
 use tokio::time::Instant;
 
+use crate::observe::StoreOp as Op;
+
 /// The default deadline of every store call: long enough for a healthy store under load
 /// (an `fsync`, a group-commit batch, a pool checkout), short enough that a client whose
 /// own timeout is a few seconds hears a 503 before it gives up.
@@ -223,6 +225,15 @@ pub(crate) struct DeadlineStore {
     /// `inner`'s backend name, the `backend` label of the store metrics.
     #[cfg_attr(not(feature = "metrics"), allow(dead_code, reason = "read by the metrics only"))]
     backend: &'static str,
+    /// The store call histograms and error counters, registered once per recorder.
+    #[cfg(feature = "metrics")]
+    metrics: crate::metrics_cache::MetricsCache<crate::metrics_cache::StoreMetrics>,
+    /// Seals responses before `complete` and opens every record a call returns, here
+    /// rather than in a `Sealed` store of its own, so a sealed request pays no second
+    /// boxed store future per call. Inside the deadlines and retries: a resend sends the
+    /// same sealed bytes, and the read-back after an ambiguous completion is opened.
+    #[cfg(feature = "seal")]
+    sealer: Option<idem_core::seal::Sealer>,
 }
 
 impl fmt::Debug for DeadlineStore {
@@ -238,7 +249,40 @@ impl fmt::Debug for DeadlineStore {
 impl DeadlineStore {
     pub(crate) fn new(inner: Arc<dyn Store>, deadlines: StoreDeadlines, lease_ttl: Duration) -> Self {
         let backend = inner.capabilities().backend;
-        Self { inner, deadlines, retry_window: lease_ttl, backend }
+        Self {
+            inner,
+            deadlines,
+            retry_window: lease_ttl,
+            backend,
+            #[cfg(feature = "metrics")]
+            metrics: crate::metrics_cache::MetricsCache::default(),
+            #[cfg(feature = "seal")]
+            sealer: None,
+        }
+    }
+
+    /// Seals and opens responses with `sealer` ([`idem_core::seal`]).
+    #[cfg(feature = "seal")]
+    pub(crate) fn with_sealer(mut self, sealer: idem_core::seal::Sealer) -> Self {
+        self.sealer = Some(sealer);
+        self
+    }
+
+    /// `record` opened when sealing is on; as is otherwise.
+    #[cfg_attr(
+        not(feature = "seal"),
+        allow(clippy::unnecessary_wraps, clippy::unused_self, reason = "opens only with sealing")
+    )]
+    fn open(&self, record: Record) -> Result<Record, StoreError> {
+        #[cfg(feature = "seal")]
+        if let Some(sealer) = &self.sealer {
+            return sealer.open(record);
+        }
+        Ok(record)
+    }
+
+    fn open_opt(&self, record: Option<Record>) -> Result<Option<Record>, StoreError> {
+        record.map(|r| self.open(r)).transpose()
     }
 
     /// `call`, timed (`idem_store_call_seconds`) and its error counted
@@ -246,14 +290,17 @@ impl DeadlineStore {
     /// around the deadline and the completion retries: the latency the request saw.
     async fn observed<T>(
         &self,
-        operation: &'static str,
+        operation: Op,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         #[cfg(feature = "metrics")]
         {
             let started = std::time::Instant::now();
             let result = call.await;
-            crate::observe::store_call(self.backend, operation, started.elapsed(), result.as_ref().err());
+            let took = started.elapsed();
+            self.metrics.with(|handles| {
+                crate::observe::store_call(handles, self.backend, operation, took, result.as_ref().err());
+            });
             result
         }
         #[cfg(not(feature = "metrics"))]
@@ -346,7 +393,7 @@ impl DeadlineStore {
         loop {
             let call = self.inner.journal_put(id, token, name, value.clone(), overwrite);
             let error =
-                match self.observed("journal_put", Self::within(self.deadlines.journal, "journal_put", call)).await {
+                match self.observed(Op::JournalPut, Self::within(self.deadlines.journal, "journal_put", call)).await {
                     Ok(written) => return Ok(written),
                     Err(e) => e,
                 };
@@ -371,11 +418,23 @@ impl DeadlineStore {
 #[async_trait]
 impl Store for DeadlineStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        self.observed("claim", Self::within(self.deadlines.claim, "claim", self.inner.claim(req))).await
+        let outcome =
+            self.observed(Op::Claim, Self::within(self.deadlines.claim, "claim", self.inner.claim(req))).await?;
+        Ok(match outcome {
+            ClaimOutcome::Claimed(record) => ClaimOutcome::Claimed(self.open(record)?),
+            ClaimOutcome::Existing { record, now } => ClaimOutcome::Existing { record: self.open(record)?, now },
+        })
     }
 
     async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
-        self.observed("reclaim", Self::within(self.deadlines.claim, "reclaim", self.inner.reclaim(req))).await
+        let outcome =
+            self.observed(Op::Reclaim, Self::within(self.deadlines.claim, "reclaim", self.inner.reclaim(req))).await?;
+        Ok(match outcome {
+            ReclaimOutcome::Reclaimed(record) => ReclaimOutcome::Reclaimed(self.open(record)?),
+            ReclaimOutcome::Conflict { current, now } => {
+                ReclaimOutcome::Conflict { current: self.open_opt(current)?, now }
+            }
+        })
     }
 
     async fn complete(
@@ -384,25 +443,47 @@ impl Store for DeadlineStore {
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Record, StoreError> {
-        let send = || self.inner.complete(id, token, response.clone());
-        self.observed("complete", self.finish(id, token, RecordState::Completed, "complete", send)).await
+        // Sealed once: a resend carries the same bytes (same nonce, same associated data).
+        #[cfg(feature = "seal")]
+        let stored = match &self.sealer {
+            Some(sealer) => std::borrow::Cow::Owned(sealer.seal(id, token, &response)),
+            None => std::borrow::Cow::Borrowed(&response),
+        };
+        #[cfg(not(feature = "seal"))]
+        let stored = std::borrow::Cow::Borrowed(&response);
+        let send = || self.inner.complete(id, token, StoredResponse::clone(&stored));
+        let mut record =
+            self.observed(Op::Complete, self.finish(id, token, RecordState::Completed, "complete", send)).await?;
+        // The caller's own response, not a decryption of what was written (or read back
+        // after an ambiguous completion).
+        record.response = Some(response);
+        Ok(record)
     }
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
-        self.observed("fail", self.finish(id, token, RecordState::Failed, "fail", || self.inner.fail(id, token))).await
+        let record = self
+            .observed(Op::Fail, self.finish(id, token, RecordState::Failed, "fail", || self.inner.fail(id, token)))
+            .await?;
+        self.open(record)
     }
 
     async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
-        self.observed("extend", Self::within(self.deadlines.extend, "extend", self.inner.extend(id, token, lease_ttl)))
-            .await
+        let record = self
+            .observed(
+                Op::Extend,
+                Self::within(self.deadlines.extend, "extend", self.inner.extend(id, token, lease_ttl)),
+            )
+            .await?;
+        self.open(record)
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        self.observed("get", Self::within(self.deadlines.read, "get", self.inner.get(id))).await
+        let record = self.observed(Op::Get, Self::within(self.deadlines.read, "get", self.inner.get(id))).await?;
+        self.open_opt(record)
     }
 
     async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
-        self.observed("sweep", self.inner.sweep(limit)).await
+        self.observed(Op::Sweep, self.inner.sweep(limit)).await
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -421,8 +502,11 @@ impl Store for DeadlineStore {
     }
 
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        self.observed("journal_get", Self::within(self.deadlines.read, "journal_get", self.inner.journal_get(id, name)))
-            .await
+        self.observed(
+            Op::JournalGet,
+            Self::within(self.deadlines.read, "journal_get", self.inner.journal_get(id, name)),
+        )
+        .await
     }
     /// An operator's listing: no request waits on it, so no deadline (like `sweep`).
     async fn list(&self, filter: idem_core::ListFilter) -> Result<idem_core::Listing, StoreError> {

@@ -434,6 +434,8 @@ pub mod headers;
 pub mod hints;
 pub mod layer;
 mod lease;
+#[cfg(feature = "metrics")]
+mod metrics_cache;
 mod observe;
 pub mod principal;
 pub mod problem;

@@ -45,6 +45,22 @@ pub(crate) enum DecisionKind {
 }
 
 impl DecisionKind {
+    /// Every kind, in declaration order (the discriminant is the index).
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code, reason = "sizes the metric handle cache"))]
+    pub(crate) const ALL: [Self; 11] = [
+        Self::Claimed,
+        Self::Reclaimed,
+        Self::Replayed,
+        Self::InFlight,
+        Self::Mismatch,
+        Self::Busy,
+        Self::StoreUnavailable,
+        Self::FailOpen,
+        Self::Unreadable,
+        Self::Skipped,
+        Self::Rejected,
+    ];
+
     pub(crate) const fn as_str(self) -> &'static str {
         match self {
             Self::Claimed => "claimed",
@@ -81,6 +97,11 @@ pub(crate) enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in declaration order (the discriminant is the index).
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code, reason = "sizes the metric handle cache"))]
+    pub(crate) const ALL: [Self; 5] =
+        [Self::Completed, Self::NotRetained, Self::Failed, Self::LeaseLost, Self::NotStored];
+
     pub(crate) const fn as_str(self) -> &'static str {
         match self {
             Self::Completed => "completed",
@@ -105,11 +126,12 @@ impl fmt::Display for ShortId {
     }
 }
 
-/// The `idempotency` span of one request, with every field declared and empty.
-pub(crate) fn request_span() -> Span {
+/// The `idempotency` span of one request: `endpoint` set, every other field declared
+/// and empty.
+pub(crate) fn request_span(endpoint: &Endpoint) -> Span {
     tracing::info_span!(
         "idempotency",
-        endpoint = Empty,
+        endpoint = endpoint.0.as_str(),
         record = Empty,
         token = Empty,
         decision = Empty,
@@ -118,30 +140,40 @@ pub(crate) fn request_span() -> Span {
     )
 }
 
-/// One request's observer: its span, and the endpoint its metrics are labelled with.
+/// One request's observer: its span, and the counters of its endpoint.
 pub(crate) struct Observer {
     pub(crate) span: Span,
-    /// The `endpoint` label, made once per request: every later clone is a reference
-    /// count, not a copy of the string.
+    /// The endpoint's counters, looked up once per request in the layer's cache
+    /// ([`crate::metrics_cache`]); `None` until the endpoint is known.
     #[cfg(feature = "metrics")]
-    endpoint: Option<metrics::SharedString>,
+    metrics: Option<std::sync::Arc<crate::metrics_cache::EndpointMetrics>>,
 }
+
+/// The layer's cache of endpoint counters; nothing without the `metrics` feature.
+#[cfg(feature = "metrics")]
+pub(crate) type EndpointCache = crate::metrics_cache::MetricsCache<crate::metrics_cache::Endpoints>;
+/// The layer's cache of endpoint counters; nothing without the `metrics` feature.
+#[cfg(not(feature = "metrics"))]
+pub(crate) type EndpointCache = ();
 
 impl Observer {
     pub(crate) fn new(span: Span) -> Self {
         Self {
             span,
             #[cfg(feature = "metrics")]
-            endpoint: None,
+            metrics: None,
         }
     }
 
-    pub(crate) fn endpoint(&mut self, endpoint: &Endpoint) {
-        self.span.record("endpoint", endpoint.0.as_str());
+    #[cfg_attr(not(feature = "metrics"), allow(clippy::unused_unit, reason = "the cache is () without metrics"))]
+    /// Looks up the counters of `endpoint` (already on the span, from its creation).
+    pub(crate) fn endpoint(&mut self, endpoint: &Endpoint, cache: &EndpointCache) {
         #[cfg(feature = "metrics")]
         {
-            self.endpoint = Some(metrics::SharedString::from_shared(std::sync::Arc::from(endpoint.0.as_str())));
+            self.metrics = Some(cache.with(|endpoints| endpoints.endpoint(endpoint.0.as_str())));
         }
+        #[cfg(not(feature = "metrics"))]
+        let ((), _) = (cache, endpoint);
     }
 
     pub(crate) fn record(&self, id: RecordId) {
@@ -150,19 +182,28 @@ impl Observer {
         }
     }
 
-    pub(crate) fn token(&self, token: FencingToken) {
-        self.span.record("token", token.0);
+    /// A decision that claimed the record (`claimed`, `reclaimed`) and its token: one
+    /// dispatch for both fields.
+    pub(crate) fn claimed(&self, decision: DecisionKind, token: FencingToken) {
+        tracing::record_all!(self.span, decision = decision.as_str(), token = token.0);
+        self.count(decision);
     }
 
     pub(crate) fn decision(&self, decision: DecisionKind) {
         self.span.record("decision", decision.as_str());
+        self.count(decision);
+    }
+
+    /// `decision` in the metrics.
+    #[cfg_attr(not(feature = "metrics"), allow(clippy::unused_self, reason = "counts only with metrics"))]
+    fn count(&self, decision: DecisionKind) {
+        #[cfg(not(feature = "metrics"))]
+        let _ = decision;
         #[cfg(feature = "metrics")]
-        {
-            let endpoint = self.endpoint_label();
-            metrics::counter!("idem_decisions_total", "decision" => decision.as_str(), "endpoint" => endpoint.clone())
-                .increment(1);
+        if let Some(m) = &self.metrics {
+            m.decision(decision).increment(1);
             if decision == DecisionKind::FailOpen {
-                metrics::counter!("idem_fail_open_total", "endpoint" => endpoint).increment(1);
+                m.fail_open().increment(1);
             }
         }
     }
@@ -174,32 +215,19 @@ impl Observer {
     }
 
     pub(crate) fn outcome(&self, outcome: Outcome, renewals: u64) {
-        self.span.record("outcome", outcome.as_str());
-        self.span.record("renewals", renewals);
+        // One dispatch for both fields.
+        tracing::record_all!(self.span, outcome = outcome.as_str(), renewals = renewals);
         #[cfg(feature = "metrics")]
-        {
-            let endpoint = self.endpoint_label();
-            metrics::counter!("idem_outcomes_total", "outcome" => outcome.as_str(), "endpoint" => endpoint.clone())
-                .increment(1);
+        if let Some(m) = &self.metrics {
+            m.outcome(outcome).increment(1);
             if renewals > 0 {
-                metrics::counter!("idem_lease_renewals_total", "endpoint" => endpoint.clone()).increment(renewals);
+                m.renewals().increment(renewals);
             }
             match outcome {
-                Outcome::LeaseLost => metrics::counter!("idem_lease_lost_total", "endpoint" => endpoint).increment(1),
-                Outcome::NotRetained => {
-                    metrics::counter!("idem_bodies_not_retained_total", "endpoint" => endpoint).increment(1);
-                }
+                Outcome::LeaseLost => m.lease_lost().increment(1),
+                Outcome::NotRetained => m.not_retained().increment(1),
                 _ => {}
             }
-        }
-    }
-
-    #[cfg(feature = "metrics")]
-    fn endpoint_label(&self) -> metrics::SharedString {
-        match &self.endpoint {
-            Some(e) => e.clone(),
-            // Rejected before the endpoint was read (never happens: it is read first).
-            None => metrics::SharedString::const_str("unknown"),
         }
     }
 }
@@ -210,24 +238,54 @@ impl fmt::Debug for Observer {
     }
 }
 
+/// A store operation the layer times: the `operation` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StoreOp {
+    Claim,
+    Reclaim,
+    Complete,
+    Fail,
+    Extend,
+    Get,
+    Sweep,
+    JournalPut,
+    JournalGet,
+}
+
+impl StoreOp {
+    /// How many operations there are.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code, reason = "sizes the metric handle cache"))]
+    pub(crate) const COUNT: usize = 9;
+
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code, reason = "the metrics' label"))]
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            Self::Claim => "claim",
+            Self::Reclaim => "reclaim",
+            Self::Complete => "complete",
+            Self::Fail => "fail",
+            Self::Extend => "extend",
+            Self::Get => "get",
+            Self::Sweep => "sweep",
+            Self::JournalPut => "journal_put",
+            Self::JournalGet => "journal_get",
+        }
+    }
+}
+
 /// One store call's latency and error, labelled with the store's backend name.
 #[cfg(feature = "metrics")]
 pub(crate) fn store_call(
+    handles: &crate::metrics_cache::StoreMetrics,
     backend: &'static str,
-    operation: &'static str,
+    op: StoreOp,
     took: std::time::Duration,
     error: Option<&idem_core::StoreError>,
 ) {
-    metrics::histogram!("idem_store_call_seconds", "backend" => backend, "operation" => operation)
-        .record(took.as_secs_f64());
+    handles.call(backend, op).record(took.as_secs_f64());
     if let Some(e) = error
         && !e.is_lease_lost()
     {
-        let retryable = if e.is_retryable() { "true" } else { "false" };
-        metrics::counter!(
-            "idem_store_errors_total",
-            "backend" => backend, "operation" => operation, "retryable" => retryable
-        )
-        .increment(1);
+        handles.error(backend, op, e.is_retryable()).increment(1);
     }
 }

@@ -153,9 +153,10 @@ where
     // One span per non-safe request: the handler's own spans nest under it, and it stays
     // with the work if that moves to a task of its own (`detach_on_drop` takes the
     // current span).
-    let span = crate::observe::request_span();
+    let endpoint = endpoint_of(req.method(), req.uri(), req.extensions());
+    let span = crate::observe::request_span(&endpoint);
     let mut obs = Observer::new(span.clone());
-    let res = handle_keyed(&cfg, inner, req, &mut obs).instrument(span).await?;
+    let res = handle_keyed(&cfg, inner, req, endpoint, &mut obs).instrument(span).await?;
     // The layer's own answers (they carry their `ProblemKind`) get the retry hints, and
     // become gRPC statuses for a gRPC request; handler responses and replays of them pass
     // unchanged.
@@ -166,6 +167,7 @@ async fn handle_keyed<S, ReqBody, ResBody>(
     cfg: &Config,
     inner: S,
     req: Request<ReqBody>,
+    endpoint: Endpoint,
     obs: &mut Observer,
 ) -> Result<Res<ResBody>, S::Error>
 where
@@ -178,8 +180,7 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let (parts, body) = req.into_parts();
-    let endpoint = endpoint_of(&parts);
-    obs.endpoint(&endpoint);
+    obs.endpoint(&endpoint, &cfg.metrics);
     let key = match read_key(&parts.headers, cfg.max_key_len) {
         Ok(Some(key)) => key,
         Ok(None) => {
@@ -251,23 +252,22 @@ where
     let id = claim.id;
     obs.record(id);
     let (acquired, decision) = acquire(cfg, claim).await;
-    if let Some(decision) = decision {
-        obs.decision(decision);
+    match (&acquired, decision) {
+        (Acquired::Run(record, _), Some(decision)) => obs.claimed(decision, record.token),
+        (_, Some(decision)) => obs.decision(decision),
+        (_, None) => {}
     }
     match acquired {
-        Acquired::Run(record, claimed_at) => {
-            obs.token(record.token);
-            match cfg.handler_execution {
-                HandlerExecution::Inline => run_claimed(cfg, inner, parts, bytes, record, claimed_at, obs).await,
-                HandlerExecution::Detached => run_detached(cfg, inner, parts, bytes, record, claimed_at, obs).await,
-            }
-        }
+        Acquired::Run(record, claimed_at) => match cfg.handler_execution {
+            HandlerExecution::Inline => run_claimed(cfg, inner, parts, bytes, record, claimed_at, obs).await,
+            HandlerExecution::Detached => run_detached(cfg, inner, parts, bytes, record, claimed_at, obs).await,
+        },
         Acquired::Answer(res) => Ok(res),
         Acquired::StoreFailed(error) => match cfg.store_failure_mode {
             StoreFailureMode::FailOpen => {
                 obs.decision(DecisionKind::FailOpen);
                 tracing::warn!(
-                    record = %id, endpoint = %endpoint_of(&parts).0, error = %error,
+                    record = %id, endpoint = %endpoint_of(&parts.method, &parts.uri, &parts.extensions).0, error = %error,
                     "idempotency store failed; running the handler WITHOUT idempotency protection (fail-open)"
                 );
                 pass_through(inner, Request::from_parts(parts, ReqBody::from(bytes))).await
@@ -275,7 +275,7 @@ where
             StoreFailureMode::FailClosed => {
                 obs.decision(DecisionKind::StoreUnavailable);
                 tracing::error!(
-                    record = %id, endpoint = %endpoint_of(&parts).0, error = %error,
+                    record = %id, endpoint = %endpoint_of(&parts.method, &parts.uri, &parts.extensions).0, error = %error,
                     "idempotency store failed; answering 503 without running the handler (fail-closed)"
                 );
                 Ok(store_unavailable("the idempotency store is unavailable; the request was not processed"))
@@ -325,12 +325,14 @@ fn read_key(headers: &HeaderMap, max_len: usize) -> Result<Option<IdempotencyKey
 /// `POST /v1/workers/{id}/reboot`); otherwise method plus the concrete path, in which case
 /// resolved path parameters are part of the scope. Either way the fingerprint covers the
 /// raw path, so the same key on another resource is a mismatch, never a replay.
-fn endpoint_of(parts: &Parts) -> Endpoint {
+fn endpoint_of(method: &http::Method, uri: &http::Uri, extensions: &http::Extensions) -> Endpoint {
     #[cfg(feature = "axum")]
-    if let Some(route) = parts.extensions.get::<axum::extract::MatchedPath>() {
-        return Endpoint::new(parts.method.as_str(), route.as_str());
+    if let Some(route) = extensions.get::<axum::extract::MatchedPath>() {
+        return Endpoint::new(method.as_str(), route.as_str());
     }
-    Endpoint::new(parts.method.as_str(), parts.uri.path())
+    #[cfg(not(feature = "axum"))]
+    let _ = extensions;
+    Endpoint::new(method.as_str(), uri.path())
 }
 
 async fn buffer<B>(body: B, headers: &HeaderMap, limit: usize) -> Result<Bytes, Problem>
@@ -445,7 +447,8 @@ async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> (Acquired<B>, Option<D
                     Err(e) => return (Acquired::StoreFailed(e), None),
                 }
             }
-            (Decision::Replay, Some(record)) => {
+            (Decision::Replay, Some(_)) => {
+                let Some(record) = current.take() else { break };
                 return match replay(record) {
                     Ok(res) => (Acquired::Answer(res), Some(DecisionKind::Replayed)),
                     Err(why) => (Acquired::Unreadable(why), None),
@@ -559,15 +562,18 @@ impl BoundedWait {
 
 /// The stored status, headers and body, plus `Idempotent-Replayed: true`. A body that was
 /// not retained becomes a problem body under the original status, keeping `Location`.
-fn replay<B>(record: &Record) -> Result<Res<B>, String> {
-    let Some(stored) = &record.response else {
+/// The replay of `record`'s stored response. Takes the record: its body moves into the
+/// response without a copy.
+fn replay<B>(record: Record) -> Result<Res<B>, String> {
+    let expires_at = record.expires_at;
+    let Some(mut stored) = record.response else {
         return Err("completed record without a response".into());
     };
     let status = StatusCode::from_u16(stored.status).map_err(|e| format!("stored status {}: {e}", stored.status))?;
-    let mut res = match stored.body_bytes().map_err(|e| e.to_string())? {
+    let mut res = match stored.take_body_bytes().map_err(|e| e.to_string())? {
         Some(body) => {
             let trailers = stored_trailers(stored.trailers());
-            let mut res = Response::new(ResponseBody::full_with_trailers(Bytes::from(body.into_owned()), trailers));
+            let mut res = Response::new(ResponseBody::full_with_trailers(Bytes::from(body), trailers));
             *res.status_mut() = status;
             append_stored_headers(res.headers_mut(), &stored.headers, |_| true);
             res
@@ -588,7 +594,7 @@ fn replay<B>(record: &Record) -> Result<Res<B>, String> {
         }
     };
     res.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    set_expires(res.headers_mut(), record.expires_at);
+    set_expires(res.headers_mut(), expires_at);
     Ok(res)
 }
 
