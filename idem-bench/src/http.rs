@@ -65,8 +65,19 @@ pub(crate) struct HttpArgs {
     /// every 5 s as an exporter does). Compare this build's ratio with a plain build's.
     #[arg(long)]
     observe: bool,
+    /// With `--observe` and the `metrics` feature: `none` installs no recorder, so the
+    /// layer's metric calls reach the facade's no-op recorder (what the feature costs an
+    /// application that exports nothing); `prometheus` (the default) the exporter.
+    #[arg(long, value_enum, default_value = "prometheus")]
+    recorder: Recorder,
     #[command(flatten)]
     endpoints: crate::Endpoints,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Recorder {
+    Prometheus,
+    None,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -169,14 +180,16 @@ async fn layer_for(args: &HttpArgs, dir: &Path, role: &str) -> Result<Idempotenc
 
 /// `--observe`: a process-wide INFO subscriber that writes nothing and (with the
 /// `metrics` feature) a process-wide Prometheus recorder.
-fn observe() -> Result<(), BoxError> {
+fn observe(recorder: Recorder) -> Result<(), BoxError> {
     use tracing_subscriber::layer::SubscriberExt;
     struct Sink;
     impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Sink {}
     let subscriber = tracing_subscriber::registry().with(tracing_subscriber::filter::LevelFilter::INFO).with(Sink);
     tracing::subscriber::set_global_default(subscriber)?;
+    #[cfg(not(feature = "metrics"))]
+    let _ = recorder;
     #[cfg(feature = "metrics")]
-    {
+    if recorder == Recorder::Prometheus {
         let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
         let handle = recorder.handle();
         metrics::set_global_recorder(recorder).map_err(|e| e.to_string())?;
@@ -270,7 +283,7 @@ fn wrk(
 pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
     let dir = crate::bench_dir()?;
     if args.observe {
-        observe()?;
+        observe(args.recorder)?;
     }
     let response = response_body(args.body);
     let bare = if args.sealed {
@@ -372,7 +385,11 @@ pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
         args.execution,
         args.body.map_or_else(|| "8 B JSON".to_owned(), |n| format!("{n} B")),
         args.observe,
-        if cfg!(feature = "metrics") { " (metrics compiled in)" } else { "" },
+        match (cfg!(feature = "metrics"), args.recorder) {
+            (false, _) => "",
+            (true, Recorder::Prometheus) => " (metrics compiled in, Prometheus recorder)",
+            (true, Recorder::None) => " (metrics compiled in, no recorder)",
+        },
     );
     Ok(())
 }

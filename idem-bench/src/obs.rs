@@ -105,8 +105,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn measure(args: &ObsArgs) -> Result<(f64, f64), BoxError> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
-        let bare = router();
-        let layered = router().layer(IdempotencyLayer::new(Arc::new(MemoryStore::new())));
+        // `with_state(())` turns the handlers into services once, as `axum::serve` does;
+        // without it axum converts them, and so runs `Layer::layer`, on every `oneshot`.
+        let bare = router().with_state(());
+        let layered = router().layer(IdempotencyLayer::new(Arc::new(MemoryStore::new()))).with_state(());
         let next = AtomicU64::new(0);
         // Warm-up, and the replay pool (keys 0..1000 completed).
         for key in 0..1_000 {

@@ -81,6 +81,9 @@ fn router(body: Arc<Vec<u8>>, layer: IdempotencyLayer) -> Router {
             }),
         )
         .layer(layer)
+        // Handlers become services (and the layer wraps them) here, once; without it axum
+        // converts the handler, and so calls `Layer::layer`, on every `oneshot`.
+        .with_state(())
 }
 
 async fn store(args: &SealArgs, side: &str) -> Result<Arc<dyn Store>, BoxError> {
