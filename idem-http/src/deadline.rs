@@ -417,24 +417,28 @@ impl DeadlineStore {
 
 #[async_trait]
 impl Store for DeadlineStore {
+    // Records are opened inside `observed`: a response that does not open is a store error
+    // of its call (`idem_store_errors_total`), as a record that does not decode is.
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let outcome =
-            self.observed(Op::Claim, Self::within(self.deadlines.claim, "claim", self.inner.claim(req))).await?;
-        Ok(match outcome {
-            ClaimOutcome::Claimed(record) => ClaimOutcome::Claimed(self.open(record)?),
-            ClaimOutcome::Existing { record, now } => ClaimOutcome::Existing { record: self.open(record)?, now },
-        })
+        let call = async {
+            Ok(match Self::within(self.deadlines.claim, "claim", self.inner.claim(req)).await? {
+                ClaimOutcome::Claimed(record) => ClaimOutcome::Claimed(self.open(record)?),
+                ClaimOutcome::Existing { record, now } => ClaimOutcome::Existing { record: self.open(record)?, now },
+            })
+        };
+        self.observed(Op::Claim, call).await
     }
 
     async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
-        let outcome =
-            self.observed(Op::Reclaim, Self::within(self.deadlines.claim, "reclaim", self.inner.reclaim(req))).await?;
-        Ok(match outcome {
-            ReclaimOutcome::Reclaimed(record) => ReclaimOutcome::Reclaimed(self.open(record)?),
-            ReclaimOutcome::Conflict { current, now } => {
-                ReclaimOutcome::Conflict { current: self.open_opt(current)?, now }
-            }
-        })
+        let call = async {
+            Ok(match Self::within(self.deadlines.claim, "reclaim", self.inner.reclaim(req)).await? {
+                ReclaimOutcome::Reclaimed(record) => ReclaimOutcome::Reclaimed(self.open(record)?),
+                ReclaimOutcome::Conflict { current, now } => {
+                    ReclaimOutcome::Conflict { current: self.open_opt(current)?, now }
+                }
+            })
+        };
+        self.observed(Op::Reclaim, call).await
     }
 
     async fn complete(
@@ -461,25 +465,24 @@ impl Store for DeadlineStore {
     }
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
-        let record = self
-            .observed(Op::Fail, self.finish(id, token, RecordState::Failed, "fail", || self.inner.fail(id, token)))
-            .await?;
-        self.open(record)
+        let call = async {
+            let record = self.finish(id, token, RecordState::Failed, "fail", || self.inner.fail(id, token)).await?;
+            self.open(record)
+        };
+        self.observed(Op::Fail, call).await
     }
 
     async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
-        let record = self
-            .observed(
-                Op::Extend,
-                Self::within(self.deadlines.extend, "extend", self.inner.extend(id, token, lease_ttl)),
-            )
-            .await?;
-        self.open(record)
+        let call = async {
+            let record = Self::within(self.deadlines.extend, "extend", self.inner.extend(id, token, lease_ttl)).await?;
+            self.open(record)
+        };
+        self.observed(Op::Extend, call).await
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        let record = self.observed(Op::Get, Self::within(self.deadlines.read, "get", self.inner.get(id))).await?;
-        self.open_opt(record)
+        let call = async { self.open_opt(Self::within(self.deadlines.read, "get", self.inner.get(id)).await?) };
+        self.observed(Op::Get, call).await
     }
 
     async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {

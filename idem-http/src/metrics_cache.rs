@@ -10,6 +10,13 @@
 //!
 //! Every handle is registered on its first use, never ahead: a series appears in the
 //! exporter when it first happens, as it did with the macros.
+//!
+//! Limits, both about thread-local recorders (`metrics::with_local_recorder`, used by
+//! tests), not the global one an application installs: recorders are told apart by
+//! address, so a local recorder dropped and replaced by another at the same address keeps
+//! the first one's handles (build a layer per test); and a handle is registered under the
+//! recorder current when it is first used, which is another one if that first use runs on
+//! a thread without the local recorder.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -105,6 +112,10 @@ impl Endpoints {
         }
         let label: Arc<str> = Arc::from(endpoint);
         let made = Arc::new(EndpointMetrics::new(Arc::clone(&label)));
+        if self.endpoints.load().len() >= MAX_ENDPOINTS {
+            // Full: no copy of the map per request for endpoints it will never hold.
+            return made;
+        }
         // Copy on write: a new endpoint is rare (one per route and recorder), reads are not.
         self.endpoints.rcu(|map| {
             let mut map = HashMap::clone(map);

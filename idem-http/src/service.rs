@@ -560,9 +560,9 @@ impl BoundedWait {
     }
 }
 
-/// The stored status, headers and body, plus `Idempotent-Replayed: true`. A body that was
-/// not retained becomes a problem body under the original status, keeping `Location`.
-/// The replay of `record`'s stored response. Takes the record: its body moves into the
+/// The replay of `record`'s stored response: status, headers and body, plus
+/// `Idempotent-Replayed: true`. A body that was not retained becomes a problem body under
+/// the original status, keeping `Location`. Takes the record: its body moves into the
 /// response without a copy.
 fn replay<B>(record: Record) -> Result<Res<B>, String> {
     let expires_at = record.expires_at;

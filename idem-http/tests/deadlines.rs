@@ -108,6 +108,32 @@ async fn a_resend_after_a_lost_answer_reads_as_done() {
     assert_eq!(n.get(), 1);
 }
 
+/// Under sealing, the deadline store seals once and opens what it reads: a resend after a
+/// lost answer must carry the same sealed bytes and still read as done, the stored
+/// response must be sealed (not the plain one), and the replay must open it.
+#[tokio::test]
+async fn a_sealed_resend_after_a_lost_answer_reads_as_done_and_replays_opened() {
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    let sealed = layer(&env, StoreDeadlines::default()).with_sealing(idem_http::SealingKeys::new(1, [3; 32]));
+    let app = app(sealed, &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    env.store.complete_answers_lost.store(1, Ordering::SeqCst);
+    let first = send(&app, &req).await;
+    assert_eq!(first.status, 201);
+    assert_eq!(env.store.completes.load(Ordering::SeqCst), 2, "the lost answer was resent once");
+    let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
+    assert_eq!(record.state, RecordState::Completed);
+    let stored = record.response.expect("a stored response");
+    assert_eq!(stored.status, idem_core::seal::SEALED_STATUS, "the store holds the sealed form");
+    assert!(stored.header(idem_core::seal::SEALED_HEADER).is_some());
+    let replay = send(&app, &req).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(n.get(), 1);
+}
+
 /// A completion retry outlived its window: on a store that never recovers it must give up
 /// (the response still goes out) instead of holding the request forever.
 #[tokio::test]

@@ -410,6 +410,31 @@ fn a_store_outage_is_store_unavailable_when_closed_and_fail_open_when_open() {
     );
 }
 
+/// A sealed response that does not open (here: sealed under another key) counted as no
+/// store error once the layer's deadline store opened records outside its timed call; it
+/// must count like a record that does not decode.
+#[test]
+fn a_sealed_response_that_does_not_open_is_unreadable_and_a_store_error() {
+    let env = Env::new();
+    let seen = observe(false, || async move {
+        let (n, s) = (Counter::default(), Script::default());
+        let sealed = app(layer(&env).with_sealing(idem_http::SealingKeys::new(1, [1; 32])), &n, &s);
+        let other_key = app(layer(&env).with_sealing(idem_http::SealingKeys::new(1, [2; 32])), &n, &s);
+        let req = post("/v1/orders").key("k1").body("{}");
+        assert_eq!(send(&sealed, &req).await.status, 201);
+        assert_eq!(send(&other_key, &req).await.status, 503);
+        assert_eq!(n.get(), 1, "the handler never ran for the record that did not open");
+    });
+    assert_eq!(seen.rows(), vec![pair("claimed", "completed"), pair("unreadable", "-")]);
+    assert_eq!(
+        seen.counter(
+            "idem_store_errors_total",
+            &[("backend", "memory"), ("operation", "claim"), ("retryable", "false")]
+        ),
+        1
+    );
+}
+
 #[test]
 fn requests_without_a_key_are_skipped_or_rejected_and_safe_methods_get_no_span() {
     let env = Env::new();
