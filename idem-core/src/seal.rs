@@ -374,12 +374,6 @@ impl Sealer {
         self
     }
 
-    /// The keys.
-    #[must_use]
-    pub fn keys(&self) -> &SealingKeys {
-        &self.keys
-    }
-
     /// `response` sealed for record `id` at `token` ([`SealingKeys::seal`]).
     #[must_use]
     pub fn seal(&self, id: RecordId, token: FencingToken, response: &StoredResponse) -> StoredResponse {

@@ -236,6 +236,41 @@ pub(crate) struct DeadlineStore {
     sealer: Option<idem_core::seal::Sealer>,
 }
 
+/// What a store call returns that may carry a sealed response: opened by the
+/// [`idem_core::seal::Sealer`] method for its shape.
+trait Opened: Sized {
+    #[cfg(feature = "seal")]
+    fn opened(self, sealer: &idem_core::seal::Sealer) -> Result<Self, StoreError>;
+}
+
+impl Opened for Record {
+    #[cfg(feature = "seal")]
+    fn opened(self, sealer: &idem_core::seal::Sealer) -> Result<Self, StoreError> {
+        sealer.open(self)
+    }
+}
+
+impl Opened for Option<Record> {
+    #[cfg(feature = "seal")]
+    fn opened(self, sealer: &idem_core::seal::Sealer) -> Result<Self, StoreError> {
+        sealer.open_opt(self)
+    }
+}
+
+impl Opened for ClaimOutcome {
+    #[cfg(feature = "seal")]
+    fn opened(self, sealer: &idem_core::seal::Sealer) -> Result<Self, StoreError> {
+        sealer.open_claim(self)
+    }
+}
+
+impl Opened for ReclaimOutcome {
+    #[cfg(feature = "seal")]
+    fn opened(self, sealer: &idem_core::seal::Sealer) -> Result<Self, StoreError> {
+        sealer.open_reclaim(self)
+    }
+}
+
 impl fmt::Debug for DeadlineStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DeadlineStore")
@@ -268,21 +303,18 @@ impl DeadlineStore {
         self
     }
 
-    /// `record` opened when sealing is on; as is otherwise.
+    /// `value` (a record, or an outcome carrying records) with its responses opened when
+    /// sealing is on; as is otherwise.
     #[cfg_attr(
         not(feature = "seal"),
         allow(clippy::unnecessary_wraps, clippy::unused_self, reason = "opens only with sealing")
     )]
-    fn open(&self, record: Record) -> Result<Record, StoreError> {
+    fn open<T: Opened>(&self, value: T) -> Result<T, StoreError> {
         #[cfg(feature = "seal")]
         if let Some(sealer) = &self.sealer {
-            return sealer.open(record);
+            return value.opened(sealer);
         }
-        Ok(record)
-    }
-
-    fn open_opt(&self, record: Option<Record>) -> Result<Option<Record>, StoreError> {
-        record.map(|r| self.open(r)).transpose()
+        Ok(value)
     }
 
     /// `call`, timed (`idem_store_call_seconds`) and its error counted
@@ -420,24 +452,12 @@ impl Store for DeadlineStore {
     // Records are opened inside `observed`: a response that does not open is a store error
     // of its call (`idem_store_errors_total`), as a record that does not decode is.
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let call = async {
-            Ok(match Self::within(self.deadlines.claim, "claim", self.inner.claim(req)).await? {
-                ClaimOutcome::Claimed(record) => ClaimOutcome::Claimed(self.open(record)?),
-                ClaimOutcome::Existing { record, now } => ClaimOutcome::Existing { record: self.open(record)?, now },
-            })
-        };
+        let call = async { self.open(Self::within(self.deadlines.claim, "claim", self.inner.claim(req)).await?) };
         self.observed(Op::Claim, call).await
     }
 
     async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
-        let call = async {
-            Ok(match Self::within(self.deadlines.claim, "reclaim", self.inner.reclaim(req)).await? {
-                ReclaimOutcome::Reclaimed(record) => ReclaimOutcome::Reclaimed(self.open(record)?),
-                ReclaimOutcome::Conflict { current, now } => {
-                    ReclaimOutcome::Conflict { current: self.open_opt(current)?, now }
-                }
-            })
-        };
+        let call = async { self.open(Self::within(self.deadlines.claim, "reclaim", self.inner.reclaim(req)).await?) };
         self.observed(Op::Reclaim, call).await
     }
 
@@ -481,7 +501,7 @@ impl Store for DeadlineStore {
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        let call = async { self.open_opt(Self::within(self.deadlines.read, "get", self.inner.get(id)).await?) };
+        let call = async { self.open(Self::within(self.deadlines.read, "get", self.inner.get(id)).await?) };
         self.observed(Op::Get, call).await
     }
 

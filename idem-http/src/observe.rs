@@ -289,3 +289,23 @@ pub(crate) fn store_call(
         handles.error(backend, op, e.is_retryable()).increment(1);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The metric handle cache indexes arrays by discriminant, sized by `ALL`: a variant
+    /// out of place in `ALL` (or missing from it) would index the wrong handle or past the end.
+    #[test]
+    fn all_lists_every_variant_at_its_discriminant() {
+        for (i, d) in DecisionKind::ALL.iter().enumerate() {
+            assert_eq!(*d as usize, i, "{d:?}");
+        }
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(*o as usize, i, "{o:?}");
+        }
+        // The variants declared last end the lists (a new variant goes into `ALL` too).
+        assert_eq!(DecisionKind::Rejected as usize + 1, DecisionKind::ALL.len());
+        assert_eq!(Outcome::NotStored as usize + 1, Outcome::ALL.len());
+    }
+}

@@ -87,14 +87,11 @@ async fn a_transient_complete_failure_is_retried_and_the_handler_runs_once() {
     }
 }
 
-/// A resent `complete` after an ambiguous success (the write landed, its answer was lost)
-/// was refused as `LeaseLost` because the record was no longer in flight; the layer then
-/// logged the response as not stored. The resend must read as done.
-#[tokio::test]
-async fn a_resend_after_a_lost_answer_reads_as_done() {
-    let env = Env::new();
+/// Sends one request whose first completion answer is lost, checks the resend read as done
+/// and the retry replays it, and returns the stored response as the store holds it.
+async fn resend_after_a_lost_answer(env: &Env, layer: IdempotencyLayer) -> idem_core::StoredResponse {
     let (n, s) = (Counter::default(), Script::default());
-    let app = app(layer(&env, StoreDeadlines::default()), &n, &s);
+    let app = app(layer, &n, &s);
     let req = post("/v1/orders").key("k1").body("{}");
     env.store.complete_answers_lost.store(1, Ordering::SeqCst);
     let first = send(&app, &req).await;
@@ -104,8 +101,19 @@ async fn a_resend_after_a_lost_answer_reads_as_done() {
     assert_eq!(record.state, RecordState::Completed);
     let replay = send(&app, &req).await;
     assert!(replay.replayed());
+    assert_eq!(replay.status, 201);
     assert_eq!(replay.body, first.body);
     assert_eq!(n.get(), 1);
+    record.response.expect("a stored response")
+}
+
+/// A resent `complete` after an ambiguous success (the write landed, its answer was lost)
+/// was refused as `LeaseLost` because the record was no longer in flight; the layer then
+/// logged the response as not stored. The resend must read as done.
+#[tokio::test]
+async fn a_resend_after_a_lost_answer_reads_as_done() {
+    let env = Env::new();
+    resend_after_a_lost_answer(&env, layer(&env, StoreDeadlines::default())).await;
 }
 
 /// Under sealing, the deadline store seals once and opens what it reads: a resend after a
@@ -114,24 +122,10 @@ async fn a_resend_after_a_lost_answer_reads_as_done() {
 #[tokio::test]
 async fn a_sealed_resend_after_a_lost_answer_reads_as_done_and_replays_opened() {
     let env = Env::new();
-    let (n, s) = (Counter::default(), Script::default());
     let sealed = layer(&env, StoreDeadlines::default()).with_sealing(idem_http::SealingKeys::new(1, [3; 32]));
-    let app = app(sealed, &n, &s);
-    let req = post("/v1/orders").key("k1").body("{}");
-    env.store.complete_answers_lost.store(1, Ordering::SeqCst);
-    let first = send(&app, &req).await;
-    assert_eq!(first.status, 201);
-    assert_eq!(env.store.completes.load(Ordering::SeqCst), 2, "the lost answer was resent once");
-    let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
-    assert_eq!(record.state, RecordState::Completed);
-    let stored = record.response.expect("a stored response");
+    let stored = resend_after_a_lost_answer(&env, sealed).await;
     assert_eq!(stored.status, idem_core::seal::SEALED_STATUS, "the store holds the sealed form");
     assert!(stored.header(idem_core::seal::SEALED_HEADER).is_some());
-    let replay = send(&app, &req).await;
-    assert!(replay.replayed());
-    assert_eq!(replay.status, 201);
-    assert_eq!(replay.body, first.body);
-    assert_eq!(n.get(), 1);
 }
 
 /// A completion retry outlived its window: on a store that never recovers it must give up
