@@ -84,6 +84,8 @@ enum Recorder {
 enum HttpStore {
     Memory,
     Redb,
+    /// One SQLite file per server, this process its only user.
+    Sqlite,
     Redis,
 }
 
@@ -156,6 +158,10 @@ async fn layer_for(args: &HttpArgs, dir: &Path, role: &str) -> Result<Idempotenc
         HttpStore::Memory => Arc::new(MemoryStore::new()),
         HttpStore::Redb => {
             Arc::new(RedbStore::open(dir.join(format!("http-{role}.redb")), idem_redb::Config::default())?)
+        }
+        HttpStore::Sqlite => {
+            let path = dir.join(format!("http-{role}.sqlite"));
+            Arc::new(idem_sqlite::SqliteStore::open(path, idem_sqlite::Config::default())?)
         }
         HttpStore::Redis => {
             let config =
@@ -364,6 +370,7 @@ pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
         match args.store {
             HttpStore::Memory => "memory",
             HttpStore::Redb => "redb",
+            HttpStore::Sqlite => "sqlite",
             HttpStore::Redis => "redis",
         },
         mode,

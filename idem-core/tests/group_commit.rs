@@ -28,6 +28,8 @@ struct ModelEngine {
     /// engine's size limit).
     refuse: Arc<Mutex<Option<RecordId>>>,
     commits: Arc<Mutex<u64>>,
+    /// The `durable` flag of every committed transaction, in order.
+    durability: Arc<Mutex<Vec<bool>>>,
 }
 
 /// A table that panics, or refuses, when asked to write one planted record.
@@ -80,7 +82,7 @@ impl Engine for ModelEngine {
 
     fn transaction(
         &mut self,
-        _durable: bool,
+        durable: bool,
         apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool,
     ) -> Result<(), TransactionFailed> {
         let mut draft = lock(&self.committed).clone();
@@ -94,6 +96,7 @@ impl Engine for ModelEngine {
         }
         *lock(&self.committed) = draft;
         *lock(&self.commits) += 1;
+        lock(&self.durability).push(durable);
         Ok(())
     }
 }
@@ -115,6 +118,15 @@ fn id(k: usize) -> RecordId {
 /// long linger), so operations pushed together share one transaction.
 fn start(engine: &ModelEngine, clock: &ManualClock, batch: usize) -> GroupCommit {
     let config = BatchConfig::default().with_max_batch(batch).with_linger(Linger::Fixed(Duration::from_secs(5)));
+    GroupCommit::start(engine.clone(), Arc::new(clock.clone()), config).expect("writer starts")
+}
+
+/// [`start`] with deferred claims.
+fn start_deferred(engine: &ModelEngine, clock: &ManualClock, batch: usize) -> GroupCommit {
+    let config = BatchConfig::default()
+        .with_max_batch(batch)
+        .with_linger(Linger::Fixed(Duration::from_secs(5)))
+        .with_durable_claims(false);
     GroupCommit::start(engine.clone(), Arc::new(clock.clone()), config).expect("writer starts")
 }
 
@@ -215,6 +227,89 @@ proptest! {
         let stats = gc.stats();
         prop_assert!(stats.batches < stats.operations, "operations shared transactions: {stats:?}");
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// With deferred claims a batch behaves like its claims and lease extensions run one by
+    /// one, then its other operations one by one (each group in arrival order): every
+    /// outcome and the committed state equal the sequential model's in that order.
+    #[test]
+    fn deferred_batches_equal_the_model_with_claims_first(
+        rounds in prop::collection::vec((prop::collection::vec(op(), 5), prop::sample::select(vec![0i64, 1, 5_000, 61_000])), 1..12)
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let engine = ModelEngine::default();
+        let clock = ManualClock::new(UnixMillis(1_000_000));
+        let gc = start_deferred(&engine, &clock, 5);
+        let mut oracle = Model::new();
+        for (ops, advance) in rounds {
+            let writes: Vec<Write> = ops.iter().map(|op| op.write(&oracle, clock.now())).collect();
+            let got = rt.block_on(send(&gc, writes.clone()));
+            let mut order: Vec<usize> = (0..writes.len()).filter(|&i| writes[i].defers()).collect();
+            order.extend((0..writes.len()).filter(|&i| !writes[i].defers()));
+            for i in order {
+                let want = idem_core::engine::apply(&mut oracle, writes[i].clone(), clock.now());
+                prop_assert_eq!(format!("{:?}", got[i]), format!("{want:?}"), "{:?}", ops[i]);
+            }
+            clock.advance(Duration::from_millis(advance.unsigned_abs()));
+        }
+        prop_assert_eq!(&*engine.committed.lock().expect("lock"), &oracle);
+    }
+}
+
+#[test]
+fn deferred_claims_never_defer_a_reclaim_a_completion_a_fail_or_a_journal_write() {
+    //! A deferred reclaim would hand its token (the previous one plus one) out again after a crash that lost it, and a deferred completion or journal entry would lose what the guarantee keeps: only claims and lease extensions may commit without fsync.
+    let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000_000)));
+    let rt = runtime();
+    let token = |out: &Result<Written, StoreError>| match out {
+        Ok(Written::Claim(ClaimOutcome::Claimed(r))) => r.token,
+        other => panic!("not claimed: {other:?}"),
+    };
+    let gc = start_deferred(&engine, &clock, 2);
+    let first = rt.block_on(send(&gc, vec![Write::Claim(claim(0, 0)), Write::Claim(claim(1, 0))]));
+    let (t0, t1) = (token(&first[0]), token(&first[1]));
+    let out = rt.block_on(send(&gc, vec![complete(0, t0.0), Write::Fail { id: id(1), token: t1 }]));
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    let gc = start_deferred(&engine, &clock, 1);
+    let reclaim = ReclaimRequest {
+        id: id(1),
+        expected: t1,
+        fingerprint: Fingerprint::of_bytes(&[0]),
+        lease_ttl: LEASE,
+        retention: RETENTION,
+    };
+    assert!(rt.block_on(gc.submit(Write::Reclaim(reclaim))).is_ok());
+    let gc = start_deferred(&engine, &clock, 3);
+    let out = rt.block_on(send(
+        &gc,
+        vec![
+            Write::JournalPut { id: id(1), token: t1.next(), name: "step".into(), value: vec![1], overwrite: false },
+            Write::Extend { id: id(1), token: t1.next(), lease_ttl: LEASE },
+            Write::Claim(claim(2, 0)),
+        ],
+    ));
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    assert_eq!(
+        *engine.durability.lock().expect("lock"),
+        // claims | complete + fail | reclaim | extend + claim, then the journal write
+        vec![false, true, true, false, true],
+        "the durable flag of each commit"
+    );
+    assert_eq!(gc.stats().deferred_commits, 1);
+}
+
+#[test]
+fn durable_claims_commit_every_batch_durably() {
+    //! The default executor (durable claims) must never skip an fsync.
+    let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000_000)));
+    let gc = start(&engine, &clock, 2);
+    let out = runtime().block_on(send(&gc, vec![Write::Claim(claim(0, 0)), Write::Claim(claim(1, 0))]));
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    assert_eq!(*engine.durability.lock().expect("lock"), vec![true]);
+    assert_eq!(gc.stats().deferred_commits, 0);
 }
 
 fn runtime() -> tokio::runtime::Runtime {

@@ -51,6 +51,7 @@ impl Durability {
 pub struct Config {
     batch: BatchConfig,
     durability: Durability,
+    durable_claims: bool,
     claim_reads: bool,
     reopen: bool,
     clock: Arc<dyn Clock>,
@@ -61,6 +62,7 @@ impl Default for Config {
         Self {
             batch: BatchConfig::default().with_thread_name("idem-redb-writer"),
             durability: Durability::Immediate,
+            durable_claims: false,
             claim_reads: true,
             reopen: true,
             clock: Arc::new(SystemClock),
@@ -87,6 +89,27 @@ impl Config {
     /// Commit durability (default [`Durability::Immediate`]).
     pub fn with_durability(mut self, durability: Durability) -> Self {
         self.durability = durability;
+        self
+    }
+
+    /// Whether a claim waits for a durable commit (default `false`).
+    ///
+    /// With `false`, a claim (and a lease extension) is committed with redb's
+    /// `Durability::None` and answered at once; reclaims, completions, fails, journal
+    /// writes and sweeps still commit with `Durability::Immediate` before they are
+    /// answered, and each such commit makes the claims before it durable too. A first-time
+    /// request so waits for one fsync (its completion's, shared by its group commit)
+    /// instead of two. What a crash can lose is a claim with nothing durable behind it:
+    /// its handler ran in this process (redb opens a file in one process only) and died
+    /// with it, and the retry after the restart runs the handler, as it would have after
+    /// the lease anyway. A side effect that must not repeat needs its journal entry
+    /// ([`idem_core::Store::journal_put`], durable) before it happens, which makes the
+    /// claim durable as well. Fencing tokens never repeat: a new claim's token comes from
+    /// the clock, and reclaims (previous token + 1) are never deferred. The analysis:
+    /// `docs/operations.md`, "Deferred claims on embedded stores". `true` restores one
+    /// durable commit per claim.
+    pub fn with_durable_claims(mut self, on: bool) -> Self {
+        self.durable_claims = on;
         self
     }
 
@@ -139,6 +162,12 @@ impl Config {
         self.durability
     }
 
+    /// Whether claims wait for a durable commit.
+    #[must_use]
+    pub fn durable_claims(&self) -> bool {
+        self.durable_claims
+    }
+
     /// Whether claims of live records are answered from a read transaction.
     #[must_use]
     pub fn claim_reads(&self) -> bool {
@@ -159,6 +188,9 @@ impl Config {
 
     /// The executor's settings, durability included.
     pub(crate) fn batch(&self) -> BatchConfig {
-        self.batch.clone().with_flush_interval(self.durability.flush_interval())
+        self.batch
+            .clone()
+            .with_flush_interval(self.durability.flush_interval())
+            .with_durable_claims(self.durable_claims)
     }
 }

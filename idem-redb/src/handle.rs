@@ -63,9 +63,15 @@ impl Handle {
     /// and the backoff allows. Blocks on file I/O: call it from the writer thread or the
     /// blocking pool.
     pub(crate) fn get(&self) -> Result<Arc<Database>, Error> {
+        self.get_with_generation().map(|(db, _)| db)
+    }
+
+    /// [`Handle::get`], and how many times the file had been opened again when this
+    /// database was (read under the same lock).
+    pub(crate) fn get_with_generation(&self) -> Result<(Arc<Database>, u64), Error> {
         let mut slot = self.lock();
         if let Some(db) = &slot.db {
-            return Ok(Arc::clone(db));
+            return Ok((Arc::clone(db), slot.reopens));
         }
         let Some(path) = &self.path else {
             // Unreachable: a handle without a path is never closed. Answer unavailable anyway.
@@ -85,7 +91,7 @@ impl Handle {
                 slot.backoff = FIRST_BACKOFF;
                 slot.reopens += 1;
                 tracing::info!(backend = crate::error::BACKEND, reopens = slot.reopens, "redb database reopened");
-                Ok(db)
+                Ok((db, slot.reopens))
             }
             Err(e) => {
                 slot.next_attempt = now + slot.backoff;

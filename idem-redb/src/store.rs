@@ -92,6 +92,7 @@ impl RedbStore {
         tracing::info!(
             backend = "redb",
             durability = ?config.durability(),
+            durable_claims = config.durable_claims(),
             max_batch = config.batch().max_batch(),
             linger = ?config.batch().linger(),
             flush_interval_ms = config.batch().flush_interval().map(|d| d.as_millis() as u64),

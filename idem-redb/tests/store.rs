@@ -536,8 +536,10 @@ async fn failed_commit_fails_every_caller_and_applies_nothing() {
     let open = || {
         let backend = Flaky { inner: Arc::clone(&memory), broken: Arc::clone(&broken) };
         let db = redb::Database::builder().create_with_backend(backend).expect("database");
-        RedbStore::from_database(Arc::new(db), config(&clock).with_max_batch(8).with_linger(LONG_LINGER))
-            .expect("store")
+        // Durable claims: a batch of claims is then a commit that must reach the disk (a
+        // deferred claim's commit may not touch it at all).
+        let config = config(&clock).with_max_batch(8).with_linger(LONG_LINGER).with_durable_claims(true);
+        RedbStore::from_database(Arc::new(db), config).expect("store")
     };
     let store = Arc::new(open());
     let before: Vec<Record> = claim_all(&store, "before", 8)

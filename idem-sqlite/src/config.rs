@@ -57,6 +57,7 @@ impl Synchronous {
 pub struct Config {
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) synchronous: Synchronous,
+    pub(crate) durable_claims: bool,
     pub(crate) busy_timeout: Duration,
     pub(crate) batch: BatchConfig,
     pub(crate) max_readers: usize,
@@ -77,8 +78,9 @@ impl Default for Config {
         Self {
             clock: Arc::new(SystemClock),
             synchronous: Synchronous::default(),
+            durable_claims: false,
             busy_timeout: Duration::from_secs(5),
-            batch: BatchConfig::default().with_thread_name("idem-sqlite-writer"),
+            batch: BatchConfig::default().with_thread_name("idem-sqlite-writer").with_durable_claims(false),
             max_readers: 4,
             claim_reads: true,
             auto_migrate: true,
@@ -100,6 +102,29 @@ impl Config {
     /// Durability of each commit (default [`Synchronous::Full`]).
     pub fn with_synchronous(mut self, synchronous: Synchronous) -> Self {
         self.synchronous = synchronous;
+        self
+    }
+
+    /// Whether a claim waits for a durable commit (default `false`; only matters with
+    /// [`Synchronous::Full`]).
+    ///
+    /// With `false`, the writer commits a batch's claims and lease extensions with
+    /// `synchronous = NORMAL` and answers them at once, then its reclaims, completions,
+    /// fails, journal writes and sweeps with the configured `synchronous` (one fsync of the
+    /// log, which makes the claims before it durable too). A first-time request so waits
+    /// for one fsync instead of two. A `NORMAL` commit survives a crash of the process;
+    /// only an operating-system crash or a power loss can take it back, and SQLite's WAL
+    /// works only between processes of one host, so that crash also killed every handler
+    /// that held a claim in the file: the retry after the restart runs the handler, as it
+    /// would have after the lease anyway. A side effect that must not repeat needs its
+    /// journal entry first ([`idem_core::Store::journal_put`], durable). Holds for one
+    /// process and for several sharing the file. Fencing tokens never repeat: a new
+    /// claim's token comes from the clock, and reclaims are never deferred. The analysis:
+    /// `docs/operations.md`, "Deferred claims on embedded stores". `true` restores one
+    /// durable commit per claim.
+    pub fn with_durable_claims(mut self, on: bool) -> Self {
+        self.durable_claims = on;
+        self.batch = self.batch.with_durable_claims(on);
         self
     }
 

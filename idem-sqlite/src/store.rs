@@ -15,7 +15,7 @@ use idem_core::{
 };
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 
-use crate::config::Config;
+use crate::config::{Config, Synchronous};
 use crate::error::{BACKEND, Error};
 use crate::sql;
 use crate::table::{SqliteTable, SqliteView};
@@ -87,6 +87,8 @@ impl SqliteStore {
         let readers = Readers::open(&path, config.busy_timeout, config.max_readers)?;
         let writer = Writer {
             conn,
+            durable: config.synchronous,
+            current: config.synchronous,
             #[cfg(test)]
             panic_on_key: config.panic_on_key.clone(),
         };
@@ -96,6 +98,7 @@ impl SqliteStore {
             path = %path.display(),
             journal_mode = "wal",
             synchronous = config.synchronous.pragma(),
+            durable_claims = config.durable_claims,
             schema_version = crate::SCHEMA_VERSION,
             auto_migrate = config.auto_migrate,
             max_batch = config.batch.max_batch(),
@@ -294,6 +297,10 @@ impl Readers {
 /// The one connection that writes, driven by the group-commit writer thread.
 struct Writer {
     conn: Connection,
+    /// `synchronous` for durable commits (the configured one).
+    durable: Synchronous,
+    /// `synchronous` the connection is set to now.
+    current: Synchronous,
     #[cfg(test)]
     panic_on_key: Option<String>,
 }
@@ -309,13 +316,22 @@ impl Engine for Writer {
 
     /// `BEGIN IMMEDIATE` takes the file's write lock before the first read, so nothing
     /// another connection or process writes can come between a read and the write it
-    /// decides (see the crate docs). `durable` is always `true` here: the store sets no
-    /// flush interval, durability is [`crate::Synchronous`].
+    /// decides (see the crate docs). `durable == false` (a batch's deferred claims,
+    /// [`crate::Config::with_durable_claims`]) commits with `synchronous = NORMAL`: no
+    /// fsync of the log, which the next durable commit's fsync covers (the log is one
+    /// file, appended in order).
     fn transaction(
         &mut self,
-        _durable: bool,
+        durable: bool,
         apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool,
     ) -> Result<(), TransactionFailed> {
+        let want = if durable { self.durable } else { Synchronous::Normal };
+        if want != self.current {
+            self.conn
+                .pragma_update(None, "synchronous", want.pragma())
+                .map_err(transaction_failed(Stage::Begin, "set synchronous"))?;
+            self.current = want;
+        }
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)

@@ -36,6 +36,16 @@
 //! - **Claims of live records need no writer.** [`GroupCommit::claim_from_view`] answers a
 //!   claim that finds a live record from a read view (a read transaction), so replays never
 //!   wait for, or dilute, a group commit.
+//! - **Deferred claims** ([`BatchConfig::with_durable_claims`]`(false)`, what redb and
+//!   SQLite choose by default). A batch is split in two transactions: first its claims and
+//!   lease extensions, committed without waiting for durability and answered at once; then
+//!   everything else (reclaims, completions, fails, journal writes, sweeps), committed
+//!   durably. Every operation of a batch is concurrent with the others (none was answered
+//!   yet), so running the deferred ones first is one of the orders they could have arrived
+//!   in. A durable commit makes every earlier commit durable too, so a journal entry or a
+//!   completion never survives a crash without its claim. Why this is sound only for a
+//!   store whose every claim holder dies with the writer: `docs/operations.md`,
+//!   "Deferred claims on embedded stores".
 
 mod queue;
 
@@ -54,6 +64,10 @@ use crate::table::{RecordRead, RecordTable};
 use crate::time::Clock;
 use crate::transition::{ClaimOutcome, ClaimRequest};
 use queue::{Next, Queue};
+
+/// Most writes of deferred claims kept between two durable commits (see
+/// [`RecordTable::generation`]); past it, deferred claims commit durably.
+const MAX_UNFLUSHED: usize = 4096;
 
 /// Where a transaction failed as a whole.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,8 +107,10 @@ pub trait Engine: Send + 'static {
 
     /// Runs one write transaction: begins it, hands its table to `apply`, then commits when
     /// `apply` returns `true` and aborts (rolls back) when it returns `false`. With
-    /// `durable == false` the commit may skip the fsync (only asked for when the store
-    /// chose a flush interval, see [`BatchConfig::with_flush_interval`]).
+    /// `durable == false` the commit may skip the fsync, but a later durable commit must
+    /// make it durable too (asked for when the store chose a flush interval, see
+    /// [`BatchConfig::with_flush_interval`], and for the claims of a batch when claims are
+    /// deferred, see [`BatchConfig::with_durable_claims`]).
     ///
     /// # Errors
     /// [`TransactionFailed`] at [`Stage::Begin`] or [`Stage::Commit`]; nothing of the
@@ -146,6 +162,7 @@ pub struct BatchConfig {
     max_batch: usize,
     linger: Linger,
     flush_interval: Option<Duration>,
+    durable_claims: bool,
     thread_name: String,
 }
 
@@ -155,6 +172,7 @@ impl Default for BatchConfig {
             max_batch: 256,
             linger: Linger::Adaptive { max: Duration::from_micros(200) },
             flush_interval: None,
+            durable_claims: true,
             thread_name: "idem-group-commit".into(),
         }
     }
@@ -185,6 +203,18 @@ impl BatchConfig {
         self
     }
 
+    /// `true` (default): a claim is answered only after a durable commit, like every other
+    /// operation. `false`: claims and lease extensions ([`Write::defers`]) are committed
+    /// without waiting for durability and answered before the batch's other operations,
+    /// which are committed durably right after. Only for stores whose claim holders all run
+    /// in the process (or on the host) that a lost commit dies with: a crash that loses a
+    /// claim also killed its handler, and the retry after the restart may run anyway. Has
+    /// no effect with a flush interval, which already makes every commit non-durable.
+    pub fn with_durable_claims(mut self, on: bool) -> Self {
+        self.durable_claims = on;
+        self
+    }
+
     /// The writer thread's name (default `idem-group-commit`).
     pub fn with_thread_name(mut self, name: impl Into<String>) -> Self {
         self.thread_name = name.into();
@@ -208,13 +238,19 @@ impl BatchConfig {
     pub fn flush_interval(&self) -> Option<Duration> {
         self.flush_interval
     }
+
+    /// Whether claims wait for a durable commit.
+    #[must_use]
+    pub fn durable_claims(&self) -> bool {
+        self.durable_claims
+    }
 }
 
 /// What the writer has done so far (for tests, benchmarks and metrics).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct BatchStats {
-    /// Transactions attempted (one per batch).
+    /// Transactions attempted: one per batch, two when deferred claims split a batch.
     pub batches: u64,
     /// Operations received by the writer.
     pub operations: u64,
@@ -228,6 +264,9 @@ pub struct BatchStats {
     pub claims_read: u64,
     /// Claims and reclaims skipped because their caller had stopped waiting.
     pub abandoned_claims: u64,
+    /// Transactions of deferred claims committed without waiting for durability
+    /// ([`BatchConfig::with_durable_claims`]); counted in `batches` too.
+    pub deferred_commits: u64,
 }
 
 #[derive(Debug, Default)]
@@ -238,6 +277,7 @@ struct Counters {
     read_only_batches: AtomicU64,
     claims_read: AtomicU64,
     abandoned_claims: AtomicU64,
+    deferred_commits: AtomicU64,
 }
 
 type Reply = oneshot::Sender<Result<Written, StoreError>>;
@@ -303,6 +343,9 @@ impl GroupCommit {
             counters: Arc::clone(&counters),
             queue: Arc::clone(&queue),
             dirty_since: None,
+            deferred_pending: false,
+            unflushed: Vec::new(),
+            unflushed_generation: 0,
         };
         let handle = std::thread::Builder::new().name(config.thread_name).spawn(move || writer.run())?;
         Ok(Self { shared: Arc::new(Shared { backend, clock, queue, counters, writer: Mutex::new(Some(handle)) }) })
@@ -360,6 +403,7 @@ impl GroupCommit {
             read_only_batches: c.read_only_batches.load(Ordering::Relaxed),
             claims_read: c.claims_read.load(Ordering::Relaxed),
             abandoned_claims: c.abandoned_claims.load(Ordering::Relaxed),
+            deferred_commits: c.deferred_commits.load(Ordering::Relaxed),
         }
     }
 
@@ -403,6 +447,25 @@ impl Drop for CloseOnExit {
 struct Tracked<'t> {
     table: &'t mut dyn RecordTable,
     wrote: bool,
+    /// In a transaction of deferred claims: what it writes, to write again if the engine
+    /// loses it ([`RecordTable::generation`]).
+    log: Option<&'t mut Vec<Effect>>,
+}
+
+/// A write of a deferred transaction, as the writer keeps it until a durable commit.
+#[derive(Debug)]
+enum Effect {
+    Write(crate::Record),
+    JournalClear(crate::RecordId),
+}
+
+/// Writes `effects` (deferred claims the engine lost) again, each over what the table
+/// holds now. `false` when a write failed.
+fn restore(table: &mut dyn RecordTable, effects: &[Effect]) -> bool {
+    effects.iter().all(|effect| match effect {
+        Effect::Write(record) => table.read(record.id).and_then(|old| table.write(old.as_ref(), record)).is_ok(),
+        Effect::JournalClear(id) => table.journal_clear(*id).is_ok(),
+    })
 }
 
 impl Tracked<'_> {
@@ -424,6 +487,9 @@ impl RecordRead for Tracked<'_> {
 impl RecordTable for Tracked<'_> {
     fn write(&mut self, old: Option<&crate::Record>, new: &crate::Record) -> Result<(), StoreError> {
         let result = self.table.write(old, new);
+        if let (Ok(()), Some(log)) = (&result, self.log.as_deref_mut()) {
+            log.push(Effect::Write(new.clone()));
+        }
         self.count(result)
     }
     fn expired(&mut self, now: crate::UnixMillis, limit: usize) -> Result<Vec<crate::Expired>, StoreError> {
@@ -441,10 +507,16 @@ impl RecordTable for Tracked<'_> {
         // Clearing may find nothing to remove; counting it as a write only costs a commit
         // in the rare case of a claim replacing an expired record without entries.
         let result = self.table.journal_clear(id);
+        if let (Ok(()), Some(log)) = (&result, self.log.as_deref_mut()) {
+            log.push(Effect::JournalClear(id));
+        }
         self.count(result)
     }
     fn is_poisoned(&self) -> bool {
         self.table.is_poisoned()
+    }
+    fn generation(&self) -> u64 {
+        self.table.generation()
     }
 }
 
@@ -458,6 +530,12 @@ struct Writer<E> {
     queue: Arc<Queue<Job>>,
     /// When the oldest commit that is not yet durable was made (flush interval only).
     dirty_since: Option<Instant>,
+    /// A commit of deferred claims is not yet followed by a durable one.
+    deferred_pending: bool,
+    /// What the deferred commits since the last durable one wrote, and the engine
+    /// generation they were written in.
+    unflushed: Vec<Effect>,
+    unflushed_generation: u64,
 }
 
 impl<E: Engine> Writer<E> {
@@ -480,7 +558,8 @@ impl<E: Engine> Writer<E> {
                 );
             }
         }
-        if self.dirty_since.is_some() {
+        // A clean stop leaves nothing acknowledged behind a missing fsync.
+        if self.dirty_since.is_some() || self.deferred_pending {
             self.flush();
         }
     }
@@ -527,13 +606,35 @@ impl<E: Engine> Writer<E> {
     }
 
     fn run_batch(&mut self, jobs: Vec<Job>) {
+        self.counters.operations.fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        match self.config.flush_interval {
+            None if !self.config.durable_claims => {
+                // Deferred claims: answered after a commit without fsync, before the
+                // durable part of the batch (module docs).
+                let (deferred, durable): (Vec<Job>, Vec<Job>) = jobs.into_iter().partition(|job| job.write.defers());
+                if !deferred.is_empty() {
+                    // What the writer keeps of deferred claims (to restore them after a
+                    // reopen) stays bounded: past the bound, the claims commit durably.
+                    let durable = self.unflushed.len() >= MAX_UNFLUSHED;
+                    self.run_transaction(deferred, durable);
+                }
+                if !durable.is_empty() {
+                    self.run_transaction(durable, true);
+                }
+            }
+            None => self.run_transaction(jobs, true),
+            Some(interval) => {
+                let durable = self.dirty_since.is_some_and(|s| s.elapsed() >= interval);
+                self.run_transaction(jobs, durable);
+            }
+        }
+    }
+
+    /// Applies `jobs` in one transaction, commits it (`durable`: waiting for the fsync)
+    /// and answers every caller.
+    fn run_transaction(&mut self, jobs: Vec<Job>, durable: bool) {
         let size = jobs.len();
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
-        self.counters.operations.fetch_add(size as u64, Ordering::Relaxed);
-        let durable = match (self.config.flush_interval, self.dirty_since) {
-            (None, _) => true,
-            (Some(interval), since) => since.is_some_and(|s| s.elapsed() >= interval),
-        };
         let backend = self.engine.backend();
         #[cfg(feature = "metrics")]
         metrics::histogram!("idem_group_commit_batch_size", "backend" => backend).record(size as f64);
@@ -542,16 +643,44 @@ impl<E: Engine> Writer<E> {
         let counters = Arc::clone(&self.counters);
         let mut pending = jobs.into_iter();
         let mut done: Vec<(Reply, Result<Written, StoreError>)> = Vec::with_capacity(size);
-        // The operation that broke the transaction, and why.
-        let mut fault: Option<(Reply, StoreError)> = None;
+        // The operation that broke the transaction (none: the restore), and why.
+        let mut fault: Option<(Option<Reply>, StoreError)> = None;
         let mut wrote = false;
+        // Deferred claims keep what they wrote until a durable commit (see `restore`).
+        let keep = !durable && self.config.flush_interval.is_none();
+        let mut log: Vec<Effect> = Vec::new();
+        let unflushed = &self.unflushed;
+        let unflushed_generation = self.unflushed_generation;
+        let mut generation = unflushed_generation;
+        let mut restored = false;
         let result = self.engine.transaction(durable, &mut |table| {
+            generation = table.generation();
+            if !unflushed.is_empty() && generation != unflushed_generation {
+                // The engine lost deferred claims whose handlers still run (redb reopened
+                // its file): they go back before anything else can claim their keys.
+                if !restore(table, unflushed) {
+                    let error = StoreError::unavailable(
+                        backend,
+                        "could not write again the claims lost when the file was reopened",
+                        true,
+                        "restore failed",
+                    );
+                    fault = Some((None, error));
+                    return false;
+                }
+                restored = true;
+                tracing::warn!(
+                    backend,
+                    writes = unflushed.len(),
+                    "deferred claims lost in a reopen of the file were written again"
+                );
+            }
             for job in pending.by_ref() {
                 if job.write.is_claim() && job.reply.is_closed() {
                     counters.abandoned_claims.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
-                let mut tracked = Tracked { table: &mut *table, wrote: false };
+                let mut tracked = Tracked { table: &mut *table, wrote: false, log: keep.then_some(&mut log) };
                 let outcome = engine::apply(&mut tracked, job.write, clock.now());
                 wrote |= tracked.wrote;
                 let poisoned = tracked.is_poisoned();
@@ -560,7 +689,7 @@ impl<E: Engine> Writer<E> {
                     // transaction: outcomes computed so far may describe writes that will
                     // not be committed, so nobody of this batch may hear "done".
                     Err(error) if tracked.wrote || poisoned => {
-                        fault = Some((job.reply, error));
+                        fault = Some((Some(job.reply), error));
                         return false;
                     }
                     Ok(_) if poisoned => {
@@ -570,15 +699,16 @@ impl<E: Engine> Writer<E> {
                             true,
                             "transaction rolled back",
                         );
-                        fault = Some((job.reply, error));
+                        fault = Some((Some(job.reply), error));
                         return false;
                     }
                     outcome => done.push((job.reply, outcome)),
                 }
             }
-            wrote
+            wrote || restored
         });
-        let (fault_reply, fault) = fault.map_or((None, None), |(reply, error)| (Some(reply), Some(error)));
+        let wrote = wrote || restored;
+        let (fault_reply, fault) = fault.map_or((None, None), |(reply, error)| (reply, Some(error)));
         let failure = match (result, fault) {
             (Err(TransactionFailed { stage, error }), _) => Some((stage, error)),
             (Ok(()), Some(error)) => Some((Stage::Apply, error)),
@@ -601,6 +731,14 @@ impl<E: Engine> Writer<E> {
                     self.counters.read_only_batches.fetch_add(1, Ordering::Relaxed);
                 } else if durable {
                     self.dirty_since = None;
+                    self.deferred_pending = false;
+                    self.unflushed.clear();
+                    self.unflushed_generation = generation;
+                } else if keep {
+                    self.counters.deferred_commits.fetch_add(1, Ordering::Relaxed);
+                    self.deferred_pending = true;
+                    self.unflushed.extend(log);
+                    self.unflushed_generation = generation;
                 } else if self.dirty_since.is_none() {
                     self.dirty_since = Some(Instant::now());
                 }
@@ -614,7 +752,11 @@ impl<E: Engine> Writer<E> {
     /// Makes pending non-durable commits durable.
     fn flush(&mut self) {
         match self.engine.flush() {
-            Ok(()) => self.dirty_since = None,
+            Ok(()) => {
+                self.dirty_since = None;
+                self.deferred_pending = false;
+                self.unflushed.clear();
+            }
             Err(error) => {
                 tracing::warn!(backend = self.engine.backend(), %error, "could not make pending commits durable; will retry");
                 // Back off for one interval instead of retrying in a tight loop.
