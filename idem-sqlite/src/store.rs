@@ -500,7 +500,8 @@ mod tests {
         assert!(fail.expect_err("fenced").is_lease_lost());
         assert_eq!(f.stored("k").await.map(|r| r.state), Some(RecordState::Completed));
         let stats = f.store.batch_stats();
-        assert_eq!((stats.batches, stats.operations), (1, 4), "one batch: {stats:?}");
+        // One batch in two transactions: the claims (deferred), then the complete and fail.
+        assert_eq!((stats.batches, stats.operations, stats.deferred_commits), (2, 4, 1), "one batch: {stats:?}");
     }
 
     #[tokio::test]
