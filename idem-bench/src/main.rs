@@ -46,6 +46,7 @@ mod memory;
 mod obs;
 mod pgtx;
 mod renew;
+mod scale;
 mod seal;
 mod size;
 mod sweep;
@@ -71,6 +72,8 @@ struct Cli {
 enum Command {
     /// Claim -> complete -> replay cycles: library against the backend's raw baseline.
     Cycles(cycles::CyclesArgs),
+    /// Claim + complete latency as the store holds 10k, 1M, 10M live records.
+    Scale(scale::ScaleArgs),
     /// A trivial axum handler with and without the idempotency layer, loaded by wrk.
     Http(http::HttpArgs),
     /// Bytes per record: in flight, completed with a 1 KiB body, with a 100 KiB body.
@@ -153,6 +156,7 @@ fn main() -> Result<(), BoxError> {
     runtime.block_on(async move {
         match cli.command {
             Command::Cycles(args) => cycles::run(args).await,
+            Command::Scale(args) => scale::run(args).await,
             Command::Http(args) => http::run(args).await,
             Command::Size(args) => size::run(args).await,
             Command::Sweep(args) => sweep::run(args).await,

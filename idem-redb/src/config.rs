@@ -106,7 +106,7 @@ impl Config {
     /// ([`idem_core::Store::journal_put`], durable) before it happens, which makes the
     /// claim durable as well. Fencing tokens never repeat: a new claim's token comes from
     /// the clock, and reclaims (previous token + 1) are never deferred. The analysis:
-    /// `docs/operations.md`, "Deferred claims on embedded stores". `true` restores one
+    /// `docs/contract.md`, "Deferred claims on embedded stores". `true` restores one
     /// durable commit per claim.
     pub fn with_durable_claims(mut self, on: bool) -> Self {
         self.durable_claims = on;

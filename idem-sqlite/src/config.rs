@@ -120,7 +120,7 @@ impl Config {
     /// journal entry first ([`idem_core::Store::journal_put`], durable). Holds for one
     /// process and for several sharing the file. Fencing tokens never repeat: a new
     /// claim's token comes from the clock, and reclaims are never deferred. The analysis:
-    /// `docs/operations.md`, "Deferred claims on embedded stores". `true` restores one
+    /// `docs/contract.md`, "Deferred claims on embedded stores". `true` restores one
     /// durable commit per claim.
     pub fn with_durable_claims(mut self, on: bool) -> Self {
         self.durable_claims = on;

@@ -67,8 +67,11 @@
 //! no later write can make absent before its expiry.
 //!
 //! ## Durability
-//! [`Synchronous::Full`] (default) fsyncs the write-ahead log on every commit: an
-//! acknowledged claim or completion survives power loss. [`Synchronous::Normal`] skips that
+//! [`Synchronous::Full`] (default) fsyncs the write-ahead log on every commit of a
+//! completion, fail, reclaim, journal write or sweep: it survives power loss. Claims and
+//! lease extensions are deferred by default ([`Config::with_durable_claims`]): committed
+//! with `synchronous = NORMAL`, they survive a crash of the process, and a power loss
+//! takes back only claims whose handlers it killed too. [`Synchronous::Normal`] skips that
 //! fsync (it happens at checkpoints): still consistent after any crash and durable across a
 //! process crash, but a power loss or OS crash can roll back the newest commits, so a
 //! handler may run again for a key whose claim was acknowledged. Group commit is what keeps
@@ -144,8 +147,8 @@
 //!   error kept as source and `is_retryable()` true for `SQLITE_BUSY` / `SQLITE_LOCKED`.
 //! - `migrations/`: the schema as SQL files.
 //! - `tests/conformance.rs`: the idem conformance suite; `tests/two_processes.rs`: child
-//!   processes racing for the same keys; `tests/killed_process.rs`: acknowledged claims
-//!   survive SIGKILL; `tests/sqlite.rs`: file, schema, lock and journal behaviour;
+//!   processes racing for the same keys; `tests/killed_process.rs`: acknowledged writes,
+//!   deferred claims included, survive SIGKILL; `tests/sqlite.rs`: file, schema, lock and journal behaviour;
 //!   `benches/group_commit.rs`: throughput against a commit-per-statement baseline.
 
 mod config;

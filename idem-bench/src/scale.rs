@@ -1,0 +1,283 @@
+//! `idem-bench scale`: claim + complete latency and throughput as a store holds more live
+//! records.
+//!
+//! One store per run. Before each measured size the store is filled up to that many live
+//! (completed, unexpired) records, written straight into the backend's tables in large
+//! transactions with the store's own encoding (going through the `Store` API would take
+//! hours at 10 million). Then `--count` claim + complete cycles of fresh keys run from
+//! `--concurrency` callers through the `Store` API, and the row gives cycles/s, p50 and
+//! p99 of one cycle, and p50 against the smallest size's.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idem_core::{BoxError, ClaimOutcome, FencingToken, Record, RecordId, RecordState, Store, UnixMillis};
+
+use crate::Endpoints;
+use crate::workload::{Workload, drive};
+
+/// Backends with a table to fill.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ScaleBackend {
+    Redb,
+    Sqlite,
+    Postgres,
+}
+
+/// Settings of one `scale` run.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ScaleArgs {
+    /// The backend.
+    #[arg(long, value_enum)]
+    backend: ScaleBackend,
+    /// Live records before each measurement, ascending, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [10_000u64, 1_000_000, 10_000_000])]
+    sizes: Vec<u64>,
+    /// Concurrent callers.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Claim + complete cycles measured at each size.
+    #[arg(long, default_value_t = 5000)]
+    count: u64,
+    #[command(flatten)]
+    endpoints: Endpoints,
+}
+
+/// The live record number `n` of the fill: its own id, completed, a day of retention.
+fn filler(template: &Record, n: u64) -> Record {
+    let mut record = template.clone();
+    // Spread like BLAKE3 ids (splitmix64 of n), so inserts land all over the B-trees.
+    let mut id = [0u8; 32];
+    let mut x = n;
+    for chunk in id.chunks_exact_mut(8) {
+        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        chunk.copy_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+    record.id = RecordId(id);
+    record
+}
+
+/// A completed record to copy: the workload's response, expiring in a day.
+fn template(work: &Workload) -> Record {
+    let now = idem_core::Clock::now(&idem_core::SystemClock);
+    let req = work.request("fill", 0);
+    Record {
+        id: req.id,
+        scope: req.scope,
+        key: req.key,
+        fingerprint: req.fingerprint,
+        state: RecordState::Completed,
+        token: FencingToken::first_at(now),
+        response: Some(work.response()),
+        created_at: now,
+        started_at: now,
+        lease_expires_at: now,
+        expires_at: UnixMillis(now.0 + 86_400_000),
+    }
+}
+
+const CHUNK: u64 = 100_000;
+
+fn fill_redb(db: &redb::Database, template: &Record, from: u64, to: u64) -> Result<(), BoxError> {
+    let mut n = from;
+    while n < to {
+        let end = (n + CHUNK).min(to);
+        let txn = db.begin_write()?;
+        {
+            let mut records = txn.open_table(idem_redb::table::RECORDS)?;
+            let mut expiry = txn.open_table(idem_redb::table::EXPIRY)?;
+            for i in n..end {
+                let r = filler(template, i);
+                records.insert(&r.id.0, idem_core::codec::encode(&r).as_slice())?;
+                expiry.insert((r.expires_at.0, r.id.0), ())?;
+            }
+        }
+        txn.commit()?;
+        n = end;
+    }
+    Ok(())
+}
+
+fn fill_sqlite(path: &std::path::Path, template: &Record, from: u64, to: u64) -> Result<(), BoxError> {
+    let conn = rusqlite::Connection::open(path)?;
+    conn.busy_timeout(Duration::from_secs(30))?;
+    let response = idem_core::codec::encode_response(template.response.as_ref().ok_or("no response")?);
+    let mut n = from;
+    while n < to {
+        let end = (n + CHUNK).min(to);
+        let tx = conn.unchecked_transaction()?;
+        {
+            let mut insert = tx.prepare_cached(
+                "INSERT INTO idem_records (id, principal, endpoint, key, fingerprint, state, token, created_at, \
+                 started_at, lease_expires_at, expires_at, response) VALUES (?1, ?2, ?3, ?4, ?5, 'completed', ?6, ?7, \
+                 ?7, ?7, ?8, ?9)",
+            )?;
+            for i in n..end {
+                let r = filler(template, i);
+                insert.execute(rusqlite::params![
+                    r.id.0.as_slice(),
+                    "scale-fill",
+                    "POST /x",
+                    format!("fill-{i}"),
+                    r.fingerprint.0.as_slice(),
+                    r.token.0 as i64,
+                    r.created_at.0,
+                    r.expires_at.0,
+                    response.as_slice(),
+                ])?;
+            }
+        }
+        tx.commit()?;
+        n = end;
+    }
+    Ok(())
+}
+
+async fn fill_postgres(
+    store: &idem_postgres::PostgresStore,
+    template: &Record,
+    from: u64,
+    to: u64,
+) -> Result<(), BoxError> {
+    let client = store.pool().get().await?;
+    let response = idem_core::codec::encode_response(template.response.as_ref().ok_or("no response")?);
+    let sql = format!(
+        "INSERT INTO {schema}.records (id, principal, endpoint, key, fingerprint, state, token, response, created_at, \
+         started_at, lease_expires_at, expires_at, claim_txid) \
+         SELECT decode(md5('scale-' || i) || md5('fill-' || i), 'hex'), 'scale-fill'::bytea, 'POST /x'::bytea, \
+         'fill-' || i, $1, 'completed', $2, $3, $4, $4, $4, $5, 0 FROM generate_series($6::bigint, $7::bigint) AS i",
+        schema = store.schema()
+    );
+    let mut n = from;
+    while n < to {
+        let end = (n + 10 * CHUNK).min(to);
+        let (first, last) = (n as i64, end as i64 - 1);
+        client
+            .execute(
+                &sql,
+                &[
+                    &template.fingerprint.0.as_slice(),
+                    &(template.token.0 as i64),
+                    &response.as_slice(),
+                    &template.created_at.0,
+                    &template.expires_at.0,
+                    &first,
+                    &last,
+                ],
+            )
+            .await?;
+        n = end;
+    }
+    client.execute(&format!("ANALYZE {}.records", store.schema()), &[]).await?;
+    Ok(())
+}
+
+/// Runs the sizes and prints a row per size.
+pub(crate) async fn run(args: ScaleArgs) -> Result<(), BoxError> {
+    let run = crate::run_id();
+    let dir = crate::bench_dir()?;
+    let work = Arc::new(Workload::new(&run, 256));
+    let template = template(&work);
+    let mut sizes = args.sizes.clone();
+    sizes.sort_unstable();
+    let schema = format!("idem_scale_{run}").replace('-', "_");
+    let (store, redb_db, sqlite_path, pg): (Arc<dyn Store>, _, _, _) = match args.backend {
+        ScaleBackend::Redb => {
+            let store = idem_redb::RedbStore::open(dir.path().join("scale.redb"), idem_redb::Config::default())?;
+            let db = store.database()?;
+            (Arc::new(store), Some(db), None, None)
+        }
+        ScaleBackend::Sqlite => {
+            let path = dir.path().join("scale.sqlite3");
+            let open = path.clone();
+            let store = tokio::task::spawn_blocking(move || {
+                idem_sqlite::SqliteStore::open(open, idem_sqlite::Config::default())
+            })
+            .await??;
+            (Arc::new(store), None, Some(path), None)
+        }
+        ScaleBackend::Postgres => {
+            let config = idem_postgres::Config::default()
+                .with_schema(schema.clone())
+                .with_max_connections(args.endpoints.pg_pool);
+            let store = idem_postgres::PostgresStore::connect(&args.endpoints.postgres_url, config).await?;
+            (Arc::new(store.clone()), None, None, Some(store))
+        }
+    };
+    let cycle = {
+        let (store, work) = (Arc::clone(&store), Arc::clone(&work));
+        Arc::new(move |i: u64| {
+            let (store, work) = (Arc::clone(&store), Arc::clone(&work));
+            async move {
+                let ClaimOutcome::Claimed(r) = store.claim(work.request("lib", i)).await? else {
+                    return Err::<(), BoxError>("fresh key not claimed".into());
+                };
+                store.complete(r.id, r.token, work.response()).await?;
+                Ok(())
+            }
+        })
+    };
+    println!(
+        "{:<9} {:>12} {:>8} {:>10} {:>9} {:>9} {:>11} {:>9}",
+        "backend", "live", "cycles", "cycles/s", "p50 ms", "p99 ms", "p50 / first", "fill s"
+    );
+    let (mut filled, mut next, mut first_p50) = (0u64, 0u64, None);
+    let backend = match args.backend {
+        ScaleBackend::Redb => "redb",
+        ScaleBackend::Sqlite => "sqlite",
+        ScaleBackend::Postgres => "postgres",
+    };
+    let result = async {
+        for &size in &sizes {
+            let started = Instant::now();
+            // Live records so far: the fill plus the cycles measured at smaller sizes.
+            let target = size.saturating_sub(next);
+            if target > filled {
+                match (&redb_db, &sqlite_path, &pg) {
+                    (Some(db), _, _) => {
+                        let (db, t) = (Arc::clone(db), template.clone());
+                        tokio::task::spawn_blocking(move || fill_redb(&db, &t, filled, target)).await??;
+                    }
+                    (_, Some(path), _) => {
+                        let (path, t) = (path.clone(), template.clone());
+                        tokio::task::spawn_blocking(move || fill_sqlite(&path, &t, filled, target)).await??;
+                    }
+                    (_, _, Some(store)) => fill_postgres(store, &template, filled, target).await?,
+                    _ => unreachable!("one backend"),
+                }
+                filled = target;
+            }
+            let fill_s = started.elapsed().as_secs_f64();
+            // A short warm-up on the grown table, then the measured cycles.
+            drive(Arc::clone(&cycle), args.concurrency, next, 200).await?;
+            next += 200;
+            let summary = drive(Arc::clone(&cycle), args.concurrency, next, args.count).await?;
+            next += args.count;
+            let p50 = summary.quantile_ms(0.5);
+            let first = *first_p50.get_or_insert(p50);
+            println!(
+                "{:<9} {:>12} {:>8} {:>10.0} {:>9.3} {:>9.3} {:>10.2}x {:>9.1}",
+                backend,
+                filled + next,
+                summary.cycles,
+                summary.rate(),
+                p50,
+                summary.quantile_ms(0.99),
+                p50 / first,
+                fill_s
+            );
+        }
+        Ok::<(), BoxError>(())
+    }
+    .await;
+    if let Some(store) = &pg {
+        let client = store.pool().get().await?;
+        client.execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"), &[]).await?;
+    }
+    result?;
+    println!("(one cycle = claim + complete of a fresh key; live = completed, unexpired records in the store)");
+    Ok(())
+}
