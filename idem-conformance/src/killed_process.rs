@@ -162,6 +162,11 @@ fn child<S: Store + 'static>(store: S) {
                             if holding.fetch_add(1, Ordering::SeqCst) + 1 == CALLERS {
                                 say("holding".into());
                             }
+                            // Nobody claims before every caller has stopped writing, so
+                            // the claims after `holding` are the only writes left.
+                            while holding.load(Ordering::SeqCst) < CALLERS {
+                                tokio::task::yield_now().await;
+                            }
                         }
                         let ClaimOutcome::Claimed(r) = store.claim(request(n)).await.expect("claim") else {
                             panic!("fresh key k{n} was not claimed");

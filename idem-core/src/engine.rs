@@ -254,17 +254,6 @@ impl Write {
     pub fn is_claim(&self) -> bool {
         matches!(self, Write::Claim(_) | Write::Reclaim(_))
     }
-
-    /// Whether a store with deferred claims commits this without waiting for durability
-    /// ([`crate::group_commit::BatchConfig::with_durable_claims`]): a claim and a lease
-    /// extension, whose loss in a crash only frees a key whose holder died in the same
-    /// crash. Never a reclaim: its token is the previous one plus one, so a lost reclaim
-    /// would hand the same token out again after the restart (a new claim's token comes
-    /// from the clock, which has moved on). Never a completion, fail, journal write or sweep.
-    #[must_use]
-    pub fn defers(&self) -> bool {
-        matches!(self, Write::Claim(_) | Write::Extend { .. })
-    }
 }
 
 /// The outcome of a [`Write`], one variant per operation kind.

@@ -107,17 +107,6 @@ pub trait RecordTable: RecordRead {
     /// An engine error.
     fn journal_clear(&mut self, id: RecordId) -> Result<(), StoreError>;
 
-    /// Which life of the engine's file this transaction runs on: a number that changes
-    /// when the engine lost commits that were not yet durable while the process lives on
-    /// (redb opening its file again after a latched I/O failure). The group-commit
-    /// executor then writes the deferred claims it committed since the last durable
-    /// commit again, in this transaction, before anything else: their handlers are
-    /// still running. The default, 0, is for engines that never lose a commit while the
-    /// process lives (SQLite: a commit without fsync is in the operating system's cache).
-    fn generation(&self) -> u64 {
-        0
-    }
-
     /// Whether an earlier failure left the transaction unable to commit what it holds
     /// (SQLite rolled it back, redb refused a write half-way). The executor then fails the
     /// whole batch instead of committing it. The default is `false`: a table whose every

@@ -94,20 +94,23 @@ impl Config {
 
     /// Whether a claim waits for a durable commit (default `false`).
     ///
-    /// With `false`, a claim (and a lease extension) is committed with redb's
-    /// `Durability::None` and answered at once; reclaims, completions, fails, journal
-    /// writes and sweeps still commit with `Durability::Immediate` before they are
-    /// answered, and each such commit makes the claims before it durable too. A first-time
-    /// request so waits for one fsync (its completion's, shared by its group commit)
-    /// instead of two. What a crash can lose is a claim with nothing durable behind it:
-    /// its handler ran in this process (redb opens a file in one process only) and died
-    /// with it, and the retry after the restart runs the handler, as it would have after
-    /// the lease anyway. A side effect that must not repeat needs its journal entry
-    /// ([`idem_core::Store::journal_put`], durable) before it happens, which makes the
-    /// claim durable as well. Fencing tokens never repeat: a new claim's token comes from
-    /// the clock, and reclaims (previous token + 1) are never deferred. The analysis:
-    /// `docs/contract.md`, "Deferred claims on embedded stores". `true` restores one
-    /// durable commit per claim.
+    /// With `false` (deferred claims), a claim is decided on the caller's thread against
+    /// the claims not yet written and a fresh read transaction, kept in memory and
+    /// answered at once; the writer writes it at the start of its next transaction
+    /// (within 50 ms, or with the next operation). Reclaims, completions, fails, journal
+    /// writes, extensions and sweeps still commit with `Durability::Immediate` before they
+    /// are answered, and the claims they touch are in that commit. A first-time request so
+    /// waits for one group commit (its completion's) instead of two. What a crash loses
+    /// is the claims not yet written: their handlers ran in this process (redb opens a file
+    /// in one process only) and died with it, and the retry after the restart runs the
+    /// handler, as it would have after the lease anyway. A side effect that must not
+    /// repeat needs its journal entry ([`idem_core::Store::journal_put`], durable) before
+    /// it happens, which writes the claim too. A reopen after an I/O failure loses
+    /// nothing: the pending claims are in memory and are written into the reopened file.
+    /// Fencing tokens never repeat: a new claim's token comes from the clock, and reclaims
+    /// (previous token + 1) are never deferred. The analysis: `docs/contract.md`,
+    /// "Deferred claims on embedded stores". `true` makes every claim wait for its
+    /// durable commit.
     pub fn with_durable_claims(mut self, on: bool) -> Self {
         self.durable_claims = on;
         self
@@ -160,6 +163,14 @@ impl Config {
     #[must_use]
     pub fn durability(&self) -> Durability {
         self.durability
+    }
+
+    /// With deferred claims: the longest a claim waits in memory before the writer writes
+    /// it in a transaction of its own (default 50 ms); see
+    /// [`idem_core::group_commit::BatchConfig::with_pending_claim_age`].
+    pub fn with_pending_claim_age(mut self, age: std::time::Duration) -> Self {
+        self.batch = self.batch.with_pending_claim_age(age);
+        self
     }
 
     /// Whether claims wait for a durable commit.

@@ -63,15 +63,9 @@ impl Handle {
     /// and the backoff allows. Blocks on file I/O: call it from the writer thread or the
     /// blocking pool.
     pub(crate) fn get(&self) -> Result<Arc<Database>, Error> {
-        self.get_with_generation().map(|(db, _)| db)
-    }
-
-    /// [`Handle::get`], and how many times the file had been opened again when this
-    /// database was (read under the same lock).
-    pub(crate) fn get_with_generation(&self) -> Result<(Arc<Database>, u64), Error> {
         let mut slot = self.lock();
         if let Some(db) = &slot.db {
-            return Ok((Arc::clone(db), slot.reopens));
+            return Ok(Arc::clone(db));
         }
         let Some(path) = &self.path else {
             // Unreachable: a handle without a path is never closed. Answer unavailable anyway.
@@ -91,7 +85,7 @@ impl Handle {
                 slot.backoff = FIRST_BACKOFF;
                 slot.reopens += 1;
                 tracing::info!(backend = crate::error::BACKEND, reopens = slot.reopens, "redb database reopened");
-                Ok((db, slot.reopens))
+                Ok(db)
             }
             Err(e) => {
                 slot.next_attempt = now + slot.backoff;

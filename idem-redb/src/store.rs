@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idem_core::RecordRead;
 use idem_core::engine::{self, Write};
 use idem_core::group_commit::{BatchStats, GroupCommit};
 use idem_core::store::JournalWrite;
@@ -171,6 +172,17 @@ impl Store for RedbStore {
     }
 
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        if self.writer.defers_claims() {
+            // Decided here against the pending claims and a fresh read transaction; no
+            // commit to wait for (`Config::with_durable_claims`).
+            let Some(db) = self.handle.current() else {
+                return Err(Error::Reopening.into());
+            };
+            if let Some(outcome) = self.writer.claim_deferred(&req, |id| RedbView::begin(&db)?.read(id))? {
+                return Ok(outcome);
+            }
+            return self.writer.submit(Write::Claim(req)).await?.into_claim(BACKEND);
+        }
         if self.config.claim_reads()
             && let Some(outcome) = self.claim_from_view(&req)
         {
@@ -201,6 +213,9 @@ impl Store for RedbStore {
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        if let Some(record) = self.writer.pending_claim(id) {
+            return Ok((!record.is_expired(self.config.clock().now())).then_some(record));
+        }
         self.read(move |view, now| engine::get(view, id, now)).await
     }
 
@@ -221,12 +236,18 @@ impl Store for RedbStore {
     }
 
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        // A pending claim is a new generation: no entries yet.
+        if self.writer.pending_claim(id).is_some() {
+            return Ok(None);
+        }
         let name = name.to_owned();
         self.read(move |view, now| engine::journal_get(view, id, &name, now)).await
     }
 
-    /// One read transaction on the blocking pool: a range scan of the records table.
+    /// One read transaction on the blocking pool: a range scan of the records table. With
+    /// deferred claims, the claims still in memory are written first (one group commit).
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
+        self.writer.write_pending().await?;
         self.read(move |view, now| view.list(&filter, now)).await
     }
 }

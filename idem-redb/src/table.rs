@@ -95,7 +95,7 @@ fn refused(poisoned: &mut bool, e: StorageError) -> StoreError {
 /// Creates the three tables, so that readers never meet a missing one.
 pub(crate) fn create_tables(db: &Database) -> Result<(), Error> {
     let txn = db.begin_write()?;
-    drop(RedbTable::open(&txn, 0)?);
+    drop(RedbTable::open(&txn)?);
     txn.commit()?;
     Ok(())
 }
@@ -107,18 +107,15 @@ pub(crate) struct RedbTable<'txn> {
     journal: redb::Table<'txn, (&'static [u8; 32], &'static str), &'static [u8]>,
     /// A table write failed half-way (anything but a value over redb's size limit).
     poisoned: bool,
-    /// Reopens of the file before this transaction's database was opened.
-    generation: u64,
 }
 
 impl<'txn> RedbTable<'txn> {
-    fn open(txn: &'txn WriteTransaction, generation: u64) -> Result<Self, Error> {
+    fn open(txn: &'txn WriteTransaction) -> Result<Self, Error> {
         Ok(Self {
             records: txn.open_table(RECORDS).map_err(table_error(RECORDS_NAME))?,
             expiry: txn.open_table(EXPIRY).map_err(table_error(EXPIRY_NAME))?,
             journal: txn.open_table(JOURNAL).map_err(table_error(JOURNAL_NAME))?,
             poisoned: false,
-            generation,
         })
     }
 }
@@ -186,10 +183,6 @@ impl RecordTable for RedbTable<'_> {
 
     fn is_poisoned(&self) -> bool {
         self.poisoned
-    }
-
-    fn generation(&self) -> u64 {
-        self.generation
     }
 }
 
@@ -277,14 +270,12 @@ impl Engine for RedbEngine {
         durable: bool,
         apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool,
     ) -> Result<(), TransactionFailed> {
-        let (db, generation) = self.handle.get_with_generation().map_err(failed(Stage::Begin))?;
+        let db = self.handle.get().map_err(failed(Stage::Begin))?;
         let mut txn = db.begin_write().map_err(|e| self.after(&db, e.into())).map_err(failed(Stage::Begin))?;
         if !durable {
             txn.set_durability(redb::Durability::None).map_err(Error::from).map_err(failed(Stage::Begin))?;
         }
-        let commit = apply(
-            &mut RedbTable::open(&txn, generation).map_err(|e| self.after(&db, e)).map_err(failed(Stage::Begin))?,
-        );
+        let commit = apply(&mut RedbTable::open(&txn).map_err(|e| self.after(&db, e)).map_err(failed(Stage::Begin))?);
         if !commit {
             // A batch that wrote nothing, or one that failed: nothing of it may reach the
             // file. An abort that fails leaves nothing to undo either (redb latches the

@@ -35,8 +35,12 @@ fn req(key: &str, body: &[u8], retention: Duration) -> ClaimRequest {
     ClaimRequest::new(scope, key, Fingerprint::of_bytes(body), LEASE, retention)
 }
 
+/// Durable claims: these tests are about the writer's batches and the file's tables, so
+/// claims go through the writer here. Deferred claims have their own tests
+/// (`batch_model.rs`, `killed_process.rs`, `full_disk.rs`, the conformance suite on the
+/// default configuration).
 fn config(clock: &ManualClock) -> Config {
-    Config::default().with_clock(Arc::new(clock.clone()))
+    Config::default().with_clock(Arc::new(clock.clone())).with_durable_claims(true)
 }
 
 fn temp_store(config: Config) -> RedbStore {
@@ -611,7 +615,7 @@ impl idem_core::Clock for PanickingClock {
 async fn a_panic_inside_a_batch_fails_only_that_batch() {
     let armed = Arc::new(AtomicBool::new(false));
     let clock = PanickingClock { inner: clock(), armed: Arc::clone(&armed) };
-    let store = temp_store(Config::default().with_clock(Arc::new(clock)));
+    let store = temp_store(Config::default().with_clock(Arc::new(clock)).with_durable_claims(true));
     armed.store(true, Ordering::SeqCst);
     let r = req("k", b"{}", RETENTION);
     match tokio::time::timeout(Duration::from_secs(20), store.claim(r.clone())).await.expect("no hang") {
@@ -650,7 +654,11 @@ async fn a_panic_after_writes_in_a_batch_leaves_nothing_of_it_on_disk() {
     let manual = clock();
     let fuse = Arc::new(AtomicU64::new(0));
     let clock = FusedClock { inner: manual.clone(), fuse: Arc::clone(&fuse) };
-    let fused = Config::default().with_clock(Arc::new(clock)).with_max_batch(4).with_linger(LONG_LINGER);
+    let fused = Config::default()
+        .with_clock(Arc::new(clock))
+        .with_max_batch(4)
+        .with_linger(LONG_LINGER)
+        .with_durable_claims(true);
     let store = RedbStore::open(&path, fused).expect("open");
     let reqs: Vec<ClaimRequest> = (0..4).map(|i| req(&format!("k{i}"), b"{}", RETENTION)).collect();
 

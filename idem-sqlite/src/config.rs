@@ -105,27 +105,45 @@ impl Config {
         self
     }
 
-    /// Whether a claim waits for a durable commit (default `false`; only matters with
-    /// [`Synchronous::Full`]).
+    /// Whether a claim waits for a durable commit (default `false`).
     ///
-    /// With `false`, the writer commits a batch's claims and lease extensions with
-    /// `synchronous = NORMAL` and answers them at once, then its reclaims, completions,
-    /// fails, journal writes and sweeps with the configured `synchronous` (one fsync of the
-    /// log, which makes the claims before it durable too). A first-time request so waits
-    /// for one fsync instead of two. A `NORMAL` commit survives a crash of the process;
-    /// only an operating-system crash or a power loss can take it back, and SQLite's WAL
-    /// works only between processes of one host, so that crash also killed every handler
-    /// that held a claim in the file: the retry after the restart runs the handler, as it
-    /// would have after the lease anyway. A side effect that must not repeat needs its
-    /// journal entry first ([`idem_core::Store::journal_put`], durable). Holds for one
-    /// process and for several sharing the file. Fencing tokens never repeat: a new
-    /// claim's token comes from the clock, and reclaims are never deferred. The analysis:
-    /// `docs/contract.md`, "Deferred claims on embedded stores". `true` restores one
-    /// durable commit per claim.
+    /// With `false` (deferred claims), a claim is decided on the caller's thread against
+    /// the claims not yet written and a fresh read of the file, kept in memory and
+    /// answered at once; the writer writes it at the start of its next transaction
+    /// (within 50 ms, or with the next operation). Completions, fails, reclaims, journal
+    /// writes, extensions and sweeps still commit (fsync with [`Synchronous::Full`]) before
+    /// they are answered, with the claims they touch in the same commit. A first-time
+    /// request so waits for one group commit instead of two. A crash loses the claims not
+    /// yet written, and their handlers with them: the retry after the restart runs the
+    /// handler, as it would have after the lease anyway; a side effect that must not
+    /// repeat needs its journal entry ([`idem_core::Store::journal_put`]) first. Fencing
+    /// tokens never repeat (a new claim's token comes from the clock; reclaims are never
+    /// deferred). The analysis: `docs/contract.md`, "Deferred claims on embedded stores".
+    ///
+    /// Pending claims live in this store's memory, so another store on the file would not
+    /// see them: with `false` the store must be the file's only user, and
+    /// [`crate::SqliteStore::open`] takes an exclusive advisory lock on
+    /// `<file>.idem-lock` (failing with [`crate::Error::InUse`] when any other store has
+    /// the file); with `true` it takes a shared one, so stores sharing a file (several
+    /// processes) all need `true`.
     pub fn with_durable_claims(mut self, on: bool) -> Self {
         self.durable_claims = on;
         self.batch = self.batch.with_durable_claims(on);
         self
+    }
+
+    /// With deferred claims: the longest a claim waits in memory before the writer writes
+    /// it in a transaction of its own (default 50 ms); see
+    /// [`idem_core::group_commit::BatchConfig::with_pending_claim_age`].
+    pub fn with_pending_claim_age(mut self, age: std::time::Duration) -> Self {
+        self.batch = self.batch.with_pending_claim_age(age);
+        self
+    }
+
+    /// Whether claims wait for a durable commit.
+    #[must_use]
+    pub fn durable_claims(&self) -> bool {
+        self.durable_claims
     }
 
     /// How long a connection waits for a lock another process holds before giving up with

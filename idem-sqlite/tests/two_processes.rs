@@ -50,7 +50,10 @@ fn main() {
 
 fn child(path: &str) {
     let index: usize = std::env::var(INDEX_ENV).ok().and_then(|v| v.parse().ok()).expect("child index");
-    let store = Arc::new(SqliteStore::open(path, Config::default().with_max_batch(4)).expect("child opens the store"));
+    let store = Arc::new(
+        SqliteStore::open(path, Config::default().with_max_batch(4).with_durable_claims(true))
+            .expect("child opens the store"),
+    );
     let mut out = std::io::stdout().lock();
     writeln!(out, "ready").expect("stdout");
     out.flush().expect("stdout");
@@ -150,7 +153,7 @@ fn parent() {
 
     // The file agrees: every key holds one in-flight record, claimed once (the first token
     // of its time).
-    let store = SqliteStore::open(&path, Config::default()).expect("parent opens the store");
+    let store = SqliteStore::open(&path, Config::default().with_durable_claims(true)).expect("parent opens the store");
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     runtime.block_on(async {
         for i in 0..KEYS {

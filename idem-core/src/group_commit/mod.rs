@@ -37,18 +37,20 @@
 //!   claim that finds a live record from a read view (a read transaction), so replays never
 //!   wait for, or dilute, a group commit.
 //! - **Deferred claims** ([`BatchConfig::with_durable_claims`]`(false)`, what redb and
-//!   SQLite choose by default). A batch is split in two transactions: first its claims and
-//!   lease extensions, committed without waiting for durability and answered at once; then
-//!   everything else (reclaims, completions, fails, journal writes, sweeps), committed
-//!   durably. Every operation of a batch is concurrent with the others (none was answered
-//!   yet), so running the deferred ones first is one of the orders they could have arrived
-//!   in. A durable commit makes every earlier commit durable too, so a journal entry or a
-//!   completion never survives a crash without its claim. Why this is sound only for a
-//!   store whose every claim holder dies with the writer: `docs/operations.md`,
-//!   "Deferred claims on embedded stores".
+//!   single-process SQLite choose by default). A claim never reaches the writer queue:
+//!   [`GroupCommit::claim_deferred`] decides it on the caller's thread against the claims
+//!   made so far and a fresh read of the file, keeps the new in-flight record in memory
+//!   (the pending claims) and answers at once. The writer writes every pending claim at the
+//!   start of its next transaction, before the batch's operations, which therefore see
+//!   them; a claim leaves memory only once a commit holding it is visible to new reads.
+//!   A first-time request so waits for one group commit, its completion's, instead of two.
+//!   A crash loses the pending claims, whose handlers died with it; why that is sound only
+//!   when every claim holder runs in this process: `docs/contract.md`, "Deferred claims on
+//!   embedded stores".
 
 mod queue;
 
+use std::collections::HashMap;
 use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,12 +64,9 @@ use crate::engine::{self, Write, Written};
 use crate::store::StoreError;
 use crate::table::{RecordRead, RecordTable};
 use crate::time::Clock;
-use crate::transition::{ClaimOutcome, ClaimRequest};
+use crate::transition::{self, ClaimOutcome, ClaimRequest};
+use crate::{FencingToken, Record, RecordId};
 use queue::{Next, Queue};
-
-/// Most writes of deferred claims kept between two durable commits (see
-/// [`RecordTable::generation`]); past it, deferred claims commit durably.
-const MAX_UNFLUSHED: usize = 4096;
 
 /// Where a transaction failed as a whole.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,10 +106,8 @@ pub trait Engine: Send + 'static {
 
     /// Runs one write transaction: begins it, hands its table to `apply`, then commits when
     /// `apply` returns `true` and aborts (rolls back) when it returns `false`. With
-    /// `durable == false` the commit may skip the fsync, but a later durable commit must
-    /// make it durable too (asked for when the store chose a flush interval, see
-    /// [`BatchConfig::with_flush_interval`], and for the claims of a batch when claims are
-    /// deferred, see [`BatchConfig::with_durable_claims`]).
+    /// `durable == false` the commit may skip the fsync (only asked for when the store
+    /// chose a flush interval, see [`BatchConfig::with_flush_interval`]).
     ///
     /// # Errors
     /// [`TransactionFailed`] at [`Stage::Begin`] or [`Stage::Commit`]; nothing of the
@@ -163,6 +160,7 @@ pub struct BatchConfig {
     linger: Linger,
     flush_interval: Option<Duration>,
     durable_claims: bool,
+    pending_claim_age: Duration,
     thread_name: String,
 }
 
@@ -173,6 +171,7 @@ impl Default for BatchConfig {
             linger: Linger::Adaptive { max: Duration::from_micros(200) },
             flush_interval: None,
             durable_claims: true,
+            pending_claim_age: Duration::from_millis(50),
             thread_name: "idem-group-commit".into(),
         }
     }
@@ -203,15 +202,24 @@ impl BatchConfig {
         self
     }
 
-    /// `true` (default): a claim is answered only after a durable commit, like every other
-    /// operation. `false`: claims and lease extensions ([`Write::defers`]) are committed
-    /// without waiting for durability and answered before the batch's other operations,
-    /// which are committed durably right after. Only for stores whose claim holders all run
-    /// in the process (or on the host) that a lost commit dies with: a crash that loses a
-    /// claim also killed its handler, and the retry after the restart may run anyway. Has
-    /// no effect with a flush interval, which already makes every commit non-durable.
+    /// `true` (default): a claim is an operation of a batch like any other, answered after
+    /// the durable commit that holds it. `false`: claims are deferred (module docs):
+    /// decided on the caller's thread by [`GroupCommit::claim_deferred`], kept in memory
+    /// and written at the start of the writer's next transaction. Only for an engine whose
+    /// every claim holder runs in this process, so that the crash that loses a pending
+    /// claim also ends its handler. With a flush interval, claims stay durable-less anyway
+    /// and this has no effect.
     pub fn with_durable_claims(mut self, on: bool) -> Self {
         self.durable_claims = on;
+        self
+    }
+
+    /// With deferred claims: the longest a claim waits in memory for a transaction before
+    /// the writer makes one for it (default 50 ms). Any operation of the writer, or 256
+    /// waiting claims, write them sooner. Only reads through the store see a claim before
+    /// it is written (a second opener of the file, or `list`, do not).
+    pub fn with_pending_claim_age(mut self, age: Duration) -> Self {
+        self.pending_claim_age = age;
         self
     }
 
@@ -239,7 +247,7 @@ impl BatchConfig {
         self.flush_interval
     }
 
-    /// Whether claims wait for a durable commit.
+    /// Whether a claim waits for a durable commit.
     #[must_use]
     pub fn durable_claims(&self) -> bool {
         self.durable_claims
@@ -250,7 +258,7 @@ impl BatchConfig {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct BatchStats {
-    /// Transactions attempted: one per batch, two when deferred claims split a batch.
+    /// Transactions attempted (one per batch).
     pub batches: u64,
     /// Operations received by the writer.
     pub operations: u64,
@@ -264,9 +272,9 @@ pub struct BatchStats {
     pub claims_read: u64,
     /// Claims and reclaims skipped because their caller had stopped waiting.
     pub abandoned_claims: u64,
-    /// Transactions of deferred claims committed without waiting for durability
-    /// ([`BatchConfig::with_durable_claims`]); counted in `batches` too.
-    pub deferred_commits: u64,
+    /// Claims that took a key without the writer, kept in memory until its next
+    /// transaction ([`GroupCommit::claim_deferred`]); not counted in `operations`.
+    pub deferred_claims: u64,
 }
 
 #[derive(Debug, Default)]
@@ -277,7 +285,7 @@ struct Counters {
     read_only_batches: AtomicU64,
     claims_read: AtomicU64,
     abandoned_claims: AtomicU64,
-    deferred_commits: AtomicU64,
+    deferred_claims: AtomicU64,
 }
 
 type Reply = oneshot::Sender<Result<Written, StoreError>>;
@@ -302,7 +310,34 @@ struct Shared {
     clock: Arc<dyn Clock>,
     queue: Arc<Queue<Job>>,
     counters: Arc<Counters>,
+    /// The pending claims, with deferred claims.
+    pending: Option<Arc<Mutex<Pending>>>,
     writer: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// Deferred claims not yet written: the new in-flight records by id.
+#[derive(Default)]
+struct Pending {
+    claims: HashMap<RecordId, PendingClaim>,
+}
+
+struct PendingClaim {
+    record: Record,
+    /// An earlier generation of the id may be in the file: its journal goes when this one
+    /// is written.
+    replaces: bool,
+}
+
+/// Pending claims the writer writes in a transaction of their own, without waiting for
+/// [`BatchConfig::with_pending_claim_age`].
+const PENDING_FLUSH: usize = 256;
+/// Most pending claims: past this, a claim goes to the writer like a durable one, so a
+/// flood of claims waits for the writer instead of growing every transaction.
+const PENDING_MAX: usize = 1024;
+
+fn lock_pending(pending: &Mutex<Pending>) -> std::sync::MutexGuard<'_, Pending> {
+    // Every statement leaves the map consistent; a panic elsewhere cannot break it.
+    pending.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl fmt::Debug for GroupCommit {
@@ -335,6 +370,8 @@ impl GroupCommit {
         let backend = engine.backend();
         let queue = Arc::new(Queue::new());
         let counters = Arc::new(Counters::default());
+        let pending = (!config.durable_claims && config.flush_interval.is_none())
+            .then(|| Arc::new(Mutex::new(Pending::default())));
         let writer = Writer {
             engine,
             clock: Arc::clone(&clock),
@@ -342,13 +379,12 @@ impl GroupCommit {
             config: config.clone(),
             counters: Arc::clone(&counters),
             queue: Arc::clone(&queue),
+            pending: pending.clone(),
             dirty_since: None,
-            deferred_pending: false,
-            unflushed: Vec::new(),
-            unflushed_generation: 0,
         };
         let handle = std::thread::Builder::new().name(config.thread_name).spawn(move || writer.run())?;
-        Ok(Self { shared: Arc::new(Shared { backend, clock, queue, counters, writer: Mutex::new(Some(handle)) }) })
+        let shared = Shared { backend, clock, queue, counters, pending, writer: Mutex::new(Some(handle)) };
+        Ok(Self { shared: Arc::new(shared) })
     }
 
     /// Hands `write` to the writer and waits for its outcome, which arrives only after the
@@ -386,6 +422,96 @@ impl GroupCommit {
         Some(ClaimOutcome::Existing { record, now })
     }
 
+    /// Whether claims are deferred ([`BatchConfig::with_durable_claims`]`(false)`): the
+    /// store then sends them to [`GroupCommit::claim_deferred`], and consults
+    /// [`GroupCommit::pending_claim`] in its reads.
+    #[must_use]
+    pub fn defers_claims(&self) -> bool {
+        self.shared.pending.is_some()
+    }
+
+    /// A deferred claim: decided here, on the caller's thread, and answered without
+    /// waiting for any commit (module docs). `read` reads the record from the file as it
+    /// is now (a new read transaction: it must see every commit made before it is called);
+    /// it runs only when no pending claim of the id exists. A new in-flight record is kept
+    /// in memory until the writer's next transaction writes it. `None` when 1,024 claims
+    /// are already waiting to be written: submit this one to the writer
+    /// ([`GroupCommit::submit`]), which writes the waiting ones first (back-pressure).
+    ///
+    /// # Errors
+    /// `read`'s error; an error when claims are not deferred on this executor.
+    pub fn claim_deferred(
+        &self,
+        req: &ClaimRequest,
+        read: impl FnOnce(RecordId) -> Result<Option<Record>, StoreError>,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        let Some(pending) = &self.shared.pending else {
+            return Err(StoreError::unavailable(
+                self.shared.backend,
+                "claims are not deferred on this store",
+                false,
+                "claim_deferred without deferred claims",
+            ));
+        };
+        let mut guard = lock_pending(pending);
+        if guard.claims.len() >= PENDING_MAX {
+            return Ok(None);
+        }
+        // The file is read under the lock: the writer drops a pending claim only after the
+        // commit holding it is visible, and under this lock, so the claim is always seen
+        // in one place or the other.
+        let (current, replaces) = match guard.claims.get(&req.id) {
+            Some(p) => (Some(p.record.clone()), true),
+            None => {
+                let current = read(req.id)?;
+                let replaces = current.is_some();
+                (current, replaces)
+            }
+        };
+        // `now` after the read: a record live now was live when it was read.
+        let now = self.shared.clock.now();
+        if let Some(record) = current.as_ref().filter(|r| !r.is_expired(now)) {
+            return Ok(Some(ClaimOutcome::Existing { record: record.clone(), now }));
+        }
+        let (write, outcome) = transition::claim(current.as_ref(), req, now);
+        if let Some(record) = write {
+            guard.claims.insert(req.id, PendingClaim { record, replaces });
+        }
+        let waiting = guard.claims.len();
+        drop(guard);
+        self.shared.counters.deferred_claims.fetch_add(1, Ordering::Relaxed);
+        if waiting.is_multiple_of(PENDING_FLUSH) {
+            // Enough waiting: ask the writer for a transaction now (a no-op write nobody
+            // waits for; the writer writes the pending claims first).
+            let (reply, _) = oneshot::channel();
+            let _ = self.shared.queue.push(Job { write: Write::Sweep { limit: 0 }, reply });
+        }
+        Ok(Some(outcome))
+    }
+
+    /// The pending claim of `id` if one is waiting to be written: a store's reads
+    /// (`get`, `journal_get`) answer it before reading the file. A pending claim has no
+    /// journal entries yet.
+    #[must_use]
+    pub fn pending_claim(&self, id: RecordId) -> Option<Record> {
+        let pending = self.shared.pending.as_ref()?;
+        lock_pending(pending).claims.get(&id).map(|p| p.record.clone())
+    }
+
+    /// Has the writer write every pending claim now, and waits for that commit: for reads
+    /// that scan the file (`list`), which cannot merge pending claims in. Does nothing
+    /// when no claim is pending.
+    ///
+    /// # Errors
+    /// The transaction's error.
+    pub async fn write_pending(&self) -> Result<(), StoreError> {
+        let Some(pending) = &self.shared.pending else { return Ok(()) };
+        if lock_pending(pending).claims.is_empty() {
+            return Ok(());
+        }
+        self.submit(Write::Sweep { limit: 0 }).await.map(drop)
+    }
+
     /// The clock the writer reads (for stores' own reads).
     #[must_use]
     pub fn clock(&self) -> &Arc<dyn Clock> {
@@ -403,7 +529,7 @@ impl GroupCommit {
             read_only_batches: c.read_only_batches.load(Ordering::Relaxed),
             claims_read: c.claims_read.load(Ordering::Relaxed),
             abandoned_claims: c.abandoned_claims.load(Ordering::Relaxed),
-            deferred_commits: c.deferred_commits.load(Ordering::Relaxed),
+            deferred_claims: c.deferred_claims.load(Ordering::Relaxed),
         }
     }
 
@@ -447,25 +573,6 @@ impl Drop for CloseOnExit {
 struct Tracked<'t> {
     table: &'t mut dyn RecordTable,
     wrote: bool,
-    /// In a transaction of deferred claims: what it writes, to write again if the engine
-    /// loses it ([`RecordTable::generation`]).
-    log: Option<&'t mut Vec<Effect>>,
-}
-
-/// A write of a deferred transaction, as the writer keeps it until a durable commit.
-#[derive(Debug)]
-enum Effect {
-    Write(crate::Record),
-    JournalClear(crate::RecordId),
-}
-
-/// Writes `effects` (deferred claims the engine lost) again, each over what the table
-/// holds now. `false` when a write failed.
-fn restore(table: &mut dyn RecordTable, effects: &[Effect]) -> bool {
-    effects.iter().all(|effect| match effect {
-        Effect::Write(record) => table.read(record.id).and_then(|old| table.write(old.as_ref(), record)).is_ok(),
-        Effect::JournalClear(id) => table.journal_clear(*id).is_ok(),
-    })
 }
 
 impl Tracked<'_> {
@@ -487,9 +594,6 @@ impl RecordRead for Tracked<'_> {
 impl RecordTable for Tracked<'_> {
     fn write(&mut self, old: Option<&crate::Record>, new: &crate::Record) -> Result<(), StoreError> {
         let result = self.table.write(old, new);
-        if let (Ok(()), Some(log)) = (&result, self.log.as_deref_mut()) {
-            log.push(Effect::Write(new.clone()));
-        }
         self.count(result)
     }
     fn expired(&mut self, now: crate::UnixMillis, limit: usize) -> Result<Vec<crate::Expired>, StoreError> {
@@ -507,16 +611,10 @@ impl RecordTable for Tracked<'_> {
         // Clearing may find nothing to remove; counting it as a write only costs a commit
         // in the rare case of a claim replacing an expired record without entries.
         let result = self.table.journal_clear(id);
-        if let (Ok(()), Some(log)) = (&result, self.log.as_deref_mut()) {
-            log.push(Effect::JournalClear(id));
-        }
         self.count(result)
     }
     fn is_poisoned(&self) -> bool {
         self.table.is_poisoned()
-    }
-    fn generation(&self) -> u64 {
-        self.table.generation()
     }
 }
 
@@ -528,14 +626,10 @@ struct Writer<E> {
     last_batch: usize,
     counters: Arc<Counters>,
     queue: Arc<Queue<Job>>,
+    /// The pending claims, with deferred claims.
+    pending: Option<Arc<Mutex<Pending>>>,
     /// When the oldest commit that is not yet durable was made (flush interval only).
     dirty_since: Option<Instant>,
-    /// A commit of deferred claims is not yet followed by a durable one.
-    deferred_pending: bool,
-    /// What the deferred commits since the last durable one wrote, and the engine
-    /// generation they were written in.
-    unflushed: Vec<Effect>,
-    unflushed_generation: u64,
 }
 
 impl<E: Engine> Writer<E> {
@@ -558,10 +652,17 @@ impl<E: Engine> Writer<E> {
                 );
             }
         }
-        // A clean stop leaves nothing acknowledged behind a missing fsync.
-        if self.dirty_since.is_some() || self.deferred_pending {
+        // Pending claims are written before the writer stops, so a clean shutdown keeps them.
+        if self.has_pending() {
+            self.run_batch(Vec::new());
+        }
+        if self.dirty_since.is_some() {
             self.flush();
         }
+    }
+
+    fn has_pending(&self) -> bool {
+        self.pending.as_ref().is_some_and(|p| !lock_pending(p).claims.is_empty())
     }
 
     /// Waits for the first operation of the next batch; `None` once the store is dropped.
@@ -570,10 +671,13 @@ impl<E: Engine> Writer<E> {
         loop {
             let deadline = match (self.config.flush_interval, self.dirty_since) {
                 (Some(interval), Some(since)) => Some(since + interval),
+                _ if self.has_pending() => Some(Instant::now() + self.config.pending_claim_age),
                 _ => None,
             };
             match self.queue.next(deadline) {
                 Next::Item(job) => return Some(job),
+                // Pending claims waited long enough: a transaction of their own.
+                Next::Timeout if self.has_pending() => self.run_batch(Vec::new()),
                 Next::Timeout => self.flush(),
                 Next::Closed => return None,
             }
@@ -606,35 +710,13 @@ impl<E: Engine> Writer<E> {
     }
 
     fn run_batch(&mut self, jobs: Vec<Job>) {
-        self.counters.operations.fetch_add(jobs.len() as u64, Ordering::Relaxed);
-        match self.config.flush_interval {
-            None if !self.config.durable_claims => {
-                // Deferred claims: answered after a commit without fsync, before the
-                // durable part of the batch (module docs).
-                let (deferred, durable): (Vec<Job>, Vec<Job>) = jobs.into_iter().partition(|job| job.write.defers());
-                if !deferred.is_empty() {
-                    // What the writer keeps of deferred claims (to restore them after a
-                    // reopen) stays bounded: past the bound, the claims commit durably.
-                    let durable = self.unflushed.len() >= MAX_UNFLUSHED;
-                    self.run_transaction(deferred, durable);
-                }
-                if !durable.is_empty() {
-                    self.run_transaction(durable, true);
-                }
-            }
-            None => self.run_transaction(jobs, true),
-            Some(interval) => {
-                let durable = self.dirty_since.is_some_and(|s| s.elapsed() >= interval);
-                self.run_transaction(jobs, durable);
-            }
-        }
-    }
-
-    /// Applies `jobs` in one transaction, commits it (`durable`: waiting for the fsync)
-    /// and answers every caller.
-    fn run_transaction(&mut self, jobs: Vec<Job>, durable: bool) {
         let size = jobs.len();
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters.operations.fetch_add(size as u64, Ordering::Relaxed);
+        let durable = match (self.config.flush_interval, self.dirty_since) {
+            (None, _) => true,
+            (Some(interval), since) => since.is_some_and(|s| s.elapsed() >= interval),
+        };
         let backend = self.engine.backend();
         #[cfg(feature = "metrics")]
         metrics::histogram!("idem_group_commit_batch_size", "backend" => backend).record(size as f64);
@@ -643,44 +725,35 @@ impl<E: Engine> Writer<E> {
         let counters = Arc::clone(&self.counters);
         let mut pending = jobs.into_iter();
         let mut done: Vec<(Reply, Result<Written, StoreError>)> = Vec::with_capacity(size);
-        // The operation that broke the transaction (none: the restore), and why.
+        // The operation that broke the transaction (none: a pending claim's write), and why.
         let mut fault: Option<(Option<Reply>, StoreError)> = None;
         let mut wrote = false;
-        // Deferred claims keep what they wrote until a durable commit (see `restore`).
-        let keep = !durable && self.config.flush_interval.is_none();
-        let mut log: Vec<Effect> = Vec::new();
-        let unflushed = &self.unflushed;
-        let unflushed_generation = self.unflushed_generation;
-        let mut generation = unflushed_generation;
-        let mut restored = false;
+        // The pending claims this transaction writes first (id and token).
+        let mut written: Vec<(RecordId, FencingToken)> = Vec::new();
+        let claims = self.pending.clone();
         let result = self.engine.transaction(durable, &mut |table| {
-            generation = table.generation();
-            if !unflushed.is_empty() && generation != unflushed_generation {
-                // The engine lost deferred claims whose handlers still run (redb reopened
-                // its file): they go back before anything else can claim their keys.
-                if !restore(table, unflushed) {
-                    let error = StoreError::unavailable(
-                        backend,
-                        "could not write again the claims lost when the file was reopened",
-                        true,
-                        "restore failed",
-                    );
-                    fault = Some((None, error));
-                    return false;
+            if let Some(claims) = &claims {
+                let snapshot: Vec<(Record, bool)> =
+                    lock_pending(claims).claims.values().map(|p| (p.record.clone(), p.replaces)).collect();
+                for (record, replaces) in snapshot {
+                    let mut tracked = Tracked { table: &mut *table, wrote: false };
+                    let result = if replaces { tracked.journal_clear(record.id) } else { Ok(()) }
+                        .and_then(|()| tracked.read(record.id))
+                        .and_then(|old| tracked.write(old.as_ref(), &record));
+                    wrote |= tracked.wrote;
+                    if let Err(error) = result {
+                        fault = Some((None, error));
+                        return false;
+                    }
+                    written.push((record.id, record.token));
                 }
-                restored = true;
-                tracing::warn!(
-                    backend,
-                    writes = unflushed.len(),
-                    "deferred claims lost in a reopen of the file were written again"
-                );
             }
             for job in pending.by_ref() {
                 if job.write.is_claim() && job.reply.is_closed() {
                     counters.abandoned_claims.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
-                let mut tracked = Tracked { table: &mut *table, wrote: false, log: keep.then_some(&mut log) };
+                let mut tracked = Tracked { table: &mut *table, wrote: false };
                 let outcome = engine::apply(&mut tracked, job.write, clock.now());
                 wrote |= tracked.wrote;
                 let poisoned = tracked.is_poisoned();
@@ -705,9 +778,8 @@ impl<E: Engine> Writer<E> {
                     outcome => done.push((job.reply, outcome)),
                 }
             }
-            wrote || restored
+            wrote
         });
-        let wrote = wrote || restored;
         let (fault_reply, fault) = fault.map_or((None, None), |(reply, error)| (reply, Some(error)));
         let failure = match (result, fault) {
             (Err(TransactionFailed { stage, error }), _) => Some((stage, error)),
@@ -731,16 +803,19 @@ impl<E: Engine> Writer<E> {
                     self.counters.read_only_batches.fetch_add(1, Ordering::Relaxed);
                 } else if durable {
                     self.dirty_since = None;
-                    self.deferred_pending = false;
-                    self.unflushed.clear();
-                    self.unflushed_generation = generation;
-                } else if keep {
-                    self.counters.deferred_commits.fetch_add(1, Ordering::Relaxed);
-                    self.deferred_pending = true;
-                    self.unflushed.extend(log);
-                    self.unflushed_generation = generation;
                 } else if self.dirty_since.is_none() {
                     self.dirty_since = Some(Instant::now());
+                }
+                // The commit is visible to new reads now: the claims it wrote leave memory
+                // (unless a newer claim of the id replaced one meanwhile), before anyone
+                // hears of the batch.
+                if let (Some(claims), false) = (&self.pending, written.is_empty()) {
+                    let mut claims = lock_pending(claims);
+                    for (id, token) in written {
+                        if claims.claims.get(&id).is_some_and(|p| p.record.token == token) {
+                            claims.claims.remove(&id);
+                        }
+                    }
                 }
                 for (reply, outcome) in done {
                     let _ = reply.send(outcome);
@@ -752,11 +827,7 @@ impl<E: Engine> Writer<E> {
     /// Makes pending non-durable commits durable.
     fn flush(&mut self) {
         match self.engine.flush() {
-            Ok(()) => {
-                self.dirty_since = None;
-                self.deferred_pending = false;
-                self.unflushed.clear();
-            }
+            Ok(()) => self.dirty_since = None,
             Err(error) => {
                 tracing::warn!(backend = self.engine.backend(), %error, "could not make pending commits durable; will retry");
                 // Back off for one interval instead of retrying in a tight loop.
