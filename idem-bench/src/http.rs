@@ -70,6 +70,14 @@ pub(crate) struct HttpArgs {
     /// application that exports nothing); `prometheus` (the default) the exporter.
     #[arg(long, value_enum, default_value = "prometheus")]
     recorder: Recorder,
+    /// Retention of every record, seconds.
+    #[arg(long, default_value_t = 60)]
+    retention_secs: u64,
+    /// Run the store's sweeper at this period, ms (a store without native expiry): the
+    /// table then holds about rate x retention records, the steady state a production
+    /// store with its sweeper reaches, instead of growing for the whole run.
+    #[arg(long)]
+    sweep_ms: Option<u64>,
     #[command(flatten)]
     endpoints: crate::Endpoints,
 }
@@ -173,10 +181,15 @@ async fn layer_for(args: &HttpArgs, dir: &Path, role: &str) -> Result<Idempotenc
         Execution::Detached => HandlerExecution::Detached,
         Execution::Inline => HandlerExecution::Inline,
     };
+    if let Some(ms) = args.sweep_ms {
+        let config = idem_core::SweepConfig::default().with_period(std::time::Duration::from_millis(ms));
+        // Runs for the rest of the process.
+        std::mem::forget(idem_core::Sweeper::start(Arc::clone(&store), config));
+    }
     // Short retention: Redis expires the bench's keys natively within a minute.
     let layer = IdempotencyLayer::new(store)
         .with_handler_execution(execution)
-        .with_retention(std::time::Duration::from_secs(60));
+        .with_retention(std::time::Duration::from_secs(args.retention_secs));
     Ok(if role == "sealed" {
         layer.with_sealing(SealingKeys::new(1, *b"idem-bench sealing key, 32 bytes"))
     } else {

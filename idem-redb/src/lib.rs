@@ -86,8 +86,8 @@
 //! - A process killed at any point loses no acknowledged completion, fail, reclaim or
 //!   journal write under [`Durability::Immediate`], and no acknowledged claim either with
 //!   [`Config::with_durable_claims`]`(true)`; with deferred claims (the default) it loses
-//!   the claims made after the last durable commit, whose handlers died with it, and their
-//!   keys are claimed again with greater tokens (see `tests/killed_process.rs` and
+//!   the claims still in memory, whose handlers died with it, and their keys are claimed
+//!   again with greater tokens (see `tests/killed_process.rs` and
 //!   `docs/contract.md`, "Deferred claims on embedded stores"). redb repairs the file on
 //!   the next open.
 //!

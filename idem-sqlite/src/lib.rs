@@ -67,11 +67,12 @@
 //! no later write can make absent before its expiry.
 //!
 //! ## Durability
-//! [`Synchronous::Full`] (default) fsyncs the write-ahead log on every commit of a
-//! completion, fail, reclaim, journal write or sweep: it survives power loss. Claims and
-//! lease extensions are deferred by default ([`Config::with_durable_claims`]): committed
-//! with `synchronous = NORMAL`, they survive a crash of the process, and a power loss
-//! takes back only claims whose handlers it killed too. [`Synchronous::Normal`] skips that
+//! [`Synchronous::Full`] (default) fsyncs the write-ahead log on every commit: an
+//! acknowledged completion, fail, reclaim or journal write survives power loss. Claims are
+//! deferred by default ([`Config::with_durable_claims`]): answered from memory and written
+//! with the writer's next transaction, so a crash takes back only claims whose handlers it
+//! ended too; the store then needs the file alone (an exclusive advisory lock on
+//! `<file>.idem-lock`), and processes sharing a file all open it with durable claims. [`Synchronous::Normal`] skips that
 //! fsync (it happens at checkpoints): still consistent after any crash and durable across a
 //! process crash, but a power loss or OS crash can roll back the newest commits, so a
 //! handler may run again for a key whose claim was acknowledged. Group commit is what keeps
