@@ -575,6 +575,92 @@ struct Tracked<'t> {
     wrote: bool,
 }
 
+/// The table of a transaction that starts with pending claims: they are staged here and
+/// written only when the transaction needs them in the table (a journal write, a sweep)
+/// or at its end, so a claim completed in the same transaction is written once, completed,
+/// instead of inserted and then updated. Reads see the staged records first.
+struct Staged<'t> {
+    table: &'t mut dyn RecordTable,
+    claims: HashMap<RecordId, PendingClaim>,
+    /// Writing a staged claim failed: the transaction must not commit.
+    broken: bool,
+}
+
+impl Staged<'_> {
+    /// Writes staged claim `id` (if any) into the table.
+    fn put(&mut self, id: RecordId) -> Result<(), StoreError> {
+        let Some(PendingClaim { record, replaces }) = self.claims.remove(&id) else { return Ok(()) };
+        let result = if replaces {
+            // An earlier generation may be in the file: its journal goes, and the write
+            // moves its index entry.
+            self.table
+                .journal_clear(id)
+                .and_then(|()| self.table.read(id))
+                .and_then(|old| self.table.write_owned(old.as_ref(), record))
+        } else {
+            self.table.write_owned(None, record)
+        };
+        self.broken |= result.is_err();
+        result
+    }
+
+    fn put_all(&mut self) -> Result<(), StoreError> {
+        let ids: Vec<RecordId> = self.claims.keys().copied().collect();
+        ids.into_iter().try_for_each(|id| self.put(id))
+    }
+}
+
+impl RecordRead for Staged<'_> {
+    fn read(&self, id: crate::RecordId) -> Result<Option<crate::Record>, StoreError> {
+        match self.claims.get(&id) {
+            Some(p) => Ok(Some(p.record.clone())),
+            None => self.table.read(id),
+        }
+    }
+    fn journal_read(&self, id: crate::RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        // A staged claim is a new generation: no entries.
+        if self.claims.contains_key(&id) {
+            return Ok(None);
+        }
+        self.table.journal_read(id, name)
+    }
+}
+
+impl RecordTable for Staged<'_> {
+    fn write(&mut self, old: Option<&crate::Record>, new: &crate::Record) -> Result<(), StoreError> {
+        self.write_owned(old, new.clone())
+    }
+    fn write_owned(&mut self, old: Option<&crate::Record>, new: crate::Record) -> Result<(), StoreError> {
+        match self.claims.get_mut(&new.id) {
+            // Still staged: the new state replaces it, written later in one go.
+            Some(p) => {
+                p.record = new;
+                Ok(())
+            }
+            None => self.table.write_owned(old, new),
+        }
+    }
+    fn expired(&mut self, now: crate::UnixMillis, limit: usize) -> Result<Vec<crate::Expired>, StoreError> {
+        self.put_all()?;
+        self.table.expired(now, limit)
+    }
+    fn remove(&mut self, expired: crate::Expired) -> Result<(), StoreError> {
+        self.put(expired.id)?;
+        self.table.remove(expired)
+    }
+    fn journal_write(&mut self, id: crate::RecordId, name: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.put(id)?;
+        self.table.journal_write(id, name, value)
+    }
+    fn journal_clear(&mut self, id: crate::RecordId) -> Result<(), StoreError> {
+        self.put(id)?;
+        self.table.journal_clear(id)
+    }
+    fn is_poisoned(&self) -> bool {
+        self.broken || self.table.is_poisoned()
+    }
+}
+
 impl Tracked<'_> {
     fn count<T>(&mut self, result: Result<T, StoreError>) -> Result<T, StoreError> {
         self.wrote |= result.is_ok();
@@ -732,22 +818,18 @@ impl<E: Engine> Writer<E> {
         let mut written: Vec<(RecordId, FencingToken)> = Vec::new();
         let claims = self.pending.clone();
         let result = self.engine.transaction(durable, &mut |table| {
-            if let Some(claims) = &claims {
-                let snapshot: Vec<(Record, bool)> =
-                    lock_pending(claims).claims.values().map(|p| (p.record.clone(), p.replaces)).collect();
-                for (record, replaces) in snapshot {
-                    let mut tracked = Tracked { table: &mut *table, wrote: false };
-                    let result = if replaces { tracked.journal_clear(record.id) } else { Ok(()) }
-                        .and_then(|()| tracked.read(record.id))
-                        .and_then(|old| tracked.write(old.as_ref(), &record));
-                    wrote |= tracked.wrote;
-                    if let Err(error) = result {
-                        fault = Some((None, error));
-                        return false;
-                    }
-                    written.push((record.id, record.token));
-                }
-            }
+            // The pending claims go into this transaction first (staged, see `Staged`).
+            let staged: HashMap<RecordId, PendingClaim> = claims.as_ref().map_or_else(HashMap::new, |claims| {
+                lock_pending(claims)
+                    .claims
+                    .iter()
+                    .map(|(id, p)| (*id, PendingClaim { record: p.record.clone(), replaces: p.replaces }))
+                    .collect()
+            });
+            written.extend(staged.values().map(|p| (p.record.id, p.record.token)));
+            wrote |= !staged.is_empty();
+            let mut table = Staged { table, claims: staged, broken: false };
+            let table = &mut table;
             for job in pending.by_ref() {
                 if job.write.is_claim() && job.reply.is_closed() {
                     counters.abandoned_claims.fetch_add(1, Ordering::Relaxed);
@@ -777,6 +859,10 @@ impl<E: Engine> Writer<E> {
                     }
                     outcome => done.push((job.reply, outcome)),
                 }
+            }
+            if let Err(error) = table.put_all() {
+                fault = Some((None, error));
+                return false;
             }
             wrote
         });
