@@ -169,7 +169,9 @@ async fn layer_for(args: &HttpArgs, dir: &Path, role: &str) -> Result<Idempotenc
         }
         HttpStore::Sqlite => {
             let path = dir.join(format!("http-{role}.sqlite"));
-            Arc::new(idem_sqlite::SqliteStore::open(path, idem_sqlite::Config::default())?)
+            // One process, nothing else on the file: deferred claims.
+            let config = idem_sqlite::Config::default().with_durable_claims(false);
+            Arc::new(idem_sqlite::SqliteStore::open(path, config)?)
         }
         HttpStore::Redis => {
             let config =

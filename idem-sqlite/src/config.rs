@@ -78,9 +78,9 @@ impl Default for Config {
         Self {
             clock: Arc::new(SystemClock),
             synchronous: Synchronous::default(),
-            durable_claims: false,
+            durable_claims: true,
             busy_timeout: Duration::from_secs(5),
-            batch: BatchConfig::default().with_thread_name("idem-sqlite-writer").with_durable_claims(false),
+            batch: BatchConfig::default().with_thread_name("idem-sqlite-writer"),
             max_readers: 4,
             claim_reads: true,
             auto_migrate: true,
@@ -105,7 +105,9 @@ impl Config {
         self
     }
 
-    /// Whether a claim waits for a durable commit (default `false`).
+    /// Whether a claim waits for a durable commit (default `true`). `false` defers claims,
+    /// for a file this store has alone (one process, and no operator tool opening the file
+    /// while it runs).
     ///
     /// With `false` (deferred claims), a claim is decided on the caller's thread against
     /// the claims not yet written and a fresh read of the file, kept in memory and
@@ -123,9 +125,10 @@ impl Config {
     /// Pending claims live in this store's memory, so another store on the file would not
     /// see them: with `false` the store must be the file's only user, and
     /// [`crate::SqliteStore::open`] takes an exclusive advisory lock on
-    /// `<file>.idem-lock` (failing with [`crate::Error::InUse`] when any other store has
-    /// the file); with `true` it takes a shared one, so stores sharing a file (several
-    /// processes) all need `true`.
+    /// `<file>.idem-lock`, failing with [`crate::Error::InUse`] when any other store
+    /// (another process, the `idem` CLI) has the file, and making them fail while it runs.
+    /// With `true` it takes a shared one. Why the default differs from redb's: a redb file
+    /// is one process's anyway, a SQLite file is often shared and inspected while it runs.
     pub fn with_durable_claims(mut self, on: bool) -> Self {
         self.durable_claims = on;
         self.batch = self.batch.with_durable_claims(on);

@@ -68,11 +68,12 @@
 //!
 //! ## Durability
 //! [`Synchronous::Full`] (default) fsyncs the write-ahead log on every commit: an
-//! acknowledged completion, fail, reclaim or journal write survives power loss. Claims are
-//! deferred by default ([`Config::with_durable_claims`]): answered from memory and written
-//! with the writer's next transaction, so a crash takes back only claims whose handlers it
-//! ended too; the store then needs the file alone (an exclusive advisory lock on
-//! `<file>.idem-lock`), and processes sharing a file all open it with durable claims. [`Synchronous::Normal`] skips that
+//! acknowledged claim, completion, fail, reclaim or journal write survives power loss. A
+//! store that has its file alone can defer claims ([`Config::with_durable_claims`]
+//! `(false)`): answered from memory and written with the writer's next transaction, so a
+//! crash takes back only claims whose handlers it ended too, and a first-time request
+//! waits for one group commit instead of two; the store then holds an exclusive advisory
+//! lock on `<file>.idem-lock`, and no other store or process may open the file meanwhile. [`Synchronous::Normal`] skips that
 //! fsync (it happens at checkpoints): still consistent after any crash and durable across a
 //! process crash, but a power loss or OS crash can roll back the newest commits, so a
 //! handler may run again for a key whose claim was acknowledged. Group commit is what keeps

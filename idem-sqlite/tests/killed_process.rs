@@ -1,7 +1,7 @@
 //! A process killed with SIGKILL in the middle of group commits loses no completion,
 //! journal entry, fail or reclaim it had acknowledged, hands out no fencing token twice,
 //! and leaves a file that the next process opens cleanly. With deferred
-//! claims (the default) the claims still in memory at the kill are lost and their keys
+//! claims (`with_durable_claims(false)`) the claims still in memory at the kill are lost and their keys
 //! are claimed again with greater tokens; with durable claims none is lost. The
 //! child/parent harness is `idem_conformance::killed_process`.
 

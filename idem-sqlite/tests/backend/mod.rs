@@ -13,7 +13,7 @@ use idem_sqlite::{Config, SqliteStore};
 
 /// Opens stores in a temporary directory that lives as long as the backend, which the
 /// suite keeps for as long as the scenario's stores.
-pub struct Sqlite {
+pub(crate) struct Sqlite {
     dir: tempfile::TempDir,
     durable_claims: bool,
     /// The files opened so far; the last one is where `open_peer` opens.
@@ -21,7 +21,7 @@ pub struct Sqlite {
 }
 
 impl Sqlite {
-    pub fn new(durable_claims: bool) -> Self {
+    pub(crate) fn new(durable_claims: bool) -> Self {
         Self { dir: tempfile::tempdir().expect("temp dir"), durable_claims, files: Mutex::default() }
     }
 
