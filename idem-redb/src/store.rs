@@ -172,6 +172,13 @@ impl Store for RedbStore {
     }
 
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        // A record live in the file answers a replay without any lock: no pending claim can
+        // be newer (one is made only when the file's record is absent or expired).
+        if self.config.claim_reads()
+            && let Some(outcome) = self.claim_from_view(&req)
+        {
+            return Ok(outcome);
+        }
         if self.writer.defers_claims() {
             // Decided here against the pending claims and a fresh read transaction; no
             // commit to wait for (`Config::with_durable_claims`).
@@ -182,11 +189,6 @@ impl Store for RedbStore {
                 return Ok(outcome);
             }
             return self.writer.submit(Write::Claim(req)).await?.into_claim(BACKEND);
-        }
-        if self.config.claim_reads()
-            && let Some(outcome) = self.claim_from_view(&req)
-        {
-            return Ok(outcome);
         }
         self.writer.submit(Write::Claim(req)).await?.into_claim(BACKEND)
     }

@@ -379,6 +379,15 @@ impl Engine for Writer {
 impl Store for SqliteStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let inner = &self.inner;
+        // A record live in the file answers a replay on a reader, without the writer and
+        // without the pending-claims lock: no pending claim can be newer (one is made only
+        // when the file's record is absent or expired).
+        if inner.claim_reads
+            && let Some(Some(outcome)) =
+                inner.readers.try_with(|conn| inner.commit.claim_from_view(&SqliteView::new(conn), &req))
+        {
+            return Ok(outcome);
+        }
         if let Some(reader) = &inner.claim_reader {
             // Decided here against the pending claims and a fresh read (a WAL point read
             // does not wait for the writer); no commit to wait for.
@@ -389,13 +398,6 @@ impl Store for SqliteStore {
             if let Some(outcome) = deferred {
                 return Ok(outcome);
             }
-            return inner.commit.submit(Write::Claim(req)).await?.into_claim(BACKEND);
-        }
-        if inner.claim_reads
-            && let Some(Some(outcome)) =
-                inner.readers.try_with(|conn| inner.commit.claim_from_view(&SqliteView::new(conn), &req))
-        {
-            return Ok(outcome);
         }
         inner.commit.submit(Write::Claim(req)).await?.into_claim(BACKEND)
     }

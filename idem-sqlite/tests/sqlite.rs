@@ -378,13 +378,14 @@ fn a_store_with_deferred_claims_has_its_file_alone() {
     let dir = tempfile::tempdir().expect("dir");
     let path = dir.path().join("alone.sqlite3");
     let in_use = |result: Result<SqliteStore, Error>| matches!(result, Err(Error::InUse { .. }));
-    let deferred = SqliteStore::open(&path, Config::default()).expect("the first store opens");
-    assert!(in_use(SqliteStore::open(&path, Config::default())), "a second deferred store");
+    let alone = || Config::default().with_durable_claims(false);
+    let deferred = SqliteStore::open(&path, alone()).expect("the first store opens");
+    assert!(in_use(SqliteStore::open(&path, alone())), "a second deferred store");
     assert!(in_use(SqliteStore::open(&path, Config::default().with_durable_claims(true))), "a sharing store");
     drop(deferred);
     let shared = SqliteStore::open(&path, Config::default().with_durable_claims(true)).expect("shared opens");
     let peer = SqliteStore::open(&path, Config::default().with_durable_claims(true)).expect("a second shared opens");
-    assert!(in_use(SqliteStore::open(&path, Config::default())), "a deferred store beside sharing ones");
+    assert!(in_use(SqliteStore::open(&path, alone())), "a deferred store beside sharing ones");
     drop((shared, peer));
-    SqliteStore::open(&path, Config::default()).expect("alone again");
+    SqliteStore::open(&path, alone()).expect("alone again");
 }
