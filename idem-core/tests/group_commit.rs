@@ -306,13 +306,18 @@ fn a_deferred_claim_waits_for_no_commit_and_is_written_with_the_next_batch() {
 
 #[test]
 fn a_pending_claim_is_written_on_its_own_after_its_age() {
-    //! A claim nobody completes must still reach the file (and leave memory) without any other operation.
+    //! A claim nobody completes must still reach the file (and leave memory) without any other operation, also when the writer was idle before it.
     let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000_000)));
     let config = BatchConfig::default().with_durable_claims(false).with_pending_claim_age(Duration::from_millis(5));
     let gc = GroupCommit::start(engine.clone(), Arc::new(clock.clone()), config).expect("writer starts");
+    // Let the writer go idle first (waiting for work without a deadline): the claim must
+    // wake it, or it would wait for the next operation, which never comes.
+    std::thread::sleep(Duration::from_millis(50));
     assert!(claim_deferred(&gc, &engine, &claim(0, 0)).is_ok());
-    // No deadline is asserted: the loop only waits for the writer.
+    // Not a timing assertion: the bound only turns a hang into a failure.
+    let waiting = std::time::Instant::now();
     while gc.pending_claim(id(0)).is_some() {
+        assert!(waiting.elapsed() < Duration::from_secs(30), "the idle writer never wrote the pending claim");
         std::thread::sleep(Duration::from_millis(1));
     }
     assert!(lock(&engine.committed).get(id(0), clock.now()).is_some());

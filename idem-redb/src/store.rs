@@ -185,10 +185,7 @@ impl Store for RedbStore {
             let Some(db) = self.handle.current() else {
                 return Err(Error::Reopening.into());
             };
-            if let Some(outcome) = self.writer.claim_deferred(&req, |id| RedbView::begin(&db)?.read(id))? {
-                return Ok(outcome);
-            }
-            return self.writer.submit(Write::Claim(req)).await?.into_claim(BACKEND);
+            return self.writer.claim_deferred_waiting(&req, |id| RedbView::begin(&db)?.read(id)).await;
         }
         self.writer.submit(Write::Claim(req)).await?.into_claim(BACKEND)
     }

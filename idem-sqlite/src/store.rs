@@ -391,13 +391,13 @@ impl Store for SqliteStore {
         if let Some(reader) = &inner.claim_reader {
             // Decided here against the pending claims and a fresh read (a WAL point read
             // does not wait for the writer); no commit to wait for.
-            let deferred = inner.commit.claim_deferred(&req, |id| {
-                let conn = reader.lock().unwrap_or_else(PoisonError::into_inner);
-                SqliteView::new(&conn).read(id)
-            })?;
-            if let Some(outcome) = deferred {
-                return Ok(outcome);
-            }
+            return inner
+                .commit
+                .claim_deferred_waiting(&req, |id| {
+                    let conn = reader.lock().unwrap_or_else(PoisonError::into_inner);
+                    SqliteView::new(&conn).read(id)
+                })
+                .await;
         }
         inner.commit.submit(Write::Claim(req)).await?.into_claim(BACKEND)
     }

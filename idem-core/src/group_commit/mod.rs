@@ -435,8 +435,11 @@ impl GroupCommit {
     /// is now (a new read transaction: it must see every commit made before it is called);
     /// it runs only when no pending claim of the id exists. A new in-flight record is kept
     /// in memory until the writer's next transaction writes it. `None` when 1,024 claims
-    /// are already waiting to be written: submit this one to the writer
-    /// ([`GroupCommit::submit`]), which writes the waiting ones first (back-pressure).
+    /// are already waiting to be written: have them written ([`GroupCommit::write_pending`])
+    /// and call again, as [`GroupCommit::claim_deferred_waiting`] does (back-pressure).
+    /// Never send the claim to the writer instead: a claim the writer decides is not in
+    /// memory until its commit, so a deferred claim of the same key made meanwhile would
+    /// not see it.
     ///
     /// # Errors
     /// `read`'s error; an error when claims are not deferred on this executor.
@@ -480,6 +483,10 @@ impl GroupCommit {
         let waiting = guard.claims.len();
         drop(guard);
         self.shared.counters.deferred_claims.fetch_add(1, Ordering::Relaxed);
+        if waiting == 1 {
+            // An idle writer waits without a deadline: give it this claim's.
+            self.shared.queue.wake();
+        }
         if waiting.is_multiple_of(PENDING_FLUSH) {
             // Enough waiting: ask the writer for a transaction now (a no-op write nobody
             // waits for; the writer writes the pending claims first).
@@ -487,6 +494,26 @@ impl GroupCommit {
             let _ = self.shared.queue.push(Job { write: Write::Sweep { limit: 0 }, reply });
         }
         Ok(Some(outcome))
+    }
+
+    /// [`GroupCommit::claim_deferred`] until it has room: when 1,024 claims are waiting,
+    /// has the writer write them ([`GroupCommit::write_pending`]) and tries again. A claim
+    /// is never decided anywhere else while claims are deferred (the writer deciding one
+    /// would not see a claim made meanwhile from memory).
+    ///
+    /// # Errors
+    /// As [`GroupCommit::claim_deferred`] and [`GroupCommit::write_pending`].
+    pub async fn claim_deferred_waiting(
+        &self,
+        req: &ClaimRequest,
+        read: impl Fn(RecordId) -> Result<Option<Record>, StoreError>,
+    ) -> Result<ClaimOutcome, StoreError> {
+        loop {
+            if let Some(outcome) = self.claim_deferred(req, &read)? {
+                return Ok(outcome);
+            }
+            self.write_pending().await?;
+        }
     }
 
     /// The pending claim of `id` if one is waiting to be written: a store's reads
@@ -584,12 +611,16 @@ struct Staged<'t> {
     claims: HashMap<RecordId, PendingClaim>,
     /// Writing a staged claim failed: the transaction must not commit.
     broken: bool,
+    /// The claim whose write failed, dropped from memory after the failed batch so it
+    /// cannot fail every later one.
+    failed: &'t mut Option<(RecordId, FencingToken)>,
 }
 
 impl Staged<'_> {
     /// Writes staged claim `id` (if any) into the table.
     fn put(&mut self, id: RecordId) -> Result<(), StoreError> {
         let Some(PendingClaim { record, replaces }) = self.claims.remove(&id) else { return Ok(()) };
+        let token = record.token;
         let result = if replaces {
             // An earlier generation may be in the file: its journal goes, and the write
             // moves its index entry.
@@ -600,7 +631,10 @@ impl Staged<'_> {
         } else {
             self.table.write_owned(None, record)
         };
-        self.broken |= result.is_err();
+        if result.is_err() {
+            self.broken = true;
+            *self.failed = Some((id, token));
+        }
         result
     }
 
@@ -762,6 +796,8 @@ impl<E: Engine> Writer<E> {
             };
             match self.queue.next(deadline) {
                 Next::Item(job) => return Some(job),
+                // A first pending claim arrived: wait again, now with its deadline.
+                Next::Woken => {}
                 // Pending claims waited long enough: a transaction of their own.
                 Next::Timeout if self.has_pending() => self.run_batch(Vec::new()),
                 Next::Timeout => self.flush(),
@@ -788,6 +824,7 @@ impl<E: Engine> Writer<E> {
                         // Take whatever came with it in the same lock.
                         self.queue.drain_into(batch, target);
                     }
+                    Next::Woken => {}
                     Next::Timeout | Next::Closed => break,
                 }
             }
@@ -816,6 +853,7 @@ impl<E: Engine> Writer<E> {
         let mut wrote = false;
         // The pending claims this transaction writes first (id and token).
         let mut written: Vec<(RecordId, FencingToken)> = Vec::new();
+        let mut failed_claim: Option<(RecordId, FencingToken)> = None;
         let claims = self.pending.clone();
         let result = self.engine.transaction(durable, &mut |table| {
             // The pending claims go into this transaction first (staged, see `Staged`).
@@ -828,7 +866,7 @@ impl<E: Engine> Writer<E> {
             });
             written.extend(staged.values().map(|p| (p.record.id, p.record.token)));
             wrote |= !staged.is_empty();
-            let mut table = Staged { table, claims: staged, broken: false };
+            let mut table = Staged { table, claims: staged, broken: false, failed: &mut failed_claim };
             let table = &mut table;
             for job in pending.by_ref() {
                 if job.write.is_claim() && job.reply.is_closed() {
@@ -875,6 +913,15 @@ impl<E: Engine> Writer<E> {
         match failure {
             Some((stage, error)) => {
                 self.counters.failed_batches.fetch_add(1, Ordering::Relaxed);
+                if let (Some((id, token)), Some(claims)) = (failed_claim, &self.pending) {
+                    // Its caller heard "claimed" already; losing it now is what a crash
+                    // would do, and keeping it would fail every batch after this one.
+                    let mut claims = lock_pending(claims);
+                    if claims.claims.get(&id).is_some_and(|p| p.record.token == token) {
+                        claims.claims.remove(&id);
+                        tracing::error!(backend, %error, "a deferred claim could not be written and was dropped");
+                    }
+                }
                 tracing::warn!(backend, batch = size, %stage, %error, "group commit failed; nothing in it was committed");
                 let cause = Arc::new(error);
                 let replies =
