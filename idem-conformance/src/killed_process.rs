@@ -128,6 +128,37 @@ pub fn main<S: Store + 'static>(child_env: &str, file_name: &str, claims: Claims
     }
 }
 
+/// The crash test for a store that can defer claims: [`main`] with [`Claims::Deferred`],
+/// then the same test in a second parent process with [`Claims::Durable`]. `open` opens
+/// the store on a path for the pass it is given; with deferred claims it must keep claims
+/// in memory until the kill (a pending-claim age longer than the test), so that every
+/// claim made after `holding` is lost, which this asserts (at least [`HELD_CLAIMS`]).
+/// The durable pass asserts that none is. The pass travels to the second parent and to
+/// the children in the environment variable `<child_env>_CLAIMS`.
+///
+/// # Panics
+/// As [`main`], and when a pass loses more or fewer claims than it should.
+pub fn main_both_passes<S: Store + 'static>(child_env: &str, file_name: &str, open: impl Fn(&Path, Claims) -> S) {
+    let pass_env = format!("{child_env}_CLAIMS");
+    let claims = match std::env::var(&pass_env).as_deref() {
+        Ok("durable") => Claims::Durable,
+        _ => Claims::Deferred,
+    };
+    let report = main(child_env, file_name, claims, |path| open(path, claims));
+    if std::env::var_os(child_env).is_some() {
+        return;
+    }
+    if claims == Claims::Durable {
+        assert_eq!(report.lost_claims, 0, "{report:?}");
+        return;
+    }
+    // After `holding` no caller writes anything but claims, so every one of them is still
+    // in memory at the kill.
+    assert!(report.lost_claims >= HELD_CLAIMS, "deferred claims at the kill: {report:?}");
+    let status = Command::new(std::env::current_exe().expect("test binary")).env(&pass_env, "durable").status();
+    assert!(status.expect("run the durable-claims pass").success(), "the durable-claims pass failed");
+}
+
 fn child<S: Store + 'static>(store: S) {
     let store = Arc::new(store);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");

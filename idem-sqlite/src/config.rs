@@ -57,7 +57,6 @@ impl Synchronous {
 pub struct Config {
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) synchronous: Synchronous,
-    pub(crate) durable_claims: bool,
     pub(crate) busy_timeout: Duration,
     pub(crate) batch: BatchConfig,
     pub(crate) max_readers: usize,
@@ -78,7 +77,6 @@ impl Default for Config {
         Self {
             clock: Arc::new(SystemClock),
             synchronous: Synchronous::default(),
-            durable_claims: true,
             busy_timeout: Duration::from_secs(5),
             batch: BatchConfig::default().with_thread_name("idem-sqlite-writer"),
             max_readers: 4,
@@ -130,7 +128,6 @@ impl Config {
     /// With `true` it takes a shared one. Why the default differs from redb's: a redb file
     /// is one process's anyway, a SQLite file is often shared and inspected while it runs.
     pub fn with_durable_claims(mut self, on: bool) -> Self {
-        self.durable_claims = on;
         self.batch = self.batch.with_durable_claims(on);
         self
     }
@@ -146,7 +143,7 @@ impl Config {
     /// Whether claims wait for a durable commit.
     #[must_use]
     pub fn durable_claims(&self) -> bool {
-        self.durable_claims
+        self.batch.durable_claims()
     }
 
     /// How long a connection waits for a lock another process holds before giving up with

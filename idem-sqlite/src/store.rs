@@ -83,7 +83,7 @@ impl SqliteStore {
     /// cannot start.
     pub fn open(path: impl AsRef<Path>, config: Config) -> Result<Self, Error> {
         let path = path.as_ref().to_path_buf();
-        let lock = lock_file(&path, config.durable_claims)?;
+        let lock = lock_file(&path, config.durable_claims())?;
         let mut conn = open_writer(&path, &config)?;
         if config.auto_migrate {
             sql::migrate(&mut conn)?;
@@ -93,7 +93,7 @@ impl SqliteStore {
         let clock_skew_ms = check_clock(&conn, &*config.clock, config.max_clock_skew)?;
         conn.set_prepared_statement_cache_capacity(16);
         let readers = Readers::open(&path, config.busy_timeout, config.max_readers)?;
-        let claim_reader = if config.durable_claims { None } else { Some(Mutex::new(readers.connect()?)) };
+        let claim_reader = if config.durable_claims() { None } else { Some(Mutex::new(readers.connect()?)) };
         let writer = Writer {
             conn,
             #[cfg(test)]
@@ -105,7 +105,7 @@ impl SqliteStore {
             path = %path.display(),
             journal_mode = "wal",
             synchronous = config.synchronous.pragma(),
-            durable_claims = config.durable_claims,
+            durable_claims = config.durable_claims(),
             schema_version = crate::SCHEMA_VERSION,
             auto_migrate = config.auto_migrate,
             max_batch = config.batch.max_batch(),
