@@ -92,7 +92,7 @@ enum Recorder {
 enum HttpStore {
     Memory,
     Redb,
-    /// One SQLite file per server, this process its only user.
+    /// One SQLite file per server.
     Sqlite,
     Redis,
 }
@@ -169,9 +169,7 @@ async fn layer_for(args: &HttpArgs, dir: &Path, role: &str) -> Result<Idempotenc
         }
         HttpStore::Sqlite => {
             let path = dir.join(format!("http-{role}.sqlite"));
-            // One process, nothing else on the file: deferred claims.
-            let config = idem_sqlite::Config::default().with_durable_claims(false);
-            Arc::new(idem_sqlite::SqliteStore::open(path, config)?)
+            Arc::new(idem_sqlite::SqliteStore::open(path, idem_sqlite::Config::default())?)
         }
         HttpStore::Redis => {
             let config =

@@ -194,7 +194,7 @@ pub(crate) async fn run(args: ScaleArgs) -> Result<(), BoxError> {
             let path = dir.path().join("scale.sqlite3");
             let open = path.clone();
             let store = tokio::task::spawn_blocking(move || {
-                idem_sqlite::SqliteStore::open(open, idem_sqlite::Config::default().with_durable_claims(false))
+                idem_sqlite::SqliteStore::open(open, idem_sqlite::Config::default())
             })
             .await??;
             (Arc::new(store), None, Some(path), None)

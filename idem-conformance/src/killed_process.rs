@@ -12,13 +12,10 @@
 //! [`KILL_AFTER`] lines the parent tells the child to hold: every caller finishes its
 //! step and from then on only claims (the child prints `holding` once all have switched),
 //! so the claims after `holding` lie between a claim and the first durable write after
-//! it, which is where a store with deferred claims ([`Claims::Deferred`]) may lose them.
-//! The parent kills the child there, reopens the file and checks every line against the
-//! store:
-//! - a completion, a journal entry, a fail and a reclaim are never lost;
-//! - a claim is never lost with [`Claims::Durable`]; with [`Claims::Deferred`] it may be,
-//!   and then a new claim of its key gets a greater token, and the lost token is fenced
-//!   out (completing with it is `LeaseLost`);
+//! it: a store that answers a claim before it is durable (from memory, to be written with
+//! a later commit) loses them there. The parent kills the child, reopens the file and
+//! checks every line against the store:
+//! - no acknowledged claim, completion, journal entry, fail or reclaim is lost;
 //! - every record holds the token printed last for it (or, for a write the kill cut off
 //!   before its line, the next one).
 //!
@@ -26,11 +23,8 @@
 //! # fn open_my_store(_path: &std::path::Path) -> idem_core::MemoryStore { idem_core::MemoryStore::new() }
 //! // tests/killed_process.rs, with `[[test]] name = "killed_process"` and
 //! // `harness = false` in Cargo.toml.
-//! use idem_conformance::killed_process::{self, Claims};
-//!
 //! fn main() {
-//!     let report = killed_process::main("MY_STORE_KILL_DB", "killed.db", Claims::Durable, |path| open_my_store(path));
-//!     assert_eq!(report.lost_claims, 0);
+//!     idem_conformance::killed_process::main("MY_STORE_KILL_DB", "killed.db", |path| open_my_store(path));
 //! }
 //! ```
 
@@ -44,7 +38,7 @@ use std::time::Duration;
 
 use idem_core::{
     ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ReclaimOutcome,
-    ReclaimRequest, RecordState, Scope, Store, StoreError, StoredResponse,
+    ReclaimRequest, RecordState, Scope, Store, StoredResponse,
 };
 
 /// Lines the parent reads before it tells the child to hold.
@@ -58,16 +52,6 @@ const STEP: &str = "intent";
 const LEASE: Duration = Duration::from_secs(300);
 const RETENTION: Duration = Duration::from_secs(3600);
 
-/// What the store promises about an acknowledged claim.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Claims {
-    /// Every acknowledged claim survives the kill.
-    Durable,
-    /// A claim with no durable write after it may be lost (deferred claims): its handler
-    /// died in the same crash. Everything else stays as with [`Claims::Durable`].
-    Deferred,
-}
-
 /// What the parent found after the kill.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -78,8 +62,6 @@ pub struct Report {
     pub completed: usize,
     /// Claims acknowledged after `holding` (between a claim and the next durable write).
     pub held: usize,
-    /// Acknowledged claims missing after the kill (always 0 with [`Claims::Durable`]).
-    pub lost_claims: usize,
 }
 
 /// What a caller does with each of its keys.
@@ -116,47 +98,16 @@ fn body(n: usize) -> Vec<u8> {
 /// `open` opens the store on a path, in the child and again in the parent after the kill.
 ///
 /// # Panics
-/// When a write the store promised to keep is missing after the kill, a token repeats, or
-/// anything the test needs (spawning, the file, a runtime) fails.
-pub fn main<S: Store + 'static>(child_env: &str, file_name: &str, claims: Claims, open: impl Fn(&Path) -> S) -> Report {
+/// When an acknowledged write (a claim included) is missing after the kill, a token
+/// repeats, or anything the test needs (spawning, the file, a runtime) fails.
+pub fn main<S: Store + 'static>(child_env: &str, file_name: &str, open: impl Fn(&Path) -> S) -> Report {
     match std::env::var_os(child_env) {
         Some(path) => {
             child(open(Path::new(&path)));
             Report::default()
         }
-        None => parent(child_env, file_name, claims, open),
+        None => parent(child_env, file_name, open),
     }
-}
-
-/// The crash test for a store that can defer claims: [`main`] with [`Claims::Deferred`],
-/// then the same test in a second parent process with [`Claims::Durable`]. `open` opens
-/// the store on a path for the pass it is given; with deferred claims it must keep claims
-/// in memory until the kill (a pending-claim age longer than the test), so that every
-/// claim made after `holding` is lost, which this asserts (at least [`HELD_CLAIMS`]).
-/// The durable pass asserts that none is. The pass travels to the second parent and to
-/// the children in the environment variable `<child_env>_CLAIMS`.
-///
-/// # Panics
-/// As [`main`], and when a pass loses more or fewer claims than it should.
-pub fn main_both_passes<S: Store + 'static>(child_env: &str, file_name: &str, open: impl Fn(&Path, Claims) -> S) {
-    let pass_env = format!("{child_env}_CLAIMS");
-    let claims = match std::env::var(&pass_env).as_deref() {
-        Ok("durable") => Claims::Durable,
-        _ => Claims::Deferred,
-    };
-    let report = main(child_env, file_name, claims, |path| open(path, claims));
-    if std::env::var_os(child_env).is_some() {
-        return;
-    }
-    if claims == Claims::Durable {
-        assert_eq!(report.lost_claims, 0, "{report:?}");
-        return;
-    }
-    // After `holding` no caller writes anything but claims, so every one of them is still
-    // in memory at the kill.
-    assert!(report.lost_claims >= HELD_CLAIMS, "deferred claims at the kill: {report:?}");
-    let status = Command::new(std::env::current_exe().expect("test binary")).env(&pass_env, "durable").status();
-    assert!(status.expect("run the durable-claims pass").success(), "the durable-claims pass failed");
 }
 
 fn child<S: Store + 'static>(store: S) {
@@ -253,7 +204,7 @@ enum Step {
     Completed,
 }
 
-fn parent<S: Store>(child_env: &str, file_name: &str, claims: Claims, open: impl Fn(&Path) -> S) -> Report {
+fn parent<S: Store>(child_env: &str, file_name: &str, open: impl Fn(&Path) -> S) -> Report {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join(file_name);
     let mut child = Command::new(std::env::current_exe().expect("test binary path"))
@@ -317,28 +268,7 @@ fn parent<S: Store>(child_env: &str, file_name: &str, claims: Claims, open: impl
         for (&n, &(step, token)) in &acked {
             let id = request(n).id;
             let Some(r) = store.get(id).await.expect("get") else {
-                assert!(
-                    step == Step::Claimed && claims == Claims::Deferred,
-                    "k{n}: acknowledged as {step:?} with token {token} and lost in the kill"
-                );
-                report.lost_claims += 1;
-                // A lost claim's key is claimed anew with a greater token, and the lost
-                // one is fenced out: its handler died, and a late write with its token
-                // cannot land on the new attempt.
-                let ClaimOutcome::Claimed(again) = store.claim(request(n)).await.expect("claim again") else {
-                    panic!("k{n}: a lost claim's key was not free");
-                };
-                assert!(
-                    again.token > token,
-                    "k{n}: token {} after the restart repeats or precedes {token}",
-                    again.token
-                );
-                let late = store.complete(id, token, StoredResponse::new(201, Vec::new(), body(n))).await;
-                assert!(
-                    matches!(late, Err(StoreError::LeaseLost { .. })),
-                    "k{n}: completing with the lost token {token}: {late:?}"
-                );
-                continue;
+                panic!("k{n}: acknowledged as {step:?} with token {token} and lost in the kill");
             };
             // A write whose line the kill cut off may have committed: one step further.
             match step {
@@ -375,11 +305,10 @@ fn parent<S: Store>(child_env: &str, file_name: &str, claims: Claims, open: impl
             }
         }
     });
-    assert!(claims == Claims::Deferred || report.lost_claims == 0);
     println!(
-        "killed_process ({claims:?} claims): {} acknowledged keys ({} completed, {} claimed after `holding`), {} claims \
-         lost and re-claimed with greater tokens; every other acknowledged write survived SIGKILL",
-        report.keys, report.completed, report.held, report.lost_claims
+        "killed_process: {} acknowledged keys ({} completed, {} claimed after `holding`); every acknowledged write \
+         survived SIGKILL",
+        report.keys, report.completed, report.held
     );
     report
 }

@@ -123,6 +123,7 @@ use idem_core::{Capabilities, ManualClock, Store, UnixMillis};
 pub mod fuzz_targets;
 pub mod killed_process;
 pub mod model_test;
+pub mod racing_processes;
 pub mod scenarios;
 
 /// How the suite opens stores of one backend.

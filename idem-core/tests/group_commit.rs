@@ -28,8 +28,6 @@ struct ModelEngine {
     /// engine's size limit).
     refuse: Arc<Mutex<Option<RecordId>>>,
     commits: Arc<Mutex<u64>>,
-    /// The `durable` flag of every committed transaction, in order.
-    durability: Arc<Mutex<Vec<bool>>>,
 }
 
 /// A table that panics, or refuses, when asked to write one planted record.
@@ -82,7 +80,7 @@ impl Engine for ModelEngine {
 
     fn transaction(
         &mut self,
-        durable: bool,
+        _durable: bool,
         apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool,
     ) -> Result<(), TransactionFailed> {
         let mut draft = lock(&self.committed).clone();
@@ -96,7 +94,6 @@ impl Engine for ModelEngine {
         }
         *lock(&self.committed) = draft;
         *lock(&self.commits) += 1;
-        lock(&self.durability).push(durable);
         Ok(())
     }
 }
@@ -118,15 +115,6 @@ fn id(k: usize) -> RecordId {
 /// long linger), so operations pushed together share one transaction.
 fn start(engine: &ModelEngine, clock: &ManualClock, batch: usize) -> GroupCommit {
     let config = BatchConfig::default().with_max_batch(batch).with_linger(Linger::Fixed(Duration::from_secs(5)));
-    GroupCommit::start(engine.clone(), Arc::new(clock.clone()), config).expect("writer starts")
-}
-
-/// [`start`] with deferred claims.
-fn start_deferred(engine: &ModelEngine, clock: &ManualClock, batch: usize) -> GroupCommit {
-    let config = BatchConfig::default()
-        .with_max_batch(batch)
-        .with_linger(Linger::Fixed(Duration::from_secs(5)))
-        .with_durable_claims(false);
     GroupCommit::start(engine.clone(), Arc::new(clock.clone()), config).expect("writer starts")
 }
 
@@ -227,112 +215,6 @@ proptest! {
         let stats = gc.stats();
         prop_assert!(stats.batches < stats.operations, "operations shared transactions: {stats:?}");
     }
-}
-
-/// A deferred claim of `req`, read against what `engine` has committed.
-fn claim_deferred(gc: &GroupCommit, engine: &ModelEngine, req: &ClaimRequest) -> Result<Written, StoreError> {
-    let outcome = gc.claim_deferred(req, |id| lock(&engine.committed).read(id))?;
-    Ok(Written::Claim(outcome.expect("room for pending claims")))
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
-
-    /// With deferred claims, a round's claims (decided at once, without the writer) and
-    /// then its other operations (one batch) behave like the sequential model in that
-    /// order; the committed state equals the model's once the batch has written the
-    /// pending claims.
-    #[test]
-    fn deferred_claims_then_a_batch_equal_the_sequential_model(
-        rounds in prop::collection::vec((prop::collection::vec(op(), 5), prop::sample::select(vec![0i64, 1, 5_000, 61_000])), 1..12)
-    ) {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        let engine = ModelEngine::default();
-        let clock = ManualClock::new(UnixMillis(1_000_000));
-        let gc = start_deferred(&engine, &clock, 5);
-        let mut oracle = Model::new();
-        for (ops, advance) in rounds {
-            let (claims, rest): (Vec<&Op>, Vec<&Op>) = ops.iter().partition(|op| matches!(op, Op::Claim(..)));
-            for op in claims {
-                let Write::Claim(req) = op.write(&oracle, clock.now()) else { unreachable!("a claim") };
-                let got = claim_deferred(&gc, &engine, &req);
-                let want = idem_core::engine::apply(&mut oracle, Write::Claim(req), clock.now());
-                prop_assert_eq!(format!("{got:?}"), format!("{want:?}"), "{:?}", op);
-            }
-            // Resolved in order against the model, then sent as one batch of five (padded
-            // with sweeps of nothing, which the model answers the same).
-            let mut writes = Vec::new();
-            let mut wants = Vec::new();
-            for op in &rest {
-                let write = op.write(&oracle, clock.now());
-                wants.push(format!("{:?}", idem_core::engine::apply(&mut oracle, write.clone(), clock.now())));
-                writes.push(write);
-            }
-            writes.resize(5, Write::Sweep { limit: 0 });
-            let got = rt.block_on(send(&gc, writes));
-            for ((op, want), got) in rest.iter().zip(wants).zip(got) {
-                prop_assert_eq!(format!("{got:?}"), want, "{:?}", op);
-            }
-            clock.advance(Duration::from_millis(advance.unsigned_abs()));
-        }
-        prop_assert_eq!(&*engine.committed.lock().expect("lock"), &oracle);
-    }
-}
-
-#[test]
-fn a_deferred_claim_waits_for_no_commit_and_is_written_with_the_next_batch() {
-    //! A claim that waited for its own commit would cost a first-time request two group commits; one that were never written would leave the completion nothing to complete.
-    let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000_000)));
-    let gc = start_deferred(&engine, &clock, 1);
-    let claimed = |out: Result<Written, StoreError>| match out {
-        Ok(Written::Claim(ClaimOutcome::Claimed(r))) => r,
-        other => panic!("not claimed: {other:?}"),
-    };
-    let first = claimed(claim_deferred(&gc, &engine, &claim(0, 0)));
-    let second = claimed(claim_deferred(&gc, &engine, &claim(1, 0)));
-    assert_eq!(*lock(&engine.commits), 0, "no commit for a claim");
-    // Seen by a second claim and by reads before it is written.
-    let again = claim_deferred(&gc, &engine, &claim(0, 0));
-    assert!(matches!(again, Ok(Written::Claim(ClaimOutcome::Existing { .. }))), "{again:?}");
-    assert_eq!(gc.pending_claim(id(1)).map(|r| r.token), Some(second.token));
-    let out = runtime().block_on(gc.submit(complete(0, first.token.0)));
-    assert!(out.is_ok(), "{out:?}");
-    assert_eq!(*lock(&engine.durability), vec![true], "one durable commit");
-    let committed = lock(&engine.committed).clone();
-    assert!(committed.get(id(1), clock.now()).is_some(), "the other pending claim went with it");
-    assert!(gc.pending_claim(id(0)).is_none() && gc.pending_claim(id(1)).is_none(), "written claims leave memory");
-    assert_eq!(gc.stats().deferred_claims, 2, "claims that wrote");
-}
-
-#[test]
-fn a_pending_claim_is_written_on_its_own_after_its_age() {
-    //! A claim nobody completes must still reach the file (and leave memory) without any other operation, also when the writer was idle before it.
-    let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000_000)));
-    let config = BatchConfig::default().with_durable_claims(false).with_pending_claim_age(Duration::from_millis(5));
-    let gc = GroupCommit::start(engine.clone(), Arc::new(clock.clone()), config).expect("writer starts");
-    // Let the writer go idle first (waiting for work without a deadline): the claim must
-    // wake it, or it would wait for the next operation, which never comes.
-    std::thread::sleep(Duration::from_millis(50));
-    assert!(claim_deferred(&gc, &engine, &claim(0, 0)).is_ok());
-    // Not a timing assertion: the bound only turns a hang into a failure.
-    let waiting = std::time::Instant::now();
-    while gc.pending_claim(id(0)).is_some() {
-        assert!(waiting.elapsed() < Duration::from_secs(30), "the idle writer never wrote the pending claim");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    assert!(lock(&engine.committed).get(id(0), clock.now()).is_some());
-}
-
-#[test]
-fn durable_claims_go_through_the_writer() {
-    //! The default executor (durable claims) must answer a claim only after its commit.
-    let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000_000)));
-    let gc = start(&engine, &clock, 1);
-    assert!(!gc.defers_claims());
-    assert!(gc.claim_deferred(&claim(0, 0), |_| Ok(None)).is_err(), "no deferred path");
-    let out = runtime().block_on(gc.submit(Write::Claim(claim(0, 0))));
-    assert!(out.is_ok(), "{out:?}");
-    assert_eq!(*lock(&engine.durability), vec![true]);
 }
 
 fn runtime() -> tokio::runtime::Runtime {

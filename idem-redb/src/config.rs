@@ -51,7 +51,6 @@ impl Durability {
 pub struct Config {
     batch: BatchConfig,
     durability: Durability,
-    durable_claims: bool,
     claim_reads: bool,
     reopen: bool,
     clock: Arc<dyn Clock>,
@@ -62,7 +61,6 @@ impl Default for Config {
         Self {
             batch: BatchConfig::default().with_thread_name("idem-redb-writer"),
             durability: Durability::Immediate,
-            durable_claims: false,
             claim_reads: true,
             reopen: true,
             clock: Arc::new(SystemClock),
@@ -89,30 +87,6 @@ impl Config {
     /// Commit durability (default [`Durability::Immediate`]).
     pub fn with_durability(mut self, durability: Durability) -> Self {
         self.durability = durability;
-        self
-    }
-
-    /// Whether a claim waits for a durable commit (default `false`).
-    ///
-    /// With `false` (deferred claims), a claim is decided on the caller's thread against
-    /// the claims not yet written and a fresh read transaction, kept in memory and
-    /// answered at once; the writer writes it at the start of its next transaction
-    /// (within 50 ms, or with the next operation). Reclaims, completions, fails, journal
-    /// writes, extensions and sweeps still commit with `Durability::Immediate` before they
-    /// are answered, and the claims they touch are in that commit. A first-time request so
-    /// waits for one group commit (its completion's) instead of two. What a crash loses
-    /// is the claims not yet written: their handlers ran in this process (redb opens a file
-    /// in one process only) and died with it, and the retry after the restart runs the
-    /// handler, as it would have after the lease anyway. A side effect that must not
-    /// repeat needs its journal entry ([`idem_core::Store::journal_put`], durable) before
-    /// it happens, which writes the claim too. A reopen after an I/O failure loses
-    /// nothing: the pending claims are in memory and are written into the reopened file.
-    /// Fencing tokens never repeat: a new claim's token comes from the clock, and reclaims
-    /// (previous token + 1) are never deferred. The analysis: `docs/contract.md`,
-    /// "Deferred claims on embedded stores". `true` makes every claim wait for its
-    /// durable commit.
-    pub fn with_durable_claims(mut self, on: bool) -> Self {
-        self.durable_claims = on;
         self
     }
 
@@ -165,20 +139,6 @@ impl Config {
         self.durability
     }
 
-    /// With deferred claims: the longest a claim waits in memory before the writer writes
-    /// it in a transaction of its own (default 50 ms); see
-    /// [`idem_core::group_commit::BatchConfig::with_pending_claim_age`].
-    pub fn with_pending_claim_age(mut self, age: std::time::Duration) -> Self {
-        self.batch = self.batch.with_pending_claim_age(age);
-        self
-    }
-
-    /// Whether claims wait for a durable commit.
-    #[must_use]
-    pub fn durable_claims(&self) -> bool {
-        self.durable_claims
-    }
-
     /// Whether claims of live records are answered from a read transaction.
     #[must_use]
     pub fn claim_reads(&self) -> bool {
@@ -199,9 +159,6 @@ impl Config {
 
     /// The executor's settings, durability included.
     pub(crate) fn batch(&self) -> BatchConfig {
-        self.batch
-            .clone()
-            .with_flush_interval(self.durability.flush_interval())
-            .with_durable_claims(self.durable_claims)
+        self.batch.clone().with_flush_interval(self.durability.flush_interval())
     }
 }

@@ -83,12 +83,8 @@
 //!   handle, open the file again and build a new store). `tests/full_disk.rs` fills a real
 //!   tmpfs to prove both.
 //! - A value over redb's size limit (3 GiB) fails only its own operation.
-//! - A process killed at any point loses no acknowledged completion, fail, reclaim or
-//!   journal write under [`Durability::Immediate`], and no acknowledged claim either with
-//!   [`Config::with_durable_claims`]`(true)`; with deferred claims (the default) it loses
-//!   the claims still in memory, whose handlers died with it, and their keys are claimed
-//!   again with greater tokens (see `tests/killed_process.rs` and
-//!   `docs/contract.md`, "Deferred claims on embedded stores"). redb repairs the file on
+//! - A process killed at any point loses no acknowledged write under
+//!   [`Durability::Immediate`] (see `tests/killed_process.rs`); redb repairs the file on
 //!   the next open.
 //!
 //! # Performance

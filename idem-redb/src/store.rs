@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::RecordRead;
 use idem_core::engine::{self, Write};
 use idem_core::group_commit::{BatchStats, GroupCommit};
 use idem_core::store::JournalWrite;
@@ -93,7 +92,6 @@ impl RedbStore {
         tracing::info!(
             backend = "redb",
             durability = ?config.durability(),
-            durable_claims = config.durable_claims(),
             max_batch = config.batch().max_batch(),
             linger = ?config.batch().linger(),
             flush_interval_ms = config.batch().flush_interval().map(|d| d.as_millis() as u64),
@@ -172,20 +170,10 @@ impl Store for RedbStore {
     }
 
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        // A record live in the file answers a replay without any lock: no pending claim can
-        // be newer (one is made only when the file's record is absent or expired).
         if self.config.claim_reads()
             && let Some(outcome) = self.claim_from_view(&req)
         {
             return Ok(outcome);
-        }
-        if self.writer.defers_claims() {
-            // Decided here against the pending claims and a fresh read transaction; no
-            // commit to wait for (`Config::with_durable_claims`).
-            let Some(db) = self.handle.current() else {
-                return Err(Error::Reopening.into());
-            };
-            return self.writer.claim_deferred_waiting(&req, |id| RedbView::begin(&db)?.read(id)).await;
         }
         self.writer.submit(Write::Claim(req)).await?.into_claim(BACKEND)
     }
@@ -212,9 +200,6 @@ impl Store for RedbStore {
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        if let Some(record) = self.writer.pending_claim(id) {
-            return Ok((!record.is_expired(self.config.clock().now())).then_some(record));
-        }
         self.read(move |view, now| engine::get(view, id, now)).await
     }
 
@@ -235,18 +220,12 @@ impl Store for RedbStore {
     }
 
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        // A pending claim is a new generation: no entries yet.
-        if self.writer.pending_claim(id).is_some() {
-            return Ok(None);
-        }
         let name = name.to_owned();
         self.read(move |view, now| engine::journal_get(view, id, &name, now)).await
     }
 
-    /// One read transaction on the blocking pool: a range scan of the records table. With
-    /// deferred claims, the claims still in memory are written first (one group commit).
+    /// One read transaction on the blocking pool: a range scan of the records table.
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
-        self.writer.write_pending().await?;
         self.read(move |view, now| view.list(&filter, now)).await
     }
 }

@@ -1,9 +1,7 @@
 //! Group commit against the reference model: random operations sent as full batches (each
-//! batch one write transaction), with the clock moved between batches. Every outcome and
-//! the final state must equal the [`Model`] applying the same operations one by one: a
-//! batch behaves exactly like its operations run in sequence. With deferred claims, the
-//! claims (decided without the writer) run first, then the batch; the pending claims the
-//! batch writes are what its operations see.
+//! batch one write transaction), with the clock moved between batches. Every outcome, in
+//! arrival order, and the final state must equal the [`Model`] applying the same
+//! operations one by one: a batch behaves exactly like its operations run in sequence.
 //! Also: arbitrary bytes stored as a record never make any operation panic.
 
 use std::sync::Arc;
@@ -160,12 +158,7 @@ async fn store_apply(store: &RedbStore, op: Op) -> String {
     }
 }
 
-/// Whether the store decides this operation without the writer (a deferred claim).
-fn defers(op: &Op) -> bool {
-    matches!(op, Op::Claim { .. })
-}
-
-async fn check(steps: Vec<Step>, durable_claims: bool) -> Result<(), TestCaseError> {
+async fn check(steps: Vec<Step>) -> Result<(), TestCaseError> {
     let clock = ManualClock::new(UnixMillis(1_800_000_000_000));
     let file = tempfile::tempfile().expect("temporary file");
     let db = redb::Database::builder()
@@ -177,8 +170,7 @@ async fn check(steps: Vec<Step>, durable_claims: bool) -> Result<(), TestCaseErr
         .with_linger(Linger::Fixed(Duration::from_secs(60)))
         // Every claim goes through the writer, so each batch is exactly the operations
         // listed, in order (a claim answered from a read would not join the batch).
-        .with_claim_reads(false)
-        .with_durable_claims(durable_claims);
+        .with_claim_reads(false);
     let store = RedbStore::from_database(Arc::new(db), config).expect("store");
     let mut model = Model::new();
     let mut batches = 0;
@@ -188,40 +180,23 @@ async fn check(steps: Vec<Step>, durable_claims: bool) -> Result<(), TestCaseErr
             Step::Batch(ops) => {
                 batches += 1;
                 let now = clock.now();
-                // With deferred claims the claims are decided at once, without the writer,
-                // so they go first (each awaited, in order); the rest form one batch,
-                // padded to a full one with sweeps of nothing.
-                let (first, rest): (Vec<Op>, Vec<Op>) =
-                    ops.iter().cloned().partition(|op| !durable_claims && defers(op));
-                for op in first {
-                    let op = resolve(&model, &op, now);
-                    let expected = model_apply(&mut model, &op, now);
-                    let got = store_apply(&store, op.clone()).await;
-                    prop_assert_eq!(got, expected, "deferred {:?} of batch {}", op, batches);
-                }
-                let mut sent = Vec::with_capacity(BATCH);
-                let mut expected = Vec::with_capacity(BATCH);
-                for op in &rest {
+                let mut sent = Vec::with_capacity(ops.len());
+                let mut expected = Vec::with_capacity(ops.len());
+                for op in &ops {
                     let op = resolve(&model, op, now);
                     expected.push(model_apply(&mut model, &op, now));
                     sent.push(op);
                 }
-                while sent.len() < BATCH {
-                    sent.push(Op::Sweep { limit: 0 });
-                    expected.push(model_apply(&mut model, &Op::Sweep { limit: 0 }, now));
-                }
                 // join_all polls the futures in order, so the operations reach the writer in
                 // this order and fill exactly one batch.
-                let got = futures::future::join_all(sent.iter().cloned().map(|op| store_apply(&store, op))).await;
+                let got = futures::future::join_all(sent.into_iter().map(|op| store_apply(&store, op))).await;
                 for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-                    prop_assert_eq!(g, e, "operation {} ({:?}) of batch {}", i, sent[i], batches);
+                    prop_assert_eq!(g, e, "operation {} ({:?}) of batch {}", i, ops[i], batches);
                 }
             }
         }
     }
-    if durable_claims {
-        prop_assert_eq!(store.batch_stats().batches, batches, "every batch was one write transaction");
-    }
+    prop_assert_eq!(store.batch_stats().batches, batches, "every batch was one write transaction");
     let now = clock.now();
     for k in 0..KEYS {
         prop_assert_eq!(store.get(id(k)).await.expect("get"), model.get(id(k), now));
@@ -241,13 +216,7 @@ proptest! {
     #[test]
     fn batches_behave_like_their_operations_in_sequence(steps in prop::collection::vec(step(), 1..8)) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        runtime.block_on(check(steps, true))?;
-    }
-
-    #[test]
-    fn deferred_batches_behave_like_their_claims_then_the_rest_in_sequence(steps in prop::collection::vec(step(), 1..8)) {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        runtime.block_on(check(steps, false))?;
+        runtime.block_on(check(steps))?;
     }
 }
 

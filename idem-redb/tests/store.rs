@@ -35,12 +35,8 @@ fn req(key: &str, body: &[u8], retention: Duration) -> ClaimRequest {
     ClaimRequest::new(scope, key, Fingerprint::of_bytes(body), LEASE, retention)
 }
 
-/// Durable claims: these tests are about the writer's batches and the file's tables, so
-/// claims go through the writer here. Deferred claims have their own tests
-/// (`batch_model.rs`, `killed_process.rs`, `full_disk.rs`, the conformance suite on the
-/// default configuration).
 fn config(clock: &ManualClock) -> Config {
-    Config::default().with_clock(Arc::new(clock.clone())).with_durable_claims(true)
+    Config::default().with_clock(Arc::new(clock.clone()))
 }
 
 fn temp_store(config: Config) -> RedbStore {
@@ -540,10 +536,8 @@ async fn failed_commit_fails_every_caller_and_applies_nothing() {
     let open = || {
         let backend = Flaky { inner: Arc::clone(&memory), broken: Arc::clone(&broken) };
         let db = redb::Database::builder().create_with_backend(backend).expect("database");
-        // Durable claims: a batch of claims is then a commit that must reach the disk (a
-        // deferred claim's commit may not touch it at all).
-        let config = config(&clock).with_max_batch(8).with_linger(LONG_LINGER).with_durable_claims(true);
-        RedbStore::from_database(Arc::new(db), config).expect("store")
+        RedbStore::from_database(Arc::new(db), config(&clock).with_max_batch(8).with_linger(LONG_LINGER))
+            .expect("store")
     };
     let store = Arc::new(open());
     let before: Vec<Record> = claim_all(&store, "before", 8)
@@ -615,7 +609,7 @@ impl idem_core::Clock for PanickingClock {
 async fn a_panic_inside_a_batch_fails_only_that_batch() {
     let armed = Arc::new(AtomicBool::new(false));
     let clock = PanickingClock { inner: clock(), armed: Arc::clone(&armed) };
-    let store = temp_store(Config::default().with_clock(Arc::new(clock)).with_durable_claims(true));
+    let store = temp_store(Config::default().with_clock(Arc::new(clock)));
     armed.store(true, Ordering::SeqCst);
     let r = req("k", b"{}", RETENTION);
     match tokio::time::timeout(Duration::from_secs(20), store.claim(r.clone())).await.expect("no hang") {
@@ -654,11 +648,7 @@ async fn a_panic_after_writes_in_a_batch_leaves_nothing_of_it_on_disk() {
     let manual = clock();
     let fuse = Arc::new(AtomicU64::new(0));
     let clock = FusedClock { inner: manual.clone(), fuse: Arc::clone(&fuse) };
-    let fused = Config::default()
-        .with_clock(Arc::new(clock))
-        .with_max_batch(4)
-        .with_linger(LONG_LINGER)
-        .with_durable_claims(true);
+    let fused = Config::default().with_clock(Arc::new(clock)).with_max_batch(4).with_linger(LONG_LINGER);
     let store = RedbStore::open(&path, fused).expect("open");
     let reqs: Vec<ClaimRequest> = (0..4).map(|i| req(&format!("k{i}"), b"{}", RETENTION)).collect();
 
@@ -882,4 +872,152 @@ async fn batches_that_write_nothing_are_not_committed() {
     assert_eq!(store.get(w.id).await.expect("get"), Some(w));
     let last = store.batch_stats();
     assert_eq!((last.batches, last.read_only_batches), (after.batches + 1, after.read_only_batches));
+}
+
+/// Two stores on one `Database` (one per router or service in a process) each claim keys
+/// `k{0..n}` at once; returns how many `Claimed` each key got across both.
+async fn race_two_stores(a: &Arc<RedbStore>, b: &Arc<RedbStore>, n: usize) -> Vec<usize> {
+    let (left, right) = tokio::join!(claim_all(a, "k", n), claim_all(b, "k", n));
+    left.into_iter()
+        .zip(right)
+        .map(|(l, r)| {
+            [l, r].into_iter().filter(|o| matches!(o.as_ref().expect("claim"), ClaimOutcome::Claimed(_))).count()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_stores_on_one_database_claim_each_key_once() {
+    //! Two `RedbStore::from_database` handles on one `Database` both answered `Claimed` for one key (each decided claims in its own memory), and the second claim's write left the expiry index pointing at the first claim's time, so a sweep deleted a live claim.
+    let clock = clock();
+    let file = tempfile::tempfile().expect("temporary file");
+    let backend = redb::backends::FileBackend::new(file).expect("file backend");
+    let db = Arc::new(redb::Database::builder().create_with_backend(backend).expect("database"));
+    let a = Arc::new(RedbStore::from_database(Arc::clone(&db), config(&clock)).expect("first store"));
+    let b = Arc::new(RedbStore::from_database(db, config(&clock)).expect("second store"));
+    let wins = race_two_stores(&a, &b, 64).await;
+    for (i, w) in wins.iter().enumerate() {
+        assert_eq!(*w, 1, "k{i} was claimed {w} times by two stores on one database");
+    }
+    assert_eq!(assert_index_consistent(&a), 64, "one expiry index entry per record, at its own time");
+    // A sweep once the leases (not the retention) have passed removes nothing live.
+    clock.advance(LEASE + Duration::from_secs(1));
+    assert_eq!(b.sweep(1000).await.expect("sweep").removed, 0);
+    assert_eq!(assert_index_consistent(&b), 64);
+}
+
+/// An in-memory backend whose durable sync waits while `gate` is closed, after saying it
+/// got there (`entered`): holds the writer between applying a batch and its commit.
+#[derive(Debug)]
+struct Gated {
+    inner: Arc<redb::backends::InMemoryBackend>,
+    closed: Arc<AtomicBool>,
+    entered: Arc<AtomicBool>,
+}
+
+impl redb::StorageBackend for Gated {
+    fn len(&self) -> std::io::Result<u64> {
+        self.inner.len()
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+        self.inner.read(offset, out)
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.inner.set_len(len)
+    }
+    fn sync_data(&self) -> std::io::Result<()> {
+        if self.closed.load(Ordering::SeqCst) {
+            self.entered.store(true, Ordering::SeqCst);
+            while self.closed.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        self.inner.sync_data()
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.inner.write(offset, data)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_racing_an_uncommitted_reclaim_does_not_claim() {
+    //! A claim decided against the last commit took a key whose expired record the writer had already reclaimed in its open transaction: both callers owned the record and ran the handler.
+    let clock = clock();
+    let (closed, entered) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let backend = Gated {
+        inner: Arc::new(redb::backends::InMemoryBackend::new()),
+        closed: Arc::clone(&closed),
+        entered: Arc::clone(&entered),
+    };
+    let db = redb::Database::builder().create_with_backend(backend).expect("database");
+    let store = Arc::new(RedbStore::from_database(Arc::new(db), config(&clock)).expect("store"));
+    // A retention just past the lease: the reclaim is applied while the record is live,
+    // and by the time the claim arrives the last commit shows it past its retention.
+    let retention = LEASE + Duration::from_secs(5);
+    let r = req("k", b"{}", retention);
+    let first = must_claim(&store, r.clone()).await;
+    clock.advance(LEASE + Duration::from_secs(1));
+
+    // The reclaim is applied, and its commit waits in the disk's sync.
+    closed.store(true, Ordering::SeqCst);
+    let reclaim = {
+        let store = Arc::clone(&store);
+        let req = ReclaimRequest {
+            id: first.id,
+            expected: first.token,
+            fingerprint: first.fingerprint,
+            lease_ttl: LEASE,
+            retention,
+        };
+        tokio::spawn(async move { store.reclaim(req).await })
+    };
+    while !entered.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    clock.advance(Duration::from_secs(5));
+    // The last commit shows a record past its retention (absent); the claim must not
+    // decide from it.
+    let claim = {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move { store.claim(r).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    closed.store(false, Ordering::SeqCst);
+    let reclaimed = match reclaim.await.expect("task").expect("reclaim") {
+        ReclaimOutcome::Reclaimed(rec) => rec,
+        other => panic!("the reclaim lost: {other:?}"),
+    };
+    match claim.await.expect("task").expect("claim") {
+        ClaimOutcome::Existing { record, .. } => assert_eq!(record.token, reclaimed.token),
+        other => panic!("a claim beside an uncommitted reclaim must see it, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_store_that_cannot_commit_acknowledges_no_claim() {
+    //! While nothing could be committed (redb's latched I/O failure), claims were still acknowledged from memory and their handlers ran; and a claim whose write then failed was dropped while its handler ran, so a retry with another body claimed the key again.
+    let clock = clock();
+    let memory = Arc::new(redb::backends::InMemoryBackend::new());
+    let broken = Arc::new(AtomicBool::new(false));
+    let open = || {
+        let backend = Flaky { inner: Arc::clone(&memory), broken: Arc::clone(&broken) };
+        let db = redb::Database::builder().create_with_backend(backend).expect("database");
+        RedbStore::from_database(Arc::new(db), config(&clock)).expect("store")
+    };
+    let store = Arc::new(open());
+    must_claim(&store, req("before", b"{}", RETENTION)).await;
+    broken.store(true, Ordering::SeqCst);
+    let first = store.claim(req("k", b"{}", RETENTION)).await;
+    assert!(matches!(first, Err(StoreError::Unavailable { .. })), "a claim on a failing disk: {first:?}");
+    broken.store(false, Ordering::SeqCst);
+    // The failure is latched: every later claim fails too, and none is acknowledged.
+    for (i, outcome) in claim_all(&store, "latched", 64).await.into_iter().enumerate() {
+        assert!(matches!(outcome, Err(StoreError::Unavailable { .. })), "latched{i}: {outcome:?}");
+    }
+    // After a reopen, the key was never claimed: a retry (even with another body) is the
+    // first claim, not a second owner of a running handler.
+    drop(store);
+    let store = open();
+    assert_eq!(store.get(req("k", b"{}", RETENTION).id).await.expect("get"), None);
+    must_claim(&store, req("k", b"another body", RETENTION)).await;
 }

@@ -103,49 +103,6 @@ impl Config {
         self
     }
 
-    /// Whether a claim waits for a durable commit (default `true`). `false` defers claims,
-    /// for a file this store has alone (one process, and no operator tool opening the file
-    /// while it runs).
-    ///
-    /// With `false` (deferred claims), a claim is decided on the caller's thread against
-    /// the claims not yet written and a fresh read of the file, kept in memory and
-    /// answered at once; the writer writes it at the start of its next transaction
-    /// (within 50 ms, or with the next operation). Completions, fails, reclaims, journal
-    /// writes, extensions and sweeps still commit (fsync with [`Synchronous::Full`]) before
-    /// they are answered, with the claims they touch in the same commit. A first-time
-    /// request so waits for one group commit instead of two. A crash loses the claims not
-    /// yet written, and their handlers with them: the retry after the restart runs the
-    /// handler, as it would have after the lease anyway; a side effect that must not
-    /// repeat needs its journal entry ([`idem_core::Store::journal_put`]) first. Fencing
-    /// tokens never repeat (a new claim's token comes from the clock; reclaims are never
-    /// deferred). The analysis: `docs/contract.md`, "Deferred claims on embedded stores".
-    ///
-    /// Pending claims live in this store's memory, so another store on the file would not
-    /// see them: with `false` the store must be the file's only user, and
-    /// [`crate::SqliteStore::open`] takes an exclusive advisory lock on
-    /// `<file>.idem-lock`, failing with [`crate::Error::InUse`] when any other store
-    /// (another process, the `idem` CLI) has the file, and making them fail while it runs.
-    /// With `true` it takes a shared one. Why the default differs from redb's: a redb file
-    /// is one process's anyway, a SQLite file is often shared and inspected while it runs.
-    pub fn with_durable_claims(mut self, on: bool) -> Self {
-        self.batch = self.batch.with_durable_claims(on);
-        self
-    }
-
-    /// With deferred claims: the longest a claim waits in memory before the writer writes
-    /// it in a transaction of its own (default 50 ms); see
-    /// [`idem_core::group_commit::BatchConfig::with_pending_claim_age`].
-    pub fn with_pending_claim_age(mut self, age: std::time::Duration) -> Self {
-        self.batch = self.batch.with_pending_claim_age(age);
-        self
-    }
-
-    /// Whether claims wait for a durable commit.
-    #[must_use]
-    pub fn durable_claims(&self) -> bool {
-        self.batch.durable_claims()
-    }
-
     /// How long a connection waits for a lock another process holds before giving up with
     /// a retryable `SQLITE_BUSY` (default 5 s).
     pub fn with_busy_timeout(mut self, timeout: Duration) -> Self {

@@ -102,30 +102,6 @@ pub enum Error {
         /// The configured limit, ms.
         limit_ms: u64,
     },
-    /// Another store (in this process or another) has the file open and the two cannot
-    /// share it: a store with deferred claims ([`crate::Config::with_durable_claims`]
-    /// `(false)`, the default) keeps its newest claims in memory, so it must be the file's
-    /// only user; stores that share a file all need `with_durable_claims(true)`. Checked
-    /// with an advisory lock on `<file>.idem-lock`.
-    #[error(
-        "SQLite database {path} is in use by another store ({reason}); stores sharing a file need \
-         Config::with_durable_claims(true) in every process"
-    )]
-    InUse {
-        /// The database file.
-        path: PathBuf,
-        /// Which side holds what.
-        reason: &'static str,
-    },
-    /// The lock file next to the database could not be opened.
-    #[error("cannot open the lock file {path}")]
-    LockFile {
-        /// The lock file.
-        path: PathBuf,
-        /// The operating system's error.
-        #[source]
-        source: std::io::Error,
-    },
     /// The group-commit writer thread could not be started.
     #[error("cannot start the SQLite writer thread")]
     Spawn(#[source] std::io::Error),

@@ -68,12 +68,7 @@
 //!
 //! ## Durability
 //! [`Synchronous::Full`] (default) fsyncs the write-ahead log on every commit: an
-//! acknowledged claim, completion, fail, reclaim or journal write survives power loss. A
-//! store that has its file alone can defer claims ([`Config::with_durable_claims`]
-//! `(false)`): answered from memory and written with the writer's next transaction, so a
-//! crash takes back only claims whose handlers it ended too, and a first-time request
-//! waits for one group commit instead of two; the store then holds an exclusive advisory
-//! lock on `<file>.idem-lock`, and no other store or process may open the file meanwhile. [`Synchronous::Normal`] skips that
+//! acknowledged claim or completion survives power loss. [`Synchronous::Normal`] skips that
 //! fsync (it happens at checkpoints): still consistent after any crash and durable across a
 //! process crash, but a power loss or OS crash can roll back the newest commits, so a
 //! handler may run again for a key whose claim was acknowledged. Group commit is what keeps
@@ -149,8 +144,8 @@
 //!   error kept as source and `is_retryable()` true for `SQLITE_BUSY` / `SQLITE_LOCKED`.
 //! - `migrations/`: the schema as SQL files.
 //! - `tests/conformance.rs`: the idem conformance suite; `tests/two_processes.rs`: child
-//!   processes racing for the same keys; `tests/killed_process.rs`: acknowledged writes,
-//!   deferred claims included, survive SIGKILL; `tests/sqlite.rs`: file, schema, lock and journal behaviour;
+//!   processes racing for the same keys; `tests/killed_process.rs`: acknowledged claims
+//!   survive SIGKILL; `tests/sqlite.rs`: file, schema, lock and journal behaviour;
 //!   `benches/group_commit.rs`: throughput against a commit-per-statement baseline.
 
 mod config;

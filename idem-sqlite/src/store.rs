@@ -11,8 +11,7 @@ use idem_core::engine::{self, Write};
 use idem_core::group_commit::{BatchStats, Engine, GroupCommit, Stage, TransactionFailed};
 use idem_core::{
     Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ListFilter, Listing, ReclaimOutcome,
-    ReclaimRequest, Record, RecordId, RecordRead, RecordTable, Store, StoreError, StoredResponse, SweepOutcome,
-    UnixMillis,
+    ReclaimRequest, Record, RecordId, RecordTable, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
 };
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 
@@ -43,12 +42,6 @@ struct Inner {
     path: PathBuf,
     commit: GroupCommit,
     readers: Readers,
-    /// The connection deferred claims read the file with (held under the executor's
-    /// pending-claims lock, so never contended).
-    claim_reader: Option<Mutex<Connection>>,
-    /// The advisory lock on `<file>.idem-lock`, held for the store's life: exclusive with
-    /// deferred claims, shared without.
-    _lock: std::fs::File,
     claim_reads: bool,
     /// How far the newest claim lay ahead of this clock at open, ms.
     clock_skew_ms: u64,
@@ -83,7 +76,6 @@ impl SqliteStore {
     /// cannot start.
     pub fn open(path: impl AsRef<Path>, config: Config) -> Result<Self, Error> {
         let path = path.as_ref().to_path_buf();
-        let lock = lock_file(&path, config.durable_claims())?;
         let mut conn = open_writer(&path, &config)?;
         if config.auto_migrate {
             sql::migrate(&mut conn)?;
@@ -93,7 +85,6 @@ impl SqliteStore {
         let clock_skew_ms = check_clock(&conn, &*config.clock, config.max_clock_skew)?;
         conn.set_prepared_statement_cache_capacity(16);
         let readers = Readers::open(&path, config.busy_timeout, config.max_readers)?;
-        let claim_reader = if config.durable_claims() { None } else { Some(Mutex::new(readers.connect()?)) };
         let writer = Writer {
             conn,
             #[cfg(test)]
@@ -105,7 +96,6 @@ impl SqliteStore {
             path = %path.display(),
             journal_mode = "wal",
             synchronous = config.synchronous.pragma(),
-            durable_claims = config.durable_claims(),
             schema_version = crate::SCHEMA_VERSION,
             auto_migrate = config.auto_migrate,
             max_batch = config.batch.max_batch(),
@@ -113,9 +103,7 @@ impl SqliteStore {
             "idem-sqlite: store settings"
         );
         let commit = GroupCommit::start(writer, config.clock, config.batch).map_err(Error::Spawn)?;
-        let inner =
-            Inner { path, commit, readers, claim_reader, _lock: lock, claim_reads: config.claim_reads, clock_skew_ms };
-        Ok(Self { inner: Arc::new(inner) })
+        Ok(Self { inner: Arc::new(Inner { path, commit, readers, claim_reads: config.claim_reads, clock_skew_ms }) })
     }
 
     /// Applies the migrations the file at `path` is missing (creating the file if needed)
@@ -163,31 +151,6 @@ impl SqliteStore {
         tokio::task::spawn_blocking(move || inner.readers.with(|conn| f(conn, inner.commit.clock().now())))
             .await
             .map_err(|join| StoreError::unavailable(BACKEND, "read task failed", false, join))?
-    }
-}
-
-/// Takes the advisory lock beside `path`: exclusive for a store with deferred claims (it
-/// must be the file's only user), shared for one without.
-fn lock_file(path: &Path, durable_claims: bool) -> Result<std::fs::File, Error> {
-    let mut name = path.as_os_str().to_owned();
-    name.push(".idem-lock");
-    let lock_path = PathBuf::from(name);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&lock_path)
-        .map_err(|source| Error::LockFile { path: lock_path.clone(), source })?;
-    let (taken, reason) = if durable_claims {
-        (file.try_lock_shared(), "a store with deferred claims has it alone")
-    } else {
-        (file.try_lock(), "this store defers claims, so it needs the file alone")
-    };
-    match taken {
-        Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => Err(Error::InUse { path: path.to_path_buf(), reason }),
-        Err(std::fs::TryLockError::Error(source)) => Err(Error::LockFile { path: lock_path, source }),
     }
 }
 
@@ -379,25 +342,11 @@ impl Engine for Writer {
 impl Store for SqliteStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let inner = &self.inner;
-        // A record live in the file answers a replay on a reader, without the writer and
-        // without the pending-claims lock: no pending claim can be newer (one is made only
-        // when the file's record is absent or expired).
         if inner.claim_reads
             && let Some(Some(outcome)) =
                 inner.readers.try_with(|conn| inner.commit.claim_from_view(&SqliteView::new(conn), &req))
         {
             return Ok(outcome);
-        }
-        if let Some(reader) = &inner.claim_reader {
-            // Decided here against the pending claims and a fresh read (a WAL point read
-            // does not wait for the writer); no commit to wait for.
-            return inner
-                .commit
-                .claim_deferred_waiting(&req, |id| {
-                    let conn = reader.lock().unwrap_or_else(PoisonError::into_inner);
-                    SqliteView::new(&conn).read(id)
-                })
-                .await;
         }
         inner.commit.submit(Write::Claim(req)).await?.into_claim(BACKEND)
     }
@@ -424,9 +373,6 @@ impl Store for SqliteStore {
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        if let Some(record) = self.inner.commit.pending_claim(id) {
-            return Ok((!record.is_expired(self.inner.commit.clock().now())).then_some(record));
-        }
         self.read(move |conn, now| engine::get(&SqliteView::new(conn), id, now)).await
     }
 
@@ -452,10 +398,6 @@ impl Store for SqliteStore {
     }
 
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        // A pending claim is a new generation: no entries yet.
-        if self.inner.commit.pending_claim(id).is_some() {
-            return Ok(None);
-        }
         let name = name.to_owned();
         self.read(move |conn, now| {
             // One read transaction, so the record's liveness and its entry come from the
@@ -467,10 +409,7 @@ impl Store for SqliteStore {
     }
 
     /// One statement on a read connection: a range of the primary key from the cursor.
-    /// With deferred claims, the claims still in memory are written first (one group
-    /// commit).
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
-        self.inner.commit.write_pending().await?;
         self.read(move |conn, now| crate::table::list(conn, &filter, now)).await
     }
 }
@@ -506,12 +445,10 @@ mod tests {
     /// A store whose batches close only once `batch` operations are queued (or after 5 s).
     fn fixture(batch: usize, adjust: impl FnOnce(Config) -> Config) -> Fixture {
         let dir = tempfile::tempdir().expect("temp dir");
-        // Durable claims: these tests put claims into the writer's batches.
         let config = Config::default()
             .with_clock(Arc::new(ManualClock::new(UnixMillis(1_000_000))))
             .with_max_batch(batch)
-            .with_linger(Linger::Fixed(Duration::from_secs(5)))
-            .with_durable_claims(true);
+            .with_linger(Linger::Fixed(Duration::from_secs(5)));
         let store = SqliteStore::open(dir.path().join("batch.sqlite3"), adjust(config)).expect("open");
         Fixture { store, _dir: dir }
     }

@@ -17,15 +17,12 @@ fn req(key: &str) -> ClaimRequest {
     ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"{}"), Duration::from_secs(5), Duration::from_secs(60))
 }
 
-/// Opens with durable claims: these tests share files between stores and processes.
 async fn open(path: std::path::PathBuf, clock: &ManualClock) -> SqliteStore {
     let clock = Arc::new(clock.clone());
-    tokio::task::spawn_blocking(move || {
-        SqliteStore::open(path, Config::default().with_durable_claims(true).with_clock(clock))
-    })
-    .await
-    .expect("open task")
-    .expect("open")
+    tokio::task::spawn_blocking(move || SqliteStore::open(path, Config::default().with_clock(clock)))
+        .await
+        .expect("open task")
+        .expect("open")
 }
 
 #[tokio::test]
@@ -93,13 +90,7 @@ async fn a_write_lock_held_past_the_busy_timeout_is_a_retryable_error_then_the_c
     let store = {
         let (path, clock) = (path.clone(), Arc::new(clock.clone()));
         tokio::task::spawn_blocking(move || {
-            SqliteStore::open(
-                path,
-                Config::default()
-                    .with_durable_claims(true)
-                    .with_clock(clock)
-                    .with_busy_timeout(Duration::from_millis(50)),
-            )
+            SqliteStore::open(path, Config::default().with_clock(clock).with_busy_timeout(Duration::from_millis(50)))
         })
         .await
         .expect("task")
@@ -274,7 +265,6 @@ async fn a_replay_is_answered_by_a_reader_while_another_process_holds_the_write_
     let clock = Arc::new(ManualClock::new(UnixMillis(1_700_000_000_000)));
     let open = |claim_reads: bool| {
         let config = Config::default()
-            .with_durable_claims(true)
             .with_clock(clock.clone())
             .with_busy_timeout(Duration::from_millis(50))
             .with_claim_reads(claim_reads);
@@ -336,11 +326,9 @@ async fn a_process_whose_clock_is_behind_the_file_refuses_to_open() {
     // The default limit (1 s): the slow process is refused, naming the skew.
     let p = path.clone();
     let s = Arc::new(slow.clone());
-    let refused = tokio::task::spawn_blocking(move || {
-        SqliteStore::open(p, Config::default().with_durable_claims(true).with_clock(s))
-    })
-    .await
-    .expect("open task");
+    let refused = tokio::task::spawn_blocking(move || SqliteStore::open(p, Config::default().with_clock(s)))
+        .await
+        .expect("open task");
     match refused {
         Err(Error::ClockBehind { ahead_ms, limit_ms }) => assert_eq!((ahead_ms, limit_ms), (10_000, 1_000)),
         other => panic!("opened despite a 10 s skew: {other:?}"),
@@ -351,10 +339,7 @@ async fn a_process_whose_clock_is_behind_the_file_refuses_to_open() {
     let p = path.clone();
     let s = Arc::new(slow.clone());
     let slow_store = tokio::task::spawn_blocking(move || {
-        SqliteStore::open(
-            p,
-            Config::default().with_durable_claims(true).with_clock(s).with_max_clock_skew(Duration::MAX),
-        )
+        SqliteStore::open(p, Config::default().with_clock(s).with_max_clock_skew(Duration::MAX))
     })
     .await
     .expect("open task")
@@ -370,22 +355,4 @@ async fn a_process_whose_clock_is_behind_the_file_refuses_to_open() {
     };
     let stolen = fast_store.reclaim(again).await.expect("reclaim");
     assert!(matches!(stolen, ReclaimOutcome::Reclaimed(_)), "a live lease was reclaimed early: {stolen:?}");
-}
-
-#[test]
-fn a_store_with_deferred_claims_has_its_file_alone() {
-    //! Pending claims live in one store's memory: a second store on the same file would not see them and could claim a key that is already taken, so with deferred claims no second store may open the file, and stores sharing a file all need durable claims.
-    let dir = tempfile::tempdir().expect("dir");
-    let path = dir.path().join("alone.sqlite3");
-    let in_use = |result: Result<SqliteStore, Error>| matches!(result, Err(Error::InUse { .. }));
-    let alone = || Config::default().with_durable_claims(false);
-    let deferred = SqliteStore::open(&path, alone()).expect("the first store opens");
-    assert!(in_use(SqliteStore::open(&path, alone())), "a second deferred store");
-    assert!(in_use(SqliteStore::open(&path, Config::default().with_durable_claims(true))), "a sharing store");
-    drop(deferred);
-    let shared = SqliteStore::open(&path, Config::default().with_durable_claims(true)).expect("shared opens");
-    let peer = SqliteStore::open(&path, Config::default().with_durable_claims(true)).expect("a second shared opens");
-    assert!(in_use(SqliteStore::open(&path, alone())), "a deferred store beside sharing ones");
-    drop((shared, peer));
-    SqliteStore::open(&path, alone()).expect("alone again");
 }

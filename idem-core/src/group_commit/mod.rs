@@ -36,21 +36,9 @@
 //! - **Claims of live records need no writer.** [`GroupCommit::claim_from_view`] answers a
 //!   claim that finds a live record from a read view (a read transaction), so replays never
 //!   wait for, or dilute, a group commit.
-//! - **Deferred claims** ([`BatchConfig::with_durable_claims`]`(false)`, what redb and
-//!   single-process SQLite choose by default). A claim never reaches the writer queue:
-//!   [`GroupCommit::claim_deferred`] decides it on the caller's thread against the claims
-//!   made so far and a fresh read of the file, keeps the new in-flight record in memory
-//!   (the pending claims) and answers at once. The writer writes every pending claim at the
-//!   start of its next transaction, before the batch's operations, which therefore see
-//!   them; a claim leaves memory only once a commit holding it is visible to new reads.
-//!   A first-time request so waits for one group commit, its completion's, instead of two.
-//!   A crash loses the pending claims, whose handlers died with it; why that is sound only
-//!   when every claim holder runs in this process: `docs/contract.md`, "Deferred claims on
-//!   embedded stores".
 
 mod queue;
 
-use std::collections::HashMap;
 use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -64,8 +52,7 @@ use crate::engine::{self, Write, Written};
 use crate::store::StoreError;
 use crate::table::{RecordRead, RecordTable};
 use crate::time::Clock;
-use crate::transition::{self, ClaimOutcome, ClaimRequest};
-use crate::{FencingToken, Record, RecordId};
+use crate::transition::{ClaimOutcome, ClaimRequest};
 use queue::{Next, Queue};
 
 /// Where a transaction failed as a whole.
@@ -159,8 +146,6 @@ pub struct BatchConfig {
     max_batch: usize,
     linger: Linger,
     flush_interval: Option<Duration>,
-    durable_claims: bool,
-    pending_claim_age: Duration,
     thread_name: String,
 }
 
@@ -170,8 +155,6 @@ impl Default for BatchConfig {
             max_batch: 256,
             linger: Linger::Adaptive { max: Duration::from_micros(200) },
             flush_interval: None,
-            durable_claims: true,
-            pending_claim_age: Duration::from_millis(50),
             thread_name: "idem-group-commit".into(),
         }
     }
@@ -202,27 +185,6 @@ impl BatchConfig {
         self
     }
 
-    /// `true` (default): a claim is an operation of a batch like any other, answered after
-    /// the durable commit that holds it. `false`: claims are deferred (module docs):
-    /// decided on the caller's thread by [`GroupCommit::claim_deferred`], kept in memory
-    /// and written at the start of the writer's next transaction. Only for an engine whose
-    /// every claim holder runs in this process, so that the crash that loses a pending
-    /// claim also ends its handler. With a flush interval, claims stay durable-less anyway
-    /// and this has no effect.
-    pub fn with_durable_claims(mut self, on: bool) -> Self {
-        self.durable_claims = on;
-        self
-    }
-
-    /// With deferred claims: the longest a claim waits in memory for a transaction before
-    /// the writer makes one for it (default 50 ms). Any operation of the writer, or 256
-    /// waiting claims, write them sooner. Only reads through the store see a claim before
-    /// it is written (a second opener of the file, or `list`, do not).
-    pub fn with_pending_claim_age(mut self, age: Duration) -> Self {
-        self.pending_claim_age = age;
-        self
-    }
-
     /// The writer thread's name (default `idem-group-commit`).
     pub fn with_thread_name(mut self, name: impl Into<String>) -> Self {
         self.thread_name = name.into();
@@ -246,12 +208,6 @@ impl BatchConfig {
     pub fn flush_interval(&self) -> Option<Duration> {
         self.flush_interval
     }
-
-    /// Whether a claim waits for a durable commit.
-    #[must_use]
-    pub fn durable_claims(&self) -> bool {
-        self.durable_claims
-    }
 }
 
 /// What the writer has done so far (for tests, benchmarks and metrics).
@@ -272,9 +228,6 @@ pub struct BatchStats {
     pub claims_read: u64,
     /// Claims and reclaims skipped because their caller had stopped waiting.
     pub abandoned_claims: u64,
-    /// Claims that took a key without the writer, kept in memory until its next
-    /// transaction ([`GroupCommit::claim_deferred`]); not counted in `operations`.
-    pub deferred_claims: u64,
 }
 
 #[derive(Debug, Default)]
@@ -285,7 +238,6 @@ struct Counters {
     read_only_batches: AtomicU64,
     claims_read: AtomicU64,
     abandoned_claims: AtomicU64,
-    deferred_claims: AtomicU64,
 }
 
 type Reply = oneshot::Sender<Result<Written, StoreError>>;
@@ -310,34 +262,7 @@ struct Shared {
     clock: Arc<dyn Clock>,
     queue: Arc<Queue<Job>>,
     counters: Arc<Counters>,
-    /// The pending claims, with deferred claims.
-    pending: Option<Arc<Mutex<Pending>>>,
     writer: Mutex<Option<JoinHandle<()>>>,
-}
-
-/// Deferred claims not yet written: the new in-flight records by id.
-#[derive(Default)]
-struct Pending {
-    claims: HashMap<RecordId, PendingClaim>,
-}
-
-struct PendingClaim {
-    record: Record,
-    /// An earlier generation of the id may be in the file: its journal goes when this one
-    /// is written.
-    replaces: bool,
-}
-
-/// Pending claims the writer writes in a transaction of their own, without waiting for
-/// [`BatchConfig::with_pending_claim_age`].
-const PENDING_FLUSH: usize = 256;
-/// Most pending claims: past this, a claim goes to the writer like a durable one, so a
-/// flood of claims waits for the writer instead of growing every transaction.
-const PENDING_MAX: usize = 1024;
-
-fn lock_pending(pending: &Mutex<Pending>) -> std::sync::MutexGuard<'_, Pending> {
-    // Every statement leaves the map consistent; a panic elsewhere cannot break it.
-    pending.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl fmt::Debug for GroupCommit {
@@ -370,8 +295,6 @@ impl GroupCommit {
         let backend = engine.backend();
         let queue = Arc::new(Queue::new());
         let counters = Arc::new(Counters::default());
-        let pending = (!config.durable_claims && config.flush_interval.is_none())
-            .then(|| Arc::new(Mutex::new(Pending::default())));
         let writer = Writer {
             engine,
             clock: Arc::clone(&clock),
@@ -379,12 +302,10 @@ impl GroupCommit {
             config: config.clone(),
             counters: Arc::clone(&counters),
             queue: Arc::clone(&queue),
-            pending: pending.clone(),
             dirty_since: None,
         };
         let handle = std::thread::Builder::new().name(config.thread_name).spawn(move || writer.run())?;
-        let shared = Shared { backend, clock, queue, counters, pending, writer: Mutex::new(Some(handle)) };
-        Ok(Self { shared: Arc::new(shared) })
+        Ok(Self { shared: Arc::new(Shared { backend, clock, queue, counters, writer: Mutex::new(Some(handle)) }) })
     }
 
     /// Hands `write` to the writer and waits for its outcome, which arrives only after the
@@ -422,123 +343,6 @@ impl GroupCommit {
         Some(ClaimOutcome::Existing { record, now })
     }
 
-    /// Whether claims are deferred ([`BatchConfig::with_durable_claims`]`(false)`): the
-    /// store then sends them to [`GroupCommit::claim_deferred`], and consults
-    /// [`GroupCommit::pending_claim`] in its reads.
-    #[must_use]
-    pub fn defers_claims(&self) -> bool {
-        self.shared.pending.is_some()
-    }
-
-    /// A deferred claim: decided here, on the caller's thread, and answered without
-    /// waiting for any commit (module docs). `read` reads the record from the file as it
-    /// is now (a new read transaction: it must see every commit made before it is called);
-    /// it runs only when no pending claim of the id exists. A new in-flight record is kept
-    /// in memory until the writer's next transaction writes it. `None` when 1,024 claims
-    /// are already waiting to be written: have them written ([`GroupCommit::write_pending`])
-    /// and call again, as [`GroupCommit::claim_deferred_waiting`] does (back-pressure).
-    /// Never send the claim to the writer instead: a claim the writer decides is not in
-    /// memory until its commit, so a deferred claim of the same key made meanwhile would
-    /// not see it.
-    ///
-    /// # Errors
-    /// `read`'s error; an error when claims are not deferred on this executor.
-    pub fn claim_deferred(
-        &self,
-        req: &ClaimRequest,
-        read: impl FnOnce(RecordId) -> Result<Option<Record>, StoreError>,
-    ) -> Result<Option<ClaimOutcome>, StoreError> {
-        let Some(pending) = &self.shared.pending else {
-            return Err(StoreError::unavailable(
-                self.shared.backend,
-                "claims are not deferred on this store",
-                false,
-                "claim_deferred without deferred claims",
-            ));
-        };
-        let mut guard = lock_pending(pending);
-        if guard.claims.len() >= PENDING_MAX {
-            return Ok(None);
-        }
-        // The file is read under the lock: the writer drops a pending claim only after the
-        // commit holding it is visible, and under this lock, so the claim is always seen
-        // in one place or the other.
-        let (current, replaces) = match guard.claims.get(&req.id) {
-            Some(p) => (Some(p.record.clone()), true),
-            None => {
-                let current = read(req.id)?;
-                let replaces = current.is_some();
-                (current, replaces)
-            }
-        };
-        // `now` after the read: a record live now was live when it was read.
-        let now = self.shared.clock.now();
-        if let Some(record) = current.as_ref().filter(|r| !r.is_expired(now)) {
-            return Ok(Some(ClaimOutcome::Existing { record: record.clone(), now }));
-        }
-        let (write, outcome) = transition::claim(current.as_ref(), req, now);
-        if let Some(record) = write {
-            guard.claims.insert(req.id, PendingClaim { record, replaces });
-        }
-        let waiting = guard.claims.len();
-        drop(guard);
-        self.shared.counters.deferred_claims.fetch_add(1, Ordering::Relaxed);
-        if waiting == 1 {
-            // An idle writer waits without a deadline: give it this claim's.
-            self.shared.queue.wake();
-        }
-        if waiting.is_multiple_of(PENDING_FLUSH) {
-            // Enough waiting: ask the writer for a transaction now (a no-op write nobody
-            // waits for; the writer writes the pending claims first).
-            let (reply, _) = oneshot::channel();
-            let _ = self.shared.queue.push(Job { write: Write::Sweep { limit: 0 }, reply });
-        }
-        Ok(Some(outcome))
-    }
-
-    /// [`GroupCommit::claim_deferred`] until it has room: when 1,024 claims are waiting,
-    /// has the writer write them ([`GroupCommit::write_pending`]) and tries again. A claim
-    /// is never decided anywhere else while claims are deferred (the writer deciding one
-    /// would not see a claim made meanwhile from memory).
-    ///
-    /// # Errors
-    /// As [`GroupCommit::claim_deferred`] and [`GroupCommit::write_pending`].
-    pub async fn claim_deferred_waiting(
-        &self,
-        req: &ClaimRequest,
-        read: impl Fn(RecordId) -> Result<Option<Record>, StoreError>,
-    ) -> Result<ClaimOutcome, StoreError> {
-        loop {
-            if let Some(outcome) = self.claim_deferred(req, &read)? {
-                return Ok(outcome);
-            }
-            self.write_pending().await?;
-        }
-    }
-
-    /// The pending claim of `id` if one is waiting to be written: a store's reads
-    /// (`get`, `journal_get`) answer it before reading the file. A pending claim has no
-    /// journal entries yet.
-    #[must_use]
-    pub fn pending_claim(&self, id: RecordId) -> Option<Record> {
-        let pending = self.shared.pending.as_ref()?;
-        lock_pending(pending).claims.get(&id).map(|p| p.record.clone())
-    }
-
-    /// Has the writer write every pending claim now, and waits for that commit: for reads
-    /// that scan the file (`list`), which cannot merge pending claims in. Does nothing
-    /// when no claim is pending.
-    ///
-    /// # Errors
-    /// The transaction's error.
-    pub async fn write_pending(&self) -> Result<(), StoreError> {
-        let Some(pending) = &self.shared.pending else { return Ok(()) };
-        if lock_pending(pending).claims.is_empty() {
-            return Ok(());
-        }
-        self.submit(Write::Sweep { limit: 0 }).await.map(drop)
-    }
-
     /// The clock the writer reads (for stores' own reads).
     #[must_use]
     pub fn clock(&self) -> &Arc<dyn Clock> {
@@ -556,7 +360,6 @@ impl GroupCommit {
             read_only_batches: c.read_only_batches.load(Ordering::Relaxed),
             claims_read: c.claims_read.load(Ordering::Relaxed),
             abandoned_claims: c.abandoned_claims.load(Ordering::Relaxed),
-            deferred_claims: c.deferred_claims.load(Ordering::Relaxed),
         }
     }
 
@@ -600,99 +403,6 @@ impl Drop for CloseOnExit {
 struct Tracked<'t> {
     table: &'t mut dyn RecordTable,
     wrote: bool,
-}
-
-/// The table of a transaction that starts with pending claims: they are staged here and
-/// written only when the transaction needs them in the table (a journal write, a sweep)
-/// or at its end, so a claim completed in the same transaction is written once, completed,
-/// instead of inserted and then updated. Reads see the staged records first.
-struct Staged<'t> {
-    table: &'t mut dyn RecordTable,
-    claims: HashMap<RecordId, PendingClaim>,
-    /// Writing a staged claim failed: the transaction must not commit.
-    broken: bool,
-    /// The claim whose write failed, dropped from memory after the failed batch so it
-    /// cannot fail every later one.
-    failed: &'t mut Option<(RecordId, FencingToken)>,
-}
-
-impl Staged<'_> {
-    /// Writes staged claim `id` (if any) into the table.
-    fn put(&mut self, id: RecordId) -> Result<(), StoreError> {
-        let Some(PendingClaim { record, replaces }) = self.claims.remove(&id) else { return Ok(()) };
-        let token = record.token;
-        let result = if replaces {
-            // An earlier generation may be in the file: its journal goes, and the write
-            // moves its index entry.
-            self.table
-                .journal_clear(id)
-                .and_then(|()| self.table.read(id))
-                .and_then(|old| self.table.write_owned(old.as_ref(), record))
-        } else {
-            self.table.write_owned(None, record)
-        };
-        if result.is_err() {
-            self.broken = true;
-            *self.failed = Some((id, token));
-        }
-        result
-    }
-
-    fn put_all(&mut self) -> Result<(), StoreError> {
-        let ids: Vec<RecordId> = self.claims.keys().copied().collect();
-        ids.into_iter().try_for_each(|id| self.put(id))
-    }
-}
-
-impl RecordRead for Staged<'_> {
-    fn read(&self, id: crate::RecordId) -> Result<Option<crate::Record>, StoreError> {
-        match self.claims.get(&id) {
-            Some(p) => Ok(Some(p.record.clone())),
-            None => self.table.read(id),
-        }
-    }
-    fn journal_read(&self, id: crate::RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        // A staged claim is a new generation: no entries.
-        if self.claims.contains_key(&id) {
-            return Ok(None);
-        }
-        self.table.journal_read(id, name)
-    }
-}
-
-impl RecordTable for Staged<'_> {
-    fn write(&mut self, old: Option<&crate::Record>, new: &crate::Record) -> Result<(), StoreError> {
-        self.write_owned(old, new.clone())
-    }
-    fn write_owned(&mut self, old: Option<&crate::Record>, new: crate::Record) -> Result<(), StoreError> {
-        match self.claims.get_mut(&new.id) {
-            // Still staged: the new state replaces it, written later in one go.
-            Some(p) => {
-                p.record = new;
-                Ok(())
-            }
-            None => self.table.write_owned(old, new),
-        }
-    }
-    fn expired(&mut self, now: crate::UnixMillis, limit: usize) -> Result<Vec<crate::Expired>, StoreError> {
-        self.put_all()?;
-        self.table.expired(now, limit)
-    }
-    fn remove(&mut self, expired: crate::Expired) -> Result<(), StoreError> {
-        self.put(expired.id)?;
-        self.table.remove(expired)
-    }
-    fn journal_write(&mut self, id: crate::RecordId, name: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.put(id)?;
-        self.table.journal_write(id, name, value)
-    }
-    fn journal_clear(&mut self, id: crate::RecordId) -> Result<(), StoreError> {
-        self.put(id)?;
-        self.table.journal_clear(id)
-    }
-    fn is_poisoned(&self) -> bool {
-        self.broken || self.table.is_poisoned()
-    }
 }
 
 impl Tracked<'_> {
@@ -746,8 +456,6 @@ struct Writer<E> {
     last_batch: usize,
     counters: Arc<Counters>,
     queue: Arc<Queue<Job>>,
-    /// The pending claims, with deferred claims.
-    pending: Option<Arc<Mutex<Pending>>>,
     /// When the oldest commit that is not yet durable was made (flush interval only).
     dirty_since: Option<Instant>,
 }
@@ -772,17 +480,9 @@ impl<E: Engine> Writer<E> {
                 );
             }
         }
-        // Pending claims are written before the writer stops, so a clean shutdown keeps them.
-        if self.has_pending() {
-            self.run_batch(Vec::new());
-        }
         if self.dirty_since.is_some() {
             self.flush();
         }
-    }
-
-    fn has_pending(&self) -> bool {
-        self.pending.as_ref().is_some_and(|p| !lock_pending(p).claims.is_empty())
     }
 
     /// Waits for the first operation of the next batch; `None` once the store is dropped.
@@ -791,15 +491,10 @@ impl<E: Engine> Writer<E> {
         loop {
             let deadline = match (self.config.flush_interval, self.dirty_since) {
                 (Some(interval), Some(since)) => Some(since + interval),
-                _ if self.has_pending() => Some(Instant::now() + self.config.pending_claim_age),
                 _ => None,
             };
             match self.queue.next(deadline) {
                 Next::Item(job) => return Some(job),
-                // A first pending claim arrived: wait again, now with its deadline.
-                Next::Woken => {}
-                // Pending claims waited long enough: a transaction of their own.
-                Next::Timeout if self.has_pending() => self.run_batch(Vec::new()),
                 Next::Timeout => self.flush(),
                 Next::Closed => return None,
             }
@@ -824,7 +519,6 @@ impl<E: Engine> Writer<E> {
                         // Take whatever came with it in the same lock.
                         self.queue.drain_into(batch, target);
                     }
-                    Next::Woken => {}
                     Next::Timeout | Next::Closed => break,
                 }
             }
@@ -848,26 +542,10 @@ impl<E: Engine> Writer<E> {
         let counters = Arc::clone(&self.counters);
         let mut pending = jobs.into_iter();
         let mut done: Vec<(Reply, Result<Written, StoreError>)> = Vec::with_capacity(size);
-        // The operation that broke the transaction (none: a pending claim's write), and why.
-        let mut fault: Option<(Option<Reply>, StoreError)> = None;
+        // The operation that broke the transaction, and why.
+        let mut fault: Option<(Reply, StoreError)> = None;
         let mut wrote = false;
-        // The pending claims this transaction writes first (id and token).
-        let mut written: Vec<(RecordId, FencingToken)> = Vec::new();
-        let mut failed_claim: Option<(RecordId, FencingToken)> = None;
-        let claims = self.pending.clone();
         let result = self.engine.transaction(durable, &mut |table| {
-            // The pending claims go into this transaction first (staged, see `Staged`).
-            let staged: HashMap<RecordId, PendingClaim> = claims.as_ref().map_or_else(HashMap::new, |claims| {
-                lock_pending(claims)
-                    .claims
-                    .iter()
-                    .map(|(id, p)| (*id, PendingClaim { record: p.record.clone(), replaces: p.replaces }))
-                    .collect()
-            });
-            written.extend(staged.values().map(|p| (p.record.id, p.record.token)));
-            wrote |= !staged.is_empty();
-            let mut table = Staged { table, claims: staged, broken: false, failed: &mut failed_claim };
-            let table = &mut table;
             for job in pending.by_ref() {
                 if job.write.is_claim() && job.reply.is_closed() {
                     counters.abandoned_claims.fetch_add(1, Ordering::Relaxed);
@@ -882,7 +560,7 @@ impl<E: Engine> Writer<E> {
                     // transaction: outcomes computed so far may describe writes that will
                     // not be committed, so nobody of this batch may hear "done".
                     Err(error) if tracked.wrote || poisoned => {
-                        fault = Some((Some(job.reply), error));
+                        fault = Some((job.reply, error));
                         return false;
                     }
                     Ok(_) if poisoned => {
@@ -892,19 +570,15 @@ impl<E: Engine> Writer<E> {
                             true,
                             "transaction rolled back",
                         );
-                        fault = Some((Some(job.reply), error));
+                        fault = Some((job.reply, error));
                         return false;
                     }
                     outcome => done.push((job.reply, outcome)),
                 }
             }
-            if let Err(error) = table.put_all() {
-                fault = Some((None, error));
-                return false;
-            }
             wrote
         });
-        let (fault_reply, fault) = fault.map_or((None, None), |(reply, error)| (reply, Some(error)));
+        let (fault_reply, fault) = fault.map_or((None, None), |(reply, error)| (Some(reply), Some(error)));
         let failure = match (result, fault) {
             (Err(TransactionFailed { stage, error }), _) => Some((stage, error)),
             (Ok(()), Some(error)) => Some((Stage::Apply, error)),
@@ -913,15 +587,6 @@ impl<E: Engine> Writer<E> {
         match failure {
             Some((stage, error)) => {
                 self.counters.failed_batches.fetch_add(1, Ordering::Relaxed);
-                if let (Some((id, token)), Some(claims)) = (failed_claim, &self.pending) {
-                    // Its caller heard "claimed" already; losing it now is what a crash
-                    // would do, and keeping it would fail every batch after this one.
-                    let mut claims = lock_pending(claims);
-                    if claims.claims.get(&id).is_some_and(|p| p.record.token == token) {
-                        claims.claims.remove(&id);
-                        tracing::error!(backend, %error, "a deferred claim could not be written and was dropped");
-                    }
-                }
                 tracing::warn!(backend, batch = size, %stage, %error, "group commit failed; nothing in it was committed");
                 let cause = Arc::new(error);
                 let replies =
@@ -938,17 +603,6 @@ impl<E: Engine> Writer<E> {
                     self.dirty_since = None;
                 } else if self.dirty_since.is_none() {
                     self.dirty_since = Some(Instant::now());
-                }
-                // The commit is visible to new reads now: the claims it wrote leave memory
-                // (unless a newer claim of the id replaced one meanwhile), before anyone
-                // hears of the batch.
-                if let (Some(claims), false) = (&self.pending, written.is_empty()) {
-                    let mut claims = lock_pending(claims);
-                    for (id, token) in written {
-                        if claims.claims.get(&id).is_some_and(|p| p.record.token == token) {
-                            claims.claims.remove(&id);
-                        }
-                    }
                 }
                 for (reply, outcome) in done {
                     let _ = reply.send(outcome);

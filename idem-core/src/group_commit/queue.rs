@@ -17,8 +17,6 @@ pub(crate) enum Next<T> {
     Item(T),
     /// The deadline passed first.
     Timeout,
-    /// [`Queue::wake`] was called: the waiter should look again at why it waits.
-    Woken,
     /// The queue was closed and is empty.
     Closed,
 }
@@ -34,13 +32,11 @@ pub(crate) struct Queue<T> {
 struct State<T> {
     items: VecDeque<T>,
     closed: bool,
-    /// A wake not yet seen by a waiter (kept, so a wake just before a wait is not lost).
-    woken: bool,
 }
 
 impl<T> Queue<T> {
     pub(crate) fn new() -> Self {
-        Self { state: Mutex::new(State { items: VecDeque::new(), closed: false, woken: false }), ready: Condvar::new() }
+        Self { state: Mutex::new(State { items: VecDeque::new(), closed: false }), ready: Condvar::new() }
     }
 
     fn lock(&self) -> MutexGuard<'_, State<T>> {
@@ -59,13 +55,6 @@ impl<T> Queue<T> {
         drop(state);
         self.ready.notify_one();
         Ok(())
-    }
-
-    /// Makes the current or next [`Queue::next`] return [`Next::Woken`] (unless an item
-    /// is there first).
-    pub(crate) fn wake(&self) {
-        self.lock().woken = true;
-        self.ready.notify_one();
     }
 
     /// Refuses further pushes; the consumer still gets what is queued.
@@ -90,9 +79,6 @@ impl<T> Queue<T> {
             }
             if state.closed {
                 return Next::Closed;
-            }
-            if std::mem::take(&mut state.woken) {
-                return Next::Woken;
             }
             state = match deadline {
                 None => self.ready.wait(state).unwrap_or_else(PoisonError::into_inner),
