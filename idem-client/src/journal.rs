@@ -14,6 +14,23 @@
 //!   the torn tail off, so it cannot glue itself to the next
 //!   entry and turn a valid line into garbage (which would give that operation a new key
 //!   after the next restart, and run it twice).
+//! - An append that fails while the process runs leaves the same fragment: a full disk
+//!   takes part of the line and then refuses the rest (`ENOSPC`), and a failed fsync leaves
+//!   a line that may or may not be on disk. The journal remembers where its last whole line
+//!   ends and cuts the file back to there before the error returns, so the next entry
+//!   starts on a line of its own. Writing each line with a single `write` would not be
+//!   enough: on a full disk that one call is short too. The file is opened in append mode,
+//!   so the next write lands at the cut without a seek. The cut is made durable by the
+//!   next append's fsync; a crash before that can leave the failed line on disk: torn, it
+//!   is cut off at open; whole, it holds a full key that no request carried.
+//! - A failed append changes nothing in memory: the caller got an error and no request
+//!   carries the key, so the next `key_for` of that operation writes a new one (a failed
+//!   `done` leaves the operation's key in place).
+//! - If the cut fails too, the journal is marked torn: the next append first tries the cut
+//!   again and, if it still fails, returns [`JournalError::TornTail`] without writing,
+//!   until the journal is reopened (which cuts a torn tail off). It does not close the
+//!   fragment with a `\n` instead: a torn `put` would then read as whole, with a cut-short
+//!   key that another operation's key could match.
 //! - A journal file created by [`KeyJournal::open`] has its directory fsynced before
 //!   `open` returns: without that, a power loss can lose the new file's directory entry,
 //!   and with it every key written to the file since.
@@ -39,6 +56,19 @@ pub enum JournalError {
         #[source]
         source: std::io::Error,
     },
+    /// An earlier append failed part-way and its partial line could not be cut off the
+    /// file, then or now. Nothing was written: appending would glue the entry onto the
+    /// partial line. Reopening the journal cuts it off.
+    #[error(
+        "key journal {path}: a failed append left a partial line that cannot be cut off ({source}); reopen the journal"
+    )]
+    TornTail {
+        /// The journal file.
+        path: PathBuf,
+        /// Why cutting the partial line off failed.
+        #[source]
+        source: std::io::Error,
+    },
     /// An operation name that the line format cannot hold.
     #[error("operation name {0:?} must be 1-255 bytes of visible ASCII")]
     BadOperation(String),
@@ -48,7 +78,19 @@ pub enum JournalError {
 #[derive(Debug)]
 pub struct KeyJournal {
     path: PathBuf,
-    state: Mutex<(File, HashMap<String, String>)>,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Opened for appending: every write lands at the end of the file.
+    file: File,
+    keys: HashMap<String, String>,
+    /// The file's length at the end of its last whole line: every acknowledged entry lies
+    /// before it, and a failed append is cut back to it.
+    whole_len: u64,
+    /// A failed append's bytes may still follow `whole_len` (cutting them off failed).
+    torn: bool,
 }
 
 impl KeyJournal {
@@ -94,23 +136,26 @@ impl KeyJournal {
                 _ => {}
             }
         }
-        Ok(Self { path, state: Mutex::new((file, keys)) })
+        let state = State { file, keys, whole_len: whole as u64, torn: false };
+        Ok(Self { path, state: Mutex::new(state) })
     }
 
     /// The key of `operation`: the recorded one if the operation was started before (in
     /// this process or an earlier one), else a new key, recorded durably before return.
     ///
     /// # Errors
-    /// [`JournalError`] for a bad name or a failed write.
+    /// [`JournalError::BadOperation`] for a bad name; [`JournalError::Io`] when writing or
+    /// fsyncing the entry fails (what was written of it is cut off the file again);
+    /// [`JournalError::TornTail`] while an earlier failed entry cannot be cut off.
     pub fn key_for(&self, operation: &str) -> Result<OperationKey, JournalError> {
         check_name(operation)?;
         let mut guard = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(k) = guard.1.get(operation) {
+        if let Some(k) = guard.keys.get(operation) {
             return Ok(OperationKey::from_string(k.clone()));
         }
         let key = OperationKey::generate();
-        self.append(&mut guard.0, &format!("put {operation} {}\n", key.as_str()))?;
-        guard.1.insert(operation.to_string(), key.as_str().to_string());
+        self.append(&mut guard, &format!("put {operation} {}\n", key.as_str()))?;
+        guard.keys.insert(operation.to_string(), key.as_str().to_string());
         Ok(key)
     }
 
@@ -118,20 +163,53 @@ impl KeyJournal {
     /// operation with a new key.
     ///
     /// # Errors
-    /// [`JournalError`] for a bad name or a failed write.
+    /// As [`KeyJournal::key_for`]; after an error the operation keeps its key.
     pub fn done(&self, operation: &str) -> Result<(), JournalError> {
         check_name(operation)?;
         let mut guard = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        self.append(&mut guard.0, &format!("done {operation}\n"))?;
-        guard.1.remove(operation);
+        self.append(&mut guard, &format!("done {operation}\n"))?;
+        guard.keys.remove(operation);
         Ok(())
     }
 
-    fn append(&self, file: &mut File, line: &str) -> Result<(), JournalError> {
-        let io = |source| JournalError::Io { path: self.path.clone(), source };
-        file.write_all(line.as_bytes()).map_err(io)?;
-        file.sync_data().map_err(io)
+    /// Writes and fsyncs `line`, or leaves the file ending at its last whole line.
+    fn append(&self, state: &mut State, line: &str) -> Result<(), JournalError> {
+        if state.torn {
+            cut(&state.file, state.whole_len)
+                .map_err(|source| JournalError::TornTail { path: self.path.clone(), source })?;
+            state.torn = false;
+        }
+        let written = write_line(&mut state.file, line.as_bytes()).and_then(|()| state.file.sync_data());
+        if let Err(source) = written {
+            // Part of the line may be on the file: cut it off, or the next entry would
+            // join it. The write's error is the one the caller needs; a failed cut is
+            // remembered and tried again before the next write. The cut needs no fsync of
+            // its own: the next append's fsync makes it durable along with that entry.
+            state.torn = cut(&state.file, state.whole_len).is_err();
+            return Err(JournalError::Io { path: self.path.clone(), source });
+        }
+        state.whole_len += line.len() as u64;
+        Ok(())
     }
+}
+
+/// Appends `line` to the file. Tests can make it stop part-way, as a full disk does.
+fn write_line(file: &mut File, line: &[u8]) -> std::io::Result<()> {
+    #[cfg(test)]
+    if let Some(n) = tests::SHORT_WRITE.with(std::cell::Cell::take) {
+        file.write_all(&line[..n])?;
+        return Err(std::io::Error::new(std::io::ErrorKind::StorageFull, "test: the disk filled part-way"));
+    }
+    file.write_all(line)
+}
+
+/// Cuts the file back to `len` bytes. Tests can make it fail.
+fn cut(file: &File, len: u64) -> std::io::Result<()> {
+    #[cfg(test)]
+    if tests::FAILING_CUTS.with(|n| n.replace(n.get().saturating_sub(1))) > 0 {
+        return Err(std::io::Error::other("test: the cut failed"));
+    }
+    file.set_len(len)
 }
 
 /// Fsyncs the directory holding `path`, making a new file's directory entry durable.
@@ -161,6 +239,10 @@ mod tests {
     thread_local! {
         /// Directory fsyncs made by this test thread.
         pub(super) static DIR_SYNCS: Cell<usize> = const { Cell::new(0) };
+        /// The next line written by this test thread stops after this many bytes and fails.
+        pub(super) static SHORT_WRITE: Cell<Option<usize>> = const { Cell::new(None) };
+        /// This many of this test thread's next cuts fail.
+        pub(super) static FAILING_CUTS: Cell<usize> = const { Cell::new(0) };
     }
 
     #[test]
@@ -204,6 +286,62 @@ mod tests {
         assert_eq!(j.key_for("b").unwrap(), b, "b's entry was swallowed by the torn line");
         assert_ne!(j.key_for("torn").unwrap().as_str(), "7c3f");
         assert_eq!(j.key_for("a").unwrap().as_str(), "k1");
+    }
+
+    #[test]
+    fn an_append_that_fails_part_way_cannot_swallow_the_next_entry() {
+        // Pins: an append that failed part-way left its partial line on the file and the next
+        // entry joined it ("put b 7c3f" + "put c K3\n", one garbage line), so after a restart
+        // c got a new key and ran twice. `tests/journal_full_disk.rs` fails it on a real full
+        // disk; this one runs without root.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.journal");
+        let j = KeyJournal::open(&path).unwrap();
+        let a = j.key_for("a").unwrap();
+        let before = std::fs::read_to_string(&path).unwrap();
+        SHORT_WRITE.with(|n| n.set(Some(10)));
+        assert!(matches!(j.key_for("b"), Err(JournalError::Io { .. })));
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            before,
+            "the failed entry's partial line stayed on the file"
+        );
+        let c = j.key_for("c").unwrap();
+        // The failed key never reached the caller: asking again makes a new, durable one.
+        let b = j.key_for("b").unwrap();
+        drop(j);
+        let j = KeyJournal::open(&path).unwrap();
+        assert_eq!(j.key_for("c").unwrap(), c, "c's entry was glued onto b's partial line");
+        assert_eq!(j.key_for("b").unwrap(), b);
+        assert_eq!(j.key_for("a").unwrap(), a);
+    }
+
+    #[test]
+    fn a_partial_line_that_cannot_be_cut_off_blocks_appends_until_it_is() {
+        // Pins: when a failed append's partial line could not be cut off, the next entry was
+        // written after it and joined it; it must try the cut again and refuse with
+        // `TornTail` while the cut keeps failing.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.journal");
+        let j = KeyJournal::open(&path).unwrap();
+        let a = j.key_for("a").unwrap();
+        let before = std::fs::read_to_string(&path).unwrap();
+        SHORT_WRITE.with(|n| n.set(Some(10)));
+        FAILING_CUTS.with(|n| n.set(3));
+        assert!(matches!(j.key_for("b"), Err(JournalError::Io { .. })));
+        let torn = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(torn.len(), before.len() + 10, "the test's failed cut left no partial line");
+        // The next two cuts fail too: c and a's `done` are refused, nothing joins the partial
+        // line, and a keeps its key.
+        assert!(matches!(j.key_for("c"), Err(JournalError::TornTail { .. })));
+        assert!(matches!(j.done("a"), Err(JournalError::TornTail { .. })));
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), torn);
+        // The cut works again: the partial line goes, then c's entry is written whole.
+        let c = j.key_for("c").unwrap();
+        drop(j);
+        let j = KeyJournal::open(&path).unwrap();
+        assert_eq!(j.key_for("c").unwrap(), c, "c's entry was glued onto b's partial line");
+        assert_eq!(j.key_for("a").unwrap(), a);
     }
 
     /// A new journal file's directory entry was never fsynced, so a power loss could drop
