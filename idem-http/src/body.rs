@@ -2,7 +2,8 @@
 //! keyless requests, fail-open, responses that are not stored), a buffered one (a keyed
 //! response that ended within `max_stored_body`, and every replay), or a streamed one (a
 //! keyed response longer than that, or endless: the part read while deciding, then the
-//! rest straight from the handler).
+//! rest straight from the handler; for gRPC, also the record's claim, written when the
+//! stream ends, see [`crate::grpc`]).
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -12,6 +13,8 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
+
+use crate::grpc::StreamEnd;
 
 /// Body of responses from [`crate::Idempotency`].
 ///
@@ -26,8 +29,9 @@ enum Kind<B> {
     Inner(Pin<Box<B>>),
     /// Buffered bytes, sent as one frame (`None` once sent), then the trailers, if any.
     Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
-    /// The frames read before the layer stopped buffering, then the rest of the inner body.
-    Streamed { read: VecDeque<Bytes>, rest: Pin<Box<B>> },
+    /// The frames read before the layer stopped buffering, then the rest of the inner body;
+    /// `end` holds the record's claim of a gRPC stream until its status is known.
+    Streamed { read: VecDeque<Bytes>, rest: Pin<Box<B>>, end: Option<Box<StreamEnd>> },
 }
 
 impl<B> ResponseBody<B> {
@@ -44,7 +48,13 @@ impl<B> ResponseBody<B> {
     }
 
     pub(crate) fn streamed(read: Vec<Bytes>, rest: Pin<Box<B>>) -> Self {
-        Self { kind: Kind::Streamed { read: read.into(), rest } }
+        Self { kind: Kind::Streamed { read: read.into(), rest, end: None } }
+    }
+
+    /// [`Self::streamed`], whose end (its trailers, or none) completes or fails the record
+    /// `end` holds the claim of before it reaches the client.
+    pub(crate) fn streamed_until_status(read: Vec<Bytes>, rest: Pin<Box<B>>, end: StreamEnd) -> Self {
+        Self { kind: Kind::Streamed { read: read.into(), rest, end: Some(Box::new(end)) } }
     }
 }
 
@@ -79,9 +89,10 @@ where
                 }
                 Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t))))
             }
-            Kind::Streamed { read, rest } => match read.pop_front() {
-                Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
-                None => rest.as_mut().poll_frame(cx),
+            Kind::Streamed { read, rest, end } => match (read.pop_front(), end) {
+                (Some(bytes), _) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
+                (None, Some(end)) => end.poll_frame(rest.as_mut(), cx),
+                (None, None) => rest.as_mut().poll_frame(cx),
             },
         }
     }
@@ -90,7 +101,11 @@ where
         match &self.kind {
             Kind::Inner(body) => body.is_end_stream(),
             Kind::Full { data, trailers } => data.as_ref().is_none_or(Bytes::is_empty) && trailers.is_none(),
-            Kind::Streamed { read, rest } => read.is_empty() && rest.is_end_stream(),
+            // A claimed gRPC stream ends only after its end was seen and the record
+            // written: a body that said so earlier would never be polled for its end.
+            Kind::Streamed { read, rest, end } => {
+                read.is_empty() && end.as_ref().map_or_else(|| rest.is_end_stream(), |end| end.is_done())
+            }
         }
     }
 
@@ -98,7 +113,7 @@ where
         match &self.kind {
             Kind::Inner(body) => body.size_hint(),
             Kind::Full { data, .. } => SizeHint::with_exact(data.as_ref().map_or(0, |b| b.len() as u64)),
-            Kind::Streamed { read, rest } => {
+            Kind::Streamed { read, rest, .. } => {
                 let read: u64 = read.iter().map(|b| b.len() as u64).sum();
                 let rest = rest.size_hint();
                 let mut hint = SizeHint::new();

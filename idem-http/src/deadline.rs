@@ -4,7 +4,7 @@
 //! Every store call the layer makes (the claim and the calls that decide a request, the
 //! `complete`/`fail` after the handler, lease renewals, the handler's journal steps) goes
 //! through a [`Store`] wrapper (`DeadlineStore`) the layer puts around the store it was
-//! given. It does two things:
+//! given. It does three things:
 //!
 //! 1. **A deadline per call** ([`StoreDeadlines`]). A call that has not answered by its
 //!    deadline is abandoned and counts as a transient [`StoreError::Unavailable`]: a claim
@@ -12,17 +12,18 @@
 //!    unprotected under fail-open), instead of holding the client's request for as long as
 //!    a black-holed connection, a writer stuck in `fsync` or a `SIGSTOP`ped server takes.
 //! 2. **Completion retries** ([`CompletionRetry`]). A `complete` or `fail` that misses its
-//!    deadline or fails transiently ([`StoreError::is_retryable`]) is sent again with
-//!    backoff (25 ms, doubling, at most 1 s) for as long as the lease can last. Without
-//!    this, the response goes out, the record stays in flight, and once the lease runs out
-//!    a retry reclaims the record and runs the handler a second time.
+//!    deadline or meets any [`StoreError::Unavailable`] (a blip, and also an outage the
+//!    backend reports as not retryable: SQLite's full disk, redb after a latched I/O
+//!    failure) is sent again with backoff (25 ms, doubling, at most 1 s) for as long as the
+//!    lease can last. Without this, the response goes out, the record stays in flight, and
+//!    once the lease runs out a retry reclaims the record and runs the handler a second
+//!    time.
 //! 3. **Journal write retries** (same switch). A resumable step's outcome, or an intent's
-//!    `pending`/`done`, that misses its deadline or meets any `Unavailable` (a blip, and
-//!    also SQLite's full disk, which the backend reports as not retryable) is written
-//!    again with the same backoff for up to one lease TTL, while the handler's lease is
-//!    being renewed. The step's side effect has already happened when its outcome is
-//!    written; without the retry the request fails with nothing journalled and the next
-//!    attempt runs the step again.
+//!    `pending`/`done`, that misses its deadline or meets any `Unavailable` is written
+//!    again the same way for up to one lease TTL, while the handler's lease is being
+//!    renewed. The step's side effect has already happened when its outcome is written;
+//!    without the retry the request fails with nothing journalled and the next attempt
+//!    runs the step again.
 //!
 //! # Ambiguous outcomes
 //! A call abandoned at its deadline, or one that failed on a dropped connection, may still
@@ -36,17 +37,29 @@
 //! attempt, and the call reads as done. Fencing tokens never repeat for a record id, so no
 //! other attempt can have left that token behind.
 //!
+//! # A completion that never lands
+//! When the store is still out as the retry window closes, `complete` returns its last
+//! error and the layer sends the handler's response as the handler made it (status,
+//! headers, body; not a problem answer: the operation did run, and an error answer would
+//! invite the very retry that runs it again), marked `Idempotent-Stored: false`
+//! ([`crate::IDEMPOTENT_STORED`]). It also logs "could not store the response" at error
+//! level and counts the attempt as `not_stored` (`idem_outcomes_total`). The record stays
+//! in flight under this attempt's token: a retry while its lease lasts is answered 409
+//! `in-flight`, and a retry after the lease reclaims it and runs the handler again, which
+//! the mark told the client to expect. Only an outage that outlasts the whole window gets
+//! there.
+//!
 //! # Bounds
 //! - A stalled store answers the first call within its deadline; a request makes a
 //!   bounded number of calls (a claim, and at most a few reads or reclaims after a race),
 //!   each with its own deadline.
 //! - Completion retries stop at the first of: success, `LeaseLost` (another attempt owns
-//!   the record), a permanent error, or the retry window, one lease TTL after the first
-//!   attempt was sent. The lease was renewed until the handler ended, so by then it may
-//!   have run out and a retry may have reclaimed the record; a later `complete` would be
-//!   refused anyway. The response is returned once the retries end, so a long store
-//!   outage delays the response by up to one lease TTL: that is the price of not running
-//!   the handler twice.
+//!   the record; never sent again), a final error (a corrupt record, an unsupported call),
+//!   or the retry window, one lease TTL after the first attempt was sent. The lease was
+//!   renewed until the handler ended, so by then it may have run out and a retry may have
+//!   reclaimed the record; a later `complete` would be refused anyway. The response is
+//!   returned once the retries end, so a long store outage delays the response by up to
+//!   one lease TTL: that is the price of not running the handler twice.
 //! - Deadlines use tokio's timer: the runtime must have time enabled, as for lease renewal.
 //!   Outside a tokio runtime calls run without a deadline.
 
@@ -84,7 +97,7 @@ const RETRY_MAX: Duration = Duration::from_secs(1);
 /// | [`extend`](Self::with_extend) | `extend` (lease renewal) | 2 s | renewal retries it |
 /// | [`journal`](Self::with_journal) | `journal_put` (steps, intents) | 2 s | retried like a completion, then the step fails transiently |
 ///
-/// `sweep` runs without a deadline: the layer never sweeps (the [`idem_core::sweeper::Sweeper`] does).
+/// `sweep` runs without a deadline: the layer never sweeps (the sweeper in `idem_core::sweeper` does).
 /// A zero deadline is taken as 1 ms.
 ///
 /// ```
@@ -119,9 +132,10 @@ impl Default for StoreDeadlines {
     }
 }
 
-/// Whether a `complete` or `fail` that missed its deadline or failed transiently is sent
-/// again; the same switch governs journal writes (a step's outcome, an intent's state),
-/// which are also retried on an `Unavailable` the backend calls permanent (a full disk).
+/// Whether a `complete` or `fail` that missed its deadline or met an outage (any
+/// [`StoreError::Unavailable`], the ones the backend calls permanent too, such as a full
+/// disk) is sent again; the same switch governs journal writes (a step's outcome, an
+/// intent's state).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum CompletionRetry {
@@ -129,10 +143,10 @@ pub enum CompletionRetry {
     /// first attempt (default). Applies to completions and journal writes.
     #[default]
     WhileLeaseLasts,
-    /// Send once. A completion lost to a blip leaves the record in flight until its lease
-    /// ends, and a retry after that runs the handler again; a step outcome lost to a blip
-    /// fails the request, and its retry runs the step again. For measuring what the retry
-    /// prevents, not for production.
+    /// Send once. A completion lost to a blip or a full disk leaves the record in flight
+    /// until its lease ends, and a retry after that runs the handler again; a step outcome
+    /// lost the same way fails the request, and its retry runs the step again. For
+    /// measuring what the retry prevents, not for production.
     Off,
 }
 
@@ -206,12 +220,12 @@ impl StoreDeadlines {
 #[error("no answer from the store within {} ms", .0.as_millis())]
 pub struct DeadlineMissed(Duration);
 
-/// Whether a journal write that failed with `error` may land if sent again: any
-/// [`StoreError::Unavailable`], the retryable ones (a blip, a busy timeout, a missed
-/// deadline) and the others too (SQLite's full disk, an I/O error), as lease renewal
-/// treats them: the store may recover within the retry window, and the fence keeps a late
-/// write harmless. Refusals (`LeaseLost`), corrupt records and unsupported operations are
-/// final.
+/// Whether a completion or journal write that failed with `error` may land if sent again:
+/// any [`StoreError::Unavailable`], the retryable ones (a blip, a busy timeout, a missed
+/// deadline) and the others too (SQLite's full disk, redb's latched I/O failure), as lease
+/// renewal treats them: the store may recover within the retry window, and the fence keeps
+/// a late write harmless. Refusals (`LeaseLost`), corrupt records and unsupported
+/// operations are final.
 fn is_outage(error: &StoreError) -> bool {
     matches!(error, StoreError::Unavailable { .. })
 }
@@ -390,7 +404,17 @@ impl DeadlineStore {
                 }
                 return Err(error);
             }
-            if !retry || !error.is_retryable() || Instant::now() + pause >= window_end {
+            // Any outage is sent again, not only the retryable ones: a `complete` refused by a
+            // full disk (SQLite) or by redb after a latched I/O failure lands once the store
+            // recovers, and giving up at once left the record in flight, so the retry after
+            // the lease ran the handler a second time. `fail` follows the same rule although
+            // a lost `fail` never runs anything twice (the record stays in flight and a retry
+            // reclaims it when the lease ends): a `fail` that lands once the store is back
+            // frees the key at once instead of answering every retry 409 for the rest of the
+            // lease, and it only holds back an error answer, which a retryable outage
+            // already does for as long. `LeaseLost` was handled above; a corrupt record or an
+            // unsupported call is final.
+            if !retry || !is_outage(&error) || Instant::now() + pause >= window_end {
                 return Err(error);
             }
             tracing::warn!(record = %id, token = %token, what, error = %error, "store completion failed; retrying");

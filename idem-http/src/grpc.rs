@@ -15,14 +15,27 @@
 //! `DEADLINE_EXCEEDED`, `ABORTED`, `RESOURCE_EXHAUSTED`, `UNAUTHENTICATED`,
 //! `PERMISSION_DENIED`, `UNKNOWN`, `CANCELLED`, `DATA_LOSS`, `UNIMPLEMENTED`) or a missing
 //! status marks the record failed, so a retry runs the handler again. A handler's
-//! [`crate::ResponseCaching`] still decides for one response. A server-streaming response
-//! longer than `max_stored_body` or still open at the buffering deadline completes as not
-//! retained (its status is not known yet when the record completes). gRPC-Web
+//! [`crate::ResponseCaching`] still decides for one response. gRPC-Web
 //! (`application/grpc-web[-text]`) answers an error trailers-only too: a `grpc-status`
 //! header that is not lasting marks the record failed the same way. A gRPC-Web response
 //! with a message carries its status inside the body, which the layer does not parse: it
 //! is stored by its HTTP status. The layer's own answers to a gRPC-Web request are
 //! problem bodies, not gRPC statuses.
+//!
+//! **Streamed responses.** A gRPC response that streams (longer than `max_stored_body`,
+//! or still open at the buffering deadline) sends its `grpc-status` last, so its record is
+//! not completed when the body starts to stream, as an HTTP response's is: the attempt
+//! keeps its claim, its lease renewed, until the stream ends, and the trailers reach the
+//! client only after the record is written. A lasting status completes the record as not
+//! retained, the status kept in its trailers: a retry gets `ALREADY_EXISTS`. Any other
+//! status, no status, a body that fails, or a client that goes away before the trailers
+//! marks the record failed: a retry runs the handler again. While the stream flows, a
+//! retry gets `ABORTED` (in flight), however long the stream lasts. Why hold the claim
+//! rather than store the final status: `complete` and `fail` only change a record in
+//! flight, so a record completed when the stream started cannot take its status later,
+//! and a stored `UNAVAILABLE` replayed to every retry would still never run the call
+//! again. A handler's `ResponseCaching::Store` completes the record when the body starts
+//! to stream, as for HTTP, whatever the status.
 //!
 //! **The layer's answers.** For a gRPC request the layer answers trailers-only (HTTP 200,
 //! `grpc-status`, `grpc-message`), never a problem body a gRPC client cannot read:
@@ -43,10 +56,20 @@
 //! protocol requires), the problem's `type` URI the `idem-problem` metadata entry, and
 //! `Retry-After`, `idempotency-key-expires` and the retry hints stay as metadata.
 
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, ready};
+
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
+use http_body::{Body, Frame};
+use idem_core::{FencingToken, Policy, RecordId, Store, StoredBody, StoredResponse};
 
 use crate::body::ResponseBody;
+use crate::future::FailGuard;
+use crate::lease::{LeaseState, Renewal};
+use crate::observe::{Observer, Outcome};
 use crate::problem::{Problem, ProblemKind};
 
 /// gRPC status codes the layer uses or reads (grpc/doc/statuscodes.md).
@@ -139,6 +162,205 @@ fn lasting_code(status: Option<&HeaderValue>) -> bool {
                 | code::OUT_OF_RANGE
         )
     )
+}
+
+/// The claim of a gRPC response that streams before its `grpc-status` is known (module
+/// docs, "Streamed responses"): held by the response body, which writes the record when
+/// the stream ends and only then passes the trailers on.
+pub(crate) struct StreamEnd {
+    /// Keeps the lease fresh while the stream flows: a stream may outlast any lease.
+    /// Declared first, so a dropped stream stops renewing before its guard fails the
+    /// record.
+    renewing: Renewing,
+    state: EndState,
+}
+
+enum EndState {
+    /// The stream flows; the claim is held and renewed.
+    Open(Box<OpenClaim>),
+    /// The stream ended: the record is being written; `trailers` go out after it.
+    Writing {
+        /// In a mutex only so that the body stays `Sync`: polled through `get_mut`, never
+        /// locked.
+        write: Mutex<BoxFuture<'static, ()>>,
+        trailers: Option<HeaderMap>,
+    },
+    /// Written (or abandoned): the body has ended.
+    Done,
+}
+
+/// What completing or failing the record takes.
+pub(crate) struct OpenClaim {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) id: RecordId,
+    pub(crate) token: FencingToken,
+    /// Armed: a stream dropped before it ended fails the record.
+    pub(crate) guard: FailGuard,
+    /// The HTTP status and the kept headers of the response.
+    pub(crate) status: u16,
+    pub(crate) headers: Vec<(String, Vec<u8>)>,
+    /// `grpc-status` in the head, which a trailers-only answer carries.
+    pub(crate) head_status: Option<HeaderValue>,
+    /// Which trailer fields the record keeps.
+    pub(crate) policy: Policy,
+    /// Body bytes sent so far: the length the record states.
+    pub(crate) len: u64,
+    pub(crate) lease: LeaseState,
+    pub(crate) obs: Observer,
+}
+
+/// A renewal task, stopped when the stream ends or is dropped: a detached `JoinHandle`
+/// would keep a dead stream's record claimed.
+struct Renewing(Option<tokio::task::JoinHandle<()>>);
+
+impl Renewing {
+    /// Stops the renewal and waits until it has: a renewal refused after the record was
+    /// written would read as a lost lease.
+    async fn stop(mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for Renewing {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
+}
+
+impl StreamEnd {
+    /// Holds `claim` until the stream ends, renewing its lease meanwhile (`renewal` is
+    /// `None` when the layer does not renew, or has no tokio runtime to do it on). The
+    /// renewal counts from the claim, so after a handler that ran longer than one interval
+    /// it renews at once: the handler's own renewal ended with the handler.
+    pub(crate) fn new(claim: OpenClaim, renewal: Option<Renewal>) -> Self {
+        // On a task of its own, not polled with the body: a client that reads slowly
+        // would otherwise let the lease run out under a live stream.
+        let renewing = Renewing(renewal.map(|r| tokio::spawn(r.run())));
+        Self { state: EndState::Open(Box::new(claim)), renewing }
+    }
+
+    /// Whether the body has ended: the record is written and nothing is held back.
+    pub(crate) fn is_done(&self) -> bool {
+        matches!(self.state, EndState::Done)
+    }
+
+    /// The next frame of `rest`, the body after the part the layer read. Data passes
+    /// through; the end (trailers, or none) waits for the record to be written.
+    pub(crate) fn poll_frame<B>(
+        &mut self,
+        mut rest: Pin<&mut B>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>>
+    where
+        B: Body<Data = Bytes>,
+    {
+        loop {
+            match &mut self.state {
+                EndState::Done => return Poll::Ready(None),
+                EndState::Writing { write, trailers } => {
+                    ready!(write.get_mut().unwrap_or_else(PoisonError::into_inner).as_mut().poll(cx));
+                    let trailers = trailers.take();
+                    self.state = EndState::Done;
+                    return Poll::Ready(trailers.map(|t| Ok(Frame::trailers(t))));
+                }
+                EndState::Open(claim) => match ready!(rest.as_mut().poll_frame(cx)) {
+                    Some(Ok(frame)) => match frame.into_data() {
+                        Ok(data) => {
+                            claim.len = claim.len.saturating_add(data.len() as u64);
+                            return Poll::Ready(Some(Ok(Frame::data(data))));
+                        }
+                        Err(frame) => match frame.into_trailers() {
+                            Ok(trailers) => self.end(Some(trailers)),
+                            // Neither data nor trailers: not ours to judge.
+                            Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                        },
+                    },
+                    None => self.end(None),
+                    Some(Err(error)) => {
+                        // The error cannot wait for a write: it goes to the client now,
+                        // and the claim's guard marks the record failed on its own.
+                        self.abandon();
+                        return Poll::Ready(Some(Err(error)));
+                    }
+                },
+            }
+        }
+    }
+
+    /// The stream ended with `trailers`: starts writing the record.
+    fn end(&mut self, trailers: Option<HeaderMap>) {
+        let EndState::Open(claim) = std::mem::replace(&mut self.state, EndState::Done) else { return };
+        let OpenClaim { store, id, token, mut guard, status, headers, head_status, policy, len, lease, obs } = *claim;
+        let renewal = std::mem::replace(&mut self.renewing, Renewing(None));
+        let status_field = trailers.as_ref().and_then(|t| t.get("grpc-status")).or(head_status.as_ref());
+        let stored = lasting_code(status_field).then(|| {
+            let kept = trailers.as_ref().map_or_else(Vec::new, |t| crate::service::kept_fields(&policy, t));
+            StoredResponse { status, headers, body: StoredBody::NotRetained { len: Some(len) } }.with_trailers(kept)
+        });
+        let write = async move {
+            renewal.stop().await;
+            let outcome = match stored {
+                Some(stored) => match store.complete(id, token, stored).await {
+                    Ok(_) => Outcome::NotRetained,
+                    Err(e) if e.is_lease_lost() => {
+                        tracing::warn!(
+                            record = %id, token = %token, error = %e,
+                            "lease lost before the gRPC stream ended: another attempt owns the record now; its \
+                             status is not stored"
+                        );
+                        Outcome::LeaseLost
+                    }
+                    Err(e) => {
+                        tracing::error!(
+                            record = %id, token = %token, error = %e,
+                            "could not store the gRPC stream's status; the record stays in flight until its lease \
+                             ends, after which a retry reclaims it and runs the handler again"
+                        );
+                        Outcome::NotStored
+                    }
+                },
+                None => {
+                    guard.fail_now("gRPC stream ended without a lasting status").await;
+                    Outcome::Failed
+                }
+            };
+            guard.disarm();
+            let outcome = if lease.is_lost() { Outcome::LeaseLost } else { outcome };
+            obs.outcome(outcome, lease.renewals());
+        };
+        self.state = EndState::Writing { write: Mutex::new(Box::pin(write)), trailers };
+    }
+
+    /// The stream failed: the claim's guard marks the record failed (on the runtime, in
+    /// the background), and the renewal stops with it.
+    fn abandon(&mut self) {
+        self.renewing = Renewing(None);
+        if let EndState::Open(claim) = std::mem::replace(&mut self.state, EndState::Done) {
+            claim.observe_failed();
+        }
+    }
+}
+
+impl OpenClaim {
+    fn observe_failed(&self) {
+        let outcome = if self.lease.is_lost() { Outcome::LeaseLost } else { Outcome::Failed };
+        self.obs.outcome(outcome, self.lease.renewals());
+    }
+}
+
+impl Drop for StreamEnd {
+    fn drop(&mut self) {
+        // Dropped mid-stream (the client went away): the guard, dropped with the claim,
+        // marks the record failed, so a retry runs the call again.
+        if let EndState::Open(claim) = &self.state {
+            claim.observe_failed();
+        }
+    }
 }
 
 /// Marks the layer's 503 for a stored record that does not decode: a gRPC request gets

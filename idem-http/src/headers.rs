@@ -12,6 +12,14 @@ pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key
 /// `Idempotent-Replayed: true` on every replayed response (Stripe's name; not in the draft).
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
+/// `Idempotent-Stored: false` on a handler's response that the layer could not store: the
+/// store stayed out for the whole completion retry window, or another attempt took the
+/// record over (lost lease). The operation ran, but a retry of the key will not replay
+/// this response: while the record's lease lasts it gets 409 in flight, after that it may
+/// run the handler again (outage) or get the other attempt's outcome (lost lease).
+/// Non-standard, like `Idempotent-Replayed`; absent on every stored or replayed response.
+pub const IDEMPOTENT_STORED: HeaderName = HeaderName::from_static("idempotent-stored");
+
 /// `Idempotency-Key-Expires: <HTTP-date>` (RFC 9110 §5.6.7 IMF-fixdate): until when the key's
 /// record is retained. After that instant the same key starts a new operation.
 ///

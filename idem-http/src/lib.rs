@@ -82,7 +82,10 @@
 //!
 //! Every response about an existing record (run, replay, in flight, mismatch) carries
 //! [`IDEMPOTENCY_KEY_EXPIRES`], a non-standard field with the HTTP-date until which the key
-//! is retained. All problem bodies are RFC 9457 `application/problem+json` ([`problem`]).
+//! is retained. A handler's response that the store could not keep (still out when the
+//! completion retries end, or the lease lost to another attempt) is returned as it is,
+//! marked [`IDEMPOTENT_STORED`]` false`: a retry of the key will not replay it. All problem
+//! bodies are RFC 9457 `application/problem+json` ([`problem`]).
 //!
 //! # Keys
 //! The key is parsed by [`idem_core::IdempotencyKey::parse_with_limit`] with the layer's
@@ -448,7 +451,7 @@ pub use context::{IdempotencyContext, ResponseCaching};
 pub use deadline::{CompletionRetry, StoreDeadlines};
 pub use future::ResponseFuture;
 pub use grpc::grpc_code_for;
-pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED};
+pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_REPLAYED, IDEMPOTENT_STORED};
 pub use hints::{RetryHints, STRIPE_SHOULD_RETRY, X_SHOULD_RETRY};
 pub use idem_core::resume::{LeaseWatch, Reconciled, Resumable, StepError, SubKey};
 #[cfg(feature = "seal")]

@@ -674,6 +674,9 @@ where
     let renewal = renewal(cfg, id, token, claimed_at, &lease);
     // The outcome, with the renewals so far; a lost lease wins over what the write said.
     let watch = lease.clone();
+    // A gRPC stream's outcome is recorded when it ends, after this request's observer is
+    // gone: its endpoint is kept for the metrics of that outcome.
+    let grpc_endpoint = crate::grpc::is_grpc(&parts.headers).then(|| scope.endpoint.clone());
     let done = |outcome: Outcome| {
         let outcome = if watch.is_lost() { Outcome::LeaseLost } else { outcome };
         obs.outcome(outcome, watch.renewals());
@@ -819,6 +822,31 @@ where
             });
             (stored, ResponseBody::full_with_trailers(bytes, trailers))
         }
+        Read::Streamed { read, rest, why, .. } if caching.is_none() && crate::grpc::is_grpc(&head.headers) => {
+            // Its `grpc-status` comes after the body: the claim stays held (and renewed)
+            // until the body ends, which completes or fails the record (`crate::grpc`).
+            tracing::debug!(record = %id, status, why, "gRPC response streamed: the record waits for its status");
+            let mut stream_obs = Observer::new(obs.span.clone());
+            if let Some(endpoint) = &grpc_endpoint {
+                stream_obs.endpoint(endpoint, &cfg.metrics);
+            }
+            let claim = crate::grpc::OpenClaim {
+                store,
+                id,
+                token,
+                guard,
+                status,
+                headers: kept_fields(policy, &head.headers),
+                head_status: head.headers.get("grpc-status").cloned(),
+                policy: policy.clone(),
+                len: read.iter().map(|b| b.len() as u64).sum(),
+                lease: watch.clone(),
+                obs: stream_obs,
+            };
+            let end = crate::grpc::StreamEnd::new(claim, self::renewal(cfg, id, token, claimed_at, &watch));
+            set_expires(&mut head.headers, claimed_expires_at);
+            return Ok(Response::from_parts(head, ResponseBody::streamed_until_status(read, rest, end)));
+        }
         Read::Streamed { read, len, rest, why } => {
             tracing::debug!(record = %id, status, why, "response streamed: the record completes without its body");
             let headers = kept_fields(policy, &head.headers);
@@ -835,6 +863,7 @@ where
             }
             Err(e) if e.is_lease_lost() => {
                 done(Outcome::LeaseLost);
+                not_stored(&mut head.headers);
                 tracing::warn!(
                     record = %id, token = %token, error = %e,
                     "lease lost before completion: another attempt owns the record now; this response is still \
@@ -843,6 +872,7 @@ where
             }
             Err(e) => {
                 done(Outcome::NotStored);
+                not_stored(&mut head.headers);
                 tracing::error!(
                     record = %id, token = %token, error = %e,
                     "could not store the response; it is returned anyway, and the record stays in flight until \
@@ -860,6 +890,12 @@ where
     }
     set_expires(&mut head.headers, expires_at);
     Ok(Response::from_parts(head, body))
+}
+
+/// Marks a response the layer could not store (`Idempotent-Stored: false`), so that its
+/// client knows a retry of the key will not replay it.
+fn not_stored(headers: &mut HeaderMap) {
+    headers.insert(crate::headers::IDEMPOTENT_STORED, HeaderValue::from_static("false"));
 }
 
 /// What the layer read of a response body it may store.
@@ -1036,7 +1072,7 @@ fn stored_response(policy: &Policy, status: u16, headers: &HeaderMap, body: &Byt
 /// The fields of `fields` (headers or trailers) a record keeps: not hop-by-hop, not on the
 /// deny list, and not named by the message's own `Connection` field (RFC 9110 §7.6.1: a
 /// sender lists there the fields meant for the next hop only).
-fn kept_fields(policy: &Policy, fields: &HeaderMap) -> Vec<(String, Vec<u8>)> {
+pub(crate) fn kept_fields(policy: &Policy, fields: &HeaderMap) -> Vec<(String, Vec<u8>)> {
     let per_hop: Vec<String> = fields
         .get_all(header::CONNECTION)
         .iter()

@@ -11,6 +11,10 @@
 //!
 //! A retry of a streamed operation gets the `response-not-retained` problem with the
 //! original status and `Location`, never a second run.
+//!
+//! A gRPC response is the exception: its `grpc-status` comes after the body, so the
+//! record keeps its claim while the body streams and is written when the stream ends
+//! (`crate::grpc`, "Streamed responses").
 
 use std::time::Duration;
 
