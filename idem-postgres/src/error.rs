@@ -100,6 +100,26 @@ pub enum Error {
         /// What was being done.
         operation: &'static str,
     },
+    /// [`crate::PostgresStore::complete_in`] was handed a transaction running above READ
+    /// COMMITTED. The layer renews the lease with an `UPDATE` of the record while the
+    /// handler runs; a REPEATABLE READ or SERIALIZABLE transaction whose snapshot predates
+    /// such a renewal cannot update the row at all (SQLSTATE 40001 whatever the
+    /// statement's `WHERE`), so the completion is refused before it touches the row, every
+    /// time, rather than fail only when a renewal happened to commit meanwhile. Nothing was
+    /// written by the store; roll the transaction back. Not retryable: the same
+    /// transaction setup fails the same way.
+    #[error(
+        "complete_in needs a READ COMMITTED transaction, and the handler's transaction runs at {level}: the lease \
+         renewal updates the record while the handler runs, and a {level} transaction cannot update a row changed \
+         after its snapshot (it would fail with SQLSTATE 40001 whenever a renewal committed meanwhile); begin it with \
+         `BEGIN ISOLATION LEVEL READ COMMITTED` (sqlx: `pool.begin_with(..)`; tokio-postgres: \
+         `build_transaction().isolation_level(IsolationLevel::ReadCommitted)`)"
+    )]
+    IsolationNotSupported {
+        /// The transaction's `transaction_isolation`, as PostgreSQL spells it
+        /// (`repeatable read`, `serializable`).
+        level: String,
+    },
 }
 
 impl Error {
@@ -118,7 +138,8 @@ impl Error {
             | Error::InvalidUrl(_)
             | Error::Pool(_)
             | Error::SchemaTooNew { .. }
-            | Error::NotMigrated { .. } => false,
+            | Error::NotMigrated { .. }
+            | Error::IsolationNotSupported { .. } => false,
         }
     }
 
@@ -294,6 +315,16 @@ mod tests {
         let e = Error::NotMigrated { schema: "idem".into(), found: 0, known: 2 };
         assert!(!e.is_retryable());
         assert!(e.to_string().contains("PostgresStore::migrate("), "{e}");
+    }
+
+    #[test]
+    fn an_isolation_refusal_is_permanent_and_says_why() {
+        let store = StoreError::from(Error::IsolationNotSupported { level: "repeatable read".into() });
+        assert!(!store.is_retryable());
+        let message = store.to_string();
+        assert!(message.contains("READ COMMITTED") && message.contains("renewal"), "{message}");
+        let ours = std::error::Error::source(&store).and_then(|s| s.downcast_ref::<Error>());
+        assert!(matches!(ours, Some(Error::IsolationNotSupported { level }) if level == "repeatable read"));
     }
 
     #[test]

@@ -69,9 +69,20 @@
 //!   ([`PostgresStore::isolation`]) and logged as a warning when it is not READ COMMITTED:
 //!   the store is still correct, but contended records cost retries.
 //!
-//! [`PostgresStore::complete_in`] runs in your transaction, at your isolation level: under
-//! REPEATABLE READ or SERIALIZABLE it may fail with 40001, and then the whole transaction
-//! must run again (the store cannot retry part of your transaction).
+//! [`PostgresStore::complete_in`] is the exception: it runs in your transaction, and needs
+//! that transaction at READ COMMITTED. While the handler runs, the layer renews the lease
+//! with an `UPDATE` of the record from another connection, and a REPEATABLE READ or
+//! SERIALIZABLE transaction whose snapshot predates that renewal cannot update the row
+//! (PostgreSQL fails any such update with 40001, whatever its `WHERE` says): the completion
+//! would succeed or fail depending on whether a renewal committed while the handler ran.
+//! Making it work at those levels would need the renewal to write somewhere other than the
+//! record's row, a schema change; instead `complete_in` reads the transaction's level in
+//! its own statement and refuses anything above READ COMMITTED, every time and before it
+//! touches the row, with [`Error::IsolationNotSupported`] (inside a
+//! [`StoreError::Unavailable`](idem_core::StoreError::Unavailable) that is not retryable).
+//! Where a role or database defaults higher, start the handler's transaction with
+//! `BEGIN ISOLATION LEVEL READ COMMITTED` (sqlx: `pool.begin_with(..)`; tokio-postgres:
+//! `build_transaction().isolation_level(IsolationLevel::ReadCommitted)`).
 //!
 //! ## Behind PgBouncer (transaction mode)
 //! The store keeps no session state: no `SET`, no temporary tables, no session advisory
@@ -97,9 +108,10 @@
 //! `Transaction`, or `sqlx::Transaction` with the `sqlx` feature). The claim is not part of
 //! that transaction: the layer claims with its own statement before the handler starts,
 //! so no transaction is held open while the claim waits, and the handler's transaction
-//! starts only when the handler does. With `idem_http`, the handler returns its response
-//! with the `ResponseCaching::CompletedByHandler` extension after the commit, and the layer
-//! writes nothing more:
+//! starts only when the handler does. That transaction must run at READ COMMITTED (see
+//! "Isolation": the lease renewal updates the record meanwhile). With `idem_http`, the
+//! handler returns its response with the `ResponseCaching::CompletedByHandler` extension
+//! after the commit, and the layer writes nothing more:
 //!
 //! ```rust,ignore
 //! async fn create(State(app): State<App>, Extension(ctx): Extension<IdempotencyContext>) -> Response {
@@ -207,6 +219,8 @@
 //!   `tests/conformance_sqlx.rs`, `tests/conformance_pgbouncer.rs`,
 //!   `tests/conformance_pgbouncer_sqlx.rs`: the same on a sqlx pool and through PgBouncer;
 //!   `tests/isolation.rs`: REPEATABLE READ and SERIALIZABLE as the connections' default;
+//!   `tests/complete_in_isolation.rs`: `complete_in` on a database whose default is
+//!   REPEATABLE READ, with the lease renewed during the handler's transaction;
 //!   `tests/pgbouncer.rs`: named statements against unnamed ones behind PgBouncer;
 //!   `tests/postgres.rs`: backend-specific tests (connection loss, migrations, corrupt rows).
 //! - `benches/claim_complete.rs`: library vs hand-sent statements, 1 and 32 callers.

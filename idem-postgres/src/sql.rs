@@ -325,6 +325,7 @@ pub struct Statements {
     claim: String,
     reclaim: String,
     complete: String,
+    complete_in: String,
     extend: String,
     fail: String,
     read: String,
@@ -348,6 +349,11 @@ pub(crate) const COLUMNS: [&str; 12] = [
     "lease_expires_at",
     "expires_at",
 ];
+
+/// The isolation levels, as `transaction_isolation` spells them, at which
+/// [`Statements::complete_in`] writes: READ COMMITTED, and READ UNCOMMITTED, which
+/// PostgreSQL runs as READ COMMITTED.
+pub(crate) const COMPLETE_IN_LEVELS: [&str; 2] = ["read committed", "read uncommitted"];
 
 /// The server's clock in whole milliseconds since the epoch (UTC).
 const SERVER_NOW_MS: &str = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
@@ -381,6 +387,19 @@ impl Statements {
     #[must_use]
     pub fn complete(&self) -> &str {
         &self.complete
+    }
+
+    /// Complete inside the caller's transaction
+    /// ([`crate::PostgresStore::complete_in`]). Parameters as [`Statements::complete`].
+    /// Returns one row: the transaction's `transaction_isolation`, then the record columns
+    /// as [`Statements::complete`] returns them, all `NULL` when nothing was written: the
+    /// compare-and-set matched nothing, or the transaction runs above READ COMMITTED. In
+    /// that case the `UPDATE` never reaches the row, so it cannot fail with a serialization
+    /// error (a REPEATABLE READ transaction cannot update a row changed after its snapshot,
+    /// as a lease renewal during the handler changes it), and the caller is told why.
+    #[must_use]
+    pub fn complete_in(&self) -> &str {
+        &self.complete_in
     }
 
     /// Extend (renew the lease). `$1` id, `$2` token, `$3` lease ms, `$4` now. Returns the
@@ -500,6 +519,23 @@ RETURNING {tcols}",
             now4 = now("$4"),
             tcols = cols("t.").replace("t.response", "NULL::bytea AS response"),
         );
+        // The isolation test filters the one-row `n`, and a record row reaches the UPDATE only
+        // joined to a row of `n`: above READ COMMITTED the join is empty, so no row is locked
+        // or updated, and none can raise a serialization failure.
+        let complete_in = format!(
+            "WITH n AS (SELECT {now4} AS ms, current_setting('transaction_isolation') AS isolation),
+done AS (
+    UPDATE {table} AS t SET state = 'completed', response = $3::bytea
+    FROM n
+    WHERE n.isolation IN ({levels})
+      AND t.id = $1::bytea AND t.token = $2::bigint AND t.state = 'in_flight' AND n.ms < t.expires_at
+    RETURNING {tcols}
+)
+SELECT n.isolation, done.* FROM n LEFT JOIN done ON true",
+            now4 = now("$4"),
+            levels = COMPLETE_IN_LEVELS.map(|l| format!("'{l}'")).join(", "),
+            tcols = cols("t.").replace("t.response", "NULL::bytea AS response"),
+        );
         // The new lease end never moves earlier, and the retention end follows it: a renewed
         // claim is never swept while its lease runs (SET reads the row's old values).
         let extend = format!(
@@ -578,7 +614,7 @@ JOIN {journal} AS j ON j.id = r.id AND j.record_created_at = r.created_at
 WHERE r.id = $1::bytea AND j.name = $2::bytea AND {now3} < r.expires_at",
             now3 = now("$3"),
         );
-        Self { claim, reclaim, complete, extend, fail, read, sweep, journal_put, journal_get }
+        Self { claim, reclaim, complete, complete_in, extend, fail, read, sweep, journal_put, journal_get }
     }
 }
 
@@ -684,6 +720,7 @@ mod tests {
         assert!(s.journal_put().contains("\"idem_x\".journal"));
         assert!(s.extend().contains("t.token = $2::bigint AND t.state = 'in_flight' AND n.ms < t.expires_at"));
         assert!(s.claim().contains(FIRST_TOKEN));
+        assert!(s.complete_in().contains("n.isolation IN ('read committed', 'read uncommitted')"));
     }
 
     #[test]

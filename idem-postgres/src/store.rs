@@ -21,7 +21,7 @@ use crate::config::Config;
 use crate::driver::sealed::Sealed as _;
 use crate::driver::{Deadpool, Driver, Param, Protocol, Row};
 use crate::error::Error;
-use crate::sql::{COLUMNS, Statements, corrupt, record_at, token_param, validate_schema};
+use crate::sql::{COLUMNS, COMPLETE_IN_LEVELS, Statements, corrupt, record_at, token_param, validate_schema};
 
 /// An idempotency [`Store`] in one PostgreSQL table. Cheap to clone (shares the pool).
 ///
@@ -229,12 +229,22 @@ impl PostgresStore<Deadpool> {
     /// row until `tx` ends, so no reclaim can take the record between this call and the
     /// commit. Roll `tx` back on any error: [`StoreError::LeaseLost`] means another attempt
     /// owns the record now (a retry reclaimed it after the lease ran out) and this attempt's
-    /// rows must not commit. A serialization failure (SQLSTATE 40001, possible when `tx`
-    /// runs under REPEATABLE READ or SERIALIZABLE) is returned, not retried: the whole
-    /// transaction must run again.
+    /// rows must not commit.
+    ///
+    /// `tx` must run at READ COMMITTED (PostgreSQL's default; where a role or database
+    /// defaults higher, start it with
+    /// `build_transaction().isolation_level(IsolationLevel::ReadCommitted)`). The layer
+    /// renews the lease with an `UPDATE` of the record while the handler runs, and a
+    /// REPEATABLE READ or SERIALIZABLE transaction whose snapshot predates that renewal
+    /// cannot update the row (SQLSTATE 40001), so the completion would fail or not
+    /// depending on how long the handler took. Above READ COMMITTED it is refused every
+    /// time, in the same statement and before it touches the row, with
+    /// [`Error::IsolationNotSupported`] (as the source of a [`StoreError::Unavailable`]
+    /// that is not retryable).
     ///
     /// # Errors
-    /// [`StoreError::LeaseLost`]; [`StoreError::Unavailable`] for a driver failure.
+    /// [`StoreError::LeaseLost`]; [`StoreError::Unavailable`] for a driver failure, or
+    /// wrapping [`Error::IsolationNotSupported`] when `tx` runs above READ COMMITTED.
     pub async fn complete_in(
         &self,
         tx: &tokio_postgres::Transaction<'_>,
@@ -247,11 +257,11 @@ impl PostgresStore<Deadpool> {
         let params = complete_params(&id, token, &bytes, self.pinned_now());
         // Unnamed: the caller's connection may sit behind PgBouncer, and a named statement
         // would outlive the transaction in its connection's cache.
-        let row = crate::driver::pg_query_unnamed(tx, self.inner.sql.complete(), &params)
+        let row = crate::driver::pg_query_unnamed(tx, self.inner.sql.complete_in(), &params)
             .await
             .map_err(Error::postgres(OP))?;
-        match row {
-            Some(row) => record_at(&row, 0, Some(response)),
+        match completed_in(row)? {
+            Some(row) => record_at(&row, 1, Some(response)),
             None => {
                 let current =
                     crate::driver::pg_query_unnamed(tx, self.inner.sql.read(), &read_params(&id, self.pinned_now()))
@@ -297,8 +307,14 @@ impl PostgresStore<crate::driver::Sqlx> {
     /// [`PostgresStore::complete_in`] for a sqlx transaction: the handler's rows and the
     /// stored response commit together, or neither does. Roll back on any error.
     ///
+    /// `tx` must run at READ COMMITTED, as for the deadpool `complete_in` (and for the same
+    /// reason: the lease renewal updates the record while the handler runs); where a role
+    /// or database defaults higher, start it with
+    /// `pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")`.
+    ///
     /// # Errors
-    /// [`StoreError::LeaseLost`]; [`StoreError::Unavailable`] for a driver failure.
+    /// [`StoreError::LeaseLost`]; [`StoreError::Unavailable`] for a driver failure, or
+    /// wrapping [`Error::IsolationNotSupported`] when `tx` runs above READ COMMITTED.
     pub async fn complete_in(
         &self,
         tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
@@ -310,11 +326,11 @@ impl PostgresStore<crate::driver::Sqlx> {
         let bytes = encode_response(&response);
         let params = complete_params(&id, token, &bytes, self.pinned_now());
         let conn: &mut sqlx::PgConnection = tx;
-        let row = crate::driver::sqlx_query_opt(conn, self.inner.sql.complete(), &params, self.inner.protocol)
+        let row = crate::driver::sqlx_query_opt(conn, self.inner.sql.complete_in(), &params, self.inner.protocol)
             .await
             .map_err(Error::sqlx(OP))?;
-        match row {
-            Some(row) => record_at(&row, 0, Some(response)),
+        match completed_in(row)? {
+            Some(row) => record_at(&row, 1, Some(response)),
             None => {
                 let current = crate::driver::sqlx_query_opt(
                     conn,
@@ -336,6 +352,18 @@ fn complete_params<'a>(id: &'a RecordId, token: FencingToken, bytes: &'a [u8], n
 
 fn read_params(id: &RecordId, now: Option<i64>) -> [Param<'_>; 2] {
     [Param::Bytes(&id.0), Param::OptI64(now)]
+}
+
+/// The row of [`Statements::complete_in`] when it completed the record (the record's
+/// columns start at 1), `None` when the compare-and-set matched nothing, or the refusal of
+/// a transaction above READ COMMITTED (the statement then wrote nothing).
+fn completed_in(row: Option<Row>) -> Result<Option<Row>, StoreError> {
+    let row = row.ok_or_else(|| corrupt(None, "row", "the statement returned no row"))?;
+    let level = row.text(0)?;
+    if !COMPLETE_IN_LEVELS.contains(&level) {
+        return Err(Error::IsolationNotSupported { level: level.to_owned() }.into());
+    }
+    Ok(row.opt_bytes(1)?.is_some().then_some(row))
 }
 
 /// `LeaseLost` from the read that followed a refused completion in a caller's transaction.

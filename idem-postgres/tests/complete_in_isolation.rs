@@ -1,0 +1,240 @@
+//! `complete_in` on a database whose default isolation is REPEATABLE READ, as organisations
+//! set it: the handler's transaction then runs at REPEATABLE READ unless it asks otherwise,
+//! while the layer renews the lease from another connection. Each test creates a private
+//! database with `ALTER DATABASE ... SET default_transaction_isolation` and drops it; the
+//! shared `test` database is never altered.
+
+mod common;
+
+use std::str::FromStr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use idem_core::{
+    ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, ReclaimOutcome, ReclaimRequest, Record,
+    RecordState, Scope, Store, StoreError, StoredResponse, UnixMillis,
+};
+use idem_postgres::deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use idem_postgres::{Config, PostgresStore, tokio_postgres};
+
+const LEASE: Duration = Duration::from_secs(30);
+
+/// A database of its own whose sessions default to REPEATABLE READ; dropped (with any
+/// session still on it) when the guard goes.
+struct RepeatableReadDb {
+    name: String,
+}
+
+impl RepeatableReadDb {
+    async fn create() -> Self {
+        let secs = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_secs();
+        let rand = uuid::Uuid::new_v4().simple().to_string();
+        let name = format!("{}rr_{secs}_{}", common::SCHEMA_PREFIX, &rand[..12]);
+        let admin = common::raw().await;
+        // template0 accepts no connections, so no other session can make the copy fail.
+        admin.batch_execute(&format!("CREATE DATABASE \"{name}\" TEMPLATE template0")).await.expect("create database");
+        admin
+            .batch_execute(&format!("ALTER DATABASE \"{name}\" SET default_transaction_isolation = 'repeatable read'"))
+            .await
+            .expect("set the database's default isolation");
+        Self { name }
+    }
+
+    fn pg_config(&self) -> tokio_postgres::Config {
+        let mut pg: tokio_postgres::Config = common::url().parse().expect("url");
+        pg.dbname(&self.name);
+        pg
+    }
+
+    /// The application's deadpool pool on this database: no option pins anything.
+    fn deadpool(&self) -> Pool {
+        let manager = Manager::from_config(
+            self.pg_config(),
+            tokio_postgres::NoTls,
+            ManagerConfig { recycling_method: RecyclingMethod::Fast },
+        );
+        Pool::builder(manager).max_size(4).build().expect("pool")
+    }
+
+    /// The application's sqlx pool on this database.
+    async fn sqlx(&self) -> sqlx::PgPool {
+        let options = sqlx::postgres::PgConnectOptions::from_str(&common::url()).expect("url").database(&self.name);
+        sqlx::postgres::PgPoolOptions::new().max_connections(4).connect_with(options).await.expect("sqlx pool")
+    }
+}
+
+impl Drop for RepeatableReadDb {
+    fn drop(&mut self) {
+        // As `SchemaGuard`: async work on a thread of its own, since Drop may run on (or
+        // after) the test's runtime. FORCE ends the pools' sessions still open on it.
+        let sql = format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name);
+        let url = common::url();
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            rt.block_on(async move {
+                let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.ok()?;
+                let task = tokio::spawn(conn);
+                let res = client.batch_execute(&sql).await.ok();
+                drop(client);
+                let _ = task.await;
+                res
+            })
+        })
+        .join();
+        if !matches!(dropped, Ok(Some(()))) {
+            eprintln!("warning: could not drop test database {}; drop it by hand", self.name);
+        }
+    }
+}
+
+fn claim_req() -> ClaimRequest {
+    ClaimRequest::new(
+        Scope::new("p", Endpoint::new("POST", "/v1/workers")).expect("scope"),
+        IdempotencyKey::parse(b"k").expect("key"),
+        Fingerprint::of_bytes(b"{}"),
+        LEASE,
+        Duration::from_secs(3600),
+    )
+}
+
+fn response() -> StoredResponse {
+    StoredResponse::new(201, vec![], b"{\"id\":1}".to_vec())
+}
+
+async fn must_claim(store: &impl Store) -> Record {
+    match store.claim(claim_req()).await.expect("claim") {
+        ClaimOutcome::Claimed(r) => r,
+        other => panic!("expected Claimed, got {other:?}"),
+    }
+}
+
+/// The refusal `complete_in` must give a transaction at `level`: the typed error, not a
+/// serialization failure, and not retryable.
+fn assert_refused(result: Result<Record, StoreError>, level: &str) {
+    let e = match result {
+        Err(e @ StoreError::Unavailable { .. }) => e,
+        other => panic!("{level}: expected complete_in to be refused with IsolationNotSupported, got {other:?}"),
+    };
+    let ours = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<idem_postgres::Error>());
+    match ours {
+        Some(idem_postgres::Error::IsolationNotSupported { level: found }) => assert_eq!(found, level),
+        _ => panic!("{level}: expected complete_in to be refused with IsolationNotSupported, got {e:?}"),
+    }
+    assert!(!e.is_retryable(), "{level}: the same transaction setup fails the same way");
+    let message = e.to_string();
+    assert!(message.contains("READ COMMITTED") && message.contains("renewal"), "{message}");
+}
+
+/// After a refusal and the handler's rollback: the record is the renewed claim, untouched
+/// by the completion (in flight, same token, no response), and the handler's row is gone.
+async fn assert_untouched(store: &impl Store, claim: &Record, renewed_until: UnixMillis, handler_rows: i64) {
+    let now = store.get(claim.id).await.expect("get").expect("record");
+    assert_eq!((now.state, now.token, now.response), (RecordState::InFlight, claim.token, None));
+    assert_eq!(now.lease_expires_at, renewed_until, "the renewal that committed meanwhile stands");
+    assert_eq!(handler_rows, 0, "the handler's rows rolled back with the refused completion");
+}
+
+// Regression: complete_in under REPEATABLE READ failed with a serialization error whenever
+// the lease renewal committed during the handler's transaction (SQLSTATE 40001 from the
+// completion's UPDATE of a row changed after the snapshot), so it worked or not depending on
+// how long the handler ran. It must be refused, every time, with the typed error that says
+// why, leaving the record as the renewal left it; and a transaction that asks for READ
+// COMMITTED on the same database completes despite a renewal in the middle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_complete_in_on_a_repeatable_read_database_is_refused_with_a_typed_error() {
+    let db = RepeatableReadDb::create().await;
+    let pool = db.sqlx().await;
+    let store = PostgresStore::from_sqlx(pool.clone(), Config::default()).await.expect("store");
+    assert_eq!(store.isolation(), "repeatable read", "the database's default reaches the pool's sessions");
+    sqlx::raw_sql("CREATE TABLE handler_rows (op text NOT NULL)").execute(&pool).await.expect("table");
+    let count = "SELECT count(*) FROM handler_rows";
+    let r = must_claim(&store).await;
+
+    // The handler's transaction at the database's default; its first statement takes the
+    // snapshot. Then the layer's renewal commits on the record from another connection.
+    let mut tx = pool.begin().await.expect("begin");
+    sqlx::query("INSERT INTO handler_rows (op) VALUES ('a')").execute(&mut *tx).await.expect("handler row");
+    let renewed = store.extend(r.id, r.token, LEASE).await.expect("renewal");
+    assert_refused(store.complete_in(&mut tx, r.id, r.token, response()).await, "repeatable read");
+    tx.rollback().await.expect("rollback");
+    let rows: i64 = sqlx::query_scalar(count).fetch_one(&pool).await.expect("count");
+    assert_untouched(&store, &r, renewed.lease_expires_at, rows).await;
+
+    // From here on the statement goes as PgBouncer users send it (sqlx: inlined literals
+    // over the simple query protocol), which must refuse and complete the same way.
+    let unnamed =
+        PostgresStore::from_sqlx(pool.clone(), Config::default().with_prepared_statements(false)).await.expect("store");
+
+    // SERIALIZABLE is refused the same way, with no renewal needed to see it.
+    let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL SERIALIZABLE").await.expect("begin");
+    sqlx::query("INSERT INTO handler_rows (op) VALUES ('b')").execute(&mut *tx).await.expect("handler row");
+    assert_refused(unnamed.complete_in(&mut tx, r.id, r.token, response()).await, "serializable");
+    tx.rollback().await.expect("rollback");
+
+    // The fix the error names: the transaction asks for READ COMMITTED. A renewal commits
+    // between the handler's write and the completion, and both commit together.
+    let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await.expect("begin");
+    sqlx::query("INSERT INTO handler_rows (op) VALUES ('c')").execute(&mut *tx).await.expect("handler row");
+    store.extend(r.id, r.token, LEASE).await.expect("renewal");
+    let done = unnamed.complete_in(&mut tx, r.id, r.token, response()).await.expect("complete_in at READ COMMITTED");
+    tx.commit().await.expect("commit");
+    assert_eq!((done.state, done.token), (RecordState::Completed, r.token));
+    let now = store.get(r.id).await.expect("get").expect("record");
+    assert_eq!((now.state, now.response), (RecordState::Completed, Some(response())));
+    let rows: i64 = sqlx::query_scalar(count).fetch_one(&pool).await.expect("count");
+    assert_eq!(rows, 1, "only the READ COMMITTED attempt's row committed");
+    pool.close().await;
+}
+
+// Regression: complete_in under REPEATABLE READ failed with a serialization error whenever
+// the lease renewal committed during the handler's transaction. The deadpool path: refused
+// with the typed error, the record stays in flight under its owner, who can fail it so the
+// client's retry reclaims it and runs cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadpool_complete_in_on_a_repeatable_read_database_is_refused_with_a_typed_error() {
+    let db = RepeatableReadDb::create().await;
+    let pool = db.deadpool();
+    let store = PostgresStore::from_pool(pool.clone(), Config::default()).await.expect("store");
+    assert_eq!(store.isolation(), "repeatable read", "the database's default reaches the pool's sessions");
+    let mut handler = pool.get().await.expect("connection");
+    handler.batch_execute("CREATE TABLE handler_rows (op text NOT NULL)").await.expect("table");
+    let count = "SELECT count(*) FROM handler_rows";
+    let r = must_claim(&store).await;
+
+    let tx = handler.transaction().await.expect("begin");
+    tx.execute("INSERT INTO handler_rows (op) VALUES ('a')", &[]).await.expect("handler row");
+    let renewed = store.extend(r.id, r.token, LEASE).await.expect("renewal");
+    assert_refused(store.complete_in(&tx, r.id, r.token, response()).await, "repeatable read");
+    tx.rollback().await.expect("rollback");
+    let rows: i64 = handler.query_one(count, &[]).await.expect("count").get(0);
+    assert_untouched(&store, &r, renewed.lease_expires_at, rows).await;
+
+    // What the layer does with a handler that did not complete: fail the record, so the
+    // retry reclaims it at once rather than after the lease.
+    store.fail(r.id, r.token).await.expect("fail");
+    let req = ReclaimRequest {
+        id: r.id,
+        expected: r.token,
+        fingerprint: r.fingerprint,
+        lease_ttl: LEASE,
+        retention: Duration::from_secs(3600),
+    };
+    let ReclaimOutcome::Reclaimed(retry) = store.reclaim(req).await.expect("reclaim") else { panic!("reclaimed") };
+
+    // The retry's transaction asks for READ COMMITTED and completes, renewal and all.
+    let tx = handler
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
+        .start()
+        .await
+        .expect("begin");
+    tx.execute("INSERT INTO handler_rows (op) VALUES ('b')", &[]).await.expect("handler row");
+    store.extend(retry.id, retry.token, LEASE).await.expect("renewal");
+    store.complete_in(&tx, retry.id, retry.token, response()).await.expect("complete_in at READ COMMITTED");
+    tx.commit().await.expect("commit");
+    let now = store.get(r.id).await.expect("get").expect("record");
+    assert_eq!((now.state, now.token, now.response), (RecordState::Completed, retry.token, Some(response())));
+    let rows: i64 = handler.query_one(count, &[]).await.expect("count").get(0);
+    assert_eq!(rows, 1, "only the retry's row committed");
+    drop(handler);
+    pool.close();
+}
