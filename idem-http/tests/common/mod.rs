@@ -76,6 +76,13 @@ pub struct FlakyStore {
     /// The next this many `complete` calls write the response, then return `Unavailable`
     /// (the answer was lost on the way back: an ambiguous success).
     pub complete_answers_lost: AtomicUsize,
+    /// The next this many `complete` calls are refused with an `Unavailable` the backend
+    /// calls not retryable (SQLite's full disk, redb after a latched I/O failure).
+    pub complete_outages: AtomicUsize,
+    /// The same for `fail`.
+    pub fail_outages: AtomicUsize,
+    /// Every `complete` is refused with the error this makes (a final refusal).
+    pub complete_refusal: std::sync::Mutex<Option<fn(RecordId, FencingToken) -> StoreError>>,
     /// `claim` never answers (a stalled server).
     pub stall_claims: AtomicBool,
     /// How many `complete` calls reached the store.
@@ -104,6 +111,9 @@ impl FlakyStore {
             lose_reclaims: AtomicBool::new(false),
             complete_blips: AtomicUsize::new(0),
             complete_answers_lost: AtomicUsize::new(0),
+            complete_outages: AtomicUsize::new(0),
+            fail_outages: AtomicUsize::new(0),
+            complete_refusal: std::sync::Mutex::new(None),
             stall_claims: AtomicBool::new(false),
             completes: AtomicUsize::new(0),
             fails: AtomicUsize::new(0),
@@ -116,6 +126,14 @@ impl FlakyStore {
 
     fn inner_now(&self) -> UnixMillis {
         idem_core::Clock::now(&self.clock)
+    }
+
+    /// Takes one of the refusals `left` still counts, as a permanent outage.
+    fn outage(left: &AtomicUsize, op: &'static str) -> Result<(), StoreError> {
+        if left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+            return Err(StoreError::unavailable("flaky", op, false, std::io::Error::other("database or disk is full")));
+        }
+        Ok(())
     }
 
     fn down(&self, op: &'static str) -> Result<(), StoreError> {
@@ -152,6 +170,10 @@ impl Store for FlakyStore {
     ) -> Result<Record, StoreError> {
         self.completes.fetch_add(1, Ordering::SeqCst);
         self.down("complete")?;
+        Self::outage(&self.complete_outages, "complete")?;
+        if let Some(refusal) = *self.complete_refusal.lock().unwrap() {
+            return Err(refusal(id, token));
+        }
         let take = |n: &AtomicUsize| n.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| v.checked_sub(1)).is_ok();
         if take(&self.complete_blips) {
             return Err(StoreError::unavailable("flaky", "complete", true, std::io::Error::other("injected blip")));
@@ -178,6 +200,7 @@ impl Store for FlakyStore {
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
         self.fails.fetch_add(1, Ordering::SeqCst);
         self.down("fail")?;
+        Self::outage(&self.fail_outages, "fail")?;
         self.inner.fail(id, token).await
     }
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
