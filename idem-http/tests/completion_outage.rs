@@ -11,16 +11,16 @@ mod common;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{Counter, Env, Script, Step, app, post, send};
+use common::{Counter, Env, Refusal, Script, Step, app, post, send};
 use idem_core::codec::CodecError;
-use idem_core::{FencingToken, Record, RecordId, RecordState, StoreError};
+use idem_core::{FencingToken, Record, RecordState, StoreError};
 use idem_http::{CompletionRetry, IdempotencyLayer, StoreDeadlines};
 
 /// The lease TTL, and so the completion retry window.
 const LEASE: Duration = Duration::from_secs(300);
 
 /// The final refusals: never sent again.
-const FINAL: [(&str, fn(RecordId, FencingToken) -> StoreError); 3] = [
+const FINAL: [(&str, Refusal); 3] = [
     ("lease lost", |id, token| StoreError::LeaseLost {
         id,
         presented: token,

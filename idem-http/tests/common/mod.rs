@@ -60,6 +60,9 @@ impl Env {
     }
 }
 
+/// Makes the error a store refuses a call with.
+pub type Refusal = fn(RecordId, FencingToken) -> StoreError;
+
 /// Delegates to a [`MemoryStore`], failing the operations switched on.
 #[derive(Debug)]
 pub struct FlakyStore {
@@ -82,7 +85,7 @@ pub struct FlakyStore {
     /// The same for `fail`.
     pub fail_outages: AtomicUsize,
     /// Every `complete` is refused with the error this makes (a final refusal).
-    pub complete_refusal: std::sync::Mutex<Option<fn(RecordId, FencingToken) -> StoreError>>,
+    pub complete_refusal: std::sync::Mutex<Option<Refusal>>,
     /// `claim` never answers (a stalled server).
     pub stall_claims: AtomicBool,
     /// How many `complete` calls reached the store.
