@@ -65,6 +65,11 @@
 //! `idem_expiry` and `idem_journal`. The application's write transactions take turns with
 //! the writer's batches (redb runs one write transaction at a time), so keep them short;
 //! open one [`RedbStore`] per database (two would each batch on their own and take turns).
+//! Two stores on one database, or processes sharing the file in redb's
+//! [`redb::ConcurrencyMode::MultiWriter`] mode (each builds its store with
+//! [`RedbStore::from_database`]), still claim each key once: every claim is decided
+//! inside a write transaction, never from a store's memory (`tests/store.rs`,
+//! `tests/two_processes.rs`).
 //!
 //! # Failures
 //! - After an I/O failure (a commit that could not reach the disk, e.g. a full disk),

@@ -476,11 +476,15 @@ async fn corrupt_value_is_a_typed_error() {
 // Commit failure
 // ---------------------------------------------------------------------------------------
 
-/// An in-memory backend whose writes and syncs fail while `broken` is set.
-#[derive(Debug)]
+/// An in-memory backend whose writes and syncs fail while `broken` is set, and whose
+/// sync waits while `held` is set, after saying it got there (`holding`): that holds the
+/// writer between applying a batch and its commit.
+#[derive(Debug, Default)]
 struct Flaky {
     inner: Arc<redb::backends::InMemoryBackend>,
     broken: Arc<AtomicBool>,
+    held: Arc<AtomicBool>,
+    holding: Arc<AtomicBool>,
 }
 
 impl Flaky {
@@ -501,6 +505,12 @@ impl redb::StorageBackend for Flaky {
         self.inner.set_len(len)
     }
     fn sync_data(&self) -> std::io::Result<()> {
+        if self.held.load(Ordering::SeqCst) {
+            self.holding.store(true, Ordering::SeqCst);
+            while self.held.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         self.check()?;
         self.inner.sync_data()
     }
@@ -534,7 +544,7 @@ async fn failed_commit_fails_every_caller_and_applies_nothing() {
     let memory = Arc::new(redb::backends::InMemoryBackend::new());
     let broken = Arc::new(AtomicBool::new(false));
     let open = || {
-        let backend = Flaky { inner: Arc::clone(&memory), broken: Arc::clone(&broken) };
+        let backend = Flaky { inner: Arc::clone(&memory), broken: Arc::clone(&broken), ..Flaky::default() };
         let db = redb::Database::builder().create_with_backend(backend).expect("database");
         RedbStore::from_database(Arc::new(db), config(&clock).with_max_batch(8).with_linger(LONG_LINGER))
             .expect("store")
@@ -906,49 +916,12 @@ async fn two_stores_on_one_database_claim_each_key_once() {
     assert_eq!(assert_index_consistent(&b), 64);
 }
 
-/// An in-memory backend whose durable sync waits while `gate` is closed, after saying it
-/// got there (`entered`): holds the writer between applying a batch and its commit.
-#[derive(Debug)]
-struct Gated {
-    inner: Arc<redb::backends::InMemoryBackend>,
-    closed: Arc<AtomicBool>,
-    entered: Arc<AtomicBool>,
-}
-
-impl redb::StorageBackend for Gated {
-    fn len(&self) -> std::io::Result<u64> {
-        self.inner.len()
-    }
-    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-        self.inner.read(offset, out)
-    }
-    fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.inner.set_len(len)
-    }
-    fn sync_data(&self) -> std::io::Result<()> {
-        if self.closed.load(Ordering::SeqCst) {
-            self.entered.store(true, Ordering::SeqCst);
-            while self.closed.load(Ordering::SeqCst) {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
-        self.inner.sync_data()
-    }
-    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        self.inner.write(offset, data)
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_claim_racing_an_uncommitted_reclaim_does_not_claim() {
     //! A claim decided against the last commit took a key whose expired record the writer had already reclaimed in its open transaction: both callers owned the record and ran the handler.
     let clock = clock();
-    let (closed, entered) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
-    let backend = Gated {
-        inner: Arc::new(redb::backends::InMemoryBackend::new()),
-        closed: Arc::clone(&closed),
-        entered: Arc::clone(&entered),
-    };
+    let backend = Flaky::default();
+    let (closed, entered) = (Arc::clone(&backend.held), Arc::clone(&backend.holding));
     let db = redb::Database::builder().create_with_backend(backend).expect("database");
     let store = Arc::new(RedbStore::from_database(Arc::new(db), config(&clock)).expect("store"));
     // A retention just past the lease: the reclaim is applied while the record is live,
@@ -1000,7 +973,7 @@ async fn a_store_that_cannot_commit_acknowledges_no_claim() {
     let memory = Arc::new(redb::backends::InMemoryBackend::new());
     let broken = Arc::new(AtomicBool::new(false));
     let open = || {
-        let backend = Flaky { inner: Arc::clone(&memory), broken: Arc::clone(&broken) };
+        let backend = Flaky { inner: Arc::clone(&memory), broken: Arc::clone(&broken), ..Flaky::default() };
         let db = redb::Database::builder().create_with_backend(backend).expect("database");
         RedbStore::from_database(Arc::new(db), config(&clock)).expect("store")
     };
