@@ -68,7 +68,7 @@ use idem_core::{FencingToken, Policy, RecordId, Store, StoredBody, StoredRespons
 
 use crate::body::ResponseBody;
 use crate::future::FailGuard;
-use crate::lease::{LeaseState, Renewal};
+use crate::lease::{LeaseState, Renewal, Renewing};
 use crate::observe::{Observer, Outcome};
 use crate::problem::{Problem, ProblemKind};
 
@@ -209,29 +209,6 @@ pub(crate) struct OpenClaim {
     pub(crate) obs: Observer,
 }
 
-/// A renewal task, stopped when the stream ends or is dropped: a detached `JoinHandle`
-/// would keep a dead stream's record claimed.
-struct Renewing(Option<tokio::task::JoinHandle<()>>);
-
-impl Renewing {
-    /// Stops the renewal and waits until it has: a renewal refused after the record was
-    /// written would read as a lost lease.
-    async fn stop(mut self) {
-        if let Some(task) = self.0.take() {
-            task.abort();
-            let _ = task.await;
-        }
-    }
-}
-
-impl Drop for Renewing {
-    fn drop(&mut self) {
-        if let Some(task) = self.0.take() {
-            task.abort();
-        }
-    }
-}
-
 impl StreamEnd {
     /// Holds `claim` until the stream ends, renewing its lease meanwhile (`renewal` is
     /// `None` when the layer does not renew, or has no tokio runtime to do it on). The
@@ -240,7 +217,7 @@ impl StreamEnd {
     pub(crate) fn new(claim: OpenClaim, renewal: Option<Renewal>) -> Self {
         // On a task of its own, not polled with the body: a client that reads slowly
         // would otherwise let the lease run out under a live stream.
-        let renewing = Renewing(renewal.map(|r| tokio::spawn(r.run())));
+        let renewing = Renewing::start(renewal);
         Self { state: EndState::Open(Box::new(claim)), renewing }
     }
 
@@ -296,7 +273,7 @@ impl StreamEnd {
     fn end(&mut self, trailers: Option<HeaderMap>) {
         let EndState::Open(claim) = std::mem::replace(&mut self.state, EndState::Done) else { return };
         let OpenClaim { store, id, token, mut guard, status, headers, head_status, policy, len, lease, obs } = *claim;
-        let renewal = std::mem::replace(&mut self.renewing, Renewing(None));
+        let renewal = std::mem::take(&mut self.renewing);
         let status_field = trailers.as_ref().and_then(|t| t.get("grpc-status")).or(head_status.as_ref());
         let stored = lasting_code(status_field).then(|| {
             let kept = trailers.as_ref().map_or_else(Vec::new, |t| crate::service::kept_fields(&policy, t));
@@ -339,7 +316,7 @@ impl StreamEnd {
     /// The stream failed: the claim's guard marks the record failed (on the runtime, in
     /// the background), and the renewal stops with it.
     fn abandon(&mut self) {
-        self.renewing = Renewing(None);
+        self.renewing = Renewing::default();
         if let EndState::Open(claim) = std::mem::replace(&mut self.state, EndState::Done) {
             claim.observe_failed();
         }
