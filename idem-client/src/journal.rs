@@ -34,9 +34,18 @@
 //! - A journal file created by [`KeyJournal::open`] has its directory fsynced before
 //!   `open` returns: without that, a power loss can lose the new file's directory entry,
 //!   and with it every key written to the file since.
+//! - A journal file has one opener. The cut-back after a failed append and the torn-tail cut
+//!   at open both assume nobody else appends to the file: a second opener keeps its own
+//!   idea of where the last whole line ends, so its cut-back deletes lines the first one
+//!   had fsynced and handed out (after a restart those operations get new keys and run
+//!   twice), and the tail it cuts at open may be the first one's line half-way through its
+//!   write. So [`KeyJournal::open`] takes an exclusive lock on the file before reading it,
+//!   holds it until the journal is dropped, and refuses a second opener, in this process or
+//!   another, with [`JournalError::InUse`]. The lock is advisory: it keeps other
+//!   `KeyJournal`s out, not programs that write the file without asking for it.
 
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
+use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -69,12 +78,25 @@ pub enum JournalError {
         #[source]
         source: std::io::Error,
     },
+    /// Another [`KeyJournal`] has the file open, in this process or another. A journal has
+    /// one opener: two would cut each other's acknowledged lines off the file (see the
+    /// module's crash-safety notes). Share the open journal, or give the other user a file
+    /// of its own.
+    #[error(
+        "key journal {path}: another KeyJournal in this or another process has the file open; a journal has one opener"
+    )]
+    InUse {
+        /// The journal file.
+        path: PathBuf,
+    },
     /// An operation name that the line format cannot hold.
     #[error("operation name {0:?} must be 1-255 bytes of visible ASCII")]
     BadOperation(String),
 }
 
 /// An append-only, fsynced map from operation name to idempotency key.
+///
+/// It holds an exclusive lock on its file until it is dropped: one journal per file.
 #[derive(Debug)]
 pub struct KeyJournal {
     path: PathBuf,
@@ -83,7 +105,8 @@ pub struct KeyJournal {
 
 #[derive(Debug)]
 struct State {
-    /// Opened for appending: every write lands at the end of the file.
+    /// Opened for appending: every write lands at the end of the file. Its lock on the file
+    /// keeps every other opener out, and goes when it is closed.
     file: File,
     keys: HashMap<String, String>,
     /// The file's length at the end of its last whole line: every acknowledged entry lies
@@ -97,9 +120,11 @@ impl KeyJournal {
     /// Opens (or creates) the journal at `path` and replays it.
     ///
     /// # Errors
-    /// [`JournalError::Io`] when the file cannot be read or created, or its directory
-    /// cannot be fsynced after creating it. Lines that do not parse, and a last line
-    /// without its `\n` (a torn write), are ignored.
+    /// [`JournalError::InUse`] when another `KeyJournal`, in this process or another, has
+    /// the file open: a journal has one opener, and the file is left as it is.
+    /// [`JournalError::Io`] when the file cannot be read, created or locked, or its
+    /// directory cannot be fsynced after creating it. Lines that do not parse, and a last
+    /// line without its `\n` (a torn write), are ignored.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, JournalError> {
         let path = path.as_ref().to_path_buf();
         let io = |source| JournalError::Io { path: path.clone(), source };
@@ -110,7 +135,16 @@ impl KeyJournal {
         };
         let mut file = OpenOptions::new().read(true).append(true).open(&path).map_err(io)?;
         if created {
+            // Before the lock: a creator that loses the lock to another opener must still
+            // make the new file's directory entry durable, as that opener did not create it.
             sync_dir(&path).map_err(io)?;
+        }
+        // Before reading: what another opener has half-written must not be cut off as torn,
+        // nor its appends cut back later by this journal.
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => return Err(JournalError::InUse { path }),
+            Err(TryLockError::Error(e)) => return Err(io(e)),
         }
         let mut text = Vec::new();
         file.read_to_end(&mut text).map_err(io)?;
@@ -254,6 +288,8 @@ mod tests {
         let j = KeyJournal::open(&path).unwrap();
         assert_eq!(j.key_for("create-worker-42").unwrap(), k1);
         j.done("create-worker-42").unwrap();
+        // Shadowing would keep it open, and the file takes one opener at a time.
+        drop(j);
         let j = KeyJournal::open(&path).unwrap();
         assert_ne!(j.key_for("create-worker-42").unwrap(), k1);
     }
@@ -342,6 +378,34 @@ mod tests {
         let j = KeyJournal::open(&path).unwrap();
         assert_eq!(j.key_for("c").unwrap(), c, "c's entry was glued onto b's partial line");
         assert_eq!(j.key_for("a").unwrap(), a);
+    }
+
+    #[test]
+    fn a_second_opener_of_the_file_is_refused_until_the_first_is_dropped() {
+        // Pins: two openers of one journal file each remembered their own end of the last
+        // whole line, so one's failed append cut off a line the other had fsynced and handed
+        // out (after a restart that operation got a new key and ran twice), and an open cut
+        // off the other opener's line half-way through its write as a torn tail. Two opens
+        // in one process must conflict too: the lock belongs to the open file, not the process.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.journal");
+        let first = KeyJournal::open(&path).unwrap();
+        let a = first.key_for("a").unwrap();
+        // The first opener's next line, caught half-way through its write.
+        std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"put b 7c3f").unwrap();
+        let mid_write = std::fs::read_to_string(&path).unwrap();
+
+        let err = KeyJournal::open(&path).expect_err("a second opener was let in while the first is open");
+        assert!(matches!(&err, JournalError::InUse { path: p } if *p == path), "expected InUse, got {err}");
+        assert!(err.to_string().contains("one opener"), "{err}");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), mid_write, "the refused opener changed the file");
+
+        drop(first);
+        // The lock went with the first journal; this open is a restart after a crash
+        // mid-write, and cuts the torn line off.
+        let j = KeyJournal::open(&path).unwrap();
+        assert_eq!(j.key_for("a").unwrap(), a);
+        assert_ne!(j.key_for("b").unwrap().as_str(), "7c3f");
     }
 
     /// A new journal file's directory entry was never fsynced, so a power loss could drop
