@@ -55,9 +55,11 @@
 //!   each with its own deadline.
 //! - Completion retries stop at the first of: success, `LeaseLost` (another attempt owns
 //!   the record; never sent again), a final error (a corrupt record, an unsupported call),
-//!   or the retry window, one lease TTL after the first attempt was sent. The lease was
-//!   renewed until the handler ended, so by then it may have run out and a retry may have
-//!   reclaimed the record; a later `complete` would be refused anyway. The response is
+//!   or the retry window, one lease TTL after the first attempt was sent. The lease keeps
+//!   being renewed while the completion is resent (the renewal covers the handler and its
+//!   completion), so a retry meanwhile is answered 409 in flight instead of reclaiming
+//!   the record; a `complete` after a reclaim would be refused by its token anyway. The
+//!   response is
 //!   returned once the retries end, so a long store outage delays the response by up to
 //!   one lease TTL: that is the price of not running the handler twice.
 //! - Deadlines use tokio's timer: the runtime must have time enabled, as for lease renewal.

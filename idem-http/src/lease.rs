@@ -1,10 +1,14 @@
 //! Lease renewal while a claimed handler runs, and the lease state the handler can watch.
 //!
 //! The renewal is a loop of tokio timers and fenced [`Store::extend`] calls, polled
-//! together with the handler's own work ([`while_renewing`]): it lives exactly as long as
-//! that work, moves with it to a task of its own under [`crate::HandlerExecution::Detached`],
-//! and is cancelled with it under [`crate::HandlerExecution::Inline`]. A process that dies
-//! stops renewing with it, so a retry reclaims the record once its lease runs out.
+//! together with the attempt's own work ([`while_renewing`]): the handler, then its
+//! completion, which may be resent for a whole lease while the store is out. It lives
+//! exactly as long as that work, moves with it to a task of its own under
+//! [`crate::HandlerExecution::Detached`], and is cancelled with it under
+//! [`crate::HandlerExecution::Inline`]. A process that dies or stalls stops renewing with
+//! it, so a retry reclaims the record once its lease runs out. A streamed gRPC response,
+//! whose status comes after the request's future has returned, renews on a task of its
+//! own ([`Renewing`]).
 //!
 //! Time here is tokio's ([`tokio::time::Instant`]), so tests drive renewals with
 //! `tokio::time::pause` and `advance`. The lease itself is measured by the store's clock;
@@ -13,12 +17,13 @@
 //! to know how long a failing renewal may be retried.
 
 use std::future::Future;
-use std::pin::pin;
+use std::pin::{Pin, pin};
+
+use futures::future::{Either, select};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
-use futures::future::{Either, select};
 use idem_core::{FencingToken, LeaseWatch, RecordId, Store, StoreError, UnixMillis};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -206,15 +211,23 @@ impl Renewal {
 #[error("the store did not answer before the lease ran out")]
 struct TimedOut;
 
-/// Awaits `work` while `renewal` (if any) renews its lease; the renewal stops when `work`
-/// finishes (or is dropped, with this future).
-pub(crate) async fn while_renewing<F: Future>(work: F, renewal: Option<Renewal>) -> F::Output {
-    let Some(renewal) = renewal else { return work.await };
+/// Awaits `work` while `renewal` (the attempt's [`Renewal::run`], `None` without renewal)
+/// renews its lease. The renewal is polled only here: between two calls, and once the
+/// caller drops it, it does not run; one that ended (lease lost, or the store cannot
+/// extend) is set to `None` and the work goes on alone.
+pub(crate) async fn while_renewing<R, F>(mut renewal: Pin<&mut Option<R>>, work: F) -> F::Output
+where
+    R: Future<Output = ()>,
+    F: Future,
+{
+    let Some(run) = renewal.as_mut().as_pin_mut() else { return work.await };
     let mut work = pin!(work);
-    match select(work.as_mut(), pin!(renewal.run())).await {
+    match select(work.as_mut(), run).await {
         Either::Left((output, _)) => output,
-        // Renewal ended (lease lost, or the store cannot extend): the handler goes on alone.
-        Either::Right(((), work)) => work.await,
+        Either::Right(((), work)) => {
+            renewal.set(None);
+            work.await
+        }
     }
 }
 

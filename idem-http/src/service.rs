@@ -20,7 +20,7 @@
 //! [`crate::HandlerExecution::Inline`].
 
 use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -671,7 +671,12 @@ where
     let Record { id, token, scope, key, lease_expires_at, created_at, expires_at: claimed_expires_at, .. } = record;
     let mut guard = FailGuard::new(Arc::clone(&store), id, token);
     let lease = LeaseState::new(lease_expires_at);
-    let renewal = renewal(cfg, id, token, claimed_at, &lease);
+    // The lease is renewed from the claim until the record is written, polled together
+    // with the handler and then with the completion (never on a task of its own: a request
+    // that stops being polled, or is dropped, stops renewing): the completion may be resent
+    // for a whole lease while the store is out (`crate::deadline`), and a lease that ran
+    // out meanwhile would let a retry reclaim the record and run the handler again.
+    let mut renewing = pin!(renewal(cfg, id, token, claimed_at, &lease).map(Renewal::run));
     // The outcome, with the renewals so far; a lost lease wins over what the write said.
     let watch = lease.clone();
     // A gRPC stream's outcome is recorded when it ends, after this request's observer is
@@ -681,6 +686,9 @@ where
         let outcome = if watch.is_lost() { Outcome::LeaseLost } else { outcome };
         obs.outcome(outcome, watch.renewals());
     };
+    // A write with this attempt's token landed, so the lease was still ours: a renewal
+    // refused because the record had just been written does not make it lost.
+    let written = |outcome: Outcome| obs.outcome(outcome, watch.renewals());
     parts.extensions.insert(IdempotencyContext {
         record_id: id,
         token,
@@ -696,8 +704,7 @@ where
     let policy = &cfg.policy;
     let streaming = &cfg.streaming;
     // The handler's own future and the bounded reading of its body both run inside
-    // catch_unwind: a streamed body that panics half-way is a handler panic too. The
-    // renewal covers both and ends with them, before the outcome is written.
+    // catch_unwind: a streamed body that panics half-way is a handler panic too.
     let work = AssertUnwindSafe(async move {
         let res = inner.call(req).await?;
         let (mut head, body) = res.into_parts();
@@ -721,17 +728,17 @@ where
         Ok((head, caching, read))
     })
     .catch_unwind();
-    let outcome = while_renewing(work, renewal).await;
+    let outcome = while_renewing(renewing.as_mut(), work).await;
     let (mut head, caching, read) = match outcome {
         Err(panic) => {
             // Mark failed first, deterministically, then let the panic continue to whatever
             // catches panics above this layer (a layer must not turn a panic into a response).
-            guard.fail_now("handler panicked").await;
+            while_renewing(renewing.as_mut(), guard.fail_now("handler panicked")).await;
             done(Outcome::Failed);
             std::panic::resume_unwind(panic);
         }
         Ok(Err(error)) => {
-            guard.fail_now("handler returned an error").await;
+            while_renewing(renewing.as_mut(), guard.fail_now("handler returned an error")).await;
             done(Outcome::Failed);
             return Err(error);
         }
@@ -801,7 +808,7 @@ where
     let status = head.status.as_u16();
     let (stored, body) = match read {
         Read::Failed(error) => {
-            guard.fail_now("response body failed").await;
+            while_renewing(renewing.as_mut(), guard.fail_now("response body failed")).await;
             done(Outcome::Failed);
             tracing::error!(record = %id, error = %error, "handler response body failed; record marked failed");
             return Ok(Problem::new(
@@ -843,6 +850,7 @@ where
                 lease: watch.clone(),
                 obs: stream_obs,
             };
+            // The stream renews its own lease from here on.
             let end = crate::grpc::StreamEnd::new(claim, self::renewal(cfg, id, token, claimed_at, &watch));
             set_expires(&mut head.headers, claimed_expires_at);
             return Ok(Response::from_parts(head, ResponseBody::streamed_until_status(read, rest, end)));
@@ -856,10 +864,10 @@ where
     };
     if let Some(stored) = stored {
         let retained = !matches!(stored.body, StoredBody::NotRetained { .. });
-        match store.complete(id, token, stored).await {
+        match while_renewing(renewing.as_mut(), store.complete(id, token, stored)).await {
             Ok(record) => {
                 expires_at = record.expires_at;
-                done(if retained { Outcome::Completed } else { Outcome::NotRetained });
+                written(if retained { Outcome::Completed } else { Outcome::NotRetained });
             }
             Err(e) if e.is_lease_lost() => {
                 done(Outcome::LeaseLost);
@@ -885,7 +893,7 @@ where
         // 5xx, 1xx, 3xx other than 303, the uncacheable 4xx, a gRPC status that is not
         // lasting, and what the handler marked `DoNotStore`: never stored, so a retry runs
         // again.
-        guard.fail_now("response status is not cacheable").await;
+        while_renewing(renewing.as_mut(), guard.fail_now("response status is not cacheable")).await;
         done(Outcome::Failed);
     }
     set_expires(&mut head.headers, expires_at);

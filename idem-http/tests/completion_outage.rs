@@ -11,7 +11,7 @@ mod common;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{Counter, Env, Refusal, Script, Step, app, post, send};
+use common::{Counter, Env, Gate, Refusal, Script, Step, app, post, send};
 use idem_core::codec::CodecError;
 use idem_core::{FencingToken, Record, RecordState, StoreError};
 use idem_http::{CompletionRetry, IdempotencyLayer, StoreDeadlines};
@@ -154,4 +154,57 @@ async fn a_final_refusal_of_a_completion_is_not_sent_again() {
         assert_eq!(env.store.completes.load(Ordering::SeqCst), 1, "{refusal}: sent once");
         assert_eq!(record(&env, "k1").await.state, RecordState::InFlight, "{refusal}");
     }
+}
+
+/// The lease was renewed only while the handler ran, and a `complete` refused by an outage
+/// is resent for up to one lease after that: the lease ran out in the middle of the
+/// resends, a retry reclaimed the record and ran the handler a second time while the first
+/// attempt was still trying to store its response. The renewal now lasts until the record
+/// is written. Store clock and tokio's paused clock move together here.
+#[tokio::test(start_paused = true)]
+async fn the_lease_is_renewed_while_a_refused_completion_is_resent() {
+    let lease = Duration::from_secs(6);
+    let env = Env::new();
+    let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
+    s.then(Step::Hold(gate.clone()));
+    let layer = IdempotencyLayer::new(env.store.clone()).with_lease_ttl(lease);
+    let app = app(layer, &n, &s);
+    let req = post("/v1/orders").key("k1").body("{}");
+    env.store.complete_outages.store(usize::MAX, Ordering::SeqCst);
+    let step = Duration::from_millis(250);
+    let tick = || async {
+        env.clock.advance(step);
+        tokio::time::advance(step).await;
+    };
+
+    let first = tokio::spawn({
+        let (app, req) = (app.clone(), req.clone());
+        async move { send(&app, &req).await }
+    });
+    // The handler runs 6.25 s, renewed every 2 s (at 2.25 and 4.5 s on these ticks): its
+    // lease then reaches 10.5 s, and the completion is resent from 6.25 s until 12.25 s.
+    gate.started().await;
+    for _ in 0..25 {
+        tick().await;
+    }
+    gate.release();
+    for _ in 0..19 {
+        tick().await;
+    }
+    // 11 s: past the lease the handler's renewals gave.
+    assert_eq!(record(&env, "k1").await.state, RecordState::InFlight, "the completion is still being resent");
+    send(&app, &req).await.problem(409, "in-flight");
+    assert_eq!(n.get(), 1, "a retry during the resends ran the handler again");
+
+    // The store comes back within the resend window: the next resend (11.825 s: the pauses
+    // double from 25 ms to 1 s) lands, and retries replay.
+    env.store.complete_outages.store(0, Ordering::SeqCst);
+    for _ in 0..5 {
+        tick().await;
+    }
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    assert_eq!(first.header("idempotent-stored"), None, "stored after all");
+    assert!(send(&app, &req).await.replayed());
+    assert_eq!(n.get(), 1);
 }
