@@ -59,9 +59,8 @@
 //!   being renewed while the completion is resent (the renewal covers the handler and its
 //!   completion), so a retry meanwhile is answered 409 in flight instead of reclaiming
 //!   the record; a `complete` after a reclaim would be refused by its token anyway. The
-//!   response is
-//!   returned once the retries end, so a long store outage delays the response by up to
-//!   one lease TTL: that is the price of not running the handler twice.
+//!   response is returned once the retries end, so a long store outage delays the
+//!   response by up to one lease TTL: that is the price of not running the handler twice.
 //! - Deadlines use tokio's timer: the runtime must have time enabled, as for lease renewal.
 //!   Outside a tokio runtime calls run without a deadline.
 
