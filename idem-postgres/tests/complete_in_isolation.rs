@@ -67,20 +67,7 @@ impl Drop for RepeatableReadDb {
         // As `SchemaGuard`: async work on a thread of its own, since Drop may run on (or
         // after) the test's runtime. FORCE ends the pools' sessions still open on it.
         let sql = format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name);
-        let url = common::url();
-        let dropped = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
-            rt.block_on(async move {
-                let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.ok()?;
-                let task = tokio::spawn(conn);
-                let res = client.batch_execute(&sql).await.ok();
-                drop(client);
-                let _ = task.await;
-                res
-            })
-        })
-        .join();
-        if !matches!(dropped, Ok(Some(()))) {
+        if !common::execute_on_a_thread_of_its_own(sql) {
             eprintln!("warning: could not drop test database {}; drop it by hand", self.name);
         }
     }

@@ -78,6 +78,26 @@ impl SchemaGuard {
     }
 }
 
+/// Runs `sql` on a new connection, on a thread with its own small runtime, and says
+/// whether it succeeded: for `Drop`, which runs synchronously, perhaps on a runtime thread
+/// or while the test's runtime shuts down.
+pub(crate) fn execute_on_a_thread_of_its_own(sql: String) -> bool {
+    let url = url();
+    let done = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+        rt.block_on(async move {
+            let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.ok()?;
+            let task = tokio::spawn(conn);
+            let res = client.batch_execute(&sql).await.ok();
+            drop(client);
+            let _ = task.await;
+            res
+        })
+    })
+    .join();
+    matches!(done, Ok(Some(())))
+}
+
 impl Drop for SchemaGuard {
     fn drop(&mut self) {
         // Drop runs synchronously, perhaps on a runtime thread or while the test's runtime
@@ -85,20 +105,7 @@ impl Drop for SchemaGuard {
         // A bounded lock wait: a session left holding a lock on the schema must cost a
         // warning, never a hung test run.
         let sql = format!("SET lock_timeout = '10s'; DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name);
-        let url = url();
-        let dropped = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
-            rt.block_on(async move {
-                let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.ok()?;
-                let task = tokio::spawn(conn);
-                let res = client.batch_execute(&sql).await.ok();
-                drop(client);
-                let _ = task.await;
-                res
-            })
-        })
-        .join();
-        if !matches!(dropped, Ok(Some(()))) {
+        if !execute_on_a_thread_of_its_own(sql) {
             eprintln!("warning: could not drop test schema {}; it will be removed by a later run", self.name);
         }
     }
