@@ -520,6 +520,13 @@ impl redb::StorageBackend for Flaky {
     }
 }
 
+/// A store on `memory` (kept across reopens) whose disk fails while `broken` is set.
+fn on_flaky(memory: &Arc<redb::backends::InMemoryBackend>, broken: &Arc<AtomicBool>, config: Config) -> RedbStore {
+    let backend = Flaky { inner: Arc::clone(memory), broken: Arc::clone(broken), ..Flaky::default() };
+    let db = redb::Database::builder().create_with_backend(backend).expect("database");
+    RedbStore::from_database(Arc::new(db), config).expect("store")
+}
+
 /// Claims keys `{prefix}{0..n}` from `n` concurrent tasks; outcomes in key order.
 async fn claim_all(store: &Arc<RedbStore>, prefix: &str, n: usize) -> Vec<Result<ClaimOutcome, StoreError>> {
     let tasks: Vec<_> = (0..n)
@@ -543,12 +550,7 @@ async fn failed_commit_fails_every_caller_and_applies_nothing() {
     let clock = clock();
     let memory = Arc::new(redb::backends::InMemoryBackend::new());
     let broken = Arc::new(AtomicBool::new(false));
-    let open = || {
-        let backend = Flaky { inner: Arc::clone(&memory), broken: Arc::clone(&broken), ..Flaky::default() };
-        let db = redb::Database::builder().create_with_backend(backend).expect("database");
-        RedbStore::from_database(Arc::new(db), config(&clock).with_max_batch(8).with_linger(LONG_LINGER))
-            .expect("store")
-    };
+    let open = || on_flaky(&memory, &broken, config(&clock).with_max_batch(8).with_linger(LONG_LINGER));
     let store = Arc::new(open());
     let before: Vec<Record> = claim_all(&store, "before", 8)
         .await
@@ -972,11 +974,7 @@ async fn a_store_that_cannot_commit_acknowledges_no_claim() {
     let clock = clock();
     let memory = Arc::new(redb::backends::InMemoryBackend::new());
     let broken = Arc::new(AtomicBool::new(false));
-    let open = || {
-        let backend = Flaky { inner: Arc::clone(&memory), broken: Arc::clone(&broken), ..Flaky::default() };
-        let db = redb::Database::builder().create_with_backend(backend).expect("database");
-        RedbStore::from_database(Arc::new(db), config(&clock)).expect("store")
-    };
+    let open = || on_flaky(&memory, &broken, config(&clock));
     let store = Arc::new(open());
     must_claim(&store, req("before", b"{}", RETENTION)).await;
     broken.store(true, Ordering::SeqCst);
