@@ -90,7 +90,12 @@ where
                 Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t))))
             }
             Kind::Streamed { read, rest, end } => match (read.pop_front(), end) {
-                (Some(bytes), _) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
+                (Some(bytes), end) => {
+                    if let Some(end) = end {
+                        end.read_frame_sent();
+                    }
+                    Poll::Ready(Some(Ok(Frame::data(bytes))))
+                }
                 (None, Some(end)) => end.poll_frame(rest.as_mut(), cx),
                 (None, None) => rest.as_mut().poll_frame(cx),
             },

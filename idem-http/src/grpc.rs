@@ -30,7 +30,18 @@
 //! retained, the status kept in its trailers: a retry gets `ALREADY_EXISTS`. Any other
 //! status, no status, a body that fails, or a client that goes away before the trailers
 //! marks the record failed: a retry runs the handler again. While the stream flows, a
-//! retry gets `ABORTED` (in flight), however long the stream lasts. Why hold the claim
+//! retry gets `ABORTED` (in flight), however long the stream lasts. Once the stream has
+//! ended, the record is written on a task of its own, its lease still renewed until the
+//! write returns: a client that goes away while the store is slow to take the status does
+//! not cancel the write, so a stream that ended `OK` is never run again. A status the
+//! store did not take (an outage longer than the completion retries, a lost lease) reaches
+//! the client with `idempotent-stored: false` among its trailers, as an HTTP response's
+//! [`crate::IDEMPOTENT_STORED`]. A client that stops reading for one lease TTL is treated
+//! as gone (a half-open connection would otherwise hold the key claimed for ever): the
+//! lease is no longer renewed and lapses, so a retry reclaims the record and runs the call
+//! again; should that client read again, its call ends at once with `ABORTED` and
+//! `idempotent-stored: false`. A client waiting for a handler that is slow to send is
+//! reading: only a body left unpolled after a frame counts as idle. Why hold the claim
 //! rather than store the final status: `complete` and `fail` only change a record in
 //! flight, so a record completed when the stream started cannot take its status later,
 //! and a stored `UNAVAILABLE` replayed to every retry would still never run the call
@@ -56,15 +67,20 @@
 //! protocol requires), the problem's `type` URI the `idem-problem` metadata entry, and
 //! `Retry-After`, `idempotency-key-expires` and the retry hints stay as metadata.
 
-use std::pin::Pin;
+use std::pin::{Pin, pin};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use bytes::Bytes;
-use futures::future::BoxFuture;
+use futures::future::{BoxFuture, Either, select};
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
 use http_body::{Body, Frame};
 use idem_core::{FencingToken, Policy, RecordId, Store, StoredBody, StoredResponse};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+use tracing::Instrument;
 
 use crate::body::ResponseBody;
 use crate::future::FailGuard;
@@ -165,13 +181,19 @@ fn lasting_code(status: Option<&HeaderValue>) -> bool {
 }
 
 /// The claim of a gRPC response that streams before its `grpc-status` is known (module
-/// docs, "Streamed responses"): held by the response body, which writes the record when
-/// the stream ends and only then passes the trailers on.
+/// docs, "Streamed responses"): held by the response body, which has the record written
+/// when the stream ends and only then passes the trailers on.
 pub(crate) struct StreamEnd {
-    /// Keeps the lease fresh while the stream flows: a stream may outlast any lease.
-    /// Declared first, so a dropped stream stops renewing before its guard fails the
-    /// record.
-    renewing: Renewing,
+    /// Keeps the lease fresh while the stream flows and its client reads: a stream may
+    /// outlast any lease. Declared first, so a dropped stream stops renewing before its
+    /// guard fails the record.
+    keeper: Keeper,
+    /// The body's polls and its end, shared with the keeper's idle watch; `None` when
+    /// nothing renews, so there is no renewal to stop.
+    progress: Option<Arc<Progress>>,
+    /// The runtime the claim was made on, where the final write runs so that it outlives
+    /// the body; `None` outside tokio.
+    runtime: Option<tokio::runtime::Handle>,
     state: EndState,
 }
 
@@ -180,9 +202,10 @@ enum EndState {
     Open(Box<OpenClaim>),
     /// The stream ended: the record is being written; `trailers` go out after it.
     Writing {
-        /// In a mutex only so that the body stays `Sync`: polled through `get_mut`, never
-        /// locked.
-        write: Mutex<BoxFuture<'static, ()>>,
+        /// Resolves once the record is written, to whether the trailers must say that the
+        /// status was not stored. In a mutex only so that the body stays `Sync`: polled
+        /// through `get_mut`, never locked.
+        write: Mutex<BoxFuture<'static, bool>>,
         trailers: Option<HeaderMap>,
     },
     /// Written (or abandoned): the body has ended.
@@ -215,10 +238,16 @@ impl StreamEnd {
     /// renewal counts from the claim, so after a handler that ran longer than one interval
     /// it renews at once: the handler's own renewal ended with the handler.
     pub(crate) fn new(claim: OpenClaim, renewal: Option<Renewal>) -> Self {
-        // On a task of its own, not polled with the body: a client that reads slowly
-        // would otherwise let the lease run out under a live stream.
-        let renewing = Renewing::start(renewal);
-        Self { state: EndState::Open(Box::new(claim)), renewing }
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        let (keeper, progress) = match (renewal, &runtime) {
+            (Some(renewal), Some(runtime)) => {
+                let progress = Arc::new(Progress::new());
+                let keeper = Keeper::start(renewal, Arc::clone(&progress), runtime, claim.obs.span.clone());
+                (keeper, Some(progress))
+            }
+            _ => (Keeper::default(), None),
+        };
+        Self { keeper, progress, runtime, state: EndState::Open(Box::new(claim)) }
     }
 
     /// Whether the body has ended: the record is written and nothing is held back.
@@ -226,9 +255,32 @@ impl StreamEnd {
         matches!(self.state, EndState::Done)
     }
 
+    /// The body handed the client a frame the layer had read before the stream: the
+    /// client reads.
+    pub(crate) fn read_frame_sent(&self) {
+        if let Some(progress) = &self.progress {
+            progress.polled(false);
+        }
+    }
+
     /// The next frame of `rest`, the body after the part the layer read. Data passes
     /// through; the end (trailers, or none) waits for the record to be written.
     pub(crate) fn poll_frame<B>(
+        &mut self,
+        rest: Pin<&mut B>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>>
+    where
+        B: Body<Data = Bytes>,
+    {
+        let poll = self.poll_end(rest, cx);
+        if let Some(progress) = &self.progress {
+            progress.polled(poll.is_pending());
+        }
+        poll
+    }
+
+    fn poll_end<B>(
         &mut self,
         mut rest: Pin<&mut B>,
         cx: &mut Context<'_>,
@@ -237,11 +289,21 @@ impl StreamEnd {
         B: Body<Data = Bytes>,
     {
         loop {
+            if matches!(self.state, EndState::Open(_)) && self.progress.as_ref().is_some_and(|p| p.is_gone()) {
+                return Poll::Ready(Some(Ok(Frame::trailers(self.lapse()))));
+            }
             match &mut self.state {
                 EndState::Done => return Poll::Ready(None),
                 EndState::Writing { write, trailers } => {
-                    ready!(write.get_mut().unwrap_or_else(PoisonError::into_inner).as_mut().poll(cx));
-                    let trailers = trailers.take();
+                    let not_stored = ready!(write.get_mut().unwrap_or_else(PoisonError::into_inner).as_mut().poll(cx));
+                    let mut trailers = trailers.take();
+                    if not_stored {
+                        // As on an HTTP response the layer could not store: a retry of the
+                        // key will not replay this status.
+                        trailers
+                            .get_or_insert_with(HeaderMap::new)
+                            .insert(crate::headers::IDEMPOTENT_STORED, HeaderValue::from_static("false"));
+                    }
                     self.state = EndState::Done;
                     return Poll::Ready(trailers.map(|t| Ok(Frame::trailers(t))));
                 }
@@ -252,12 +314,20 @@ impl StreamEnd {
                             return Poll::Ready(Some(Ok(Frame::data(data))));
                         }
                         Err(frame) => match frame.into_trailers() {
-                            Ok(trailers) => self.end(Some(trailers)),
+                            Ok(trailers) => {
+                                if let Some(lapsed) = self.end(Some(trailers)) {
+                                    return Poll::Ready(Some(Ok(Frame::trailers(lapsed))));
+                                }
+                            }
                             // Neither data nor trailers: not ours to judge.
                             Err(frame) => return Poll::Ready(Some(Ok(frame))),
                         },
                     },
-                    None => self.end(None),
+                    None => {
+                        if let Some(lapsed) = self.end(None) {
+                            return Poll::Ready(Some(Ok(Frame::trailers(lapsed))));
+                        }
+                    }
                     Some(Err(error)) => {
                         // The error cannot wait for a write: it goes to the client now,
                         // and the claim's guard marks the record failed on its own.
@@ -269,57 +339,110 @@ impl StreamEnd {
         }
     }
 
-    /// The stream ended with `trailers`: starts writing the record.
-    fn end(&mut self, trailers: Option<HeaderMap>) {
-        let EndState::Open(claim) = std::mem::replace(&mut self.state, EndState::Done) else { return };
+    /// The stream ended with `trailers`: starts writing the record. Returns the trailers
+    /// that end the call instead when the idle watch gave the claim up first.
+    fn end(&mut self, trailers: Option<HeaderMap>) -> Option<HeaderMap> {
+        if self.progress.as_ref().is_some_and(|p| !p.end()) {
+            return Some(self.lapse());
+        }
+        let EndState::Open(claim) = std::mem::replace(&mut self.state, EndState::Done) else { return None };
         let OpenClaim { store, id, token, mut guard, status, headers, head_status, policy, len, lease, obs } = *claim;
-        let renewal = std::mem::take(&mut self.renewing);
+        let keeper = std::mem::take(&mut self.keeper);
         let status_field = trailers.as_ref().and_then(|t| t.get("grpc-status")).or(head_status.as_ref());
-        let stored = lasting_code(status_field).then(|| {
+        let lasting = lasting_code(status_field);
+        let stored = lasting.then(|| {
             let kept = trailers.as_ref().map_or_else(Vec::new, |t| crate::service::kept_fields(&policy, t));
             StoredResponse { status, headers, body: StoredBody::NotRetained { len: Some(len) } }.with_trailers(kept)
         });
+        let span = obs.span.clone();
+        // The renewal runs on until the write returns: `complete` is resent for up to a
+        // lease while the store is out, and a lease that ran out meanwhile would let a
+        // retry reclaim the record and run the call again.
         let write = async move {
-            renewal.stop().await;
             let outcome = match stored {
-                Some(stored) => match store.complete(id, token, stored).await {
-                    Ok(_) => Outcome::NotRetained,
-                    Err(e) if e.is_lease_lost() => {
-                        tracing::warn!(
-                            record = %id, token = %token, error = %e,
-                            "lease lost before the gRPC stream ended: another attempt owns the record now; its \
-                             status is not stored"
-                        );
-                        Outcome::LeaseLost
+                Some(stored) => {
+                    let written = store.complete(id, token, stored).await;
+                    // Landed or given up, the write is over: a failed one leaves the record
+                    // in flight until its lease ends, as for an HTTP response.
+                    guard.disarm();
+                    // Stopped, and awaited, before the lost flag is read: a renewal sent
+                    // while the write was under way may still be answered.
+                    keeper.stop().await;
+                    match written {
+                        // The write under this attempt's token landed, so the lease was
+                        // this attempt's: a renewal refused after it (`extend` moves only
+                        // a lease in flight) lost nothing.
+                        Ok(_) => Outcome::NotRetained,
+                        Err(e) if e.is_lease_lost() || lease.is_lost() => {
+                            tracing::warn!(
+                                record = %id, token = %token, error = %e,
+                                "lease lost before the gRPC stream ended: another attempt owns the record now; its \
+                                 status is not stored"
+                            );
+                            Outcome::LeaseLost
+                        }
+                        Err(e) => {
+                            tracing::error!(
+                                record = %id, token = %token, error = %e,
+                                "could not store the gRPC stream's status; the record stays in flight until its \
+                                 lease ends, after which a retry reclaims it and runs the handler again"
+                            );
+                            Outcome::NotStored
+                        }
                     }
-                    Err(e) => {
-                        tracing::error!(
-                            record = %id, token = %token, error = %e,
-                            "could not store the gRPC stream's status; the record stays in flight until its lease \
-                             ends, after which a retry reclaims it and runs the handler again"
-                        );
-                        Outcome::NotStored
-                    }
-                },
+                }
                 None => {
                     guard.fail_now("gRPC stream ended without a lasting status").await;
-                    Outcome::Failed
+                    keeper.stop().await;
+                    if lease.is_lost() { Outcome::LeaseLost } else { Outcome::Failed }
                 }
             };
-            guard.disarm();
-            let outcome = if lease.is_lost() { Outcome::LeaseLost } else { outcome };
             obs.outcome(outcome, lease.renewals());
+            lasting && matches!(outcome, Outcome::LeaseLost | Outcome::NotStored)
         };
-        self.state = EndState::Writing { write: Mutex::new(Box::pin(write)), trailers };
+        let write: BoxFuture<'static, bool> = match &self.runtime {
+            // On a task of its own, which owns the guard: a client that goes away while the
+            // store is slow drops the body, and with it only this wait, never the write. A
+            // dropped write would fail the record of a stream that ended `OK`, and the retry
+            // would run it again. A task that did not finish (it panicked, or the runtime
+            // shut down) may not have stored the status.
+            Some(runtime) => {
+                let task = runtime.spawn(write.instrument(span));
+                Box::pin(async move { task.await.unwrap_or(lasting) })
+            }
+            // Outside tokio nothing can run it but this body, and nothing renews either.
+            None => Box::pin(write),
+        };
+        self.state = EndState::Writing { write: Mutex::new(write), trailers };
+        None
     }
 
     /// The stream failed: the claim's guard marks the record failed (on the runtime, in
     /// the background), and the renewal stops with it.
     fn abandon(&mut self) {
-        self.renewing = Renewing::default();
+        self.keeper = Keeper::default();
         if let EndState::Open(claim) = std::mem::replace(&mut self.state, EndState::Done) {
             claim.observe_failed();
         }
+    }
+
+    /// The client read again after the idle watch gave the claim up: the call ends now,
+    /// with a status the client can read, rather than with the rest of a call whose record
+    /// another attempt may own by now. The claim's guard marks the record failed; fenced by
+    /// this attempt's token, it changes nothing once another attempt reclaimed it.
+    fn lapse(&mut self) -> HeaderMap {
+        self.abandon();
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from(code::ABORTED));
+        trailers.insert(
+            "grpc-message",
+            HeaderValue::from_static(
+                "the response was not read for longer than the idempotency lease; its outcome is not stored and a \
+                 retry may run the call again",
+            ),
+        );
+        trailers.insert(crate::headers::IDEMPOTENT_STORED, HeaderValue::from_static("false"));
+        trailers
     }
 }
 
@@ -336,6 +459,131 @@ impl Drop for StreamEnd {
         // marks the record failed, so a retry runs the call again.
         if let EndState::Open(claim) = &self.state {
             claim.observe_failed();
+        }
+    }
+}
+
+/// [`Progress::phase`]: the stream flows.
+const LIVE: u8 = 0;
+/// [`Progress::phase`]: the stream ended; the renewal covers the final write.
+const ENDED: u8 = 1;
+/// [`Progress::phase`]: the client was taken for gone; the renewal stopped.
+const GONE: u8 = 2;
+
+/// How long past one lease TTL without a poll the idle watch looks: idle means longer than
+/// one lease TTL, so a client that reads once per lease TTL still reads; one tick of
+/// tokio's millisecond timers.
+const IDLE_GRACE: Duration = Duration::from_millis(1);
+
+/// How a stream's client reads, shared by the body (which records each poll, and the end)
+/// and the idle watch beside the renewal (which may take the client for gone). The renewal
+/// runs on its own task and would otherwise renew for as long as the body exists, read or
+/// not: a client that stops reading without closing its connection (half-open, no HTTP/2
+/// keepalive) would hold the key claimed for ever.
+struct Progress {
+    /// Origin of [`Self::last_poll`].
+    base: Instant,
+    /// The last poll of the body: nanoseconds after `base`, shifted left by one, the low
+    /// bit set when that poll returned `Pending`. One word, so the watch never reads the
+    /// time of one poll with the outcome of another.
+    last_poll: AtomicU64,
+    /// [`LIVE`], [`ENDED`] or [`GONE`]. The body's end and the idle watch each move it from
+    /// `LIVE`, and the first decides: an ended stream's write keeps its renewal, and a
+    /// client taken for gone cannot end its stream with a write its lease no longer covers.
+    phase: AtomicU8,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Self { base: Instant::now(), last_poll: AtomicU64::new(0), phase: AtomicU8::new(LIVE) }
+    }
+
+    /// Records a poll of the body, now, and whether it returned `Pending`.
+    fn polled(&self, pending: bool) {
+        let nanos = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX).min(u64::MAX >> 1);
+        self.last_poll.store((nanos << 1) | u64::from(pending), Ordering::Release);
+    }
+
+    /// When the body was last polled, and whether that poll returned `Pending`.
+    fn last_poll(&self) -> (Instant, bool) {
+        let word = self.last_poll.load(Ordering::Acquire);
+        (self.base + Duration::from_nanos(word >> 1), word & 1 == 1)
+    }
+
+    fn is_gone(&self) -> bool {
+        self.phase.load(Ordering::Acquire) == GONE
+    }
+
+    /// The stream ended: `true` unless the client was taken for gone first.
+    fn end(&self) -> bool {
+        self.phase.compare_exchange(LIVE, ENDED, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    }
+
+    /// Resolves once the body has been left unpolled after a frame for longer than `ttl`,
+    /// having taken the client for gone; never once the stream ended.
+    async fn idle(self: Arc<Self>, ttl: Duration) {
+        while self.phase.load(Ordering::Acquire) == LIVE {
+            let (at, pending) = self.last_poll();
+            let now = Instant::now();
+            if pending {
+                // The client waits for the handler's next frame: a handler slow to send is
+                // no sign of a client gone. Looked at again a lease later; the poll that
+                // hands that frame over moves `at`.
+                tokio::time::sleep_until(now + ttl).await;
+            } else if now.saturating_duration_since(at) > ttl {
+                if self.phase.compare_exchange(LIVE, GONE, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                    return;
+                }
+            } else {
+                tokio::time::sleep_until(at + ttl + IDLE_GRACE).await;
+            }
+        }
+        std::future::pending::<()>().await;
+    }
+}
+
+/// A stream's lease renewal ([`Renewing`], a task of its own: not polled with the body, or a
+/// client that reads slowly would let the lease run out under a live stream) and the idle
+/// watch that stops it, on one more task. Aborted when dropped, the renewal with it: a
+/// stream dropped half-way stops renewing, so its lease runs out.
+#[derive(Default)]
+struct Keeper {
+    task: Option<tokio::task::JoinHandle<()>>,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl Keeper {
+    fn start(renewal: Renewal, progress: Arc<Progress>, runtime: &tokio::runtime::Handle, span: tracing::Span) -> Self {
+        let (id, token, ttl) = (renewal.id, renewal.token, renewal.lease_ttl);
+        let (stop, stopped) = oneshot::channel();
+        let keep = async move {
+            let renewing = Renewing::start(Some(renewal));
+            if let Either::Left(_) = select(pin!(progress.idle(ttl)), stopped).await {
+                tracing::warn!(
+                    record = %id, token = %token,
+                    "the client has not read the gRPC stream for longer than a lease TTL and is taken for gone: the \
+                     lease is no longer renewed, and once it lapses a retry runs the call again"
+                );
+            }
+            renewing.stop().await;
+        };
+        Self { task: Some(runtime.spawn(keep.instrument(span))), stop: Some(stop) }
+    }
+
+    /// Stops the renewal and waits until it has: a renewal refused after the record was
+    /// written would read as a lost lease.
+    async fn stop(mut self) {
+        if let (Some(stop), Some(task)) = (self.stop.take(), self.task.take()) {
+            let _ = stop.send(());
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
         }
     }
 }

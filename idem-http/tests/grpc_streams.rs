@@ -9,6 +9,7 @@ mod common;
 
 use std::convert::Infallible;
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -21,7 +22,7 @@ use common::{Counter, Env};
 use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
-use idem_core::{Record, RecordState, StoredBody};
+use idem_core::{FencingToken, Record, RecordState, StoreError, StoredBody};
 use idem_http::IdempotencyLayer;
 use tokio::sync::mpsc;
 use tower::ServiceExt;
@@ -259,6 +260,206 @@ async fn a_stream_the_client_dropped_before_its_status_runs_again() {
     drop(tx);
     assert_eq!(send(&app).await, (2 * LIMIT, "0".to_owned()), "the retry ran the call again");
     assert_eq!(runs.get(), 2);
+}
+
+/// Queues a feed for the next run of a [`fed_app`] and returns its sender.
+fn feed(feeds: &mpsc::UnboundedSender<mpsc::UnboundedReceiver<Frame<Bytes>>>) -> mpsc::UnboundedSender<Frame<Bytes>> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    feeds.send(rx).unwrap();
+    tx
+}
+
+/// Reads data frames from `body` until `len` bytes came.
+async fn read_data(body: &mut Body, len: usize) {
+    let mut got = 0;
+    while got < len {
+        got += body.frame().await.unwrap().unwrap().into_data().unwrap().len();
+    }
+}
+
+/// Lets every task that can run, run (no time passes).
+async fn settle() {
+    for _ in 0..16 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_dropped_while_its_status_is_written_does_not_run_the_call_twice() {
+    // A client that went away while its stream's OK status was being written (the store out, `complete` resent) failed
+    // the record: the retry ran the call a second time.
+    let env = Env::new();
+    let runs = Counter::default();
+    let app = app(&env, &runs, |_| stream(End::Status("0")));
+    env.store.fail_complete.store(true, Ordering::SeqCst);
+    let mut body = app.clone().oneshot(call()).await.unwrap().into_body();
+    read_data(&mut body, 3 * LIMIT).await;
+    assert!(futures::poll!(body.frame()).is_pending(), "the trailers wait for the record");
+    // The client's deadline passes while the store is out: it drops the call.
+    drop(body);
+    advance(&env, Duration::from_millis(500)).await;
+    env.store.fail_complete.store(false, Ordering::SeqCst);
+    advance(&env, Duration::from_secs(1)).await;
+    assert_eq!(record(&env).await.state, RecordState::Completed, "the write outlived the body");
+    assert_eq!(env.store.fails.load(Ordering::SeqCst), 0, "nothing marked the record failed");
+    assert_eq!(send(&app).await, (0, "6".to_owned()), "ALREADY_EXISTS, not a second run");
+    assert_eq!(runs.get(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_lease_is_renewed_while_the_final_status_is_written() {
+    // The renewal stopped before the final `complete`: while the store refused it, the lease ran out, and a retry
+    // reclaimed the record and ran the call a second time.
+    let env = Env::new();
+    let runs = Counter::default();
+    let (app, feeds) = fed_app(&env, &runs);
+    let tx = feed(&feeds);
+    tx.send(Frame::data(Bytes::from(vec![1; 2 * LIMIT]))).unwrap();
+    let mut body = app.clone().oneshot(call()).await.unwrap().into_body();
+    read_data(&mut body, 2 * LIMIT).await;
+    // Before the first renewal: unrenewed, the lease ends three seconds after the claim.
+    advance(&env, Duration::from_millis(750)).await;
+    env.advance(Duration::from_millis(150));
+    tokio::time::advance(Duration::from_millis(150)).await;
+    env.store.fail_complete.store(true, Ordering::SeqCst);
+    tx.send(Frame::trailers(status("0"))).unwrap();
+    drop(tx);
+    let client = tokio::spawn(body.collect());
+    settle().await;
+    // The store refuses the write past the end of that lease, within the retry window.
+    advance(&env, Duration::from_millis(2250)).await;
+    assert_eq!(send(&app).await, (0, "10".to_owned()), "ABORTED: the claim holds while its status is written");
+    assert_eq!(runs.get(), 1);
+    env.store.fail_complete.store(false, Ordering::SeqCst);
+    advance(&env, Duration::from_millis(500)).await;
+    let rest = client.await.unwrap().unwrap();
+    let trailers = rest.trailers().unwrap();
+    assert_eq!(trailers["grpc-status"], "0");
+    assert!(trailers.get("idempotent-stored").is_none(), "stored: {trailers:?}");
+    assert_eq!(record(&env).await.state, RecordState::Completed);
+    assert_eq!(send(&app).await, (0, "6".to_owned()));
+    assert_eq!(runs.get(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_complete_that_landed_before_a_refused_renewal_counts_as_stored() {
+    // A renewal refused because the final `complete` had already landed (extend moves only a lease in flight) read as a
+    // lost lease: a stored status went out marked not stored.
+    let env = Env::new();
+    let runs = Counter::default();
+    let (app, feeds) = fed_app(&env, &runs);
+    let tx = feed(&feeds);
+    tx.send(Frame::data(Bytes::from(vec![1; 2 * LIMIT]))).unwrap();
+    let mut body = app.clone().oneshot(call()).await.unwrap().into_body();
+    read_data(&mut body, 2 * LIMIT).await;
+    advance(&env, Duration::from_millis(750)).await;
+    // The first `complete` lands but its answer is lost; the resends fail until the
+    // renewal due one second after the claim has been refused.
+    env.store.complete_answers_lost.store(1, Ordering::SeqCst);
+    env.store.fail_complete.store(true, Ordering::SeqCst);
+    tx.send(Frame::trailers(status("0"))).unwrap();
+    drop(tx);
+    let client = tokio::spawn(body.collect());
+    settle().await;
+    advance(&env, Duration::from_secs(1)).await;
+    assert_eq!(record(&env).await.state, RecordState::Completed);
+    env.store.fail_complete.store(false, Ordering::SeqCst);
+    advance(&env, Duration::from_secs(1)).await;
+    let rest = client.await.unwrap().unwrap();
+    let trailers = rest.trailers().unwrap();
+    assert_eq!(trailers["grpc-status"], "0");
+    assert!(trailers.get("idempotent-stored").is_none(), "the status was stored: {trailers:?}");
+    assert_eq!(send(&app).await, (0, "6".to_owned()));
+    assert_eq!(runs.get(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_stops_reading_lets_the_claim_lapse() {
+    // A client that stopped reading (a half-open connection, no keepalive) kept the key claimed for ever: the lease was
+    // renewed as long as the body existed, read or not.
+    let env = Env::new();
+    let runs = Counter::default();
+    let (app, feeds) = fed_app(&env, &runs);
+    let tx = feed(&feeds);
+    tx.send(Frame::data(Bytes::from(vec![1; 2 * LIMIT]))).unwrap();
+    let mut body = app.clone().oneshot(call()).await.unwrap().into_body();
+    read_data(&mut body, 2 * LIMIT).await;
+    // The handler streams on; the client reads nothing for four leases.
+    tx.send(Frame::data(Bytes::from_static(b"unread"))).unwrap();
+    advance(&env, Duration::from_secs(4 * 3)).await;
+    assert_eq!(send(&app).await, (3 * LIMIT, "0".to_owned()), "the lease lapsed: a retry reclaimed and ran the call");
+    assert_eq!(runs.get(), 2);
+    // The first client reads again: its call ends at once with an error, not with the
+    // rest of a call whose record another attempt owns now.
+    tx.send(Frame::trailers(status("0"))).unwrap();
+    drop(tx);
+    let rest = body.collect().await.unwrap();
+    let trailers = rest.trailers().cloned().unwrap();
+    assert!(rest.to_bytes().is_empty(), "nothing more after the claim lapsed");
+    assert_eq!(trailers["grpc-status"], "10", "ABORTED");
+    assert_eq!(trailers["idempotent-stored"], "false");
+    settle().await;
+    assert_eq!(record(&env).await.state, RecordState::Completed, "the lapsed claim's fail was fenced off");
+    assert_eq!(send(&app).await, (0, "6".to_owned()));
+    assert_eq!(runs.get(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_waiting_on_a_slow_stream_keeps_the_claim() {
+    // A client waiting for the next message of a handler that sent nothing for several leases was taken for gone: the
+    // claim lapsed under a live call.
+    let env = Env::new();
+    let runs = Counter::default();
+    let (app, feeds) = fed_app(&env, &runs);
+    let tx = feed(&feeds);
+    tx.send(Frame::data(Bytes::from(vec![1; 2 * LIMIT]))).unwrap();
+    let body = app.clone().oneshot(call()).await.unwrap().into_body();
+    let client = tokio::spawn(body.collect());
+    settle().await;
+    for _ in 0..4 {
+        advance(&env, Duration::from_secs(3)).await;
+        assert_eq!(send(&app).await, (0, "10".to_owned()), "ABORTED while the client waits");
+    }
+    tx.send(Frame::trailers(status("0"))).unwrap();
+    drop(tx);
+    let rest = client.await.unwrap().unwrap();
+    assert_eq!(rest.trailers().unwrap()["grpc-status"], "0");
+    assert_eq!(record(&env).await.state, RecordState::Completed);
+    assert_eq!(runs.get(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_status_that_could_not_be_stored_is_marked_in_the_trailers() {
+    // A streamed status the store never took (an outage longer than the retries, a lost lease) reached the client
+    // unmarked, unlike an HTTP response's `Idempotent-Stored: false`.
+    for refusal in ["outage", "lease lost"] {
+        let env = Env::new();
+        let runs = Counter::default();
+        let app = app(&env, &runs, |_| stream(End::Status("0")));
+        match refusal {
+            "outage" => env.store.fail_complete.store(true, Ordering::SeqCst),
+            _ => {
+                *env.store.complete_refusal.lock().unwrap() = Some(|id, token| StoreError::LeaseLost {
+                    id,
+                    presented: token,
+                    current: Some(FencingToken(token.0 + 1)),
+                });
+            }
+        }
+        let client = tokio::spawn(app.clone().oneshot(call()));
+        settle().await;
+        let body = client.await.unwrap().unwrap().into_body();
+        let client = tokio::spawn(body.collect());
+        settle().await;
+        // Past the retry window, one lease after the first try.
+        advance(&env, Duration::from_secs(4)).await;
+        let rest = client.await.unwrap().unwrap();
+        let trailers = rest.trailers().cloned().unwrap_or_default();
+        assert_eq!(rest.to_bytes().len(), 3 * LIMIT, "{refusal}");
+        assert_eq!(trailers.get("grpc-status").map(|v| v.to_str().unwrap()), Some("0"), "{refusal}");
+        assert_eq!(trailers.get(idem_http::IDEMPOTENT_STORED).map(|v| v.to_str().unwrap()), Some("false"), "{refusal}");
+        assert_eq!(runs.get(), 1, "{refusal}");
+    }
 }
 
 /// The body the layer returns stays `Send + Sync` for a `Send + Sync` inner body: the
