@@ -53,7 +53,8 @@ enum Baseline {
     Redb(NaiveRedb),
     Sqlite(NaiveSqlite),
     Redis(RedisByHand),
-    Postgres(PostgresByHand),
+    // Boxed: it holds the store's prepared statements, several times the other variants.
+    Postgres(Box<PostgresByHand>),
 }
 
 impl Baseline {
@@ -130,7 +131,7 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
             let store = PostgresStore::connect(&args.endpoints.postgres_url, config).await?;
             cleanup_pg = Some(store.clone());
             let hand = PostgresByHand::new(&store);
-            (Arc::new(store), Baseline::Postgres(hand))
+            (Arc::new(store), Baseline::Postgres(Box::new(hand)))
         }
     };
     let baseline = Arc::new(baseline);
