@@ -1,4 +1,4 @@
-//! `idem-bench seal`: what sealing stored responses costs (issue 19).
+//! `idem-bench seal`: what sealing stored responses costs.
 //!
 //! Two layers over two stores of the same backend, one with
 //! `IdempotencyLayer::with_sealing`, one without, in front of the same handler (201, a

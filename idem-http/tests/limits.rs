@@ -1,4 +1,4 @@
-//! Limits on what a client controls that reaches the fingerprint (issue 19): a request
+//! Limits on what a client controls that reaches the fingerprint: a request
 //! with thousands of `content-type` fields, or one huge one, made the layer hash all of
 //! it; now it is a 431 problem, nothing claimed, no handler run.
 

@@ -1,4 +1,4 @@
-//! The principal resolver's answers the layer refuses or pins (issue 19): a blank principal
+//! The principal resolver's answers the layer refuses or pins: a blank principal
 //! (empty or whitespace only) shared one bucket by every request that resolved to it, or
 //! skipped idempotency under `SkipIdempotency`; a resolver asked twice for one request
 //! could give its claim and its handler two different principals.

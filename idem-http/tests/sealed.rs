@@ -1,4 +1,4 @@
-//! Sealed responses through the layer on every backend (issue 19): a replay opens what
+//! Sealed responses through the layer on every backend: a replay opens what
 //! `complete` sealed; a sealed response moved onto another record with the backend's own
 //! commands, or with one byte flipped, is answered 503 and the handler does not run again;
 //! the stored bytes never hold the plaintext; key rotation; unsealed records.

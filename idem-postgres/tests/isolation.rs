@@ -1,4 +1,4 @@
-//! Issue 14, item 2: the store under `default_transaction_isolation = repeatable read` (and
+//! The store under `default_transaction_isolation = repeatable read` (and
 //! `serializable`), set per connection in the URL (`options=-c ...`), as organisations set
 //! it on roles. Nothing here changes the shared server's configuration.
 

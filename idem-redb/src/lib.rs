@@ -96,13 +96,11 @@
 //! `cargo run --release -p idem-bench -- cycles --backend redb --concurrency 32` runs
 //! claim -> complete -> replay cycles through this store and through a naive store that
 //! commits every write on its own, in alternating slices of one process (see
-//! `BENCHMARKS.md`). At 32 callers a write transaction holds about 23 claims and
-//! completions, and replays never reach the writer. Measured on a shared 2-core VM whose
-//! fsync takes 0.08-0.25 ms: 10-12x the naive store at 32 callers, 21x at 128, 5.4x at 8,
-//! 1.4x at 1. A commit writes one B-tree leaf per record it touches (record ids are
-//! hashes, so they scatter), so a group commit costs more than a single-record one (0.71 ms
-//! against 0.25 ms here) and the gain stays below the batch size; the slower the fsync,
-//! the larger the gain.
+//! `BENCHMARKS.md`, which has the measured ratios). Under load a write transaction holds
+//! many claims and completions, and replays never reach the writer. A commit writes one
+//! B-tree leaf per record it touches (record ids are hashes, so they scatter), so a group
+//! commit costs more than a single-record one and the gain stays below the batch size;
+//! the slower the fsync, the larger the gain.
 //!
 //! # Time
 //! Every `now` comes from the configured clock ([`Config::with_clock`], the system clock

@@ -210,10 +210,9 @@
 //! clusters (7010-7015, 7030-7035, 7040-7045) for slot migration, failovers and a
 //! connection killed after a claim ran.
 //! `cargo bench -p idem-redis --bench throughput` compares claim + complete against the
-//! same two round trips written by hand (`SET NX`, `SET`): medians of 0.71-0.92x with one
-//! caller and 0.37-0.42x with 32 on a loaded 2-core machine. The scripts cost about 7 µs of server time
-//! each against about 1 µs for a `SET`; most of it is the floor of any script that reads
-//! the clock, reads the record and writes it (the bench's notes give the numbers).
+//! same two round trips written by hand (`SET NX`, `SET`); `BENCHMARKS.md` has the
+//! ratios. A script costs several times a `SET` of Redis' single thread; most of it is
+//! the floor of any script that reads the clock, reads the record and writes it.
 //!
 //! # Layout
 //! - `src/config.rs`: [`Config`], [`EvictionCheck`], [`PersistenceCheck`], [`ReplicaAck`].

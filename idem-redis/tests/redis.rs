@@ -1038,7 +1038,7 @@ async fn wait_shortfall_after_a_claim_releases_it() {
 }
 
 /// Pins: a Redis without persistence started quietly, and its restart lost every claim and
-/// journal, so retries booted VMs again (19 extra in the issue-14 storm). The check reads
+/// journal, so retries booted VMs again (phantom VMs in a retry storm). The check reads
 /// `appendonly`/`appendfsync`/`save`: `Refuse` refuses a server without AOF or RDB and one
 /// with `appendfsync no`; `Warn` (the default) starts; AOF `everysec` passes `Refuse`.
 ///

@@ -1,4 +1,4 @@
-//! SIGKILL inside and right after the handler's own transaction (issue 16): `leasebroker-pg`
+//! SIGKILL inside and right after the handler's own transaction: `leasebroker-pg`
 //! runs as a child process and is killed at the Postgres crash points
 //! (`leasebroker::crash::PG_POINTS`: after the worker row's insert, before the commit, right
 //! after the commit, after the response) and restarted on the same database, while clients

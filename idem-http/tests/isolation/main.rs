@@ -1,4 +1,4 @@
-//! Tenant isolation through the layer (issue 19): two principals send the same key to the
+//! Tenant isolation through the layer: two principals send the same key to the
 //! same endpoint with the same body while the first one's record is in every row of the
 //! decision table (in flight, completed, failed, mismatched, lease expired and reclaimed,
 //! retention expired). The second tenant's request must run its own handler exactly once
