@@ -84,7 +84,7 @@ use tracing::Instrument;
 
 use crate::body::ResponseBody;
 use crate::future::FailGuard;
-use crate::lease::{LeaseState, Renewal, Renewing};
+use crate::lease::{LeaseState, Renewal};
 use crate::observe::{Observer, Outcome};
 use crate::problem::{Problem, ProblemKind};
 
@@ -542,10 +542,10 @@ impl Progress {
     }
 }
 
-/// A stream's lease renewal ([`Renewing`], a task of its own: not polled with the body, or a
-/// client that reads slowly would let the lease run out under a live stream) and the idle
-/// watch that stops it, on one more task. Aborted when dropped, the renewal with it: a
-/// stream dropped half-way stops renewing, so its lease runs out.
+/// A stream's lease renewal and the idle watch that stops it, on a task of their own (not
+/// polled with the body, or a client that reads slowly would let the lease run out under
+/// a live stream). Aborted when dropped, the renewal with it: a stream dropped half-way
+/// stops renewing, so its lease runs out.
 #[derive(Default)]
 struct Keeper {
     task: Option<tokio::task::JoinHandle<()>>,
@@ -557,15 +557,22 @@ impl Keeper {
         let (id, token, ttl) = (renewal.id, renewal.token, renewal.lease_ttl);
         let (stop, stopped) = oneshot::channel();
         let keep = async move {
-            let renewing = Renewing::start(Some(renewal));
-            if let Either::Left(_) = select(pin!(progress.idle(ttl)), stopped).await {
+            // A renewal that ended (lease lost, or the store cannot extend) leaves the
+            // watch alone until the stop.
+            let renew = async move {
+                renewal.run().await;
+                std::future::pending::<()>().await;
+            };
+            let (idle, renew) = (pin!(progress.idle(ttl)), pin!(renew));
+            let watched = select(idle, renew);
+            // Returning drops the renewal, wherever it is: stopped, or the client gone.
+            if let Either::Left(_) = select(watched, stopped).await {
                 tracing::warn!(
                     record = %id, token = %token,
                     "the client has not read the gRPC stream for longer than a lease TTL and is taken for gone: the \
                      lease is no longer renewed, and once it lapses a retry runs the call again"
                 );
             }
-            renewing.stop().await;
         };
         Self { task: Some(runtime.spawn(keep.instrument(span))), stop: Some(stop) }
     }

@@ -8,7 +8,7 @@
 //! [`crate::HandlerExecution::Inline`]. A process that dies or stalls stops renewing with
 //! it, so a retry reclaims the record once its lease runs out. A streamed gRPC response,
 //! whose status comes after the request's future has returned, renews on a task of its
-//! own ([`Renewing`]).
+//! own (`crate::grpc`).
 //!
 //! Time here is tokio's ([`tokio::time::Instant`]), so tests drive renewals with
 //! `tokio::time::pause` and `advance`. The lease itself is measured by the store's clock;
@@ -227,38 +227,6 @@ where
         Either::Right(((), work)) => {
             renewal.set(None);
             work.await
-        }
-    }
-}
-
-/// A renewal on a task of its own, for work that is not one future the renewal can be
-/// polled with: the completion after a handler (which may be resent for a whole lease
-/// while the store is out), and a gRPC stream whose status comes last. Aborted when
-/// dropped: a request dropped half-way stops renewing, so its lease runs out.
-#[derive(Debug, Default)]
-pub(crate) struct Renewing(Option<tokio::task::JoinHandle<()>>);
-
-impl Renewing {
-    /// Starts `renewal` on the current tokio runtime (`renewal` is `None` when the layer
-    /// does not renew, or has no runtime to do it on).
-    pub(crate) fn start(renewal: Option<Renewal>) -> Self {
-        Self(renewal.map(|r| tokio::spawn(r.run())))
-    }
-
-    /// Stops the renewal and waits until it has: a renewal refused after the record was
-    /// written would read as a lost lease.
-    pub(crate) async fn stop(mut self) {
-        if let Some(task) = self.0.take() {
-            task.abort();
-            let _ = task.await;
-        }
-    }
-}
-
-impl Drop for Renewing {
-    fn drop(&mut self) {
-        if let Some(task) = self.0.take() {
-            task.abort();
         }
     }
 }
