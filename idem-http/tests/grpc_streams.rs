@@ -215,12 +215,7 @@ async fn advance(env: &Env, by: Duration) {
 async fn a_retry_during_the_stream_is_aborted_however_long_it_flows() {
     let env = Env::new();
     let runs = Counter::default();
-    let (app, feeds) = fed_app(&env, &runs);
-    let (tx, rx) = mpsc::unbounded_channel();
-    feeds.send(rx).unwrap();
-    tx.send(Frame::data(Bytes::from(vec![1; 2 * LIMIT]))).unwrap();
-    let res = app.clone().oneshot(call()).await.unwrap();
-    let mut body = res.into_body();
+    let (app, tx, mut body) = streaming_call(&env, &runs).await;
     assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap().len(), 2 * LIMIT);
     // Ten leases long: renewal keeps the claim, so a retry never runs the call twice.
     for _ in 0..10 {
@@ -244,16 +239,13 @@ async fn a_stream_the_client_dropped_before_its_status_runs_again() {
     let env = Env::new();
     let runs = Counter::default();
     let (app, feeds) = fed_app(&env, &runs);
-    let (tx, rx) = mpsc::unbounded_channel();
-    feeds.send(rx).unwrap();
-    tx.send(Frame::data(Bytes::from(vec![1; 2 * LIMIT]))).unwrap();
-    let res = app.clone().oneshot(call()).await.unwrap();
-    let mut body = res.into_body();
+    let first = feed(&feeds);
+    first.send(Frame::data(Bytes::from(vec![1; 2 * LIMIT]))).unwrap();
+    let mut body = app.clone().oneshot(call()).await.unwrap().into_body();
     body.frame().await.unwrap().unwrap();
     drop(body);
     until_state(&env, RecordState::Failed).await;
-    let (tx, rx) = mpsc::unbounded_channel();
-    feeds.send(rx).unwrap();
+    let tx = feed(&feeds);
     for frame in [Frame::data(Bytes::from(vec![2; 2 * LIMIT])), Frame::trailers(status("0"))] {
         tx.send(frame).unwrap();
     }
@@ -267,6 +259,16 @@ fn feed(feeds: &mpsc::UnboundedSender<mpsc::UnboundedReceiver<Frame<Bytes>>>) ->
     let (tx, rx) = mpsc::unbounded_channel();
     feeds.send(rx).unwrap();
     tx
+}
+
+/// A call whose handler has sent `2 * LIMIT` bytes, more than the layer buffers, so its
+/// answer streams; the handler sends what the test gives `tx` next.
+async fn streaming_call(env: &Env, runs: &Counter) -> (Router, mpsc::UnboundedSender<Frame<Bytes>>, Body) {
+    let (app, feeds) = fed_app(env, runs);
+    let tx = feed(&feeds);
+    tx.send(Frame::data(Bytes::from(vec![1; 2 * LIMIT]))).unwrap();
+    let body = app.clone().oneshot(call()).await.unwrap().into_body();
+    (app, tx, body)
 }
 
 /// Reads data frames from `body` until `len` bytes came.
@@ -312,10 +314,7 @@ async fn the_lease_is_renewed_while_the_final_status_is_written() {
     // reclaimed the record and ran the call a second time.
     let env = Env::new();
     let runs = Counter::default();
-    let (app, feeds) = fed_app(&env, &runs);
-    let tx = feed(&feeds);
-    tx.send(Frame::data(Bytes::from(vec![1; 2 * LIMIT]))).unwrap();
-    let mut body = app.clone().oneshot(call()).await.unwrap().into_body();
+    let (app, tx, mut body) = streaming_call(&env, &runs).await;
     read_data(&mut body, 2 * LIMIT).await;
     // Before the first renewal: unrenewed, the lease ends three seconds after the claim.
     advance(&env, Duration::from_millis(750)).await;
@@ -347,10 +346,7 @@ async fn a_complete_that_landed_before_a_refused_renewal_counts_as_stored() {
     // lost lease: a stored status went out marked not stored.
     let env = Env::new();
     let runs = Counter::default();
-    let (app, feeds) = fed_app(&env, &runs);
-    let tx = feed(&feeds);
-    tx.send(Frame::data(Bytes::from(vec![1; 2 * LIMIT]))).unwrap();
-    let mut body = app.clone().oneshot(call()).await.unwrap().into_body();
+    let (app, tx, mut body) = streaming_call(&env, &runs).await;
     read_data(&mut body, 2 * LIMIT).await;
     advance(&env, Duration::from_millis(750)).await;
     // The first `complete` lands but its answer is lost; the resends fail until the
@@ -379,10 +375,7 @@ async fn a_client_that_stops_reading_lets_the_claim_lapse() {
     // renewed as long as the body existed, read or not.
     let env = Env::new();
     let runs = Counter::default();
-    let (app, feeds) = fed_app(&env, &runs);
-    let tx = feed(&feeds);
-    tx.send(Frame::data(Bytes::from(vec![1; 2 * LIMIT]))).unwrap();
-    let mut body = app.clone().oneshot(call()).await.unwrap().into_body();
+    let (app, tx, mut body) = streaming_call(&env, &runs).await;
     read_data(&mut body, 2 * LIMIT).await;
     // The handler streams on; the client reads nothing for four leases.
     tx.send(Frame::data(Bytes::from_static(b"unread"))).unwrap();
@@ -410,10 +403,7 @@ async fn a_client_waiting_on_a_slow_stream_keeps_the_claim() {
     // claim lapsed under a live call.
     let env = Env::new();
     let runs = Counter::default();
-    let (app, feeds) = fed_app(&env, &runs);
-    let tx = feed(&feeds);
-    tx.send(Frame::data(Bytes::from(vec![1; 2 * LIMIT]))).unwrap();
-    let body = app.clone().oneshot(call()).await.unwrap().into_body();
+    let (app, tx, body) = streaming_call(&env, &runs).await;
     let client = tokio::spawn(body.collect());
     settle().await;
     for _ in 0..4 {
