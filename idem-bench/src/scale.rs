@@ -56,7 +56,7 @@ fn filler(template: &Record, n: u64) -> Record {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         chunk.copy_from_slice(&(z ^ (z >> 31)).to_le_bytes());
     }
-    record.id = RecordId(id);
+    record.id = RecordId::from_bytes(id);
     record
 }
 
@@ -91,8 +91,8 @@ fn fill_redb(db: &redb::Database, template: &Record, from: u64, to: u64) -> Resu
             let mut expiry = txn.open_table(idem_redb::table::EXPIRY)?;
             for i in n..end {
                 let r = filler(template, i);
-                records.insert(&r.id.0, idem_core::codec::encode(&r).as_slice())?;
-                expiry.insert((r.expires_at.0, r.id.0), ())?;
+                records.insert(r.id.as_bytes(), idem_core::codec::encode(&r).as_slice())?;
+                expiry.insert((r.expires_at.0, *r.id.as_bytes()), ())?;
             }
         }
         txn.commit()?;
@@ -118,7 +118,7 @@ fn fill_sqlite(path: &std::path::Path, template: &Record, from: u64, to: u64) ->
             for i in n..end {
                 let r = filler(template, i);
                 insert.execute(rusqlite::params![
-                    r.id.0.as_slice(),
+                    *r.id.as_bytes().as_slice(),
                     "scale-fill",
                     "POST /x",
                     format!("fill-{i}"),
@@ -159,7 +159,7 @@ async fn fill_postgres(
             .execute(
                 &sql,
                 &[
-                    &template.fingerprint.0.as_slice(),
+                    template.fingerprint.as_bytes().as_slice(),
                     &(template.token.0 as i64),
                     &response.as_slice(),
                     &template.created_at.0,

@@ -149,14 +149,14 @@ pub(crate) async fn run(args: SealArgs) -> Result<(), BoxError> {
         let r = idem_core::StoredResponse::new(201, vec![], body.as_ref().clone());
         let t = Instant::now();
         for i in 0..20_000u64 {
-            let s = k.seal(idem_core::RecordId([1; 32]), idem_core::FencingToken(i), &r);
+            let s = k.seal(idem_core::RecordId::from_bytes([1; 32]), idem_core::FencingToken(i), &r);
             std::hint::black_box(s);
         }
         println!("seal alone: {:?} per response", t.elapsed() / 20_000);
-        let s = k.seal(idem_core::RecordId([1; 32]), idem_core::FencingToken(1), &r);
+        let s = k.seal(idem_core::RecordId::from_bytes([1; 32]), idem_core::FencingToken(1), &r);
         let t = Instant::now();
         for _ in 0..20_000u64 {
-            std::hint::black_box(k.open(idem_core::RecordId([1; 32]), idem_core::FencingToken(1), &s).ok());
+            std::hint::black_box(k.open(idem_core::RecordId::from_bytes([1; 32]), idem_core::FencingToken(1), &s).ok());
         }
         println!("open alone: {:?} per response", t.elapsed() / 20_000);
     }

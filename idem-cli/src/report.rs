@@ -83,12 +83,12 @@ pub(crate) fn record_json(record: &Record, now: UnixMillis) -> Value {
     let in_flight = record.state == RecordState::InFlight;
     json!({
         "record_id": record.id.to_hex(),
-        "principal": record.scope.principal.0,
-        "endpoint": record.scope.endpoint.0,
+        "principal": record.scope.principal.as_str(),
+        "endpoint": record.scope.endpoint.as_str(),
         "key": record.key.as_str(),
         "state": record.state.as_str(),
         "token": record.token.0,
-        "fingerprint": hex(&record.fingerprint.0),
+        "fingerprint": hex(record.fingerprint.as_bytes()),
         "created_at_ms": record.created_at.0,
         "started_at_ms": record.started_at.0,
         "age_ms": now.0.saturating_sub(record.started_at.0).max(0),
@@ -104,12 +104,12 @@ fn record_text(record: &Record, now: UnixMillis) -> String {
     let mut s = String::new();
     let mut line = |k: &str, v: String| s.push_str(&format!("{k:<15}{v}\n"));
     line("record id", record.id.to_hex());
-    line("principal", record.scope.principal.0.clone());
-    line("endpoint", record.scope.endpoint.0.clone());
+    line("principal", record.scope.principal.as_str().to_owned());
+    line("endpoint", record.scope.endpoint.as_str().to_owned());
     line("key", record.key.as_str().to_owned());
     line("state", record.state.as_str().to_owned());
     line("token", record.token.0.to_string());
-    line("fingerprint", hex(&record.fingerprint.0));
+    line("fingerprint", hex(record.fingerprint.as_bytes()));
     line("created", rfc3339(record.created_at));
     line(
         "started",
@@ -240,8 +240,8 @@ impl Output {
                     r.state.as_str(),
                     now.0.saturating_sub(r.started_at.0).max(0),
                     lease,
-                    r.scope.principal.0,
-                    r.scope.endpoint.0,
+                    r.scope.principal.as_str(),
+                    r.scope.endpoint.as_str(),
                     r.key.as_str()
                 ));
             }

@@ -71,7 +71,7 @@ fn body(key: &str) -> String {
 /// The claim the HTTP layer makes for a POST of [`body`] to [`PATH`] with `key`: the same
 /// scope and the same fingerprint (method, path, `content-type`, body).
 fn request(principal: &str, key: &str, lease: Duration, retention: Duration) -> ClaimRequest {
-    let scope = Scope::new(principal, Endpoint(ENDPOINT.to_owned())).expect("scope");
+    let scope = Scope::new(principal, Endpoint::from(ENDPOINT.to_owned())).expect("scope");
     let body = body(key);
     let key = IdempotencyKey::parse(key.as_bytes()).expect("key");
     let headers: [(&str, &[u8]); 1] = [("content-type", b"application/json")];

@@ -157,7 +157,7 @@ pub fn fingerprint(data: &[u8]) {
     assert_eq!(ra == rb, ia == ib, "record id equality must follow (principal, endpoint, key) equality");
     assert_eq!(RecordId::from_hex(&ra.to_hex()), Some(ra));
     if let (Ok(scope), Ok(key)) =
-        (Scope::new(ia.0.clone(), Endpoint(ia.1.clone())), IdempotencyKey::parse(ia.2.as_bytes()))
+        (Scope::new(ia.0.clone(), Endpoint::from(ia.1.clone())), IdempotencyKey::parse(ia.2.as_bytes()))
     {
         assert_eq!(scope.record_id(&key), RecordId::derive(&ia.0, &ia.1, key.as_str()));
     }
@@ -168,7 +168,7 @@ fn arbitrary_record(u: &mut Unstructured<'_>) -> arbitrary::Result<Record> {
     let principal = String::arbitrary(u)?;
     let endpoint = String::arbitrary(u)?;
     let key = IdempotencyKey::parse(<&[u8]>::arbitrary(u)?).unwrap_or_else(|_| IdempotencyKey::parse(b"k").expect("k"));
-    let scope = Scope::new(if principal.is_empty() { "p".to_owned() } else { principal }, Endpoint(endpoint))
+    let scope = Scope::new(if principal.is_empty() { "p".to_owned() } else { principal }, Endpoint::from(endpoint))
         .map_err(|_| arbitrary::Error::IncorrectFormat)?;
     let state = *u.choose(&[RecordState::InFlight, RecordState::Completed, RecordState::Failed])?;
     let response = if bool::arbitrary(u)? {
@@ -186,10 +186,10 @@ fn arbitrary_record(u: &mut Unstructured<'_>) -> arbitrary::Result<Record> {
         None
     };
     Ok(Record {
-        id: RecordId(<[u8; 32]>::arbitrary(u)?),
+        id: RecordId::from_bytes(<[u8; 32]>::arbitrary(u)?),
         key,
         scope,
-        fingerprint: Fingerprint(<[u8; 32]>::arbitrary(u)?),
+        fingerprint: Fingerprint::from_bytes(<[u8; 32]>::arbitrary(u)?),
         state,
         token: FencingToken(u64::arbitrary(u)?),
         response,
@@ -315,9 +315,9 @@ pub fn write_stored_seeds(target: &str, seed: fn(&Record) -> Vec<u8>) {
     let not_retained = StoredResponse { status: 201, headers: vec![], body: StoredBody::NotRetained { len: Some(9) } };
     let a_in_flight = seed_record("tenant-a", RecordState::InFlight, None);
     let mut moved = seed(&seed_record("tenant-b", RecordState::Completed, Some(full.clone())));
-    let b_id = seed_record("tenant-b", RecordState::Failed, None).id.0;
+    let b_id = *seed_record("tenant-b", RecordState::Failed, None).id.as_bytes();
     if let Some(at) = moved.windows(32).position(|w| w == b_id) {
-        moved[at..at + 32].copy_from_slice(&a_in_flight.id.0);
+        moved[at..at + 32].copy_from_slice(a_in_flight.id.as_bytes());
     }
     let seeds = [
         ("in-flight", seed(&a_in_flight)),

@@ -266,7 +266,7 @@ fn parent<S: Store>(child_env: &str, file_name: &str, open: impl Fn(&Path) -> S)
     let mut report = Report { keys: acked.len(), held, ..Report::default() };
     runtime.block_on(async {
         for (&n, &(step, token)) in &acked {
-            let id = request(n).id;
+            let id = request(n).id();
             let Some(r) = store.get(id).await.expect("get") else {
                 panic!("k{n}: acknowledged as {step:?} with token {token} and lost in the kill");
             };

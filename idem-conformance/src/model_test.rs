@@ -782,7 +782,7 @@ enum Prepared {
 impl Prepared {
     fn id(&self) -> RecordId {
         match self {
-            Prepared::Claim(r) => r.id,
+            Prepared::Claim(r) => r.id(),
             Prepared::Reclaim(r) => r.id,
             Prepared::Complete(id, ..)
             | Prepared::Fail(id, _)
@@ -840,7 +840,7 @@ fn on_model(model: &mut Model, p: &Prepared, now: UnixMillis, journal: bool) -> 
     let lost = |e: StoreError| match e {
         StoreError::LeaseLost { id, presented, current } => (id, presented, current),
         // The model only ever refuses with LeaseLost.
-        _ => (RecordId([0; 32]), FencingToken(0), None),
+        _ => (RecordId::from_bytes([0; 32]), FencingToken(0), None),
     };
     match p {
         Prepared::Claim(req) => Outcome::Claim(model.claim(req, now)),

@@ -174,7 +174,7 @@ fn parent<S: Store>(child_env: &str, index_env: &str, file_name: &str, open: imp
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     runtime.block_on(async {
         for i in 0..KEYS {
-            let record = store.get(request(i).id).await.expect("get").expect("record exists");
+            let record = store.get(request(i).id()).await.expect("get").expect("record exists");
             assert_eq!(
                 (record.state, record.token),
                 (RecordState::InFlight, FencingToken::first_at(record.created_at)),

@@ -106,7 +106,7 @@ impl Store for BrokenStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let now = self.clock.now();
         if self.bug == Bug::CheckThenInsert {
-            let seen = self.lock().get(&req.id).filter(|r| !r.is_expired(now)).cloned();
+            let seen = self.lock().get(&req.id()).filter(|r| !r.is_expired(now)).cloned();
             if let Some(record) = seen {
                 return Ok(ClaimOutcome::Existing { record, now });
             }
@@ -121,14 +121,14 @@ impl Store for BrokenStore {
             return Ok(outcome);
         }
         let mut records = self.lock();
-        let (write, mut outcome) = transition::claim(records.get(&req.id), &req, now);
+        let (write, mut outcome) = transition::claim(records.get(&req.id()), &req, now);
         if let Some(mut r) = write {
             if self.bug == Bug::LeaseInSeconds {
                 r.lease_expires_at = UnixMillis(now.0 + req.lease_ms() / 1000);
                 outcome = ClaimOutcome::Claimed(r.clone());
             }
             if self.bug == Bug::TokensRestart {
-                r.token = records.get(&req.id).map_or(FencingToken::FIRST, |old| old.token.next());
+                r.token = records.get(&req.id()).map_or(FencingToken::FIRST, |old| old.token.next());
                 outcome = ClaimOutcome::Claimed(r.clone());
             }
             self.drop_journal(r.id, true);

@@ -28,6 +28,27 @@ pub const RECORD_ID_CONTEXT: &str = "idem 2026-11-30 record id v1";
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub struct Principal(pub String);
 
+impl Principal {
+    /// A principal: any string that is not blank.
+    ///
+    /// # Errors
+    /// [`ScopeError::BlankPrincipal`] for an empty or whitespace-only string: a missing
+    /// identity must never become one shared bucket.
+    pub fn new(principal: impl Into<String>) -> Result<Self, ScopeError> {
+        let principal = principal.into();
+        if principal.trim().is_empty() {
+            return Err(ScopeError::BlankPrincipal);
+        }
+        Ok(Self(principal))
+    }
+
+    /// The principal as given.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
 /// Method plus route template, e.g. `POST /v1/workers/{id}/reboot`; the concrete path
 /// when no template is known.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -39,6 +60,26 @@ impl Endpoint {
     #[must_use]
     pub fn new(method: &str, route: &str) -> Self {
         Self(format!("{method} {route}"))
+    }
+
+    /// The endpoint as stored, e.g. `POST /v1/workers`.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// An endpoint spelled out in full (`"{METHOD} {route}"`), e.g. read back from a store.
+impl From<String> for Endpoint {
+    fn from(endpoint: String) -> Self {
+        Self(endpoint)
+    }
+}
+
+/// An endpoint spelled out in full (`"{METHOD} {route}"`).
+impl From<&str> for Endpoint {
+    fn from(endpoint: &str) -> Self {
+        Self(endpoint.to_owned())
     }
 }
 
@@ -56,22 +97,18 @@ pub struct Scope {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ScopeError {
-    /// The principal is the empty string.
-    #[error("the principal is empty; an anonymous request cannot own idempotency records")]
-    EmptyPrincipal,
+    /// The principal is empty or whitespace only.
+    #[error("the principal is blank; an anonymous request cannot own idempotency records")]
+    BlankPrincipal,
 }
 
 impl Scope {
     /// Builds a scope.
     ///
     /// # Errors
-    /// [`ScopeError::EmptyPrincipal`] for an empty principal.
+    /// [`ScopeError::BlankPrincipal`] for a blank principal ([`Principal::new`]).
     pub fn new(principal: impl Into<String>, endpoint: Endpoint) -> Result<Self, ScopeError> {
-        let principal = principal.into();
-        if principal.is_empty() {
-            return Err(ScopeError::EmptyPrincipal);
-        }
-        Ok(Self { principal: Principal(principal), endpoint })
+        Ok(Self { principal: Principal::new(principal)?, endpoint })
     }
 
     /// The record id of `key` in this scope.
@@ -97,6 +134,18 @@ impl RecordId {
             h.update(part);
         }
         Self(*h.finalize().as_bytes())
+    }
+
+    /// An id from its 32 bytes, e.g. read back from a store's key.
+    #[must_use]
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The 32 bytes.
+    #[must_use]
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
     }
 
     /// Lower-case hex, 64 characters.
@@ -166,7 +215,7 @@ mod tests {
 
     #[test]
     fn empty_principal_is_refused() {
-        assert_eq!(Scope::new("", Endpoint::new("POST", "/x")), Err(ScopeError::EmptyPrincipal));
+        assert_eq!(Scope::new("", Endpoint::new("POST", "/x")), Err(ScopeError::BlankPrincipal));
     }
 
     #[test]

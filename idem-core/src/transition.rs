@@ -54,6 +54,30 @@ impl ClaimRequest {
         Self { id: scope.record_id(&key), scope, key, fingerprint, lease_ttl, retention }
     }
 
+    /// `scope.record_id(&key)`.
+    #[must_use]
+    pub fn id(&self) -> RecordId {
+        self.id
+    }
+
+    /// The scope.
+    #[must_use]
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// The key.
+    #[must_use]
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+
+    /// The request's fingerprint.
+    #[must_use]
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+
     /// Lease in ms, as stores write it.
     #[must_use]
     pub fn lease_ms(&self) -> i64 {

@@ -163,7 +163,7 @@ fn extend_is_lease_lost_unless_the_caller_holds_the_in_flight_claim() {
     assert!(m.extend(f.id, f.token, LEASE, UnixMillis(2)).unwrap_err().is_lease_lost());
     assert_eq!(m.get(f.id, UnixMillis(2)), Some(failed));
     // Absent, and expired: LeaseLost with no current token.
-    let absent = req("never", b"x").id;
+    let absent = req("never", b"x").id();
     assert!(matches!(
         m.extend(absent, FencingToken::FIRST, LEASE, UnixMillis(0)),
         Err(StoreError::LeaseLost { current: None, .. })
@@ -191,9 +191,8 @@ fn a_generation_s_first_token_comes_from_the_clock() {
     // A claim replacing an expired record that is still stored stays above its token,
     // even when the clock gives less (two generations in one ms, or a clock stepped back).
     let mut m = Model::new();
-    let mut zero = req("k", b"x");
-    zero.lease_ttl = Duration::ZERO;
-    zero.retention = Duration::ZERO;
+    let r = req("k", b"x");
+    let zero = ClaimRequest::new(r.scope().clone(), r.key().clone(), r.fingerprint(), Duration::ZERO, Duration::ZERO);
     let first = claimed(&mut m, &zero, 1_000);
     let second = claimed(&mut m, &zero, 1_000);
     assert_eq!(second.token, first.token.next());
@@ -203,8 +202,8 @@ fn a_generation_s_first_token_comes_from_the_clock() {
 fn zero_lease_is_finite_and_expires_at_once() {
     // A zero budget must never mean "no deadline" (docs/failures.md#zero-lease-means-no-deadline).
     let mut m = Model::new();
-    let mut r0 = req("k", b"x");
-    r0.lease_ttl = Duration::ZERO;
+    let r0 = req("k", b"x");
+    let r0 = ClaimRequest::new(r0.scope().clone(), r0.key().clone(), r0.fingerprint(), Duration::ZERO, RETENTION);
     let r = claimed(&mut m, &r0, 1_000);
     assert_eq!(r.lease_expires_at, UnixMillis(1_000));
     assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(1_000)), Decision::Reclaim { expected: r.token });
@@ -267,7 +266,7 @@ proptest! {
         for (op, dt) in ops {
             now += dt;
             let t = UnixMillis(now);
-            let cur = m.get(r.id, t);
+            let cur = m.get(r.id(), t);
             let won = match op {
                 0 => match m.claim(&r, t) { ClaimOutcome::Claimed(n) => Some(n), ClaimOutcome::Existing { .. } => None },
                 1 => cur.as_ref().and_then(|c| match m.reclaim(&reclaim_req(c, b"x"), t) {
@@ -282,7 +281,7 @@ proptest! {
             if let Some(n) = won {
                 prop_assert!(n.token.0 > last, "token {} after {last}", n.token);
             }
-            if let Some(after) = m.get(r.id, t) {
+            if let Some(after) = m.get(r.id(), t) {
                 prop_assert!(after.token.0 >= last);
                 prop_assert!(after.lease_expires_at <= after.expires_at || after.state != RecordState::InFlight);
                 last = after.token.0;

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use idem_core::engine::{Write, Written};
-use idem_core::group_commit::{BatchConfig, Engine, GroupCommit, Linger, Stage, TransactionFailed};
+use idem_core::group_commit::{BatchConfig, Engine, GroupCommit, Stage, TransactionFailed};
 use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, Expired, FencingToken, Fingerprint, IdempotencyKey, ManualClock,
     Model, ReclaimRequest, Record, RecordId, RecordRead, RecordTable, Scope, StoreError, StoredResponse, UnixMillis,
@@ -108,13 +108,13 @@ fn claim(k: usize, body: u8) -> ClaimRequest {
 }
 
 fn id(k: usize) -> RecordId {
-    claim(k, 0).id
+    claim(k, 0).id()
 }
 
 /// An executor that closes a batch only when `batch` operations are queued (or after a
 /// long linger), so operations pushed together share one transaction.
 fn start(engine: &ModelEngine, clock: &ManualClock, batch: usize) -> GroupCommit {
-    let config = BatchConfig::default().with_max_batch(batch).with_linger(Linger::Fixed(Duration::from_secs(5)));
+    let config = BatchConfig::default().with_max_batch(batch).with_full_batches(Duration::from_secs(5));
     GroupCommit::start(engine.clone(), Arc::new(clock.clone()), config).expect("writer starts")
 }
 

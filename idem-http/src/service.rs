@@ -249,7 +249,7 @@ where
         cfg.policy.lease_ttl,
         cfg.policy.effective_retention(),
     );
-    let id = claim.id;
+    let id = claim.id();
     obs.record(id);
     let (acquired, decision) = acquire(cfg, claim).await;
     match (&acquired, decision) {

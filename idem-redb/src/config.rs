@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::group_commit::{BatchConfig, Linger};
+use idem_core::group_commit::BatchConfig;
 use idem_core::{Clock, SystemClock};
 
 /// How commits reach the disk.
@@ -50,16 +50,16 @@ impl Durability {
 #[must_use]
 pub struct Config {
     batch: BatchConfig,
-    durability: Durability,
-    claim_reads: bool,
-    reopen: bool,
-    clock: Arc<dyn Clock>,
+    pub(crate) durability: Durability,
+    pub(crate) claim_reads: bool,
+    pub(crate) reopen: bool,
+    pub(crate) clock: Arc<dyn Clock>,
 }
 
 impl Default for Config {
     fn default() -> Self {
         Self {
-            batch: BatchConfig::default().with_thread_name("idem-redb-writer"),
+            batch: BatchConfig::default(),
             durability: Durability::Immediate,
             claim_reads: true,
             reopen: true,
@@ -69,18 +69,10 @@ impl Default for Config {
 }
 
 impl Config {
-    /// Most operations applied in one write transaction (default 256; zero counts as 1).
-    /// A larger batch shares one commit (one fsync) among more callers but makes each of
-    /// them wait for the whole batch. See [`BatchConfig::with_max_batch`].
-    pub fn with_max_batch(mut self, ops: usize) -> Self {
-        self.batch = self.batch.with_max_batch(ops);
-        self
-    }
-
-    /// Whether and how long the writer waits for more operations once it has taken what
-    /// is queued (default [`Linger::Adaptive`] with 200 µs).
-    pub fn with_linger(mut self, linger: Linger) -> Self {
-        self.batch = self.batch.with_linger(linger);
+    /// How the writer batches (default [`BatchConfig::default`]: up to 256 operations, a
+    /// 200 µs linger); see [`idem_core::group_commit`].
+    pub fn with_batch(mut self, batch: BatchConfig) -> Self {
+        self.batch = batch;
         self
     }
 
@@ -90,25 +82,18 @@ impl Config {
         self
     }
 
-    /// Whether a claim first looks its record up in a read transaction and, when it finds
-    /// a live record, answers [`idem_core::ClaimOutcome::Existing`] from it without the
-    /// writer (default `true`; see [`idem_core::group_commit::GroupCommit::claim_from_view`]).
-    /// A redb read transaction never waits for the writer, so replays neither wait for
-    /// nor dilute group commits. With `false`, every claim is applied by the writer in the
-    /// order it was handed over.
+    /// Feature `test-util`: with `false`, every claim goes to the writer in the order it was
+    /// handed over, instead of a claim that finds a live record being answered from a read
+    /// transaction ([`idem_core::group_commit::GroupCommit::claim_from_view`]).
+    #[cfg(feature = "test-util")]
     pub fn with_claim_reads(mut self, on: bool) -> Self {
         self.claim_reads = on;
         self
     }
 
-    /// Whether a store opened from a path ([`crate::RedbStore::open`]) closes and reopens
-    /// its file after redb latched an I/O failure (default `true`). redb refuses every
-    /// transaction of a `Database` after a commit failed with an I/O error (a full disk)
-    /// until it is opened again; with `true` the store does that by itself, with a backoff
-    /// of 10 ms doubling up to 1 s between failed opens, and answers unavailable (503)
-    /// meanwhile. With `false` it keeps answering unavailable until the process opens a new
-    /// store. A store on a caller's database ([`crate::RedbStore::from_database`]) never
-    /// reopens.
+    /// Feature `test-util`: with `false`, a store opened from a path does not reopen its file
+    /// after redb latched an I/O failure (see [`crate::RedbStore::open`]).
+    #[cfg(feature = "test-util")]
     pub fn with_reopen(mut self, on: bool) -> Self {
         self.reopen = on;
         self
@@ -119,42 +104,6 @@ impl Config {
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
         self
-    }
-
-    /// Most operations per write transaction.
-    #[must_use]
-    pub fn max_batch(&self) -> usize {
-        self.batch.max_batch()
-    }
-
-    /// The linger.
-    #[must_use]
-    pub fn linger(&self) -> Linger {
-        self.batch.linger()
-    }
-
-    /// The commit durability.
-    #[must_use]
-    pub fn durability(&self) -> Durability {
-        self.durability
-    }
-
-    /// Whether claims of live records are answered from a read transaction.
-    #[must_use]
-    pub fn claim_reads(&self) -> bool {
-        self.claim_reads
-    }
-
-    /// Whether a store opened from a path reopens its file after a latched I/O failure.
-    #[must_use]
-    pub fn reopen(&self) -> bool {
-        self.reopen
-    }
-
-    /// The clock.
-    #[must_use]
-    pub fn clock(&self) -> &Arc<dyn Clock> {
-        &self.clock
     }
 
     /// The executor's settings, durability included.

@@ -12,7 +12,7 @@ use crate::table::decode_record;
 /// Panics only on a bug in the decoder (see the module docs).
 pub fn stored_record(data: &[u8]) {
     let Some((id, bytes)) = data.split_first_chunk::<32>() else { return };
-    let id = RecordId(*id);
+    let id = RecordId::from_bytes(*id);
     let first = decode_record(id, bytes);
     assert_eq!(format!("{first:?}"), format!("{:?}", decode_record(id, bytes)), "decoding is deterministic");
     match first {
@@ -32,7 +32,7 @@ pub fn stored_record(data: &[u8]) {
 /// A seed input for `record`: its id, then its encoding.
 #[must_use]
 pub fn seed(record: &Record) -> Vec<u8> {
-    let mut out = record.id.0.to_vec();
+    let mut out = record.id.as_bytes().to_vec();
     out.extend_from_slice(&codec::encode(record));
     out
 }

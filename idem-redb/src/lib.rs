@@ -39,8 +39,8 @@
 //! ```
 //!
 //! # Layout
-//! - [`config`]: [`Config`] (`Config::default().with_*(..)`: batch size, [`Linger`],
-//!   [`Durability`], claim reads, clock).
+//! - [`config`]: [`Config`] (`Config::default().with_*(..)`: batching,
+//!   [`Durability`], clock).
 //! - [`store`]: [`RedbStore`], the [`Store`](idem_core::Store) impl and the claim path:
 //!   a claim that finds a live record is answered from a read transaction, every other
 //!   write goes to the group-commit writer.
@@ -83,8 +83,7 @@
 //!   acknowledged, so nothing acknowledged is lost. Fencing tokens are computed from the
 //!   stored record and the clock, never from memory, so they keep rising across the
 //!   reopen. The reopen waits until no one holds the old database: hold the handle from
-//!   [`RedbStore::database`] only for a transaction. [`Config::with_reopen`] turns this
-//!   off; a store built with [`RedbStore::from_database`] never reopens (drop it and every
+//!   [`RedbStore::database`] only for a transaction. A store built with [`RedbStore::from_database`] never reopens (drop it and every
 //!   handle, open the file again and build a new store). `tests/full_disk.rs` fills a real
 //!   tmpfs to prove both.
 //! - A value over redb's size limit (3 GiB) fails only its own operation.
@@ -117,7 +116,7 @@ pub mod table;
 
 pub use config::{Config, Durability};
 pub use error::Error;
-pub use idem_core::group_commit::{BatchStats, Linger};
+pub use idem_core::group_commit::{BatchConfig, BatchStats};
 pub use store::RedbStore;
 
 /// The README's example, compiled as a doctest.

@@ -26,7 +26,7 @@ use crate::table::{self, RedbEngine, RedbView};
 /// `complete`, `fail`, `sweep`, `journal_put`) goes to one writer thread, which applies
 /// the waiting operations in one write transaction and commits once: see
 /// [`idem_core::group_commit`] for what a batch holds and how it fails. A `claim` that
-/// finds a live record is answered from a read transaction ([`Config::with_claim_reads`]);
+/// finds a live record is answered from a read transaction;
 /// `get` and `journal_get` read on Tokio's blocking pool.
 ///
 /// Clones share the file and the writer; dropping the last one answers what is queued,
@@ -58,7 +58,7 @@ impl RedbStore {
     /// this process or another); otherwise as [`RedbStore::from_database`].
     pub fn open(path: impl AsRef<Path>, config: Config) -> Result<Self, Error> {
         let db = Arc::new(Database::create(path.as_ref())?);
-        let reopen_from = config.reopen().then(|| path.as_ref().to_path_buf());
+        let reopen_from = config.reopen.then(|| path.as_ref().to_path_buf());
         Self::start(db, reopen_from, config)
     }
 
@@ -87,15 +87,14 @@ impl RedbStore {
         table::create_tables(&db)?;
         let handle = Arc::new(Handle::new(db, reopen_from));
         let engine = RedbEngine { handle: Arc::clone(&handle) };
-        let writer = GroupCommit::start(engine, Arc::clone(config.clock()), config.batch()).map_err(Error::Spawn)?;
+        let batch = config.batch();
+        let writer = GroupCommit::start(engine, Arc::clone(&config.clock), batch.clone()).map_err(Error::Spawn)?;
         // The settings this store runs on (docs/observability.md).
         tracing::info!(
             backend = "redb",
-            durability = ?config.durability(),
-            max_batch = config.batch().max_batch(),
-            linger = ?config.batch().linger(),
-            flush_interval_ms = config.batch().flush_interval().map(|d| d.as_millis() as u64),
-            reopen = config.reopen(),
+            durability = ?config.durability,
+            batch = ?batch,
+            reopen = config.reopen,
             "idem-redb: store settings"
         );
         Ok(Self { handle, config, writer })
@@ -122,11 +121,6 @@ impl RedbStore {
         self.handle.reopens()
     }
 
-    /// The configuration the store runs with.
-    pub fn config(&self) -> &Config {
-        &self.config
-    }
-
     /// What the writer has done so far.
     #[must_use]
     pub fn batch_stats(&self) -> BatchStats {
@@ -150,7 +144,7 @@ impl RedbStore {
         read: impl FnOnce(&RedbView, UnixMillis) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let handle = Arc::clone(&self.handle);
-        let clock = Arc::clone(self.config.clock());
+        let clock = Arc::clone(&self.config.clock);
         tokio::task::spawn_blocking(move || {
             // The view (a read transaction) is dropped before `db`, and both before the
             // task ends: a reopen waits only for reads in progress.
@@ -170,7 +164,7 @@ impl Store for RedbStore {
     }
 
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        if self.config.claim_reads()
+        if self.config.claim_reads
             && let Some(outcome) = self.claim_from_view(&req)
         {
             return Ok(outcome);

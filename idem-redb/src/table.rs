@@ -46,7 +46,7 @@ fn read_record(
     records: &impl ReadableTable<&'static [u8; 32], &'static [u8]>,
     id: RecordId,
 ) -> Result<Option<Record>, StoreError> {
-    let Some(value) = records.get(&id.0).map_err(Error::from)? else {
+    let Some(value) = records.get(id.as_bytes()).map_err(Error::from)? else {
         return Ok(None);
     };
     decode_record(id, value.value()).map(Some)
@@ -75,7 +75,7 @@ fn read_journal(
     id: RecordId,
     name: &str,
 ) -> Result<Option<Vec<u8>>, StoreError> {
-    Ok(journal.get((&id.0, name)).map_err(Error::from)?.map(|v| v.value().to_vec()))
+    Ok(journal.get((id.as_bytes(), name)).map_err(Error::from)?.map(|v| v.value().to_vec()))
 }
 
 /// A write failed after redb may have changed part of a B-tree: the transaction must not
@@ -133,12 +133,14 @@ impl RecordRead for RedbTable<'_> {
 impl RecordTable for RedbTable<'_> {
     fn write(&mut self, old: Option<&Record>, new: &Record) -> Result<(), StoreError> {
         let bytes = codec::encode(new);
-        self.records.insert(&new.id.0, bytes.as_slice()).map_err(|e| refused(&mut self.poisoned, e))?;
+        self.records.insert(new.id.as_bytes(), bytes.as_slice()).map_err(|e| refused(&mut self.poisoned, e))?;
         if old.map(|o| o.expires_at) != Some(new.expires_at) {
             if let Some(o) = old {
-                self.expiry.remove((o.expires_at.0, o.id.0)).map_err(|e| broken(&mut self.poisoned, e))?;
+                self.expiry.remove((o.expires_at.0, *o.id.as_bytes())).map_err(|e| broken(&mut self.poisoned, e))?;
             }
-            self.expiry.insert((new.expires_at.0, new.id.0), ()).map_err(|e| broken(&mut self.poisoned, e))?;
+            self.expiry
+                .insert((new.expires_at.0, *new.id.as_bytes()), ())
+                .map_err(|e| broken(&mut self.poisoned, e))?;
         }
         Ok(())
     }
@@ -147,36 +149,36 @@ impl RecordTable for RedbTable<'_> {
         let mut expired = Vec::new();
         for entry in self.expiry.range(..=(now.0, [u8::MAX; 32])).map_err(Error::from)?.take(limit) {
             let (expires_at, id) = entry.map_err(Error::from)?.0.value();
-            expired.push(Expired { expires_at: UnixMillis(expires_at), id: RecordId(id) });
+            expired.push(Expired { expires_at: UnixMillis(expires_at), id: RecordId::from_bytes(id) });
         }
         Ok(expired)
     }
 
     fn remove(&mut self, expired: Expired) -> Result<(), StoreError> {
         let Expired { expires_at, id } = expired;
-        self.expiry.remove((expires_at.0, id.0)).map_err(|e| broken(&mut self.poisoned, e))?;
-        self.records.remove(&id.0).map_err(|e| broken(&mut self.poisoned, e))?;
+        self.expiry.remove((expires_at.0, *id.as_bytes())).map_err(|e| broken(&mut self.poisoned, e))?;
+        self.records.remove(id.as_bytes()).map_err(|e| broken(&mut self.poisoned, e))?;
         Ok(())
     }
 
     fn journal_write(&mut self, id: RecordId, name: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.journal.insert((&id.0, name), value).map_err(|e| refused(&mut self.poisoned, e))?;
+        self.journal.insert((id.as_bytes(), name), value).map_err(|e| refused(&mut self.poisoned, e))?;
         Ok(())
     }
 
     fn journal_clear(&mut self, id: RecordId) -> Result<(), StoreError> {
         // Entries of one record are adjacent: a range scan from (id, "") until the id changes.
         let mut names = Vec::new();
-        for entry in self.journal.range((&id.0, "")..).map_err(Error::from)? {
+        for entry in self.journal.range((id.as_bytes(), "")..).map_err(Error::from)? {
             let entry = entry.map_err(Error::from)?;
             let (of, name) = entry.0.value();
-            if of != &id.0 {
+            if of != id.as_bytes() {
                 break;
             }
             names.push(name.to_owned());
         }
         for name in &names {
-            self.journal.remove((&id.0, name.as_str())).map_err(|e| broken(&mut self.poisoned, e))?;
+            self.journal.remove((id.as_bytes(), name.as_str())).map_err(|e| broken(&mut self.poisoned, e))?;
         }
         Ok(())
     }
@@ -203,12 +205,12 @@ impl RedbView {
     pub(crate) fn list(&self, filter: &ListFilter, now: UnixMillis) -> Result<Listing, StoreError> {
         use std::ops::Bound;
         let records = self.0.open_table(RECORDS).map_err(table_error(RECORDS_NAME))?;
-        let start = filter.after.as_ref().map_or(Bound::Unbounded, |id| Bound::Excluded(&id.0));
+        let start = filter.after.as_ref().map_or(Bound::Unbounded, |id| Bound::Excluded(id.as_bytes()));
         let mut page = Vec::new();
         let mut more = false;
         for entry in records.range::<&[u8; 32]>((start, Bound::Unbounded)).map_err(Error::from)? {
             let (key, value) = entry.map_err(Error::from)?;
-            let id = RecordId(*key.value());
+            let id = RecordId::from_bytes(*key.value());
             let record = codec::decode(value.value()).map_err(|source| StoreError::Corrupt { id: Some(id), source })?;
             if !filter.matches(&record, now) {
                 continue;

@@ -13,7 +13,7 @@ use idem_core::{
     ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, Model, ReclaimRequest, RecordId,
     Scope, Store, StoredResponse, UnixMillis,
 };
-use idem_redb::{Config, Linger, RedbStore};
+use idem_redb::{BatchConfig, Config, RedbStore};
 use proptest::prelude::*;
 
 /// Operations per batch; the store closes a batch only when it is full.
@@ -166,8 +166,7 @@ async fn check(steps: Vec<Step>) -> Result<(), TestCaseError> {
         .expect("database");
     let config = Config::default()
         .with_clock(Arc::new(clock.clone()))
-        .with_max_batch(BATCH)
-        .with_linger(Linger::Fixed(Duration::from_secs(60)))
+        .with_batch(BatchConfig::default().with_max_batch(BATCH).with_full_batches(Duration::from_secs(60)))
         // Every claim goes through the writer, so each batch is exactly the operations
         // listed, in order (a claim answered from a read would not join the batch).
         .with_claim_reads(false);
@@ -243,7 +242,7 @@ proptest! {
             {
                 let db = store.database().expect("the database is open");
                 let txn = db.begin_write().expect("write");
-                txn.open_table(idem_redb::table::RECORDS).expect("records").insert(&id(0).0, value.as_slice()).expect("insert");
+                txn.open_table(idem_redb::table::RECORDS).expect("records").insert(id(0).as_bytes(), value.as_slice()).expect("insert");
                 txn.commit().expect("commit");
             }
             let ok_or_corrupt = |r: Result<String, idem_core::StoreError>| match r {

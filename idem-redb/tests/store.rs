@@ -17,13 +17,16 @@ use idem_core::{
     ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse, UnixMillis,
 };
 use idem_redb::table::{EXPIRY, JOURNAL, RECORDS};
-use idem_redb::{Config, Durability, Linger, RedbStore};
+use idem_redb::{BatchConfig, Config, Durability, RedbStore};
 use redb::{ReadableDatabase, ReadableTable};
 
 const LEASE: Duration = Duration::from_secs(5);
 const RETENTION: Duration = Duration::from_secs(60);
 /// Long enough that a batch under test only closes because it is full.
-const LONG_LINGER: Linger = Linger::Fixed(Duration::from_secs(30));
+/// Batches of exactly `n` operations: the writer waits up to 30 s for each to fill.
+fn full_batches(n: usize) -> BatchConfig {
+    BatchConfig::default().with_max_batch(n).with_full_batches(Duration::from_secs(30))
+}
 
 fn clock() -> ManualClock {
     ManualClock::new(UnixMillis(1_800_000_000_000))
@@ -72,8 +75,8 @@ fn records_and_index(store: &RedbStore) -> (ExpirySet, ExpirySet) {
         .map(|e| {
             let (k, v) = e.expect("entry");
             let r = codec::decode(v.value()).expect("decodes");
-            assert_eq!(&r.id.0, k.value(), "a record is stored under its own id");
-            (r.expires_at.0, r.id.0)
+            assert_eq!(r.id.as_bytes(), k.value(), "a record is stored under its own id");
+            (r.expires_at.0, *r.id.as_bytes())
         })
         .collect();
     let index = expiry.iter().expect("iter").map(|e| e.expect("entry").0.value()).collect();
@@ -225,7 +228,11 @@ async fn reclaim_moves_the_expiry_index_entry() {
     };
     assert_eq!(second.expires_at.0, t0 + 90_000);
     let (_, index) = records_and_index(&store);
-    assert_eq!(index, BTreeSet::from([(t0 + 90_000, first.id.0)]), "the old entry is gone, the new one is there");
+    assert_eq!(
+        index,
+        BTreeSet::from([(t0 + 90_000, *first.id.as_bytes())]),
+        "the old entry is gone, the new one is there"
+    );
 
     clock.set(UnixMillis(t0 + 60_000));
     assert_eq!(store.sweep(10).await.expect("sweep").removed, 0, "the old expiry no longer applies");
@@ -247,7 +254,7 @@ async fn claim_over_expired_record_moves_the_index_entry() {
     assert_eq!(new.token, FencingToken::first_at(UnixMillis(clock.now_ms())));
     assert!(new.token > old.token);
     let (_, index) = records_and_index(&store);
-    assert_eq!(index, BTreeSet::from([(new.expires_at.0, old.id.0)]));
+    assert_eq!(index, BTreeSet::from([(new.expires_at.0, *old.id.as_bytes())]));
     assert_eq!(store.sweep(10).await.expect("sweep").removed, 0, "the new claim is live");
 }
 
@@ -316,7 +323,7 @@ async fn journal_lives_and_dies_with_its_record() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_batch_of_concurrent_claims_has_one_winner_per_key() {
     let clock = clock();
-    let store = Arc::new(temp_store(config(&clock).with_max_batch(64).with_linger(LONG_LINGER)));
+    let store = Arc::new(temp_store(config(&clock).with_batch(full_batches(64))));
     let barrier = Arc::new(tokio::sync::Barrier::new(64));
     let mut tasks = Vec::new();
     for i in 0..64 {
@@ -325,7 +332,7 @@ async fn one_batch_of_concurrent_claims_has_one_winner_per_key() {
         tasks.push(tokio::spawn(async move {
             let r = req(&format!("key-{}", i % 16), format!("caller {i}").as_bytes(), RETENTION);
             barrier.wait().await;
-            (r.id, store.claim(r).await.expect("claim"))
+            (r.id(), store.claim(r).await.expect("claim"))
         }));
     }
     let mut winners = std::collections::BTreeMap::<RecordId, Record>::new();
@@ -351,7 +358,7 @@ async fn one_batch_of_concurrent_claims_has_one_winner_per_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn later_operations_in_a_batch_see_earlier_ones() {
     let clock = clock();
-    let store = temp_store(config(&clock).with_max_batch(2).with_linger(LONG_LINGER));
+    let store = temp_store(config(&clock).with_batch(full_batches(2)));
     // join! polls the first future first, so its operation reaches the writer first.
     let (a, b) = tokio::join!(store.claim(req("k", b"a", RETENTION)), store.claim(req("k", b"b", RETENTION)));
     let ClaimOutcome::Claimed(won) = a.expect("first") else { panic!("the first claim in the batch wins") };
@@ -367,7 +374,7 @@ async fn later_operations_in_a_batch_see_earlier_ones() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adaptive_linger_does_not_delay_a_lone_caller() {
     let clock = clock();
-    let store = temp_store(config(&clock).with_linger(Linger::Adaptive { max: Duration::from_secs(30) }));
+    let store = temp_store(config(&clock).with_batch(BatchConfig::default().with_linger(Duration::from_secs(30))));
     let lone = async {
         for i in 0..5 {
             let r = must_claim(&store, req(&format!("k{i}"), b"{}", RETENTION)).await;
@@ -391,7 +398,7 @@ async fn concurrent_claims_of_distinct_and_shared_keys() {
             // 100 keys of their own, plus 100 callers racing for 4 shared keys.
             let key = if i % 2 == 0 { format!("own-{i}") } else { format!("shared-{}", i % 4) };
             let r = req(&key, b"{}", RETENTION);
-            (r.id, store.claim(r).await.expect("claim"))
+            (r.id(), store.claim(r).await.expect("claim"))
         }));
     }
     let mut winners = BTreeSet::new();
@@ -415,7 +422,7 @@ fn write_raw(store: &RedbStore, id: RecordId, value: &[u8]) {
     let txn = db.begin_write().expect("write txn");
     {
         let mut t = txn.open_table(RECORDS).expect("records");
-        t.insert(&id.0, value).expect("insert");
+        t.insert(id.as_bytes(), value).expect("insert");
     }
     txn.commit().expect("commit");
 }
@@ -425,9 +432,9 @@ fn write_raw(store: &RedbStore, id: RecordId, value: &[u8]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_value_is_a_typed_error() {
     let clock = clock();
-    let store = temp_store(config(&clock).with_max_batch(2).with_linger(LONG_LINGER));
+    let store = temp_store(config(&clock).with_batch(full_batches(2)));
     let bad = req("bad", b"{}", RETENTION);
-    let id = bad.id;
+    let id = bad.id();
     for (value, expect) in [
         (&b""[..], "empty"),
         (&[0x7f, 1, 2, 3][..], "version"),
@@ -454,7 +461,7 @@ async fn corrupt_value_is_a_typed_error() {
         let reclaim = ReclaimRequest {
             id,
             expected: FencingToken::FIRST,
-            fingerprint: bad.fingerprint,
+            fingerprint: bad.fingerprint(),
             lease_ttl: LEASE,
             retention: RETENTION,
         };
@@ -550,7 +557,7 @@ async fn failed_commit_fails_every_caller_and_applies_nothing() {
     let clock = clock();
     let memory = Arc::new(redb::backends::InMemoryBackend::new());
     let broken = Arc::new(AtomicBool::new(false));
-    let open = || on_flaky(&memory, &broken, config(&clock).with_max_batch(8).with_linger(LONG_LINGER));
+    let open = || on_flaky(&memory, &broken, config(&clock).with_batch(full_batches(8)));
     let store = Arc::new(open());
     let before: Vec<Record> = claim_all(&store, "before", 8)
         .await
@@ -571,7 +578,7 @@ async fn failed_commit_fails_every_caller_and_applies_nothing() {
             }
             other => panic!("caller {i} of a failed batch must get the error, got {other:?}"),
         }
-        ids.push(req(&format!("k{i}"), b"{}", RETENTION).id);
+        ids.push(req(&format!("k{i}"), b"{}", RETENTION).id());
     }
     let stats = store.batch_stats();
     assert_eq!(stats.batches - batches_before, 1);
@@ -629,7 +636,7 @@ async fn a_panic_inside_a_batch_fails_only_that_batch() {
         other => panic!("the caller of a panicked batch gets an error, got {other:?}"),
     }
     armed.store(false, Ordering::SeqCst);
-    assert_eq!(store.get(r.id).await.expect("get"), None, "nothing of the panicked batch was applied");
+    assert_eq!(store.get(r.id()).await.expect("get"), None, "nothing of the panicked batch was applied");
     must_claim(&store, r).await;
     assert_eq!(store.batch_stats().failed_batches, 1);
 }
@@ -660,7 +667,7 @@ async fn a_panic_after_writes_in_a_batch_leaves_nothing_of_it_on_disk() {
     let manual = clock();
     let fuse = Arc::new(AtomicU64::new(0));
     let clock = FusedClock { inner: manual.clone(), fuse: Arc::clone(&fuse) };
-    let fused = Config::default().with_clock(Arc::new(clock)).with_max_batch(4).with_linger(LONG_LINGER);
+    let fused = Config::default().with_clock(Arc::new(clock)).with_batch(full_batches(4));
     let store = RedbStore::open(&path, fused).expect("open");
     let reqs: Vec<ClaimRequest> = (0..4).map(|i| req(&format!("k{i}"), b"{}", RETENTION)).collect();
 
@@ -677,7 +684,7 @@ async fn a_panic_after_writes_in_a_batch_leaves_nothing_of_it_on_disk() {
     }
     assert_eq!(fuse.load(Ordering::SeqCst), 0, "the panic fired inside the batch");
     for r in &reqs {
-        assert_eq!(store.get(r.id).await.expect("get"), None, "nothing of the panicked batch is visible");
+        assert_eq!(store.get(r.id()).await.expect("get"), None, "nothing of the panicked batch is visible");
     }
 
     // The writer goes on: the next batch (four other keys, so that it fills) is applied.
@@ -693,10 +700,10 @@ async fn a_panic_after_writes_in_a_batch_leaves_nothing_of_it_on_disk() {
 
     let store = RedbStore::open(&path, config(&manual)).expect("reopen");
     for r in &reqs {
-        assert_eq!(store.get(r.id).await.expect("get"), None, "nothing of the panicked batch is in the file");
+        assert_eq!(store.get(r.id()).await.expect("get"), None, "nothing of the panicked batch is in the file");
     }
     for r in &after {
-        assert!(store.get(r.id).await.expect("get").is_some(), "the next batch is in the file");
+        assert!(store.get(r.id()).await.expect("get").is_some(), "the next batch is in the file");
     }
     assert_eq!(assert_index_consistent(&store), 4);
 }
@@ -708,14 +715,14 @@ async fn a_panic_after_writes_in_a_batch_leaves_nothing_of_it_on_disk() {
 async fn a_claim_abandoned_before_its_batch_runs_is_not_applied() {
     let clock = clock();
     // Two operations per batch and a long linger: the batch runs once both are queued.
-    let store = temp_store(config(&clock).with_max_batch(2).with_linger(LONG_LINGER));
+    let store = temp_store(config(&clock).with_batch(full_batches(2)));
     let abandoned = req("abandoned", b"{}", RETENTION);
     // One poll hands the claim to the writer; dropping the future is the caller going away.
     assert!(store.claim(abandoned.clone()).now_or_never().is_none(), "the claim waits for its batch");
     let other = must_claim(&store, req("other", b"{}", RETENTION)).await;
     let stats = store.batch_stats();
     assert_eq!((stats.batches, stats.operations, stats.abandoned_claims), (1, 2, 1));
-    assert_eq!(store.get(abandoned.id).await.expect("get"), None, "the abandoned claim was not applied");
+    assert_eq!(store.get(abandoned.id()).await.expect("get"), None, "the abandoned claim was not applied");
     assert_eq!(store.get(other.id).await.expect("get"), Some(other), "the rest of its batch was");
     // A full batch again, so that it does not wait for the linger.
     let (again, _) = tokio::join!(must_claim(&store, abandoned), must_claim(&store, req("third", b"{}", RETENTION)));
@@ -751,7 +758,7 @@ async fn the_sweeper_removes_expired_records_from_the_file() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let (records, _) = records_and_index(&store);
-    assert_eq!(records, BTreeSet::from([(long.expires_at.0, long.id.0)]), "the live record stays");
+    assert_eq!(records, BTreeSet::from([(long.expires_at.0, *long.id.as_bytes())]), "the live record stays");
     assert!(journal_owners(&store).is_empty(), "journal entries leave with their record");
 }
 
@@ -831,7 +838,7 @@ async fn dropping_the_store_stops_the_writer_cleanly() {
         .expect("dropping the store must not hang")
         .expect("drop task");
     let store = RedbStore::open(&path, config(&clock)).expect("the file is free again after drop");
-    assert!(store.get(req("b", b"{}", RETENTION).id).await.expect("get").is_some());
+    assert!(store.get(req("b", b"{}", RETENTION).id()).await.expect("get").is_some());
 }
 
 /// A replay must not cost a commit: a claim that finds a live record is answered from a
@@ -869,7 +876,7 @@ async fn claims_of_live_records_are_answered_without_the_writer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_that_write_nothing_are_not_committed() {
     let clock = clock();
-    let store = temp_store(config(&clock).with_claim_reads(false).with_max_batch(1).with_linger(Linger::None));
+    let store = temp_store(config(&clock).with_claim_reads(false).with_batch(BatchConfig::default().with_max_batch(1)));
     let r = must_claim(&store, req("k", b"{}", RETENTION)).await;
     store.complete(r.id, r.token, response(b"{}")).await.expect("complete");
     let before = store.batch_stats();
@@ -989,6 +996,6 @@ async fn a_store_that_cannot_commit_acknowledges_no_claim() {
     // first claim, not a second owner of a running handler.
     drop(store);
     let store = open();
-    assert_eq!(store.get(req("k", b"{}", RETENTION).id).await.expect("get"), None);
+    assert_eq!(store.get(req("k", b"{}", RETENTION).id()).await.expect("get"), None);
     must_claim(&store, req("k", b"another body", RETENTION)).await;
 }

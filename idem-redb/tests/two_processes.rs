@@ -15,6 +15,10 @@ fn main() {
             .set_concurrency_mode(ConcurrencyMode::MultiWriter)
             .create(path)
             .expect("the file opens in MultiWriter mode");
-        RedbStore::from_database(Arc::new(db), Config::default().with_max_batch(4)).expect("the store opens")
+        RedbStore::from_database(
+            Arc::new(db),
+            Config::default().with_batch(idem_redb::BatchConfig::default().with_max_batch(4)),
+        )
+        .expect("the store opens")
     });
 }

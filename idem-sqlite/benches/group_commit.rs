@@ -122,11 +122,11 @@ fn naive(callers: usize, run: Duration) -> (f64, u64) {
                              ON CONFLICT (id) DO NOTHING",
                         )?
                         .execute(params![
-                            &req.id.0[..],
-                            req.scope.principal.0,
-                            req.scope.endpoint.0,
-                            req.key.as_str(),
-                            &req.fingerprint.0[..],
+                            &req.id().as_bytes()[..],
+                            req.scope().clone().principal.as_str(),
+                            req.scope().clone().endpoint.as_str(),
+                            req.key().clone().as_str(),
+                            &req.fingerprint().as_bytes()[..],
                             now,
                             now + req.lease_ms(),
                             now + req.retention_ms(),
@@ -138,7 +138,7 @@ fn naive(callers: usize, run: Duration) -> (f64, u64) {
                             "UPDATE idem_records SET state = 'completed', response = ?2 \
                              WHERE id = ?1 AND token = 1 AND state = 'in_flight'",
                         )?
-                        .execute(params![&req.id.0[..], encoded])
+                        .execute(params![&req.id().as_bytes()[..], encoded])
                     });
                     assert_eq!(completed, 1, "completion lost its lease");
                     done.fetch_add(1, Ordering::Relaxed);

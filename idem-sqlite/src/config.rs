@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::group_commit::{BatchConfig, Linger};
+use idem_core::group_commit::BatchConfig;
 use idem_core::{Clock, SystemClock};
 
 /// The default [`Config::with_max_clock_skew`]: well inside NTP's usual accuracy on a
@@ -49,7 +49,7 @@ impl Synchronous {
 /// let config = Config::default()
 ///     .with_synchronous(Synchronous::Full)
 ///     .with_busy_timeout(Duration::from_secs(2))
-///     .with_max_batch(128);
+///     .with_max_readers(8);
 /// # let _ = config;
 /// ```
 #[derive(Debug, Clone)]
@@ -60,7 +60,6 @@ pub struct Config {
     pub(crate) busy_timeout: Duration,
     pub(crate) batch: BatchConfig,
     pub(crate) max_readers: usize,
-    pub(crate) claim_reads: bool,
     pub(crate) auto_migrate: bool,
     pub(crate) max_clock_skew: Duration,
     /// A claim whose idempotency key is this panics inside the writer's batch (the panic
@@ -78,9 +77,8 @@ impl Default for Config {
             clock: Arc::new(SystemClock),
             synchronous: Synchronous::default(),
             busy_timeout: Duration::from_secs(5),
-            batch: BatchConfig::default().with_thread_name("idem-sqlite-writer"),
+            batch: BatchConfig::default(),
             max_readers: 4,
-            claim_reads: true,
             auto_migrate: true,
             max_clock_skew: DEFAULT_MAX_CLOCK_SKEW,
             #[cfg(test)]
@@ -110,17 +108,10 @@ impl Config {
         self
     }
 
-    /// Most operations applied in one `BEGIN IMMEDIATE` transaction (default 256, at
-    /// least 1); see [`BatchConfig::with_max_batch`].
-    pub fn with_max_batch(mut self, ops: usize) -> Self {
-        self.batch = self.batch.with_max_batch(ops);
-        self
-    }
-
-    /// How long the writer waits for a batch to grow (default [`Linger::Adaptive`], 200
-    /// µs); see [`idem_core::group_commit`].
-    pub fn with_linger(mut self, linger: Linger) -> Self {
-        self.batch = self.batch.with_linger(linger);
+    /// How the writer batches (default [`BatchConfig::default`]: up to 256 operations per
+    /// `BEGIN IMMEDIATE` transaction, a 200 µs linger); see [`idem_core::group_commit`].
+    pub fn with_batch(mut self, batch: BatchConfig) -> Self {
+        self.batch = batch;
         self
     }
 
@@ -133,15 +124,6 @@ impl Config {
     /// [`Store::journal_get`]: idem_core::Store::journal_get
     pub fn with_max_readers(mut self, readers: usize) -> Self {
         self.max_readers = readers;
-        self
-    }
-
-    /// Whether a claim first looks for a live record on a read connection (default
-    /// `true`): a replay is answered without waiting for the writer, because a WAL reader
-    /// never waits for it (see [`idem_core::group_commit::GroupCommit::claim_from_view`]).
-    /// `false` sends every claim to the writer.
-    pub fn with_claim_reads(mut self, on: bool) -> Self {
-        self.claim_reads = on;
         self
     }
 

@@ -67,7 +67,7 @@ pub fn stored_record(data: &[u8]) {
     let first = decode(&values);
     assert_eq!(format!("{first:?}"), format!("{:?}", decode(&values)), "decoding is deterministic");
     if let Ok(record) = first {
-        assert_eq!(Value::Blob(record.id.0.to_vec()), values[0], "the id is the id column");
+        assert_eq!(Value::Blob(record.id.as_bytes().to_vec()), values[0], "the id is the id column");
         if let Some(response) = &record.response {
             let _ = response.body_bytes();
         }
@@ -79,11 +79,11 @@ pub fn stored_record(data: &[u8]) {
 /// The columns the store writes for `record`.
 fn columns(r: &Record) -> Vec<Value> {
     vec![
-        Value::Blob(r.id.0.to_vec()),
-        Value::Text(r.scope.principal.0.clone()),
-        Value::Text(r.scope.endpoint.0.clone()),
+        Value::Blob(r.id.as_bytes().to_vec()),
+        Value::Text(r.scope.principal.as_str().to_owned()),
+        Value::Text(r.scope.endpoint.as_str().to_owned()),
         Value::Text(r.key.as_str().to_owned()),
-        Value::Blob(r.fingerprint.0.to_vec()),
+        Value::Blob(r.fingerprint.as_bytes().to_vec()),
         Value::Text(r.state.as_str().to_owned()),
         Value::Integer(i64::try_from(r.token.0).unwrap_or(-1)),
         Value::Integer(r.created_at.0),

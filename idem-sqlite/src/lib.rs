@@ -47,7 +47,7 @@
 //! - **Readers never wait for the writer.** [`Store::get`](idem_core::Store::get) and
 //!   journal reads run on `spawn_blocking` with a small pool of read connections; a claim
 //!   that finds a live record (a replay) is answered by a pooled reader on the caller's
-//!   thread ([`Config::with_claim_reads`]). WAL mode lets them read while the writer
+//!   thread ([`Config::with_max_readers`]). WAL mode lets them read while the writer
 //!   writes, and every acknowledged write is visible to them.
 //!
 //! ## Why the claim is atomic
@@ -158,6 +158,7 @@ mod table;
 
 pub use config::{Config, DEFAULT_MAX_CLOCK_SKEW, Synchronous};
 pub use error::Error;
+pub use idem_core::group_commit::BatchConfig;
 pub use sql::{MIGRATIONS, Migration, SCHEMA_VERSION};
 pub use store::SqliteStore;
 

@@ -42,7 +42,6 @@ struct Inner {
     path: PathBuf,
     commit: GroupCommit,
     readers: Readers,
-    claim_reads: bool,
     /// How far the newest claim lay ahead of this clock at open, ms.
     clock_skew_ms: u64,
 }
@@ -98,12 +97,12 @@ impl SqliteStore {
             synchronous = config.synchronous.pragma(),
             schema_version = crate::SCHEMA_VERSION,
             auto_migrate = config.auto_migrate,
-            max_batch = config.batch.max_batch(),
+            batch = ?config.batch,
             clock_skew_ms,
             "idem-sqlite: store settings"
         );
         let commit = GroupCommit::start(writer, config.clock, config.batch).map_err(Error::Spawn)?;
-        Ok(Self { inner: Arc::new(Inner { path, commit, readers, claim_reads: config.claim_reads, clock_skew_ms }) })
+        Ok(Self { inner: Arc::new(Inner { path, commit, readers, clock_skew_ms }) })
     }
 
     /// Applies the migrations the file at `path` is missing (creating the file if needed)
@@ -342,9 +341,8 @@ impl Engine for Writer {
 impl Store for SqliteStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let inner = &self.inner;
-        if inner.claim_reads
-            && let Some(Some(outcome)) =
-                inner.readers.try_with(|conn| inner.commit.claim_from_view(&SqliteView::new(conn), &req))
+        if let Some(Some(outcome)) =
+            inner.readers.try_with(|conn| inner.commit.claim_from_view(&SqliteView::new(conn), &req))
         {
             return Ok(outcome);
         }
@@ -420,7 +418,7 @@ mod tests {
     //! transaction because the writer lingers until the batch is full.
 
     use futures::FutureExt;
-    use idem_core::group_commit::Linger;
+    use idem_core::group_commit::BatchConfig;
     use idem_core::{Endpoint, Fingerprint, IdempotencyKey, ManualClock, RecordState, Scope};
 
     use super::*;
@@ -438,7 +436,7 @@ mod tests {
         }
 
         async fn stored(&self, key: &str) -> Option<Record> {
-            self.store.get(req(key).id).await.expect("get")
+            self.store.get(req(key).id()).await.expect("get")
         }
     }
 
@@ -447,8 +445,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("temp dir");
         let config = Config::default()
             .with_clock(Arc::new(ManualClock::new(UnixMillis(1_000_000))))
-            .with_max_batch(batch)
-            .with_linger(Linger::Fixed(Duration::from_secs(5)));
+            .with_batch(BatchConfig::default().with_max_batch(batch).with_full_batches(Duration::from_secs(5)));
         let store = SqliteStore::open(dir.path().join("batch.sqlite3"), adjust(config)).expect("open");
         Fixture { store, _dir: dir }
     }
@@ -467,7 +464,7 @@ mod tests {
     async fn operations_later_in_a_batch_see_earlier_ones() {
         let f = fixture(4, |c| c);
         let response = StoredResponse::new(201, vec![], b"{}".to_vec());
-        let id = req("k").id;
+        let id = req("k").id();
         // The fixture's clock stands still: the claim takes the first token of its time.
         let token = FencingToken::first_at(UnixMillis(1_000_000));
         // `join!` polls in order, so the operations are queued in this order.

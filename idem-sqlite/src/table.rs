@@ -115,11 +115,11 @@ impl RecordTable for SqliteTable<'_, '_> {
             .prepare_cached(UPSERT_RECORD)
             .and_then(|mut stmt| {
                 stmt.execute(params![
-                    &new.id.0[..],
-                    new.scope.principal.0,
-                    new.scope.endpoint.0,
+                    &new.id.as_bytes()[..],
+                    new.scope.principal.as_str(),
+                    new.scope.endpoint.as_str(),
                     new.key.as_str(),
-                    &new.fingerprint.0[..],
+                    &new.fingerprint.as_bytes()[..],
                     new.state.as_str(),
                     token,
                     new.created_at.0,
@@ -142,7 +142,7 @@ impl RecordTable for SqliteTable<'_, '_> {
             .map_err(Error::sqlite("find expired records"))?;
         rows.into_iter()
             .map(|(id, expires_at)| {
-                let id = RecordId(bytes32(&id, "id", &id)?);
+                let id = RecordId::from_bytes(bytes32(&id, "id", &id)?);
                 Ok(Expired { expires_at: UnixMillis(expires_at), id })
             })
             .collect()
@@ -152,7 +152,7 @@ impl RecordTable for SqliteTable<'_, '_> {
         // The trigger idem_records_delete_journal deletes the record's journal with it.
         self.tx
             .prepare_cached(DELETE_RECORD)
-            .and_then(|mut stmt| stmt.execute([&expired.id.0[..]]))
+            .and_then(|mut stmt| stmt.execute([&expired.id.as_bytes()[..]]))
             .map_err(Error::sqlite("delete record"))?;
         Ok(())
     }
@@ -160,7 +160,7 @@ impl RecordTable for SqliteTable<'_, '_> {
     fn journal_write(&mut self, id: RecordId, name: &str, value: &[u8]) -> Result<(), StoreError> {
         self.tx
             .prepare_cached(UPSERT_JOURNAL)
-            .and_then(|mut stmt| stmt.execute(params![&id.0[..], name, value]))
+            .and_then(|mut stmt| stmt.execute(params![&id.as_bytes()[..], name, value]))
             .map_err(Error::sqlite("write journal"))?;
         Ok(())
     }
@@ -168,7 +168,7 @@ impl RecordTable for SqliteTable<'_, '_> {
     fn journal_clear(&mut self, id: RecordId) -> Result<(), StoreError> {
         self.tx
             .prepare_cached(DELETE_JOURNAL)
-            .and_then(|mut stmt| stmt.execute([&id.0[..]]))
+            .and_then(|mut stmt| stmt.execute([&id.as_bytes()[..]]))
             .map_err(Error::sqlite("delete journal"))?;
         Ok(())
     }
@@ -183,13 +183,16 @@ impl RecordTable for SqliteTable<'_, '_> {
 
 fn read_record(conn: &Connection, id: RecordId) -> Result<Option<Record>, StoreError> {
     let mut stmt = conn.prepare_cached(SELECT_RECORD).map_err(Error::sqlite("prepare read"))?;
-    let row = stmt.query_row([&id.0[..]], |row| Ok(from_row(row))).optional().map_err(Error::sqlite("read record"))?;
+    let row = stmt
+        .query_row([&id.as_bytes()[..]], |row| Ok(from_row(row)))
+        .optional()
+        .map_err(Error::sqlite("read record"))?;
     row.transpose()
 }
 
 /// One page of live records matching `filter` at `now`, in id order.
 pub(crate) fn list(conn: &Connection, filter: &ListFilter, now: UnixMillis) -> Result<Listing, StoreError> {
-    let after: &[u8] = filter.after.as_ref().map_or(&[], |id| &id.0[..]);
+    let after: &[u8] = filter.after.as_ref().map_or(&[], |id| &id.as_bytes()[..]);
     let probe = i64::try_from(filter.limit).unwrap_or(i64::MAX).saturating_add(1);
     let mut stmt = conn.prepare_cached(LIST_RECORDS).map_err(Error::sqlite("prepare list"))?;
     let rows = stmt
@@ -199,7 +202,7 @@ pub(crate) fn list(conn: &Connection, filter: &ListFilter, now: UnixMillis) -> R
                 after,
                 filter.state.map(|s| s.as_str()),
                 filter.started_before.map(|t| t.0),
-                filter.principal.as_ref().map(|p| p.0.as_str()),
+                filter.principal.as_ref().map(|p| p.as_str()),
                 probe
             ],
             |row| Ok(from_row(row)),
@@ -217,7 +220,7 @@ pub(crate) fn list(conn: &Connection, filter: &ListFilter, now: UnixMillis) -> R
 fn read_journal(conn: &Connection, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
     let value = conn
         .prepare_cached(SELECT_JOURNAL)
-        .and_then(|mut stmt| stmt.query_row(params![&id.0[..], name], |row| row.get(0)).optional())
+        .and_then(|mut stmt| stmt.query_row(params![&id.as_bytes()[..], name], |row| row.get(0)).optional())
         .map_err(Error::sqlite("read journal"))?;
     Ok(value)
 }
@@ -230,14 +233,16 @@ pub(crate) fn from_row(row: &Row<'_>) -> Result<Record, StoreError> {
     // A value of the wrong SQL type is reported by rusqlite (kept as the source).
     let read = || Error::sqlite("read record");
     let raw_id: Vec<u8> = row.get(0).map_err(read())?;
-    let id = RecordId(bytes32(&raw_id, "id", &raw_id)?);
+    let id = RecordId::from_bytes(bytes32(&raw_id, "id", &raw_id)?);
     let text = |i: usize| row.get::<_, String>(i).map_err(read());
     let int = |i: usize| row.get::<_, i64>(i).map_err(read());
 
+    let principal =
+        Principal::new(text(1)?).map_err(|_| Error::invalid_row(&raw_id, "principal", "blank principal"))?;
     let key = IdempotencyKey::from_stored(&text(3)?)
         .ok_or_else(|| Error::invalid_row(&raw_id, "key", "not a valid idempotency key"))?;
     let fingerprint: Vec<u8> = row.get(4).map_err(read())?;
-    let fingerprint = Fingerprint(bytes32(&raw_id, "fingerprint", &fingerprint)?);
+    let fingerprint = Fingerprint::from_bytes(bytes32(&raw_id, "fingerprint", &fingerprint)?);
     let state_name = text(5)?;
     let state = RecordState::from_name(&state_name)
         .ok_or_else(|| Error::invalid_row(&raw_id, "state", format!("unknown state {state_name:?}")))?;
@@ -251,7 +256,7 @@ pub(crate) fn from_row(row: &Row<'_>) -> Result<Record, StoreError> {
     };
     Ok(Record {
         id,
-        scope: Scope { principal: Principal(text(1)?), endpoint: Endpoint(text(2)?) },
+        scope: Scope { principal, endpoint: Endpoint::from(text(2)?) },
         key,
         fingerprint,
         state,

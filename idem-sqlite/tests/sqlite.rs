@@ -38,7 +38,7 @@ async fn records_survive_reopening_and_the_schema_is_versioned() {
         store.complete(r.id, r.token, response.clone()).await.expect("complete");
     }
     let store = open(path.clone(), &clock).await;
-    let record = store.get(req("k1").id).await.expect("get").expect("record survives");
+    let record = store.get(req("k1").id()).await.expect("get").expect("record survives");
     assert_eq!((record.state, record.response), (RecordState::Completed, Some(response)));
 
     let conn = Connection::open(&path).expect("inspect");
@@ -121,13 +121,15 @@ async fn a_corrupt_stored_response_is_a_typed_error_and_is_never_overwritten() {
     let ClaimOutcome::Claimed(r) = store.claim(req("k1")).await.expect("claim") else { panic!("not claimed") };
     store.complete(r.id, r.token, StoredResponse::new(200, vec![], b"ok".to_vec())).await.expect("complete");
     Connection::open(&path)
-        .and_then(|c| c.execute("UPDATE idem_records SET response = x'09ff' WHERE id = ?1", [&r.id.0[..]]))
+        .and_then(|c| c.execute("UPDATE idem_records SET response = x'09ff' WHERE id = ?1", [&r.id.as_bytes()[..]]))
         .expect("corrupt the response");
 
     assert!(matches!(store.get(r.id).await, Err(StoreError::Corrupt { id: Some(id), .. }) if id == r.id));
     assert!(matches!(store.claim(req("k1")).await, Err(StoreError::Corrupt { .. })));
     let raw: Vec<u8> = Connection::open(&path)
-        .and_then(|c| c.query_row("SELECT response FROM idem_records WHERE id = ?1", [&r.id.0[..]], |row| row.get(0)))
+        .and_then(|c| {
+            c.query_row("SELECT response FROM idem_records WHERE id = ?1", [&r.id.as_bytes()[..]], |row| row.get(0))
+        })
         .expect("read back");
     assert_eq!(raw, [0x09, 0xff], "the claim must not overwrite a record it cannot read");
 }
@@ -144,9 +146,9 @@ async fn keys_and_scopes_round_trip_byte_exact_through_the_columns() {
     let req =
         ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"x"), Duration::from_secs(5), Duration::from_secs(60));
     let ClaimOutcome::Claimed(written) = store.claim(req.clone()).await.expect("claim") else { panic!("not claimed") };
-    let read = store.get(req.id).await.expect("get").expect("present");
+    let read = store.get(req.id()).await.expect("get").expect("present");
     assert_eq!(read, written);
-    assert_eq!((read.key, read.scope), (req.key, req.scope));
+    assert_eq!((read.key, read.scope), (req.key().clone(), req.scope().clone()));
 }
 
 #[tokio::test]
@@ -267,7 +269,7 @@ async fn a_replay_is_answered_by_a_reader_while_another_process_holds_the_write_
         let config = Config::default()
             .with_clock(clock.clone())
             .with_busy_timeout(Duration::from_millis(50))
-            .with_claim_reads(claim_reads);
+            .with_max_readers(if claim_reads { 4 } else { 0 });
         SqliteStore::open(&path, config).expect("open")
     };
     let (reading, writing) = (open(true), open(false));

@@ -10,6 +10,7 @@ use idem_sqlite::{Config, SqliteStore};
 fn main() {
     idem_conformance::racing_processes::main("IDEM_SQLITE_CHILD_DB", "shared.sqlite3", |path| {
         // Small batches: the processes take the write lock in turn many times.
-        SqliteStore::open(path, Config::default().with_max_batch(4)).expect("the store opens")
+        SqliteStore::open(path, Config::default().with_batch(idem_sqlite::BatchConfig::default().with_max_batch(4)))
+            .expect("the store opens")
     });
 }

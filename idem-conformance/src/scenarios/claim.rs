@@ -65,10 +65,10 @@ pub async fn concurrent_claims_have_exactly_one_winner(env: Env) {
 pub async fn claim_stores_scope_key_and_fingerprint(env: Env) {
     let req = claim_req(&env, "p", "k-scope", b"the body");
     let r = must_claim(&env, req.clone()).await;
-    assert_eq!(r.id, req.id);
-    assert_eq!(r.scope, req.scope);
-    assert_eq!(r.key, req.key);
-    assert_eq!(r.fingerprint, req.fingerprint);
+    assert_eq!(r.id, req.id());
+    assert_eq!(&r.scope, req.scope());
+    assert_eq!(&r.key, req.key());
+    assert_eq!(r.fingerprint, req.fingerprint());
     assert_eq!(r.response, None);
     assert_eq!(r.started_at, r.created_at);
     assert_eq!(get(env.store.as_ref(), r.id).await, Some(r));
@@ -117,8 +117,8 @@ pub async fn retention_shorter_than_lease_is_raised_to_the_lease(env: Env) {
 pub async fn distinct_keys_in_one_scope_are_distinct_records(env: Env) {
     let a = must_claim(&env, claim_req(&env, "p", "key-a", b"body")).await;
     let b_req = claim_req(&env, "p", "key-b", b"body");
-    assert_ne!(a.id, b_req.id);
-    assert_eq!(get(env.store.as_ref(), b_req.id).await, None);
+    assert_ne!(a.id, b_req.id());
+    assert_eq!(get(env.store.as_ref(), b_req.id()).await, None);
     let b = must_claim(&env, b_req).await;
     assert_eq!(b.token, FencingToken::first_at(UnixMillis(env.clock.now_ms())));
     assert_eq!(get(env.store.as_ref(), a.id).await, Some(a));

@@ -126,7 +126,7 @@ pub async fn extend_by_a_reclaimed_owner_is_lease_lost(env: Env) {
 /// Extend of a record that was never claimed is `LeaseLost` with no current token and
 /// creates nothing.
 pub async fn extend_of_an_absent_record_is_lease_lost(env: Env) {
-    let id = claim_req(&env, "p", "never-claimed", b"body").id;
+    let id = claim_req(&env, "p", "never-claimed", b"body").id();
     assert_lease_lost(env.store.extend(id, FencingToken::FIRST, LEASE).await, id, FencingToken::FIRST, None);
     assert_eq!(get(env.store.as_ref(), id).await, None);
 }

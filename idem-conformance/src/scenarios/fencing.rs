@@ -60,14 +60,14 @@ pub async fn complete_with_a_future_token_is_lease_lost(env: Env) {
 
 /// A complete of a record that does not exist is `LeaseLost` with no current token, and creates none.
 pub async fn complete_of_absent_record_is_lease_lost(env: Env) {
-    let id = claim_req(&env, "p", "never-claimed", b"body").id;
+    let id = claim_req(&env, "p", "never-claimed", b"body").id();
     assert_lease_lost(env.store.complete(id, FencingToken::FIRST, response()).await, id, FencingToken::FIRST, None);
     assert_eq!(get(env.store.as_ref(), id).await, None);
 }
 
 /// A fail of a record that does not exist is `LeaseLost` with no current token, and creates none.
 pub async fn fail_of_absent_record_is_lease_lost(env: Env) {
-    let id = claim_req(&env, "p", "never-claimed", b"body").id;
+    let id = claim_req(&env, "p", "never-claimed", b"body").id();
     assert_lease_lost(env.store.fail(id, FencingToken::FIRST).await, id, FencingToken::FIRST, None);
     assert_eq!(get(env.store.as_ref(), id).await, None);
 }

@@ -240,7 +240,7 @@ pub async fn journal_put_on_absent_record_is_lease_lost(env: Env) {
     if !supported(&env).await {
         return;
     }
-    let id = claim_req(&env, "p", "never-claimed", b"b").id;
+    let id = claim_req(&env, "p", "never-claimed", b"b").id();
     for overwrite in [false, true] {
         let res = env.store.journal_put(id, FencingToken::FIRST, "s:a", b"v".to_vec(), overwrite).await;
         assert_put_lease_lost(res, id, FencingToken::FIRST, None);

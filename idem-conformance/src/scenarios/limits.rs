@@ -11,12 +11,12 @@ use crate::Env;
 /// Claims `key`, completes with `resp`, and checks get returns it byte-exact.
 async fn round_trip(env: &Env, req: ClaimRequest, resp: StoredResponse) {
     let r = must_claim(env, req.clone()).await;
-    assert_eq!((&r.scope, &r.key), (&req.scope, &req.key));
+    assert_eq!((&r.scope, &r.key), (&req.scope().clone(), &req.key().clone()));
     let done = completed(env.store.as_ref(), &r, resp.clone()).await;
     assert_eq!(done.response.as_ref(), Some(&resp));
     let got = get(env.store.as_ref(), r.id).await.expect("record present");
     assert_eq!(got.state, RecordState::Completed);
-    assert_eq!((&got.scope, &got.key), (&req.scope, &req.key));
+    assert_eq!((&got.scope, &got.key), (&req.scope().clone(), &req.key().clone()));
     assert_eq!(got.response, Some(resp), "response differs after the round trip");
 }
 
@@ -36,7 +36,7 @@ pub async fn key_with_every_visible_ascii_byte_round_trips(env: Env) {
     let req = claim_req(&env, "p", &k, b"body");
     round_trip(&env, req, body_response(b"ok".to_vec())).await;
     let other = claim_req(&env, "p", "*", b"body");
-    assert_eq!(get(env.store.as_ref(), other.id).await, None, "a glob key matches nothing else");
+    assert_eq!(get(env.store.as_ref(), other.id()).await, None, "a glob key matches nothing else");
 }
 
 /// Non-ASCII principal and endpoint bytes round-trip; NFC and NFD spellings are two scopes.
@@ -49,8 +49,8 @@ pub async fn non_ascii_principal_and_endpoint_round_trip(env: Env) {
     let b = ClaimRequest::new(nfd, key("K"), fp(b"b"), LEASE, RETENTION);
     round_trip(&env, a.clone(), body_response(b"a".to_vec())).await;
     let rb = claimed(env.store.as_ref(), b.clone()).await;
-    assert_ne!(rb.id, a.id, "NFC and NFD are different principals");
-    assert_eq!(get(env.store.as_ref(), b.id).await.map(|r| r.scope), Some(b.scope));
+    assert_ne!(rb.id, a.id(), "NFC and NFD are different principals");
+    assert_eq!(get(env.store.as_ref(), b.id()).await.map(|r| r.scope), Some(b.scope().clone()));
 }
 
 /// A 2 KiB principal and a 2 KiB endpoint round-trip.
@@ -78,7 +78,7 @@ pub async fn non_ascii_text_body_round_trips(env: Env) {
 /// An empty body is stored as an empty body, not as "no body" or "not retained".
 pub async fn empty_body_round_trips(env: Env) {
     round_trip(&env, claim_req(&env, "p", "k", b""), StoredResponse::new(204, vec![], vec![])).await;
-    let got = get(env.store.as_ref(), claim_req(&env, "p", "k", b"").id).await.expect("present");
+    let got = get(env.store.as_ref(), claim_req(&env, "p", "k", b"").id()).await.expect("present");
     assert_eq!(got.response.expect("response").body, StoredBody::Identity(vec![]));
 }
 
@@ -111,7 +111,7 @@ pub async fn compressed_body_round_trips(env: Env) {
     let resp = StoredResponse::compressed_over(200, vec![], original.clone(), 1024);
     assert!(matches!(resp.body, StoredBody::Lz4 { .. }), "the test body compresses");
     round_trip(&env, claim_req(&env, "p", "k", b"body"), resp).await;
-    let got = get(env.store.as_ref(), claim_req(&env, "p", "k", b"body").id).await.expect("present");
+    let got = get(env.store.as_ref(), claim_req(&env, "p", "k", b"body").id()).await.expect("present");
     let body = got.response.expect("response").body_bytes().expect("decompresses").expect("retained").into_owned();
     assert_eq!(body, original);
 }
@@ -136,5 +136,5 @@ pub async fn control_characters_in_principal_and_endpoint_round_trip(env: Env) {
     round_trip(&env, req, body_response(b"ok".to_vec())).await;
     let plain = Scope::new(env.principal("nul-nl-tab-del-end"), Endpoint::new("POST", "/abc")).expect("principal");
     let other = ClaimRequest::new(plain, key("K"), fp(b"b"), LEASE, RETENTION);
-    assert_eq!(get(env.store.as_ref(), other.id).await, None, "control characters are not dropped");
+    assert_eq!(get(env.store.as_ref(), other.id()).await, None, "control characters are not dropped");
 }

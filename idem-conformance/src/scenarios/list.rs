@@ -110,6 +110,7 @@ pub async fn list_pages_resume_after_the_cursor(env: Env) {
 
     let empty = list(&env, ListFilter::new(0).with_principal(principal.clone())).await;
     assert!(empty.records.is_empty() && empty.more, "limit 0: no records, but more say some match");
-    let past = list(&env, ListFilter::new(10).with_principal(principal).with_after(RecordId([0xff; 32]))).await;
+    let past =
+        list(&env, ListFilter::new(10).with_principal(principal).with_after(RecordId::from_bytes([0xff; 32]))).await;
     assert!(past.records.is_empty() && !past.more, "nothing sorts after the largest id");
 }

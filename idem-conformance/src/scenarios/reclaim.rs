@@ -77,14 +77,14 @@ pub async fn reclaim_with_wrong_fingerprint_conflicts(env: Env) {
 pub async fn reclaim_of_absent_record_conflicts_with_none(env: Env) {
     let req = claim_req(&env, "p", "never-claimed", b"body");
     let reclaim = idem_core::ReclaimRequest {
-        id: req.id,
+        id: req.id(),
         expected: FencingToken::FIRST,
-        fingerprint: req.fingerprint,
+        fingerprint: req.fingerprint(),
         lease_ttl: super::LEASE,
         retention: super::RETENTION,
     };
     assert_eq!(conflict(env.store.as_ref(), reclaim).await, None);
-    assert_eq!(get(env.store.as_ref(), req.id).await, None);
+    assert_eq!(get(env.store.as_ref(), req.id()).await, None);
 }
 
 /// A reclaim presenting a token the record never had (current + 1) conflicts.

@@ -42,7 +42,7 @@ pub async fn claim_after_expiry_gets_a_new_record_with_a_higher_token(env: Env) 
     assert_eq!(n.token, FencingToken::first_at(UnixMillis(now)), "a new generation's first token comes from the clock");
     assert_eq!(n.state, RecordState::InFlight);
     assert_eq!(n.response, None);
-    assert_eq!(n.fingerprint, req.fingerprint);
+    assert_eq!(n.fingerprint, req.fingerprint());
     assert_eq!((n.created_at.0, n.started_at.0), (now, now));
     assert_eq!(get(env.store.as_ref(), r.id).await, Some(n));
 }

@@ -4,8 +4,8 @@
 //! A durable commit costs one fsync (about 0.4 ms on a typical disk), so a store that
 //! commits each claim and each completion on its own tops out near a thousand writes per
 //! second. [`GroupCommit`] takes the first waiting operation, everything else already
-//! queued (up to [`BatchConfig::with_max_batch`]), optionally lingers for more
-//! ([`Linger`]), applies them in arrival order through [`crate::engine`] inside one
+//! queued (up to [`BatchConfig::with_max_batch`]), lingers briefly for more
+//! ([`BatchConfig::with_linger`]), applies them in arrival order through [`crate::engine`] inside one
 //! transaction of the store's [`Engine`], commits once, and only then answers each caller
 //! with its own outcome. Later operations in a batch see the earlier ones exactly as if
 //! each had committed on its own: two claims of one id in one batch give `Claimed` then
@@ -115,48 +115,28 @@ pub trait Engine: Send + 'static {
     }
 }
 
-/// How long the writer waits for more operations before it applies a batch.
+/// How a [`GroupCommit`] batches.
 ///
 /// Batching happens without any wait: every operation that arrives while a commit is in
-/// progress joins the next batch. A short wait only helps when callers answer a batch's
-/// replies with new operations a few microseconds apart (32 callers doing claim then
-/// complete): without it, the first caller back starts a small batch and the rest wait
-/// for the one after.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Linger {
-    /// Never wait: a batch is whatever is queued when the writer is ready.
-    None,
-    /// Wait at most `max` for the batch to grow to the size of the previous batch (the
-    /// recent concurrency), never past the maximum batch. A lone caller (previous batch of
-    /// one) never waits; under load, batches fill up instead of splitting.
-    Adaptive {
-        /// Longest wait per batch.
-        max: Duration,
-    },
-    /// Wait up to this long after the first operation for the batch to reach the maximum:
-    /// every batch that does not fill adds this much latency.
-    Fixed(Duration),
-}
-
-/// How a [`GroupCommit`] batches.
+/// progress joins the next batch. After taking what is queued, the writer lingers a little
+/// (default 200 µs) for the batch to grow to the size of the previous batch (the recent
+/// concurrency), never past the maximum: when callers answer a batch's replies with new
+/// operations a few microseconds apart (32 callers doing claim then complete), the first
+/// caller back would otherwise start a small batch and the rest wait for the one after. A
+/// lone caller (previous batch of one) never waits.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[must_use]
 pub struct BatchConfig {
     max_batch: usize,
-    linger: Linger,
+    linger: Duration,
+    /// Linger until the batch is full rather than as large as the last one.
+    fill: bool,
     flush_interval: Option<Duration>,
-    thread_name: String,
 }
 
 impl Default for BatchConfig {
     fn default() -> Self {
-        Self {
-            max_batch: 256,
-            linger: Linger::Adaptive { max: Duration::from_micros(200) },
-            flush_interval: None,
-            thread_name: "idem-group-commit".into(),
-        }
+        Self { max_batch: 256, linger: Duration::from_micros(200), fill: false, flush_interval: None }
     }
 }
 
@@ -169,10 +149,19 @@ impl BatchConfig {
         self
     }
 
-    /// Whether and how long to wait for more operations (default [`Linger::Adaptive`] with
-    /// 200 µs).
-    pub fn with_linger(mut self, linger: Linger) -> Self {
+    /// Longest wait for a batch to grow to the previous batch's size (default 200 µs; zero
+    /// never waits).
+    pub fn with_linger(mut self, linger: Duration) -> Self {
         self.linger = linger;
+        self
+    }
+
+    /// Feature `test-util`: every batch waits up to `wait` to fill to the maximum, so a test
+    /// can put exactly the operations it sends into one batch.
+    #[cfg(feature = "test-util")]
+    pub fn with_full_batches(mut self, wait: Duration) -> Self {
+        self.linger = wait;
+        self.fill = true;
         self
     }
 
@@ -183,30 +172,6 @@ impl BatchConfig {
     pub fn with_flush_interval(mut self, interval: Option<Duration>) -> Self {
         self.flush_interval = interval;
         self
-    }
-
-    /// The writer thread's name (default `idem-group-commit`).
-    pub fn with_thread_name(mut self, name: impl Into<String>) -> Self {
-        self.thread_name = name.into();
-        self
-    }
-
-    /// Most operations per transaction.
-    #[must_use]
-    pub fn max_batch(&self) -> usize {
-        self.max_batch
-    }
-
-    /// The linger.
-    #[must_use]
-    pub fn linger(&self) -> Linger {
-        self.linger
-    }
-
-    /// The flush interval (`None`: every commit durable).
-    #[must_use]
-    pub fn flush_interval(&self) -> Option<Duration> {
-        self.flush_interval
     }
 }
 
@@ -304,7 +269,7 @@ impl GroupCommit {
             queue: Arc::clone(&queue),
             dirty_since: None,
         };
-        let handle = std::thread::Builder::new().name(config.thread_name).spawn(move || writer.run())?;
+        let handle = std::thread::Builder::new().name(format!("idem-{backend}-writer")).spawn(move || writer.run())?;
         Ok(Self { shared: Arc::new(Shared { backend, clock, queue, counters, writer: Mutex::new(Some(handle)) }) })
     }
 
@@ -501,15 +466,12 @@ impl<E: Engine> Writer<E> {
         }
     }
 
-    /// Adds what is already queued, then lingers for more as [`Linger`] says.
+    /// Adds what is already queued, then lingers for more (see [`BatchConfig`]).
     fn fill(&mut self, batch: &mut Vec<Job>) {
         let max = self.config.max_batch;
         self.queue.drain_into(batch, max);
-        let (wait, target) = match self.config.linger {
-            Linger::None => (Duration::ZERO, 0),
-            Linger::Adaptive { max: wait } => (wait, self.last_batch.min(max)),
-            Linger::Fixed(wait) => (wait, max),
-        };
+        let wait = self.config.linger;
+        let target = if self.config.fill { max } else { self.last_batch.min(max) };
         if batch.len() < target && !wait.is_zero() {
             let deadline = Instant::now() + wait;
             while batch.len() < target {
