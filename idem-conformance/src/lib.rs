@@ -123,8 +123,11 @@ use idem_core::{Capabilities, ManualClock, Store, UnixMillis};
 pub mod fuzz_targets;
 pub mod killed_process;
 pub mod model_test;
+mod oracle;
 pub mod racing_processes;
 pub mod scenarios;
+
+pub use oracle::Oracle;
 
 /// How the suite opens stores of one backend.
 #[async_trait]

@@ -32,6 +32,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::Oracle;
 use arbitrary::Arbitrary;
 use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,

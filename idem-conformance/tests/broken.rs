@@ -243,7 +243,7 @@ impl Store for BrokenStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new().with_journal(self.bug != Bug::NoJournal).with_list(true)
+        Capabilities { journal: self.bug != Bug::NoJournal, list: true, ..Capabilities::NONE }
     }
 
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {

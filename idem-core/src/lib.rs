@@ -19,7 +19,7 @@
 //! let now = UnixMillis(1_000);
 //! assert_eq!(decide(None, &fp, now), Decision::Claim);
 //! let req = ClaimRequest::new(scope, key, fp, Duration::from_secs(300), Duration::from_secs(86_400));
-//! let idem_core::ClaimOutcome::Claimed(record) = model.claim(&req, now) else { unreachable!() };
+//! let idem_core::ClaimOutcome::Claimed(record) = idem_core::engine::claim(&mut model, &req, now).unwrap() else { unreachable!() };
 //! // A retry while the first attempt runs: 409 with Retry-After.
 //! assert_eq!(decide(Some(&record), &fp, UnixMillis(2_000)), Decision::InFlight { retry_after_secs: 299 });
 //! ```
@@ -27,7 +27,8 @@
 //! # Layout
 //! - [`key`]: parsing the `Idempotency-Key` header (bare token or RFC 8941 sf-string).
 //! - [`scope`]: principal, endpoint, scope and the 32-byte [`RecordId`].
-//! - [`fingerprint`]: what makes a retry "the same request".
+//! - [`fingerprint`]: what makes a retry "the same request" (canonical JSON with feature
+//!   `canonical-json`).
 //! - [`record`]: the record, its states, the fencing token and the stored response.
 //! - [`policy`]: the record rules: retention, lease TTL, cacheable statuses, and which
 //!   headers and how much body a stored response keeps.
@@ -42,8 +43,8 @@
 //! - [`store`]: the [`Store`] contract and [`StoreError`].
 //! - [`list`]: what [`Store::list`] returns to operators, and the pure page selection.
 //! - [`codec`]: the versioned postcard byte form of a record.
-//! - `seal` (feature `seal`): `Sealed`, a store wrapper that encrypts and authenticates
-//!   stored responses (XChaCha20-Poly1305) bound to their record id and fencing token.
+//! - `seal` (feature `seal`): `Sealing`, which encrypts and authenticates stored
+//!   responses (XChaCha20-Poly1305) bound to their record id and fencing token.
 //!   It reads OS randomness for nonces, the one thing here besides the executors that
 //!   touches the system.
 //! - [`time`]: milliseconds since the epoch and the clocks stores read.

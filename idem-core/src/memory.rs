@@ -56,13 +56,13 @@ impl<T> TableStore<T> {
         Self {
             table: Arc::new(Mutex::new(table)),
             clock,
-            capabilities: Capabilities::new().with_backend("memory").with_journal(true),
+            capabilities: Capabilities { backend: "memory", journal: true, ..Capabilities::NONE },
         }
     }
 
     /// What the table's engine offers beyond the journal.
     #[must_use]
-    pub fn with_capabilities(mut self, capabilities: Capabilities) -> Self {
+    pub(crate) fn with_capabilities(mut self, capabilities: Capabilities) -> Self {
         self.capabilities = capabilities;
         self
     }
@@ -97,8 +97,12 @@ impl MemoryStore {
     #[must_use]
     pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
         // The model can enumerate its map, so the memory store lists records too.
-        Self::from_table(Model::new(), clock)
-            .with_capabilities(Capabilities::new().with_backend("memory").with_journal(true).with_list(true))
+        Self::from_table(Model::new(), clock).with_capabilities(Capabilities {
+            backend: "memory",
+            journal: true,
+            list: true,
+            ..Capabilities::NONE
+        })
     }
 }
 

@@ -1,20 +1,16 @@
-//! The reference model: the state machine over ordinary maps, synchronous, with `now` as an
-//! argument. It is the oracle the conformance suite's model test compares every backend
-//! against, and the engine of [`crate::MemoryStore`].
-//!
-//! It is also the smallest [`RecordTable`]: every operation below is the shared
-//! [`crate::engine`] run on three maps (records, the expiry index, the journal), exactly as
-//! redb and SQLite run it on their tables.
+//! The reference model: the smallest [`RecordTable`], three ordinary maps (records, the
+//! expiry index, the journal). [`crate::engine`] runs every store operation on it
+//! synchronously, with `now` as an argument, exactly as on redb's and SQLite's tables; it
+//! is the table of [`crate::MemoryStore`] and the oracle of the conformance suite's model
+//! test (`idem_conformance::Oracle` gives it one method per store operation).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use crate::engine;
-use crate::record::{FencingToken, Record, StoredResponse};
+use crate::record::Record;
 use crate::scope::RecordId;
-use crate::store::{JournalWrite, StoreError, SweepOutcome};
+use crate::store::StoreError;
 use crate::table::{Expired, RecordRead, RecordTable};
 use crate::time::UnixMillis;
-use crate::transition::{ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
 
 /// Records by id.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -28,101 +24,11 @@ pub struct Model {
     journal: BTreeMap<(RecordId, String), Vec<u8>>,
 }
 
-/// The maps never fail, so every engine call on them succeeds; this keeps the model's
-/// methods infallible for the oracle's callers.
-fn infallible<T>(result: Result<T, StoreError>) -> T {
-    match result {
-        Ok(v) => v,
-        // No method of the map-backed table returns an error.
-        Err(e) => unreachable!("the in-memory record table failed: {e}"),
-    }
-}
-
 impl Model {
     /// An empty model.
     #[must_use]
     pub fn new() -> Self {
         Self::default()
-    }
-
-    /// See [`crate::Store::claim`].
-    pub fn claim(&mut self, req: &ClaimRequest, now: UnixMillis) -> ClaimOutcome {
-        infallible(engine::claim(self, req, now))
-    }
-
-    /// See [`crate::Store::reclaim`].
-    pub fn reclaim(&mut self, req: &ReclaimRequest, now: UnixMillis) -> ReclaimOutcome {
-        infallible(engine::reclaim(self, req, now))
-    }
-
-    /// See [`crate::Store::complete`].
-    ///
-    /// # Errors
-    /// [`StoreError::LeaseLost`] when `token` is not the current claim.
-    pub fn complete(
-        &mut self,
-        id: RecordId,
-        token: FencingToken,
-        response: StoredResponse,
-        now: UnixMillis,
-    ) -> Result<Record, StoreError> {
-        engine::complete(self, id, token, response, now)
-    }
-
-    /// See [`crate::Store::fail`].
-    ///
-    /// # Errors
-    /// [`StoreError::LeaseLost`] when `token` is not the current claim.
-    pub fn fail(&mut self, id: RecordId, token: FencingToken, now: UnixMillis) -> Result<Record, StoreError> {
-        engine::fail(self, id, token, now)
-    }
-
-    /// See [`crate::Store::extend`].
-    ///
-    /// # Errors
-    /// [`StoreError::LeaseLost`] when `token` is not the current claim.
-    pub fn extend(
-        &mut self,
-        id: RecordId,
-        token: FencingToken,
-        lease_ttl: std::time::Duration,
-        now: UnixMillis,
-    ) -> Result<Record, StoreError> {
-        engine::extend(self, id, token, lease_ttl, now)
-    }
-
-    /// See [`crate::Store::get`].
-    #[must_use]
-    pub fn get(&self, id: RecordId, now: UnixMillis) -> Option<Record> {
-        infallible(engine::get(self, id, now))
-    }
-
-    /// See [`crate::Store::sweep`]: the oldest expiry first, like every store with an
-    /// expiry index. Memory is bounded by `limit`, not by the number of expired records.
-    pub fn sweep(&mut self, limit: usize, now: UnixMillis) -> SweepOutcome {
-        infallible(engine::sweep(self, limit, now))
-    }
-
-    /// See [`crate::Store::journal_put`].
-    ///
-    /// # Errors
-    /// [`StoreError::LeaseLost`] when `token` is not the current claim.
-    pub fn journal_put(
-        &mut self,
-        id: RecordId,
-        token: FencingToken,
-        name: &str,
-        value: Vec<u8>,
-        overwrite: bool,
-        now: UnixMillis,
-    ) -> Result<JournalWrite, StoreError> {
-        engine::journal_put(self, id, token, name, &value, overwrite, now)
-    }
-
-    /// See [`crate::Store::journal_get`].
-    #[must_use]
-    pub fn journal_get(&self, id: RecordId, name: &str, now: UnixMillis) -> Option<Vec<u8>> {
-        infallible(engine::journal_get(self, id, name, now))
     }
 
     /// Number of records held, expired or not (for tests of the sweep).

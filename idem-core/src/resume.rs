@@ -1,47 +1,12 @@
-//! Resumable handlers: making the side effects inside one request converge on retry.
+//! Resumable handlers: making the side effects inside one request converge on retry
+//! (docs/contract.md, "Side effects", also says what stays unsafe).
 //!
-//! HTTP-level idempotency stores the response of a handler that finished. A handler that
-//! dies half-way (after allocating a node, before booting it) leaves side effects the
-//! record does not know about, and the retry that reclaims the record runs the handler
-//! from the top. These tools let that retry find what the dead attempt did:
-//!
-//! - [`Resumable::subkey`]: a stable id derived from the record id, the record's
-//!   generation and a step name, for a downstream API that accepts a caller-supplied id
-//!   or idempotency key (a payment API, a cloud `ClientToken`). Every attempt of the same
-//!   request sends the same sub-key, so the downstream system deduplicates.
-//! - [`Resumable::step`]: runs a future once per record and journals its serialised
-//!   result in the same store, fenced by the attempt's token; a retry gets the stored
-//!   result back without running the future. For effects that are local and
-//!   transactional, or downstream calls that take the sub-key.
-//! - [`Resumable::intent`]: a two-phase record for a call that cannot take a caller id
-//!   but can be looked up afterwards (a VM booted with a tag): write `pending`, make the
-//!   call with the sub-key as the tag, record `done(real id)`. A retry that finds
-//!   `pending` asks the caller's `reconcile` (did a VM with this tag appear?) before
-//!   anything is issued again.
-//!
-//! # Generations
-//! Once a record's retention has ended, the same idempotency key names a new operation:
-//! the next claim writes a new record (a new generation) with a new `created_at`, an
-//! empty journal and a larger fencing token. Its sub-keys differ from the earlier
-//! generation's, because they are derived from `created_at` too: a downstream system that
-//! still remembers the earlier operation's sub-key (its own retention may be longer than
-//! ours) must not answer the new operation with the old result. Within one generation the
-//! sub-key never changes: a reclaim keeps `created_at`, so every attempt of the operation,
-//! in every process, sends the same one.
-//!
-//! What stays unsafe:
-//! - A downstream call that neither accepts a caller id nor can be observed afterwards.
-//!   No library can tell whether it happened; make such calls the last thing a handler
-//!   does, or put them behind a queue that can.
-//! - A lease that runs out while the handler still runs. A retry takes over once the
-//!   lease has passed, whether or not the first attempt is still running; if that attempt
-//!   is still inside an intent's `issue` call, `reconcile` cannot see the call yet and the
-//!   retry issues it again. The first attempt's later journal writes are fenced off, but
-//!   its call has happened. Renew the lease while the handler runs ([`Store::extend`];
-//!   the HTTP layer does it by default) or keep [`crate::Policy::lease_ttl`] above the
-//!   worst-case run time of every handler that uses intents (steps with sub-keys are safe
-//!   either way: the downstream system deduplicates). A handle given a [`LeaseWatch`]
-//!   ([`Resumable::with_lease_watch`]) starts no step once a renewal was refused.
+//! - [`Resumable::subkey`]: a stable id per step for a downstream API that takes a
+//!   caller-supplied id or idempotency key, the same for every attempt of one generation.
+//! - [`Resumable::step`]: runs a future once per record and journals its result, fenced by
+//!   the attempt's token; a retry gets the journalled result back.
+//! - [`Resumable::intent`]: a two-phase record (`pending`, then `done(id)`) for a call
+//!   that cannot take a caller id but can be looked up afterwards by its sub-key tag.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -70,13 +35,9 @@ impl SubKey {
     /// over the record id, `created_at` (i64, little-endian) and the length-prefixed name,
     /// truncated to 24 bytes.
     ///
-    /// Never depends on the attempt or randomness: a reclaim keeps `created_at`, so every
-    /// attempt of one operation, in every process, derives the same value. A new
-    /// generation of the same idempotency key (claimed after the earlier record's
-    /// retention ended) has another `created_at` and so other sub-keys: a downstream
-    /// system that still remembers the earlier operation does not mistake the new one for
-    /// a retry of it. Different names, principals, endpoints or keys give different
-    /// sub-keys.
+    /// Never depends on the attempt or randomness: every attempt of one operation derives
+    /// the same value; a new generation of the same key (another `created_at`) derives
+    /// others (docs/contract.md, "Sub-key").
     #[must_use]
     pub fn derive(record: RecordId, created_at: UnixMillis, name: &str) -> Self {
         let mut h = crate::hash::keyed(&crate::hash::SUBKEY_HASHER, SUBKEY_CONTEXT);
@@ -248,24 +209,6 @@ impl Resumable {
             Some(watch) if watch.is_lease_lost() => Err(StepError::LeaseLost { name: name.to_string() }),
             _ => Ok(()),
         }
-    }
-
-    /// The record.
-    #[must_use]
-    pub fn record_id(&self) -> RecordId {
-        self.id
-    }
-
-    /// The attempt's fencing token.
-    #[must_use]
-    pub fn token(&self) -> FencingToken {
-        self.token
-    }
-
-    /// The record's `created_at` (ms): names its generation.
-    #[must_use]
-    pub fn created_at(&self) -> UnixMillis {
-        self.created_at
     }
 
     /// The sub-key of step `name` of this record's generation (see [`SubKey::derive`]).

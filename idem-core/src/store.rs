@@ -116,8 +116,10 @@ impl StoreError {
 
 /// What a backend offers beyond the required behaviour. The conformance suite runs the
 /// matching scenario variants and reports which ones ran; it never skips silently.
+///
+/// Build it from [`Capabilities::NONE`] so that a capability added later stays off:
+/// `Capabilities { backend: "mystore", journal: true, ..Capabilities::NONE }`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct Capabilities {
     /// The backend's name (`memory`, `redb`, `sqlite`, `redis`, `postgres`; `custom` unless
     /// a store says): the `backend` label of the store metrics and the `backend` field of
@@ -138,65 +140,20 @@ pub struct Capabilities {
 }
 
 impl Capabilities {
-    /// No optional capability.
-    #[must_use]
-    pub const fn new() -> Self {
-        Self {
-            backend: "custom",
-            native_expiry: false,
-            server_clock: false,
-            shared: false,
-            journal: false,
-            list: false,
-        }
-    }
-
-    /// Sets `backend`.
-    #[must_use]
-    pub const fn with_backend(mut self, name: &'static str) -> Self {
-        self.backend = name;
-        self
-    }
-
-    /// Sets `native_expiry`.
-    #[must_use]
-    pub const fn with_native_expiry(mut self, v: bool) -> Self {
-        self.native_expiry = v;
-        self
-    }
-
-    /// Sets `server_clock`.
-    #[must_use]
-    pub const fn with_server_clock(mut self, v: bool) -> Self {
-        self.server_clock = v;
-        self
-    }
-
-    /// Sets `journal`.
-    #[must_use]
-    pub const fn with_journal(mut self, v: bool) -> Self {
-        self.journal = v;
-        self
-    }
-
-    /// Sets `shared`.
-    #[must_use]
-    pub const fn with_shared(mut self, v: bool) -> Self {
-        self.shared = v;
-        self
-    }
-
-    /// Sets `list`.
-    #[must_use]
-    pub const fn with_list(mut self, v: bool) -> Self {
-        self.list = v;
-        self
-    }
+    /// No optional capability, backend `custom`.
+    pub const NONE: Self = Self {
+        backend: "custom",
+        native_expiry: false,
+        server_clock: false,
+        shared: false,
+        journal: false,
+        list: false,
+    };
 }
 
 impl Default for Capabilities {
     fn default() -> Self {
-        Self::new()
+        Self::NONE
     }
 }
 

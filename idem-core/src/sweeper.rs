@@ -143,7 +143,7 @@ mod tests {
     /// A store that expires records natively gets no sweep task; one that does not, gets one.
     #[tokio::test]
     async fn native_expiry_starts_no_task() {
-        let native = MemoryStore::new().with_capabilities(Capabilities::new().with_native_expiry(true));
+        let native = MemoryStore::new().with_capabilities(Capabilities { native_expiry: true, ..Capabilities::NONE });
         assert!(!Sweeper::start(Arc::new(native), SweepConfig::default()).is_running());
         let sweeping = Sweeper::start(Arc::new(MemoryStore::new()), SweepConfig::default());
         assert!(sweeping.is_running());

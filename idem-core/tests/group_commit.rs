@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::join_all;
-use idem_core::engine::{Write, Written};
+use idem_core::engine::{self, Write, Written};
 use idem_core::group_commit::{BatchConfig, Engine, GroupCommit, Stage, TransactionFailed};
 use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, Expired, FencingToken, Fingerprint, IdempotencyKey, ManualClock,
@@ -149,7 +149,7 @@ enum Op {
 impl Op {
     fn write(&self, oracle: &Model, now: UnixMillis) -> Write {
         let token = |k: usize, t: u64| {
-            let base = oracle.get(id(k), now).map_or(FencingToken::first_at(now), |r| r.token);
+            let base = engine::get(oracle, id(k), now).unwrap().map_or(FencingToken::first_at(now), |r| r.token);
             FencingToken((base.0 + t).saturating_sub(2))
         };
         match *self {
@@ -248,7 +248,10 @@ fn a_write_the_engine_refuses_fails_only_its_caller() {
     let stats = gc.stats();
     assert_eq!((stats.batches, stats.failed_batches, stats.read_only_batches), (1, 0, 0));
     let committed = lock(&engine.committed).clone();
-    assert!(committed.get(id(1), clock.now()).is_some() && committed.get(id(0), clock.now()).is_none());
+    assert!(
+        engine::get(&committed, id(1), clock.now()).unwrap().is_some()
+            && engine::get(&committed, id(0), clock.now()).unwrap().is_none()
+    );
 }
 
 #[test]
@@ -317,6 +320,6 @@ fn a_claim_whose_caller_went_away_is_not_applied() {
         assert!(matches!(kept, Ok(Written::Claim(ClaimOutcome::Claimed(_)))));
     });
     let committed = engine.committed.lock().expect("lock").clone();
-    assert!(committed.get(id(0), clock.now()).is_none(), "the abandoned claim was skipped");
+    assert!(engine::get(&committed, id(0), clock.now()).unwrap().is_none(), "the abandoned claim was skipped");
     assert_eq!(gc.stats().abandoned_claims, 1);
 }

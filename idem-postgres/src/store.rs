@@ -670,12 +670,7 @@ impl<D: Driver> Store for PostgresStore<D> {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new()
-            .with_backend("postgres")
-            .with_server_clock(true)
-            .with_shared(true)
-            .with_journal(true)
-            .with_list(true)
+        Capabilities { backend: "postgres", server_clock: true, shared: true, journal: true, list: true, ..Capabilities::NONE }
     }
 
     /// One statement per record on one pooled connection, each the next matching id after

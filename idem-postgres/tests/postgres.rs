@@ -8,6 +8,7 @@ mod common;
 
 use std::time::Duration;
 
+use idem_conformance::Oracle;
 use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,
     Model, Record, RecordState, Scope, Store, StoreError, StoredResponse, SystemClock, UnixMillis,

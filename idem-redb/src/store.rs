@@ -22,12 +22,10 @@ use crate::table::{self, RedbEngine, RedbView};
 
 /// The [`Store`] on one redb file, with group commit.
 ///
-/// Every operation that may write (`claim` of a key without a live record, `reclaim`,
-/// `complete`, `fail`, `sweep`, `journal_put`) goes to one writer thread, which applies
-/// the waiting operations in one write transaction and commits once: see
-/// [`idem_core::group_commit`] for what a batch holds and how it fails. A `claim` that
-/// finds a live record is answered from a read transaction;
-/// `get` and `journal_get` read on Tokio's blocking pool.
+/// Every operation that may write goes to one writer thread, which applies the waiting
+/// operations in one write transaction and commits once ([`idem_core::group_commit`]). A
+/// `claim` that finds a live record is answered from a read transaction; `get`,
+/// `journal_get` and `list` read on Tokio's blocking pool.
 ///
 /// Clones share the file and the writer; dropping the last one answers what is queued,
 /// makes pending commits durable, stops the writer and releases the file.
@@ -48,7 +46,9 @@ impl fmt::Debug for RedbStore {
 }
 
 impl RedbStore {
-    /// Opens (or creates) the redb file at `path` and starts the writer.
+    /// Opens (or creates) the redb file at `path` and starts the writer. After redb latched
+    /// an I/O failure (a full disk) the store opens the file again by itself, answering
+    /// [`StoreError::Unavailable`] until it can (`docs/contract.md#redb`).
     ///
     /// Blocks (file I/O, a repair after a crash, one commit): call it at start-up, or from
     /// `tokio::task::spawn_blocking`.
@@ -68,17 +68,13 @@ impl RedbStore {
     /// own write transactions take turns with the writer's batches (redb allows one write
     /// transaction at a time); keep them short.
     ///
+    /// Unlike [`RedbStore::open`], it never reopens the database after redb latched an I/O
+    /// failure: every write then answers [`StoreError::Unavailable`] until the application
+    /// drops this store and every handle, and builds a new one (`docs/contract.md#redb`).
+    ///
     /// # Errors
     /// [`Error::Transaction`], [`Error::Table`] or [`Error::Commit`] from creating the
     /// tables; [`Error::Spawn`] when the writer thread cannot start.
-    ///
-    /// # After an I/O failure
-    /// The store cannot reopen a database it does not own: after redb latched an I/O
-    /// failure (`PreviousIo`, e.g. a commit on a full disk) every write answers
-    /// [`StoreError::Unavailable`] (503 at the HTTP layer) for as long as this store lives.
-    /// To recover, drop this store and every other handle on the database, open the file
-    /// again (`Database::create`) and build a new store on it; or let the store own the file
-    /// with [`RedbStore::open`], which reopens by itself.
     pub fn from_database(db: Arc<Database>, config: Config) -> Result<Self, Error> {
         Self::start(db, None, config)
     }
@@ -100,25 +96,15 @@ impl RedbStore {
         Ok(Self { handle, config, writer })
     }
 
-    /// The current database, for the application's own tables. Blocks when the file must
-    /// be opened again (see below).
-    ///
-    /// A store opened with [`RedbStore::open`] replaces its database after redb latched an
-    /// I/O failure; this returns the one open now. Hold it only as long as a transaction:
-    /// the reopen waits until every handle on the old database is dropped, and answers
-    /// unavailable meanwhile.
+    /// The current database, for the application's own tables; blocks while the file is
+    /// opened again after an I/O failure. Hold it only as long as a transaction: the reopen
+    /// waits until every handle on the old database is dropped.
     ///
     /// # Errors
     /// [`Error::Reopening`] or [`Error::Reopen`] while the file is closed after an I/O
     /// failure and could not be opened again yet (both retryable).
     pub fn database(&self) -> Result<Arc<Database>, Error> {
         self.handle.get()
-    }
-
-    /// How many times the store opened its file again after a latched I/O failure.
-    #[must_use]
-    pub fn reopens(&self) -> u64 {
-        self.handle.reopens()
     }
 
     /// What the writer has done so far.
@@ -160,7 +146,7 @@ impl RedbStore {
 #[async_trait]
 impl Store for RedbStore {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new().with_backend("redb").with_journal(true).with_list(true)
+        Capabilities { backend: "redb", journal: true, list: true, ..Capabilities::NONE }
     }
 
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {

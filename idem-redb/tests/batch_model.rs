@@ -7,6 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use idem_conformance::Oracle;
 use idem_core::Clock;
 use idem_core::store::JournalWrite;
 use idem_core::{

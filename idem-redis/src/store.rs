@@ -411,13 +411,15 @@ impl Store for RedisStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new()
-            .with_backend("redis")
-            .with_native_expiry(true)
-            .with_server_clock(true)
-            .with_shared(true)
-            .with_journal(true)
-            .with_list(true)
+        Capabilities {
+            backend: "redis",
+            native_expiry: true,
+            server_clock: true,
+            shared: true,
+            journal: true,
+            list: true,
+            ..Capabilities::NONE
+        }
     }
 
     /// Entries are fields `j:<name>` of the record's hash (see `journal_put.lua`).

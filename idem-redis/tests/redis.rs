@@ -9,6 +9,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use idem_conformance::Oracle;
 use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,
     Model, ReclaimOutcome, ReclaimRequest, Record, RecordState, Scope, Store, StoreError, StoredBody, StoredResponse,

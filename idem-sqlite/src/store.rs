@@ -380,7 +380,7 @@ impl Store for SqliteStore {
 
     fn capabilities(&self) -> Capabilities {
         // Several processes may open the same file: BEGIN IMMEDIATE serialises them.
-        Capabilities::new().with_backend("sqlite").with_shared(true).with_journal(true).with_list(true)
+        Capabilities { backend: "sqlite", shared: true, journal: true, list: true, ..Capabilities::NONE }
     }
 
     async fn journal_put(
