@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use idem_core::{
     ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, Model, ReclaimOutcome, ReclaimRequest, Record, RecordId,
-    StoreError, StoredResponse, SweepOutcome, UnixMillis, engine,
+    StoreError, StoredResponse, SweepOutcome, UnixMillis, engine, engine::Write,
 };
 
 /// The map-backed table never fails, so the operations that only read or decide are
@@ -74,10 +74,10 @@ pub trait Oracle {
 
 impl Oracle for Model {
     fn claim(&mut self, req: &ClaimRequest, now: UnixMillis) -> ClaimOutcome {
-        infallible(engine::claim(self, req, now))
+        infallible(engine::apply(self, Write::Claim(req.clone()), now).and_then(|w| w.into_claim("model")))
     }
     fn reclaim(&mut self, req: &ReclaimRequest, now: UnixMillis) -> ReclaimOutcome {
-        infallible(engine::reclaim(self, req, now))
+        infallible(engine::apply(self, Write::Reclaim(req.clone()), now).and_then(|w| w.into_reclaim("model")))
     }
     fn complete(
         &mut self,
@@ -86,10 +86,10 @@ impl Oracle for Model {
         response: StoredResponse,
         now: UnixMillis,
     ) -> Result<Record, StoreError> {
-        engine::complete(self, id, token, response, now)
+        engine::apply(self, Write::Complete { id, token, response }, now)?.into_record("model")
     }
     fn fail(&mut self, id: RecordId, token: FencingToken, now: UnixMillis) -> Result<Record, StoreError> {
-        engine::fail(self, id, token, now)
+        engine::apply(self, Write::Fail { id, token }, now)?.into_record("model")
     }
     fn extend(
         &mut self,
@@ -98,13 +98,13 @@ impl Oracle for Model {
         lease_ttl: Duration,
         now: UnixMillis,
     ) -> Result<Record, StoreError> {
-        engine::extend(self, id, token, lease_ttl, now)
+        engine::apply(self, Write::Extend { id, token, lease_ttl }, now)?.into_record("model")
     }
     fn get(&self, id: RecordId, now: UnixMillis) -> Option<Record> {
         infallible(engine::get(self, id, now))
     }
     fn sweep(&mut self, limit: usize, now: UnixMillis) -> SweepOutcome {
-        infallible(engine::sweep(self, limit, now))
+        infallible(engine::apply(self, Write::Sweep { limit }, now).and_then(|w| w.into_sweep("model")))
     }
     fn journal_put(
         &mut self,
@@ -115,7 +115,8 @@ impl Oracle for Model {
         overwrite: bool,
         now: UnixMillis,
     ) -> Result<JournalWrite, StoreError> {
-        engine::journal_put(self, id, token, name, &value, overwrite, now)
+        engine::apply(self, Write::JournalPut { id, token, name: name.to_owned(), value, overwrite }, now)?
+            .into_journal("model")
     }
     fn journal_get(&self, id: RecordId, name: &str, now: UnixMillis) -> Option<Vec<u8>> {
         infallible(engine::journal_get(self, id, name, now))

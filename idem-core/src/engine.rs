@@ -1,10 +1,11 @@
 //! The one engine of every in-process store: each [`crate::Store`] operation as a
 //! read-compute-write on a [`RecordTable`], through the pure rules of [`crate::transition`].
 //!
-//! The in-memory [`crate::Model`], redb, SQLite and the file-store example call these
-//! functions inside their own transactions; none of them restates a rule. Operations that
-//! write are also data ([`Write`]), so an executor can queue them, apply a batch of them
-//! in one transaction and answer each caller with its own [`Written`] outcome.
+//! The memory store, redb, SQLite and the file-store example run it inside their own
+//! transactions; none of them restates a rule. Operations that write are data ([`Write`],
+//! applied with [`apply`]), so an executor can queue them, apply a batch of them in one
+//! transaction and answer each caller with its own [`Written`] outcome; reads are
+//! [`get`] and [`journal_get`].
 //!
 //! Every function reads what it needs and decides before it changes anything: a refusal
 //! (`LeaseLost`, a corrupt record, a value the engine will not take) leaves the
@@ -21,7 +22,7 @@ use crate::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, Reclai
 ///
 /// # Errors
 /// What the table reports.
-pub fn claim<T: RecordTable + ?Sized>(
+pub(crate) fn claim<T: RecordTable + ?Sized>(
     t: &mut T,
     req: &ClaimRequest,
     now: UnixMillis,
@@ -46,24 +47,11 @@ pub fn claim<T: RecordTable + ?Sized>(
     Ok(outcome)
 }
 
-/// A claim answered from a read view when it finds a live record (it would write
-/// nothing); `None` when the claim must go to a writer (no record, or an expired one).
-///
-/// # Errors
-/// What the view reports.
-pub fn claim_existing<V: RecordRead + ?Sized>(
-    view: &V,
-    req: &ClaimRequest,
-    now: UnixMillis,
-) -> Result<Option<ClaimOutcome>, StoreError> {
-    Ok(view.read(req.id)?.filter(|r| !r.is_expired(now)).map(|record| ClaimOutcome::Existing { record, now }))
-}
-
 /// See [`crate::Store::reclaim`].
 ///
 /// # Errors
 /// What the table reports.
-pub fn reclaim<T: RecordTable + ?Sized>(
+pub(crate) fn reclaim<T: RecordTable + ?Sized>(
     t: &mut T,
     req: &ReclaimRequest,
     now: UnixMillis,
@@ -80,7 +68,7 @@ pub fn reclaim<T: RecordTable + ?Sized>(
 ///
 /// # Errors
 /// [`StoreError::LeaseLost`] when `token` is not the current claim; what the table reports.
-pub fn complete<T: RecordTable + ?Sized>(
+pub(crate) fn complete<T: RecordTable + ?Sized>(
     t: &mut T,
     id: RecordId,
     token: FencingToken,
@@ -98,7 +86,7 @@ pub fn complete<T: RecordTable + ?Sized>(
 ///
 /// # Errors
 /// [`StoreError::LeaseLost`] when `token` is not the current claim; what the table reports.
-pub fn fail<T: RecordTable + ?Sized>(
+pub(crate) fn fail<T: RecordTable + ?Sized>(
     t: &mut T,
     id: RecordId,
     token: FencingToken,
@@ -114,7 +102,7 @@ pub fn fail<T: RecordTable + ?Sized>(
 ///
 /// # Errors
 /// [`StoreError::LeaseLost`] when `token` is not the current claim; what the table reports.
-pub fn extend<T: RecordTable + ?Sized>(
+pub(crate) fn extend<T: RecordTable + ?Sized>(
     t: &mut T,
     id: RecordId,
     token: FencingToken,
@@ -141,7 +129,11 @@ pub fn get<V: RecordRead + ?Sized>(view: &V, id: RecordId, now: UnixMillis) -> R
 ///
 /// # Errors
 /// What the table reports.
-pub fn sweep<T: RecordTable + ?Sized>(t: &mut T, limit: usize, now: UnixMillis) -> Result<SweepOutcome, StoreError> {
+pub(crate) fn sweep<T: RecordTable + ?Sized>(
+    t: &mut T,
+    limit: usize,
+    now: UnixMillis,
+) -> Result<SweepOutcome, StoreError> {
     // One more than the batch, to tell whether another call is needed.
     let mut expired = t.expired(now, limit.saturating_add(1))?;
     let more = expired.len() > limit;
@@ -158,7 +150,7 @@ pub fn sweep<T: RecordTable + ?Sized>(t: &mut T, limit: usize, now: UnixMillis) 
 /// # Errors
 /// [`StoreError::LeaseLost`] when `token` is not the current claim (checked before the
 /// entry is looked at); what the table reports.
-pub fn journal_put<T: RecordTable + ?Sized>(
+pub(crate) fn journal_put<T: RecordTable + ?Sized>(
     t: &mut T,
     id: RecordId,
     token: FencingToken,
@@ -251,7 +243,7 @@ impl Write {
     /// reclaim whose caller went away would hold a lease nobody uses, so an executor may
     /// skip it. Completions, fails, journal writes and sweeps are worth applying anyway.
     #[must_use]
-    pub fn is_claim(&self) -> bool {
+    pub(crate) fn is_claim(&self) -> bool {
         matches!(self, Write::Claim(_) | Write::Reclaim(_))
     }
 }

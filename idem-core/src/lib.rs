@@ -7,7 +7,8 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use idem_core::{decide, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey,
+//! use idem_core::engine::{self, Write, Written};
+//! use idem_core::{decide, ClaimOutcome, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey,
 //!     Model, RequestParts, Scope, UnixMillis};
 //!
 //! let key = IdempotencyKey::parse(b"\"7c3f5d1e-91a4\"").unwrap();
@@ -19,7 +20,8 @@
 //! let now = UnixMillis(1_000);
 //! assert_eq!(decide(None, &fp, now), Decision::Claim);
 //! let req = ClaimRequest::new(scope, key, fp, Duration::from_secs(300), Duration::from_secs(86_400));
-//! let idem_core::ClaimOutcome::Claimed(record) = idem_core::engine::claim(&mut model, &req, now).unwrap() else { unreachable!() };
+//! let claim = engine::apply(&mut model, Write::Claim(req), now).unwrap();
+//! let Written::Claim(ClaimOutcome::Claimed(record)) = claim else { unreachable!() };
 //! // A retry while the first attempt runs: 409 with Retry-After.
 //! assert_eq!(decide(Some(&record), &fp, UnixMillis(2_000)), Decision::InFlight { retry_after_secs: 299 });
 //! ```

@@ -60,7 +60,7 @@ pub struct Sweeper {
 
 impl Sweeper {
     /// Starts sweeping `store` as `config` says, on the current Tokio runtime. A store with
-    /// native expiry gets no task ([`Sweeper::is_running`] is `false`). A failed sweep is
+    /// native expiry gets no task. A failed sweep is
     /// logged (`tracing` warning) and tried again next period.
     ///
     /// # Panics
@@ -108,8 +108,8 @@ impl Sweeper {
     }
 
     /// Whether a task runs (`false` for stores with native expiry).
-    #[must_use]
-    pub fn is_running(&self) -> bool {
+    #[cfg(test)]
+    fn is_running(&self) -> bool {
         self.task.as_ref().is_some_and(|t| !t.is_finished())
     }
 

@@ -22,12 +22,10 @@ use crate::table::{SqliteTable, SqliteView};
 
 /// An idempotency [`Store`] in one SQLite file.
 ///
-/// Cheap to clone: clones share the writer thread and the reader pool. Writes (claim,
-/// reclaim, complete, fail, sweep, journal writes) go to one writer thread that applies
-/// whatever is queued in one `BEGIN IMMEDIATE` transaction ([`idem_core::group_commit`]
-/// says how batches are formed and fail); reads run on `spawn_blocking` with pooled read
-/// connections, and a claim that finds a live record is answered by a read connection
-/// without the writer. When the last clone is dropped the writer answers the queued
+/// Cheap to clone: clones share the writer thread and the reader pool. Writes go to one
+/// writer thread that applies whatever is queued in one `BEGIN IMMEDIATE` transaction
+/// ([`idem_core::group_commit`]); reads, and a claim that finds a live record, run on
+/// pooled read connections. When the last clone is dropped the writer answers the queued
 /// operations and closes its connection.
 ///
 /// Open one per process and clone it. A second `SqliteStore` on the same file is correct
@@ -42,15 +40,14 @@ struct Inner {
     path: PathBuf,
     commit: GroupCommit,
     readers: Readers,
-    /// How far the newest claim lay ahead of this clock at open, ms.
-    clock_skew_ms: u64,
+    clock: Arc<dyn Clock>,
 }
 
 impl fmt::Debug for SqliteStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SqliteStore")
             .field("path", &self.inner.path)
-            .field("clock", self.inner.commit.clock())
+            .field("clock", &self.inner.clock)
             .field("stats", &self.inner.commit.stats())
             .finish_non_exhaustive()
     }
@@ -101,8 +98,9 @@ impl SqliteStore {
             clock_skew_ms,
             "idem-sqlite: store settings"
         );
+        let clock = Arc::clone(&config.clock);
         let commit = GroupCommit::start(writer, config.clock, config.batch).map_err(Error::Spawn)?;
-        Ok(Self { inner: Arc::new(Inner { path, commit, readers, clock_skew_ms }) })
+        Ok(Self { inner: Arc::new(Inner { path, commit, readers, clock }) })
     }
 
     /// Applies the migrations the file at `path` is missing (creating the file if needed)
@@ -117,15 +115,6 @@ impl SqliteStore {
     /// file keeps its previous version); [`Error::SchemaTooNew`].
     pub fn migrate(path: impl AsRef<Path>, config: &Config) -> Result<usize, Error> {
         sql::migrate(&mut open_writer(path.as_ref(), config)?)
-    }
-
-    /// The clock skew measured when the store opened: how far the newest claim in the
-    /// file (its `started_at`, written by whichever process claimed it) lay ahead of this
-    /// process's clock, ms; 0 when none did. A lower bound of how far another process's
-    /// clock runs ahead of this one (see [`Config::with_max_clock_skew`]).
-    #[must_use]
-    pub fn clock_skew_at_open_ms(&self) -> u64 {
-        self.inner.clock_skew_ms
     }
 
     /// The database file.
@@ -147,13 +136,12 @@ impl SqliteStore {
         f: impl FnOnce(&Connection, UnixMillis) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let inner = Arc::clone(&self.inner);
-        tokio::task::spawn_blocking(move || inner.readers.with(|conn| f(conn, inner.commit.clock().now())))
+        tokio::task::spawn_blocking(move || inner.readers.with(|conn| f(conn, inner.clock.now())))
             .await
             .map_err(|join| StoreError::unavailable(BACKEND, "read task failed", false, join))?
     }
 }
 
-/// The writer's connection: WAL, busy timeout, `synchronous`; not yet migrated.
 /// Measures how far the newest claim in the file lies ahead of `clock` (ms, 0 when none
 /// does) and refuses over `limit`. Looks at the in-flight claims (their partial index) and
 /// the 1 000 newest rows, so opening a large file stays cheap.
@@ -186,6 +174,7 @@ fn check_clock(conn: &Connection, clock: &dyn Clock, limit: Duration) -> Result<
     Ok(ahead_ms)
 }
 
+/// The writer's connection: WAL, busy timeout, `synchronous`; not yet migrated.
 fn open_writer(path: &Path, config: &Config) -> Result<Connection, Error> {
     let open_err = |step| move |source| Error::Open { path: path.to_path_buf(), step, source };
     let conn = Connection::open(path).map_err(open_err("open"))?;
@@ -308,7 +297,7 @@ impl Engine for Writer {
 
     /// `BEGIN IMMEDIATE` takes the file's write lock before the first read, so nothing
     /// another connection or process writes can come between a read and the write it
-    /// decides (see the crate docs). `durable` is always `true` here: the store sets no
+    /// decides (`docs/contract.md#sqlite`). `durable` is always `true` here: the store sets no
     /// flush interval, durability is [`crate::Synchronous`].
     fn transaction(
         &mut self,

@@ -308,12 +308,6 @@ impl GroupCommit {
         Some(ClaimOutcome::Existing { record, now })
     }
 
-    /// The clock the writer reads (for stores' own reads).
-    #[must_use]
-    pub fn clock(&self) -> &Arc<dyn Clock> {
-        &self.shared.clock
-    }
-
     /// What the writer has done so far.
     #[must_use]
     pub fn stats(&self) -> BatchStats {

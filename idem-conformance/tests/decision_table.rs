@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use idem_conformance::Oracle;
 use idem_core::*;
 use proptest::prelude::*;
 
@@ -18,7 +19,7 @@ fn req(key: &str, body: &[u8]) -> ClaimRequest {
 }
 
 fn claimed(m: &mut Model, r: &ClaimRequest, now: i64) -> Record {
-    match engine::claim(m, r, UnixMillis(now)).unwrap() {
+    match m.claim(r, UnixMillis(now)) {
         ClaimOutcome::Claimed(rec) => rec,
         other => panic!("expected Claimed, got {other:?}"),
     }
@@ -57,14 +58,8 @@ fn row_in_flight_expired_same_reclaims_exactly_at_lease_end() {
     let r = claimed(&mut m, &req("k", b"x"), 0);
     assert!(matches!(decide(Some(&r), &fp(b"x"), UnixMillis(4_999)), Decision::InFlight { .. }));
     assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(5_000)), Decision::Reclaim { expected: r.token });
-    assert!(matches!(
-        engine::reclaim(&mut m, &reclaim_req(&r, b"x"), UnixMillis(4_999)).unwrap(),
-        ReclaimOutcome::Conflict { .. }
-    ));
-    let ReclaimOutcome::Reclaimed(n) = engine::reclaim(&mut m, &reclaim_req(&r, b"x"), UnixMillis(5_001)).unwrap()
-    else {
-        panic!()
-    };
+    assert!(matches!(m.reclaim(&reclaim_req(&r, b"x"), UnixMillis(4_999)), ReclaimOutcome::Conflict { .. }));
+    let ReclaimOutcome::Reclaimed(n) = m.reclaim(&reclaim_req(&r, b"x"), UnixMillis(5_001)) else { panic!() };
     assert_eq!(n.token, r.token.next());
     assert_eq!(n.lease_expires_at, UnixMillis(10_001));
 }
@@ -74,49 +69,38 @@ fn row_in_flight_expired_different_is_mismatch() {
     let mut m = Model::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     assert_eq!(decide(Some(&r), &fp(b"y"), UnixMillis(9_000)), Decision::Mismatch);
-    assert!(matches!(
-        engine::reclaim(&mut m, &reclaim_req(&r, b"y"), UnixMillis(9_000)).unwrap(),
-        ReclaimOutcome::Conflict { .. }
-    ));
+    assert!(matches!(m.reclaim(&reclaim_req(&r, b"y"), UnixMillis(9_000)), ReclaimOutcome::Conflict { .. }));
 }
 
 #[test]
 fn row_completed_same_replays_different_mismatches() {
     let mut m = Model::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
-    let done =
-        engine::complete(&mut m, r.id, r.token, StoredResponse::new(201, vec![], b"ok".to_vec()), UnixMillis(10))
-            .unwrap();
+    let done = m.complete(r.id, r.token, StoredResponse::new(201, vec![], b"ok".to_vec()), UnixMillis(10)).unwrap();
     assert_eq!(decide(Some(&done), &fp(b"x"), UnixMillis(20)), Decision::Replay);
     assert_eq!(decide(Some(&done), &fp(b"y"), UnixMillis(20)), Decision::Mismatch);
     // A completed record is never reclaimable, even after its lease time.
-    assert!(matches!(
-        engine::reclaim(&mut m, &reclaim_req(&done, b"x"), UnixMillis(50_000)).unwrap(),
-        ReclaimOutcome::Conflict { .. }
-    ));
+    assert!(matches!(m.reclaim(&reclaim_req(&done, b"x"), UnixMillis(50_000)), ReclaimOutcome::Conflict { .. }));
 }
 
 #[test]
 fn row_failed_same_reclaims_different_mismatches() {
     let mut m = Model::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
-    let failed = engine::fail(&mut m, r.id, r.token, UnixMillis(10)).unwrap();
+    let failed = m.fail(r.id, r.token, UnixMillis(10)).unwrap();
     assert_eq!(failed.state, RecordState::Failed);
     assert_eq!(decide(Some(&failed), &fp(b"x"), UnixMillis(11)), Decision::Reclaim { expected: r.token });
     assert_eq!(decide(Some(&failed), &fp(b"y"), UnixMillis(11)), Decision::Mismatch);
-    assert!(matches!(
-        engine::reclaim(&mut m, &reclaim_req(&failed, b"x"), UnixMillis(11)).unwrap(),
-        ReclaimOutcome::Reclaimed(_)
-    ));
+    assert!(matches!(m.reclaim(&reclaim_req(&failed, b"x"), UnixMillis(11)), ReclaimOutcome::Reclaimed(_)));
 }
 
 #[test]
 fn retention_end_makes_the_record_absent_and_a_new_claim_gets_a_higher_token() {
     let mut m = Model::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
-    engine::complete(&mut m, r.id, r.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(1)).unwrap();
-    assert!(engine::get(&m, r.id, UnixMillis(59_999)).unwrap().is_some());
-    assert!(engine::get(&m, r.id, UnixMillis(60_000)).unwrap().is_none());
+    m.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(1)).unwrap();
+    assert!(m.get(r.id, UnixMillis(59_999)).is_some());
+    assert!(m.get(r.id, UnixMillis(60_000)).is_none());
     assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(60_000)), Decision::Claim);
     let again = claimed(&mut m, &req("k", b"y"), 60_000);
     // The new record's first token comes from the clock, above every token of the old one.
@@ -128,19 +112,13 @@ fn retention_end_makes_the_record_absent_and_a_new_claim_gets_a_higher_token() {
 fn stale_token_writes_are_lease_lost_and_change_nothing() {
     let mut m = Model::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
-    let ReclaimOutcome::Reclaimed(n) = engine::reclaim(&mut m, &reclaim_req(&r, b"x"), UnixMillis(6_000)).unwrap()
-    else {
-        panic!()
-    };
+    let ReclaimOutcome::Reclaimed(n) = m.reclaim(&reclaim_req(&r, b"x"), UnixMillis(6_000)) else { panic!() };
     let before = m.clone();
-    let e = engine::complete(&mut m, r.id, r.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(6_001))
-        .unwrap_err();
+    let e = m.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(6_001)).unwrap_err();
     assert!(matches!(e, StoreError::LeaseLost { current: Some(t), .. } if t == r.token.next()), "{e:?}");
-    assert!(engine::fail(&mut m, r.id, r.token, UnixMillis(6_001)).unwrap_err().is_lease_lost());
+    assert!(m.fail(r.id, r.token, UnixMillis(6_001)).unwrap_err().is_lease_lost());
     assert_eq!(m, before);
-    assert!(
-        engine::complete(&mut m, n.id, n.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(6_002)).is_ok()
-    );
+    assert!(m.complete(n.id, n.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(6_002)).is_ok());
 }
 
 #[test]
@@ -148,20 +126,20 @@ fn extend_renews_from_now_never_earlier_and_keeps_the_rest() {
     let mut m = Model::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     // From now, not from the old lease end; token, state and times other than the lease stay.
-    let e = engine::extend(&mut m, r.id, r.token, Duration::from_secs(10), UnixMillis(3_000)).unwrap();
+    let e = m.extend(r.id, r.token, Duration::from_secs(10), UnixMillis(3_000)).unwrap();
     assert_eq!(e, Record { lease_expires_at: UnixMillis(13_000), ..r.clone() });
     // Never earlier: a shorter renewal leaves the lease where it is.
-    let same = engine::extend(&mut m, r.id, r.token, Duration::from_secs(1), UnixMillis(4_000)).unwrap();
+    let same = m.extend(r.id, r.token, Duration::from_secs(1), UnixMillis(4_000)).unwrap();
     assert_eq!(same, e);
     // Past the retention: expires_at follows the lease, so a renewed claim is never swept.
-    let long = engine::extend(&mut m, r.id, r.token, Duration::from_secs(100), UnixMillis(5_000)).unwrap();
+    let long = m.extend(r.id, r.token, Duration::from_secs(100), UnixMillis(5_000)).unwrap();
     assert_eq!((long.lease_expires_at, long.expires_at), (UnixMillis(105_000), UnixMillis(105_000)));
-    assert_eq!(engine::sweep(&mut m, 10, UnixMillis(60_000)).unwrap().removed, 0);
+    assert_eq!(m.sweep(10, UnixMillis(60_000)).removed, 0);
     // A renewed lease blocks a retry until its new end.
     let retry = reclaim_req(&long, b"x");
-    assert!(matches!(engine::reclaim(&mut m, &retry, UnixMillis(104_999)).unwrap(), ReclaimOutcome::Conflict { .. }));
-    assert_eq!(engine::get(&m, r.id, UnixMillis(104_999)).unwrap(), Some(long));
-    assert_eq!(engine::get(&m, r.id, UnixMillis(105_000)).unwrap(), None, "lease and retention end together");
+    assert!(matches!(m.reclaim(&retry, UnixMillis(104_999)), ReclaimOutcome::Conflict { .. }));
+    assert_eq!(m.get(r.id, UnixMillis(104_999)), Some(long));
+    assert_eq!(m.get(r.id, UnixMillis(105_000)), None, "lease and retention end together");
 }
 
 #[test]
@@ -169,30 +147,29 @@ fn extend_is_lease_lost_unless_the_caller_holds_the_in_flight_claim() {
     let mut m = Model::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     // An owner whose lease ran out but whom nobody reclaimed still renews.
-    let late = engine::extend(&mut m, r.id, r.token, LEASE, UnixMillis(9_000)).unwrap();
+    let late = m.extend(r.id, r.token, LEASE, UnixMillis(9_000)).unwrap();
     assert_eq!(late.lease_expires_at, UnixMillis(14_000));
     let before = m.clone();
     for wrong in [r.token.next(), FencingToken(r.token.0 - 1)] {
-        let e = engine::extend(&mut m, r.id, wrong, LEASE, UnixMillis(9_001)).unwrap_err();
+        let e = m.extend(r.id, wrong, LEASE, UnixMillis(9_001)).unwrap_err();
         assert!(matches!(e, StoreError::LeaseLost { current: Some(t), .. } if t == r.token), "{e:?}");
     }
     assert_eq!(m, before);
     // Completed and failed records are not renewed, even by the token that ended them.
-    let done =
-        engine::complete(&mut m, r.id, r.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(9_002)).unwrap();
-    assert!(engine::extend(&mut m, r.id, r.token, LEASE, UnixMillis(9_003)).unwrap_err().is_lease_lost());
-    assert_eq!(engine::get(&m, r.id, UnixMillis(9_003)).unwrap(), Some(done));
+    let done = m.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(9_002)).unwrap();
+    assert!(m.extend(r.id, r.token, LEASE, UnixMillis(9_003)).unwrap_err().is_lease_lost());
+    assert_eq!(m.get(r.id, UnixMillis(9_003)), Some(done));
     let f = claimed(&mut m, &req("f", b"x"), 0);
-    let failed = engine::fail(&mut m, f.id, f.token, UnixMillis(1)).unwrap();
-    assert!(engine::extend(&mut m, f.id, f.token, LEASE, UnixMillis(2)).unwrap_err().is_lease_lost());
-    assert_eq!(engine::get(&m, f.id, UnixMillis(2)).unwrap(), Some(failed));
+    let failed = m.fail(f.id, f.token, UnixMillis(1)).unwrap();
+    assert!(m.extend(f.id, f.token, LEASE, UnixMillis(2)).unwrap_err().is_lease_lost());
+    assert_eq!(m.get(f.id, UnixMillis(2)), Some(failed));
     // Absent, and expired: LeaseLost with no current token.
     let absent = req("never", b"x").id();
     assert!(matches!(
-        engine::extend(&mut m, absent, FencingToken::FIRST, LEASE, UnixMillis(0)),
+        m.extend(absent, FencingToken::FIRST, LEASE, UnixMillis(0)),
         Err(StoreError::LeaseLost { current: None, .. })
     ));
-    let e = engine::extend(&mut m, r.id, r.token, LEASE, UnixMillis(60_000)).unwrap_err();
+    let e = m.extend(r.id, r.token, LEASE, UnixMillis(60_000)).unwrap_err();
     assert!(matches!(e, StoreError::LeaseLost { current: None, .. }), "{e:?}");
 }
 
@@ -240,11 +217,11 @@ fn sweep_is_bounded_and_spares_live_records() {
         claimed(&mut m, &req(&format!("k{i}"), b"x"), i);
     }
     // Nothing has expired at t=59_999.
-    assert_eq!(engine::sweep(&mut m, 100, UnixMillis(59_999)).unwrap().removed, 0);
-    let s = engine::sweep(&mut m, 4, UnixMillis(60_005)).unwrap();
+    assert_eq!(m.sweep(100, UnixMillis(59_999)).removed, 0);
+    let s = m.sweep(4, UnixMillis(60_005));
     assert_eq!((s.removed, s.more), (4, true));
     // Records 0..=5 expired by t=60_005 (retention 60 s from t=i): two are left to sweep.
-    let s = engine::sweep(&mut m, 4, UnixMillis(60_005)).unwrap();
+    let s = m.sweep(4, UnixMillis(60_005));
     assert_eq!((s.removed, s.more), (2, false));
     assert_eq!(m.len(), 4);
 }
@@ -254,14 +231,14 @@ fn codec_round_trips_and_rejects_garbage() {
     let mut m = Model::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     let body = vec![b'a'; 10_000];
-    let done = engine::complete(
-        &mut m,
-        r.id,
-        r.token,
-        StoredResponse::compressed_over(201, vec![("location".into(), b"/w/1".to_vec())], body.clone(), 4096),
-        UnixMillis(1),
-    )
-    .unwrap();
+    let done = m
+        .complete(
+            r.id,
+            r.token,
+            StoredResponse::compressed_over(201, vec![("location".into(), b"/w/1".to_vec())], body.clone(), 4096),
+            UnixMillis(1),
+        )
+        .unwrap();
     assert!(matches!(done.response.as_ref().unwrap().body, StoredBody::Lz4 { .. }));
     let bytes = codec::encode(&done);
     let back = codec::decode(&bytes).unwrap();
@@ -290,22 +267,22 @@ proptest! {
         for (op, dt) in ops {
             now += dt;
             let t = UnixMillis(now);
-            let cur = engine::get(&m, r.id(), t).unwrap();
+            let cur = m.get(r.id(), t);
             let won = match op {
-                0 => match engine::claim(&mut m, &r, t).unwrap() { ClaimOutcome::Claimed(n) => Some(n), ClaimOutcome::Existing { .. } => None },
-                1 => cur.as_ref().and_then(|c| match engine::reclaim(&mut m, &reclaim_req(c, b"x"), t).unwrap() {
+                0 => match m.claim(&r, t) { ClaimOutcome::Claimed(n) => Some(n), ClaimOutcome::Existing { .. } => None },
+                1 => cur.as_ref().and_then(|c| match m.reclaim(&reclaim_req(c, b"x"), t) {
                     ReclaimOutcome::Reclaimed(n) => Some(n),
                     ReclaimOutcome::Conflict { .. } => None,
                 }),
-                2 => { if let Some(c) = &cur { let _ = engine::complete(&mut m, c.id, c.token, StoredResponse::new(200, vec![], vec![]), t); } None }
-                3 => { if let Some(c) = &cur { let _ = engine::fail(&mut m, c.id, c.token, t); } None }
-                4 => { if let Some(c) = &cur { let _ = engine::extend(&mut m, c.id, c.token, LEASE, t); } None }
-                _ => { let _ = engine::sweep(&mut m, 10, t).unwrap(); None }
+                2 => { if let Some(c) = &cur { let _ = m.complete(c.id, c.token, StoredResponse::new(200, vec![], vec![]), t); } None }
+                3 => { if let Some(c) = &cur { let _ = m.fail(c.id, c.token, t); } None }
+                4 => { if let Some(c) = &cur { let _ = m.extend(c.id, c.token, LEASE, t); } None }
+                _ => { let _ = m.sweep(10, t); None }
             };
             if let Some(n) = won {
                 prop_assert!(n.token.0 > last, "token {} after {last}", n.token);
             }
-            if let Some(after) = engine::get(&m, r.id(), t).unwrap() {
+            if let Some(after) = m.get(r.id(), t) {
                 prop_assert!(after.token.0 >= last);
                 prop_assert!(after.lease_expires_at <= after.expires_at || after.state != RecordState::InFlight);
                 last = after.token.0;
