@@ -181,9 +181,18 @@ pub struct SweepOutcome {
 
 /// Idempotency record storage.
 ///
-/// Object safe: the HTTP layer holds an `Arc<dyn Store>`. Later capabilities (step and
-/// intent journals) arrive as provided methods with a default that returns
-/// [`StoreError::Unsupported`], so adding them breaks no backend.
+/// - The record's life: [`claim`](Store::claim), [`reclaim`](Store::reclaim),
+///   [`complete`](Store::complete), [`fail`](Store::fail), [`extend`](Store::extend),
+///   [`get`](Store::get).
+/// - Housekeeping: [`sweep`](Store::sweep) (required: a store with native expiry answers
+///   zero, see [`Capabilities::native_expiry`]; the `Sweeper` of feature `sweeper` runs it) and
+///   [`list`](Store::list) for operators.
+/// - Resumable handlers: [`journal_put`](Store::journal_put),
+///   [`journal_get`](Store::journal_get).
+///
+/// What a store offers beyond the required methods is in [`Store::capabilities`]; the
+/// optional methods default to [`StoreError::Unsupported`], so adding one breaks no
+/// backend. Object safe: the HTTP layer holds an `Arc<dyn Store>`.
 #[async_trait]
 pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// Insert-if-absent.
