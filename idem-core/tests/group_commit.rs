@@ -78,11 +78,7 @@ impl Engine for ModelEngine {
         "model"
     }
 
-    fn transaction(
-        &mut self,
-        _durable: bool,
-        apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool,
-    ) -> Result<(), TransactionFailed> {
+    fn transaction(&mut self, apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool) -> Result<(), TransactionFailed> {
         let mut draft = lock(&self.committed).clone();
         let (panic_on, refuse) = (*lock(&self.panic_on), *lock(&self.refuse));
         if !apply(&mut Planted { model: &mut draft, panic_on, refuse }) {

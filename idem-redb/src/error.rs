@@ -1,17 +1,14 @@
-//! [`Error`]: what redb reported, and how it becomes a [`StoreError`].
-//!
-//! Every redb error is kept whole as the `source` of an [`Error`]; the conversion into
-//! [`StoreError::Unavailable`] keeps it as the `source` again and decides the `retryable`
-//! flag (see [`Error::is_retryable`]). Decode failures of stored values never appear here:
-//! they are [`StoreError::Corrupt`]. Failures of a whole batch are the executor's
-//! (see [`idem_core::group_commit`]), with the [`Error`] that caused them as their source.
+//! [`Error`]: what redb reported, kept whole as `source`, and how it becomes a
+//! [`StoreError::Unavailable`] (with [`Error::is_retryable`] as its flag).
 
 use idem_core::StoreError;
 
 /// The backend name in [`StoreError::Unavailable`].
-pub const BACKEND: &str = "redb";
+pub(crate) const BACKEND: &str = "redb";
 
-/// A redb operation failed, or the store's writer thread could not start.
+/// A redb operation failed, or the store's writer thread could not start. Decode failures
+/// of stored values are [`StoreError::Corrupt`] instead; a failed batch is the executor's
+/// error ([`idem_core::group_commit`]), with this as its source.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -38,10 +35,6 @@ pub enum Error {
     /// The write transaction could not be committed; nothing in it was applied.
     #[error("redb commit failed; nothing in the batch was applied")]
     Commit(#[from] redb::CommitError),
-    /// The configured durability was refused by redb (e.g. non-durable commits on a
-    /// database shared between processes).
-    #[error("redb refused the configured durability")]
-    Durability(#[from] redb::SetDurabilityError),
     /// The writer thread could not be started.
     #[error("could not start the redb writer thread")]
     Spawn(#[source] std::io::Error),
@@ -83,7 +76,7 @@ impl Error {
             // A poisoned transaction is dropped; the next batch starts a fresh one.
             Error::Commit(_) => true,
             Error::Reopen(_) | Error::Reopening => true,
-            Error::Durability(_) | Error::Spawn(_) | Error::Join(_) => false,
+            Error::Spawn(_) | Error::Join(_) => false,
         }
     }
 
@@ -94,7 +87,6 @@ impl Error {
             Error::Table { .. } => "opening a table",
             Error::Storage(_) => "reading or writing a table",
             Error::Commit(_) => "committing a write transaction",
-            Error::Durability(_) => "setting commit durability",
             Error::Spawn(_) => "starting the writer thread",
             Error::Join(_) => "running a blocking read",
             Error::Reopen(_) | Error::Reopening => "reopening the database after an I/O failure",

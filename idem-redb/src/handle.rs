@@ -1,13 +1,7 @@
-//! The store's handle on its [`Database`], and the reopen after an I/O failure.
-//!
-//! redb latches an I/O failure (a commit that hit a full disk): every later transaction of
-//! that `Database` fails with `StorageError::PreviousIo` until it is dropped and the file
-//! opened again. A store opened from a path does that by itself: the writer that meets the
-//! latched failure takes the database out of the handle, and the next caller that needs
-//! it (the writer's next batch, a read on the blocking pool) opens the file again. Until
-//! an open succeeds every caller gets [`Error::Reopen`] (the HTTP layer answers 503).
-//! Failed opens back off (doubling from 10 ms up to 1 s), so a disk that stays full costs
-//! one open attempt per second, not one per request.
+//! The store's handle on its [`Database`], and the reopen after redb latched an I/O
+//! failure (`docs/contract.md#redb`): the writer that meets the failure takes the database
+//! out of the handle, and the next caller that needs it opens the file again, backing off
+//! so that a disk that stays full costs one open attempt per second, not one per request.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -109,10 +103,5 @@ impl Handle {
             tracing::warn!(backend = crate::error::BACKEND, "redb latched an I/O failure; reopening the file");
         }
         true
-    }
-
-    /// How many times the file was opened again.
-    pub(crate) fn reopens(&self) -> u64 {
-        self.lock().reopens
     }
 }

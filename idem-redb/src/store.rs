@@ -88,7 +88,6 @@ impl RedbStore {
         // The settings this store runs on (docs/observability.md).
         tracing::info!(
             backend = "redb",
-            durability = ?config.durability,
             batch = ?batch,
             reopen = config.reopen,
             "idem-redb: store settings"

@@ -59,7 +59,7 @@ fn read_record(
 ///
 /// # Errors
 /// [`StoreError::Corrupt`] when the bytes do not decode or name another record.
-pub fn decode_record(id: RecordId, bytes: &[u8]) -> Result<Record, StoreError> {
+fn decode_record(id: RecordId, bytes: &[u8]) -> Result<Record, StoreError> {
     let record = codec::decode(bytes).map_err(|source| StoreError::Corrupt { id: Some(id), source })?;
     if record.id != id {
         return Err(StoreError::Corrupt {
@@ -211,7 +211,7 @@ impl RedbView {
         for entry in records.range::<&[u8; 32]>((start, Bound::Unbounded)).map_err(Error::from)? {
             let (key, value) = entry.map_err(Error::from)?;
             let id = RecordId::from_bytes(*key.value());
-            let record = codec::decode(value.value()).map_err(|source| StoreError::Corrupt { id: Some(id), source })?;
+            let record = decode_record(id, value.value())?;
             if !filter.matches(&record, now) {
                 continue;
             }
@@ -267,16 +267,9 @@ impl Engine for RedbEngine {
         BACKEND
     }
 
-    fn transaction(
-        &mut self,
-        durable: bool,
-        apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool,
-    ) -> Result<(), TransactionFailed> {
+    fn transaction(&mut self, apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool) -> Result<(), TransactionFailed> {
         let db = self.handle.get().map_err(failed(Stage::Begin))?;
-        let mut txn = db.begin_write().map_err(|e| self.after(&db, e.into())).map_err(failed(Stage::Begin))?;
-        if !durable {
-            txn.set_durability(redb::Durability::None).map_err(Error::from).map_err(failed(Stage::Begin))?;
-        }
+        let txn = db.begin_write().map_err(|e| self.after(&db, e.into())).map_err(failed(Stage::Begin))?;
         let commit = apply(&mut RedbTable::open(&txn).map_err(|e| self.after(&db, e)).map_err(failed(Stage::Begin))?);
         if !commit {
             // A batch that wrote nothing, or one that failed: nothing of it may reach the
@@ -286,12 +279,5 @@ impl Engine for RedbEngine {
             return Ok(());
         }
         txn.commit().map_err(|e| self.after(&db, e.into())).map_err(failed(Stage::Commit))
-    }
-
-    fn flush(&mut self) -> Result<(), StoreError> {
-        // An empty durable commit makes every earlier non-durable one durable.
-        let db = self.handle.get()?;
-        db.begin_write().map_err(|e| self.after(&db, e.into()))?.commit().map_err(|e| self.after(&db, e.into()))?;
-        Ok(())
     }
 }

@@ -17,7 +17,7 @@ use idem_core::{
     ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse, UnixMillis,
 };
 use idem_redb::table::{EXPIRY, JOURNAL, RECORDS};
-use idem_redb::{BatchConfig, Config, Durability, RedbStore};
+use idem_redb::{BatchConfig, Config, RedbStore};
 use redb::{ReadableDatabase, ReadableTable};
 
 const LEASE: Duration = Duration::from_secs(5);
@@ -137,23 +137,6 @@ async fn records_survive_close_and_reopen() {
     let completed = store.complete(running.id, running.token, response(b"late")).await.expect("owner completes");
     assert_eq!(completed.state, RecordState::Completed);
     assert_index_consistent(&store);
-}
-
-/// With `Durability::Eventual`, writes acknowledged before a clean shutdown are on disk
-/// after reopen (the writer makes them durable when it stops).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn eventual_durability_flushes_on_clean_shutdown() {
-    let dir = tempfile::tempdir().expect("dir");
-    let path = dir.path().join("idem.redb");
-    let clock = clock();
-    let eventual = Durability::Eventual { max_unflushed: Duration::from_secs(3600) };
-
-    let store = RedbStore::open(&path, config(&clock).with_durability(eventual)).expect("open");
-    let r = must_claim(&store, req("k", b"{}", RETENTION)).await;
-    drop(store);
-
-    let store = RedbStore::open(&path, config(&clock)).expect("reopen");
-    assert_eq!(store.get(r.id).await.expect("get"), Some(r));
 }
 
 // ---------------------------------------------------------------------------------------

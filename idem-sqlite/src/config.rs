@@ -8,46 +8,20 @@ use idem_core::{Clock, SystemClock};
 
 /// The default [`Config::with_max_clock_skew`]: well inside NTP's usual accuracy on a
 /// healthy host (milliseconds), far below any sensible lease (seconds).
-pub const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_secs(1);
-
-/// `PRAGMA synchronous` for the writer: what a commit waits for before the caller hears
-/// "done". Both keep the database consistent after any crash; they differ in whether the
-/// newest commits survive a power loss or an operating-system crash.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Synchronous {
-    /// `synchronous = FULL` (default): every commit fsyncs the write-ahead log before the
-    /// callers of its batch get their outcomes. An acknowledged claim or completion
-    /// survives power loss. Costs one fsync per group commit, which group commit shares
-    /// among every operation of the batch.
-    #[default]
-    Full,
-    /// `synchronous = NORMAL`: in WAL mode the log is fsynced only at checkpoints. Commits
-    /// survive a crash of the process, but a power loss or OS crash can roll back the
-    /// last commits (never corrupt the file). For idempotency that means an acknowledged
-    /// claim can vanish, so a retry after the outage runs the handler a second time, and
-    /// a stored response can vanish, so its retry runs again instead of replaying. Choose
-    /// it only when handlers' side effects are themselves idempotent (derived sub-keys).
-    Normal,
-}
-
-impl Synchronous {
-    pub(crate) fn pragma(self) -> &'static str {
-        match self {
-            Synchronous::Full => "FULL",
-            Synchronous::Normal => "NORMAL",
-        }
-    }
-}
+const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_secs(1);
 
 /// Settings of a [`crate::SqliteStore`]: `Config::default().with_*(..)`.
 ///
+/// Every commit fsyncs the write-ahead log (`PRAGMA synchronous = FULL`) before its
+/// callers hear of it. There is no setting that trades this away: `NORMAL` can roll back
+/// the newest commits on a power loss or an OS crash, and a claim or completion taken back
+/// lets a retry run the handler a second time.
+///
 /// ```
 /// use std::time::Duration;
-/// use idem_sqlite::{Config, Synchronous};
+/// use idem_sqlite::Config;
 ///
 /// let config = Config::default()
-///     .with_synchronous(Synchronous::Full)
 ///     .with_busy_timeout(Duration::from_secs(2))
 ///     .with_max_readers(8);
 /// # let _ = config;
@@ -56,7 +30,6 @@ impl Synchronous {
 #[must_use]
 pub struct Config {
     pub(crate) clock: Arc<dyn Clock>,
-    pub(crate) synchronous: Synchronous,
     pub(crate) busy_timeout: Duration,
     pub(crate) batch: BatchConfig,
     pub(crate) max_readers: usize,
@@ -69,13 +42,12 @@ pub struct Config {
 }
 
 impl Default for Config {
-    /// System clock, `synchronous = FULL`, 5 s busy timeout, the executor's batching
+    /// System clock, 5 s busy timeout, the executor's batching
     /// defaults ([`BatchConfig::default`]), 4 pooled readers, claims of live records
     /// answered by a reader, migrations applied on open, 1 s clock skew limit.
     fn default() -> Self {
         Self {
             clock: Arc::new(SystemClock),
-            synchronous: Synchronous::default(),
             busy_timeout: Duration::from_secs(5),
             batch: BatchConfig::default(),
             max_readers: 4,
@@ -92,12 +64,6 @@ impl Config {
     /// [`idem_core::ManualClock`].
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
-        self
-    }
-
-    /// Durability of each commit (default [`Synchronous::Full`]).
-    pub fn with_synchronous(mut self, synchronous: Synchronous) -> Self {
-        self.synchronous = synchronous;
         self
     }
 
@@ -138,7 +104,7 @@ impl Config {
     /// How far the file's newest claim may lie ahead of this process's clock when the
     /// store opens (default 1 s): further, and [`crate::SqliteStore::open`] refuses with
     /// [`crate::Error::ClockBehind`]. `Duration::MAX` turns the refusal off (the skew is
-    /// then only logged). See the crate docs, "Clocks of processes sharing a file".
+    /// then only logged). The rule for processes sharing a file: `docs/contract.md#time`.
     pub fn with_max_clock_skew(mut self, limit: Duration) -> Self {
         self.max_clock_skew = limit;
         self

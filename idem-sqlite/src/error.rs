@@ -1,9 +1,5 @@
-//! Errors of the SQLite backend.
-//!
-//! Every SQLite failure keeps rusqlite's error as its `source`. [`Error::is_retryable`]
-//! says whether the same call can succeed later: `SQLITE_BUSY` (another process held the
-//! write lock longer than the busy timeout) and `SQLITE_LOCKED` are; a missing file, a
-//! schema from a newer build, a full disk or a corrupt row are not.
+//! Errors of the SQLite backend: every SQLite failure keeps rusqlite's error as its
+//! `source`, where [`rusqlite::Error::sqlite_error_code`] gives SQLite's result code.
 
 use std::path::PathBuf;
 
@@ -13,7 +9,9 @@ use rusqlite::ErrorCode;
 /// Name used in [`StoreError::Unavailable`].
 pub(crate) const BACKEND: &str = "sqlite";
 
-/// A failure of the SQLite store.
+/// A failure of the SQLite store. Only `SQLITE_BUSY` and `SQLITE_LOCKED` are retryable
+/// ([`Error::is_retryable`]); a missing file, a schema from a newer build, a full disk or a
+/// corrupt row are not.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -112,18 +110,13 @@ impl Error {
     /// lock was held by another connection for longer than the busy timeout).
     #[must_use]
     pub fn is_retryable(&self) -> bool {
-        matches!(self.sqlite_code(), Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked))
-    }
-
-    /// SQLite's primary result code, when the failure came from SQLite.
-    #[must_use]
-    pub fn sqlite_code(&self) -> Option<ErrorCode> {
-        match self {
+        let code = match self {
             Error::Open { source, .. } | Error::Migration { source, .. } | Error::Sqlite { source, .. } => {
                 source.sqlite_error_code()
             }
             _ => None,
-        }
+        };
+        matches!(code, Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked))
     }
 
     pub(crate) fn sqlite(operation: &'static str) -> impl FnOnce(rusqlite::Error) -> Error {
@@ -152,37 +145,5 @@ impl From<Error> for StoreError {
         let retryable = err.is_retryable();
         let message = err.to_string();
         StoreError::unavailable(BACKEND, message, retryable, err)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn failure(code: i32) -> rusqlite::Error {
-        rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(code), None)
-    }
-
-    #[test]
-    fn busy_and_locked_are_retryable_others_are_not() {
-        let busy = Error::Sqlite { operation: "claim", source: failure(rusqlite::ffi::SQLITE_BUSY) };
-        let locked = Error::Sqlite { operation: "begin group commit", source: failure(rusqlite::ffi::SQLITE_LOCKED) };
-        let full = Error::Sqlite { operation: "claim", source: failure(rusqlite::ffi::SQLITE_FULL) };
-        assert!(busy.is_retryable());
-        assert!(locked.is_retryable());
-        assert!(!full.is_retryable());
-        assert!(!Error::SchemaOutdated { found: 1, required: 2 }.is_retryable());
-        assert!(!Error::SchemaTooNew { found: 9, known: 1 }.is_retryable());
-    }
-
-    #[test]
-    fn store_error_keeps_the_driver_error_as_source() {
-        let busy = Error::Sqlite { operation: "claim", source: failure(rusqlite::ffi::SQLITE_BUSY) };
-        let store: StoreError = busy.into();
-        assert!(store.is_retryable());
-        let ours = std::error::Error::source(&store).expect("source");
-        let ours = ours.downcast_ref::<Error>().expect("idem_sqlite::Error");
-        let driver = std::error::Error::source(ours).expect("driver source");
-        assert!(driver.downcast_ref::<rusqlite::Error>().is_some());
     }
 }

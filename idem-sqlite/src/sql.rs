@@ -67,17 +67,3 @@ pub(crate) fn check(conn: &Connection) -> Result<(), Error> {
     }
     Ok(())
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn migrations_are_numbered_in_order_and_end_at_the_schema_version() {
-        for (i, m) in MIGRATIONS.iter().enumerate() {
-            assert_eq!(m.version as usize, i + 1);
-            assert!(m.name.starts_with(&format!("{:04}_", m.version)));
-        }
-        assert_eq!(MIGRATIONS.last().map(|m| m.version), Some(SCHEMA_VERSION));
-    }
-}

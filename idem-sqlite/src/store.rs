@@ -91,7 +91,7 @@ impl SqliteStore {
             backend = "sqlite",
             path = %path.display(),
             journal_mode = "wal",
-            synchronous = config.synchronous.pragma(),
+            synchronous = "FULL",
             schema_version = crate::SCHEMA_VERSION,
             auto_migrate = config.auto_migrate,
             batch = ?config.batch,
@@ -107,7 +107,7 @@ impl SqliteStore {
     /// and returns how many ran: 0 when it already is at [`crate::SCHEMA_VERSION`]. Safe to
     /// run from several processes at once (each migration runs exactly once). Stores opened
     /// with [`Config::with_auto_migrate`]`(false)` need it first. Blocking, like
-    /// [`SqliteStore::open`]; of `config` only the busy timeout and `synchronous` apply.
+    /// [`SqliteStore::open`]; of `config` only the busy timeout applies.
     ///
     /// # Errors
     /// [`Error::Open`] / [`Error::NotWal`] as for [`SqliteStore::open`];
@@ -183,7 +183,7 @@ fn open_writer(path: &Path, config: &Config) -> Result<Connection, Error> {
     if !mode.eq_ignore_ascii_case("wal") {
         return Err(Error::NotWal { path: path.to_path_buf(), mode });
     }
-    conn.pragma_update(None, "synchronous", config.synchronous.pragma()).map_err(open_err("set synchronous"))?;
+    conn.pragma_update(None, "synchronous", "FULL").map_err(open_err("set synchronous"))?;
     Ok(conn)
 }
 
@@ -297,13 +297,8 @@ impl Engine for Writer {
 
     /// `BEGIN IMMEDIATE` takes the file's write lock before the first read, so nothing
     /// another connection or process writes can come between a read and the write it
-    /// decides (`docs/contract.md#sqlite`). `durable` is always `true` here: the store sets no
-    /// flush interval, durability is [`crate::Synchronous`].
-    fn transaction(
-        &mut self,
-        _durable: bool,
-        apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool,
-    ) -> Result<(), TransactionFailed> {
+    /// decides (`docs/contract.md#sqlite`).
+    fn transaction(&mut self, apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool) -> Result<(), TransactionFailed> {
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)

@@ -101,12 +101,13 @@ async fn a_write_lock_held_past_the_busy_timeout_is_a_retryable_error_then_the_c
 
     let err = store.claim(req("k1")).await.expect_err("the lock is held");
     assert!(err.is_retryable(), "{err}");
-    // The group-commit executor wraps the cause its whole batch shares; the SQLite error is
-    // further down the chain.
-    let source = std::iter::successors(Some(&err as &(dyn std::error::Error + 'static)), |e| e.source())
-        .find_map(|e| e.downcast_ref::<Error>())
-        .expect("sqlite error");
-    assert_eq!(source.sqlite_code(), Some(rusqlite::ErrorCode::DatabaseBusy));
+    // The group-commit executor wraps the cause its whole batch shares; the store's error,
+    // and rusqlite's under it, are further down the chain.
+    let chain = || std::iter::successors(Some(&err as &(dyn std::error::Error + 'static)), |e| e.source());
+    let ours = chain().find_map(|e| e.downcast_ref::<Error>()).expect("idem_sqlite::Error");
+    assert!(ours.is_retryable(), "{ours}");
+    let driver = chain().find_map(|e| e.downcast_ref::<rusqlite::Error>()).expect("rusqlite error");
+    assert_eq!(driver.sqlite_error_code(), Some(rusqlite::ErrorCode::DatabaseBusy));
 
     other.execute_batch("ROLLBACK").expect("release the write lock");
     assert!(matches!(store.claim(req("k1")).await.expect("claim"), ClaimOutcome::Claimed(_)));
@@ -336,17 +337,23 @@ async fn a_process_whose_clock_is_behind_the_file_refuses_to_open() {
         other => panic!("opened despite a 10 s skew: {other:?}"),
     }
 
-    // With the check off, the measurement is kept and the failure shows: the slow
-    // process's fresh 5 s claim is reclaimed by the fast one at once.
-    let p = path.clone();
-    let s = Arc::new(slow.clone());
-    let slow_store = tokio::task::spawn_blocking(move || {
-        SqliteStore::open(p, Config::default().with_clock(s).with_max_clock_skew(Duration::MAX))
-    })
-    .await
-    .expect("open task")
-    .expect("open with the check off");
-    assert_eq!(slow_store.clock_skew_at_open_ms(), 10_000);
+    // The measured skew is exactly 10 s: a limit 1 ms below it refuses, the limit itself
+    // opens.
+    let open_with_limit = |limit: Duration| {
+        let (p, s) = (path.clone(), Arc::new(slow.clone()));
+        tokio::task::spawn_blocking(move || {
+            SqliteStore::open(p, Config::default().with_clock(s).with_max_clock_skew(limit))
+        })
+    };
+    match open_with_limit(Duration::from_millis(9_999)).await.expect("open task") {
+        Err(Error::ClockBehind { ahead_ms, limit_ms }) => assert_eq!((ahead_ms, limit_ms), (10_000, 9_999)),
+        other => panic!("opened despite a 10 s skew over a 9.999 s limit: {other:?}"),
+    }
+    drop(open_with_limit(Duration::from_secs(10)).await.expect("open task").expect("a skew at the limit opens"));
+
+    // With the check off, the failure shows: the slow process's fresh 5 s claim is
+    // reclaimed by the fast one at once.
+    let slow_store = open_with_limit(Duration::MAX).await.expect("open task").expect("open with the check off");
     let ClaimOutcome::Claimed(held) = slow_store.claim(req("k1")).await.expect("claim") else { panic!() };
     let again = ReclaimRequest {
         id: held.id,
@@ -357,4 +364,40 @@ async fn a_process_whose_clock_is_behind_the_file_refuses_to_open() {
     };
     let stolen = fast_store.reclaim(again).await.expect("reclaim");
     assert!(matches!(stolen, ReclaimOutcome::Reclaimed(_)), "a live lease was reclaimed early: {stolen:?}");
+}
+
+fn failure(code: i32) -> rusqlite::Error {
+    rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(code), None)
+}
+
+#[test]
+fn busy_and_locked_are_retryable_others_are_not() {
+    let busy = Error::Sqlite { operation: "claim", source: failure(rusqlite::ffi::SQLITE_BUSY) };
+    let locked = Error::Sqlite { operation: "begin group commit", source: failure(rusqlite::ffi::SQLITE_LOCKED) };
+    let full = Error::Sqlite { operation: "claim", source: failure(rusqlite::ffi::SQLITE_FULL) };
+    assert!(busy.is_retryable());
+    assert!(locked.is_retryable());
+    assert!(!full.is_retryable());
+    assert!(!Error::SchemaOutdated { found: 1, required: 2 }.is_retryable());
+    assert!(!Error::SchemaTooNew { found: 9, known: 1 }.is_retryable());
+}
+
+#[test]
+fn store_error_keeps_the_driver_error_as_source() {
+    let busy = Error::Sqlite { operation: "claim", source: failure(rusqlite::ffi::SQLITE_BUSY) };
+    let store: StoreError = busy.into();
+    assert!(store.is_retryable());
+    let ours = std::error::Error::source(&store).expect("source");
+    let ours = ours.downcast_ref::<Error>().expect("idem_sqlite::Error");
+    let driver = std::error::Error::source(ours).expect("driver source");
+    assert!(driver.downcast_ref::<rusqlite::Error>().is_some());
+}
+
+#[test]
+fn migrations_are_numbered_in_order_and_end_at_the_schema_version() {
+    for (i, m) in idem_sqlite::MIGRATIONS.iter().enumerate() {
+        assert_eq!(m.version as usize, i + 1);
+        assert!(m.name.starts_with(&format!("{:04}_", m.version)));
+    }
+    assert_eq!(idem_sqlite::MIGRATIONS.last().map(|m| m.version), Some(SCHEMA_VERSION));
 }

@@ -91,28 +91,14 @@ pub trait Engine: Send + 'static {
     /// The backend's name in errors, e.g. `redb`.
     fn backend(&self) -> &'static str;
 
-    /// Runs one write transaction: begins it, hands its table to `apply`, then commits when
-    /// `apply` returns `true` and aborts (rolls back) when it returns `false`. With
-    /// `durable == false` the commit may skip the fsync (only asked for when the store
-    /// chose a flush interval, see [`BatchConfig::with_flush_interval`]).
+    /// Runs one write transaction: begins it, hands its table to `apply`, then commits
+    /// durably (the commit is on disk when this returns) when `apply` returns `true` and
+    /// aborts (rolls back) when it returns `false`.
     ///
     /// # Errors
     /// [`TransactionFailed`] at [`Stage::Begin`] or [`Stage::Commit`]; nothing of the
     /// transaction may be visible afterwards.
-    fn transaction(
-        &mut self,
-        durable: bool,
-        apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool,
-    ) -> Result<(), TransactionFailed>;
-
-    /// Makes every earlier non-durable commit durable (an empty durable commit). Only
-    /// called when a flush interval is set; the default does nothing.
-    ///
-    /// # Errors
-    /// The engine's error; the writer logs it and tries again after the interval.
-    fn flush(&mut self) -> Result<(), StoreError> {
-        Ok(())
-    }
+    fn transaction(&mut self, apply: &mut dyn FnMut(&mut dyn RecordTable) -> bool) -> Result<(), TransactionFailed>;
 }
 
 /// How a [`GroupCommit`] batches.
@@ -131,12 +117,11 @@ pub struct BatchConfig {
     linger: Duration,
     /// Linger until the batch is full rather than as large as the last one.
     fill: bool,
-    flush_interval: Option<Duration>,
 }
 
 impl Default for BatchConfig {
     fn default() -> Self {
-        Self { max_batch: 256, linger: Duration::from_micros(200), fill: false, flush_interval: None }
+        Self { max_batch: 256, linger: Duration::from_micros(200), fill: false }
     }
 }
 
@@ -162,15 +147,6 @@ impl BatchConfig {
     pub fn with_full_batches(mut self, wait: Duration) -> Self {
         self.linger = wait;
         self.fill = true;
-        self
-    }
-
-    /// `None` (default): every commit is durable before its callers hear of it. `Some(d)`:
-    /// commits skip the fsync and a durable commit is made at least every `d` and when the
-    /// writer stops; a crash loses up to `d` of acknowledged writes (a store that offers
-    /// this documents what that costs).
-    pub fn with_flush_interval(mut self, interval: Option<Duration>) -> Self {
-        self.flush_interval = interval;
         self
     }
 }
@@ -214,8 +190,8 @@ struct Job {
 }
 
 /// The handle stores hold: queue operations, read statistics. Clones share the writer;
-/// when the last clone is dropped the writer answers what is queued, makes pending
-/// commits durable and stops, and the drop waits for it (so the file can be opened again
+/// when the last clone is dropped the writer answers what is queued and stops, and the
+/// drop waits for it (so the file can be opened again
 /// right after).
 #[derive(Clone)]
 pub struct GroupCommit {
@@ -267,7 +243,6 @@ impl GroupCommit {
             config: config.clone(),
             counters: Arc::clone(&counters),
             queue: Arc::clone(&queue),
-            dirty_since: None,
         };
         let handle = std::thread::Builder::new().name(format!("idem-{backend}-writer")).spawn(move || writer.run())?;
         Ok(Self { shared: Arc::new(Shared { backend, clock, queue, counters, writer: Mutex::new(Some(handle)) }) })
@@ -415,8 +390,6 @@ struct Writer<E> {
     last_batch: usize,
     counters: Arc<Counters>,
     queue: Arc<Queue<Job>>,
-    /// When the oldest commit that is not yet durable was made (flush interval only).
-    dirty_since: Option<Instant>,
 }
 
 impl<E: Engine> Writer<E> {
@@ -439,22 +412,14 @@ impl<E: Engine> Writer<E> {
                 );
             }
         }
-        if self.dirty_since.is_some() {
-            self.flush();
-        }
     }
 
     /// Waits for the first operation of the next batch; `None` once the store is dropped.
-    /// With a flush interval, makes pending commits durable when the wait would outlast it.
     fn next_first(&mut self) -> Option<Job> {
         loop {
-            let deadline = match (self.config.flush_interval, self.dirty_since) {
-                (Some(interval), Some(since)) => Some(since + interval),
-                _ => None,
-            };
-            match self.queue.next(deadline) {
+            match self.queue.next(None) {
                 Next::Item(job) => return Some(job),
-                Next::Timeout => self.flush(),
+                Next::Timeout => {}
                 Next::Closed => return None,
             }
         }
@@ -486,10 +451,6 @@ impl<E: Engine> Writer<E> {
         let size = jobs.len();
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         self.counters.operations.fetch_add(size as u64, Ordering::Relaxed);
-        let durable = match (self.config.flush_interval, self.dirty_since) {
-            (None, _) => true,
-            (Some(interval), since) => since.is_some_and(|s| s.elapsed() >= interval),
-        };
         let backend = self.engine.backend();
         #[cfg(feature = "metrics")]
         metrics::histogram!("idem_group_commit_batch_size", "backend" => backend).record(size as f64);
@@ -501,7 +462,7 @@ impl<E: Engine> Writer<E> {
         // The operation that broke the transaction, and why.
         let mut fault: Option<(Reply, StoreError)> = None;
         let mut wrote = false;
-        let result = self.engine.transaction(durable, &mut |table| {
+        let result = self.engine.transaction(&mut |table| {
             for job in pending.by_ref() {
                 if job.write.is_claim() && job.reply.is_closed() {
                     counters.abandoned_claims.fetch_add(1, Ordering::Relaxed);
@@ -555,26 +516,10 @@ impl<E: Engine> Writer<E> {
             None => {
                 if !wrote {
                     self.counters.read_only_batches.fetch_add(1, Ordering::Relaxed);
-                } else if durable {
-                    self.dirty_since = None;
-                } else if self.dirty_since.is_none() {
-                    self.dirty_since = Some(Instant::now());
                 }
                 for (reply, outcome) in done {
                     let _ = reply.send(outcome);
                 }
-            }
-        }
-    }
-
-    /// Makes pending non-durable commits durable.
-    fn flush(&mut self) {
-        match self.engine.flush() {
-            Ok(()) => self.dirty_since = None,
-            Err(error) => {
-                tracing::warn!(backend = self.engine.backend(), %error, "could not make pending commits durable; will retry");
-                // Back off for one interval instead of retrying in a tight loop.
-                self.dirty_since = Some(Instant::now());
             }
         }
     }

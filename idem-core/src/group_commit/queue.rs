@@ -4,7 +4,7 @@
 //! Pushing never blocks an async caller for longer than one short lock. The writer sleeps
 //! on the condition variable until an operation arrives (no spinning, which would steal
 //! one of few cores from the callers it waits for), takes everything queued under one
-//! lock, and waits with a deadline for the linger and for `Durability::Eventual` flushes.
+//! lock, and waits with a deadline for the linger.
 //! Closing the queue is how the store tells the writer to stop.
 
 use std::collections::VecDeque;
