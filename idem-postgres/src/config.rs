@@ -1,5 +1,5 @@
 //! [`Config`]: which schema a [`crate::PostgresStore`] uses, whether it migrates it, its
-//! clock and its pool settings.
+//! clock, how it sends statements, and the pool [`crate::PostgresStore::connect`] builds.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,14 +17,14 @@ pub struct Config {
     pub(crate) clock: Option<Arc<dyn Clock>>,
     pub(crate) max_connections: usize,
     pub(crate) acquire_timeout: Duration,
-    pub(crate) connect_timeout: Duration,
     pub(crate) isolation_pin: bool,
     pub(crate) prepared_statements: bool,
 }
 
 impl Default for Config {
-    /// Schema `idem`, migrations applied on start, the server's clock, 16 connections, 5 s
-    /// to acquire one, 5 s to open one.
+    /// Schema `idem`, migrations applied on start, the server's clock, prepared statements,
+    /// and for [`crate::PostgresStore::connect`]: 16 connections, 5 s to get one, READ
+    /// COMMITTED pinned.
     fn default() -> Self {
         Self {
             schema: DEFAULT_SCHEMA.to_owned(),
@@ -32,7 +32,6 @@ impl Default for Config {
             clock: None,
             max_connections: 16,
             acquire_timeout: Duration::from_secs(5),
-            connect_timeout: Duration::from_secs(5),
             isolation_pin: true,
             prepared_statements: true,
         }
@@ -40,8 +39,8 @@ impl Default for Config {
 }
 
 impl Config {
-    /// The schema holding the `records` table (default `idem`). Checked when the store is
-    /// built: lower-case ASCII letters, digits and `_`, at most 63 bytes, not `pg_*` (see
+    /// The schema holding the tables (default `idem`). Checked when the store is built:
+    /// lower-case ASCII letters, digits and `_`, at most 63 bytes, not `pg_*` (see
     /// [`crate::validate_schema`]). One database can hold several independent stores in
     /// different schemas.
     #[must_use]
@@ -50,80 +49,68 @@ impl Config {
         self
     }
 
-    /// Whether building the store applies the missing migrations (default `true`). When
-    /// migrations are missing, applying them needs the `CREATE` privilege on the database;
-    /// a schema already at this build's migration is only read.
-    ///
-    /// With `false`, building the store only reads the schema's migration version and
-    /// fails with [`crate::Error::NotMigrated`] when migrations are missing: for servers
-    /// whose database role may not change the schema. Migrations then run elsewhere, from
-    /// a deploy step that builds a store with this left on (or calls
-    /// [`crate::PostgresStore::migrate`]), or from the team's own tool
-    /// ([`crate::MIGRATIONS`]).
+    /// Whether building the store applies the missing migrations (default `true`; that
+    /// needs `CREATE` on the database only while migrations are missing). With `false` it
+    /// only reads the schema's version and fails with [`crate::Error::NotMigrated`], for
+    /// roles that may not change the schema: a deploy step runs
+    /// [`crate::PostgresStore::migrate`], or the team's own tool runs [`crate::MIGRATIONS`].
     #[must_use]
     pub fn with_auto_migrate(mut self, on: bool) -> Self {
         self.auto_migrate = on;
         self
     }
 
-    /// Reads time from `clock` instead of the server's `clock_timestamp()`. Without it (the
-    /// default) every statement reads the server's clock, which every process sharing the
-    /// database agrees on: leave it unset in production. For tests: the conformance suite
-    /// passes its `ManualClock`, whose reading goes to each statement as a parameter.
+    /// Reads time from `clock` instead of the server's `clock_timestamp()`, passed to each
+    /// statement as a parameter (`COALESCE($n, <server now>)`), so tests run the statements
+    /// production runs. Leave it unset in production: the server's clock is the one every
+    /// process sharing the database agrees on.
     #[must_use]
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = Some(clock);
         self
     }
 
-    /// Whether [`crate::PostgresStore::connect`] pins READ COMMITTED on the connections it
-    /// opens (default `true`): each carries the startup option `-c
-    /// default_transaction_isolation=read\ committed`, whatever the role's or database's
-    /// default. Turn it off for a server or proxy that refuses the `options` startup
-    /// parameter (PgBouncer before 1.20 does, unless its `ignore_startup_parameters` lists
-    /// `options`, which then drops it). The store stays correct without it (see the crate
-    /// docs, "Isolation").
+    /// Whether [`crate::PostgresStore::connect`] pins READ COMMITTED on its connections
+    /// (default `true`) with the startup option
+    /// `-c default_transaction_isolation=read\ committed`, after any `options` of the URL.
+    /// Turn it off behind a pooler that refuses the `options` startup parameter (PgBouncer,
+    /// unless `ignore_startup_parameters` lists it). The store stays correct at any level;
+    /// contended records then cost retries.
     #[must_use]
     pub fn with_isolation_pin(mut self, on: bool) -> Self {
         self.isolation_pin = on;
         self
     }
 
-    /// Whether statements are prepared once per connection and then sent by name (default
-    /// `true`: one round trip, parsed and planned once). Turn it off behind PgBouncer in
-    /// transaction mode before 1.21 (or with `max_prepared_statements = 0`), where a named
+    /// Whether statements are prepared once per connection and sent by name (default
+    /// `true`: parsed and planned once, one round trip). Turn it off behind PgBouncer in
+    /// transaction mode before 1.21 (or with `max_prepared_statements = 0`), where a
     /// statement prepared on one server connection is unknown to the next: each statement
-    /// is then sent unnamed, still in one round trip (deadpool: parse, bind and execute of
-    /// the unnamed statement in one batch; sqlx: the simple query protocol, values inlined
-    /// as hex and decimal literals), and parsed and planned on every call.
+    /// then goes over the simple query protocol, values inlined as hex and decimal
+    /// literals (sqlx would prepare even an unnamed statement in a round trip of its own,
+    /// and PgBouncer may switch server connections in between).
     #[must_use]
     pub fn with_prepared_statements(mut self, on: bool) -> Self {
         self.prepared_statements = on;
         self
     }
 
-    /// Pool size for [`crate::PostgresStore::connect`] (default 16 connections). Each
-    /// in-flight store call holds one connection for one statement, never across the
-    /// handler.
+    /// Pool size of [`crate::PostgresStore::connect`] (default 16, at least 1). A store
+    /// call holds a connection for one statement (two on a lost compare-and-set), never
+    /// across the handler.
     #[must_use]
     pub fn with_max_connections(mut self, n: usize) -> Self {
         self.max_connections = n.max(1);
         self
     }
 
-    /// How long a call waits for a free pooled connection before failing with a
-    /// retryable error (default 5 s; for [`crate::PostgresStore::connect`]).
+    /// How long [`crate::PostgresStore::connect`]'s pool waits for a connection, opening
+    /// one included (default 5 s), before the call fails with a retryable
+    /// [`crate::Error::Connection`]. A refused connection is retried until then, so a
+    /// server that is starting up is waited for.
     #[must_use]
     pub fn with_acquire_timeout(mut self, d: Duration) -> Self {
         self.acquire_timeout = d;
-        self
-    }
-
-    /// How long opening a connection may take (default 5 s; a `connect_timeout` in the
-    /// URL wins; for [`crate::PostgresStore::connect`]).
-    #[must_use]
-    pub fn with_connect_timeout(mut self, d: Duration) -> Self {
-        self.connect_timeout = d;
         self
     }
 }

@@ -1,4 +1,4 @@
-//! `complete_in` (sqlx) under the fencing rules: a stale token after a reclaim, and a
+//! `complete_in` under the fencing rules: a stale token after a reclaim, and a
 //! completion whose transaction rolls back.
 
 mod common;
@@ -29,7 +29,7 @@ fn claim_req() -> ClaimRequest {
 async fn a_stale_token_after_a_reclaim_is_fenced_inside_the_transaction() {
     let guard = SchemaGuard::fresh().await;
     let clock = ManualClock::starting_now();
-    let store = common::sqlx_store(Via::Direct, &guard.name, Some(clock.clone()), 4).await;
+    let store = common::store(Via::Direct, &guard.name, Some(clock.clone()), 4).await;
     let ClaimOutcome::Claimed(old) = store.claim(claim_req()).await.expect("claim") else { panic!("claimed") };
     clock.advance(Duration::from_secs(31));
     let req = ReclaimRequest {
@@ -42,7 +42,7 @@ async fn a_stale_token_after_a_reclaim_is_fenced_inside_the_transaction() {
     let ReclaimOutcome::Reclaimed(new) = store.reclaim(req).await.expect("reclaim") else { panic!("reclaimed") };
     assert_ne!(new.token, old.token);
 
-    let pool = common::sqlx_pool(Via::Direct, 1).await;
+    let pool = common::pool(Via::Direct, 1).await;
     let mut tx = pool.begin().await.expect("begin");
     let stale = store.complete_in(&mut tx, old.id, old.token, StoredResponse::new(201, vec![], b"old".to_vec())).await;
     match stale {

@@ -13,8 +13,7 @@ use idem_core::{
     ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, ReclaimOutcome, ReclaimRequest, Record,
     RecordState, Scope, Store, StoreError, StoredResponse, UnixMillis,
 };
-use idem_postgres::deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use idem_postgres::{Config, PostgresStore, tokio_postgres};
+use idem_postgres::{Config, PostgresStore};
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -29,36 +28,34 @@ impl RepeatableReadDb {
         let secs = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_secs();
         let rand = uuid::Uuid::new_v4().simple().to_string();
         let name = format!("{}rr_{secs}_{}", common::SCHEMA_PREFIX, &rand[..12]);
-        let admin = common::raw().await;
+        let mut admin = common::raw().await;
         // template0 accepts no connections, so no other session can make the copy fail.
-        admin.batch_execute(&format!("CREATE DATABASE \"{name}\" TEMPLATE template0")).await.expect("create database");
-        admin
-            .batch_execute(&format!("ALTER DATABASE \"{name}\" SET default_transaction_isolation = 'repeatable read'"))
-            .await
-            .expect("set the database's default isolation");
+        common::execute(&mut admin, &format!("CREATE DATABASE \"{name}\" TEMPLATE template0")).await;
+        common::execute(
+            &mut admin,
+            &format!("ALTER DATABASE \"{name}\" SET default_transaction_isolation = 'repeatable read'"),
+        )
+        .await;
         Self { name }
     }
 
-    fn pg_config(&self) -> tokio_postgres::Config {
-        let mut pg: tokio_postgres::Config = common::url().parse().expect("url");
-        pg.dbname(&self.name);
-        pg
-    }
-
-    /// The application's deadpool pool on this database: no option pins anything.
-    fn deadpool(&self) -> Pool {
-        let manager = Manager::from_config(
-            self.pg_config(),
-            tokio_postgres::NoTls,
-            ManagerConfig { recycling_method: RecyclingMethod::Fast },
-        );
-        Pool::builder(manager).max_size(4).build().expect("pool")
-    }
-
-    /// The application's sqlx pool on this database.
-    async fn sqlx(&self) -> sqlx::PgPool {
+    /// The application's pool on this database: no option pins anything.
+    async fn pool(&self) -> sqlx::PgPool {
         let options = sqlx::postgres::PgConnectOptions::from_str(&common::url()).expect("url").database(&self.name);
         sqlx::postgres::PgPoolOptions::new().max_connections(4).connect_with(options).await.expect("sqlx pool")
+    }
+
+    /// A store on the pool, and the handler's table.
+    async fn store(&self) -> (sqlx::PgPool, PostgresStore) {
+        let pool = self.pool().await;
+        let store = PostgresStore::from_pool(pool.clone(), Config::default()).await.expect("store");
+        let isolation: String = sqlx::query_scalar("SELECT current_setting('transaction_isolation')")
+            .fetch_one(&pool)
+            .await
+            .expect("isolation");
+        assert_eq!(isolation, "repeatable read", "the database's default reaches the pool's sessions");
+        sqlx::raw_sql("CREATE TABLE handler_rows (op text NOT NULL)").execute(&pool).await.expect("table");
+        (pool, store)
     }
 }
 
@@ -127,12 +124,9 @@ async fn assert_untouched(store: &impl Store, claim: &Record, renewed_until: Uni
 // why, leaving the record as the renewal left it; and a transaction that asks for READ
 // COMMITTED on the same database completes despite a renewal in the middle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlx_complete_in_on_a_repeatable_read_database_is_refused_with_a_typed_error() {
+async fn complete_in_on_a_repeatable_read_database_is_refused_with_a_typed_error() {
     let db = RepeatableReadDb::create().await;
-    let pool = db.sqlx().await;
-    let store = PostgresStore::from_sqlx(pool.clone(), Config::default()).await.expect("store");
-    assert_eq!(store.isolation(), "repeatable read", "the database's default reaches the pool's sessions");
-    sqlx::raw_sql("CREATE TABLE handler_rows (op text NOT NULL)").execute(&pool).await.expect("table");
+    let (pool, store) = db.store().await;
     let count = "SELECT count(*) FROM handler_rows";
     let r = must_claim(&store).await;
 
@@ -146,10 +140,10 @@ async fn sqlx_complete_in_on_a_repeatable_read_database_is_refused_with_a_typed_
     let rows: i64 = sqlx::query_scalar(count).fetch_one(&pool).await.expect("count");
     assert_untouched(&store, &r, renewed.lease_expires_at, rows).await;
 
-    // From here on the statement goes as PgBouncer users send it (sqlx: inlined literals
-    // over the simple query protocol), which must refuse and complete the same way.
+    // From here on the statement goes as PgBouncer users send it (inlined literals over the
+    // simple query protocol), which must refuse and complete the same way.
     let unnamed =
-        PostgresStore::from_sqlx(pool.clone(), Config::default().with_prepared_statements(false)).await.expect("store");
+        PostgresStore::from_pool(pool.clone(), Config::default().with_prepared_statements(false)).await.expect("store");
 
     // SERIALIZABLE is refused the same way, with no renewal needed to see it.
     let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL SERIALIZABLE").await.expect("begin");
@@ -173,26 +167,22 @@ async fn sqlx_complete_in_on_a_repeatable_read_database_is_refused_with_a_typed_
 }
 
 // Regression: complete_in under REPEATABLE READ failed with a serialization error whenever
-// the lease renewal committed during the handler's transaction. The deadpool path: refused
-// with the typed error, the record stays in flight under its owner, who can fail it so the
-// client's retry reclaims it and runs cleanly.
+// the lease renewal committed during the handler's transaction. After the refusal the record
+// stays in flight under its owner, who can fail it so the client's retry reclaims it and,
+// in a READ COMMITTED transaction, completes despite a renewal in the middle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn deadpool_complete_in_on_a_repeatable_read_database_is_refused_with_a_typed_error() {
+async fn a_refused_completion_leaves_the_claim_to_fail_and_the_retry_completes() {
     let db = RepeatableReadDb::create().await;
-    let pool = db.deadpool();
-    let store = PostgresStore::from_pool(pool.clone(), Config::default()).await.expect("store");
-    assert_eq!(store.isolation(), "repeatable read", "the database's default reaches the pool's sessions");
-    let mut handler = pool.get().await.expect("connection");
-    handler.batch_execute("CREATE TABLE handler_rows (op text NOT NULL)").await.expect("table");
+    let (pool, store) = db.store().await;
     let count = "SELECT count(*) FROM handler_rows";
     let r = must_claim(&store).await;
 
-    let tx = handler.transaction().await.expect("begin");
-    tx.execute("INSERT INTO handler_rows (op) VALUES ('a')", &[]).await.expect("handler row");
+    let mut tx = pool.begin().await.expect("begin");
+    sqlx::query("INSERT INTO handler_rows (op) VALUES ('a')").execute(&mut *tx).await.expect("handler row");
     let renewed = store.extend(r.id, r.token, LEASE).await.expect("renewal");
-    assert_refused(store.complete_in(&tx, r.id, r.token, response()).await, "repeatable read");
+    assert_refused(store.complete_in(&mut tx, r.id, r.token, response()).await, "repeatable read");
     tx.rollback().await.expect("rollback");
-    let rows: i64 = handler.query_one(count, &[]).await.expect("count").get(0);
+    let rows: i64 = sqlx::query_scalar(count).fetch_one(&pool).await.expect("count");
     assert_untouched(&store, &r, renewed.lease_expires_at, rows).await;
 
     // What the layer does with a handler that did not complete: fail the record, so the
@@ -208,20 +198,14 @@ async fn deadpool_complete_in_on_a_repeatable_read_database_is_refused_with_a_ty
     let ReclaimOutcome::Reclaimed(retry) = store.reclaim(req).await.expect("reclaim") else { panic!("reclaimed") };
 
     // The retry's transaction asks for READ COMMITTED and completes, renewal and all.
-    let tx = handler
-        .build_transaction()
-        .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
-        .start()
-        .await
-        .expect("begin");
-    tx.execute("INSERT INTO handler_rows (op) VALUES ('b')", &[]).await.expect("handler row");
+    let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED").await.expect("begin");
+    sqlx::query("INSERT INTO handler_rows (op) VALUES ('b')").execute(&mut *tx).await.expect("handler row");
     store.extend(retry.id, retry.token, LEASE).await.expect("renewal");
-    store.complete_in(&tx, retry.id, retry.token, response()).await.expect("complete_in at READ COMMITTED");
+    store.complete_in(&mut tx, retry.id, retry.token, response()).await.expect("complete_in at READ COMMITTED");
     tx.commit().await.expect("commit");
     let now = store.get(r.id).await.expect("get").expect("record");
     assert_eq!((now.state, now.token, now.response), (RecordState::Completed, retry.token, Some(response())));
-    let rows: i64 = handler.query_one(count, &[]).await.expect("count").get(0);
+    let rows: i64 = sqlx::query_scalar(count).fetch_one(&pool).await.expect("count");
     assert_eq!(rows, 1, "only the retry's row committed");
-    drop(handler);
-    pool.close();
+    pool.close().await;
 }

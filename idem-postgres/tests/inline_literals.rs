@@ -1,4 +1,4 @@
-//! The sqlx driver without prepared statements (PgBouncer in transaction mode) inlines every
+//! Without prepared statements (PgBouncer in transaction mode) the store inlines every
 //! value into the statement text: values full of quotes, backslashes, NUL bytes and
 //! non-ASCII must round-trip unchanged whatever the session's string settings.
 
@@ -13,7 +13,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use common::SchemaGuard;
 
 // Pins: an inlined literal that depended on standard_conforming_strings (backslash escapes)
-// or on quoting would corrupt or inject through the sqlx unnamed path; with the setting off
+// or on quoting would corrupt or inject through the unnamed path; with the setting off
 // every byte must still come back as written.
 #[tokio::test]
 async fn hostile_values_round_trip_with_standard_conforming_strings_off() {
@@ -25,7 +25,7 @@ async fn hostile_values_round_trip_with_standard_conforming_strings_off() {
     let on: (String,) = sqlx::query_as("SHOW standard_conforming_strings").fetch_one(&pool).await.expect("show");
     assert_eq!(on.0, "off", "the session runs with the setting off");
     let store =
-        PostgresStore::from_sqlx(pool, Config::default().with_schema(&guard.name).with_prepared_statements(false))
+        PostgresStore::from_pool(pool, Config::default().with_schema(&guard.name).with_prepared_statements(false))
             .await
             .expect("store");
 

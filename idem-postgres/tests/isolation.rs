@@ -11,8 +11,9 @@ use idem_core::{
     ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, ReclaimOutcome, ReclaimRequest, Record, Scope,
     Store, StoredResponse,
 };
-use idem_postgres::deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use idem_postgres::{Config, PostgresStore, tokio_postgres};
+use idem_postgres::{Config, PostgresStore, Statement};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
 
 use common::SchemaGuard;
 
@@ -24,19 +25,19 @@ fn url_at(level: &str) -> String {
     format!("{base}{sep}options=-c%20default_transaction_isolation%3D{level}")
 }
 
-/// A deadpool pool of the application's own, at `level`: the store cannot pin anything on it.
-fn pool_at(level: &str) -> Pool {
-    let pg: tokio_postgres::Config = url_at(level).parse().expect("url");
-    let manager =
-        Manager::from_config(pg, tokio_postgres::NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
-    Pool::builder(manager).max_size(12).build().expect("pool")
+/// The level a pooled connection's transactions run at.
+async fn isolation(pool: &PgPool) -> String {
+    sqlx::query_scalar("SELECT current_setting('transaction_isolation')").fetch_one(pool).await.expect("isolation")
 }
 
+/// A store on a pool of the application's own at `level`: the store cannot pin anything on it.
 async fn store_on_pool(level: &str, guard: &SchemaGuard) -> PostgresStore {
-    let store = PostgresStore::from_pool(pool_at(level), Config::default().with_schema(&guard.name))
+    let pool = PgPoolOptions::new().max_connections(12).connect(&url_at(level)).await;
+    let pool = pool.unwrap_or_else(|e| common::unreachable(&e));
+    let store = PostgresStore::from_pool(pool, Config::default().with_schema(&guard.name))
         .await
         .unwrap_or_else(|e| common::unreachable(&e));
-    assert_eq!(store.isolation(), level, "the pool's connections run at {level}");
+    assert_eq!(isolation(store.pool()).await, level, "the pool's connections run at {level}");
     store
 }
 
@@ -70,25 +71,20 @@ async fn a_claim_of_a_live_record_writes_no_row_version() {
     let guard = SchemaGuard::fresh().await;
     let store = store_on_pool("repeatable read", &guard).await;
     let r = must_claim(&store, "k").await;
-    let admin = common::raw().await;
+    let mut admin = common::raw().await;
     let xmin = format!("SELECT xmin::text FROM \"{}\".records WHERE id = $1", guard.name);
-    let before: String = admin.query_one(&xmin, &[&&r.id.0[..]]).await.expect("xmin").get(0);
+    let id = &r.id.as_bytes()[..];
+    let before: String = sqlx::query_scalar(&xmin).bind(id).fetch_one(&mut admin).await.expect("xmin");
 
     // A transaction at REPEATABLE READ takes its snapshot before the retry's claim, the way
     // the handler's completion in its own transaction does.
     let mut holder = common::raw().await;
-    let tx = holder
-        .build_transaction()
-        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-        .start()
-        .await
-        .expect("begin");
-    tx.query_one("SELECT 1", &[]).await.expect("snapshot");
+    common::execute(&mut holder, "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1").await;
 
     for _ in 0..3 {
         assert!(matches!(store.claim(claim_req("k")).await.expect("claim"), ClaimOutcome::Existing { .. }));
     }
-    let after: String = admin.query_one(&xmin, &[&&r.id.0[..]]).await.expect("xmin").get(0);
+    let after: String = sqlx::query_scalar(&xmin).bind(id).fetch_one(&mut admin).await.expect("xmin");
     assert_eq!(before, after, "a claim of a live record wrote a new row version");
 
     // The completion's compare-and-set under the older snapshot goes through. It is sent by
@@ -97,12 +93,16 @@ async fn a_claim_of_a_live_record_writes_no_row_version() {
     // that the claims left nothing for this statement to conflict with.
     let bytes = idem_core::codec::encode_response(&response());
     let token = i64::try_from(r.token.0).expect("token");
-    let done = tx
-        .query_opt(store.statements().complete(), &[&&r.id.0[..], &token, &bytes, &None::<i64>])
+    let done = sqlx::query(store.sql(Statement::Complete))
+        .bind(id)
+        .bind(token)
+        .bind(&bytes)
+        .bind(None::<i64>)
+        .fetch_optional(&mut holder)
         .await
         .expect("complete under the old snapshot");
     assert!(done.is_some(), "the compare-and-set matched the claim");
-    tx.commit().await.expect("commit");
+    common::execute(&mut holder, "COMMIT").await;
     assert_eq!(store.get(r.id).await.expect("get").expect("record").response, Some(response()));
 }
 
@@ -127,11 +127,11 @@ async fn racing_writers_under_repeatable_read_and_serializable_get_outcomes_not_
                     if i % 2 == 0 {
                         let c = claim_req(&key);
                         let req = ReclaimRequest {
-                            id: c.id,
+                            id: c.id(),
                             expected: r.token,
-                            fingerprint: c.fingerprint,
-                            lease_ttl: c.lease_ttl,
-                            retention: c.retention,
+                            fingerprint: c.fingerprint(),
+                            lease_ttl: Duration::from_secs(300),
+                            retention: Duration::from_secs(3600),
                         };
                         match store.reclaim(req).await {
                             Ok(ReclaimOutcome::Reclaimed(w)) => Ok(Some(w)),
@@ -177,12 +177,12 @@ async fn connect_pins_read_committed_over_the_url() {
     let store = PostgresStore::connect(&url_at("serializable"), Config::default().with_schema(&guard.name))
         .await
         .unwrap_or_else(|e| common::unreachable(&e));
-    assert_eq!(store.isolation(), "read committed");
+    assert_eq!(isolation(store.pool()).await, "read committed");
     let off = PostgresStore::connect(
         &url_at("serializable"),
         Config::default().with_schema(&guard.name).with_isolation_pin(false),
     )
     .await
     .expect("connect");
-    assert_eq!(off.isolation(), "serializable", "with the pin off the URL's level stays");
+    assert_eq!(isolation(off.pool()).await, "serializable", "with the pin off the URL's level stays");
 }

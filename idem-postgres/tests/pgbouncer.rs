@@ -52,12 +52,12 @@ async fn failures(store: Arc<dyn Store>) -> usize {
 
 // Pins: behind PgBouncer in transaction mode (1.18), named prepared statements (the default)
 // reach server connections that never prepared them and store calls fail; with prepared
-// statements off, none does. Both drivers.
+// statements off, none does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn named_statements_fail_behind_pgbouncer_and_unnamed_ones_do_not() {
     let guard = SchemaGuard::fresh().await;
     // Migrate straight to the server first, so every run below starts on a ready schema.
-    drop(common::deadpool_store(Via::Direct, &guard.name, None, 2).await);
+    drop(common::store(Via::Direct, &guard.name, None, 2).await);
 
     let url = Via::PgBouncer.url();
     let named =
@@ -67,8 +67,6 @@ async fn named_statements_fail_behind_pgbouncer_and_unnamed_ones_do_not() {
     let named: Arc<dyn Store> = Arc::new(named);
     assert!(failures(named).await > 0, "named prepared statements should break behind PgBouncer 1.18 transaction mode");
 
-    let unnamed: Arc<dyn Store> = Arc::new(common::deadpool_store(Via::PgBouncer, &guard.name, None, 16).await);
+    let unnamed: Arc<dyn Store> = Arc::new(common::store(Via::PgBouncer, &guard.name, None, 16).await);
     assert_eq!(failures(unnamed).await, 0);
-    let sqlx_unnamed: Arc<dyn Store> = Arc::new(common::sqlx_store(Via::PgBouncer, &guard.name, None, 16).await);
-    assert_eq!(failures(sqlx_unnamed).await, 0);
 }

@@ -15,6 +15,7 @@ use idem_core::{
 };
 use idem_core::{SweepConfig, Sweeper};
 use idem_postgres::{Config, Error, PostgresStore};
+use sqlx::PgConnection;
 
 fn claim_req(principal: &str, key: &str, lease: Duration, retention: Duration) -> ClaimRequest {
     let scope = Scope::new(principal, Endpoint::new("POST", "/v1/workers")).expect("principal");
@@ -35,20 +36,20 @@ fn response() -> StoredResponse {
 
 /// Waits (polling the server, no clock involved) until a backend of this test's schema is
 /// blocked on a row lock, and returns its pid.
-async fn blocked_backend(admin: &tokio_postgres::Client, schema: &str) -> i32 {
+async fn blocked_backend(admin: &mut PgConnection, schema: &str) -> i32 {
     let pattern = format!("%{schema}%");
     let found = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
-            let row = admin
-                .query_opt(
-                    "SELECT pid FROM pg_stat_activity
-                     WHERE wait_event_type = 'Lock' AND query LIKE $1 AND pid <> pg_backend_pid()",
-                    &[&pattern],
-                )
-                .await
-                .expect("pg_stat_activity");
-            if let Some(row) = row {
-                return row.get::<_, i32>(0);
+            let pid = sqlx::query_scalar(
+                "SELECT pid FROM pg_stat_activity
+                 WHERE wait_event_type = 'Lock' AND query LIKE $1 AND pid <> pg_backend_pid()",
+            )
+            .bind(&pattern)
+            .fetch_optional(&mut *admin)
+            .await
+            .expect("pg_stat_activity");
+            if let Some(pid) = pid {
+                return pid;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -59,15 +60,22 @@ async fn blocked_backend(admin: &tokio_postgres::Client, schema: &str) -> i32 {
 
 /// Holds `FOR UPDATE` on one record's row until dropped (rolled back), so a store
 /// statement on that row waits and can be caught in flight.
-async fn lock_row(schema: &str, id: &[u8]) -> tokio_postgres::Client {
-    let locker = common::raw().await;
-    locker.batch_execute("BEGIN").await.expect("begin");
-    let n = locker
-        .execute(&format!("SELECT 1 FROM \"{schema}\".records WHERE id = $1 FOR UPDATE"), &[&id])
+async fn lock_row(schema: &str, id: &[u8]) -> PgConnection {
+    let mut locker = common::raw().await;
+    common::execute(&mut locker, "BEGIN").await;
+    let n = sqlx::query(&format!("SELECT 1 FROM \"{schema}\".records WHERE id = $1 FOR UPDATE"))
+        .bind(id)
+        .execute(&mut locker)
         .await
-        .expect("lock row");
+        .expect("lock row")
+        .rows_affected();
     assert_eq!(n, 1);
     locker
+}
+
+/// Terminates the backend `pid`.
+async fn terminate(admin: &mut PgConnection, pid: i32) -> bool {
+    sqlx::query_scalar("SELECT pg_terminate_backend($1)").bind(pid).fetch_one(admin).await.expect("terminate")
 }
 
 /// Pins: a connection killed while a complete is in flight (`pg_terminate_backend`) must
@@ -81,21 +89,20 @@ async fn terminated_connection_mid_complete_leaves_record_intact_and_pool_recove
     let schema = store.guard.name.clone();
     let r = must_claim(&store, claim_req("p", "kill-complete", Duration::from_secs(5), Duration::from_secs(60))).await;
 
-    let locker = lock_row(&schema, &r.id.0).await;
+    let mut locker = lock_row(&schema, r.id.as_bytes()).await;
     let in_flight = {
         let store = store.clone();
         tokio::spawn(async move { store.complete(r.id, r.token, response()).await })
     };
-    let admin = common::raw().await;
-    let pid = blocked_backend(&admin, &schema).await;
-    let killed: bool = admin.query_one("SELECT pg_terminate_backend($1)", &[&pid]).await.expect("terminate").get(0);
-    assert!(killed);
+    let mut admin = common::raw().await;
+    let pid = blocked_backend(&mut admin, &schema).await;
+    assert!(terminate(&mut admin, pid).await);
 
     let err = in_flight.await.expect("task").expect_err("the complete's connection was killed");
     assert!(err.is_retryable(), "connection loss is retryable: {err:?}");
     assert!(!err.is_lease_lost());
     assert!(std::error::Error::source(&err).is_some(), "the driver error is kept as source");
-    locker.batch_execute("ROLLBACK").await.expect("rollback");
+    common::execute(&mut locker, "ROLLBACK").await;
 
     let now = store.get(r.id).await.expect("pool recovered for get").expect("record still there");
     assert_eq!(now, r, "no half-written record: still in flight, same token, no response");
@@ -116,31 +123,29 @@ async fn terminated_connection_mid_claim_leaves_no_partial_claim() {
     // Past retention: the next claim replaces the record (the path that rewrites every column).
     clock.advance(Duration::from_secs(11));
 
-    let locker = lock_row(&schema, &old.id.0).await;
+    let mut locker = lock_row(&schema, old.id.as_bytes()).await;
     let in_flight = {
         let (store, req) = (store.clone(), req.clone());
         tokio::spawn(async move { store.claim(req).await })
     };
-    let admin = common::raw().await;
-    let pid = blocked_backend(&admin, &schema).await;
-    admin.query_one("SELECT pg_terminate_backend($1)", &[&pid]).await.expect("terminate");
+    let mut admin = common::raw().await;
+    let pid = blocked_backend(&mut admin, &schema).await;
+    terminate(&mut admin, pid).await;
     let err = in_flight.await.expect("task").expect_err("the claim's connection was killed");
     assert!(err.is_retryable(), "{err:?}");
-    locker.batch_execute("ROLLBACK").await.expect("rollback");
+    common::execute(&mut locker, "ROLLBACK").await;
 
     // The killed statement rolled back: the old (expired) row is untouched in the table.
-    let raw = common::raw().await;
-    let row = raw
-        .query_one(
-            &format!("SELECT token, state, created_at FROM \"{schema}\".records WHERE id = $1"),
-            &[&&old.id.0[..]],
-        )
-        .await
-        .expect("row");
-    assert_eq!(row.get::<_, i64>(0), i64::try_from(old.token.0).expect("token fits the column"));
+    let (token, state, created_at): (i64, String, i64) =
+        sqlx::query_as(&format!("SELECT token, state, created_at FROM \"{schema}\".records WHERE id = $1"))
+            .bind(&old.id.as_bytes()[..])
+            .fetch_one(&mut common::raw().await)
+            .await
+            .expect("row");
+    assert_eq!(token, i64::try_from(old.token.0).expect("token fits the column"));
     assert_eq!(old.token, FencingToken::first_at(old.created_at));
-    assert_eq!(row.get::<_, &str>(1), "in_flight");
-    assert_eq!(row.get::<_, i64>(2), old.created_at.0);
+    assert_eq!(state, "in_flight");
+    assert_eq!(created_at, old.created_at.0);
 
     let new = must_claim(&store, req).await;
     assert_eq!(
@@ -150,9 +155,9 @@ async fn terminated_connection_mid_claim_leaves_no_partial_claim() {
     );
 }
 
-/// Runs the migrations of `store`'s schema on its pool, as a deploy step would.
-async fn migrate(store: &PostgresStore) -> Result<usize, Error> {
-    PostgresStore::migrate(store.pool(), &Config::default().with_schema(store.schema())).await
+/// Runs the migrations of `schema` on `store`'s pool, as a deploy step would.
+async fn migrate(store: &PostgresStore, schema: &str) -> Result<usize, Error> {
+    PostgresStore::migrate(store.pool(), &Config::default().with_schema(schema)).await
 }
 
 /// Building a store migrates the schema once and records its version; `migrate()` is a
@@ -160,25 +165,21 @@ async fn migrate(store: &PostgresStore) -> Result<usize, Error> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_is_idempotent_and_recorded() {
     let store = common::fresh_store(None, 2).await;
-    assert_eq!(migrate(&store.inner).await.expect("second migrate"), 0);
-    assert_eq!(migrate(&store.inner).await.expect("third migrate"), 0);
-    let raw = common::raw().await;
-    let versions: Vec<i32> = raw
-        .query(&format!("SELECT version FROM \"{}\".schema_migrations ORDER BY version", store.guard.name), &[])
-        .await
-        .expect("versions")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    assert_eq!(migrate(&store.inner, &store.guard.name).await.expect("second migrate"), 0);
+    assert_eq!(migrate(&store.inner, &store.guard.name).await.expect("third migrate"), 0);
+    let mut raw = common::raw().await;
+    let versions: Vec<i32> =
+        sqlx::query_scalar(&format!("SELECT version FROM \"{}\".schema_migrations ORDER BY version", store.guard.name))
+            .fetch_all(&mut raw)
+            .await
+            .expect("versions");
     assert_eq!(versions, idem_postgres::MIGRATIONS.iter().map(|m| m.version()).collect::<Vec<_>>());
-    let indices: i64 = raw
-        .query_one(
-            "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'records'",
-            &[&store.guard.name],
-        )
-        .await
-        .expect("indices")
-        .get(0);
+    let indices: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'records'")
+            .bind(&store.guard.name)
+            .fetch_one(&mut raw)
+            .await
+            .expect("indices");
     assert_eq!(indices, 3, "primary key, expires_at, in-flight lease");
 }
 
@@ -198,8 +199,14 @@ async fn concurrent_migrations_apply_once() {
         stores.push(t.await.expect("task"));
     }
     // Empty the schema again, so that the next migrations start from nothing.
-    common::raw().await.batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", guard.name)).await.expect("drop");
-    let tasks: Vec<_> = stores.into_iter().map(|store| tokio::spawn(async move { migrate(&store).await })).collect();
+    common::execute(&mut common::raw().await, &format!("DROP SCHEMA \"{}\" CASCADE", guard.name)).await;
+    let tasks: Vec<_> = stores
+        .into_iter()
+        .map(|store| {
+            let schema = guard.name.clone();
+            tokio::spawn(async move { migrate(&store, &schema).await })
+        })
+        .collect();
     let mut applied = 0;
     for t in tasks {
         applied += t.await.expect("task").expect("migrate");
@@ -211,15 +218,10 @@ async fn concurrent_migrations_apply_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn newer_schema_is_refused() {
     let store = common::fresh_store(None, 2).await;
-    common::raw()
-        .await
-        .execute(
-            &format!("INSERT INTO \"{}\".schema_migrations (version, name) VALUES (999, 'future')", store.guard.name),
-            &[],
-        )
-        .await
-        .expect("insert");
-    let err = migrate(&store.inner).await.expect_err("too new");
+    let insert =
+        format!("INSERT INTO \"{}\".schema_migrations (version, name) VALUES (999, 'future')", store.guard.name);
+    common::execute(&mut common::raw().await, &insert).await;
+    let err = migrate(&store.inner, &store.guard.name).await.expect_err("too new");
     assert!(matches!(err, Error::SchemaTooNew { found: 999, .. }), "{err:?}");
     assert!(!err.is_retryable());
     // Building another store on it is refused too, whether it would migrate or only check.
@@ -244,7 +246,7 @@ async fn unsafe_schema_names_are_refused() {
 /// An unreachable server is a retryable connection error that keeps the driver's error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_server_is_a_retryable_connection_error() {
-    let config = Config::default().with_connect_timeout(Duration::from_secs(2));
+    let config = Config::default().with_acquire_timeout(Duration::from_secs(2));
     let err = PostgresStore::connect("postgres://postgres@127.0.0.1:1/test", config).await.expect_err("port 1");
     assert!(matches!(err, Error::Connection { .. }), "{err:?}");
     assert!(err.is_retryable());
@@ -262,18 +264,15 @@ async fn unmigrated_schema_without_auto_migrate_says_to_migrate() {
     assert!(matches!(err, Error::NotMigrated { found: 0, .. }), "{err:?}");
     assert!(!err.is_retryable());
     assert!(err.to_string().contains("PostgresStore::migrate("), "{err}");
-    let schemas: i64 = common::raw()
+    let schemas: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_namespace WHERE nspname = $1")
+        .bind(&guard.name)
+        .fetch_one(&mut common::raw().await)
         .await
-        .query_one("SELECT count(*) FROM pg_namespace WHERE nspname = $1", &[&guard.name])
-        .await
-        .expect("count")
-        .get(0);
+        .expect("count");
     assert_eq!(schemas, 0, "the check created nothing");
 
     // The deploy step: migrations run on a pool before any store exists.
-    let pg: idem_postgres::tokio_postgres::Config = common::url().parse().expect("url");
-    let manager = idem_postgres::deadpool_postgres::Manager::new(pg, idem_postgres::tokio_postgres::NoTls);
-    let pool = idem_postgres::deadpool_postgres::Pool::builder(manager).max_size(1).build().expect("pool");
+    let pool = common::pool(common::Via::Direct, 1).await;
     let applied = PostgresStore::migrate(&pool, &checking()).await.expect("migrate");
     assert_eq!(applied, idem_postgres::MIGRATIONS.len());
     let migrating = common::connect(&guard.name, None, 1).await;
@@ -292,20 +291,19 @@ async fn migrated_schema_starts_without_create_privilege() {
     let empty = common::SchemaGuard::fresh().await;
     let schema = store.guard.name.clone();
     let role = format!("{schema}_user");
-    let admin = common::raw().await;
-    admin
-        .batch_execute(&format!(
+    let mut admin = common::raw().await;
+    common::execute(
+        &mut admin,
+        &format!(
             "CREATE ROLE \"{role}\" LOGIN;
              GRANT USAGE ON SCHEMA \"{schema}\" TO \"{role}\";
              GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{schema}\" TO \"{role}\";"
-        ))
-        .await
-        .expect("create a role without CREATE on the database");
+        ),
+    )
+    .await;
     let pool = |role: &str| {
-        let mut pg: idem_postgres::tokio_postgres::Config = common::url().parse().expect("url");
-        pg.user(role);
-        let manager = idem_postgres::deadpool_postgres::Manager::new(pg, idem_postgres::tokio_postgres::NoTls);
-        idem_postgres::deadpool_postgres::Pool::builder(manager).max_size(1).build().expect("pool")
+        let options: sqlx::postgres::PgConnectOptions = common::url().parse().expect("url");
+        sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_lazy_with(options.username(role))
     };
     let (migrated, unmigrated) = (pool(&role), pool(&role));
     let (on_migrated, on_empty) = (schema.clone(), empty.name.clone());
@@ -323,7 +321,7 @@ async fn migrated_schema_starts_without_create_privilege() {
         assert!(!err.is_retryable());
     })
     .await;
-    admin.batch_execute(&format!("DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\"")).await.expect("drop the role");
+    common::execute(&mut admin, &format!("DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\"")).await;
     if let Err(e) = outcome {
         std::panic::resume_unwind(e.into_panic());
     }
@@ -334,11 +332,7 @@ async fn migrated_schema_starts_without_create_privilege() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_table_says_to_migrate() {
     let store = common::fresh_store(None, 1).await;
-    common::raw()
-        .await
-        .batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", store.guard.name))
-        .await
-        .expect("drop the schema");
+    common::execute(&mut common::raw().await, &format!("DROP SCHEMA \"{}\" CASCADE", store.guard.name)).await;
     let err =
         store.claim(claim_req("p", "k", Duration::from_secs(5), Duration::from_secs(60))).await.expect_err("no table");
     assert!(!err.is_retryable());
@@ -352,16 +346,54 @@ async fn undecodable_response_is_corrupt() {
     let store = common::fresh_store(Some(ManualClock::starting_now()), 2).await;
     let r = must_claim(&store, claim_req("p", "corrupt", Duration::from_secs(5), Duration::from_secs(60))).await;
     store.complete(r.id, r.token, response()).await.expect("complete");
-    common::raw()
-        .await
-        .execute(
-            &format!("UPDATE \"{}\".records SET response = '\\x01ffffffff'::bytea WHERE id = $1", store.guard.name),
-            &[&&r.id.0[..]],
-        )
-        .await
-        .expect("corrupt it");
+    sqlx::query(&format!(
+        "UPDATE \"{}\".records SET response = '\\x01ffffffff'::bytea WHERE id = $1",
+        store.guard.name
+    ))
+    .bind(&r.id.as_bytes()[..])
+    .execute(&mut common::raw().await)
+    .await
+    .expect("corrupt it");
     let err = store.get(r.id).await.expect_err("corrupt");
     assert!(matches!(err, StoreError::Corrupt { id: Some(id), .. } if id == r.id), "{err:?}");
+}
+
+/// Pins: a row the table's constraints should have excluded (written by a hostile writer
+/// with `UPDATE`, or after its constraints were dropped) is `StoreError::Corrupt` naming the
+/// record and the column, on every path that decodes it (a read, a claim that finds it),
+/// never a panic or a generic error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_rows_are_corrupt_naming_the_column() {
+    let store = common::fresh_store(Some(ManualClock::starting_now()), 2).await;
+    let table = format!("\"{}\".records", store.guard.name);
+    let mut raw = common::raw().await;
+    let drop = "records_state, DROP CONSTRAINT records_token_positive, DROP CONSTRAINT records_fingerprint_length, \
+                DROP CONSTRAINT records_response_iff_completed";
+    common::execute(&mut raw, &format!("ALTER TABLE {table} DROP CONSTRAINT {drop}")).await;
+    let cases = [
+        ("state = 'bogus'", "state"),
+        ("token = -1", "token"),
+        ("fingerprint = '\\x00'::bytea", "fingerprint"),
+        ("principal = '\\xff'::bytea", "principal"),
+        ("principal = ''::bytea", "principal"),
+        ("key = 'not a key'", "key"),
+        ("state = 'completed'", "response"),
+    ];
+    for (i, (set, column)) in cases.into_iter().enumerate() {
+        let req = claim_req("p", &format!("hostile-{i}"), Duration::from_secs(5), Duration::from_secs(60));
+        let r = must_claim(&store, req.clone()).await;
+        let update = format!("UPDATE {table} SET {set} WHERE id = $1");
+        let updated = sqlx::query(&update).bind(&r.id.as_bytes()[..]).execute(&mut raw).await.expect(set);
+        assert_eq!(updated.rows_affected(), 1);
+        for (path, err) in [("get", store.get(r.id).await.err()), ("claim", store.claim(req).await.err())] {
+            match err {
+                Some(StoreError::Corrupt { id, source: idem_core::codec::CodecError::BadField { field, .. } }) => {
+                    assert_eq!((id, field), (Some(r.id), column), "{set}: {path}");
+                }
+                other => panic!("{set}: {path} gave {other:?}"),
+            }
+        }
+    }
 }
 
 /// Without a pinned clock, `now` is the server's clock in milliseconds (not seconds or
@@ -399,11 +431,11 @@ async fn sweeper_task_deletes_expired_records_only() {
         std::sync::Arc::new(store.clone()),
         SweepConfig::default().with_period(Duration::from_millis(10)).with_batch(2),
     );
-    let raw = common::raw().await;
+    let mut raw = common::raw().await;
     let count_sql = format!("SELECT count(*) FROM \"{}\".records", store.guard.name);
     let emptied = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
-            let n: i64 = raw.query_one(&count_sql, &[]).await.expect("count").get(0);
+            let n: i64 = sqlx::query_scalar(&count_sql).fetch_one(&mut raw).await.expect("count");
             if n == 1 {
                 return;
             }
@@ -420,41 +452,47 @@ async fn sweeper_task_deletes_expired_records_only() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_from_own_pool() {
     let guard = common::SchemaGuard::fresh().await;
-    let pg: idem_postgres::tokio_postgres::Config = common::url().parse().expect("url");
-    let manager = idem_postgres::deadpool_postgres::Manager::new(pg, idem_postgres::tokio_postgres::NoTls);
-    let pool = idem_postgres::deadpool_postgres::Pool::builder(manager).max_size(2).build().expect("pool");
+    let pool = common::pool(common::Via::Direct, 2).await;
     let store = PostgresStore::from_pool(pool, Config::default().with_schema(guard.name.clone())).await.expect("store");
-    assert_eq!(migrate(&store).await.expect("migrate"), 0, "building the store applied every migration");
+    assert_eq!(migrate(&store, &guard.name).await.expect("migrate"), 0, "building the store applied every migration");
     let r = must_claim(&store, claim_req("p", "own-pool", Duration::from_secs(5), Duration::from_secs(60))).await;
     assert_eq!(store.get(r.id).await.expect("get"), Some(r));
 }
 
-/// Errors the server raises are classified by SQLSTATE: a real deadlock (40P01) is
-/// retryable, a syntax error (42601) is not.
+/// Pins: a store statement PostgreSQL picks as a deadlock victim (SQLSTATE 40P01: the
+/// statement rolled back whole) runs again and succeeds; the caller never sees the deadlock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn server_errors_are_classified() {
-    let store = common::fresh_store(None, 2).await;
-    let t = format!("\"{}\".deadlock", store.guard.name);
-    let a = common::raw().await;
-    let b = common::raw().await;
-    a.batch_execute(&format!("CREATE TABLE {t} (k int PRIMARY KEY, v int); INSERT INTO {t} VALUES (1, 0), (2, 0)"))
+async fn a_statement_picked_as_deadlock_victim_runs_again() {
+    let store = common::fresh_store(Some(ManualClock::starting_now()), 2).await;
+    let schema = store.guard.name.clone();
+    let r = must_claim(&store, claim_req("p", "deadlock", Duration::from_secs(5), Duration::from_secs(60))).await;
+    let put = store.journal_put(r.id, r.token, "s:a", b"first".to_vec(), false).await.expect("put");
+    assert_eq!(put, JournalWrite::Written);
+    // This transaction holds the entry's row and checks for deadlocks late, so the store's
+    // session (the server's deadlock_timeout, 1 s by default) finds the cycle and is the victim.
+    let mut other = common::raw().await;
+    common::execute(&mut other, "BEGIN; SET LOCAL deadlock_timeout = '20s'").await;
+    sqlx::query(&format!("SELECT 1 FROM \"{schema}\".journal WHERE id = $1 FOR UPDATE"))
+        .bind(&r.id.as_bytes()[..])
+        .execute(&mut other)
         .await
-        .expect("table");
-    for c in [&a, &b] {
-        c.batch_execute("SET deadlock_timeout = '20ms'; BEGIN").await.expect("begin");
-    }
-    a.execute(&format!("UPDATE {t} SET v = 1 WHERE k = 1"), &[]).await.expect("a locks 1");
-    b.execute(&format!("UPDATE {t} SET v = 1 WHERE k = 2"), &[]).await.expect("b locks 2");
-    let (sa, sb) = (format!("UPDATE {t} SET v = 2 WHERE k = 2"), format!("UPDATE {t} SET v = 2 WHERE k = 1"));
-    let (ra, rb) = tokio::join!(a.execute(&sa, &[]), b.execute(&sb, &[]));
-    let err = ra.err().or(rb.err()).expect("one side is the deadlock victim");
-    assert_eq!(err.code(), Some(&idem_postgres::tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED));
-    assert!(idem_postgres::is_retryable_pg(&err));
-    for c in [&a, &b] {
-        c.batch_execute("ROLLBACK").await.expect("rollback");
-    }
-    let syntax = a.execute("SELEC 1", &[]).await.expect_err("syntax error");
-    assert!(!idem_postgres::is_retryable_pg(&syntax));
+        .expect("lock the entry");
+    let in_flight = {
+        let store = store.clone();
+        tokio::spawn(async move { store.journal_put(r.id, r.token, "s:a", b"second".to_vec(), true).await })
+    };
+    // The put holds the record's row FOR SHARE and waits for the entry's row; this
+    // transaction then waits for the record's row: a cycle.
+    blocked_backend(&mut common::raw().await, &schema).await;
+    sqlx::query(&format!("UPDATE \"{schema}\".records SET lease_expires_at = lease_expires_at WHERE id = $1"))
+        .bind(&r.id.as_bytes()[..])
+        .execute(&mut other)
+        .await
+        .expect("the store's statement, not this one, is the deadlock victim");
+    common::execute(&mut other, "COMMIT").await;
+    let put = in_flight.await.expect("task").expect("the victim statement ran again");
+    assert_eq!(put, JournalWrite::Written);
+    assert_eq!(store.journal_get(r.id, "s:a").await.expect("get"), Some(b"second".to_vec()));
 }
 
 /// Pins: pooled connections killed while idle (server restart, `pg_terminate_backend` by
@@ -464,17 +502,15 @@ async fn server_errors_are_classified() {
 async fn terminated_idle_connections_cost_at_most_one_retryable_error() {
     let store = common::fresh_store(Some(ManualClock::starting_now()), 1).await;
     let r = must_claim(&store, claim_req("p", "idle-kill", Duration::from_secs(5), Duration::from_secs(60))).await;
-    let admin = common::raw().await;
     let pattern = format!("%{}%", store.guard.name);
-    let killed: i64 = admin
-        .query_one(
-            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-             WHERE application_name = 'idem-postgres' AND query LIKE $1 AND pid <> pg_backend_pid()) AS k",
-            &[&pattern],
-        )
-        .await
-        .expect("terminate")
-        .get(0);
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE application_name = 'idem-postgres' AND query LIKE $1 AND pid <> pg_backend_pid()) AS k",
+    )
+    .bind(&pattern)
+    .fetch_one(&mut common::raw().await)
+    .await
+    .expect("terminate");
     assert_eq!(killed, 1, "the pool's one connection");
     match store.get(r.id).await {
         Ok(got) => assert_eq!(got, Some(r.clone())),
@@ -489,18 +525,23 @@ async fn terminated_idle_connections_cost_at_most_one_retryable_error() {
 async fn no_transaction_is_held_across_the_handler() {
     let store = common::fresh_store(Some(ManualClock::starting_now()), 4).await;
     let r = must_claim(&store, claim_req("p", "held", Duration::from_secs(5), Duration::from_secs(60))).await;
-    let admin = common::raw().await;
-    let open: i64 = admin
-        .query_one(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE application_name = 'idem-postgres' AND query LIKE $1 AND state <> 'idle'",
-            &[&format!("%{}%", store.guard.name)],
-        )
-        .await
-        .expect("activity")
-        .get(0);
+    let open: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE application_name = 'idem-postgres' AND query LIKE $1 AND state <> 'idle'",
+    )
+    .bind(format!("%{}%", store.guard.name))
+    .fetch_one(&mut common::raw().await)
+    .await
+    .expect("activity");
     assert_eq!(open, 0, "every store connection is idle (not idle in transaction) while the handler runs");
-    assert_eq!(store.inner.pool().status().available, store.inner.pool().status().size);
+    // sqlx gives a connection back to the pool in a task of its own, after a ping.
+    let pool = store.inner.pool();
+    let all_idle = tokio::time::timeout(Duration::from_secs(5), async {
+        while pool.num_idle() != pool.size() as usize {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    all_idle.await.expect("every pooled connection is back in the pool");
     store.complete(r.id, r.token, response()).await.expect("complete");
 }
 
@@ -514,34 +555,29 @@ async fn sweep_skips_rows_locked_by_a_claim_in_progress() {
     let held = must_claim(&store, claim_req("p", "held", short, short)).await;
     let free = must_claim(&store, claim_req("p", "free", short, short)).await;
     clock.advance(Duration::from_secs(2));
-    let locker = lock_row(&store.guard.name, &held.id.0).await;
+    let mut locker = lock_row(&store.guard.name, held.id.as_bytes()).await;
     let outcome = tokio::time::timeout(Duration::from_secs(5), store.sweep(10))
         .await
         .expect("the sweep does not wait for the locked row")
         .expect("sweep");
     assert_eq!(outcome.removed, 1);
-    locker.batch_execute("ROLLBACK").await.expect("rollback");
-    let raw = common::raw().await;
-    let ids: Vec<Vec<u8>> = raw
-        .query(&format!("SELECT id FROM \"{}\".records", store.guard.name), &[])
+    common::execute(&mut locker, "ROLLBACK").await;
+    let ids: Vec<Vec<u8>> = sqlx::query_scalar(&format!("SELECT id FROM \"{}\".records", store.guard.name))
+        .fetch_all(&mut common::raw().await)
         .await
-        .expect("ids")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(ids, vec![held.id.0.to_vec()], "the free record was swept, the locked one skipped");
+        .expect("ids");
+    assert_eq!(ids, vec![held.id.as_bytes().to_vec()], "the free record was swept, the locked one skipped");
     assert_ne!(free.id, held.id);
     assert_eq!(store.sweep(10).await.expect("sweep").removed, 1, "the next sweep takes it");
 }
 
 /// Counts the journal rows of record `id`, whatever their generation.
 async fn journal_rows(schema: &str, id: &[u8]) -> i64 {
-    common::raw()
-        .await
-        .query_one(&format!("SELECT count(*) FROM \"{schema}\".journal WHERE id = $1"), &[&id])
+    sqlx::query_scalar(&format!("SELECT count(*) FROM \"{schema}\".journal WHERE id = $1"))
+        .bind(id)
+        .fetch_one(&mut common::raw().await)
         .await
         .expect("count journal rows")
-        .get(0)
 }
 
 /// Pins: journal rows live and die with their record. A claim that replaces an expired
@@ -560,11 +596,11 @@ async fn journal_rows_follow_their_record_generation_and_go_with_the_sweep() {
         let w = store.journal_put(old.id, old.token, name, b"old".to_vec(), false).await.expect("put");
         assert_eq!(w, JournalWrite::Written);
     }
-    assert_eq!(journal_rows(&schema, &old.id.0).await, 2);
+    assert_eq!(journal_rows(&schema, old.id.as_bytes()).await, 2);
     clock.set(old.expires_at);
     let new = must_claim(&store, req).await;
     assert_eq!(new.token, FencingToken::first_at(old.expires_at), "a new generation's token, from the clock");
-    assert_eq!(journal_rows(&schema, &old.id.0).await, 2, "the replaced generation's rows are still stored");
+    assert_eq!(journal_rows(&schema, old.id.as_bytes()).await, 2, "the replaced generation's rows are still stored");
     assert_eq!(store.journal_get(new.id, "s:a").await.expect("get"), None, "but read as absent");
     let w = store.journal_put(new.id, new.token, "s:a", b"new".to_vec(), false).await.expect("put");
     assert_eq!(w, JournalWrite::Written, "a stale generation's row is overwritten, not returned as Exists");
@@ -572,7 +608,7 @@ async fn journal_rows_follow_their_record_generation_and_go_with_the_sweep() {
     assert_eq!(store.journal_get(new.id, "s:b").await.expect("get"), None);
     clock.set(new.expires_at);
     assert_eq!(store.sweep(10).await.expect("sweep").removed, 1);
-    assert_eq!(journal_rows(&schema, &old.id.0).await, 0, "the sweep removed every row of the record");
+    assert_eq!(journal_rows(&schema, old.id.as_bytes()).await, 0, "the sweep removed every row of the record");
 }
 
 /// Pins: a journal put that waits on the record's row lock re-checks the owner on the row
@@ -584,19 +620,19 @@ async fn journal_put_waiting_on_a_reclaim_is_fenced_by_it() {
     let store = common::fresh_store(Some(clock.clone()), 2).await;
     let schema = store.guard.name.clone();
     let r = must_claim(&store, claim_req("p", "journal-race", Duration::from_secs(5), Duration::from_secs(60))).await;
-    let locker = lock_row(&schema, &r.id.0).await;
+    let mut locker = lock_row(&schema, r.id.as_bytes()).await;
     let in_flight = {
         let store = store.clone();
         tokio::spawn(async move { store.journal_put(r.id, r.token, "s:a", b"late".to_vec(), false).await })
     };
-    let admin = common::raw().await;
-    blocked_backend(&admin, &schema).await;
+    blocked_backend(&mut common::raw().await, &schema).await;
     // What a reclaim does to the row, committed while the put waits.
-    locker
-        .execute(&format!("UPDATE \"{schema}\".records SET token = token + 1 WHERE id = $1"), &[&&r.id.0[..]])
+    sqlx::query(&format!("UPDATE \"{schema}\".records SET token = token + 1 WHERE id = $1"))
+        .bind(&r.id.as_bytes()[..])
+        .execute(&mut locker)
         .await
         .expect("bump token");
-    locker.batch_execute("COMMIT").await.expect("commit");
+    common::execute(&mut locker, "COMMIT").await;
     match in_flight.await.expect("task") {
         Err(StoreError::LeaseLost { presented, current, .. }) => {
             assert_eq!(presented, r.token);
@@ -604,7 +640,7 @@ async fn journal_put_waiting_on_a_reclaim_is_fenced_by_it() {
         }
         other => panic!("expected LeaseLost, got {other:?}"),
     }
-    assert_eq!(journal_rows(&schema, &r.id.0).await, 0, "the fenced put wrote nothing");
+    assert_eq!(journal_rows(&schema, r.id.as_bytes()).await, 0, "the fenced put wrote nothing");
 }
 
 /// The first token of a fresh record is exactly `FencingToken::first_at` of the statement's
@@ -635,7 +671,7 @@ async fn first_tokens_match_first_at_on_the_pinned_clock() {
 async fn claim_replacing_an_expired_record_takes_the_larger_token() {
     let clock = ManualClock::starting_now();
     let store = common::fresh_store(Some(clock.clone()), 2).await;
-    let raw = common::raw().await;
+    let mut raw = common::raw().await;
     let start = clock.now();
     let first = FencingToken::first_at(UnixMillis(start.0 + 60_000)).0;
     let cases = [(1, first), (first - 2, first), (first - 1, first), (first, first + 1), (1 << 62, (1 << 62) + 1)];
@@ -645,7 +681,8 @@ async fn claim_replacing_an_expired_record_takes_the_larger_token() {
         let r =
             must_claim(&store, claim_req("p", &format!("k{i}"), Duration::from_secs(5), Duration::from_secs(60))).await;
         let old = i64::try_from(old).expect("fits");
-        assert_eq!(raw.execute(&set_token, &[&&r.id.0[..], &old]).await.expect("set token"), 1);
+        let set = sqlx::query(&set_token).bind(&r.id.as_bytes()[..]).bind(old).execute(&mut raw).await;
+        assert_eq!(set.expect("set token").rows_affected(), 1);
     }
     clock.set(UnixMillis(start.0 + 60_000));
     for (i, (old, new)) in cases.into_iter().enumerate() {
@@ -686,7 +723,7 @@ async fn extend_matches_the_model_and_is_fenced() {
     store.complete(r.id, r.token, response()).await.expect("complete");
     lost(store.extend(r.id, r.token, Duration::from_secs(5)).await, Some(r.token));
     let none = claim_req("p", "never", Duration::from_secs(5), Duration::from_secs(60));
-    lost(store.extend(none.id, r.token, Duration::from_secs(5)).await, None);
+    lost(store.extend(none.id(), r.token, Duration::from_secs(5)).await, None);
     let short = claim_req("p", "short", Duration::from_secs(1), Duration::from_secs(2));
     let s = must_claim(&store, short).await;
     clock.set(s.expires_at);
@@ -702,19 +739,19 @@ async fn extend_waiting_on_a_reclaim_is_fenced_by_it() {
     let store = common::fresh_store(Some(clock.clone()), 2).await;
     let schema = store.guard.name.clone();
     let r = must_claim(&store, claim_req("p", "extend-race", Duration::from_secs(5), Duration::from_secs(60))).await;
-    let locker = lock_row(&schema, &r.id.0).await;
+    let mut locker = lock_row(&schema, r.id.as_bytes()).await;
     let in_flight = {
         let store = store.clone();
         tokio::spawn(async move { store.extend(r.id, r.token, Duration::from_secs(600)).await })
     };
-    let admin = common::raw().await;
-    blocked_backend(&admin, &schema).await;
+    blocked_backend(&mut common::raw().await, &schema).await;
     // What a reclaim does to the row, committed while the renewal waits.
-    locker
-        .execute(&format!("UPDATE \"{schema}\".records SET token = token + 1 WHERE id = $1"), &[&&r.id.0[..]])
+    sqlx::query(&format!("UPDATE \"{schema}\".records SET token = token + 1 WHERE id = $1"))
+        .bind(&r.id.as_bytes()[..])
+        .execute(&mut locker)
         .await
         .expect("bump token");
-    locker.batch_execute("COMMIT").await.expect("commit");
+    common::execute(&mut locker, "COMMIT").await;
     match in_flight.await.expect("task") {
         Err(StoreError::LeaseLost { presented, current, .. }) => {
             assert_eq!(presented, r.token);
@@ -750,8 +787,9 @@ async fn a_sweep_between_two_generations_fences_the_old_holder() {
     .await;
     swept.expect("the sweep removes the record once its retention ends on the server's clock");
     let count = format!("SELECT count(*) FROM \"{}\".records", store.guard.name);
-    assert_eq!(common::raw().await.query_one(&count, &[]).await.expect("count").get::<_, i64>(0), 0);
-    assert_eq!(journal_rows(&store.guard.name, &old.id.0).await, 0);
+    let left: i64 = sqlx::query_scalar(&count).fetch_one(&mut common::raw().await).await.expect("count");
+    assert_eq!(left, 0);
+    assert_eq!(journal_rows(&store.guard.name, old.id.as_bytes()).await, 0);
 
     // Same key, a retention long enough to outlive the checks below.
     let new = must_claim(&store, claim_req("p", "generations", Duration::from_secs(5), Duration::from_secs(60))).await;

@@ -1,12 +1,11 @@
-//! The conformance suite's `Backend` for PostgreSQL: one driver (deadpool or sqlx), reached
-//! directly or through PgBouncer.
+//! The conformance suite's `Backend` for PostgreSQL, reached directly or through PgBouncer.
 
 use std::sync::{Arc, Mutex, Weak};
 
 use async_trait::async_trait;
 use idem_core::{ManualClock, Store};
 
-use crate::common::{self, Kind, SchemaGuard, Via};
+use crate::common::{self, SchemaGuard, Via};
 
 /// Connections per store handle: enough for real races (32 tasks share them), few enough
 /// that parallel test threads stay far below the server's `max_connections` (100).
@@ -18,14 +17,13 @@ type Opened = (Weak<dyn Store>, Weak<SchemaGuard>);
 /// Opens stores on fresh schemas; remembers which schema each handle uses so that
 /// `open_peer` can open a second pool on it.
 pub(crate) struct Postgres {
-    kind: Kind,
     via: Via,
     opened: Mutex<Vec<Opened>>,
 }
 
 impl Postgres {
-    pub(crate) fn new(kind: Kind, via: Via) -> Self {
-        Self { kind, via, opened: Mutex::default() }
+    pub(crate) fn new(via: Via) -> Self {
+        Self { via, opened: Mutex::default() }
     }
 
     fn remember(&self, store: &Arc<dyn Store>, guard: &Arc<SchemaGuard>) {
@@ -47,14 +45,14 @@ impl Postgres {
 impl idem_conformance::Backend for Postgres {
     async fn open(&self, clock: ManualClock) -> Arc<dyn Store> {
         let guard = SchemaGuard::fresh().await;
-        let store = common::open(self.kind, self.via, &guard, Some(clock), POOL).await;
+        let store = common::open(self.via, &guard, Some(clock), POOL).await;
         self.remember(&store, &guard);
         store
     }
 
     async fn open_peer(&self, store: &Arc<dyn Store>, clock: ManualClock) -> Arc<dyn Store> {
         let guard = self.guard_of(store).expect("open_peer is given a store this backend opened");
-        let peer = common::open(self.kind, self.via, &guard, Some(clock), POOL).await;
+        let peer = common::open(self.via, &guard, Some(clock), POOL).await;
         self.remember(&peer, &guard);
         peer
     }
@@ -62,6 +60,6 @@ impl idem_conformance::Backend for Postgres {
     async fn open_server_clock(&self) -> Option<Arc<dyn Store>> {
         // No pinned clock: the statements fall back to the server's clock_timestamp().
         let guard = SchemaGuard::fresh().await;
-        Some(common::open(self.kind, self.via, &guard, None, 2).await)
+        Some(common::open(self.via, &guard, None, 2).await)
     }
 }

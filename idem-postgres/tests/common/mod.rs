@@ -1,5 +1,6 @@
 //! Shared by the Postgres test binaries: the server URL, fresh schemas that drop
-//! themselves, and the one message a developer without a running server sees.
+//! themselves, stores reached directly or through PgBouncer, and the one message a
+//! developer without a running server sees.
 
 #![allow(dead_code, reason = "each test binary uses a different subset")]
 
@@ -11,6 +12,7 @@ use idem_core::{
     Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ManualClock, ReclaimOutcome, ReclaimRequest,
     Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome,
 };
+use idem_postgres::sqlx::{self, Connection as _, PgConnection};
 use idem_postgres::{Config, PostgresStore};
 
 /// Used when `IDEM_POSTGRES_URL` is not set.
@@ -44,16 +46,14 @@ pub(crate) fn unreachable(err: &dyn std::error::Error) -> ! {
     );
 }
 
-/// A raw driver connection (for the tests' own SQL).
-pub(crate) async fn raw() -> tokio_postgres::Client {
-    let (client, conn) = match tokio_postgres::connect(&url(), tokio_postgres::NoTls).await {
-        Ok(c) => c,
-        Err(e) => unreachable(&e),
-    };
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    client
+/// A connection of the test's own (for its own SQL).
+pub(crate) async fn raw() -> PgConnection {
+    PgConnection::connect(&url()).await.unwrap_or_else(|e| unreachable(&e))
+}
+
+/// Runs `sql` (one or more statements, simple protocol) on `conn`.
+pub(crate) async fn execute(conn: &mut PgConnection, sql: &str) {
+    sqlx::Executor::execute(conn, sqlx::raw_sql(sql)).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
 }
 
 /// A schema that exists for as long as this guard (shared by every handle on it) lives;
@@ -86,12 +86,10 @@ pub(crate) fn execute_on_a_thread_of_its_own(sql: String) -> bool {
     let done = std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
         rt.block_on(async move {
-            let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.ok()?;
-            let task = tokio::spawn(conn);
-            let res = client.batch_execute(&sql).await.ok();
-            drop(client);
-            let _ = task.await;
-            res
+            let mut conn = PgConnection::connect(&url).await.ok()?;
+            let res = sqlx::Executor::execute(&mut conn, sqlx::raw_sql(&sql)).await.ok();
+            let _ = conn.close().await;
+            res.map(drop)
         })
     })
     .join();
@@ -100,8 +98,6 @@ pub(crate) fn execute_on_a_thread_of_its_own(sql: String) -> bool {
 
 impl Drop for SchemaGuard {
     fn drop(&mut self) {
-        // Drop runs synchronously, perhaps on a runtime thread or while the test's runtime
-        // shuts down: do the async work on a thread with its own small runtime.
         // A bounded lock wait: a session left holding a lock on the schema must cost a
         // warning, never a hung test run.
         let sql = format!("SET lock_timeout = '10s'; DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name);
@@ -111,22 +107,27 @@ impl Drop for SchemaGuard {
     }
 }
 
-/// Drops `idem_test_*` schemas created more than an hour ago (crashed runs).
-async fn drop_stale_schemas() {
-    let client = raw().await;
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_secs();
-    let Ok(rows) =
-        client.query("SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)", &[&SCHEMA_PREFIX]).await
-    else {
-        return;
-    };
-    for row in rows {
-        let name: String = row.get(0);
-        let created = name[SCHEMA_PREFIX.len()..].split('_').next().and_then(|s| s.parse::<u64>().ok());
-        if created.is_some_and(|t| t + 3600 < now) {
-            let _ = client.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE")).await;
+/// Drops `idem_test_*` schemas created more than an hour ago (crashed runs). Boxed: a
+/// future that reuses `&mut PgConnection` across awaits is not provably `Send` for every
+/// lifetime, which `async_trait` callers (the conformance `Backend`) need.
+fn drop_stale_schemas() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+    Box::pin(async {
+        let mut conn = raw().await;
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_secs();
+        let names: Vec<String> =
+            sqlx::query_scalar("SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)")
+                .bind(SCHEMA_PREFIX)
+                .fetch_all(&mut conn)
+                .await
+                .unwrap_or_default();
+        for name in names {
+            let created = name[SCHEMA_PREFIX.len()..].split('_').next().and_then(|s| s.parse::<u64>().ok());
+            if created.is_some_and(|t| t + 3600 < now) {
+                let sql = format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE");
+                let _ = sqlx::Executor::execute(&mut conn, sqlx::raw_sql(&sql)).await;
+            }
         }
-    }
+    })
 }
 
 /// The configuration tests use: `schema`, the pinned clock if any, `max_connections`.
@@ -159,15 +160,15 @@ pub(crate) async fn fresh_store(clock: Option<ManualClock>, max_connections: usi
     TestStore { inner: store, guard }
 }
 
-/// A store (a [`PostgresStore`] on either driver) that keeps its schema alive.
+/// A store that keeps its schema alive.
 #[derive(Clone, Debug)]
-pub(crate) struct TestStore<S = PostgresStore> {
-    pub(crate) inner: S,
+pub(crate) struct TestStore {
+    pub(crate) inner: PostgresStore,
     pub(crate) guard: Arc<SchemaGuard>,
 }
 
 #[async_trait]
-impl<S: Store> Store for TestStore<S> {
+impl Store for TestStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         self.inner.claim(req).await
     }
@@ -257,8 +258,8 @@ impl Via {
     }
 }
 
-/// A deadpool store on `schema` reached `via`.
-pub(crate) async fn deadpool_store(via: Via, schema: &str, clock: Option<ManualClock>, max: usize) -> PostgresStore {
+/// A store with a pool of its own (`connect`) on `schema`, reached `via`.
+pub(crate) async fn store(via: Via, schema: &str, clock: Option<ManualClock>, max: usize) -> PostgresStore {
     match PostgresStore::connect(&via.url(), via.config(config(schema, clock, max))).await {
         Ok(s) => s,
         Err(e @ idem_postgres::Error::Connection { .. }) => via.unreachable(&e),
@@ -266,8 +267,8 @@ pub(crate) async fn deadpool_store(via: Via, schema: &str, clock: Option<ManualC
     }
 }
 
-/// A sqlx pool of `max` connections reached `via`.
-pub(crate) async fn sqlx_pool(via: Via, max: usize) -> sqlx::PgPool {
+/// An application's own pool, reached `via`.
+pub(crate) async fn pool(via: Via, max: usize) -> sqlx::PgPool {
     match sqlx::postgres::PgPoolOptions::new()
         .max_connections(u32::try_from(max).unwrap_or(u32::MAX))
         .acquire_timeout(Duration::from_secs(30))
@@ -279,36 +280,8 @@ pub(crate) async fn sqlx_pool(via: Via, max: usize) -> sqlx::PgPool {
     }
 }
 
-/// A sqlx store on `schema` reached `via`.
-pub(crate) async fn sqlx_store(
-    via: Via,
-    schema: &str,
-    clock: Option<ManualClock>,
-    max: usize,
-) -> PostgresStore<idem_postgres::Sqlx> {
-    PostgresStore::from_sqlx(sqlx_pool(via, max).await, via.config(config(schema, clock, max)))
-        .await
-        .unwrap_or_else(|e| panic!("building the store on a sqlx pool: {e:?}"))
-}
-
-/// Which driver a conformance run uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kind {
-    Deadpool,
-    Sqlx,
-}
-
-/// A store of `kind` reached `via` on `guard`'s schema.
-pub(crate) async fn open(
-    kind: Kind,
-    via: Via,
-    guard: &Arc<SchemaGuard>,
-    clock: Option<ManualClock>,
-    max: usize,
-) -> Arc<dyn Store> {
+/// A store reached `via` on `guard`'s schema, keeping the schema alive.
+pub(crate) async fn open(via: Via, guard: &Arc<SchemaGuard>, clock: Option<ManualClock>, max: usize) -> Arc<dyn Store> {
     let guard = Arc::clone(guard);
-    match kind {
-        Kind::Deadpool => Arc::new(TestStore { inner: deadpool_store(via, &guard.name, clock, max).await, guard }),
-        Kind::Sqlx => Arc::new(TestStore { inner: sqlx_store(via, &guard.name, clock, max).await, guard }),
-    }
+    Arc::new(TestStore { inner: store(via, &guard.name, clock, max).await, guard })
 }

@@ -1,9 +1,0 @@
-//! The shared conformance suite (every scenario and the model-based test) on a `sqlx::PgPool`, through PgBouncer in transaction mode (`scripts/pgbouncer`, port 6401;
-//! simple query protocol, no startup options).
-//! No server: every test fails with the command that starts one.
-
-#[path = "common/backend.rs"]
-mod backend;
-mod common;
-
-idem_conformance::store_tests!(backend::Postgres::new(common::Kind::Sqlx, common::Via::PgBouncer));
