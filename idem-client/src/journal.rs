@@ -1,48 +1,6 @@
-//! Keys that survive a process restart.
-//!
-//! A client that crashes between sending a request and reading the answer must retry
-//! with the same key after it restarts, or the retry is a new operation (a phantom
-//! worker). The journal maps a caller-chosen operation name (a job id, "create worker
-//! for ticket 42") to its key in an append-only file: one line per event,
-//! `put <operation> <key>` or `done <operation>`, each written and fsynced before the
-//! first attempt is sent. Operation names are visible ASCII without spaces.
-//!
-//! # Crash safety
-//! - A line counts only once its `\n` is on disk: a crash half-way through an append
-//!   leaves a last line without one, which is ignored when the journal is opened (its
-//!   `key_for` never returned, so no request carried that key). Opening the journal cuts
-//!   the torn tail off, so it cannot glue itself to the next
-//!   entry and turn a valid line into garbage (which would give that operation a new key
-//!   after the next restart, and run it twice).
-//! - An append that fails while the process runs leaves the same fragment: a full disk
-//!   takes part of the line and then refuses the rest (`ENOSPC`), and a failed fsync leaves
-//!   a line that may or may not be on disk. The journal remembers where its last whole line
-//!   ends and cuts the file back to there before the error returns, so the next entry
-//!   starts on a line of its own. Writing each line with a single `write` would not be
-//!   enough: on a full disk that one call is short too. The file is opened in append mode,
-//!   so the next write lands at the cut without a seek. The cut is made durable by the
-//!   next append's fsync; a crash before that can leave the failed line on disk: torn, it
-//!   is cut off at open; whole, it holds a full key that no request carried.
-//! - A failed append changes nothing in memory: the caller got an error and no request
-//!   carries the key, so the next `key_for` of that operation writes a new one (a failed
-//!   `done` leaves the operation's key in place).
-//! - If the cut fails too, the journal is marked torn: the next append first tries the cut
-//!   again and, if it still fails, returns [`JournalError::TornTail`] without writing,
-//!   until the journal is reopened (which cuts a torn tail off). It does not close the
-//!   fragment with a `\n` instead: a torn `put` would then read as whole, with a cut-short
-//!   key that another operation's key could match.
-//! - A journal file created by [`KeyJournal::open`] has its directory fsynced before
-//!   `open` returns: without that, a power loss can lose the new file's directory entry,
-//!   and with it every key written to the file since.
-//! - A journal file has one opener. The cut-back after a failed append and the torn-tail cut
-//!   at open both assume nobody else appends to the file: a second opener keeps its own
-//!   idea of where the last whole line ends, so its cut-back deletes lines the first one
-//!   had fsynced and handed out (after a restart those operations get new keys and run
-//!   twice), and the tail it cuts at open may be the first one's line half-way through its
-//!   write. So [`KeyJournal::open`] takes an exclusive lock on the file before reading it,
-//!   holds it until the journal is dropped, and refuses a second opener, in this process or
-//!   another, with [`JournalError::InUse`]. The lock is advisory: it keeps other
-//!   `KeyJournal`s out, not programs that write the file without asking for it.
+//! [`KeyJournal`]: keys that survive a process restart. Its crash-safety rules (torn
+//! lines, the cut-back after a failed append, the directory fsync, one opener) are in
+//! `docs/contract.md#the-client`; the comments below say where each is kept.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions, TryLockError};
@@ -79,9 +37,8 @@ pub enum JournalError {
         source: std::io::Error,
     },
     /// Another [`KeyJournal`] has the file open, in this process or another. A journal has
-    /// one opener: two would cut each other's acknowledged lines off the file (see the
-    /// module's crash-safety notes). Share the open journal, or give the other user a file
-    /// of its own.
+    /// one opener: two would cut each other's acknowledged lines off the file. Share the
+    /// open journal, or give the other user a file of its own.
     #[error(
         "key journal {path}: another KeyJournal in this or another process has the file open; a journal has one opener"
     )]
@@ -94,9 +51,13 @@ pub enum JournalError {
     BadOperation(String),
 }
 
-/// An append-only, fsynced map from operation name to idempotency key.
+/// An append-only, fsynced map from operation name (a job id, "create worker for ticket
+/// 42") to idempotency key, so that a client that crashes between sending a request and
+/// reading the answer retries with the same key after it restarts.
 ///
-/// It holds an exclusive lock on its file until it is dropped: one journal per file.
+/// One line per event, `put <operation> <key>` or `done <operation>`, written and fsynced
+/// before the call returns. It holds an exclusive (advisory) lock on its file until it
+/// is dropped: one journal per file.
 #[derive(Debug)]
 pub struct KeyJournal {
     path: PathBuf,
@@ -280,51 +241,6 @@ mod tests {
     }
 
     #[test]
-    fn key_survives_reopen_until_done() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("keys.journal");
-        let k1 = KeyJournal::open(&path).unwrap().key_for("create-worker-42").unwrap();
-        // A restarted process gets the same key back.
-        let j = KeyJournal::open(&path).unwrap();
-        assert_eq!(j.key_for("create-worker-42").unwrap(), k1);
-        j.done("create-worker-42").unwrap();
-        // Shadowing would keep it open, and the file takes one opener at a time.
-        drop(j);
-        let j = KeyJournal::open(&path).unwrap();
-        assert_ne!(j.key_for("create-worker-42").unwrap(), k1);
-    }
-
-    #[test]
-    fn bad_names_and_torn_lines() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("keys.journal");
-        std::fs::write(&path, "put a k1\nput b\ngarbage line here\n").unwrap();
-        let j = KeyJournal::open(&path).unwrap();
-        assert_eq!(j.key_for("a").unwrap().as_str(), "k1");
-        assert!(matches!(j.key_for("has space"), Err(JournalError::BadOperation(_))));
-        assert!(matches!(j.key_for(""), Err(JournalError::BadOperation(_))));
-    }
-
-    /// A torn last line (a crash mid-append) swallowed the next entry appended after the
-    /// restart: "put a k" + "put b K2\n" made one garbage line, so after the next restart
-    /// operation b got a new key and ran twice.
-    #[test]
-    fn a_torn_last_line_cannot_swallow_the_next_entry() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("keys.journal");
-        std::fs::write(&path, "put a k1\nput torn 7c3f").unwrap();
-        let j = KeyJournal::open(&path).unwrap();
-        assert_eq!(j.key_for("a").unwrap().as_str(), "k1");
-        let b = j.key_for("b").unwrap();
-        drop(j);
-        // The restart after that: b keeps its key, and the torn entry never counted.
-        let j = KeyJournal::open(&path).unwrap();
-        assert_eq!(j.key_for("b").unwrap(), b, "b's entry was swallowed by the torn line");
-        assert_ne!(j.key_for("torn").unwrap().as_str(), "7c3f");
-        assert_eq!(j.key_for("a").unwrap().as_str(), "k1");
-    }
-
-    #[test]
     fn an_append_that_fails_part_way_cannot_swallow_the_next_entry() {
         // Pins: an append that failed part-way left its partial line on the file and the next
         // entry joined it ("put b 7c3f" + "put c K3\n", one garbage line), so after a restart
@@ -378,34 +294,6 @@ mod tests {
         let j = KeyJournal::open(&path).unwrap();
         assert_eq!(j.key_for("c").unwrap(), c, "c's entry was glued onto b's partial line");
         assert_eq!(j.key_for("a").unwrap(), a);
-    }
-
-    #[test]
-    fn a_second_opener_of_the_file_is_refused_until_the_first_is_dropped() {
-        // Pins: two openers of one journal file each remembered their own end of the last
-        // whole line, so one's failed append cut off a line the other had fsynced and handed
-        // out (after a restart that operation got a new key and ran twice), and an open cut
-        // off the other opener's line half-way through its write as a torn tail. Two opens
-        // in one process must conflict too: the lock belongs to the open file, not the process.
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("keys.journal");
-        let first = KeyJournal::open(&path).unwrap();
-        let a = first.key_for("a").unwrap();
-        // The first opener's next line, caught half-way through its write.
-        std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"put b 7c3f").unwrap();
-        let mid_write = std::fs::read_to_string(&path).unwrap();
-
-        let err = KeyJournal::open(&path).expect_err("a second opener was let in while the first is open");
-        assert!(matches!(&err, JournalError::InUse { path: p } if *p == path), "expected InUse, got {err}");
-        assert!(err.to_string().contains("one opener"), "{err}");
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), mid_write, "the refused opener changed the file");
-
-        drop(first);
-        // The lock went with the first journal; this open is a restart after a crash
-        // mid-write, and cuts the torn line off.
-        let j = KeyJournal::open(&path).unwrap();
-        assert_eq!(j.key_for("a").unwrap(), a);
-        assert_ne!(j.key_for("b").unwrap().as_str(), "7c3f");
     }
 
     /// A new journal file's directory entry was never fsynced, so a power loss could drop

@@ -1,6 +1,7 @@
 //! idem's client behaviour as a [`reqwest_middleware`] middleware (feature `middleware`),
 //! for teams whose stack already is `reqwest-middleware` + `reqwest-retry` + a tracing
-//! middleware.
+//! middleware. Built for reqwest 0.12: `reqwest-middleware` 0.4 and `reqwest-retry` 0.7
+//! (`tests/middleware.rs` builds this stack against a real server).
 //!
 //! ```no_run
 //! # async fn demo() -> reqwest_middleware::Result<()> {
@@ -15,7 +16,7 @@
 //!     // Outermost: backoff, jitter and the time budget (reqwest-retry's, not ours) ...
 //!     .with(retry_transient(backoff))
 //!     // ... beneath it: the key, kept across its retries, and the Retry-After wait.
-//!     .with(IdempotencyMiddleware::new())
+//!     .with(IdempotencyMiddleware::default())
 //!     .build();
 //! // One `send` is one logical operation: one key for every retry beneath it.
 //! let reply = client.post("http://127.0.0.1:8080/v1/workers").body("{}").send().await?;
@@ -25,21 +26,18 @@
 //! # Who does what
 //! - **reqwest-retry** ([`reqwest_retry::RetryTransientMiddleware`] with a
 //!   [`retry_policies`](reqwest_retry::policies) policy): the retry loop, exponential
-//!   backoff, jitter, the attempt limit and the total time budget. We do not reimplement
-//!   them here.
+//!   backoff, jitter, the attempt limit and the total time budget. Not reimplemented here.
 //! - **Ours**, [`IdempotencyMiddleware`]: stamps an `Idempotency-Key` on every non-safe
 //!   request (RFC 9110 §9.2.1: not on GET, HEAD, OPTIONS, TRACE) that has none, once per
-//!   logical operation, and keeps it across every retry beneath it (the key lives in the
-//!   request's [`http::Extensions`], which `reqwest-retry` passes to each attempt); waits
-//!   out a server's `Retry-After` (seconds, RFC 9110 §10.2.3; at most
-//!   [`IdempotencyMiddleware::with_max_wait`], default 60 s) before a retryable answer goes
-//!   back up to the retry loop, whose own backoff then comes on top.
+//!   logical operation, kept across every retry beneath it (the key lives in the request's
+//!   [`http::Extensions`], which `reqwest-retry` passes to each attempt); waits out a
+//!   server's `Retry-After` (seconds, RFC 9110 §10.2.3; at most
+//!   [`IdempotencyMiddleware::with_max_wait`]) before a retryable answer goes back up to
+//!   the retry loop, whose own backoff then comes on top.
 //! - **Ours**, [`IdempotencyRetryStrategy`]: which answers are worth retrying for an idem
-//!   server: connection errors, timeouts, 5xx, 408, 425, 429 and an in-flight 409 (it
-//!   carries `Retry-After`); never a fingerprint mismatch (409 without `Retry-After`, 422,
-//!   400), never any other 4xx, and never an answer carrying `x-should-retry: false`, which
-//!   an idem server sends when no retry can change the outcome. `reqwest-retry`'s default
-//!   strategy would stop at the in-flight 409, the very answer a retry is for.
+//!   server (the client's rules, `docs/contract.md#the-client`, read from status and
+//!   headers alone). `reqwest-retry`'s default strategy would stop at the in-flight 409,
+//!   the very answer a retry is for.
 //!
 //! Put [`IdempotencyMiddleware`] *beneath* the retry middleware (added after it): above it,
 //! the key still holds across retries (it is in the request before the retry middleware
@@ -64,10 +62,10 @@ use reqwest_retry::{RetryPolicy, RetryTransientMiddleware, Retryable, RetryableS
 use crate::retry::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, OperationKey, retry_after};
 
 /// The default longest `Retry-After` the middleware waits out, per answer.
-pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(60);
+const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(60);
 
 /// Stamps one `Idempotency-Key` per logical operation and waits out `Retry-After`
-/// ([module docs](self)).
+/// ([module docs](self)); `IdempotencyMiddleware::default()` caps each wait at 60 s.
 #[derive(Clone, Debug)]
 pub struct IdempotencyMiddleware {
     max_wait: Duration,
@@ -80,12 +78,6 @@ impl Default for IdempotencyMiddleware {
 }
 
 impl IdempotencyMiddleware {
-    /// The middleware with a 60 s cap on each `Retry-After` wait.
-    #[must_use]
-    pub fn new() -> Self {
-        Self::default()
-    }
-
     /// Caps each `Retry-After` wait (default 60 s). Zero turns the wait off (only the
     /// retry policy's backoff remains).
     #[must_use]
@@ -151,7 +143,11 @@ impl IdempotencyMiddleware {
     }
 }
 
-/// Which answers of an idem server a retry can change ([module docs](self)). Use it with
+/// Which answers of an idem server a retry can change: connection errors, timeouts, 5xx,
+/// 408, 425, 429 and an in-flight 409 (it carries `Retry-After`); never a fingerprint
+/// mismatch (409 without `Retry-After`, 422, 400), never any other 4xx, and never an answer
+/// carrying `x-should-retry: false`, which an idem server sends when no retry can change
+/// the outcome. Use it with
 /// [`reqwest_retry::RetryTransientMiddleware::new_with_policy_and_strategy`], or through
 /// [`retry_transient`].
 #[derive(Clone, Copy, Debug, Default)]

@@ -8,9 +8,9 @@ use rand::Rng;
 use tokio::time::Instant;
 
 /// The header the key travels in (draft-ietf-httpapi-idempotency-key-header §2).
-pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+pub(crate) const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// The header a server sets on a replayed response.
-pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+pub(crate) const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
 /// The key of one logical operation. Create it once, before the first attempt, and pass
 /// the same value to every retry; never derive it from the attempt, the time or a
@@ -39,28 +39,14 @@ impl OperationKey {
     }
 }
 
-/// When and how long to retry.
+/// When and how long to retry: `RetryPolicy::default().with_*(..)`.
 #[derive(Clone, Debug)]
-#[non_exhaustive]
 pub struct RetryPolicy {
-    /// Total time allowed for all attempts and waits (default 60 s). No new attempt starts
-    /// once a wait would cross it, with one exception: while the operation is in flight
-    /// (409 with `Retry-After`), a `Retry-After` that reaches past the budget is cut to
-    /// what is left of it, so the last poll happens at the budget's end instead of the
-    /// client giving up at once.
-    pub budget: Duration,
-    /// Upper bound on attempts that did not find the operation in flight, the first
-    /// included (default 20): transport errors, timeouts, 5xx, 408, 425, 429. In-flight
-    /// 409s are polls of an operation that is running, not failures, so they are bounded by
-    /// the budget alone: a ten-minute operation is polled for as long as the budget lasts.
-    pub max_attempts: u32,
-    /// First backoff (default 50 ms); doubles per retry.
-    pub initial_backoff: Duration,
-    /// Largest backoff (default 5 s). A server's `Retry-After` may ask for longer; it is
-    /// honoured as long as the budget allows.
-    pub max_backoff: Duration,
-    /// Timeout of one attempt (default 10 s); a timeout is retried under the same key.
-    pub attempt_timeout: Duration,
+    budget: Duration,
+    max_attempts: u32,
+    initial_backoff: Duration,
+    max_backoff: Duration,
+    attempt_timeout: Duration,
 }
 
 impl Default for RetryPolicy {
@@ -76,21 +62,27 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// Sets the total budget.
+    /// Total time allowed for all attempts and waits (default 60 s; `Duration::MAX` for
+    /// none). No new attempt starts once a wait would cross it, except that an in-flight
+    /// 409's `Retry-After` reaching past it is cut so the last poll lands at its end.
     #[must_use]
     pub fn with_budget(mut self, d: Duration) -> Self {
         self.budget = d;
         self
     }
 
-    /// Sets the attempt cap.
+    /// Upper bound on attempts that did not find the operation in flight, the first
+    /// included (default 20, at least 1): transport errors, timeouts, 5xx, 408, 425, 429.
+    /// In-flight 409s are polls, bounded by the budget alone.
     #[must_use]
     pub fn with_max_attempts(mut self, n: u32) -> Self {
         self.max_attempts = n.max(1);
         self
     }
 
-    /// Sets the first and the largest backoff.
+    /// The first backoff (default 50 ms), doubling per retry, and the largest (default 5 s,
+    /// at least `initial`). A server's `Retry-After` may ask for longer; it is honoured as
+    /// long as the budget allows.
     #[must_use]
     pub fn with_backoff(mut self, initial: Duration, max: Duration) -> Self {
         self.initial_backoff = initial;
@@ -98,7 +90,7 @@ impl RetryPolicy {
         self
     }
 
-    /// Sets the per-attempt timeout.
+    /// Timeout of one attempt (default 10 s); a timeout is retried under the same key.
     #[must_use]
     pub fn with_attempt_timeout(mut self, d: Duration) -> Self {
         self.attempt_timeout = d;
@@ -121,7 +113,7 @@ pub struct AttemptStats {
     /// Requests sent.
     pub attempts: u32,
     /// In-flight `409` answers (another attempt held the key); they do not count against
-    /// [`RetryPolicy::max_attempts`].
+    /// [`RetryPolicy::with_max_attempts`].
     pub busy: u32,
     /// Connection errors and timeouts.
     pub transport_errors: u32,
@@ -201,18 +193,6 @@ impl IdempotentClient {
             error: None,
         }
     }
-
-    /// `POST url` under `key`.
-    #[must_use]
-    pub fn post(&self, url: impl Into<String>, key: &OperationKey) -> RequestBuilder<'_> {
-        self.request(Method::POST, url, key)
-    }
-
-    /// `DELETE url` under `key`.
-    #[must_use]
-    pub fn delete(&self, url: impl Into<String>, key: &OperationKey) -> RequestBuilder<'_> {
-        self.request(Method::DELETE, url, key)
-    }
 }
 
 /// One operation being assembled; [`RequestBuilder::send`] runs the retry loop.
@@ -236,12 +216,6 @@ impl RequestBuilder<'_> {
             _ => self.error = Some(format!("bad header {name}")),
         }
         self
-    }
-
-    /// `Authorization: Bearer <token>`.
-    #[must_use]
-    pub fn bearer(self, token: &str) -> Self {
-        self.header("authorization", &format!("Bearer {token}"))
     }
 
     /// A JSON body (bytes sent as they are on every attempt, so the fingerprint matches).
@@ -511,13 +485,5 @@ mod tests {
         assert!(!is_mismatch(StatusCode::CONFLICT, &h, Some(Duration::from_secs(1)), mismatch));
         h.insert(IDEMPOTENT_REPLAYED, "true".parse().unwrap());
         assert!(!is_mismatch(StatusCode::CONFLICT, &h, None, mismatch));
-    }
-
-    #[test]
-    fn generated_keys_are_distinct_and_valid() {
-        let a = OperationKey::generate();
-        let b = OperationKey::generate();
-        assert_ne!(a, b);
-        assert!(a.as_str().bytes().all(|c| (0x21..=0x7e).contains(&c)));
     }
 }

@@ -1,8 +1,10 @@
-//! The key journal on a full disk (a small private tmpfs, so a real append stops part-way
-//! and then fails with `ENOSPC`): the failed entry's bytes are cut off, and the entries
-//! after it keep their keys across a restart.
+//! The key journal across restarts: a key comes back until `done`, a torn line never
+//! swallows the next entry, a second opener is refused. And on a full disk (a small private
+//! tmpfs, so a real append stops part-way and then fails with `ENOSPC`): the failed entry's
+//! bytes are cut off, and the entries after it keep their keys across a restart.
 //!
-//! Needs root (`mount -t tmpfs`); the test mounts its own tmpfs and unmounts it on drop.
+//! The full-disk test needs root (`mount -t tmpfs`); it mounts its own tmpfs and unmounts
+//! it on drop.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -147,4 +149,77 @@ fn an_append_that_fails_half_way_on_a_full_disk_cannot_swallow_the_next_entry() 
     let puts: Vec<&str> = text.lines().filter(|l| l.contains("put")).collect();
     let want = [format!("put a {}", a.as_str()), format!("put c {}", c.as_str()), format!("put b {}", b.as_str())];
     assert_eq!(puts, want, "the journal holds a line that is not a whole entry");
+}
+
+#[test]
+fn key_survives_reopen_until_done() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keys.journal");
+    let k1 = KeyJournal::open(&path).unwrap().key_for("create-worker-42").unwrap();
+    // A restarted process gets the same key back.
+    let j = KeyJournal::open(&path).unwrap();
+    assert_eq!(j.key_for("create-worker-42").unwrap(), k1);
+    j.done("create-worker-42").unwrap();
+    // Shadowing would keep it open, and the file takes one opener at a time.
+    drop(j);
+    let j = KeyJournal::open(&path).unwrap();
+    assert_ne!(j.key_for("create-worker-42").unwrap(), k1);
+}
+
+#[test]
+fn bad_names_and_torn_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keys.journal");
+    std::fs::write(&path, "put a k1\nput b\ngarbage line here\n").unwrap();
+    let j = KeyJournal::open(&path).unwrap();
+    assert_eq!(j.key_for("a").unwrap().as_str(), "k1");
+    assert!(matches!(j.key_for("has space"), Err(JournalError::BadOperation(_))));
+    assert!(matches!(j.key_for(""), Err(JournalError::BadOperation(_))));
+}
+
+/// A torn last line (a crash mid-append) swallowed the next entry appended after the
+/// restart: "put a k" + "put b K2\n" made one garbage line, so after the next restart
+/// operation b got a new key and ran twice.
+#[test]
+fn a_torn_last_line_cannot_swallow_the_next_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keys.journal");
+    std::fs::write(&path, "put a k1\nput torn 7c3f").unwrap();
+    let j = KeyJournal::open(&path).unwrap();
+    assert_eq!(j.key_for("a").unwrap().as_str(), "k1");
+    let b = j.key_for("b").unwrap();
+    drop(j);
+    // The restart after that: b keeps its key, and the torn entry never counted.
+    let j = KeyJournal::open(&path).unwrap();
+    assert_eq!(j.key_for("b").unwrap(), b, "b's entry was swallowed by the torn line");
+    assert_ne!(j.key_for("torn").unwrap().as_str(), "7c3f");
+    assert_eq!(j.key_for("a").unwrap().as_str(), "k1");
+}
+
+#[test]
+fn a_second_opener_of_the_file_is_refused_until_the_first_is_dropped() {
+    // Pins: two openers of one journal file each remembered their own end of the last
+    // whole line, so one's failed append cut off a line the other had fsynced and handed
+    // out (after a restart that operation got a new key and ran twice), and an open cut
+    // off the other opener's line half-way through its write as a torn tail. Two opens
+    // in one process must conflict too: the lock belongs to the open file, not the process.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keys.journal");
+    let first = KeyJournal::open(&path).unwrap();
+    let a = first.key_for("a").unwrap();
+    // The first opener's next line, caught half-way through its write.
+    std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"put b 7c3f").unwrap();
+    let mid_write = std::fs::read_to_string(&path).unwrap();
+
+    let err = KeyJournal::open(&path).expect_err("a second opener was let in while the first is open");
+    assert!(matches!(&err, JournalError::InUse { path: p } if *p == path), "expected InUse, got {err}");
+    assert!(err.to_string().contains("one opener"), "{err}");
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), mid_write, "the refused opener changed the file");
+
+    drop(first);
+    // The lock went with the first journal; this open is a restart after a crash
+    // mid-write, and cuts the torn line off.
+    let j = KeyJournal::open(&path).unwrap();
+    assert_eq!(j.key_for("a").unwrap(), a);
+    assert_ne!(j.key_for("b").unwrap().as_str(), "7c3f");
 }

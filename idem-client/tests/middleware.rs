@@ -66,7 +66,7 @@ fn client(max_retries: u32) -> ClientWithMiddleware {
     ClientBuilder::new(reqwest::Client::new())
         .with(reqwest_tracing::TracingMiddleware::default())
         .with(retry_transient(backoff))
-        .with(IdempotencyMiddleware::new())
+        .with(IdempotencyMiddleware::default())
         .build()
 }
 

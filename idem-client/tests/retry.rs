@@ -43,7 +43,7 @@ async fn same_key_on_every_attempt_until_success() {
     let base = serve(app).await;
     let client = IdempotentClient::new(reqwest::Client::new(), fast());
     let key = OperationKey::generate();
-    let reply = client.post(format!("{base}/w"), &key).json_body("{}").send().await.unwrap();
+    let reply = client.request(reqwest::Method::POST, format!("{base}/w"), &key).json_body("{}").send().await.unwrap();
     assert_eq!(reply.status, 201);
     assert_eq!(reply.stats.attempts, 3);
     assert_eq!(reply.stats.server_errors, 2);
@@ -78,11 +78,16 @@ async fn busy_409_is_retried_after_retry_after_and_mismatch_stops() {
     let base = serve(app).await;
     let client = IdempotentClient::new(reqwest::Client::new(), fast());
     let started = std::time::Instant::now();
-    let reply = client.post(format!("{base}/busy"), &OperationKey::generate()).send().await.unwrap();
+    let reply =
+        client.request(reqwest::Method::POST, format!("{base}/busy"), &OperationKey::generate()).send().await.unwrap();
     assert_eq!((reply.status.as_u16(), reply.stats.busy), (200, 1));
     // Retry-After: 1 was honoured even though the backoff cap is 5 ms.
     assert!(started.elapsed() >= Duration::from_millis(990));
-    let err = client.post(format!("{base}/mismatch"), &OperationKey::generate()).send().await.unwrap_err();
+    let err = client
+        .request(reqwest::Method::POST, format!("{base}/mismatch"), &OperationKey::generate())
+        .send()
+        .await
+        .unwrap_err();
     assert!(matches!(err, ClientError::Mismatch { .. }), "{err:?}");
 }
 
@@ -96,7 +101,11 @@ async fn connection_refused_gives_up_within_budget() {
         reqwest::Client::new(),
         fast().with_budget(Duration::from_millis(300)).with_max_attempts(5),
     );
-    let err = client.post(format!("http://{addr}/w"), &OperationKey::generate()).send().await.unwrap_err();
+    let err = client
+        .request(reqwest::Method::POST, format!("http://{addr}/w"), &OperationKey::generate())
+        .send()
+        .await
+        .unwrap_err();
     match err {
         ClientError::GaveUp { stats, .. } => assert!(stats.attempts >= 2 && stats.transport_errors == stats.attempts),
         other => panic!("{other:?}"),
@@ -108,8 +117,10 @@ async fn connection_refused_gives_up_within_budget() {
 async fn firmware_server(lease: Duration, retry_after_cap: Duration, flash: Duration) -> (String, Arc<AtomicU32>) {
     let runs = Arc::new(AtomicU32::new(0));
     let r = Arc::clone(&runs);
+    let mut policy = idem_core::Policy::default();
+    policy.lease_ttl = lease;
     let layer = idem_http::IdempotencyLayer::new(Arc::new(idem_core::MemoryStore::new()))
-        .with_lease_ttl(lease)
+        .with_policy(policy)
         .with_in_flight_retry_after(retry_after_cap);
     let app = Router::new()
         .route(
@@ -141,8 +152,8 @@ async fn a_long_lease_operation_is_polled_until_its_replay() {
     );
     let started = std::time::Instant::now();
     let reply = client
-        .post(format!("{base}/v1/workers/7/firmware"), &OperationKey::generate())
-        .bearer("ops")
+        .request(reqwest::Method::POST, format!("{base}/v1/workers/7/firmware"), &OperationKey::generate())
+        .header("authorization", "Bearer ops")
         .send()
         .await
         .unwrap();
@@ -166,8 +177,8 @@ async fn a_retry_after_past_the_budget_is_polled_at_the_budget_end() {
     );
     let started = std::time::Instant::now();
     let reply = client
-        .post(format!("{base}/v1/workers/7/firmware"), &OperationKey::generate())
-        .bearer("ops")
+        .request(reqwest::Method::POST, format!("{base}/v1/workers/7/firmware"), &OperationKey::generate())
+        .header("authorization", "Bearer ops")
         .send()
         .await
         .unwrap();
@@ -202,15 +213,26 @@ async fn a_huge_retry_after_is_clamped_not_a_panic() {
     let policy = fast().with_budget(Duration::from_millis(300));
     let client = IdempotentClient::new(reqwest::Client::new(), policy);
     // The 503's Retry-After reaches past the budget: the client stops at once.
-    let err = client.post(format!("{base}/w"), &OperationKey::generate()).json_body("{}").send().await.unwrap_err();
+    let err = client
+        .request(reqwest::Method::POST, format!("{base}/w"), &OperationKey::generate())
+        .json_body("{}")
+        .send()
+        .await
+        .unwrap_err();
     assert!(matches!(err, ClientError::GaveUp { .. }), "{err:?}");
     // The 409's: one last poll at the budget's end gets the 201.
-    let reply = client.post(format!("{base}/w"), &OperationKey::generate()).json_body("{}").send().await.unwrap();
+    let reply = client
+        .request(reqwest::Method::POST, format!("{base}/w"), &OperationKey::generate())
+        .json_body("{}")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(reply.status, 201);
     // An unbounded budget with an in-flight 409 of u64::MAX seconds.
     calls.store(1, Ordering::SeqCst);
     let endless = IdempotentClient::new(reqwest::Client::new(), fast().with_budget(Duration::MAX));
-    let pending = endless.post(format!("{base}/w"), &OperationKey::generate()).json_body("{}").send();
+    let pending =
+        endless.request(reqwest::Method::POST, format!("{base}/w"), &OperationKey::generate()).json_body("{}").send();
     // The clamped wait is long; the point is that building the request loop did not panic.
     assert!(tokio::time::timeout(Duration::from_millis(300), pending).await.is_err());
 }
@@ -233,8 +255,20 @@ async fn a_503_marked_should_not_retry_stops_at_once() {
     );
     let base = serve(app).await;
     let client = IdempotentClient::new(reqwest::Client::new(), fast().with_budget(Duration::from_secs(3)));
-    let err = client.post(format!("{base}/corrupt"), &OperationKey::generate()).send().await.unwrap_err();
+    let err = client
+        .request(reqwest::Method::POST, format!("{base}/corrupt"), &OperationKey::generate())
+        .send()
+        .await
+        .unwrap_err();
     let ClientError::GaveUp { stats, .. } = &err else { panic!("{err:?}") };
     assert_eq!(stats.attempts, 1, "{err:?}");
     assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn generated_keys_are_distinct_and_valid() {
+    let a = OperationKey::generate();
+    let b = OperationKey::generate();
+    assert_ne!(a, b);
+    assert!(a.as_str().bytes().all(|c| (0x21..=0x7e).contains(&c)));
 }
