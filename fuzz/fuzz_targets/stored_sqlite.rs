@@ -1,7 +1,7 @@
 //! Fuzz target `stored_sqlite`: stored-record bytes as a hostile writer to the shared store
-//! would leave them, through idem-sqlite's record decoder. The body is
-//! `idem_sqlite::fuzzing::stored_record`, shared with the stable corpus replay in
-//! `idem-sqlite/tests/fuzz_corpus.rs`.
+//! would leave them (written as an idem-sqlite row), read back through the store's
+//! public API. The body is `idem_fuzz::stored_sqlite::stored_record` (`src/stored_sqlite.rs`),
+//! shared with the stable corpus replay in `tests/corpus.rs`.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| idem_sqlite::fuzzing::stored_record(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| idem_fuzz::stored_sqlite::stored_record(data));

@@ -157,7 +157,7 @@ async fn main() {
                 let key = IdempotencyKey::parse(format!("{run}-{callers}-{i}").as_bytes()).expect("key");
                 async move {
                     let req = ClaimRequest::new(scope, key, fingerprint, LEASE, RETENTION);
-                    let id = req.id;
+                    let id = req.id();
                     match store.claim(req).await.expect("claim") {
                         ClaimOutcome::Claimed(r) => {
                             store.complete(id, r.token, resp).await.expect("complete");

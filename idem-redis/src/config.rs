@@ -12,6 +12,9 @@ use crate::error::Error;
 /// Default key prefix.
 pub const DEFAULT_PREFIX: &str = "idem:";
 
+/// How long one connection attempt of [`crate::RedisStore::connect`] may take.
+pub(crate) const CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// What to do at start-up when the server's `maxmemory-policy` may evict keys.
 ///
 /// Redis evicts only once `maxmemory` is reached, and then an `allkeys-*` policy may drop
@@ -142,8 +145,8 @@ pub(crate) fn persistence_problem(appendonly: &str, appendfsync: &str, save: &st
 /// - after a **complete**, the stored response stays on the primary: a retry replays it
 ///   unless a failover lost it.
 ///
-/// On a Redis Cluster the `WAIT` goes to the record's primary and counts its replicas (the
-/// crate docs' "Redis Cluster" section says what each kind of failover loses).
+/// On a Redis Cluster the `WAIT` goes to the record's primary and counts its replicas
+/// (what each kind of failover loses: `docs/redis.md#redis-cluster`).
 ///
 /// WAIT goes in the same pipeline as the script, on the same connection, so it covers that
 /// write even if the connection is replaced right after (both then fail, retryably). It is
@@ -154,8 +157,10 @@ pub(crate) fn persistence_problem(appendonly: &str, appendfsync: &str, save: &st
 /// concurrent call on the same store waits behind it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReplicaAck {
-    replicas: u32,
-    timeout: Duration,
+    /// Replicas that must acknowledge.
+    pub(crate) replicas: u32,
+    /// How long to wait for them.
+    pub(crate) timeout: Duration,
 }
 
 impl ReplicaAck {
@@ -164,18 +169,6 @@ impl ReplicaAck {
     #[must_use]
     pub const fn new(replicas: u32, timeout: Duration) -> Self {
         Self { replicas, timeout }
-    }
-
-    /// Replicas that must acknowledge.
-    #[must_use]
-    pub const fn replicas(&self) -> u32 {
-        self.replicas
-    }
-
-    /// How long to wait for them.
-    #[must_use]
-    pub const fn timeout(&self) -> Duration {
-        self.timeout
     }
 
     /// The timeout as `WAIT` takes it, ms.
@@ -193,7 +186,6 @@ pub struct Config {
     pub(crate) persistence_check: PersistenceCheck,
     pub(crate) replica_ack: Option<ReplicaAck>,
     pub(crate) response_timeout: Duration,
-    pub(crate) connection_timeout: Duration,
     pub(crate) expiry_grace: Duration,
     pub(crate) clock: Option<Arc<dyn Clock>>,
 }
@@ -208,7 +200,6 @@ impl Default for Config {
             persistence_check: PersistenceCheck::default(),
             replica_ack: None,
             response_timeout: Duration::from_secs(2),
-            connection_timeout: Duration::from_secs(1),
             expiry_grace: Duration::ZERO,
             clock: None,
         }
@@ -257,18 +248,11 @@ impl Config {
         self
     }
 
-    /// How long one connection attempt may take (for [`crate::RedisStore::connect`]).
-    #[must_use]
-    pub fn with_connection_timeout(mut self, timeout: Duration) -> Self {
-        self.connection_timeout = timeout;
-        self
-    }
-
     /// How long a record's key outlives its `expires_at` in Redis (default zero: the key
     /// expires exactly at `expires_at`). Logically the record is gone at `expires_at`
     /// either way: every read and script checks. Fencing tokens stay unique across record
     /// generations without it (a new generation's first token comes from the server's
-    /// clock, see the crate docs); a grace adds that a record claimed again within it
+    /// clock, `docs/redis.md#fencing-tokens-and-the-servers-clock`); a grace adds that a record claimed again within it
     /// continues its old token + 1 even if the server's clock stepped back meanwhile, at the
     /// cost of memory. A renewal ([`idem_core::Store::extend`]) that moves `expires_at`
     /// moves the key's expiry to the new `expires_at` plus the grace.

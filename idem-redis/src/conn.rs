@@ -1,14 +1,17 @@
-//! [`Connection`]: the store's link to Redis, a single node or a Redis Cluster, and the
-//! per-node commands the start-up checks need.
+//! [`Connection`]: the store's link to Redis, a single node or (feature `cluster`) a Redis
+//! Cluster, and the per-node commands the start-up checks and `list` need.
 
 use redis::aio::{ConnectionLike, ConnectionManager};
+#[cfg(feature = "cluster")]
 use redis::cluster_async::ClusterConnection;
+#[cfg(feature = "cluster")]
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
 
 /// The connection a [`crate::RedisStore`] sends its scripts on: a single node (or a primary
 /// with replicas behind it) through the `redis` crate's reconnecting
-/// [`ConnectionManager`], or a Redis Cluster through its async [`ClusterConnection`].
+/// [`ConnectionManager`], or (feature `cluster`) a Redis Cluster through its async
+/// `ClusterConnection`.
 ///
 /// Cheap to clone; clones share the same underlying connections. It implements
 /// [`ConnectionLike`], so an application can send its own commands on it (a health
@@ -19,6 +22,7 @@ pub enum Connection {
     /// One Redis server (its primary, when it has replicas).
     Single(ConnectionManager),
     /// A Redis Cluster: each script goes to the primary owning its record key's slot.
+    #[cfg(feature = "cluster")]
     Cluster(ClusterConnection),
 }
 
@@ -26,6 +30,7 @@ impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Connection::Single(_) => "Connection::Single",
+            #[cfg(feature = "cluster")]
             Connection::Cluster(_) => "Connection::Cluster",
         })
     }
@@ -37,6 +42,7 @@ impl From<ConnectionManager> for Connection {
     }
 }
 
+#[cfg(feature = "cluster")]
 impl From<ClusterConnection> for Connection {
     fn from(conn: ClusterConnection) -> Self {
         Connection::Cluster(conn)
@@ -47,6 +53,7 @@ impl ConnectionLike for Connection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Connection::Single(c) => c.req_packed_command(cmd),
+            #[cfg(feature = "cluster")]
             Connection::Cluster(c) => c.req_packed_command(cmd),
         }
     }
@@ -59,6 +66,7 @@ impl ConnectionLike for Connection {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Connection::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            #[cfg(feature = "cluster")]
             Connection::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
@@ -66,12 +74,22 @@ impl ConnectionLike for Connection {
     fn get_db(&self) -> i64 {
         match self {
             Connection::Single(c) => c.get_db(),
+            #[cfg(feature = "cluster")]
             Connection::Cluster(c) => c.get_db(),
         }
     }
 }
 
 impl Connection {
+    /// Whether this is a cluster connection.
+    pub(crate) fn is_cluster(&self) -> bool {
+        #[cfg(feature = "cluster")]
+        if let Connection::Cluster(_) = self {
+            return true;
+        }
+        false
+    }
+
     /// Sends `cmd` to every primary: the one server, or each primary of the cluster.
     /// Returns one `(node, reply)` per primary, where a node's error reply is kept as an
     /// `Err` of its own (one node refusing `CONFIG` says nothing about the others).
@@ -85,6 +103,7 @@ impl Connection {
                     other => Ok(vec![(String::from("server"), other)]),
                 }
             }
+            #[cfg(feature = "cluster")]
             Connection::Cluster(c) => {
                 // No response policy: the crate answers with a map of node address to reply.
                 let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
@@ -128,6 +147,7 @@ impl Connection {
                     cursor = next;
                 }
             }
+            #[cfg(feature = "cluster")]
             Connection::Cluster(c) => {
                 let primaries = self_primaries(c).await?;
                 for (host, port) in primaries {
@@ -158,6 +178,7 @@ fn scan_cmd(cursor: u64, pattern: &str) -> Cmd {
 
 /// `(host, port)` of every primary of the cluster, as the client knows the topology: the
 /// node names a `PING` to all primaries answers from.
+#[cfg(feature = "cluster")]
 async fn self_primaries(c: &mut ClusterConnection) -> RedisResult<Vec<(String, u16)>> {
     let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
     let reply = c.route_command(redis::cmd("PING"), routing).await?;

@@ -11,7 +11,9 @@ use idem_core::{
     StoredResponse, UnixMillis,
 };
 use redis::aio::ConnectionLike;
+#[cfg(feature = "cluster")]
 use redis::cluster_async::ClusterConnection;
+#[cfg(feature = "cluster")]
 use redis::cluster_routing::SingleNodeRoutingInfo;
 use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
 
@@ -105,6 +107,7 @@ pub(crate) async fn load_all(conn: &mut Connection) -> Result<(), Error> {
 
 /// How many `MOVED`/`ASK` redirects one call follows before it gives up (retryably). A
 /// slot moves once per migration; more than a few in a row means the topology is churning.
+#[cfg(feature = "cluster")]
 const MAX_REDIRECTS: usize = 5;
 
 /// One script call: `EVALSHA sha 1 key args...`.
@@ -135,6 +138,7 @@ impl Call {
 
     /// `EVAL source 1 key args...`: runs the script and leaves it in the script cache of
     /// the node that ran it.
+    #[cfg(feature = "cluster")]
     fn eval(&self) -> redis::Cmd {
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(self.op.source).arg(1).arg(self.key.as_str());
@@ -158,6 +162,7 @@ impl Call {
         let ack = if self.op.kind == Kind::AckedWrite { ack } else { None };
         match conn {
             Connection::Single(mut c) => self.send_single(&mut c, ack).await,
+            #[cfg(feature = "cluster")]
             Connection::Cluster(mut c) => self.send_cluster(&mut c, ack).await,
         }
     }
@@ -172,7 +177,7 @@ impl Call {
                 Some(ack) => {
                     let mut pipe = redis::pipe();
                     pipe.add_command(self.evalsha());
-                    pipe.cmd("WAIT").arg(ack.replicas()).arg(ack.timeout_ms());
+                    pipe.cmd("WAIT").arg(ack.replicas).arg(ack.timeout_ms());
                     // Raw replies, not `query_async`: that turns an error reply of WAIT into
                     // an error of the whole call, although the script before it ran.
                     match conn.req_packed_commands(&pipe, 0, 2).await {
@@ -203,22 +208,13 @@ impl Call {
         }
     }
 
-    /// On a cluster: the pipeline goes to the primary that owns the record key's slot (the
-    /// `redis` crate's slot map). The crate is built without retries of its own
-    /// ([`crate::RedisStore::connect_cluster`]), because it would resend a write after a
-    /// dropped connection; the store follows the replies that say the script did not run:
-    ///
-    /// - `MOVED node`: the slot lives elsewhere now (a finished migration, a failover): send
-    ///   it to that node (the crate refreshes its slot map meanwhile);
-    /// - `ASK node`: the slot is being migrated and the key is not on the old owner: send
-    ///   `ASKING` and the call to the importing node;
-    /// - `NOSCRIPT`: the node that answered (a promoted replica, a new node) lacks the
-    ///   script: send the call again as `EVAL` with the source to that same node, which runs
-    ///   it and caches it.
-    ///
-    /// `TRYAGAIN`, `CLUSTERDOWN`, `READONLY`, `LOADING`, `MASTERDOWN` and connection errors
-    /// fail the call retryably (503 at the HTTP layer); a read is sent once more after an
-    /// I/O error.
+    /// On a cluster: the pipeline goes to the primary that owns the record key's slot. The
+    /// `redis` crate runs without retries of its own (it would resend a write after a
+    /// dropped connection); the store follows the replies that say the script did not run:
+    /// `MOVED`/`ASK` (to that node, after `ASKING` for `ASK`, at most [`MAX_REDIRECTS`]
+    /// times) and `NOSCRIPT` (as `EVAL` to the same node). Everything else fails the call
+    /// (a read is sent once more after an I/O error). Why: `docs/redis.md#redis-cluster`.
+    #[cfg(feature = "cluster")]
     async fn send_cluster(&self, conn: &mut ClusterConnection, ack: Option<ReplicaAck>) -> Result<Reply, StoreError> {
         let op = self.op.name;
         // Where to send: `None` routes by the key's slot; `Some` is a redirect's node.
@@ -234,7 +230,7 @@ impl Call {
             }
             pipe.add_command(if eval { self.eval() } else { self.evalsha() });
             if let Some(ack) = ack {
-                pipe.cmd("WAIT").arg(ack.replicas()).arg(ack.timeout_ms());
+                pipe.cmd("WAIT").arg(ack.replicas).arg(ack.timeout_ms());
             }
             let n = pipe.len();
             let result = match &target {
@@ -412,15 +408,6 @@ fn unexpected(op: &'static str, detail: &'static str) -> StoreError {
     Error::UnexpectedReply { operation: op, detail }.into()
 }
 
-/// The record in a `get` reply whose hash fields `h` and `r` are as given (`None`: the
-/// field is absent), decoded the way [`Reply::record`] decodes every read: the stored-record
-/// fuzz target's entry point.
-pub(crate) fn decode_fields(id: RecordId, h: Option<Vec<u8>>, r: Option<Vec<u8>>) -> Result<Record, StoreError> {
-    let field = |f: Option<Vec<u8>>| f.map_or(Value::Nil, Value::BulkString);
-    let value = Value::Array(vec![Value::BulkString(b"found".to_vec()), Value::Int(7), field(h), field(r)]);
-    Reply::parse("get", value, None)?.record(id, None)
-}
-
 /// A corrupt record: logs which field, returns the typed error.
 fn corrupt(id: RecordId, field: &'static str, source: CodecError) -> StoreError {
     tracing::warn!(record = %id, field, error = %source, "idem-redis: stored record does not decode");
@@ -451,14 +438,14 @@ pub(crate) fn ttl_arg(lease_ms: i64, retention_ms: i64) -> [u8; 16] {
 /// The header (the first [`HEADER_LEN`] bytes of hash field `h`, see `common.lua`): the
 /// fixed-layout part of a record that the scripts decide on. Byte 0 is this version. The
 /// scope field follows it in the same hash field.
-pub(crate) const HEADER_FORMAT: u8 = 2;
+const HEADER_FORMAT: u8 = 2;
 /// Version, state, five big-endian u64 (token, created_at, started_at, lease_expires_at,
 /// expires_at), fingerprint.
-pub(crate) const HEADER_LEN: usize = 2 + 5 * 8 + 32;
+const HEADER_LEN: usize = 2 + 5 * 8 + 32;
 /// State bytes of the header.
-pub(crate) const STATE_IN_FLIGHT: u8 = 1;
-pub(crate) const STATE_COMPLETED: u8 = 2;
-pub(crate) const STATE_FAILED: u8 = 3;
+const STATE_IN_FLIGHT: u8 = 1;
+const STATE_COMPLETED: u8 = 2;
+const STATE_FAILED: u8 = 3;
 /// First byte of the scope (principal, endpoint and idempotency key, postcard), which
 /// follows the header in field `h`.
 const SCOPE_FORMAT: u8 = 1;
@@ -505,7 +492,7 @@ impl Header {
             started_at: time_at(18)?,
             lease_expires_at: time_at(26)?,
             expires_at: time_at(34)?,
-            fingerprint: Fingerprint(fingerprint),
+            fingerprint: Fingerprint::from_bytes(fingerprint),
         })
     }
 
@@ -529,7 +516,7 @@ impl Header {
 /// The scope after the header in field `h`: version byte, then postcard of (principal,
 /// endpoint, key).
 pub(crate) fn encode_scope(scope: &Scope, key: &IdempotencyKey) -> Vec<u8> {
-    let parts = (scope.principal.0.as_str(), scope.endpoint.0.as_str(), key.as_str());
+    let parts = (scope.principal.as_str(), scope.endpoint.as_str(), key.as_str());
     postcard::to_extend(&parts, vec![SCOPE_FORMAT]).unwrap_or_default()
 }
 
@@ -548,7 +535,9 @@ fn decode_scope(id: RecordId, bytes: &[u8]) -> Result<(Scope, IdempotencyKey), S
         // Scope and key must hash to the key the record lives at.
         return Err(bad_field(id, field));
     }
-    Ok((Scope { principal: Principal(principal), endpoint: Endpoint(endpoint) }, key))
+    // A blank principal never owns a record: refused like any other damage.
+    let principal = Principal::new(principal).map_err(|_| bad_field(id, field))?;
+    Ok((Scope { principal, endpoint: Endpoint::from(endpoint) }, key))
 }
 
 #[cfg(test)]
@@ -600,7 +589,7 @@ mod tests {
     fn response_field_round_trips_byte_exact_and_garbage_is_corrupt() {
         let scope = Scope::new("p", Endpoint::new("POST", "/x")).expect("scope");
         let key = IdempotencyKey::parse(b"k").expect("key");
-        let id = RecordId::derive(&scope.principal.0, &scope.endpoint.0, key.as_str());
+        let id = RecordId::derive(scope.principal.as_str(), scope.endpoint.as_str(), key.as_str());
         let mut h = header(STATE_COMPLETED);
         h.extend_from_slice(&encode_scope(&scope, &key));
         let r = StoredResponse::new(201, vec![("etag".into(), vec![0, 0xff, b'"'])], (0..=255u8).collect());
@@ -624,10 +613,10 @@ mod tests {
         let key = IdempotencyKey::parse(br#""\"x""#).expect("sf-string key");
         assert_eq!(key.as_str(), "\"x");
         let scope = Scope::new("p", Endpoint::new("POST", "/x")).expect("scope");
-        let id = RecordId::derive(&scope.principal.0, &scope.endpoint.0, key.as_str());
+        let id = RecordId::derive(scope.principal.as_str(), scope.endpoint.as_str(), key.as_str());
         assert_eq!(decode_scope(id, &encode_scope(&scope, &key)).expect("decodes"), (scope.clone(), key.clone()));
         // Another record's scope does not decode under this id.
-        let other = RecordId::derive("q", &scope.endpoint.0, key.as_str());
+        let other = RecordId::derive("q", scope.endpoint.as_str(), key.as_str());
         assert!(matches!(decode_scope(other, &encode_scope(&scope, &key)), Err(StoreError::Corrupt { .. })));
     }
 

@@ -17,9 +17,10 @@ use idem_core::{
 };
 use redis::RedisError;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+#[cfg(feature = "cluster")]
 use redis::cluster::ClusterClientBuilder;
 
-use crate::config::{Config, Verdict, persistence_problem};
+use crate::config::{CONNECTION_TIMEOUT, Config, Verdict, persistence_problem};
 use crate::conn::Connection;
 use crate::error::Error;
 use crate::script::{Call, Op, Reply, SCRIPTS, encode_scope, load_all, ms_arg, ttl_arg};
@@ -61,7 +62,7 @@ impl RedisStore {
         let client = redis::Client::open(url).map_err(Error::Url)?;
         let manager_config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(config.effective_response_timeout()))
-            .set_connection_timeout(Some(config.connection_timeout))
+            .set_connection_timeout(Some(CONNECTION_TIMEOUT))
             .set_number_of_retries(2);
         let conn = ConnectionManager::new_with_config(client, manager_config)
             .await
@@ -71,16 +72,13 @@ impl RedisStore {
 
     /// Connects to the Redis Cluster reachable at any of `nodes` (each a `redis://host:port`
     /// URL; one live node is enough, the rest of the topology is discovered), runs the
-    /// start-up checks on every primary and loads the scripts on every primary.
-    ///
-    /// The cluster client is built with the config's timeouts and **no retries of its own**:
-    /// the `redis` crate would otherwise send a write again after a dropped connection,
-    /// when it may already have run. The store follows `MOVED` and `ASK` itself (the
-    /// script did not run) and answers everything else retryably (see the crate docs,
-    /// "Redis Cluster").
+    /// start-up checks and loads the scripts on every primary. The cluster client is built
+    /// as [`cluster_builder`] builds it (no retries of its own: it would send a write again
+    /// after a dropped connection) with the config's timeouts.
     ///
     /// # Errors
     /// As [`RedisStore::connect`]; [`Error::Url`] also for an empty list.
+    #[cfg(feature = "cluster")]
     pub async fn connect_cluster<I, S>(nodes: I, config: Config) -> Result<Self, Error>
     where
         I: IntoIterator<Item = S>,
@@ -92,7 +90,7 @@ impl RedisStore {
             return Err(Error::Url(RedisError::from((redis::ErrorKind::InvalidClientConfig, "no cluster node given"))));
         }
         let client = cluster_builder(nodes)
-            .connection_timeout(config.connection_timeout)
+            .connection_timeout(CONNECTION_TIMEOUT)
             .response_timeout(config.effective_response_timeout())
             .build()
             .map_err(Error::Url)?;
@@ -101,13 +99,13 @@ impl RedisStore {
     }
 
     /// Uses the application's own connection, shared with the rest of the application: a
-    /// [`ConnectionManager`] to one server or a [`redis::cluster_async::ClusterConnection`]
-    /// (both convert into [`Connection`]); runs the same start-up checks as
-    /// [`RedisStore::connect`]. The connection's own timeouts apply, not the config's. A
-    /// cluster connection should be built with `retries(0)` (as
-    /// [`cluster_builder`] does): with retries, the `redis` crate may send a write again
-    /// after a dropped connection, and a claim that already ran then reads as another
-    /// request's claim (see the crate docs, "Redis Cluster").
+    /// [`ConnectionManager`] to one server or (feature `cluster`) a
+    /// `redis::cluster_async::ClusterConnection` (both convert into [`Connection`]); runs
+    /// the same start-up checks as [`RedisStore::connect`]. The connection's own timeouts
+    /// apply, not the config's. A cluster connection should be built with `retries(0)` (as
+    /// `cluster_builder` does): with retries, the `redis` crate may send a write again after
+    /// a dropped connection, and a claim that already ran then reads as another request's
+    /// claim (`docs/redis.md#redis-cluster`).
     ///
     /// # Errors
     /// As [`RedisStore::connect`], minus the URL.
@@ -164,7 +162,7 @@ impl RedisStore {
                 }
             };
             let get = |name: &str| pairs.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
-            if matches!(self.conn, Connection::Single(_)) && get("cluster-enabled") == Some("yes") {
+            if !self.conn.is_cluster() && get("cluster-enabled") == Some("yes") {
                 self.check_single_node_cluster().await?;
             }
             self.check_eviction(&node, get("maxmemory-policy").unwrap_or("noeviction"), get("maxmemory"))?;
@@ -272,8 +270,8 @@ impl RedisStore {
     /// when WAIT itself failed (the write is on the primary either way).
     fn check_ack(&self, reply: &mut Reply) -> Result<(), StoreError> {
         match (self.config.replica_ack, reply.acked.take()) {
-            (Some(ack), Some(Ok(acked))) if acked < u64::from(ack.replicas()) => {
-                Err(Error::ReplicaShortfall { acked, wanted: u64::from(ack.replicas()), timeout_ms: ack.timeout_ms() }
+            (Some(ack), Some(Ok(acked))) if acked < u64::from(ack.replicas) => {
+                Err(Error::ReplicaShortfall { acked, wanted: u64::from(ack.replicas), timeout_ms: ack.timeout_ms() }
                     .into())
             }
             (_, Some(Err(e))) => Err(e.into()),
@@ -305,20 +303,20 @@ impl RedisStore {
 impl Store for RedisStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let call = self
-            .call(&SCRIPTS.claim, req.id)?
+            .call(&SCRIPTS.claim, req.id())?
             .arg(&ttl_arg(req.lease_ms(), req.retention_ms())[..])
             .arg(self.grace_ms())
-            .arg(&req.fingerprint.0[..])
-            .arg(encode_scope(&req.scope, &req.key));
+            .arg(&req.fingerprint().as_bytes()[..])
+            .arg(encode_scope(req.scope(), req.key()));
         let mut reply = self.send(call).await?;
         if reply.is("claimed") {
-            let record = reply.claimed(req.id, req.scope, req.key)?;
+            let record = reply.claimed(req.id(), req.scope().clone(), req.key().clone())?;
             self.check_claim_ack(&mut reply, &record).await?;
             Ok(ClaimOutcome::Claimed(record))
         } else if reply.is("existing") {
-            Ok(ClaimOutcome::Existing { record: reply.record(req.id, None)?, now: reply.now })
+            Ok(ClaimOutcome::Existing { record: reply.record(req.id(), None)?, now: reply.now })
         } else {
-            Err(reply.refusal(req.id))
+            Err(reply.refusal(req.id()))
         }
     }
 
@@ -326,7 +324,7 @@ impl Store for RedisStore {
         let call = self
             .call(&SCRIPTS.reclaim, req.id)?
             .arg(&req.expected.0.to_be_bytes()[..])
-            .arg(&req.fingerprint.0[..])
+            .arg(&req.fingerprint.as_bytes()[..])
             .arg(&ttl_arg(req.lease_ms(), req.retention_ms())[..])
             .arg(self.grace_ms());
         let mut reply = self.send(call).await?;
@@ -410,6 +408,7 @@ impl Store for RedisStore {
         Ok(SweepOutcome::default())
     }
 
+    #[allow(clippy::needless_update, reason = "Redis has every capability today; one added later stays off")]
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             backend: "redis",
@@ -526,6 +525,7 @@ fn glob_escape(s: &str) -> String {
 /// `retries(0)`, so the `redis` crate never sends a write a second time on its own (the
 /// store follows `MOVED` and `ASK` itself). Add timeouts, credentials or TLS, build the
 /// client, and hand its async connection to [`RedisStore::from_connection`].
+#[cfg(feature = "cluster")]
 #[must_use]
 pub fn cluster_builder<S: AsRef<str>>(nodes: impl IntoIterator<Item = S>) -> ClusterClientBuilder {
     ClusterClientBuilder::new(nodes.into_iter().map(|n| n.as_ref().to_owned()).collect::<Vec<_>>()).retries(0)

@@ -275,10 +275,10 @@ async fn a_claim_is_never_resent_after_its_connection_dropped() {
             RedisStore::connect_cluster(cluster.urls(), config).await.expect("store")
         };
         let r = req("k");
-        let port = cluster.primary_for(&store.record_key(r.id)).await;
+        let port = cluster.primary_for(&store.record_key(r.id())).await;
         let (holder, mut killer) = (cluster.node(port).await, cluster.node(port).await);
         // Warm the store's connection to that node (the claim must not open it during the hold).
-        assert_eq!(store.get(r.id).await.expect("get"), None);
+        assert_eq!(store.get(r.id()).await.expect("get"), None);
         let hold = hold_node(holder);
         // Lets already-sent bytes reach the node while it is held: orders events on the
         // wire, no clock is involved.
@@ -303,7 +303,7 @@ async fn a_claim_is_never_resent_after_its_connection_dropped() {
         hold.await.expect("hold task");
         assert!(kill.await.expect("kill task") >= 1, "the store's connection was killed");
         let outcome = claim.await.expect("claim task");
-        let on_node = store.get(r.id).await.expect("get").expect("the claim ran before the kill");
+        let on_node = store.get(r.id()).await.expect("get").expect("the claim ran before the kill");
         assert_eq!(on_node.state, RecordState::InFlight);
         if driver_retries {
             // The failure this store avoids: the resent claim met the claim it had made.

@@ -83,10 +83,10 @@ async fn get_after_reconnect(store: &RedisStore, id: idem_core::RecordId) -> Opt
 }
 
 fn assert_whole_claim(r: &Record, req: &ClaimRequest, clock: &ManualClock) {
-    assert_eq!(r.id, req.id);
-    assert_eq!(r.scope, req.scope);
-    assert_eq!(r.key, req.key);
-    assert_eq!(r.fingerprint, req.fingerprint);
+    assert_eq!(r.id, req.id());
+    assert_eq!(r.scope, req.scope().clone());
+    assert_eq!(r.key, req.key().clone());
+    assert_eq!(r.fingerprint, req.fingerprint());
     assert_eq!(r.state, RecordState::InFlight);
     assert_eq!(r.token, FencingToken::first_at(idem_core::UnixMillis(clock.now_ms())));
     assert_eq!(r.response, None);
@@ -124,9 +124,9 @@ async fn kill_before_the_claim_runs_commits_nothing() {
     assert!(matches!(e, StoreError::Unavailable { retryable: true, .. }), "{e:?}");
 
     let mut admin = server.admin().await;
-    let exists: bool = admin.exists(store.record_key(r.id)).await.expect("EXISTS");
+    let exists: bool = admin.exists(store.record_key(r.id())).await.expect("EXISTS");
     assert!(!exists, "a claim that never ran left no record");
-    assert_eq!(get_after_reconnect(&store, r.id).await, None);
+    assert_eq!(get_after_reconnect(&store, r.id()).await, None);
     match store.claim(r.clone()).await.expect("claim after reconnect") {
         ClaimOutcome::Claimed(c) => assert_whole_claim(&c, &r, &clock),
         other => panic!("expected Claimed, got {other:?}"),
@@ -160,7 +160,7 @@ async fn kill_after_the_claim_ran_keeps_a_whole_record() {
     let e = claim.await.expect("claim task").expect_err("the reply was lost with the connection");
     assert!(matches!(e, StoreError::Unavailable { retryable: true, .. }), "{e:?}");
 
-    let stored = get_after_reconnect(&store, r.id).await.expect("the claim ran, so the record exists");
+    let stored = get_after_reconnect(&store, r.id()).await.expect("the claim ran, so the record exists");
     assert_whole_claim(&stored, &r, &clock);
     match store.claim(r.clone()).await.expect("claim after reconnect") {
         ClaimOutcome::Existing { record, .. } => assert_eq!(record, stored),
@@ -199,7 +199,7 @@ async fn kills_during_large_completions_never_leave_half_a_record() {
         tokio::time::sleep(span * u32::try_from(i % 8).expect("small") / 5).await;
         let _: i64 = redis::cmd("CLIENT").arg("KILL").arg("ID").arg(id).query_async(&mut admin).await.expect("kill");
         let result = complete.await.expect("complete task");
-        let stored = get_after_reconnect(&store, r.id).await.expect("the claim is still there");
+        let stored = get_after_reconnect(&store, r.id()).await.expect("the claim is still there");
         match stored.state {
             RecordState::Completed => {
                 committed += 1;
@@ -226,9 +226,9 @@ async fn claim_fresh(store: &RedisStore, r: &ClaimRequest) -> Record {
     loop {
         match store.claim(r.clone()).await {
             Ok(ClaimOutcome::Claimed(c)) => return c,
-            Ok(other) => panic!("fresh key {}: {other:?}", r.key),
+            Ok(other) => panic!("fresh key {}: {other:?}", r.key().clone()),
             Err(e) if e.is_retryable() => continue,
-            Err(e) => panic!("claim {}: {e:?}", r.key),
+            Err(e) => panic!("claim {}: {e:?}", r.key().clone()),
         }
     }
 }
@@ -254,7 +254,7 @@ async fn kill_while_idle_reads_recover_and_writes_fail_cleanly() {
     match store.claim(r2.clone()).await {
         Err(e) => {
             assert!(e.is_retryable(), "{e:?}");
-            let exists: bool = admin.exists(store.record_key(r2.id)).await.expect("EXISTS");
+            let exists: bool = admin.exists(store.record_key(r2.id())).await.expect("EXISTS");
             assert!(!exists, "a write that failed on a dead connection did not run");
             match store.claim(r2.clone()).await.expect("the next call works") {
                 ClaimOutcome::Claimed(c) => assert_whole_claim(&c, &r2, &clock),

@@ -137,9 +137,9 @@ async fn test_clock_in_the_past_keeps_keys() {
 #[tokio::test]
 async fn scripts_do_exact_64_bit_arithmetic() {
     let (store, clock) = test_store().await;
-    let mut r = req("p", "forever", b"b");
-    r.lease_ttl = Duration::from_secs(u64::MAX);
-    r.retention = Duration::from_secs(u64::MAX);
+    let r = req("p", "forever", b"b");
+    let forever = Duration::from_secs(u64::MAX);
+    let r = ClaimRequest::new(r.scope().clone(), r.key().clone(), r.fingerprint(), forever, forever);
     let c = claim(&store, r.clone()).await;
     let mut model = Model::new();
     let ClaimOutcome::Claimed(m) = model.claim(&r, clock.now()) else { panic!("model claims") };
@@ -151,22 +151,22 @@ async fn scripts_do_exact_64_bit_arithmetic() {
     let mut admin = common::admin().await;
     let big = (1u64 << 53) + 1;
     let r = req("p", "big-token", b"b");
-    let key = store.record_key(r.id);
+    let key = store.record_key(r.id());
     let now = clock.now_ms();
     write_raw(&mut admin, &key, &r, IN_FLIGHT, big, now).await;
-    let done = store.complete(r.id, FencingToken(big), StoredResponse::new(200, vec![], vec![])).await;
+    let done = store.complete(r.id(), FencingToken(big), StoredResponse::new(200, vec![], vec![])).await;
     let done = done.expect("the exact token completes");
     assert_eq!(done.token, FencingToken(big));
-    let stale = store.complete(r.id, FencingToken(big - 1), StoredResponse::new(200, vec![], vec![])).await;
+    let stale = store.complete(r.id(), FencingToken(big - 1), StoredResponse::new(200, vec![], vec![])).await;
     assert!(matches!(stale, Err(StoreError::LeaseLost { current: Some(FencingToken(t)), .. }) if t == big));
 
     let r2 = req("p", "max-token", b"b");
-    let key2 = store.record_key(r2.id);
+    let key2 = store.record_key(r2.id());
     write_raw(&mut admin, &key2, &r2, FAILED, u64::MAX, now).await;
     let rr = ReclaimRequest {
-        id: r2.id,
+        id: r2.id(),
         expected: FencingToken(u64::MAX),
-        fingerprint: r2.fingerprint,
+        fingerprint: r2.fingerprint(),
         lease_ttl: LEASE,
         retention: RETENTION,
     };
@@ -186,14 +186,14 @@ fn raw_header(r: &ClaimRequest, state: u8, token: u64, now: i64) -> Vec<u8> {
     for t in [now, now, now, now + 60_000] {
         h.extend_from_slice(&t.to_be_bytes());
     }
-    h.extend_from_slice(&r.fingerprint.0);
+    h.extend_from_slice(r.fingerprint().as_bytes());
     h.extend_from_slice(&raw_scope(r));
     h
 }
 
 /// The scope as the store encodes it: format byte 1, then postcard.
 fn raw_scope(r: &ClaimRequest) -> Vec<u8> {
-    let parts = (r.scope.principal.0.as_str(), r.scope.endpoint.0.as_str(), r.key.as_str());
+    let parts = (r.scope().principal.as_str(), r.scope().endpoint.as_str(), r.key().as_str());
     postcard::to_extend(&parts, vec![1]).expect("encode")
 }
 
@@ -307,14 +307,14 @@ async fn corrupt_records_are_reported_not_overwritten() {
     ];
     for (name, corrupt) in cases {
         let r = req("p", name, b"b");
-        let key = store.record_key(r.id);
+        let key = store.record_key(r.id());
         let mut h = raw_header(&r, IN_FLIGHT, 3, now);
         corrupt(&mut h);
         let _: () = admin.hset(&key, "h", h).await.expect("HSET");
         let _: () = admin.pexpire(&key, 600_000).await.expect("PEXPIRE");
         let before: Vec<(Vec<u8>, Vec<u8>)> = admin.hgetall(&key).await.expect("HGETALL");
-        let got = store.get(r.id).await;
-        assert!(matches!(got, Err(StoreError::Corrupt { id: Some(id), .. }) if id == r.id), "{name}: {got:?}");
+        let got = store.get(r.id()).await;
+        assert!(matches!(got, Err(StoreError::Corrupt { id: Some(id), .. }) if id == r.id()), "{name}: {got:?}");
         let claimed = store.claim(r.clone()).await;
         assert!(matches!(claimed, Err(StoreError::Corrupt { .. })), "{name}: claim gave {claimed:?}");
         let after: Vec<(Vec<u8>, Vec<u8>)> = admin.hgetall(&key).await.expect("HGETALL");
@@ -333,7 +333,7 @@ async fn foreign_value_at_a_record_key_is_not_retryable() {
     let (store, _clock) = test_store().await;
     let r = req("p", "k", b"b");
     let mut admin = common::admin().await;
-    let _: () = admin.set_ex(store.record_key(r.id), "not a hash", 600).await.expect("SET");
+    let _: () = admin.set_ex(store.record_key(r.id()), "not a hash", 600).await.expect("SET");
     let e = store.claim(r).await.expect_err("WRONGTYPE");
     assert!(matches!(e, StoreError::Unavailable { retryable: false, .. }), "{e:?}");
 }
@@ -456,7 +456,7 @@ async fn wait_for_replicas_and_readonly() {
     assert!(matches!(src, Some(Error::ReplicaShortfall { acked: 1, wanted: 2, .. })), "{src:?}");
     // WAIT fell short after the claim: the claim is released (failed under its own token),
     // so the retry claims again at once instead of meeting a claim nobody owns.
-    let k2 = greedy.get(req("p", "k2", b"b").id).await.expect("get").expect("WAIT never rolls back the claim");
+    let k2 = greedy.get(req("p", "k2", b"b").id()).await.expect("get").expect("WAIT never rolls back the claim");
     assert_eq!(k2.state, RecordState::Failed, "released, not left in flight for a lease");
     let ClaimOutcome::Existing { record, .. } = store.claim(req("p", "k2", b"b")).await.expect("claim") else {
         panic!("the record exists")
@@ -494,10 +494,11 @@ async fn random_operations_match_the_model() {
         let k = keys[next(3) as usize];
         let body = bodies[next(2) as usize];
         let now = clock.now();
-        let mut r = req("p", k, body);
-        r.lease_ttl = Duration::from_millis([0, 1, 1_000, 5_000][next(4) as usize]);
-        r.retention = Duration::from_millis([0, 2_000, 10_000][next(3) as usize]);
-        let current = model.get(r.id, now);
+        let r = req("p", k, body);
+        let lease_ttl = Duration::from_millis([0, 1, 1_000, 5_000][next(4) as usize]);
+        let retention = Duration::from_millis([0, 2_000, 10_000][next(3) as usize]);
+        let r = ClaimRequest::new(r.scope().clone(), r.key().clone(), r.fingerprint(), lease_ttl, retention);
+        let current = model.get(r.id(), now);
         let token = current.as_ref().map_or(FencingToken::FIRST, |c| c.token);
         let token = FencingToken(token.0.saturating_sub(next(2)));
         match next(9) {
@@ -507,34 +508,29 @@ async fn random_operations_match_the_model() {
                 assert_eq!(s, m, "step {step}: claim");
             }
             2 => {
-                let rr = ReclaimRequest {
-                    id: r.id,
-                    expected: token,
-                    fingerprint: r.fingerprint,
-                    lease_ttl: r.lease_ttl,
-                    retention: r.retention,
-                };
+                let rr =
+                    ReclaimRequest { id: r.id(), expected: token, fingerprint: r.fingerprint(), lease_ttl, retention };
                 let m = model.reclaim(&rr, now);
                 let s = store.reclaim(rr).await.expect("reclaim");
                 assert_eq!(s, m, "step {step}: reclaim");
             }
             3 => {
                 let resp = StoredResponse::new(200 + next(3) as u16, vec![("x".into(), body.to_vec())], body.to_vec());
-                let m = model.complete(r.id, token, resp.clone(), now);
-                let s = store.complete(r.id, token, resp).await;
+                let m = model.complete(r.id(), token, resp.clone(), now);
+                let s = store.complete(r.id(), token, resp).await;
                 assert_same(step, "complete", s, m);
             }
             4 => {
-                let m = model.fail(r.id, token, now);
-                let s = store.fail(r.id, token).await;
+                let m = model.fail(r.id(), token, now);
+                let s = store.fail(r.id(), token).await;
                 assert_same(step, "fail", s, m);
             }
             5 => {
                 let name = ["step-a", "step-b"][next(2) as usize];
                 let value = format!("{name} at step {step}").into_bytes();
                 let overwrite = next(2) == 1;
-                let m = model.journal_put(r.id, token, name, value.clone(), overwrite, now);
-                let s = store.journal_put(r.id, token, name, value, overwrite).await;
+                let m = model.journal_put(r.id(), token, name, value.clone(), overwrite, now);
+                let s = store.journal_put(r.id(), token, name, value, overwrite).await;
                 match (s, m) {
                     (Ok(s), Ok(m)) => assert_eq!(s, m, "step {step}: journal_put"),
                     (Err(StoreError::LeaseLost { current: a, .. }), Err(StoreError::LeaseLost { current: b, .. })) => {
@@ -544,26 +540,26 @@ async fn random_operations_match_the_model() {
                 }
             }
             7 => {
-                let m = model.extend(r.id, token, r.lease_ttl, now);
-                let s = store.extend(r.id, token, r.lease_ttl).await;
+                let m = model.extend(r.id(), token, lease_ttl, now);
+                let s = store.extend(r.id(), token, lease_ttl).await;
                 assert_same(step, "extend", s, m);
             }
             6 => {
                 let name = ["step-a", "step-b"][next(2) as usize];
                 assert_eq!(
-                    store.journal_get(r.id, name).await.expect("journal_get"),
-                    model.journal_get(r.id, name, now),
+                    store.journal_get(r.id(), name).await.expect("journal_get"),
+                    model.journal_get(r.id(), name, now),
                     "step {step}: journal_get"
                 );
             }
             _ => {
-                assert_eq!(store.get(r.id).await.expect("get"), model.get(r.id, now), "step {step}: get");
+                assert_eq!(store.get(r.id()).await.expect("get"), model.get(r.id(), now), "step {step}: get");
             }
         }
         clock.advance_ms([0, 1, 999, 1_000, 4_999, 5_000, 9_000][next(7) as usize] as i64);
         assert_eq!(
-            store.get(r.id).await.expect("get"),
-            model.get(r.id, clock.now()),
+            store.get(r.id()).await.expect("get"),
+            model.get(r.id(), clock.now()),
             "step {step}: get after the clock moved"
         );
     }
@@ -614,10 +610,10 @@ async fn resp3_connections_work() {
     let f = store.fail(r.id, r.token).await.expect("fail");
     let lost = store.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![])).await;
     assert!(matches!(lost, Err(StoreError::LeaseLost { current: Some(t), .. }) if t == r.token));
-    let gone = store.fail(req("p", "never", b"b").id, FencingToken::FIRST).await;
+    let gone = store.fail(req("p", "never", b"b").id(), FencingToken::FIRST).await;
     assert!(matches!(gone, Err(StoreError::LeaseLost { current: None, .. })), "{gone:?}");
     assert_eq!(store.get(r.id).await.expect("get"), Some(f));
-    assert_eq!(store.get(req("p", "never", b"b").id).await.expect("get"), None);
+    assert_eq!(store.get(req("p", "never", b"b").id()).await.expect("get"), None);
 }
 
 /// Pins: the loser of two first requests never overwrites the winner (as a plain `SETEX`
@@ -693,7 +689,7 @@ async fn out_of_memory_under_noeviction_is_retryable_and_changes_nothing() {
     let e = store.claim(req("p", "k2", b"b")).await.expect_err("OOM");
     assert!(e.is_retryable(), "{e:?}");
     assert_eq!(store.get(r.id).await.expect("reads still work"), Some(r.clone()));
-    assert_eq!(store.get(req("p", "k2", b"b").id).await.expect("get"), None);
+    assert_eq!(store.get(req("p", "k2", b"b").id()).await.expect("get"), None);
     set_limit(0).await;
     let done = store.complete(r.id, r.token, response.clone()).await.expect("complete after memory is freed");
     assert_eq!(done.response, Some(response));
@@ -809,7 +805,7 @@ async fn claim_after_retention_continues_the_token_exactly() {
     for (i, (old, _)) in cases.into_iter().enumerate() {
         let r = req("p", &format!("expired-{i}"), b"b");
         // Written at t - 60 s with 60 s retention: expired at t.
-        write_raw(&mut admin, &store.record_key(r.id), &r, FAILED, old, t - 60_000).await;
+        write_raw(&mut admin, &store.record_key(r.id()), &r, FAILED, old, t - 60_000).await;
     }
     clock.set(UnixMillis(t));
     for (i, (old, new)) in cases.into_iter().enumerate() {
@@ -972,9 +968,9 @@ async fn a_restart_without_persistence_starts_a_later_generation() {
 async fn native_expiry_starts_a_later_generation() {
     let store = common::connect(Config::default().with_prefix(common::fresh_prefix())).await;
     let mut admin = common::admin().await;
-    let mut r = req("p", "k", b"b");
-    r.lease_ttl = Duration::from_millis(50);
-    r.retention = Duration::from_millis(100);
+    let r = req("p", "k", b"b");
+    let (lease, retention) = (Duration::from_millis(50), Duration::from_millis(100));
+    let r = ClaimRequest::new(r.scope().clone(), r.key().clone(), r.fingerprint(), lease, retention);
     let old = claim(&store, r.clone()).await;
     let put = store.journal_put(old.id, old.token, "step", b"v".to_vec(), false).await.expect("journal_put");
     assert_eq!(put, JournalWrite::Written);
@@ -1026,7 +1022,7 @@ async fn wait_shortfall_after_a_claim_releases_it() {
     replica.signal("CONT");
     let src = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<Error>());
     assert!(e.is_retryable() && matches!(src, Some(Error::ReplicaShortfall { acked: 0, wanted: 1, .. })), "{e:?}");
-    let left = store.get(r.id).await.expect("get").expect("WAIT never rolls back the write");
+    let left = store.get(r.id()).await.expect("get").expect("WAIT never rolls back the write");
     assert_eq!(left.state, RecordState::Failed, "the claim was released, not left in flight for a lease");
     // The retry: claim finds the failed record, reclaims it at once, and WAIT now succeeds.
     let ClaimOutcome::Existing { record, .. } = store.claim(r).await.expect("claim") else { panic!("exists") };
@@ -1086,7 +1082,7 @@ async fn a_refused_wait_after_a_claim_releases_it() {
     let store = RedisStore::connect(&url, config).await.expect("connect as the restricted user");
     let r = req("p", "k", b"b");
     let e = store.claim(r.clone()).await.expect_err("WAIT is refused");
-    let left = store.get(r.id).await.expect("get").expect("the claim ran before WAIT");
+    let left = store.get(r.id()).await.expect("get").expect("the claim ran before WAIT");
     assert_eq!(left.state, RecordState::Failed, "released, not left in flight for a lease");
     let src = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<Error>());
     assert!(matches!(src, Some(Error::Command { operation: "WAIT", .. })), "{e:?}");
