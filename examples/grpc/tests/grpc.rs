@@ -119,7 +119,9 @@ async fn a_request_over_the_body_limit_is_resource_exhausted() {
 #[tokio::test]
 async fn a_reply_that_was_not_retained_is_already_exists_on_retry() {
     let workers = Workers::new();
-    let mut client = serve(workers.clone(), memory().with_max_stored_body(4)).await;
+    let mut policy = idem_http::Policy::default();
+    policy.max_stored_body = 4;
+    let mut client = serve(workers.clone(), memory().with_policy(policy)).await;
     let first = client.create(msg("gpu-7"), Some("k-1"), Some("ops")).await.expect("first call, streamed");
     assert_eq!(first.get_ref().name, "gpu-7");
     let retry = client.create(msg("gpu-7"), Some("k-1"), Some("ops")).await.expect_err("not retained");

@@ -4,30 +4,34 @@
 //! create workers from a simulated pool, reboot and delete them, and retry through lost
 //! responses without ever creating a phantom worker.
 //!
-//! - `leasebroker demo`: starts the server on a temporary redb file with faults on, runs
-//!   a retry storm against it, prints the table, and exits non-zero on any phantom.
+//! - `leasebroker demo`: starts the server on a temporary redb file with faults on, sends
+//!   it creates from retrying clients, prints the counts, and exits non-zero on any
+//!   phantom.
 //! - `leasebroker serve`: the server (`--store redb:PATH | sqlite:PATH | redis://… |
-//!   postgres://… | memory`); `--crash-at POINTS` arms crash points inside the create
-//!   handler ([`crash`]), which `tests/crash.rs` uses to SIGKILL it mid-request.
-//! - `leasebroker storm --target URL`: the storm against a running server.
-//! - `leasebroker chaos`: the storm while faults hit real stores ([`chaos`]).
+//!   postgres://… | memory`). The rig in `harness/` (`idem-harness`) runs it under
+//!   faults, SIGKILLs and retry storms.
 //!
 //! # Layout
 //! - [`state`]: the simulated pool, leases and hypervisor, in redb tables.
 //! - [`app`]: the axum router, the idempotency layer on it, the fault layer; the create
 //!   handler's side effects run as resumable steps and an intent.
-//! - [`crash`]: crash points inside the create handler (`serve --crash-at`).
+//! - [`crash`]: crash points inside the create handler and the Postgres variant, armed by
+//!   the rig's crash tests.
 //! - [`server`]: opening the store and running the server.
-//! - [`storm`]: the retry-storm driver.
+//! - [`serve`]: `leasebroker serve`'s flags, shared with the rig's `serve`.
 //! - [`pgworkers`]: the create variant whose worker row lives in PostgreSQL and whose
 //!   record completes in the handler's own transaction (binary `leasebroker-pg`).
-//! - [`chaos`]: the chaos run (`leasebroker chaos`): the storm while faults hit the store
-//!   or the server, on private servers it starts and cleans up itself.
 
 pub mod app;
-pub mod chaos;
 pub mod crash;
 pub mod pgworkers;
+pub mod serve;
 pub mod server;
 pub mod state;
-pub mod storm;
+
+/// The rig's private servers (`harness/src/chaos/servers.rs`), where `tests/stalled_store.rs` imports them.
+#[doc(hidden)]
+#[path = "../../../harness/src/chaos"]
+pub mod chaos {
+    pub mod servers;
+}

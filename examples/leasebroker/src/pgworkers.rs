@@ -30,8 +30,8 @@ use axum::routing::post;
 use axum::{Extension, Router};
 use idem_core::{Policy, StoreError, StoredResponse};
 use idem_http::{IdempotencyContext, IdempotencyLayer, ResponseCaching};
+use idem_postgres::PostgresStore;
 use idem_postgres::sqlx::{self, PgPool};
-use idem_postgres::{PostgresStore, Sqlx};
 
 use crate::crash::CrashPlan;
 
@@ -50,7 +50,7 @@ pub enum Completion {
 #[derive(Clone, Debug)]
 pub struct PgWorkers {
     pool: PgPool,
-    store: PostgresStore<Sqlx>,
+    store: PostgresStore,
     table: String,
     completion: Completion,
     crash: CrashPlan,
@@ -76,7 +76,7 @@ impl PgWorkers {
         crash: CrashPlan,
     ) -> Result<Self, Box<dyn std::error::Error + Send + Sync>> {
         let store =
-            PostgresStore::from_sqlx(pool.clone(), idem_postgres::Config::default().with_schema(schema)).await?;
+            PostgresStore::from_pool(pool.clone(), idem_postgres::Config::default().with_schema(schema)).await?;
         let table = table(schema);
         sqlx::raw_sql(&format!(
             "CREATE TABLE IF NOT EXISTS {table} (

@@ -328,8 +328,6 @@ impl Server {
 
 #[cfg(test)]
 mod tests {
-    use super::StoreSpec;
-
     #[test]
     fn prefix_and_schema_options_are_taken_off_the_driver_url() {
         // Regression: `?prefix=` / `?schema=` went to the driver unchanged, so the demo on a
@@ -343,23 +341,5 @@ mod tests {
             ("postgres://u@h/db?sslmode=disable&connect_timeout=5".to_owned(), Some("r2".to_owned()))
         );
         assert_eq!(super::take_option("redis://h:1", "prefix"), ("redis://h:1".to_owned(), None));
-    }
-
-    #[test]
-    fn the_cluster_store_form_parses() {
-        let spec: StoreSpec = "redis-cluster://127.0.0.1:7000,127.0.0.1:7001?wait=1".parse().expect("cluster form");
-        match spec {
-            StoreSpec::RedisCluster { nodes, wait } => {
-                assert_eq!(nodes, ["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]);
-                assert_eq!(wait, Some(1));
-            }
-            other => panic!("{other:?}"),
-        }
-        let one: StoreSpec = "redis-cluster://10.0.0.5:6379".parse().expect("one node");
-        assert!(matches!(one, StoreSpec::RedisCluster { ref nodes, wait: None } if nodes.len() == 1));
-        for bad in ["redis-cluster://", "redis-cluster://host", "redis-cluster://h:1?wait=x", "redis-cluster://h:1?x=1"]
-        {
-            assert!(bad.parse::<StoreSpec>().is_err(), "{bad}");
-        }
     }
 }

@@ -1,5 +1,6 @@
 //! leasebroker end to end over real sockets with a real HTTP client (reqwest), on a redb
-//! file, including a server restart between an attempt and its retry.
+//! file, including a server restart between an attempt and its retry. The retry storms
+//! against this server are the rig's (`harness/tests/storm.rs`).
 
 use std::path::Path;
 use std::time::Duration;
@@ -8,7 +9,6 @@ use idem_core::Policy;
 use leasebroker::app::{Config, Faults};
 use leasebroker::server::{Server, StoreSpec, open};
 use leasebroker::state::Stats;
-use leasebroker::storm::{self, StormConfig, StormMode};
 use tokio::net::TcpListener;
 
 const SPEC: &str = r#"{"image":"worker-base:2025.11","cpu":16,"memory_gb":64,"labels":{"team":"ml-eval"}}"#;
@@ -16,8 +16,15 @@ const SPEC: &str = r#"{"image":"worker-base:2025.11","cpu":16,"memory_gb":64,"la
 async fn start(path: &Path, faults: Faults) -> Server {
     let (store, infra) = open(&StoreSpec::Redb(path.to_path_buf()), &path.with_extension("state")).await.unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let config =
-        Config { policy: Policy::default().with_lease_ttl(Duration::from_secs(3)), faults, ..Config::default() };
+    let config = Config {
+        policy: {
+            let mut p = Policy::default();
+            p.lease_ttl = Duration::from_secs(3);
+            p
+        },
+        faults,
+        ..Config::default()
+    };
     Server::start(listener, store, infra, &config).unwrap()
 }
 
@@ -140,38 +147,6 @@ async fn retry_after_a_server_restart_replays_from_the_redb_file() {
 }
 
 #[tokio::test]
-async fn storm_with_lost_responses_makes_no_phantom_workers() {
-    let dir = tempfile::tempdir().unwrap();
-    let faults = Faults { drop_rate: 0.3, hold_ms: 600, work_ms: 150, hypervisor_fail_rate: 0.05, ..Faults::default() };
-    let server = start(&dir.path().join("lb.redb"), faults).await;
-    let report = storm::run(StormConfig {
-        target: server.url(),
-        mode: StormMode::Create,
-        operations: 60,
-        principals: 3,
-        concurrency: 16,
-        attempt_timeout_ms: 300,
-        budget_ms: 30_000,
-        token_prefix: "e2e".into(),
-    })
-    .await
-    .unwrap();
-    println!("{}", report.table());
-    assert_eq!(report.failed, 0);
-    assert_eq!(report.succeeded, 60);
-    assert_eq!(report.phantoms(), 0);
-    assert_eq!(report.extra_vms(), 0, "VMs booted beyond one per operation");
-    assert_eq!(report.server.workers, 60);
-    // A failed boot keeps its node and lease journalled; the retry reuses them and only
-    // boots, so nothing is allocated twice.
-    assert_eq!((report.server.allocations, report.server.leases, report.server.boots), (60, 60, 60), "{report:?}");
-    assert_eq!(report.distinct_ids, 60);
-    // The faults really fired: some answers were lost and replayed.
-    assert!(report.transport_errors > 0 && report.replays > 0, "{report:?}");
-    server.stop().await.unwrap();
-}
-
-#[tokio::test]
 async fn every_store_flag_serves_create_replay_and_mismatch() {
     // The same curl-level contract on each backend the `--store` flag accepts, against the
     // real Redis and PostgreSQL on loopback.
@@ -208,5 +183,22 @@ async fn every_store_flag_serves_create_replay_and_mismatch() {
         assert_eq!(mismatch.status(), 409, "{spec}");
         assert_eq!(stats(&http, &base).await.workers, 1, "{spec}");
         server.stop().await.unwrap();
+    }
+}
+
+#[test]
+fn the_cluster_store_form_parses() {
+    let spec: StoreSpec = "redis-cluster://127.0.0.1:7000,127.0.0.1:7001?wait=1".parse().expect("cluster form");
+    match spec {
+        StoreSpec::RedisCluster { nodes, wait } => {
+            assert_eq!(nodes, ["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]);
+            assert_eq!(wait, Some(1));
+        }
+        other => panic!("{other:?}"),
+    }
+    let one: StoreSpec = "redis-cluster://10.0.0.5:6379".parse().expect("one node");
+    assert!(matches!(one, StoreSpec::RedisCluster { ref nodes, wait: None } if nodes.len() == 1));
+    for bad in ["redis-cluster://", "redis-cluster://host", "redis-cluster://h:1?wait=x", "redis-cluster://h:1?x=1"] {
+        assert!(bad.parse::<StoreSpec>().is_err(), "{bad}");
     }
 }

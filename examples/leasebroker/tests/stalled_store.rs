@@ -21,7 +21,9 @@ use tower::ServiceExt;
 const DEADLINE: Duration = Duration::from_millis(500);
 
 fn app(store: Arc<dyn Store>, claim_deadline: Duration, runs: Arc<AtomicUsize>) -> Router {
-    let layer = IdempotencyLayer::new(store).with_store_deadlines(StoreDeadlines::default().with_claim(claim_deadline));
+    let mut deadlines = StoreDeadlines::default();
+    deadlines.claim = claim_deadline;
+    let layer = IdempotencyLayer::new(store).with_store_deadlines(deadlines);
     Router::new()
         .route(
             "/v1/workers",
@@ -86,6 +88,6 @@ async fn a_sigstopped_postgres_answers_503_at_the_deadline() {
     let pg = tokio::task::spawn_blocking(|| PrivatePostgres::start(7121)).await.unwrap().expect("private postgres");
     let store =
         idem_postgres::PostgresStore::connect(&pg.url(), idem_postgres::Config::default()).await.expect("connect");
-    // tokio-postgres waits for a stopped server forever: without the deadline, a hang.
+    // sqlx waits for a stopped server forever: without the deadline, a hang.
     stalled_claim_answers_503(Arc::new(store), &pg.pids(), true).await;
 }

@@ -58,7 +58,8 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
     let crash = CrashPlan::parse(&args.crash_at, 1.0, false)?;
     let pool = PgPoolOptions::new().max_connections(8).connect(&args.postgres).await?;
     let app = PgWorkers::open(pool, &args.schema, args.completion, crash).await?;
-    let policy = Policy::default().with_lease_ttl(Duration::from_millis(args.lease_ms));
+    let mut policy = Policy::default();
+    policy.lease_ttl = Duration::from_millis(args.lease_ms);
     let listener = TcpListener::bind(&args.addr).await?;
     let addr = listener.local_addr()?;
     eprintln!("leasebroker-pg: listening on http://{addr} ({:?} completion)", args.completion);

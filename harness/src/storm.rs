@@ -11,9 +11,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idem_client::{ClientError, IdempotentClient, OperationKey, RetryPolicy};
+use leasebroker::state::Stats;
 use tokio::sync::Semaphore;
 
-use crate::state::Stats;
+use crate::bmc::BmcStats;
 
 /// What every operation of a storm does.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -51,6 +52,52 @@ pub struct StormConfig {
     pub token_prefix: String,
 }
 
+/// The server's counts: the infra's (`GET /admin/stats`) and the BMCs' (`GET /admin/bmc`,
+/// served by the rig's firmware route only; zero when not read).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Workers, allocations, leases, boots, reboots and deletes.
+    pub infra: Stats,
+    /// Flashes started and nodes bricked.
+    pub bmc: BmcStats,
+}
+
+impl Counts {
+    /// What happened between `before` and `self`.
+    #[must_use]
+    pub fn since(&self, before: &Counts) -> Counts {
+        let (a, b) = (&self.infra, &before.infra);
+        Counts {
+            infra: Stats {
+                workers: a.workers.saturating_sub(b.workers),
+                allocations: a.allocations.saturating_sub(b.allocations),
+                leases: a.leases.saturating_sub(b.leases),
+                boots: a.boots.saturating_sub(b.boots),
+                reboots: a.reboots.saturating_sub(b.reboots),
+                deletes: a.deletes.saturating_sub(b.deletes),
+            },
+            bmc: BmcStats {
+                flashes: self.bmc.flashes.saturating_sub(before.bmc.flashes),
+                bricked: self.bmc.bricked.saturating_sub(before.bmc.bricked),
+            },
+        }
+    }
+}
+
+/// Reads the server's counts; the BMCs' only when `bmc` (the rig's server serves them).
+///
+/// # Errors
+/// When an endpoint does not answer with its JSON.
+pub async fn counts(http: &reqwest::Client, target: &str, bmc: bool) -> Result<Counts, reqwest::Error> {
+    let infra = http.get(format!("{target}/admin/stats")).send().await?.error_for_status()?.json().await?;
+    let bmc = if bmc {
+        http.get(format!("{target}/admin/bmc")).send().await?.error_for_status()?.json().await?
+    } else {
+        BmcStats::default()
+    };
+    Ok(Counts { infra, bmc })
+}
+
 /// What the storm saw.
 #[derive(Clone, Debug, Default)]
 pub struct StormReport {
@@ -75,7 +122,7 @@ pub struct StormReport {
     /// Distinct worker ids the clients received (create).
     pub distinct_ids: u64,
     /// The server's counts after the storm (its delta over the storm).
-    pub server: Stats,
+    pub server: Counts,
     /// Wall time, ms.
     pub elapsed_ms: u128,
 }
@@ -85,7 +132,7 @@ impl StormReport {
     #[must_use]
     pub fn phantoms(&self) -> u64 {
         match self.mode {
-            StormMode::Create => self.server.workers.saturating_sub(u64::from(self.operations)),
+            StormMode::Create => self.server.infra.workers.saturating_sub(u64::from(self.operations)),
             // The firmware storm creates one worker per operation before it flashes.
             StormMode::Firmware => 0,
         }
@@ -98,14 +145,14 @@ impl StormReport {
     /// phantom worker. A failed boot boots nothing and is not counted.
     #[must_use]
     pub fn extra_vms(&self) -> u64 {
-        self.server.boots.saturating_sub(u64::from(self.operations))
+        self.server.infra.boots.saturating_sub(u64::from(self.operations))
     }
 
     /// Flashes the BMCs started beyond one per operation: each one ran while the first
     /// flash of its node was still running, so it bricked that node.
     #[must_use]
     pub fn double_flashes(&self) -> u64 {
-        self.server.flashes.saturating_sub(u64::from(self.operations))
+        self.server.bmc.flashes.saturating_sub(u64::from(self.operations))
     }
 
     /// Renders the table.
@@ -130,18 +177,18 @@ impl StormReport {
         let outcome = match self.mode {
             StormMode::Create => vec![
                 ("distinct worker ids seen", self.distinct_ids.to_string()),
-                ("workers that exist", self.server.workers.to_string()),
-                ("nodes allocated", self.server.allocations.to_string()),
-                ("VMs booted", self.server.boots.to_string()),
+                ("workers that exist", self.server.infra.workers.to_string()),
+                ("nodes allocated", self.server.infra.allocations.to_string()),
+                ("VMs booted", self.server.infra.boots.to_string()),
                 ("phantom workers", self.phantoms().to_string()),
                 ("extra VMs", self.extra_vms().to_string()),
             ],
             StormMode::Firmware => vec![
-                ("VMs booted", self.server.boots.to_string()),
+                ("VMs booted", self.server.infra.boots.to_string()),
                 ("extra VMs", self.extra_vms().to_string()),
-                ("flashes started", self.server.flashes.to_string()),
+                ("flashes started", self.server.bmc.flashes.to_string()),
                 ("double flashes", self.double_flashes().to_string()),
-                ("bricked nodes", self.server.bricked.to_string()),
+                ("bricked nodes", self.server.bmc.bricked.to_string()),
             ],
         };
         let elapsed = [("elapsed", format!("{} ms", self.elapsed_ms))];
@@ -158,14 +205,14 @@ impl StormReport {
 /// Why the storm could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum StormError {
-    /// The stats endpoint did not answer.
-    #[error("cannot read {0}/admin/stats: {1}")]
+    /// The stats endpoints did not answer.
+    #[error("cannot read the counts of {0}: {1}")]
     Stats(String, String),
 }
 
-async fn stats(http: &reqwest::Client, target: &str) -> Result<Stats, StormError> {
+async fn stats(http: &reqwest::Client, target: &str, mode: StormMode) -> Result<Counts, StormError> {
     let err = |e: reqwest::Error| StormError::Stats(target.to_string(), e.to_string());
-    http.get(format!("{target}/admin/stats")).send().await.map_err(err)?.json().await.map_err(err)
+    counts(http, target, mode == StormMode::Firmware).await.map_err(err)
 }
 
 /// Runs the storm and returns its report.
@@ -177,7 +224,7 @@ pub async fn run(cfg: StormConfig) -> Result<StormReport, StormError> {
         .pool_max_idle_per_host(cfg.concurrency)
         .build()
         .map_err(|e| StormError::Stats(cfg.target.clone(), e.to_string()))?;
-    let before = stats(&http, &cfg.target).await?;
+    let before = stats(&http, &cfg.target, cfg.mode).await?;
     let policy = RetryPolicy::default()
         .with_attempt_timeout(Duration::from_millis(cfg.attempt_timeout_ms))
         .with_budget(Duration::from_millis(cfg.budget_ms))
@@ -199,7 +246,12 @@ pub async fn run(cfg: StormConfig) -> Result<StormReport, StormError> {
             let body = format!(
                 r#"{{"image":"worker-base:2025.11","cpu":16,"memory_gb":64,"labels":{{"team":"ml-eval","op":"{op}"}}}}"#
             );
-            let created = client.post(format!("{target}/v1/workers"), &key).bearer(&token).json_body(body).send().await;
+            let created = client
+                .request(reqwest::Method::POST, format!("{target}/v1/workers"), &key)
+                .header("authorization", &format!("Bearer {token}"))
+                .json_body(body)
+                .send()
+                .await;
             if mode == StormMode::Create {
                 return Some(created);
             }
@@ -212,8 +264,8 @@ pub async fn run(cfg: StormConfig) -> Result<StormReport, StormError> {
             let key = OperationKey::generate();
             Some(
                 client
-                    .post(format!("{target}{location}/firmware"), &key)
-                    .bearer(&token)
+                    .request(reqwest::Method::POST, format!("{target}{location}/firmware"), &key)
+                    .header("authorization", &format!("Bearer {token}"))
                     .json_body(FIRMWARE_BODY)
                     .send()
                     .await,
@@ -257,16 +309,7 @@ pub async fn run(cfg: StormConfig) -> Result<StormReport, StormError> {
     }
     report.elapsed_ms = started.elapsed().as_millis();
     report.distinct_ids = ids.len() as u64;
-    let after = stats(&http, &cfg.target).await?;
-    report.server = Stats {
-        workers: after.workers.saturating_sub(before.workers),
-        allocations: after.allocations.saturating_sub(before.allocations),
-        leases: after.leases.saturating_sub(before.leases),
-        boots: after.boots.saturating_sub(before.boots),
-        reboots: after.reboots.saturating_sub(before.reboots),
-        deletes: after.deletes.saturating_sub(before.deletes),
-        flashes: after.flashes.saturating_sub(before.flashes),
-        bricked: after.bricked.saturating_sub(before.bricked),
-    };
+    let after = stats(&http, &cfg.target, cfg.mode).await?;
+    report.server = after.since(&before);
     Ok(report)
 }

@@ -1,6 +1,6 @@
 //! The processes a chaos run starts, faults and cleans up: a private `redis-server`, a
 //! private PostgreSQL cluster (made with `initdb` in a temp dir), a small tmpfs for the
-//! full-disk fault, and the `leasebroker serve` under test. Everything listens on loopback
+//! full-disk fault, and the `idem-harness serve` under test. Everything listens on loopback
 //! ports the run is given and lives in temp dirs; dropping a handle kills its processes
 //! (by pid) and removes its files.
 
@@ -398,7 +398,7 @@ impl Drop for SmallDisk {
     }
 }
 
-/// `leasebroker serve` under test, as a child process (so the run can SIGKILL it).
+/// `idem-harness serve` under test, as a child process (so the run can SIGKILL it).
 #[derive(Debug)]
 pub struct AppServer {
     exe: PathBuf,
@@ -448,7 +448,7 @@ impl AppServer {
             Ok(()) => Ok(()),
             Err(_) => {
                 self.kill();
-                Err(failed("leasebroker serve", format!("did not start; see {}", self.log.display())))
+                Err(failed("idem-harness serve", format!("did not start; see {}", self.log.display())))
             }
         }
     }

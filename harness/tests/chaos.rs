@@ -5,13 +5,13 @@
 //! extra VM, double flash, on every row, the server SIGKILL included), a lost stored
 //! response, an unfinished operation or a hung request fails the test. Every server is private (loopback
 //! ports 7110-7113, temp dirs) and cleaned up by the run. The full run is
-//! `cargo run --release -p leasebroker -- chaos` (RELIABILITY.md, "Chaos run").
+//! `cargo run --release -p idem-harness -- chaos` (RELIABILITY.md, "Chaos run").
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use leasebroker::app::Bmc;
-use leasebroker::chaos::{self, ChaosConfig, Fault};
+use idem_harness::chaos::{self, ChaosConfig, Fault};
+use idem_harness::firmware::Bmc;
 
 /// The run's first private port: `default`, or `LEASEBROKER_CHAOS_PORT` when set (so two
 /// checkouts on one machine do not collide).
@@ -22,7 +22,7 @@ fn base_port(default: u16) -> u16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_short_chaos_pass_has_no_double_execution_and_no_lost_response() {
     let cfg = ChaosConfig {
-        exe: PathBuf::from(env!("CARGO_BIN_EXE_leasebroker")),
+        exe: PathBuf::from(env!("CARGO_BIN_EXE_idem-harness")),
         faults: Fault::one_of_each_kind(),
         operations: 80,
         concurrency: 16,

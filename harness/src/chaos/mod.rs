@@ -1,9 +1,9 @@
-//! The chaos run: the retry storm against `leasebroker serve` on a real store while a fault
+//! The chaos run: the retry storm against the rig's `serve` on a real store while a fault
 //! hits the store or the server, one row per fault, one table per backend.
 //!
 //! For each fault the run starts its own store server (a private `redis-server`, a private
 //! PostgreSQL cluster made with `initdb`, a SQLite or redb file on a small tmpfs) and its
-//! own `leasebroker serve` child, on the loopback ports it is given, in temp dirs; it
+//! own `idem-harness serve` child, on the loopback ports it is given, in temp dirs; it
 //! drives the storm (every operation one key, kept across retries; a quarter of the
 //! responses held past the client's attempt timeout, so they are lost after the work was
 //! done), hits the fault while the storm runs, lifts it, and then:
@@ -39,8 +39,8 @@ use idem_client::{IdempotentClient, OperationKey, RetryPolicy};
 use tokio::sync::Semaphore;
 
 use self::servers::{AppServer, PrivatePostgres, PrivateRedis, RedisPersistence, ServerError, SmallDisk, signal};
-use crate::app::Bmc;
-use crate::state::Stats;
+use crate::firmware::Bmc;
+use crate::storm::{Counts, counts};
 
 /// A backend the run covers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -79,7 +79,7 @@ pub enum Fault {
     PostgresTerminateBackends,
     /// SIGSTOP of the store's server processes for the stall time, then SIGCONT.
     Stall(Backend),
-    /// SIGKILL of `leasebroker serve`, restarted on the same store.
+    /// SIGKILL of the server under test, restarted on the same store.
     AppKill(Backend),
     /// The store file's disk fills up for the stall time (a tmpfs), then frees.
     FullDisk(Backend),
@@ -167,7 +167,7 @@ impl Fault {
 /// Settings of a chaos run.
 #[derive(Clone, Debug)]
 pub struct ChaosConfig {
-    /// The `leasebroker` binary to run as the server under test.
+    /// The `idem-harness` binary, whose `serve` is the server under test.
     pub exe: PathBuf,
     /// The faults, in order.
     pub faults: Vec<Fault>,
@@ -528,11 +528,9 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
 
     let ops = storm.await.map_err(|e| ChaosError::Stats(e.to_string()))?;
     let (lost_responses, unfinished) = check(&http, &target, &ops.results).await;
-    let after = stats(&http, &target).await?;
-    let workers = after.workers.saturating_sub(before.workers);
-    let boots = after.boots.saturating_sub(before.boots);
-    let flashes = after.flashes.saturating_sub(before.flashes);
-    let bricked = after.bricked.saturating_sub(before.bricked);
+    let done = stats(&http, &target).await?.since(&before);
+    let (workers, boots) = (done.infra.workers, done.infra.boots);
+    let (flashes, bricked) = (done.bmc.flashes, done.bmc.bricked);
     let n = u64::from(cfg.operations);
     let firmware_operations = ops.results.iter().filter(|o| o.flash.is_some()).count() as u64;
     let double_flashes = flashes.saturating_sub(firmware_operations);
@@ -576,8 +574,8 @@ fn stats_err(e: impl std::fmt::Display) -> ChaosError {
     ChaosError::Stats(e.to_string())
 }
 
-async fn stats(http: &reqwest::Client, target: &str) -> Result<Stats, ChaosError> {
-    http.get(format!("{target}/admin/stats")).send().await.map_err(stats_err)?.json().await.map_err(stats_err)
+async fn stats(http: &reqwest::Client, target: &str) -> Result<Counts, ChaosError> {
+    counts(http, target, true).await.map_err(stats_err)
 }
 
 /// One logical operation: its principal, key and body, the worker its 201 named, and for
@@ -651,8 +649,12 @@ async fn storm(
             let _permit = gate.acquire_owned().await;
             let key = OperationKey::generate();
             let body = create_body(op);
-            let reply =
-                client.post(format!("{target}/v1/workers"), &key).bearer(&token).json_body(body.clone()).send().await;
+            let reply = client
+                .request(reqwest::Method::POST, format!("{target}/v1/workers"), &key)
+                .header("authorization", &format!("Bearer {token}"))
+                .json_body(body.clone())
+                .send()
+                .await;
             let (worker, mut attempts, mut unavailable) = match reply {
                 Ok(r) => {
                     let w = (r.status == 201).then(|| worker_id(&r.body)).flatten();
@@ -702,8 +704,8 @@ async fn send_flash(
     key: &OperationKey,
 ) -> (Option<u64>, u64, u64, Option<u16>) {
     let reply = client
-        .post(format!("{target}/v1/workers/{worker}/firmware"), key)
-        .bearer(token)
+        .request(reqwest::Method::POST, format!("{target}/v1/workers/{worker}/firmware"), key)
+        .header("authorization", &format!("Bearer {token}"))
         .json_body(crate::storm::FIRMWARE_BODY)
         .send()
         .await;
@@ -727,7 +729,7 @@ async fn send_flash(
 fn probe_request(http: &reqwest::Client, target: &str, n: u32) -> reqwest::RequestBuilder {
     http.post(format!("{target}/v1/workers/w-chaos-probe-{n}/reboot"))
         .bearer_auth("chaos-probe")
-        .header(crate::app::NO_FAULTS, "1")
+        .header(leasebroker::app::NO_FAULTS, "1")
         .header("idempotency-key", OperationKey::generate().as_str())
         .header("content-type", "application/json")
         .body("{}")
@@ -802,7 +804,12 @@ async fn check(http: &reqwest::Client, target: &str, ops: &[Op]) -> (u64, u64) {
         let flash = op.flash.as_ref().map(|f| (f.key.clone(), f.number));
         tasks.push(tokio::spawn(async move {
             let _permit = gate.acquire_owned().await;
-            let reply = client.post(format!("{target}/v1/workers"), &key).bearer(&token).json_body(body).send().await;
+            let reply = client
+                .request(reqwest::Method::POST, format!("{target}/v1/workers"), &key)
+                .header("authorization", &format!("Bearer {token}"))
+                .json_body(body)
+                .send()
+                .await;
             let again = match &reply {
                 Ok(r) if r.status == 201 => worker_id(&r.body).map(|w| (w, r.replayed)),
                 _ => None,

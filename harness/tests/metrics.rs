@@ -1,4 +1,4 @@
-//! The demo's `GET /metrics` after a retry storm, scraped over a real socket: the
+//! The demo's `GET /metrics` after the rig's retry storm, scraped over a real socket: the
 //! Prometheus text shows one claim per logical operation and replays of the answers the
 //! faults held back (docs/observability.md, "The demo").
 //!
@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use idem_core::Policy;
+use idem_harness::storm::{self, StormConfig, StormMode};
 use leasebroker::app::{Config, Faults};
 use leasebroker::server::{Server, StoreSpec, open};
-use leasebroker::storm::{self, StormConfig, StormMode};
 use tokio::net::TcpListener;
 
 const CREATE: &str = "POST /v1/workers";
@@ -78,8 +78,15 @@ async fn metrics_after_a_storm_show_one_claim_per_operation_and_replays() {
     // in flight or completed. No failing boots, so no attempt fails and is reclaimed: each
     // operation is claimed exactly once.
     let faults = Faults { drop_rate: 0.3, hold_ms: 600, work_ms: 50, ..Faults::default() };
-    let config =
-        Config { policy: Policy::default().with_lease_ttl(Duration::from_secs(3)), faults, ..Config::default() };
+    let config = Config {
+        policy: {
+            let mut p = Policy::default();
+            p.lease_ttl = Duration::from_secs(3);
+            p
+        },
+        faults,
+        ..Config::default()
+    };
     let server = Server::start(listener, store, infra, &config).unwrap();
     let base = server.url();
     let http = reqwest::Client::new();

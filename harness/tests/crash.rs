@@ -1,5 +1,5 @@
-//! SIGKILL inside the create handler must not leak or double anything: `leasebroker serve`
-//! runs as a child process, is killed with SIGKILL at crash points inside the create
+//! SIGKILL inside the create handler must not leak or double anything: `idem-harness serve`
+//! (the demo's server) runs as a child process, is killed with SIGKILL at crash points inside the create
 //! handler (before allocate, between allocate and lease, between lease and boot, around
 //! the boot, before the worker row, after completion), and is restarted on the same store
 //! while idem-client keeps retrying each logical operation with its one key. At the end:
@@ -7,7 +7,8 @@
 //! 201, every replay byte-identical to it, nothing in the inventory that no worker owns.
 //!
 //! `IDEM_CRASH_KILLS` sets the kills per backend (default 100); `IDEM_CRASH_CLIENTS` the
-//! logical operations in flight at once (default 8).
+//! logical operations in flight at once (default 8). The crash plan's parsing is pinned
+//! here too.
 
 use std::collections::{BTreeMap, HashSet};
 use std::io::{BufRead, BufReader};
@@ -19,9 +20,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idem_client::{IdempotentClient, OperationKey, RetryPolicy};
-use leasebroker::crash::POINTS;
-use leasebroker::state::{Inventory, Stats, Worker};
+use idem_harness::crash::POINTS;
+use leasebroker::crash::CrashPlan;
+use leasebroker::state::{LEASES, NODES, Stats, VMS, WORKERS, Worker};
 use rand::seq::SliceRandom;
+use redb::{ReadableDatabase, ReadableTable};
 
 /// In-flight lease of the child, ms: longer than a create takes under load, short enough
 /// that a retry after a kill reclaims soon.
@@ -49,7 +52,7 @@ struct Launch {
 impl Launch {
     fn spawn(&self, crash_at: Option<&str>) -> Server {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_leasebroker"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-harness"));
         cmd.args(["serve", "--addr", &self.addr, "--store", &self.store, "--lease-ms", LEASE_MS])
             .args(["--retention-ms", "600000", "--state"])
             .arg(&self.state)
@@ -61,7 +64,7 @@ impl Launch {
         if let Some(p) = crash_at {
             cmd.args(["--crash-at", p]);
         }
-        let mut child = cmd.spawn().expect("spawn leasebroker serve");
+        let mut child = cmd.spawn().expect("spawn idem-harness serve");
         let stdout = child.stdout.take().unwrap();
         let (tx, lines) = channel();
         std::thread::spawn(move || {
@@ -167,6 +170,46 @@ async fn get_json<T: serde::de::DeserializeOwned>(http: &reqwest::Client, url: S
     http.get(url).send().await.unwrap().json().await.unwrap()
 }
 
+/// Everything the simulated infrastructure holds, for the leak check: every node, lease
+/// and VM should belong to exactly one worker.
+#[derive(Debug, Default)]
+struct Inventory {
+    /// Allocated nodes: (allocation sub-key, node).
+    nodes: Vec<(String, String)>,
+    /// Leases: (lease sub-key, lease, node).
+    leases: Vec<(String, String, String)>,
+    /// Booted VMs: (VM, tag, node).
+    vms: Vec<(String, String, String)>,
+    /// Every worker row, deleted ones included.
+    workers: Vec<Worker>,
+}
+
+/// Reads the inventory from the infra state file of a server that is no longer running.
+fn inventory(state: &Path) -> Inventory {
+    let db = redb::Database::create(state).unwrap();
+    let tx = db.begin_read().unwrap();
+    let mut inv = Inventory::default();
+    for e in tx.open_table(NODES).unwrap().iter().unwrap() {
+        let (k, v) = e.unwrap();
+        inv.nodes.push((k.value().to_string(), v.value().to_string()));
+    }
+    for e in tx.open_table(LEASES).unwrap().iter().unwrap() {
+        let (k, v) = e.unwrap();
+        let (lease, node) = v.value().split_once(' ').unwrap_or((v.value(), ""));
+        inv.leases.push((k.value().to_string(), lease.to_string(), node.to_string()));
+    }
+    for e in tx.open_table(VMS).unwrap().iter().unwrap() {
+        let (k, v) = e.unwrap();
+        let (tag, node) = v.value().split_once(' ').unwrap_or((v.value(), ""));
+        inv.vms.push((k.value().to_string(), tag.to_string(), node.to_string()));
+    }
+    for e in tx.open_table(WORKERS).unwrap().iter().unwrap() {
+        let (_, v) = e.unwrap();
+        inv.workers.push(serde_json::from_slice(v.value()).unwrap());
+    }
+    inv
+}
+
 fn body(op: u64) -> String {
     format!(r#"{{"image":"worker-base:2025.11","cpu":4,"memory_gb":16,"labels":{{"op":"{op}"}}}}"#)
 }
@@ -231,7 +274,12 @@ fn crash_run(backend: &str, store: &str, dir: &Path) {
                 while kills.load(Ordering::SeqCst) < target {
                     let n = next_op.fetch_add(1, Ordering::SeqCst);
                     let (key, body) = (OperationKey::generate(), body(n));
-                    let reply = client.post(url.clone(), &key).bearer(&token).json_body(body.clone()).send().await;
+                    let reply = client
+                        .request(reqwest::Method::POST, url.clone(), &key)
+                        .header("authorization", &format!("Bearer {token}"))
+                        .json_body(body.clone())
+                        .send()
+                        .await;
                     let reply = reply.unwrap_or_else(|e| panic!("operation {n} ({key:?}): {e}"));
                     done.push(Op {
                         key,
@@ -254,11 +302,11 @@ fn crash_run(backend: &str, store: &str, dir: &Path) {
     supervisor.join().unwrap();
     let crash_phase = started.elapsed();
 
-    // End state, on a clean restart of the same store.
+    // End state, on a clean restart of the same store; the inventory from its state file
+    // once it is stopped.
     let server = launch.spawn(None);
-    let (stats, inventory, replays) = rt.block_on(async {
+    let (stats, replays) = rt.block_on(async {
         let stats: Stats = get_json(&http, format!("{base}/admin/stats")).await;
-        let inventory: Inventory = get_json(&http, format!("{base}/admin/inventory")).await;
         let mut replays = Vec::new();
         for op in &ops {
             let r = http
@@ -273,9 +321,10 @@ fn crash_run(backend: &str, store: &str, dir: &Path) {
             let replayed = r.headers().get("idempotent-replayed").is_some_and(|v| v == "true");
             replays.push((r.status().as_u16(), replayed, r.bytes().await.unwrap().to_vec()));
         }
-        (stats, inventory, replays)
+        (stats, replays)
     });
     server.kill();
+    let inventory = inventory(&launch.state);
     let kills_log = log.lock().unwrap();
     let n = ops.len() as u64 + 1; // + the probe
     println!(
@@ -354,4 +403,26 @@ fn sigkill_inside_create_on_postgres() {
     let dir = tempfile::tempdir().unwrap();
     let url = std::env::var("IDEM_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
     crash_run("postgres", &url, dir.path());
+}
+
+#[test]
+fn crash_plans_arm_named_points_and_refuse_unknown_ones() {
+    let p = CrashPlan::parse_in(&POINTS, "after_lease, after_boot", 1.0, false).unwrap();
+    assert!(p.is_armed());
+    assert_eq!(p.armed().collect::<Vec<_>>(), ["after_lease", "after_boot"]);
+    assert_eq!(CrashPlan::parse_in(&POINTS, "any", 0.5, true).unwrap().armed().collect::<Vec<_>>(), POINTS);
+    assert!(!CrashPlan::parse_in(&POINTS, "", 1.0, false).unwrap().is_armed());
+    assert!(!CrashPlan::parse_in(&POINTS, "any", 0.0, false).unwrap().is_armed());
+    assert!(CrashPlan::parse_in(&POINTS, "after_lunch", 1.0, false).unwrap_err().contains("after_lunch"));
+    // The Postgres variant's points (`leasebroker-pg --crash-at`).
+    let pg = CrashPlan::parse("pg_after_commit", 1.0, false).unwrap();
+    assert_eq!(pg.armed().collect::<Vec<_>>(), ["pg_after_commit"]);
+    assert!(CrashPlan::parse("after_lease", 1.0, false).is_err());
+}
+
+#[tokio::test]
+async fn an_unarmed_point_returns() {
+    let p = CrashPlan::parse_in(&POINTS, "after_lease", 1.0, false).unwrap();
+    p.point("before_allocate").await;
+    p.point("not_a_point").await;
 }
