@@ -243,6 +243,7 @@ impl Write {
     /// reclaim whose caller went away would hold a lease nobody uses, so an executor may
     /// skip it. Completions, fails, journal writes and sweeps are worth applying anyway.
     #[must_use]
+    #[cfg(feature = "group-commit")]
     pub(crate) fn is_claim(&self) -> bool {
         matches!(self, Write::Claim(_) | Write::Reclaim(_))
     }

@@ -6,7 +6,7 @@
 //!
 //! Raw mode is the default: two bodies that differ in any byte are different requests,
 //! even if they parse to the same JSON (`docs/failures.md#json-formatting-changes-the-fingerprint`). Canonical JSON (RFC 8785) is a
-//! separate opt-in mode, because canonicalising can merge requests an API treats as
+//! separate opt-in mode (feature `canonical-json`), because canonicalising can merge requests an API treats as
 //! different (`{"labels":{}}` versus no `labels`).
 
 use std::fmt;
@@ -33,13 +33,16 @@ pub enum FingerprintMode {
     /// numbers are IEEE doubles, which would merge `9007199254740993` with
     /// `9007199254740992`). Numbers that are doubles already compare as doubles: `1.0`
     /// and `1` are one request in this mode. Duplicate member names keep the last value,
-    /// as serde_json parses them.
+    /// as serde_json parses them. Feature `canonical-json`.
+    #[cfg(feature = "canonical-json")]
     CanonicalJson,
 }
 
 /// Largest integer magnitude a JSON number may have and still be canonicalised (2^53).
+#[cfg(feature = "canonical-json")]
 const MAX_EXACT_INTEGER: u64 = 1 << 53;
 
+#[cfg(feature = "canonical-json")]
 fn exact_in_double(v: &serde_json::Value) -> bool {
     match v {
         serde_json::Value::Number(n) => {
@@ -54,6 +57,7 @@ fn exact_in_double(v: &serde_json::Value) -> bool {
 
 /// The RFC 8785 canonical form of `body`, or `None` when the body falls back to raw
 /// bytes (see [`FingerprintMode::CanonicalJson`]).
+#[cfg(feature = "canonical-json")]
 #[must_use]
 pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
     if body.is_empty() {
@@ -69,7 +73,7 @@ pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
 /// 32-byte request fingerprint.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct Fingerprint(pub [u8; 32]);
+pub struct Fingerprint(pub(crate) [u8; 32]);
 
 impl Fingerprint {
     /// A fingerprint from its 32 bytes, e.g. read back from a store.
@@ -135,6 +139,7 @@ impl Fingerprint {
             field(b'V', value);
         }
         match mode {
+            #[cfg(feature = "canonical-json")]
             FingerprintMode::CanonicalJson => match canonical_json(parts.body) {
                 Some(canonical) => field(b'J', &canonical),
                 None => field(b'B', parts.body),
@@ -174,6 +179,7 @@ mod tests {
         assert_ne!(fp(b"{}"), fp(b"null"));
     }
 
+    #[cfg(feature = "canonical-json")]
     fn canon(body: &[u8]) -> Fingerprint {
         Fingerprint::of_mode(
             &RequestParts { method: "POST", path: "/v1/workers", query: None, headers: &[], body },
@@ -182,6 +188,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "canonical-json")]
     fn canonical_mode_merges_formatting_but_keeps_real_differences() {
         // Reordered keys and whitespace are one request in canonical mode...
         let a = canon(br#"{"a":1,"b":2}"#);
@@ -203,6 +210,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "canonical-json")]
     fn canonical_and_raw_hashes_do_not_collide() {
         // An already-canonical body hashes differently in the two modes: tags differ.
         assert_ne!(

@@ -12,15 +12,29 @@ use std::time::Duration;
 /// The record rules: retention, lease, cacheable statuses, and what a stored response
 /// keeps. `Policy::default()` gives 24 h retention, a 5 min lease, 2xx, 303 and most 4xx
 /// stored, bodies up to 1 MiB kept, LZ4 over 4 KiB, `set-cookie` and `date` dropped.
+///
+/// Plain fields: no rule constrains another (a retention below the lease is raised by
+/// [`Policy::effective_retention`], header names compare case-insensitively), so a
+/// policy is changed by assigning to it:
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::Policy;
+///
+/// let mut policy = Policy::default();
+/// policy.retention = Duration::from_secs(7 * 86_400);
+/// policy.header_deny_list.push("X-Request-Id".into());
+/// assert!(!policy.stores_header("x-request-id") && !policy.stores_header("set-cookie"));
+/// ```
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct Policy {
     /// How long a record lives after its claim (default 24 h, matching Stripe; provisioning
     /// APIs often want 7 d). Always at least `lease_ttl`, so a live claim is never swept.
     pub retention: Duration,
-    /// How long an in-flight claim is honoured (default 5 min). A handler killed mid-flight
-    /// blocks retries for at most this long; a handler slower than this may run twice, so
-    /// keep it above the endpoint's worst-case latency.
+    /// How long an in-flight claim is honoured without a renewal (default 5 min): a holder
+    /// that dies blocks its key for at most this long. How to pick it, with and without
+    /// lease renewal: `docs/contract.md#lease-ttl`.
     pub lease_ttl: Duration,
     /// 4xx statuses that are not stored because the server made no decision the client
     /// should see again (default 401, 403, 408, 409, 423, 425, 429). Entries outside
@@ -32,8 +46,11 @@ pub struct Policy {
     pub max_stored_body: usize,
     /// Bodies longer than this many bytes are stored LZ4-compressed (default 4 KiB).
     pub compress_over: usize,
-    /// Response headers (lower-case) never stored, besides hop-by-hop ones and those a
-    /// response's `Connection` field names (default `set-cookie`, `date`).
+    /// Response headers never stored, besides hop-by-hop ones and those a response's
+    /// `Connection` field names (default `set-cookie`, `date`; per-exchange ids such as
+    /// `x-request-id` belong here too). Names compare case-insensitively. Push to it
+    /// rather than replace it: a list without `set-cookie` replays one client's session
+    /// cookie to whoever retries with the key.
     pub header_deny_list: Vec<String>,
 }
 
@@ -66,69 +83,6 @@ pub const HOP_BY_HOP: &[&str] = &[
 ];
 
 impl Policy {
-    /// Sets the retention window: how long a record lives after its claim.
-    #[must_use]
-    pub fn with_retention(mut self, d: Duration) -> Self {
-        self.retention = d;
-        self
-    }
-
-    /// Sets the lease TTL: how long an in-flight claim is honoured.
-    #[must_use]
-    pub fn with_lease_ttl(mut self, d: Duration) -> Self {
-        self.lease_ttl = d;
-        self
-    }
-
-    /// Sets the 4xx statuses that are not stored (default 401, 403, 408, 409, 423, 425,
-    /// 429); a retry of such a response runs the handler again.
-    #[must_use]
-    pub fn with_uncacheable_4xx<I: IntoIterator<Item = u16>>(mut self, statuses: I) -> Self {
-        self.uncacheable_4xx = statuses.into_iter().collect();
-        self
-    }
-
-    /// Sets the largest stored body, bytes (default 1 MiB).
-    #[must_use]
-    pub fn with_max_stored_body(mut self, bytes: usize) -> Self {
-        self.max_stored_body = bytes;
-        self
-    }
-
-    /// Sets the length, bytes, over which a stored body is LZ4-compressed (default 4 KiB).
-    #[must_use]
-    pub fn with_compress_over(mut self, bytes: usize) -> Self {
-        self.compress_over = bytes;
-        self
-    }
-
-    /// Adds response headers never to store, on top of those already denied (default
-    /// `set-cookie`, `date`; per-exchange ids such as `x-request-id` belong here too).
-    /// Names are lower-cased. Adding never drops a default: a deny list that silently
-    /// started storing `Set-Cookie` would replay one client's session cookie to whoever
-    /// retries with the key. To drop a default, use
-    /// [`Policy::with_header_deny_list_replaced`].
-    #[must_use]
-    pub fn with_header_deny_list<I: IntoIterator<Item = S>, S: Into<String>>(mut self, names: I) -> Self {
-        for name in names {
-            let name = name.into().to_ascii_lowercase();
-            if !self.header_deny_list.contains(&name) {
-                self.header_deny_list.push(name);
-            }
-        }
-        self
-    }
-
-    /// Replaces the whole deny list, defaults included: only `names` (lower-cased) and the
-    /// hop-by-hop headers are not stored. `with_header_deny_list_replaced(["date"])`
-    /// stores `Set-Cookie`; only do that for responses whose cookies are safe to hand to
-    /// every retry of the same key.
-    #[must_use]
-    pub fn with_header_deny_list_replaced<I: IntoIterator<Item = S>, S: Into<String>>(mut self, names: I) -> Self {
-        self.header_deny_list = Vec::new();
-        self.with_header_deny_list(names)
-    }
-
     /// The retention actually applied: never shorter than the lease.
     #[must_use]
     pub fn effective_retention(&self) -> Duration {
@@ -183,18 +137,19 @@ mod tests {
     /// A status taken out of the uncacheable list was still refused (or a 5xx let in).
     #[test]
     fn uncacheable_statuses_are_configurable_within_4xx() {
-        let p = Policy::default().with_uncacheable_4xx([404]);
+        let mut p = Policy { uncacheable_4xx: vec![404], ..Policy::default() };
         assert!(!p.is_cacheable(404));
         assert!(p.is_cacheable(409));
         assert!(p.is_cacheable(429));
-        let p = Policy::default().with_uncacheable_4xx([]);
+        p.uncacheable_4xx.clear();
         assert!(p.is_cacheable(401));
         assert!(!p.is_cacheable(500), "a 5xx is never stored, whatever the list says");
     }
 
     #[test]
     fn retention_never_shorter_than_lease() {
-        let p = Policy::default().with_retention(Duration::from_secs(1)).with_lease_ttl(Duration::from_secs(10));
+        let mut p = Policy::default();
+        (p.retention, p.lease_ttl) = (Duration::from_secs(1), Duration::from_secs(10));
         assert_eq!(p.effective_retention(), Duration::from_secs(10));
     }
 
@@ -212,19 +167,6 @@ mod tests {
         q.header_deny_list.push("X-Request-Id".into());
         assert!(!q.stores_header("x-request-id"));
         assert!(!q.stores_header("Set-Cookie"));
-        assert!(!Policy::default().with_header_deny_list(["X-Trace"]).stores_header("x-trace"));
-    }
-
-    /// One extra deny-list name silently dropped the defaults, so `Set-Cookie` was stored
-    /// and replayed to every retry.
-    #[test]
-    fn the_deny_list_extends_the_defaults_and_replacing_is_explicit() {
-        let p = Policy::default().with_header_deny_list(["X-Request-Id", "date"]);
-        assert!(!p.stores_header("x-request-id"));
-        assert!(!p.stores_header("set-cookie") && !p.stores_header("date"));
-        assert_eq!(p.header_deny_list, ["set-cookie", "date", "x-request-id"]);
-        let q = Policy::default().with_header_deny_list_replaced(["X-Request-Id"]);
-        assert!(q.stores_header("set-cookie") && q.stores_header("date"));
-        assert!(!q.stores_header("x-request-id"));
+        assert!(!q.stores_header("set-cookie"), "pushing keeps the defaults");
     }
 }

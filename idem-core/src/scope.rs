@@ -26,7 +26,7 @@ pub const RECORD_ID_CONTEXT: &str = "idem 2026-11-30 record id v1";
 /// (`docs/failures.md#key-shared-across-principals`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct Principal(pub String);
+pub struct Principal(pub(crate) String);
 
 impl Principal {
     /// A principal: any string that is not blank.
@@ -53,7 +53,7 @@ impl Principal {
 /// when no template is known.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct Endpoint(pub String);
+pub struct Endpoint(pub(crate) String);
 
 impl Endpoint {
     /// `"{METHOD} {route}"`, the canonical endpoint spelling.
@@ -122,7 +122,7 @@ impl Scope {
 /// with each length a little-endian u64.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct RecordId(pub [u8; 32]);
+pub struct RecordId(pub(crate) [u8; 32]);
 
 impl RecordId {
     /// Derives the id from raw parts. Prefer [`Scope::record_id`].

@@ -3,10 +3,12 @@
 //! service that shares the Redis) learns nothing of them and a writer cannot alter them
 //! or move them to another record without the replay failing.
 //!
-//! [`Sealed`] wraps any [`Store`]: it seals the response in [`Store::complete`] and opens
-//! it in every call that returns a record (`claim`, `reclaim`, `complete`, `fail`,
-//! `extend`, `get`). Backends store the sealed form like any other response, so sealing
-//! works on every backend, including custom ones, without a schema change.
+//! [`Sealing`] is what a store wrapper does with it: [`Sealing::seal`] a response before
+//! `complete`, [`Sealing::open`] every record a call returns (`claim`, `reclaim`,
+//! `complete`, `fail`, `extend`, `get`). The HTTP layer's own store wrapper does so
+//! (`IdempotencyLayer::with_sealing`). Backends store the sealed form like any other
+//! response, so sealing works on every backend, including custom ones, without a schema
+//! change.
 //!
 //! # The sealed form
 //! A sealed response is itself a [`StoredResponse`], so every backend's codec keeps it:
@@ -20,8 +22,8 @@
 //! XChaCha20-Poly1305 is built as draft-irtf-cfrg-xchacha-03 §2.3 defines it: HChaCha20
 //! (the `chacha20` crate) derives a subkey from the key and the nonce's first 16 bytes, and
 //! ring's ChaCha20-Poly1305 (RFC 8439) seals under it with the nonce's last 8 bytes. The
-//! bytes are the same as RustCrypto's `XChaCha20Poly1305` (tested both ways); ring's
-//! assembly seals a 1 KiB response about three times faster. A 24-byte random nonce
+//! bytes are the same as RustCrypto's `XChaCha20Poly1305` (tested both ways); ring does
+//! the sealing in assembly (BENCHMARKS.md, "Sealed responses"). A 24-byte random nonce
 //! never needs a counter: collisions stay negligible past 2^64 responses per key.
 //!
 //! The associated data binds the ciphertext to where it belongs: the format tag
@@ -41,13 +43,13 @@
 //! false` and never runs the handler again (the record may stand for a completed
 //! operation). Causes: the bytes were altered or moved, the key id is no longer in
 //! [`SealingKeys`] (a removed key), or an unsealed response was found while
-//! [`Sealed::accept_unsealed`] is off.
+//! [`Sealing::accept_unsealed`] is off.
 //!
 //! # Unsealed records
 //! A record completed before sealing was turned on holds a plain response. By default it
 //! is refused like a corrupt record: otherwise anyone who can write to the store could
 //! replace a sealed response with a plain one of their choosing (a downgrade), and the
-//! seal would protect nothing. During a migration, [`Sealed::accept_unsealed`] lets plain
+//! seal would protect nothing. During a migration, [`Sealing::accept_unsealed`] lets plain
 //! responses through for one retention window; turn it off once every record written
 //! before the switch has expired.
 //!
@@ -59,9 +61,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
-use async_trait::async_trait;
 use chacha20::cipher::consts::U10;
 use ring::aead::{Aad, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey};
 use ring::rand::{SecureRandom, SystemRandom};
@@ -70,11 +70,9 @@ use ring::rand::{SecureRandom, SystemRandom};
 use crate::codec::{decode_response, encode_response};
 use crate::codec::{decode_response_reusing, encode_response_into};
 use crate::corrupt::CodecError;
-use crate::list::{ListFilter, Listing};
 use crate::record::{FencingToken, Record, StoredBody, StoredResponse};
 use crate::scope::RecordId;
-use crate::store::{Capabilities, JournalWrite, Store, StoreError, SweepOutcome};
-use crate::transition::{ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
+use crate::store::StoreError;
 
 /// The one header of a sealed response: `v1;<key id>`.
 pub const SEALED_HEADER: &str = "idem-sealed";
@@ -102,7 +100,6 @@ const AAD_LEN: usize = FORMAT_TAG.len() + 32 + 8 + 4;
 /// ```
 /// use idem_core::seal::SealingKeys;
 /// let keys = SealingKeys::new(1, [7; 32]).with_key(2, [9; 32]);
-/// assert_eq!(keys.sealing_key_id(), 2);
 /// assert_eq!(format!("{keys:?}"), "SealingKeys { ids: [1, 2], seals_with: 2 }");
 /// ```
 #[derive(Clone)]
@@ -136,8 +133,7 @@ impl SealingKeys {
     }
 
     /// The id of the key that seals new responses: the highest.
-    #[must_use]
-    pub fn sealing_key_id(&self) -> u32 {
+    fn sealing_key_id(&self) -> u32 {
         self.keys.last().map_or(0, |(id, _)| *id)
     }
 
@@ -150,8 +146,7 @@ impl SealingKeys {
     /// # Panics
     /// Only if the operating system's random generator fails, which `getrandom` reports
     /// for a kernel without it: sealing with a guessed nonce would be worse than stopping.
-    #[must_use]
-    pub fn seal(&self, id: RecordId, token: FencingToken, response: &StoredResponse) -> StoredResponse {
+    fn seal(&self, id: RecordId, token: FencingToken, response: &StoredResponse) -> StoredResponse {
         // `keys` is never empty: the only constructor adds one.
         let (key_id, key) = self.keys.last().map(|(i, k)| (*i, k)).expect("SealingKeys holds at least one key");
         // One buffer for the whole sealed body: nonce, then the encoded response encrypted
@@ -178,22 +173,10 @@ impl SealingKeys {
         }
     }
 
-    /// Opens a sealed response of record `id` at `token`.
-    ///
-    /// # Errors
-    /// [`Unsealed::Plain`] when `stored` is not sealed; [`Unsealed::Broken`] when it is
-    /// sealed but does not open (altered, moved, unknown key id, malformed).
-    pub fn open(&self, id: RecordId, token: FencingToken, stored: &StoredResponse) -> Result<StoredResponse, Unsealed> {
-        self.open_owned(id, token, stored.clone())
-    }
-
-    /// [`Self::open`] on an owned response: decrypts the body in place, without a copy.
-    fn open_owned(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        stored: StoredResponse,
-    ) -> Result<StoredResponse, Unsealed> {
+    /// Opens a sealed response of record `id` at `token`, decrypting the body in place
+    /// (no copy). [`Unsealed::Plain`] when `stored` is not sealed; [`Unsealed::Broken`]
+    /// when it is sealed but does not open (altered, moved, unknown key id, malformed).
+    fn open(&self, id: RecordId, token: FencingToken, stored: StoredResponse) -> Result<StoredResponse, Unsealed> {
         let key_id = sealed_key_id(&stored)?.ok_or(Unsealed::Plain)?;
         let key = self.key(key_id).ok_or(Unsealed::Broken("sealed by a key id that is not configured"))?;
         let StoredBody::Identity(mut body) = stored.body else {
@@ -258,8 +241,7 @@ impl fmt::Debug for SealingKeys {
 
 /// Why a stored response was not opened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum Unsealed {
+enum Unsealed {
     /// The response is not sealed (written without sealing).
     #[error("the stored response is not sealed")]
     Plain,
@@ -295,44 +277,36 @@ fn associated_data(id: RecordId, token: FencingToken, key_id: u32) -> [u8; AAD_L
     let mut aad = [0; AAD_LEN];
     let (tag, rest) = aad.split_at_mut(FORMAT_TAG.len());
     tag.copy_from_slice(FORMAT_TAG);
-    rest[..32].copy_from_slice(&id.0);
+    rest[..32].copy_from_slice(id.as_bytes());
     rest[32..40].copy_from_slice(&token.0.to_be_bytes());
     rest[40..].copy_from_slice(&key_id.to_be_bytes());
     aad
 }
 
-/// A [`Store`] whose stored responses are sealed ([module docs](self)).
+/// Sealing as one setting: the keys, and whether plain responses stored before sealing
+/// was turned on are still replayed. What a store wrapper needs: [`Self::seal`] a
+/// response before `complete`, [`Self::open`] every record a call returns.
 ///
 /// ```
-/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
-/// use std::time::Duration;
-/// use idem_core::seal::{Sealed, SealingKeys};
-/// use idem_core::{ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, MemoryStore,
-///     RequestParts, Scope, Store, StoredResponse};
+/// use idem_core::seal::{Sealing, SealingKeys};
+/// use idem_core::{FencingToken, RecordId, StoredResponse};
 ///
-/// let store = Sealed::new(MemoryStore::new(), SealingKeys::new(1, [42; 32]));
-/// let scope = Scope::new("token:a", Endpoint::new("POST", "/v1/workers")).unwrap();
-/// let fp = Fingerprint::of(&RequestParts { method: "POST", path: "/v1/workers", query: None, headers: &[], body: b"" });
-/// let req = ClaimRequest::new(scope, IdempotencyKey::parse(b"k1").unwrap(), fp,
-///     Duration::from_secs(60), Duration::from_secs(3600));
-/// let ClaimOutcome::Claimed(r) = store.claim(req).await.unwrap() else { unreachable!() };
+/// let sealing = Sealing::new(SealingKeys::new(1, [42; 32]));
 /// let secret = StoredResponse::new(201, vec![], b"bootstrap-token".to_vec());
-/// store.complete(r.id, r.token, secret.clone()).await.unwrap();
-/// // The inner store keeps only the sealed form; reads through `Sealed` open it.
-/// assert_eq!(store.inner().get(r.id).await.unwrap().unwrap().response.unwrap().status, 0);
-/// assert_eq!(store.get(r.id).await.unwrap().unwrap().response, Some(secret));
-/// # });
+/// let sealed = sealing.seal(RecordId::from_bytes([7; 32]), FencingToken(1), &secret);
+/// assert_eq!(sealed.status, 0, "a reader of the store sees no status, header or body");
 /// ```
-#[derive(Debug)]
-pub struct Sealed<S> {
-    inner: S,
-    sealer: Sealer,
+#[derive(Clone, Debug)]
+pub struct Sealing {
+    keys: SealingKeys,
+    accept_unsealed: bool,
 }
 
-impl<S: Store> Sealed<S> {
-    /// Seals every response `inner` stores with `keys`; refuses unsealed responses.
-    pub fn new(inner: S, keys: SealingKeys) -> Self {
-        Self { inner, sealer: Sealer::new(keys) }
+impl Sealing {
+    /// Seals with `keys`; refuses unsealed responses.
+    #[must_use]
+    pub fn new(keys: SealingKeys) -> Self {
+        Self { keys, accept_unsealed: false }
     }
 
     /// Whether a plain (unsealed) stored response is replayed as is (`true`, for the
@@ -340,41 +314,15 @@ impl<S: Store> Sealed<S> {
     /// default; see the module docs for why).
     #[must_use]
     pub fn accept_unsealed(mut self, accept: bool) -> Self {
-        self.sealer = self.sealer.accept_unsealed(accept);
-        self
-    }
-
-    /// The wrapped store (which holds only sealed responses).
-    pub fn inner(&self) -> &S {
-        &self.inner
-    }
-}
-
-/// What [`Sealed`] does to the responses that pass through it, for a store wrapper of
-/// one's own: seal a response before `complete`, open every record a call returns. The
-/// HTTP layer's own store wrapper (deadlines and completion retries) seals with it, so a
-/// request pays no second wrapper around each store call.
-#[derive(Clone, Debug)]
-pub struct Sealer {
-    keys: SealingKeys,
-    accept_unsealed: bool,
-}
-
-impl Sealer {
-    /// Seals with `keys`; refuses unsealed responses.
-    #[must_use]
-    pub fn new(keys: SealingKeys) -> Self {
-        Self { keys, accept_unsealed: false }
-    }
-
-    /// As [`Sealed::accept_unsealed`].
-    #[must_use]
-    pub fn accept_unsealed(mut self, accept: bool) -> Self {
         self.accept_unsealed = accept;
         self
     }
 
-    /// `response` sealed for record `id` at `token` ([`SealingKeys::seal`]).
+    /// `response` sealed for record `id` at `token` with the newest key.
+    ///
+    /// # Panics
+    /// Only if the operating system's random generator fails, which `getrandom` reports
+    /// for a kernel without it: sealing with a guessed nonce would be worse than stopping.
     #[must_use]
     pub fn seal(&self, id: RecordId, token: FencingToken, response: &StoredResponse) -> StoredResponse {
         self.keys.seal(id, token, response)
@@ -393,7 +341,7 @@ impl Sealer {
             record.response = Some(stored);
             return Ok(record);
         }
-        match self.keys.open_owned(record.id, record.token, stored) {
+        match self.keys.open(record.id, record.token, stored) {
             Ok(plain) => record.response = Some(plain),
             Err(why) => {
                 return Err(StoreError::Corrupt {
@@ -403,104 +351,6 @@ impl Sealer {
             }
         }
         Ok(record)
-    }
-
-    /// [`Self::open`] of an optional record.
-    ///
-    /// # Errors
-    /// As [`Self::open`].
-    pub fn open_opt(&self, record: Option<Record>) -> Result<Option<Record>, StoreError> {
-        record.map(|r| self.open(r)).transpose()
-    }
-
-    /// A claim's outcome with its record opened.
-    ///
-    /// # Errors
-    /// As [`Self::open`].
-    pub fn open_claim(&self, outcome: ClaimOutcome) -> Result<ClaimOutcome, StoreError> {
-        Ok(match outcome {
-            ClaimOutcome::Claimed(record) => ClaimOutcome::Claimed(self.open(record)?),
-            ClaimOutcome::Existing { record, now } => ClaimOutcome::Existing { record: self.open(record)?, now },
-        })
-    }
-
-    /// A reclaim's outcome with its record opened.
-    ///
-    /// # Errors
-    /// As [`Self::open`].
-    pub fn open_reclaim(&self, outcome: ReclaimOutcome) -> Result<ReclaimOutcome, StoreError> {
-        Ok(match outcome {
-            ReclaimOutcome::Reclaimed(record) => ReclaimOutcome::Reclaimed(self.open(record)?),
-            ReclaimOutcome::Conflict { current, now } => {
-                ReclaimOutcome::Conflict { current: self.open_opt(current)?, now }
-            }
-        })
-    }
-}
-
-#[async_trait]
-impl<S: Store> Store for Sealed<S> {
-    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        self.sealer.open_claim(self.inner.claim(req).await?)
-    }
-
-    async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
-        self.sealer.open_reclaim(self.inner.reclaim(req).await?)
-    }
-
-    async fn complete(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        response: StoredResponse,
-    ) -> Result<Record, StoreError> {
-        let sealed = self.sealer.seal(id, token, &response);
-        let mut record = self.inner.complete(id, token, sealed).await?;
-        // The caller's own response, not a decryption of what was just written.
-        record.response = Some(response);
-        Ok(record)
-    }
-
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
-        self.sealer.open(self.inner.fail(id, token).await?)
-    }
-
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
-        self.sealer.open(self.inner.extend(id, token, lease_ttl).await?)
-    }
-
-    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        self.sealer.open_opt(self.inner.get(id).await?)
-    }
-
-    async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
-        self.inner.sweep(limit).await
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    async fn journal_put(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        name: &str,
-        value: Vec<u8>,
-        overwrite: bool,
-    ) -> Result<JournalWrite, StoreError> {
-        self.inner.journal_put(id, token, name, value, overwrite).await
-    }
-
-    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        self.inner.journal_get(id, name).await
-    }
-
-    /// Lists the records as stored: a sealed response stays sealed (status 0 and the
-    /// `idem-sealed` header), so an operator's listing needs no key and one record that
-    /// does not open cannot hide the others.
-    async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
-        self.inner.list(filter).await
     }
 }
 
@@ -512,8 +362,8 @@ mod tests {
         StoredResponse::new(201, vec![("location".into(), b"/w/1".to_vec())], b"{\"token\":\"s3cret\"}".to_vec())
     }
 
-    const A: RecordId = RecordId([1; 32]);
-    const B: RecordId = RecordId([2; 32]);
+    const A: RecordId = RecordId::from_bytes([1; 32]);
+    const B: RecordId = RecordId::from_bytes([2; 32]);
 
     #[test]
     fn seals_round_trip_and_hide_the_plaintext() {
@@ -524,7 +374,7 @@ mod tests {
         let bytes = encode_response(&sealed);
         assert!(!bytes.windows(6).any(|w| w == b"s3cret"), "plaintext in the sealed bytes");
         assert!(!bytes.windows(4).any(|w| w == b"/w/1"), "a header value in the sealed bytes");
-        assert_eq!(keys.open(A, FencingToken(5), &decode_response(&bytes).unwrap()), Ok(response()));
+        assert_eq!(keys.open(A, FencingToken(5), decode_response(&bytes).unwrap()), Ok(response()));
     }
 
     /// A sealed response moved to another record or to another claim of the same record
@@ -533,24 +383,24 @@ mod tests {
     fn a_moved_or_altered_seal_does_not_open() {
         let keys = SealingKeys::new(1, [7; 32]);
         let sealed = keys.seal(A, FencingToken(5), &response());
-        assert!(matches!(keys.open(B, FencingToken(5), &sealed), Err(Unsealed::Broken(_))));
-        assert!(matches!(keys.open(A, FencingToken(6), &sealed), Err(Unsealed::Broken(_))));
+        assert!(matches!(keys.open(B, FencingToken(5), sealed.clone()), Err(Unsealed::Broken(_))));
+        assert!(matches!(keys.open(A, FencingToken(6), sealed.clone()), Err(Unsealed::Broken(_))));
         let StoredBody::Identity(body) = &sealed.body else { unreachable!() };
         for at in [0, NONCE_LEN, body.len() - 1] {
             let mut flipped = sealed.clone();
             let StoredBody::Identity(b) = &mut flipped.body else { unreachable!() };
             b[at] ^= 1;
-            assert!(matches!(keys.open(A, FencingToken(5), &flipped), Err(Unsealed::Broken(_))), "byte {at}");
+            assert!(matches!(keys.open(A, FencingToken(5), flipped.clone()), Err(Unsealed::Broken(_))), "byte {at}");
         }
         // A relabelled key id is authenticated too.
         let mut relabelled = sealed.clone();
         relabelled.headers[0].1 = b"v1;2".to_vec();
         let both = keys.clone().with_key(2, [7; 32]);
-        assert!(matches!(both.open(A, FencingToken(5), &relabelled), Err(Unsealed::Broken(_))));
+        assert!(matches!(both.open(A, FencingToken(5), relabelled.clone()), Err(Unsealed::Broken(_))));
         let mut half = sealed.clone();
         half.status = 200;
-        assert!(matches!(keys.open(A, FencingToken(5), &half), Err(Unsealed::Broken(_))));
-        assert_eq!(keys.open(A, FencingToken(5), &response()), Err(Unsealed::Plain));
+        assert!(matches!(keys.open(A, FencingToken(5), half.clone()), Err(Unsealed::Broken(_))));
+        assert_eq!(keys.open(A, FencingToken(5), response()), Err(Unsealed::Plain));
     }
 
     /// The sealed bytes are XChaCha20-Poly1305's as `chacha20poly1305` computes them, both
@@ -585,7 +435,7 @@ mod tests {
             headers: vec![(SEALED_HEADER.into(), b"v1;3".to_vec())],
             body: StoredBody::Identity([&nonce[..], &ct].concat()),
         };
-        assert_eq!(keys.open(B, FencingToken(2), &sealed), Ok(r));
+        assert_eq!(keys.open(B, FencingToken(2), sealed.clone()), Ok(r));
     }
 
     #[test]
@@ -601,26 +451,39 @@ mod tests {
         let rotated = SealingKeys::new(1, [1; 32]).with_key(2, [2; 32]);
         let by_new = rotated.seal(A, FencingToken(1), &response());
         assert_eq!(by_new.header(SEALED_HEADER), Some(&b"v1;2"[..]));
-        assert_eq!(rotated.open(A, FencingToken(1), &by_old), Ok(response()));
+        assert_eq!(rotated.open(A, FencingToken(1), by_old.clone()), Ok(response()));
         let removed = SealingKeys::new(2, [2; 32]);
-        assert_eq!(removed.open(A, FencingToken(1), &by_new), Ok(response()));
-        assert!(matches!(removed.open(A, FencingToken(1), &by_old), Err(Unsealed::Broken(_))));
+        assert_eq!(removed.open(A, FencingToken(1), by_new.clone()), Ok(response()));
+        assert!(matches!(removed.open(A, FencingToken(1), by_old.clone()), Err(Unsealed::Broken(_))));
     }
 
-    // Pins: the sealing wrapper fell back to the trait's default `list` (Unsupported), so
-    // the ops CLI could not list a sealed store.
-    #[tokio::test]
-    async fn list_reaches_the_inner_store() {
-        let sealed = Sealed::new(crate::MemoryStore::new(), SealingKeys::new(1, [1; 32]));
-        assert!(sealed.capabilities().list);
-        let listing = sealed.list(ListFilter::new(10)).await.expect("list forwarded");
-        assert!(listing.records.is_empty());
+    /// A plain response under sealing was replayed, so a writer to the store could swap a
+    /// sealed response for one of its choosing; or a migration could not replay old ones.
+    #[test]
+    fn a_plain_response_is_refused_unless_accepted() {
+        let scope = crate::Scope::new("p", crate::Endpoint::new("POST", "/w")).unwrap();
+        let key = crate::IdempotencyKey::parse(b"k").unwrap();
+        let req = crate::ClaimRequest::new(
+            scope,
+            key,
+            crate::Fingerprint::from_bytes([0; 32]),
+            Default::default(),
+            Default::default(),
+        );
+        let (Some(claimed), _) = crate::transition::claim(None, &req, crate::UnixMillis(1)) else { unreachable!() };
+        let record = |response| crate::Record { response: Some(response), ..claimed.clone() };
+        let sealing = Sealing::new(SealingKeys::new(1, [7; 32]));
+        let sealed = sealing.seal(claimed.id, claimed.token, &response());
+        assert_eq!(sealing.open(record(sealed)).unwrap().response, Some(response()));
+        assert!(sealing.open(record(response())).unwrap_err().is_corrupt());
+        let migrating = sealing.accept_unsealed(true);
+        assert_eq!(migrating.open(record(response())).unwrap().response, Some(response()));
     }
 
     #[test]
     fn debug_never_prints_key_bytes() {
         let keys = SealingKeys::new(3, [0xab; 32]);
-        let shown = format!("{keys:?} {:?}", Sealed::new(crate::MemoryStore::new(), keys.clone()));
+        let shown = format!("{keys:?} {:?}", Sealing::new(keys.clone()));
         assert!(!shown.contains("171") && !shown.to_lowercase().contains("ab, "), "{shown}");
         assert!(shown.contains("ids: [3]"));
     }

@@ -28,17 +28,17 @@ use crate::time::UnixMillis;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClaimRequest {
     /// `scope.record_id(&key)`.
-    pub id: RecordId,
+    pub(crate) id: RecordId,
     /// The scope.
-    pub scope: Scope,
+    pub(crate) scope: Scope,
     /// The key.
-    pub key: IdempotencyKey,
+    pub(crate) key: IdempotencyKey,
     /// The request's fingerprint.
-    pub fingerprint: Fingerprint,
+    pub(crate) fingerprint: Fingerprint,
     /// Lease length. Zero is allowed and means "expires at once": every lease is finite.
-    pub lease_ttl: Duration,
+    pub(crate) lease_ttl: Duration,
     /// Retention window, measured from this claim; raised to `lease_ttl` if shorter.
-    pub retention: Duration,
+    pub(crate) retention: Duration,
 }
 
 impl ClaimRequest {

@@ -14,6 +14,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 
+#[cfg(feature = "grpc")]
 use crate::grpc::StreamEnd;
 
 /// Body of responses from [`crate::Idempotency`].
@@ -29,9 +30,12 @@ enum Kind<B> {
     Inner(Pin<Box<B>>),
     /// Buffered bytes, sent as one frame (`None` once sent), then the trailers, if any.
     Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
-    /// The frames read before the layer stopped buffering, then the rest of the inner body;
-    /// `end` holds the record's claim of a gRPC stream until its status is known.
-    Streamed { read: VecDeque<Bytes>, rest: Pin<Box<B>>, end: Option<Box<StreamEnd>> },
+    /// The frames read before the layer stopped buffering, then the rest of the inner body.
+    Streamed { read: VecDeque<Bytes>, rest: Pin<Box<B>> },
+    /// [`Kind::Streamed`] of a gRPC response: `end` holds the record's claim until its
+    /// status is known.
+    #[cfg(feature = "grpc")]
+    UntilStatus { read: VecDeque<Bytes>, rest: Pin<Box<B>>, end: Box<StreamEnd> },
 }
 
 impl<B> ResponseBody<B> {
@@ -48,13 +52,14 @@ impl<B> ResponseBody<B> {
     }
 
     pub(crate) fn streamed(read: Vec<Bytes>, rest: Pin<Box<B>>) -> Self {
-        Self { kind: Kind::Streamed { read: read.into(), rest, end: None } }
+        Self { kind: Kind::Streamed { read: read.into(), rest } }
     }
 
     /// [`Self::streamed`], whose end (its trailers, or none) completes or fails the record
     /// `end` holds the claim of before it reaches the client.
+    #[cfg(feature = "grpc")]
     pub(crate) fn streamed_until_status(read: Vec<Bytes>, rest: Pin<Box<B>>, end: StreamEnd) -> Self {
-        Self { kind: Kind::Streamed { read: read.into(), rest, end: Some(Box::new(end)) } }
+        Self { kind: Kind::UntilStatus { read: read.into(), rest, end: Box::new(end) } }
     }
 }
 
@@ -69,6 +74,8 @@ impl<B> fmt::Debug for ResponseBody<B> {
                 trailers.as_ref().map_or(0, HeaderMap::len)
             ),
             Kind::Streamed { read, .. } => write!(f, "ResponseBody::Streamed({} frames read, ..)", read.len()),
+            #[cfg(feature = "grpc")]
+            Kind::UntilStatus { read, .. } => write!(f, "ResponseBody::Streamed({} frames read, ..)", read.len()),
         }
     }
 }
@@ -89,15 +96,17 @@ where
                 }
                 Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t))))
             }
-            Kind::Streamed { read, rest, end } => match (read.pop_front(), end) {
-                (Some(bytes), end) => {
-                    if let Some(end) = end {
-                        end.read_frame_sent();
-                    }
+            Kind::Streamed { read, rest } => match read.pop_front() {
+                Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
+                None => rest.as_mut().poll_frame(cx),
+            },
+            #[cfg(feature = "grpc")]
+            Kind::UntilStatus { read, rest, end } => match read.pop_front() {
+                Some(bytes) => {
+                    end.read_frame_sent();
                     Poll::Ready(Some(Ok(Frame::data(bytes))))
                 }
-                (None, Some(end)) => end.poll_frame(rest.as_mut(), cx),
-                (None, None) => rest.as_mut().poll_frame(cx),
+                None => end.poll_frame(rest.as_mut(), cx),
             },
         }
     }
@@ -106,11 +115,11 @@ where
         match &self.kind {
             Kind::Inner(body) => body.is_end_stream(),
             Kind::Full { data, trailers } => data.as_ref().is_none_or(Bytes::is_empty) && trailers.is_none(),
+            Kind::Streamed { read, rest } => read.is_empty() && rest.is_end_stream(),
             // A claimed gRPC stream ends only after its end was seen and the record
             // written: a body that said so earlier would never be polled for its end.
-            Kind::Streamed { read, rest, end } => {
-                read.is_empty() && end.as_ref().map_or_else(|| rest.is_end_stream(), |end| end.is_done())
-            }
+            #[cfg(feature = "grpc")]
+            Kind::UntilStatus { read, end, .. } => read.is_empty() && end.is_done(),
         }
     }
 
@@ -118,16 +127,20 @@ where
         match &self.kind {
             Kind::Inner(body) => body.size_hint(),
             Kind::Full { data, .. } => SizeHint::with_exact(data.as_ref().map_or(0, |b| b.len() as u64)),
-            Kind::Streamed { read, rest, .. } => {
-                let read: u64 = read.iter().map(|b| b.len() as u64).sum();
-                let rest = rest.size_hint();
-                let mut hint = SizeHint::new();
-                hint.set_lower(rest.lower().saturating_add(read));
-                if let Some(upper) = rest.upper() {
-                    hint.set_upper(upper.saturating_add(read));
-                }
-                hint
-            }
+            Kind::Streamed { read, rest } => streamed_hint(read, rest.size_hint()),
+            #[cfg(feature = "grpc")]
+            Kind::UntilStatus { read, rest, .. } => streamed_hint(read, rest.size_hint()),
         }
     }
+}
+
+/// The size of a streamed body: the frames read, then the rest.
+fn streamed_hint(read: &VecDeque<Bytes>, rest: SizeHint) -> SizeHint {
+    let read: u64 = read.iter().map(|b| b.len() as u64).sum();
+    let mut hint = SizeHint::new();
+    hint.set_lower(rest.lower().saturating_add(read));
+    if let Some(upper) = rest.upper() {
+        hint.set_upper(upper.saturating_add(read));
+    }
+    hint
 }

@@ -1,8 +1,8 @@
 //! The layer's settings: the types of its HTTP knobs, and the read-only settings bundle
 //! every [`crate::Idempotency`] service shares.
 //!
-//! Both [`crate::layer`] (which builds the bundle) and [`crate::service`] (which reads it)
-//! import this module; neither imports the other.
+//! Both `layer` (which builds the bundle) and `service` (which reads it) import this
+//! module; neither imports the other.
 
 use std::fmt;
 use std::sync::Arc;
@@ -44,8 +44,8 @@ pub enum MissingPrincipal {
     Reject,
     /// Run the handler without idempotency and store nothing, as for a keyless request
     /// under [`KeyRequirement::Optional`]. For APIs with anonymous endpoints that accept
-    /// duplicates. Applies to "no principal" (`None`) only: a blank principal is refused
-    /// with 401 in this mode too ([`crate::principal::is_blank`]).
+    /// duplicates. Applies to "no principal" (`None`) only: a blank principal (refused by
+    /// [`idem_core::Principal::new`]) is answered 401 in this mode too.
     SkipIdempotency,
 }
 
@@ -64,8 +64,7 @@ pub enum MismatchStatus {
 
 impl MismatchStatus {
     /// The numeric status.
-    #[must_use]
-    pub fn code(self) -> u16 {
+    pub(crate) fn code(self) -> u16 {
         match self {
             MismatchStatus::Conflict => 409,
             MismatchStatus::UnprocessableContent => 422,
@@ -184,8 +183,7 @@ impl LeaseRenewal {
 
     /// The renewal interval for a lease of `lease_ttl`, or `None` when nothing renews:
     /// [`LeaseRenewal::Off`], or a zero lease, which no renewal can keep fresh.
-    #[must_use]
-    pub fn interval(self, lease_ttl: Duration) -> Option<Duration> {
+    pub(crate) fn interval(self, lease_ttl: Duration) -> Option<Duration> {
         if lease_ttl.is_zero() {
             return None;
         }
@@ -204,9 +202,9 @@ pub(crate) const DEFAULT_IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(2
 
 /// Default most header fields that enter the fingerprint (all values of every configured
 /// name together).
-pub const DEFAULT_MAX_FINGERPRINT_FIELDS: usize = 32;
+pub(crate) const DEFAULT_MAX_FINGERPRINT_FIELDS: usize = 32;
 /// Default most bytes (names plus values) of the header fields that enter the fingerprint.
-pub const DEFAULT_MAX_FINGERPRINT_HEADER_BYTES: usize = 16 * 1024;
+pub(crate) const DEFAULT_MAX_FINGERPRINT_HEADER_BYTES: usize = 16 * 1024;
 
 /// Everything one layer was configured with, shared read-only by every service it makes.
 #[derive(Clone)]
@@ -244,10 +242,10 @@ pub(crate) struct Config {
     pub(crate) store_deadlines: StoreDeadlines,
     /// Keys that seal stored responses, and whether plain ones are still replayed.
     #[cfg(feature = "seal")]
-    pub(crate) sealing: Option<(idem_core::seal::SealingKeys, bool)>,
-    /// The endpoint counters, registered once per endpoint and recorder
-    /// (`crate::metrics_cache`); shared by every clone of the layer.
-    pub(crate) metrics: Arc<crate::observe::EndpointCache>,
+    pub(crate) sealing: Option<idem_core::seal::Sealing>,
+    /// The store call metrics, shared by every service of the layer.
+    #[cfg(feature = "metrics")]
+    pub(crate) store_metrics: Arc<crate::observe::StoreMetrics>,
 }
 
 impl Config {
@@ -276,40 +274,26 @@ impl Config {
             store_deadlines: StoreDeadlines::default(),
             #[cfg(feature = "seal")]
             sealing: None,
-            metrics: Arc::default(),
+            #[cfg(feature = "metrics")]
+            store_metrics: Arc::default(),
         }
     }
 
     /// The settings a service runs with: these, with `store` wrapped in the deadlines and
     /// completion retries ([`crate::deadline`]), which also seal and open responses when
-    /// keys were given ([`idem_core::seal::Sealer`]). Done when a service is made, not per
-    /// setter, because the retry window follows the lease TTL, whichever was set last.
+    /// sealing is on. Done when a service is made, not per setter, because the retry
+    /// window follows the lease TTL, whichever was set last.
     pub(crate) fn for_service(&self) -> Self {
-        let mut cfg = self.clone();
-        #[cfg_attr(not(feature = "seal"), expect(unused_mut, reason = "only sealing adds to the store"))]
-        let mut store = DeadlineStore::new(Arc::clone(&self.store), self.store_deadlines, self.policy.lease_ttl);
-        #[cfg(feature = "seal")]
-        if let Some((keys, accept_unsealed)) = &self.sealing {
-            store = store.with_sealer(idem_core::seal::Sealer::new(keys.clone()).accept_unsealed(*accept_unsealed));
-        }
-        cfg.store = Arc::new(store);
-        cfg
-    }
-}
-
-impl Config {
-    /// Whether stored responses are sealed (key ids only; never key bytes).
-    fn sealed(&self) -> Option<u32> {
-        #[cfg(feature = "seal")]
-        return self.sealing.as_ref().map(|(keys, _)| keys.sealing_key_id());
-        #[cfg(not(feature = "seal"))]
-        None
+        Self { store: Arc::new(DeadlineStore::new(self)), ..self.clone() }
     }
 }
 
 impl fmt::Debug for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Config")
+        let mut config = f.debug_struct("Config");
+        #[cfg(feature = "seal")]
+        config.field("sealing", &self.sealing);
+        config
             .field("store", &self.store)
             .field("policy", &self.policy)
             .field("key_requirement", &self.key_requirement)
@@ -327,7 +311,6 @@ impl fmt::Debug for Config {
             .field("streaming", &self.streaming)
             .field("retry_hints", &self.retry_hints)
             .field("store_deadlines", &self.store_deadlines)
-            .field("sealed", &self.sealed())
             .finish_non_exhaustive()
     }
 }

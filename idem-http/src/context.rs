@@ -44,10 +44,9 @@ pub struct IdempotencyContext {
     /// The record's `created_at`: names its generation, which sub-keys depend on.
     pub(crate) created_at: UnixMillis,
     pub(crate) store: Arc<dyn Store>,
-    /// The layer's sealing keys ([`crate::IdempotencyLayer::with_sealing`]); `Debug`
-    /// shows key ids only.
+    /// The layer's sealing (`IdempotencyLayer::with_sealing`); `Debug` shows key ids only.
     #[cfg(feature = "seal")]
-    pub(crate) sealing: Option<idem_core::seal::SealingKeys>,
+    pub(crate) sealing: Option<idem_core::seal::Sealing>,
 }
 
 impl IdempotencyContext {
@@ -74,14 +73,6 @@ impl IdempotencyContext {
     #[must_use]
     pub fn key(&self) -> &IdempotencyKey {
         &self.key
-    }
-
-    /// End of this attempt's lease as of its last renewal (or its claim, before the first
-    /// renewal, and always with renewal off); store clock, ms since the epoch. A handler
-    /// still running after it, without a renewal, may find its record reclaimed by a retry.
-    #[must_use]
-    pub fn lease_expires_at(&self) -> UnixMillis {
-        self.lease.expires_at()
     }
 
     /// Resolves when a renewal of this attempt's lease was refused with `LeaseLost` (a
@@ -122,7 +113,7 @@ impl IdempotencyContext {
     }
 
     /// `response` in the form this layer stores it: sealed for this record and claim with
-    /// the layer's newest key when [`crate::IdempotencyLayer::with_sealing`] is on, as is
+    /// the layer's newest key when sealing is on (`IdempotencyLayer::with_sealing`), as is
     /// otherwise. A handler that completes its record itself
     /// ([`ResponseCaching::CompletedByHandler`], e.g. with
     /// `idem_postgres::PostgresStore::complete_in`) stores this, not the plain response:
@@ -133,8 +124,8 @@ impl IdempotencyContext {
     #[must_use]
     pub fn stored_form(&self, response: StoredResponse) -> StoredResponse {
         #[cfg(feature = "seal")]
-        if let Some(keys) = &self.sealing {
-            return keys.seal(self.record_id, self.token, &response);
+        if let Some(sealing) = &self.sealing {
+            return sealing.seal(self.record_id, self.token, &response);
         }
         response
     }
@@ -158,6 +149,50 @@ impl IdempotencyContext {
     /// ([`idem_core::Capabilities::journal`] false) `step` and `intent` return
     /// [`idem_core::StepError::Store`] with [`idem_core::StoreError::Unsupported`];
     /// [`crate::Problem::from_step_error`] turns that into a 500 `journal-unsupported`.
+    /// Which tool fits which downstream call: `docs/contract.md#side-effects`.
+    ///
+    /// A step whose call is keyed by its sub-key, then an intent for a call that takes no
+    /// caller id but carries a tag (`reconcile` looks the tag up when a dead attempt left
+    /// the intent pending):
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use axum::{Extension, http::StatusCode, response::{IntoResponse, Response}};
+    /// use idem_http::{IdempotencyContext, Problem, Reconciled};
+    ///
+    /// /// Booted VMs and their tags.
+    /// type Vms = Arc<Mutex<Vec<(String, String)>>>;
+    ///
+    /// async fn create(Extension(ctx): Extension<IdempotencyContext>, Extension(vms): Extension<Vms>) -> Response {
+    ///     let run = ctx.resumable();
+    ///     let node = run.step("allocate", |subkey| async move {
+    ///         // A pool that remembers which node a caller id got would take `subkey` here.
+    ///         Ok::<_, std::convert::Infallible>(format!("node-{}", &subkey.as_str()[5..13]))
+    ///     });
+    ///     let node = match node.await {
+    ///         Ok(node) => node,
+    ///         Err(e) => return Problem::from_step_error(&e).map_or(StatusCode::BAD_GATEWAY.into_response(), |p| p.into_response()),
+    ///     };
+    ///     let (issue, find) = (Arc::clone(&vms), vms);
+    ///     let vm = run.intent(
+    ///         "boot",
+    ///         |tag| async move {
+    ///             let mut vms = issue.lock().unwrap();
+    ///             let vm = format!("vm-{}", vms.len() + 1);
+    ///             vms.push((vm.clone(), tag.to_string()));
+    ///             Ok::<_, std::convert::Infallible>(vm)
+    ///         },
+    ///         |tag| async move {
+    ///             let vms = find.lock().unwrap();
+    ///             Ok(vms.iter().find(|(_, t)| *t == tag.as_str()).map_or(Reconciled::NotFound, |(vm, _)| Reconciled::Found(vm.clone())))
+    ///         },
+    ///     );
+    ///     match vm.await {
+    ///         Ok(vm) => (StatusCode::CREATED, format!("{node} {vm}")).into_response(),
+    ///         Err(e) => Problem::from_step_error(&e).map_or(StatusCode::BAD_GATEWAY.into_response(), |p| p.into_response()),
+    ///     }
+    /// }
+    /// ```
     #[must_use]
     pub fn resumable(&self) -> Resumable {
         Resumable::new(Arc::clone(&self.store), self.record_id, self.token, self.created_at)

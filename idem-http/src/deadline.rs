@@ -90,13 +90,13 @@ const RETRY_MAX: Duration = Duration::from_secs(1);
 
 /// How long each store operation may take before the layer gives up on it, per operation.
 ///
-/// | operation | store calls | default | when missed |
+/// | field | store calls | default | when missed |
 /// |---|---|---|---|
-/// | [`claim`](Self::with_claim) | `claim`, `reclaim` | 2 s | 503 (fail closed) |
-/// | [`read`](Self::with_read) | `get`, `journal_get` | 2 s | 503 / the read's caller sees a transient error |
-/// | [`complete`](Self::with_complete) | `complete`, `fail` (each attempt) | 2 s | retried, see [`CompletionRetry`] |
-/// | [`extend`](Self::with_extend) | `extend` (lease renewal) | 2 s | renewal retries it |
-/// | [`journal`](Self::with_journal) | `journal_put` (steps, intents) | 2 s | retried like a completion, then the step fails transiently |
+/// | [`claim`](Self::claim) | `claim`, `reclaim` | 2 s | 503 (fail closed) |
+/// | [`read`](Self::read) | `get`, `journal_get` | 2 s | 503 / the read's caller sees a transient error |
+/// | [`complete`](Self::complete) | `complete`, `fail` (each attempt) | 2 s | retried, see [`CompletionRetry`] |
+/// | [`extend`](Self::extend) | `extend` (lease renewal) | 2 s | renewal retries it; it also never waits past the lease it tries to keep |
+/// | [`journal`](Self::journal) | `journal_put` (steps, intents) | 2 s | retried like a completion, then the step fails transiently |
 ///
 /// `sweep` runs without a deadline: the layer never sweeps (the sweeper in `idem_core::sweeper` does).
 /// A zero deadline is taken as 1 ms.
@@ -105,19 +105,26 @@ const RETRY_MAX: Duration = Duration::from_secs(1);
 /// use std::time::Duration;
 /// use idem_http::{CompletionRetry, StoreDeadlines};
 ///
-/// let deadlines = StoreDeadlines::default()
-///     .with_claim(Duration::from_millis(500))
-///     .with_completion_retry(CompletionRetry::Off);
-/// assert_eq!(deadlines.claim(), Duration::from_millis(500));
+/// let mut deadlines = StoreDeadlines::default();
+/// deadlines.claim = Duration::from_millis(500);
+/// deadlines.completion_retry = CompletionRetry::Off;
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StoreDeadlines {
-    claim: Duration,
-    read: Duration,
-    complete: Duration,
-    extend: Duration,
-    journal: Duration,
-    completion_retry: CompletionRetry,
+    /// `claim` and `reclaim`.
+    pub claim: Duration,
+    /// `get` and `journal_get`.
+    pub read: Duration,
+    /// One `complete` or `fail` attempt.
+    pub complete: Duration,
+    /// One lease renewal (`extend`).
+    pub extend: Duration,
+    /// `journal_put`.
+    pub journal: Duration,
+    /// Whether completions and journal writes are sent again (default
+    /// [`CompletionRetry::WhileLeaseLasts`]).
+    pub completion_retry: CompletionRetry,
 }
 
 impl Default for StoreDeadlines {
@@ -151,71 +158,6 @@ pub enum CompletionRetry {
     Off,
 }
 
-macro_rules! setter {
-    ($(#[$doc:meta])* $with:ident, $get:ident) => {
-        $(#[$doc])*
-        #[must_use]
-        pub fn $with(mut self, deadline: Duration) -> Self {
-            self.$get = deadline.max(Duration::from_millis(1));
-            self
-        }
-
-        #[doc = concat!("The `", stringify!($get), "` deadline in force.")]
-        #[must_use]
-        pub fn $get(&self) -> Duration {
-            self.$get
-        }
-    };
-}
-
-impl StoreDeadlines {
-    /// The same deadline for every operation, completion retries on.
-    #[must_use]
-    pub fn all(deadline: Duration) -> Self {
-        Self::default()
-            .with_claim(deadline)
-            .with_read(deadline)
-            .with_complete(deadline)
-            .with_extend(deadline)
-            .with_journal(deadline)
-    }
-
-    setter!(
-        /// Sets the deadline of `claim` and `reclaim` (default 2 s). A miss answers 503.
-        with_claim, claim
-    );
-    setter!(
-        /// Sets the deadline of `get` and `journal_get` (default 2 s).
-        with_read, read
-    );
-    setter!(
-        /// Sets the deadline of one `complete` or `fail` attempt (default 2 s).
-        with_complete, complete
-    );
-    setter!(
-        /// Sets the deadline of one lease renewal (`extend`, default 2 s). Renewal also
-        /// never waits past the lease it tries to keep.
-        with_extend, extend
-    );
-    setter!(
-        /// Sets the deadline of `journal_put` (default 2 s).
-        with_journal, journal
-    );
-
-    /// Sets whether completions are retried (default [`CompletionRetry::WhileLeaseLasts`]).
-    #[must_use]
-    pub fn with_completion_retry(mut self, retry: CompletionRetry) -> Self {
-        self.completion_retry = retry;
-        self
-    }
-
-    /// The completion retry rule in force.
-    #[must_use]
-    pub fn completion_retry(&self) -> CompletionRetry {
-        self.completion_retry
-    }
-}
-
 /// The source of a [`StoreError::Unavailable`] for a call that missed its deadline.
 #[derive(Debug, thiserror::Error)]
 #[error("no answer from the store within {} ms", .0.as_millis())]
@@ -240,49 +182,55 @@ pub(crate) struct DeadlineStore {
     /// `inner`'s backend name, the `backend` label of the store metrics.
     #[cfg_attr(not(feature = "metrics"), allow(dead_code, reason = "read by the metrics only"))]
     backend: &'static str,
-    /// The store call histograms and error counters, registered once per recorder.
+    /// The layer's store call histograms and error counters.
     #[cfg(feature = "metrics")]
-    metrics: crate::metrics_cache::MetricsCache<crate::metrics_cache::StoreMetrics>,
-    /// Seals responses before `complete` and opens every record a call returns, here
-    /// rather than in a `Sealed` store of its own, so a sealed request pays no second
-    /// boxed store future per call. Inside the deadlines and retries: a resend sends the
-    /// same sealed bytes, and the read-back after an ambiguous completion is opened.
+    metrics: Arc<crate::observe::StoreMetrics>,
+    /// Seals responses before `complete` and opens every record a call returns, inside
+    /// the deadlines and retries: a resend sends the same sealed bytes, and the read-back
+    /// after an ambiguous completion is opened.
     #[cfg(feature = "seal")]
-    sealer: Option<idem_core::seal::Sealer>,
+    sealing: Option<idem_core::seal::Sealing>,
 }
 
-/// What a store call returns that may carry a sealed response: opened by the
-/// [`idem_core::seal::Sealer`] method for its shape.
+/// What a store call returns that may carry a sealed response.
 trait Opened: Sized {
     #[cfg(feature = "seal")]
-    fn opened(self, sealer: &idem_core::seal::Sealer) -> Result<Self, StoreError>;
+    fn opened(self, sealing: &idem_core::seal::Sealing) -> Result<Self, StoreError>;
 }
 
 impl Opened for Record {
     #[cfg(feature = "seal")]
-    fn opened(self, sealer: &idem_core::seal::Sealer) -> Result<Self, StoreError> {
-        sealer.open(self)
+    fn opened(self, sealing: &idem_core::seal::Sealing) -> Result<Self, StoreError> {
+        sealing.open(self)
     }
 }
 
 impl Opened for Option<Record> {
     #[cfg(feature = "seal")]
-    fn opened(self, sealer: &idem_core::seal::Sealer) -> Result<Self, StoreError> {
-        sealer.open_opt(self)
+    fn opened(self, sealing: &idem_core::seal::Sealing) -> Result<Self, StoreError> {
+        self.map(|record| sealing.open(record)).transpose()
     }
 }
 
 impl Opened for ClaimOutcome {
     #[cfg(feature = "seal")]
-    fn opened(self, sealer: &idem_core::seal::Sealer) -> Result<Self, StoreError> {
-        sealer.open_claim(self)
+    fn opened(self, sealing: &idem_core::seal::Sealing) -> Result<Self, StoreError> {
+        Ok(match self {
+            ClaimOutcome::Claimed(record) => ClaimOutcome::Claimed(sealing.open(record)?),
+            ClaimOutcome::Existing { record, now } => ClaimOutcome::Existing { record: sealing.open(record)?, now },
+        })
     }
 }
 
 impl Opened for ReclaimOutcome {
     #[cfg(feature = "seal")]
-    fn opened(self, sealer: &idem_core::seal::Sealer) -> Result<Self, StoreError> {
-        sealer.open_reclaim(self)
+    fn opened(self, sealing: &idem_core::seal::Sealing) -> Result<Self, StoreError> {
+        Ok(match self {
+            ReclaimOutcome::Reclaimed(record) => ReclaimOutcome::Reclaimed(sealing.open(record)?),
+            ReclaimOutcome::Conflict { current, now } => {
+                ReclaimOutcome::Conflict { current: current.opened(sealing)?, now }
+            }
+        })
     }
 }
 
@@ -297,25 +245,19 @@ impl fmt::Debug for DeadlineStore {
 }
 
 impl DeadlineStore {
-    pub(crate) fn new(inner: Arc<dyn Store>, deadlines: StoreDeadlines, lease_ttl: Duration) -> Self {
-        let backend = inner.capabilities().backend;
+    /// The store of a service made with `cfg`: its store, deadlines, sealing and metrics,
+    /// completions retried for one lease TTL.
+    pub(crate) fn new(cfg: &crate::config::Config) -> Self {
         Self {
-            inner,
-            deadlines,
-            retry_window: lease_ttl,
-            backend,
+            inner: Arc::clone(&cfg.store),
+            deadlines: cfg.store_deadlines,
+            retry_window: cfg.policy.lease_ttl,
+            backend: cfg.store.capabilities().backend,
             #[cfg(feature = "metrics")]
-            metrics: crate::metrics_cache::MetricsCache::default(),
+            metrics: Arc::clone(&cfg.store_metrics),
             #[cfg(feature = "seal")]
-            sealer: None,
+            sealing: cfg.sealing.clone(),
         }
-    }
-
-    /// Seals and opens responses with `sealer` ([`idem_core::seal`]).
-    #[cfg(feature = "seal")]
-    pub(crate) fn with_sealer(mut self, sealer: idem_core::seal::Sealer) -> Self {
-        self.sealer = Some(sealer);
-        self
     }
 
     /// `value` (a record, or an outcome carrying records) with its responses opened when
@@ -326,8 +268,8 @@ impl DeadlineStore {
     )]
     fn open<T: Opened>(&self, value: T) -> Result<T, StoreError> {
         #[cfg(feature = "seal")]
-        if let Some(sealer) = &self.sealer {
-            return value.opened(sealer);
+        if let Some(sealing) = &self.sealing {
+            return value.opened(sealing);
         }
         Ok(value)
     }
@@ -344,10 +286,7 @@ impl DeadlineStore {
         {
             let started = std::time::Instant::now();
             let result = call.await;
-            let took = started.elapsed();
-            self.metrics.with(|handles| {
-                crate::observe::store_call(handles, self.backend, operation, took, result.as_ref().err());
-            });
+            self.metrics.record(self.backend, operation, started.elapsed(), result.as_ref().err());
             result
         }
         #[cfg(not(feature = "metrics"))]
@@ -357,7 +296,7 @@ impl DeadlineStore {
         }
     }
 
-    /// `call`, abandoned after `limit` as a transient failure named `what`.
+    /// `call`, abandoned after `limit` (at least 1 ms) as a transient failure named `what`.
     async fn within<T>(
         limit: Duration,
         what: &'static str,
@@ -367,6 +306,7 @@ impl DeadlineStore {
         if tokio::runtime::Handle::try_current().is_err() {
             return call.await;
         }
+        let limit = limit.max(Duration::from_millis(1));
         match tokio::time::timeout(limit, call).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::unavailable("idem-http", what, true, DeadlineMissed(limit))),
@@ -494,8 +434,8 @@ impl Store for DeadlineStore {
     ) -> Result<Record, StoreError> {
         // Sealed once: a resend carries the same bytes (same nonce, same associated data).
         #[cfg(feature = "seal")]
-        let stored = match &self.sealer {
-            Some(sealer) => std::borrow::Cow::Owned(sealer.seal(id, token, &response)),
+        let stored = match &self.sealing {
+            Some(sealing) => std::borrow::Cow::Owned(sealing.seal(id, token, &response)),
             None => std::borrow::Cow::Borrowed(&response),
         };
         #[cfg(not(feature = "seal"))]

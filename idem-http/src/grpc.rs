@@ -1,5 +1,7 @@
-//! gRPC behind the layer: which handler outcomes are stored, and the layer's own answers
-//! as gRPC statuses.
+//! gRPC behind the layer (feature `grpc`): which handler outcomes are stored, and the
+//! layer's own answers as gRPC statuses. Without the feature a gRPC request is plain HTTP
+//! to the layer: stored by its HTTP status (200, whatever its `grpc-status`), answered
+//! with problem bodies.
 //!
 //! gRPC runs over HTTP/2 with `content-type: application/grpc` (or `application/grpc+proto`
 //! and the like); metadata are header fields, so the key travels as `idempotency-key`
@@ -106,8 +108,7 @@ mod code {
 
 /// Whether a request (or response) with `headers` is gRPC: `content-type` is
 /// `application/grpc` or `application/grpc+<format>`.
-#[must_use]
-pub fn is_grpc(headers: &HeaderMap) -> bool {
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
     headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|ct| {
         let media = ct.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
         media == "application/grpc" || media.starts_with("application/grpc+")

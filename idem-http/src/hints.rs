@@ -14,7 +14,7 @@
 //! Python and TypeScript SDKs among them): `true` retries, `false` stops, before any status
 //! rule. Stripe's SDKs read `Stripe-Should-Retry` the same way; it is off by default,
 //! because the name belongs to Stripe's API and only a Stripe-compatible API should send
-//! it ([`RetryHints::with_stripe_should_retry`]). Responses of the handler and replays of
+//! it ([`RetryHints::stripe_should_retry`]). Responses of the handler and replays of
 //! them are never marked: the handler owns those.
 
 use http::{HeaderMap, HeaderName, HeaderValue, Response};
@@ -29,6 +29,12 @@ pub const STRIPE_SHOULD_RETRY: HeaderName = HeaderName::from_static("stripe-shou
 
 /// Which retry hint headers the layer's own answers carry (see the module docs).
 /// Default: `x-should-retry` on, `Stripe-Should-Retry` off.
+///
+/// ```
+/// use idem_http::RetryHints;
+/// let mut hints = RetryHints::default();
+/// hints.stripe_should_retry = true;
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RetryHints {
@@ -45,26 +51,6 @@ impl Default for RetryHints {
 }
 
 impl RetryHints {
-    /// No hint headers at all.
-    #[must_use]
-    pub fn none() -> Self {
-        Self { x_should_retry: false, stripe_should_retry: false }
-    }
-
-    /// Sends (or not) `x-should-retry`.
-    #[must_use]
-    pub fn with_x_should_retry(mut self, on: bool) -> Self {
-        self.x_should_retry = on;
-        self
-    }
-
-    /// Sends (or not) `Stripe-Should-Retry`.
-    #[must_use]
-    pub fn with_stripe_should_retry(mut self, on: bool) -> Self {
-        self.stripe_should_retry = on;
-        self
-    }
-
     fn set(self, headers: &mut HeaderMap, retry: bool) {
         let value = HeaderValue::from_static(if retry { "true" } else { "false" });
         if self.x_should_retry && !headers.contains_key(X_SHOULD_RETRY) {
@@ -77,8 +63,7 @@ impl RetryHints {
 }
 
 /// Whether a client should retry the answer of `kind` with the same key.
-#[must_use]
-pub fn should_retry(kind: ProblemKind) -> bool {
+fn should_retry(kind: ProblemKind) -> bool {
     matches!(
         kind,
         ProblemKind::InFlight | ProblemKind::Busy | ProblemKind::StoreUnavailable | ProblemKind::ResponseBodyFailed
@@ -90,8 +75,8 @@ pub(crate) fn never_retry(headers: &mut HeaderMap, hints: &RetryHints) {
     hints.set(headers, false);
 }
 
-/// The retry hints on the layer's own answers, and for a gRPC request the answer as a
-/// gRPC status. Responses without a [`Problem`] extension (the handler's, and replays of
+/// The retry hints on the layer's own answers, and for a gRPC request (feature `grpc`)
+/// the answer as a gRPC status. Responses without a [`Problem`] extension (the handler's, and replays of
 /// them) pass unchanged.
 pub(crate) fn dress<B>(
     mut res: Response<ResponseBody<B>>,
@@ -99,9 +84,12 @@ pub(crate) fn dress<B>(
     grpc: bool,
 ) -> Response<ResponseBody<B>> {
     let Some(problem) = res.extensions_mut().remove::<Problem>() else { return res };
+    #[cfg(feature = "grpc")]
     if grpc {
         res = crate::grpc::problem_to_status(res, &problem);
     }
+    #[cfg(not(feature = "grpc"))]
+    let _ = grpc;
     hints.set(res.headers_mut(), should_retry(problem.kind()));
     res
 }

@@ -17,19 +17,14 @@ use crate::service::Idempotency;
 
 /// Tower layer that makes the wrapped service idempotent per `Idempotency-Key`.
 ///
-/// Every setting is a `with_*` method here. The record rules (retention, lease, cacheable
-/// statuses, what a stored response keeps) are an [`idem_core::Policy`], set one by one
-/// with the methods under "Record rules" or at once with [`IdempotencyLayer::with_policy`];
-/// the rest (under "Requests and answers") decide how requests are read and answered.
+/// The record rules (retention, lease TTL, cacheable statuses, what a stored response
+/// keeps) are one [`Policy`] value, set with [`IdempotencyLayer::with_policy`] (its fields
+/// list their defaults). Every other setting decides how requests are read and answered,
+/// one `with_*` method each:
 ///
 /// | setting | default |
 /// |---|---|
-/// | [`with_retention`](Self::with_retention) | 24 h |
-/// | [`with_lease_ttl`](Self::with_lease_ttl) | 5 min |
-/// | [`with_uncacheable_4xx`](Self::with_uncacheable_4xx) | 401, 403, 408, 409, 423, 425, 429 |
-/// | [`with_max_stored_body`](Self::with_max_stored_body) | 1 MiB (1 048 576 bytes) |
-/// | [`with_compress_over`](Self::with_compress_over) | 4 KiB (4 096 bytes) |
-/// | [`with_header_deny_list`](Self::with_header_deny_list) (adds) / [`with_header_deny_list_replaced`](Self::with_header_deny_list_replaced) | `set-cookie`, `date` |
+/// | [`with_policy`](Self::with_policy) | [`Policy::default`] |
 /// | [`with_key_requirement`](Self::with_key_requirement) | [`KeyRequirement::Required`] |
 /// | [`with_max_key_len`](Self::with_max_key_len) | 255 bytes |
 /// | [`with_principal_resolver`](Self::with_principal_resolver) | [`crate::BearerToken`] |
@@ -48,6 +43,7 @@ use crate::service::Idempotency;
 /// | [`with_streaming_content_types`](Self::with_streaming_content_types) | `text/event-stream` |
 /// | [`with_retry_hints`](Self::with_retry_hints) | `x-should-retry` on, `Stripe-Should-Retry` off |
 /// | [`with_store_deadlines`](Self::with_store_deadlines) | 2 s per store call; completions retried while the lease lasts |
+/// | `with_sealing` (feature `seal`) | off: responses stored as they are |
 ///
 /// Cloning is cheap (one `Arc`).
 ///
@@ -55,13 +51,14 @@ use crate::service::Idempotency;
 /// use std::sync::Arc;
 /// use std::time::Duration;
 /// use idem_core::MemoryStore;
-/// use idem_http::{IdempotencyLayer, KeyRequirement, MismatchStatus};
+/// use idem_http::{IdempotencyLayer, KeyRequirement, MismatchStatus, Policy};
 ///
+/// let mut policy = Policy::default();
+/// policy.retention = Duration::from_secs(7 * 86_400);
 /// let layer = IdempotencyLayer::new(Arc::new(MemoryStore::new()))
-///     .with_retention(Duration::from_secs(7 * 86_400))
+///     .with_policy(policy)
 ///     .with_key_requirement(KeyRequirement::Optional)
 ///     .with_mismatch_status(MismatchStatus::UnprocessableContent);
-/// assert_eq!(layer.policy().retention, Duration::from_secs(7 * 86_400));
 /// ```
 #[derive(Clone, Debug)]
 pub struct IdempotencyLayer {
@@ -81,83 +78,15 @@ impl IdempotencyLayer {
         Arc::make_mut(&mut self.config)
     }
 
-    /// Changes the record rules with one of [`Policy`]'s own setters, so each rule is
-    /// written (and normalised, e.g. lower-cased header names) in one place.
-    fn map_policy(mut self, change: impl FnOnce(Policy) -> Policy) -> Self {
-        let config = self.config();
-        config.policy = change(std::mem::take(&mut config.policy));
-        self
-    }
-
-    // Record rules, delegated to the policy.
-
-    /// Replaces every record rule at once (retention, lease TTL, uncacheable statuses,
-    /// stored body limit, compression threshold, header deny list), including those set
-    /// by the methods below before this call.
+    /// Sets the record rules (retention, lease TTL, uncacheable statuses, stored body
+    /// limit, compression threshold, header deny list), all at once. The lease TTL bounds
+    /// how long a dead holder blocks its key; while the handler runs, the layer renews it
+    /// ([`Self::with_lease_renewal`]), so seconds are enough: `docs/contract.md#lease-ttl`.
     #[must_use]
     pub fn with_policy(mut self, policy: Policy) -> Self {
         self.config().policy = policy;
         self
     }
-
-    /// Sets how long a record lives after its claim (default 24 h). Never shorter than the
-    /// lease TTL in effect: a live claim is never swept. See [`Policy::retention`].
-    #[must_use]
-    pub fn with_retention(self, retention: Duration) -> Self {
-        self.map_policy(|p| p.with_retention(retention))
-    }
-
-    /// Sets how long an in-flight claim is honoured without a renewal (default 5 min): a
-    /// handler killed mid-flight blocks retries for at most this long. While the handler
-    /// runs, the layer renews the lease ([`IdempotencyLayer::with_lease_renewal`]), so the
-    /// lease does not have to cover the slowest handler: seconds are enough (see the crate
-    /// docs, "Picking the lease"). With renewal off, a handler slower than this may run
-    /// twice. See [`Policy::lease_ttl`].
-    #[must_use]
-    pub fn with_lease_ttl(self, lease_ttl: Duration) -> Self {
-        self.map_policy(|p| p.with_lease_ttl(lease_ttl))
-    }
-
-    /// Sets the 4xx statuses that are not stored, so a retry runs the handler again
-    /// (default 401, 403, 408, 409, 423, 425, 429). 2xx are always stored; 1xx, 3xx and
-    /// 5xx never. See [`Policy::is_cacheable`].
-    #[must_use]
-    pub fn with_uncacheable_4xx<I: IntoIterator<Item = u16>>(self, statuses: I) -> Self {
-        self.map_policy(|p| p.with_uncacheable_4xx(statuses))
-    }
-
-    /// Sets the largest response body stored for replay, bytes (default 1 MiB). A larger
-    /// response still completes the record; its replay answers a `response-not-retained`
-    /// problem with the original status.
-    #[must_use]
-    pub fn with_max_stored_body(self, bytes: usize) -> Self {
-        self.map_policy(|p| p.with_max_stored_body(bytes))
-    }
-
-    /// Sets the body length, bytes, over which a stored body is LZ4-compressed (default
-    /// 4 KiB).
-    #[must_use]
-    pub fn with_compress_over(self, bytes: usize) -> Self {
-        self.map_policy(|p| p.with_compress_over(bytes))
-    }
-
-    /// Adds response headers never to store, on top of the defaults (`set-cookie`,
-    /// `date`; per-exchange ids such as `x-request-id` belong here too). Names compare
-    /// case-insensitively. Hop-by-hop headers and those named by a response's `Connection`
-    /// field are never stored either. See [`Policy::with_header_deny_list`].
-    #[must_use]
-    pub fn with_header_deny_list<I: IntoIterator<Item = S>, S: Into<String>>(self, names: I) -> Self {
-        self.map_policy(|p| p.with_header_deny_list(names))
-    }
-
-    /// Replaces the whole deny list, defaults included (so `Set-Cookie` is stored unless
-    /// listed). See [`Policy::with_header_deny_list_replaced`].
-    #[must_use]
-    pub fn with_header_deny_list_replaced<I: IntoIterator<Item = S>, S: Into<String>>(self, names: I) -> Self {
-        self.map_policy(|p| p.with_header_deny_list_replaced(names))
-    }
-
-    // Requests and answers.
 
     /// Sets what happens to non-safe requests without a key (default
     /// [`KeyRequirement::Required`]).
@@ -222,8 +151,8 @@ impl IdempotencyLayer {
     }
 
     /// Sets how the body enters the fingerprint (default [`FingerprintMode::Raw`], the raw
-    /// bytes; [`FingerprintMode::CanonicalJson`] is opt-in because it can merge requests
-    /// an API treats as different).
+    /// bytes; `FingerprintMode::CanonicalJson`, feature `canonical-json`, is opt-in because
+    /// it can merge requests an API treats as different).
     #[must_use]
     pub fn with_fingerprint_mode(mut self, mode: FingerprintMode) -> Self {
         self.config().fingerprint_mode = mode;
@@ -328,48 +257,23 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Seals every stored response with `keys` (XChaCha20-Poly1305; the record id and
-    /// fencing token are the associated data): a reader of the store sees no status,
-    /// header or body, and a response that was altered, moved to another record, or
-    /// sealed by a key no longer in `keys` is answered 503 with `x-should-retry: false`,
-    /// never by running the handler again. Responses stored unsealed are refused the same
-    /// way unless [`Self::with_unsealed_accepted`] is on. See [`idem_core::seal`] and
+    /// Seals every stored response (XChaCha20-Poly1305; the record id and fencing token
+    /// are the associated data): a reader of the store sees no status, header or body, and
+    /// a response that was altered, moved to another record, sealed by a key no longer
+    /// configured, or stored plain while [`Sealing::accept_unsealed`] is off, is answered
+    /// 503 with `x-should-retry: false`, never by running the handler again. See
     /// `docs/contract.md#sealed-responses`.
     ///
     /// A handler that completes its record itself ([`crate::ResponseCaching::CompletedByHandler`])
-    /// must store [`crate::IdempotencyContext::stored_form`] of its response (the same as
-    /// `keys.seal(id, token, &response)`), not the plain response.
+    /// must store [`crate::IdempotencyContext::stored_form`] of its response, not the plain
+    /// response.
+    ///
+    /// [`Sealing::accept_unsealed`]: idem_core::seal::Sealing::accept_unsealed
     #[cfg(feature = "seal")]
     #[must_use]
-    pub fn with_sealing(mut self, keys: idem_core::seal::SealingKeys) -> Self {
-        let accept = self.config.sealing.as_ref().is_some_and(|(_, a)| *a);
-        self.config().sealing = Some((keys, accept));
+    pub fn with_sealing(mut self, sealing: idem_core::seal::Sealing) -> Self {
+        self.config().sealing = Some(sealing);
         self
-    }
-
-    /// With sealing on, whether responses stored before it was turned on (unsealed) are
-    /// still replayed (default `false`: refused as corrupt, so a writer to the store
-    /// cannot swap a sealed response for a plain one). Turn on for one retention window
-    /// while migrating. No effect without [`Self::with_sealing`].
-    #[cfg(feature = "seal")]
-    #[must_use]
-    pub fn with_unsealed_accepted(mut self, accept: bool) -> Self {
-        if let Some((_, a)) = &mut self.config().sealing {
-            *a = accept;
-        }
-        self
-    }
-
-    /// The record rules in force.
-    #[must_use]
-    pub fn policy(&self) -> &Policy {
-        &self.config.policy
-    }
-
-    /// The store records go to.
-    #[must_use]
-    pub fn store(&self) -> &Arc<dyn Store> {
-        &self.config.store
     }
 }
 
@@ -391,34 +295,18 @@ mod tests {
         IdempotencyLayer::new(Arc::new(MemoryStore::new()))
     }
 
-    /// A record-rule setter on the layer did not reach the policy the service reads.
-    #[test]
-    fn record_rule_setters_write_the_policy() {
-        let l = layer()
-            .with_retention(Duration::from_secs(7))
-            .with_lease_ttl(Duration::from_secs(3))
-            .with_uncacheable_4xx([404])
-            .with_max_stored_body(10)
-            .with_compress_over(5)
-            .with_header_deny_list(["X-Request-Id"]);
-        let p = l.policy();
-        assert_eq!((p.retention, p.lease_ttl), (Duration::from_secs(7), Duration::from_secs(3)));
-        assert!(!p.is_cacheable(404) && p.is_cacheable(409));
-        assert_eq!((p.max_stored_body, p.compress_over), (10, 5));
-        assert!(!p.stores_header("x-request-id") && !p.stores_header("set-cookie"), "adds to the defaults");
-        assert!(layer().with_header_deny_list_replaced(["x-request-id"]).policy().stores_header("set-cookie"));
-    }
-
     /// `with_policy` replaced the HTTP settings too, or left earlier record rules behind.
     #[test]
     fn with_policy_replaces_the_record_rules_only() {
+        let mut short = Policy::default();
+        short.retention = Duration::from_secs(7);
         let l = layer()
-            .with_retention(Duration::from_secs(7))
+            .with_policy(short)
             .with_max_key_len(8)
             .with_mismatch_status(MismatchStatus::BadRequest)
             .with_fingerprint_headers(["Content-Type", "X-Tenant"])
             .with_policy(Policy::default());
-        assert_eq!(l.policy().retention, Policy::default().retention);
+        assert_eq!(l.config.policy.retention, Policy::default().retention);
         assert_eq!(l.config.max_key_len, 8);
         assert_eq!(l.config.mismatch_status, MismatchStatus::BadRequest);
         assert_eq!(l.config.fingerprint_headers, ["content-type", "x-tenant"]);

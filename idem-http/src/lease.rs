@@ -21,10 +21,10 @@ use std::pin::{Pin, pin};
 
 use futures::future::{Either, select};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use idem_core::{FencingToken, LeaseWatch, RecordId, Store, StoreError, UnixMillis};
+use idem_core::{FencingToken, LeaseWatch, RecordId, Store, StoreError};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -43,32 +43,20 @@ struct Shared {
     lost: AtomicBool,
     /// Wakes every [`LeaseState::lost`] future once `lost` is set.
     notify: Notify,
-    /// `lease_expires_at` of the last write that moved it (claim or renewal), store clock, ms.
-    expires_at: AtomicI64,
     /// Successful renewals so far (the span's `renewals` field).
     renewals: AtomicU64,
 }
 
 impl LeaseState {
-    pub(crate) fn new(expires_at: UnixMillis) -> Self {
-        Self(Arc::new(Shared {
-            lost: AtomicBool::new(false),
-            notify: Notify::new(),
-            expires_at: AtomicI64::new(expires_at.0),
-            renewals: AtomicU64::new(0),
-        }))
+    pub(crate) fn new() -> Self {
+        Self(Arc::new(Shared { lost: AtomicBool::new(false), notify: Notify::new(), renewals: AtomicU64::new(0) }))
     }
 
     pub(crate) fn is_lost(&self) -> bool {
         self.0.lost.load(Ordering::Acquire)
     }
 
-    pub(crate) fn expires_at(&self) -> UnixMillis {
-        UnixMillis(self.0.expires_at.load(Ordering::Acquire))
-    }
-
-    fn renewed(&self, expires_at: UnixMillis) {
-        self.0.expires_at.fetch_max(expires_at.0, Ordering::AcqRel);
+    fn renewed(&self) {
         self.0.renewals.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -163,7 +151,7 @@ impl Renewal {
             };
             match result {
                 Ok(record) => {
-                    self.state.renewed(record.lease_expires_at);
+                    self.state.renewed();
                     tracing::trace!(record = %id, token = %token, lease_expires_at = %record.lease_expires_at, "lease renewed");
                     return Renewed::Yes(sent);
                 }
@@ -238,7 +226,7 @@ mod tests {
     /// A `lost` future created before the loss never woke, or one created after it did not resolve.
     #[tokio::test]
     async fn lost_resolves_for_waiters_before_and_after_the_loss() {
-        let state = LeaseState::new(UnixMillis(0));
+        let state = LeaseState::new();
         let before = tokio::spawn(state.lost());
         tokio::task::yield_now().await;
         assert!(!before.is_finished() && !state.is_lost());
@@ -246,14 +234,5 @@ mod tests {
         before.await.unwrap();
         state.lost().await;
         assert!(state.is_lease_lost());
-    }
-
-    /// A renewal moved the reported lease end backwards.
-    #[test]
-    fn the_reported_lease_end_only_grows() {
-        let state = LeaseState::new(UnixMillis(100));
-        state.renewed(UnixMillis(300));
-        state.renewed(UnixMillis(200));
-        assert_eq!(state.expires_at(), UnixMillis(300));
     }
 }

@@ -45,22 +45,6 @@ pub(crate) enum DecisionKind {
 }
 
 impl DecisionKind {
-    /// Every kind, in declaration order (the discriminant is the index).
-    #[cfg_attr(not(feature = "metrics"), allow(dead_code, reason = "sizes the metric handle cache"))]
-    pub(crate) const ALL: [Self; 11] = [
-        Self::Claimed,
-        Self::Reclaimed,
-        Self::Replayed,
-        Self::InFlight,
-        Self::Mismatch,
-        Self::Busy,
-        Self::StoreUnavailable,
-        Self::FailOpen,
-        Self::Unreadable,
-        Self::Skipped,
-        Self::Rejected,
-    ];
-
     pub(crate) const fn as_str(self) -> &'static str {
         match self {
             Self::Claimed => "claimed",
@@ -97,11 +81,6 @@ pub(crate) enum Outcome {
 }
 
 impl Outcome {
-    /// Every outcome, in declaration order (the discriminant is the index).
-    #[cfg_attr(not(feature = "metrics"), allow(dead_code, reason = "sizes the metric handle cache"))]
-    pub(crate) const ALL: [Self; 5] =
-        [Self::Completed, Self::NotRetained, Self::Failed, Self::LeaseLost, Self::NotStored];
-
     pub(crate) const fn as_str(self) -> &'static str {
         match self {
             Self::Completed => "completed",
@@ -119,7 +98,7 @@ pub(crate) struct ShortId(pub(crate) RecordId);
 
 impl fmt::Display for ShortId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for b in &self.0.0[..8] {
+        for b in &self.0.as_bytes()[..8] {
             write!(f, "{b:02x}")?;
         }
         Ok(())
@@ -131,7 +110,7 @@ impl fmt::Display for ShortId {
 pub(crate) fn request_span(endpoint: &Endpoint) -> Span {
     tracing::info_span!(
         "idempotency",
-        endpoint = endpoint.0.as_str(),
+        endpoint = endpoint.as_str(),
         record = Empty,
         token = Empty,
         decision = Empty,
@@ -140,40 +119,34 @@ pub(crate) fn request_span(endpoint: &Endpoint) -> Span {
     )
 }
 
-/// One request's observer: its span, and the counters of its endpoint.
+/// One request's observer: its span, and the endpoint label of its counters.
 pub(crate) struct Observer {
     pub(crate) span: Span,
-    /// The endpoint's counters, looked up once per request in the layer's cache
-    /// ([`crate::metrics_cache`]); `None` until the endpoint is known.
+    /// The `endpoint` label, made once per request (a reference count per metric call
+    /// after that); `None` until the endpoint is known.
     #[cfg(feature = "metrics")]
-    metrics: Option<std::sync::Arc<crate::metrics_cache::EndpointMetrics>>,
+    endpoint: Option<metrics::SharedString>,
 }
-
-/// The layer's cache of endpoint counters; nothing without the `metrics` feature.
-#[cfg(feature = "metrics")]
-pub(crate) type EndpointCache = crate::metrics_cache::MetricsCache<crate::metrics_cache::Endpoints>;
-/// The layer's cache of endpoint counters; nothing without the `metrics` feature.
-#[cfg(not(feature = "metrics"))]
-pub(crate) type EndpointCache = ();
 
 impl Observer {
     pub(crate) fn new(span: Span) -> Self {
         Self {
             span,
             #[cfg(feature = "metrics")]
-            metrics: None,
+            endpoint: None,
         }
     }
 
-    #[cfg_attr(not(feature = "metrics"), allow(clippy::unused_unit, reason = "the cache is () without metrics"))]
-    /// Looks up the counters of `endpoint` (already on the span, from its creation).
-    pub(crate) fn endpoint(&mut self, endpoint: &Endpoint, cache: &EndpointCache) {
+    /// Labels this request's counters with `endpoint` (already on the span, from its
+    /// creation).
+    #[cfg_attr(not(feature = "metrics"), allow(clippy::unused_self, reason = "labels only with metrics"))]
+    pub(crate) fn endpoint(&mut self, endpoint: &Endpoint) {
         #[cfg(feature = "metrics")]
         {
-            self.metrics = Some(cache.with(|endpoints| endpoints.endpoint(endpoint.0.as_str())));
+            self.endpoint = Some(metrics::SharedString::from(std::sync::Arc::<str>::from(endpoint.as_str())));
         }
         #[cfg(not(feature = "metrics"))]
-        let ((), _) = (cache, endpoint);
+        let _ = endpoint;
     }
 
     pub(crate) fn record(&self, id: RecordId) {
@@ -194,16 +167,18 @@ impl Observer {
         self.count(decision);
     }
 
-    /// `decision` in the metrics.
+    /// `decision` in the metrics: `metrics::counter!` looks the handle up in the recorder
+    /// installed now, so there is nothing to keep in step with it.
     #[cfg_attr(not(feature = "metrics"), allow(clippy::unused_self, reason = "counts only with metrics"))]
     fn count(&self, decision: DecisionKind) {
         #[cfg(not(feature = "metrics"))]
         let _ = decision;
         #[cfg(feature = "metrics")]
-        if let Some(m) = &self.metrics {
-            m.decision(decision).increment(1);
+        if let Some(endpoint) = &self.endpoint {
+            metrics::counter!("idem_decisions_total", "decision" => decision.as_str(), "endpoint" => endpoint.clone())
+                .increment(1);
             if decision == DecisionKind::FailOpen {
-                m.fail_open().increment(1);
+                metrics::counter!("idem_fail_open_total", "endpoint" => endpoint.clone()).increment(1);
             }
         }
     }
@@ -218,15 +193,19 @@ impl Observer {
         // One dispatch for both fields.
         tracing::record_all!(self.span, outcome = outcome.as_str(), renewals = renewals);
         #[cfg(feature = "metrics")]
-        if let Some(m) = &self.metrics {
-            m.outcome(outcome).increment(1);
+        if let Some(endpoint) = &self.endpoint {
+            metrics::counter!("idem_outcomes_total", "outcome" => outcome.as_str(), "endpoint" => endpoint.clone())
+                .increment(1);
             if renewals > 0 {
-                m.renewals().increment(renewals);
+                metrics::counter!("idem_lease_renewals_total", "endpoint" => endpoint.clone()).increment(renewals);
             }
-            match outcome {
-                Outcome::LeaseLost => m.lease_lost().increment(1),
-                Outcome::NotRetained => m.not_retained().increment(1),
-                _ => {}
+            let flagged = match outcome {
+                Outcome::LeaseLost => Some("idem_lease_lost_total"),
+                Outcome::NotRetained => Some("idem_bodies_not_retained_total"),
+                _ => None,
+            };
+            if let Some(name) = flagged {
+                metrics::counter!(name, "endpoint" => endpoint.clone()).increment(1);
             }
         }
     }
@@ -254,7 +233,7 @@ pub(crate) enum StoreOp {
 
 impl StoreOp {
     /// How many operations there are.
-    #[cfg_attr(not(feature = "metrics"), allow(dead_code, reason = "sizes the metric handle cache"))]
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code, reason = "sizes the store metrics"))]
     pub(crate) const COUNT: usize = 9;
 
     #[cfg_attr(not(feature = "metrics"), allow(dead_code, reason = "the metrics' label"))]
@@ -273,39 +252,47 @@ impl StoreOp {
     }
 }
 
-/// One store call's latency and error, labelled with the store's backend name.
+/// The store call metrics of one layer: a histogram per operation and an error counter
+/// per operation and retryability, each registered on its first use with the recorder
+/// installed then, and kept for the layer's life (install the recorder before serving).
 #[cfg(feature = "metrics")]
-pub(crate) fn store_call(
-    handles: &crate::metrics_cache::StoreMetrics,
-    backend: &'static str,
-    op: StoreOp,
-    took: std::time::Duration,
-    error: Option<&idem_core::StoreError>,
-) {
-    handles.call(backend, op).record(took.as_secs_f64());
-    if let Some(e) = error
-        && !e.is_lease_lost()
-    {
-        handles.error(backend, op, e.is_retryable()).increment(1);
-    }
+#[derive(Debug, Default)]
+pub(crate) struct StoreMetrics {
+    calls: [std::sync::OnceLock<metrics::Histogram>; StoreOp::COUNT],
+    /// Index: operation, then retryable (1) or not (0).
+    errors: [[std::sync::OnceLock<metrics::Counter>; 2]; StoreOp::COUNT],
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The metric handle cache indexes arrays by discriminant, sized by `ALL`: a variant
-    /// out of place in `ALL` (or missing from it) would index the wrong handle or past the end.
-    #[test]
-    fn all_lists_every_variant_at_its_discriminant() {
-        for (i, d) in DecisionKind::ALL.iter().enumerate() {
-            assert_eq!(*d as usize, i, "{d:?}");
+#[cfg(feature = "metrics")]
+impl StoreMetrics {
+    /// One store call's latency (`idem_store_call_seconds`) and error
+    /// (`idem_store_errors_total`; a refused fenced write is no error), labelled with the
+    /// store's backend name.
+    pub(crate) fn record(
+        &self,
+        backend: &'static str,
+        op: StoreOp,
+        took: std::time::Duration,
+        error: Option<&idem_core::StoreError>,
+    ) {
+        let call = &self.calls[op as usize];
+        call.get_or_init(
+            || metrics::histogram!("idem_store_call_seconds", "backend" => backend, "operation" => op.as_str()),
+        )
+        .record(took.as_secs_f64());
+        if let Some(e) = error
+            && !e.is_lease_lost()
+        {
+            let retryable = e.is_retryable();
+            self.errors[op as usize][usize::from(retryable)]
+                .get_or_init(|| {
+                    let retryable = if retryable { "true" } else { "false" };
+                    metrics::counter!(
+                        "idem_store_errors_total",
+                        "backend" => backend, "operation" => op.as_str(), "retryable" => retryable
+                    )
+                })
+                .increment(1);
         }
-        for (i, o) in Outcome::ALL.iter().enumerate() {
-            assert_eq!(*o as usize, i, "{o:?}");
-        }
-        // The variants declared last end the lists (a new variant goes into `ALL` too).
-        assert_eq!(DecisionKind::Rejected as usize + 1, DecisionKind::ALL.len());
-        assert_eq!(Outcome::NotStored as usize + 1, Outcome::ALL.len());
     }
 }

@@ -21,19 +21,19 @@
 
 use http::request::Parts;
 use http::{HeaderValue, header};
-use idem_core::Principal;
 
 /// Finds the principal of a request.
 ///
 /// Returning `None` means "no identity"; see [`crate::MissingPrincipal`] for what the
-/// layer then does. A blank principal (empty or whitespace only, [`is_blank`]) is refused
-/// with 401 in every configuration. The layer calls `resolve` exactly once per keyed
-/// request and uses that one answer everywhere (record id, claim, handler context), so a
-/// resolver cannot give one request two principals. Implemented for closures
-/// `Fn(&http::request::Parts) -> Option<String>`.
+/// layer then does. A blank principal (empty or whitespace only, refused by
+/// [`idem_core::Principal::new`]) is answered 401 in every configuration, because every
+/// request that resolves to it would otherwise share one scope. The layer calls `resolve`
+/// exactly once per keyed request and uses that one answer everywhere (record id, claim,
+/// handler context), so a resolver cannot give one request two principals. Implemented
+/// for closures `Fn(&http::request::Parts) -> Option<String>`.
 pub trait PrincipalResolver: Send + Sync + 'static {
     /// The principal `request` runs as, or `None`.
-    fn resolve(&self, request: &Parts) -> Option<Principal>;
+    fn resolve(&self, request: &Parts) -> Option<String>;
 
     /// The `WWW-Authenticate` challenge sent with the layer's 401 (RFC 9110 §11.6.1 says a
     /// 401 carries one). Default `None`: closures do not know the scheme, and the app's own
@@ -47,21 +47,13 @@ impl<F> PrincipalResolver for F
 where
     F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
 {
-    fn resolve(&self, request: &Parts) -> Option<Principal> {
-        self(request).map(Principal)
+    fn resolve(&self, request: &Parts) -> Option<String> {
+        self(request)
     }
 }
 
-/// Whether `principal` is empty or only whitespace (Unicode `White_Space`): such a
-/// principal is refused (401, `urn:idem:problem:missing-principal`, nothing claimed, no
-/// handler run) even under [`crate::MissingPrincipal::SkipIdempotency`], because every
-/// request that resolves to it would otherwise share one scope.
-#[must_use]
-pub fn is_blank(principal: &str) -> bool {
-    principal.trim().is_empty()
-}
-
-/// The layer's answer to a blank principal (see [`is_blank`]).
+/// The layer's answer to a blank principal: 401, `urn:idem:problem:missing-principal`,
+/// nothing claimed, no handler run.
 pub(crate) fn blank_principal() -> crate::Problem {
     crate::Problem::new(
         crate::ProblemKind::MissingPrincipal,
@@ -104,7 +96,7 @@ impl BearerToken {
 }
 
 impl PrincipalResolver for BearerToken {
-    fn resolve(&self, request: &Parts) -> Option<Principal> {
+    fn resolve(&self, request: &Parts) -> Option<String> {
         let mut values = request.headers.get_all(header::AUTHORIZATION).iter();
         let value = values.next()?;
         if values.next().is_some() {
@@ -119,7 +111,7 @@ impl PrincipalResolver for BearerToken {
         if token.is_empty() {
             return None;
         }
-        Some(Principal(Self::principal_for(token)))
+        Some(Self::principal_for(token))
     }
 
     /// `Bearer` (RFC 6750 §3).
@@ -144,8 +136,8 @@ mod tests {
     fn bearer_tokens_are_hashed_and_scheme_is_case_insensitive() {
         let p = BearerToken.resolve(&parts(&["Bearer abc"])).unwrap();
         assert_eq!(p, BearerToken.resolve(&parts(&["bearer abc"])).unwrap());
-        assert!(p.0.starts_with("bearer:") && p.0.len() == 7 + 64);
-        assert!(!p.0.contains("abc"));
+        assert!(p.starts_with("bearer:") && p.len() == 7 + 64);
+        assert!(!p.contains("abc"));
         assert_ne!(p, BearerToken.resolve(&parts(&["Bearer abd"])).unwrap());
     }
 
@@ -158,12 +150,11 @@ mod tests {
         }
     }
 
+    /// The layer's blank rule is core's: Unicode whitespace only is blank, padding is not.
     #[test]
-    fn closures_resolve_and_blank_is_detected() {
-        let r = |_: &Parts| Some(String::new());
-        assert!(r.resolve(&parts(&[])).is_some_and(|p| is_blank(&p.0)));
-        assert!(is_blank(" \t\u{a0}") && !is_blank(" a "));
+    fn closures_resolve_and_blank_is_core_s_rule() {
         let r = |_: &Parts| Some("acct-1".to_owned());
-        assert_eq!(r.resolve(&parts(&[])), Some(Principal("acct-1".into())));
+        assert_eq!(r.resolve(&parts(&[])).as_deref(), Some("acct-1"));
+        assert!(idem_core::Principal::new(" \t\u{a0}").is_err() && idem_core::Principal::new(" a ").is_ok());
     }
 }

@@ -96,8 +96,7 @@ impl ProblemKind {
     ];
 
     /// The short name that ends the `type` URI, e.g. `in-flight`.
-    #[must_use]
-    pub fn slug(self) -> &'static str {
+    fn slug(self) -> &'static str {
         match self {
             ProblemKind::MissingKey => "missing-idempotency-key",
             ProblemKind::InvalidKey => "invalid-idempotency-key",
@@ -133,8 +132,7 @@ impl ProblemKind {
 
     /// The `title` member: a short summary that does not change between occurrences
     /// (RFC 9457 §3.1.3).
-    #[must_use]
-    pub fn title(self) -> &'static str {
+    fn title(self) -> &'static str {
         match self {
             ProblemKind::MissingKey => "Idempotency-Key required",
             ProblemKind::InvalidKey => "Invalid Idempotency-Key",
@@ -166,8 +164,7 @@ pub struct Problem {
 
 impl Problem {
     /// A problem of `kind` answered with `status`; `detail` explains this occurrence.
-    #[must_use]
-    pub fn new(kind: ProblemKind, status: StatusCode, detail: impl Into<String>) -> Self {
+    pub(crate) fn new(kind: ProblemKind, status: StatusCode, detail: impl Into<String>) -> Self {
         Self { kind, status, detail: detail.into() }
     }
 
@@ -184,14 +181,13 @@ impl Problem {
     }
 
     /// The human-readable explanation of this occurrence.
-    #[must_use]
-    pub fn detail(&self) -> &str {
+    #[cfg_attr(not(feature = "grpc"), allow(dead_code, reason = "the gRPC message"))]
+    pub(crate) fn detail(&self) -> &str {
         &self.detail
     }
 
     /// The JSON body.
-    #[must_use]
-    pub fn to_json(&self) -> Vec<u8> {
+    fn to_json(&self) -> Vec<u8> {
         let value = serde_json::json!({
             "type": self.kind.type_uri(),
             "title": self.kind.title(),

@@ -33,8 +33,8 @@ use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idem_core::{
     BoxError, ClaimOutcome, ClaimRequest, Decision, Endpoint, FencingToken, Fingerprint, IdempotencyKey, Policy,
-    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, RequestParts, Scope, StoreError, StoredBody,
-    StoredResponse, UnixMillis, decide,
+    Principal, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, RequestParts, Scope, StoreError,
+    StoredBody, StoredResponse, UnixMillis, decide,
 };
 use tokio::time::Instant;
 use tower::Service;
@@ -89,16 +89,6 @@ impl<S> Idempotency<S> {
     pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
         Self { inner, config }
     }
-
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// Unwraps the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S>
@@ -149,7 +139,7 @@ where
     if req.method().is_safe() {
         return pass_through(inner, req).await;
     }
-    let grpc = crate::grpc::is_grpc(req.headers());
+    let grpc = is_grpc(req.headers());
     // One span per non-safe request: the handler's own spans nest under it, and it stays
     // with the work if that moves to a task of its own (`detach_on_drop` takes the
     // current span).
@@ -180,7 +170,7 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let (parts, body) = req.into_parts();
-    obs.endpoint(&endpoint, &cfg.metrics);
+    obs.endpoint(&endpoint);
     let key = match read_key(&parts.headers, cfg.max_key_len) {
         Ok(Some(key)) => key,
         Ok(None) => {
@@ -202,13 +192,7 @@ where
     // Resolved once per request: this one answer is the principal of the claim, the record
     // id, the handler's context and every later write, so a resolver that would answer
     // differently on a second call is never asked twice.
-    let resolved = cfg.resolver.resolve(&parts);
-    if resolved.as_ref().is_some_and(|p| crate::principal::is_blank(&p.0)) {
-        // Blank is a resolver bug (or a client-supplied blank identity), not "anonymous":
-        // it never shares a bucket and never skips idempotency, whatever MissingPrincipal says.
-        return Ok(obs.rejected(crate::principal::blank_principal()));
-    }
-    let Some(principal) = resolved else {
+    let Some(resolved) = cfg.resolver.resolve(&parts) else {
         return match cfg.missing_principal {
             MissingPrincipal::SkipIdempotency => {
                 obs.decision(DecisionKind::Skipped);
@@ -228,6 +212,11 @@ where
                 Ok(res)
             }
         };
+    };
+    // Blank is a resolver bug (or a client-supplied blank identity), not "anonymous": it
+    // never shares a bucket and never skips idempotency, whatever MissingPrincipal says.
+    let Ok(principal) = Principal::new(resolved) else {
+        return Ok(obs.rejected(crate::principal::blank_principal()));
     };
     if let Err(problem) = crate::headers::check_fingerprint_headers(
         &parts.headers,
@@ -267,7 +256,7 @@ where
             StoreFailureMode::FailOpen => {
                 obs.decision(DecisionKind::FailOpen);
                 tracing::warn!(
-                    record = %id, endpoint = %endpoint_of(&parts.method, &parts.uri, &parts.extensions).0, error = %error,
+                    record = %id, endpoint = %endpoint_of(&parts.method, &parts.uri, &parts.extensions).as_str(), error = %error,
                     "idempotency store failed; running the handler WITHOUT idempotency protection (fail-open)"
                 );
                 pass_through(inner, Request::from_parts(parts, ReqBody::from(bytes))).await
@@ -275,7 +264,7 @@ where
             StoreFailureMode::FailClosed => {
                 obs.decision(DecisionKind::StoreUnavailable);
                 tracing::error!(
-                    record = %id, endpoint = %endpoint_of(&parts.method, &parts.uri, &parts.extensions).0, error = %error,
+                    record = %id, endpoint = %endpoint_of(&parts.method, &parts.uri, &parts.extensions).as_str(), error = %error,
                     "idempotency store failed; answering 503 without running the handler (fail-closed)"
                 );
                 Ok(store_unavailable("the idempotency store is unavailable; the request was not processed"))
@@ -289,6 +278,7 @@ where
             tracing::error!(record = %id, why, "stored idempotency record cannot be read or replayed");
             let mut res = store_unavailable("the stored record for this idempotency key cannot be read");
             crate::hints::never_retry(res.headers_mut(), &cfg.retry_hints);
+            #[cfg(feature = "grpc")]
             res.extensions_mut().insert(crate::grpc::Unrecoverable);
             Ok(res)
         }
@@ -410,8 +400,9 @@ enum Acquired<B> {
 /// failure and an unreadable record, which the caller names (it knows the failure mode).
 async fn acquire<B>(cfg: &Config, claim: ClaimRequest) -> (Acquired<B>, Option<DecisionKind>) {
     let store = &cfg.store;
-    let ClaimRequest { id, fingerprint, lease_ttl, retention, .. } = claim;
-    let again = |scope: Scope, key: IdempotencyKey| ClaimRequest { id, scope, key, fingerprint, lease_ttl, retention };
+    let (id, fingerprint) = (claim.id(), claim.fingerprint());
+    let (lease_ttl, retention) = (cfg.policy.lease_ttl, cfg.policy.effective_retention());
+    let again = |scope: Scope, key: IdempotencyKey| ClaimRequest::new(scope, key, fingerprint, lease_ttl, retention);
     let sent = Instant::now();
     let (mut current, mut now) = match store.claim(claim).await {
         Ok(ClaimOutcome::Claimed(record)) => return (Acquired::Run(record, sent), Some(DecisionKind::Claimed)),
@@ -668,9 +659,9 @@ where
     let store = Arc::clone(&cfg.store);
     // The record's scope and key move into the handler's context: nothing after the
     // handler reads them.
-    let Record { id, token, scope, key, lease_expires_at, created_at, expires_at: claimed_expires_at, .. } = record;
+    let Record { id, token, scope, key, created_at, expires_at: claimed_expires_at, .. } = record;
     let mut guard = FailGuard::new(Arc::clone(&store), id, token);
-    let lease = LeaseState::new(lease_expires_at);
+    let lease = LeaseState::new();
     // The lease is renewed from the claim until the record is written, polled together
     // with the handler and then with the completion (never on a task of its own: a request
     // that stops being polled, or is dropped, stops renewing): the completion may be resent
@@ -681,7 +672,8 @@ where
     let watch = lease.clone();
     // A gRPC stream's outcome is recorded when it ends, after this request's observer is
     // gone: its endpoint is kept for the metrics of that outcome.
-    let grpc_endpoint = crate::grpc::is_grpc(&parts.headers).then(|| scope.endpoint.clone());
+    #[cfg(feature = "grpc")]
+    let grpc_endpoint = is_grpc(&parts.headers).then(|| scope.endpoint.clone());
     let done = |outcome: Outcome| {
         let outcome = if watch.is_lost() { Outcome::LeaseLost } else { outcome };
         obs.outcome(outcome, watch.renewals());
@@ -698,7 +690,7 @@ where
         created_at,
         store: Arc::clone(&store),
         #[cfg(feature = "seal")]
-        sealing: cfg.sealing.as_ref().map(|(keys, _)| keys.clone()),
+        sealing: cfg.sealing.clone(),
     });
     let req = Request::from_parts(parts, ReqBody::from(bytes));
     let policy = &cfg.policy;
@@ -822,20 +814,24 @@ where
         Read::Whole(bytes, trailers) => {
             // gRPC answers its errors with HTTP 200 and the real outcome in `grpc-status`;
             // only a lasting one is stored (see `crate::grpc`), unless the handler said.
+            #[cfg(feature = "grpc")]
             let lasting = caching.is_some() || crate::grpc::is_lasting(&head.headers, trailers.as_ref());
+            #[cfg(not(feature = "grpc"))]
+            let lasting = true;
             let stored = lasting.then(|| {
                 stored_response(policy, status, &head.headers, &bytes)
                     .with_trailers(trailers.as_ref().map_or_else(Vec::new, |t| kept_fields(policy, t)))
             });
             (stored, ResponseBody::full_with_trailers(bytes, trailers))
         }
-        Read::Streamed { read, rest, why, .. } if caching.is_none() && crate::grpc::is_grpc(&head.headers) => {
+        #[cfg(feature = "grpc")]
+        Read::Streamed { read, rest, why, .. } if caching.is_none() && is_grpc(&head.headers) => {
             // Its `grpc-status` comes after the body: the claim stays held (and renewed)
             // until the body ends, which completes or fails the record (`crate::grpc`).
             tracing::debug!(record = %id, status, why, "gRPC response streamed: the record waits for its status");
             let mut stream_obs = Observer::new(obs.span.clone());
             if let Some(endpoint) = &grpc_endpoint {
-                stream_obs.endpoint(endpoint, &cfg.metrics);
+                stream_obs.endpoint(endpoint);
             }
             let claim = crate::grpc::OpenClaim {
                 store,
@@ -898,6 +894,18 @@ where
     }
     set_expires(&mut head.headers, expires_at);
     Ok(Response::from_parts(head, body))
+}
+
+/// Whether a request or response is gRPC (`crate::grpc`). Without the `grpc` feature
+/// never: a gRPC request is handled as plain HTTP.
+fn is_grpc(headers: &HeaderMap) -> bool {
+    #[cfg(feature = "grpc")]
+    return crate::grpc::is_grpc(headers);
+    #[cfg(not(feature = "grpc"))]
+    {
+        let _ = headers;
+        false
+    }
 }
 
 /// Marks a response the layer could not store (`Idempotent-Stored: false`), so that its

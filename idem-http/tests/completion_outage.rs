@@ -31,9 +31,11 @@ const FINAL: [(&str, Refusal); 3] = [
 ];
 
 fn layer(env: &Env, retry: CompletionRetry) -> IdempotencyLayer {
+    let mut deadlines = StoreDeadlines::default();
+    deadlines.completion_retry = retry;
     IdempotencyLayer::new(env.store.clone())
-        .with_lease_ttl(LEASE)
-        .with_store_deadlines(StoreDeadlines::default().with_completion_retry(retry))
+        .with_policy(common::policy(|p| p.lease_ttl = LEASE))
+        .with_store_deadlines(deadlines)
 }
 
 /// The record of `key` sent by the test requests (bearer `tok-p`, `POST /v1/orders`).
@@ -167,7 +169,7 @@ async fn the_lease_is_renewed_while_a_refused_completion_is_resent() {
     let env = Env::new();
     let (n, s, gate) = (Counter::default(), Script::default(), Gate::default());
     s.then(Step::Hold(gate.clone()));
-    let layer = IdempotencyLayer::new(env.store.clone()).with_lease_ttl(lease);
+    let layer = IdempotencyLayer::new(env.store.clone()).with_policy(common::policy(|p| p.lease_ttl = lease));
     let app = app(layer, &n, &s);
     let req = post("/v1/orders").key("k1").body("{}");
     env.store.complete_outages.store(usize::MAX, Ordering::SeqCst);

@@ -24,6 +24,13 @@ fn layer(env: &Env, deadlines: StoreDeadlines) -> IdempotencyLayer {
     IdempotencyLayer::new(env.dyn_store()).with_store_deadlines(deadlines)
 }
 
+/// The default deadlines with `change` applied.
+fn deadlines(change: impl FnOnce(&mut StoreDeadlines)) -> StoreDeadlines {
+    let mut deadlines = StoreDeadlines::default();
+    change(&mut deadlines);
+    deadlines
+}
+
 async fn state(env: &Env, key: &str) -> Option<RecordState> {
     env.record("tok-p", ORDERS, key).await.map(|r| r.state)
 }
@@ -33,8 +40,7 @@ async fn state(env: &Env, key: &str) -> Option<RecordState> {
 async fn a_stalled_claim_answers_503_at_its_deadline() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
-    let deadlines = StoreDeadlines::default().with_claim(Duration::from_millis(200));
-    let app = app(layer(&env, deadlines), &n, &s);
+    let app = app(layer(&env, deadlines(|d| d.claim = Duration::from_millis(200))), &n, &s);
     env.store.stall_claims.store(true, Ordering::SeqCst);
     // The outer timeout only turns a hang into a failure; the deadline is 200 ms.
     let got = tokio::time::timeout(Duration::from_secs(10), send(&app, &post("/v1/orders").key("k1").body("{}")))
@@ -55,7 +61,7 @@ async fn a_stalled_claim_answers_503_at_its_deadline() {
 async fn without_a_deadline_the_stalled_claim_hangs() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
-    let app = app(layer(&env, StoreDeadlines::default().with_claim(Duration::from_secs(3_600))), &n, &s);
+    let app = app(layer(&env, deadlines(|d| d.claim = Duration::from_secs(3_600))), &n, &s);
     env.store.stall_claims.store(true, Ordering::SeqCst);
     let hung = tokio::time::timeout(Duration::from_secs(3), send(&app, &post("/v1/orders").key("k1").body("{}"))).await;
     assert!(hung.is_err(), "the request answered although the store never did");
@@ -68,7 +74,7 @@ async fn a_transient_complete_failure_is_retried_and_the_handler_runs_once() {
     for (retry, runs) in [(CompletionRetry::WhileLeaseLasts, 1), (CompletionRetry::Off, 2)] {
         let env = Env::new();
         let (n, s) = (Counter::default(), Script::default());
-        let app = app(layer(&env, StoreDeadlines::default().with_completion_retry(retry)), &n, &s);
+        let app = app(layer(&env, deadlines(|d| d.completion_retry = retry)), &n, &s);
         let req = post("/v1/orders").key("k1").body("{}");
         env.store.complete_blips.store(2, Ordering::SeqCst);
         let first = send(&app, &req).await;
@@ -122,7 +128,8 @@ async fn a_resend_after_a_lost_answer_reads_as_done() {
 #[tokio::test]
 async fn a_sealed_resend_after_a_lost_answer_reads_as_done_and_replays_opened() {
     let env = Env::new();
-    let sealed = layer(&env, StoreDeadlines::default()).with_sealing(idem_http::SealingKeys::new(1, [3; 32]));
+    let keys = idem_http::SealingKeys::new(1, [3; 32]);
+    let sealed = layer(&env, StoreDeadlines::default()).with_sealing(idem_http::Sealing::new(keys));
     let stored = resend_after_a_lost_answer(&env, sealed).await;
     assert_eq!(stored.status, idem_core::seal::SEALED_STATUS, "the store holds the sealed form");
     assert!(stored.header(idem_core::seal::SEALED_HEADER).is_some());
@@ -135,7 +142,8 @@ async fn completion_retries_stop_at_the_lease() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     // A 1 s lease: the retry window is the lease TTL.
-    let layer = layer(&env, StoreDeadlines::default()).with_lease_ttl(Duration::from_secs(1));
+    let layer =
+        layer(&env, StoreDeadlines::default()).with_policy(common::policy(|p| p.lease_ttl = Duration::from_secs(1)));
     let app = app(layer, &n, &s);
     env.store.fail_complete.store(true, Ordering::SeqCst);
     let got = tokio::time::timeout(Duration::from_secs(10), send(&app, &post("/v1/orders").key("k1").body("{}")))
@@ -174,7 +182,7 @@ async fn a_step_outcome_lost_to_a_full_disk_is_written_again_and_the_step_runs_o
                     }
                 }),
             )
-            .layer(layer(&env, StoreDeadlines::default().with_completion_retry(retry)));
+            .layer(layer(&env, deadlines(|d| d.completion_retry = retry)));
         let req = post("/v1/flashes").key("k1").body("{}");
         env.store.journal_put_blips.store(2, Ordering::SeqCst);
         // The client retries each 503 until it gets its 201.

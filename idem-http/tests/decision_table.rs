@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{Counter, Env, Gate, Got, Script, Step, T0, app, post, send, start_and_crash};
 use idem_core::{FencingToken, RecordState};
-use idem_http::{IdempotencyLayer, MismatchStatus, MissingPrincipal, Policy};
+use idem_http::{IdempotencyLayer, MismatchStatus, MissingPrincipal};
 
 const ORDERS: &str = "POST /v1/orders";
 const LEASE_MS: i64 = 300_000;
@@ -316,7 +316,7 @@ async fn a_body_over_the_stored_limit_completes_and_replays_a_not_retained_probl
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     s.then(Step::Big(1_000));
-    let app = app(layer(&env).with_max_stored_body(999), &n, &s);
+    let app = app(layer(&env).with_policy(common::policy(|p| p.max_stored_body = 999)), &n, &s);
     let req = post("/v1/orders").key("k1").body("{}");
     let first = send(&app, &req).await;
     assert_eq!((first.status.as_u16(), first.body.len()), (201, 1_000), "the first client gets the full body");
@@ -358,28 +358,20 @@ async fn the_endpoint_is_the_route_template_and_the_fingerprint_has_the_raw_path
 
 #[tokio::test]
 async fn lease_and_retention_follow_the_policy() {
-    let (lease, retention) = (Duration::from_secs(5), Duration::from_secs(60));
-    // The same rules set as one policy, and through the layer's own setters.
-    for via_policy in [true, false] {
-        let env = Env::new();
-        let (n, s) = (Counter::default(), Script::default());
-        s.then(Step::Hold(Gate::default()));
-        let layer = if via_policy {
-            layer(&env).with_policy(Policy::default().with_lease_ttl(lease).with_retention(retention))
-        } else {
-            layer(&env).with_lease_ttl(lease).with_retention(retention)
-        };
-        let app = app(layer, &n, &s);
-        let req = post("/v1/orders").key("k1");
-        start_and_crash(&app, &req).await;
-        let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
-        assert_eq!(record.lease_expires_at.0 - record.started_at.0, 5_000, "via policy: {via_policy}");
-        assert_eq!(record.expires_at.0 - record.created_at.0, 60_000, "via policy: {via_policy}");
-        env.advance_ms(4_999);
-        assert_eq!(send(&app, &req).await.status, 409, "via policy: {via_policy}");
-        env.advance_ms(1);
-        assert_eq!(send(&app, &req).await.status, 201, "via policy: {via_policy}");
-    }
+    let env = Env::new();
+    let (n, s) = (Counter::default(), Script::default());
+    s.then(Step::Hold(Gate::default()));
+    let policy = common::policy(|p| (p.lease_ttl, p.retention) = (Duration::from_secs(5), Duration::from_secs(60)));
+    let app = app(layer(&env).with_policy(policy), &n, &s);
+    let req = post("/v1/orders").key("k1");
+    start_and_crash(&app, &req).await;
+    let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
+    assert_eq!(record.lease_expires_at.0 - record.started_at.0, 5_000);
+    assert_eq!(record.expires_at.0 - record.created_at.0, 60_000);
+    env.advance_ms(4_999);
+    assert_eq!(send(&app, &req).await.status, 409);
+    env.advance_ms(1);
+    assert_eq!(send(&app, &req).await.status, 201);
 }
 
 #[tokio::test]

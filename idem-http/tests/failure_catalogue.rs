@@ -43,7 +43,7 @@ async fn zero_lease_is_finite_and_a_retry_reclaims_after_it() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     s.then(Step::Hold(Gate::default()));
-    let app = app(layer(&env).with_lease_ttl(Duration::ZERO), &n, &s);
+    let app = app(layer(&env).with_policy(common::policy(|p| p.lease_ttl = Duration::ZERO)), &n, &s);
     let req = post("/v1/orders").key("k1").body("{}");
     start_and_crash(&app, &req).await;
     let record = env.record("tok-p", ORDERS, "k1").await.unwrap();
@@ -262,7 +262,8 @@ async fn a_failed_complete_blocks_retries_only_until_the_lease_ends() {
     let (n, s) = (Counter::default(), Script::default());
     // Completion retries off: this pins what a lost completion costs without them
     // (`tests/deadlines.rs` shows the retry preventing the second run).
-    let no_retry = StoreDeadlines::default().with_completion_retry(CompletionRetry::Off);
+    let mut no_retry = StoreDeadlines::default();
+    no_retry.completion_retry = CompletionRetry::Off;
     let app = app(layer(&env).with_store_deadlines(no_retry), &n, &s);
     let req = post("/v1/orders").key("k1").body("{}");
     env.store.fail_complete.store(true, Ordering::SeqCst);
@@ -632,7 +633,7 @@ async fn a_stale_owner_cannot_complete_over_the_new_attempt() {
     let env = Env::new();
     let (n, s, slow, retry_gate) = (Counter::default(), Script::default(), Gate::default(), Gate::default());
     s.then(Step::Hold(slow.clone())).then(Step::Hold(retry_gate.clone()));
-    let app = app(layer(&env).with_lease_ttl(Duration::from_secs(1)), &n, &s);
+    let app = app(layer(&env).with_policy(common::policy(|p| p.lease_ttl = Duration::from_secs(1))), &n, &s);
     let req = post("/v1/orders").key("k1").body("{}");
     let a = tokio::spawn({
         let (app, req) = (app.clone(), req.clone());

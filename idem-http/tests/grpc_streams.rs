@@ -78,9 +78,8 @@ fn app(env: &Env, runs: &Counter, body: impl Fn(usize) -> Body + Clone + Send + 
         )
         .layer(
             IdempotencyLayer::new(env.dyn_store())
-                .with_max_stored_body(LIMIT)
-                .with_buffer_deadline(None)
-                .with_lease_ttl(Duration::from_secs(3)),
+                .with_policy(common::policy(|p| (p.max_stored_body, p.lease_ttl) = (LIMIT, Duration::from_secs(3))))
+                .with_buffer_deadline(None),
         )
 }
 

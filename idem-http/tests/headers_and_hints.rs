@@ -48,7 +48,8 @@ fn header_app(layer: IdempotencyLayer, runs: &Counter) -> Router {
 async fn the_deny_list_extends_the_defaults_and_connection_named_headers_are_dropped() {
     let env = Env::new();
     let runs = Counter::default();
-    let app = header_app(layer(&env).with_header_deny_list(["X-Request-Id"]), &runs);
+    let deny = common::policy(|p| p.header_deny_list.push("X-Request-Id".into()));
+    let app = header_app(layer(&env).with_policy(deny), &runs);
     let req = post("/v1/things").key("k1").body("{}");
     let first = send(&app, &req).await;
     assert_eq!(first.header("set-cookie"), Some("session=abc"), "the first client gets every header");
@@ -60,8 +61,9 @@ async fn the_deny_list_extends_the_defaults_and_connection_named_headers_are_dro
     assert_eq!(replay.header("etag"), Some("\"v1\""));
     assert_eq!(runs.get(), 1);
 
-    // Replacing the list is a separate, explicit call.
-    let app = header_app(layer(&env).with_header_deny_list_replaced(["x-request-id"]), &runs);
+    // Replacing the list drops the defaults.
+    let replaced = common::policy(|p| p.header_deny_list = vec!["x-request-id".into()]);
+    let app = header_app(layer(&env).with_policy(replaced), &runs);
     let req = post("/v1/things").key("k2").body("{}");
     send(&app, &req).await;
     let replay = send(&app, &req).await;
@@ -137,13 +139,17 @@ async fn never_retry_answers_say_false_and_retryable_ones_say_true() {
 async fn retry_hints_are_configurable() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
-    let stripe = app(layer(&env).with_retry_hints(RetryHints::default().with_stripe_should_retry(true)), &n, &s);
+    let mut both = RetryHints::default();
+    both.stripe_should_retry = true;
+    let stripe = app(layer(&env).with_retry_hints(both), &n, &s);
     send(&stripe, &post("/v1/orders").key("k1").body("{}")).await;
     let mismatch = send(&stripe, &post("/v1/orders").key("k1").body("[]")).await;
     assert_eq!(mismatch.header("x-should-retry"), Some("false"));
     assert_eq!(mismatch.header("stripe-should-retry"), Some("false"));
 
-    let quiet = app(layer(&env).with_retry_hints(RetryHints::none()), &n, &s);
+    let mut none = RetryHints::default();
+    none.x_should_retry = false;
+    let quiet = app(layer(&env).with_retry_hints(none), &n, &s);
     let mismatch = send(&quiet, &post("/v1/orders").key("k1").body("[]")).await;
     mismatch.problem(409, "mismatch");
     assert_eq!((mismatch.header("x-should-retry"), mismatch.header("stripe-should-retry")), (None, None));

@@ -15,7 +15,7 @@ use axum::body::Body;
 use axum::routing::post;
 use bytes::Bytes;
 use idem_core::MemoryStore;
-use idem_http::IdempotencyLayer;
+use idem_http::{IdempotencyLayer, Policy};
 
 mod rss;
 
@@ -44,7 +44,9 @@ fn a_100_mib_response_grows_memory_by_less_than_twice_max_stored_body() {
     rt.block_on(async {
         let total = 100 * MIB;
         let limit = 4 * MIB;
-        let bounded = app(IdempotencyLayer::new(Arc::new(MemoryStore::new())).with_max_stored_body(limit), total);
+        let mut policy = Policy::default();
+        policy.max_stored_body = limit;
+        let bounded = app(IdempotencyLayer::new(Arc::new(MemoryStore::new())).with_policy(policy), total);
         // Warm up: allocator arenas, the runtime, the router.
         assert_eq!(drain_post(&bounded, "/v1/exports", "warm-up").await, total);
         let start = current_rss();
@@ -55,12 +57,9 @@ fn a_100_mib_response_grows_memory_by_less_than_twice_max_stored_body() {
 
         // The measurement can see buffering: with a limit above the body, the layer keeps
         // the whole 100 MiB (it is stored), and the peak must show it.
-        let whole = app(
-            IdempotencyLayer::new(Arc::new(MemoryStore::new()))
-                .with_max_stored_body(2 * total)
-                .with_compress_over(usize::MAX),
-            total,
-        );
+        let mut policy = Policy::default();
+        (policy.max_stored_body, policy.compress_over) = (2 * total, usize::MAX);
+        let whole = app(IdempotencyLayer::new(Arc::new(MemoryStore::new())).with_policy(policy), total);
         let start = current_rss();
         take_peak();
         assert_eq!(drain_post(&whole, "/v1/exports", "export-2").await, total);

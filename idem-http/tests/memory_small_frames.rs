@@ -13,7 +13,7 @@ use axum::body::Body;
 use axum::routing::post;
 use bytes::Bytes;
 use idem_core::MemoryStore;
-use idem_http::IdempotencyLayer;
+use idem_http::{IdempotencyLayer, Policy};
 
 mod rss;
 
@@ -44,7 +44,9 @@ fn one_byte_frames_grow_memory_by_less_than_twice_max_stored_body() {
         // No buffering deadline, so how fast this build produces frames does not matter.
         let total = limit + 1;
         let layer = || {
-            IdempotencyLayer::new(Arc::new(MemoryStore::new())).with_max_stored_body(limit).with_buffer_deadline(None)
+            let mut policy = Policy::default();
+            policy.max_stored_body = limit;
+            IdempotencyLayer::new(Arc::new(MemoryStore::new())).with_policy(policy).with_buffer_deadline(None)
         };
         let bounded = app(layer(), total);
         assert_eq!(drain_post(&bounded, "/v1/progress", "warm-up").await, total);

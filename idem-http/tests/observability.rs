@@ -200,7 +200,7 @@ fn pair(decision: &str, outcome: &str) -> (String, String) {
 /// The first 8 bytes of the record id in hex, as the span's `record` field shows it.
 async fn short_id(env: &Env, key: &str) -> String {
     let id = env.record("tok-p", ORDERS, key).await.expect("record").id;
-    id.0[..8].iter().map(|b| format!("{b:02x}")).collect()
+    id.as_bytes()[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[test]
@@ -418,8 +418,9 @@ fn a_sealed_response_that_does_not_open_is_unreadable_and_a_store_error() {
     let env = Env::new();
     let seen = observe(false, || async move {
         let (n, s) = (Counter::default(), Script::default());
-        let sealed = app(layer(&env).with_sealing(idem_http::SealingKeys::new(1, [1; 32])), &n, &s);
-        let other_key = app(layer(&env).with_sealing(idem_http::SealingKeys::new(1, [2; 32])), &n, &s);
+        let sealing = |key| idem_http::Sealing::new(idem_http::SealingKeys::new(1, key));
+        let sealed = app(layer(&env).with_sealing(sealing([1; 32])), &n, &s);
+        let other_key = app(layer(&env).with_sealing(sealing([2; 32])), &n, &s);
         let req = post("/v1/orders").key("k1").body("{}");
         assert_eq!(send(&sealed, &req).await.status, 201);
         assert_eq!(send(&other_key, &req).await.status, 503);
@@ -462,7 +463,7 @@ fn a_body_over_the_stored_limit_is_not_retained() {
     let seen = observe(false, || async move {
         let (n, s) = (Counter::default(), Script::default());
         s.then(Step::Big(1_000));
-        let app = app(layer(&env).with_max_stored_body(999), &n, &s);
+        let app = app(layer(&env).with_policy(common::policy(|p| p.max_stored_body = 999)), &n, &s);
         send(&app, &post("/v1/orders").key("k1").body("{}")).await;
     });
     assert_eq!(seen.rows(), vec![pair("claimed", "not_retained")]);

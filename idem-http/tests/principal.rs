@@ -23,7 +23,8 @@ async fn send(layer: &IdempotencyLayer, runs: &Arc<AtomicUsize>) -> (u16, String
         let (runs, seen) = (runs.clone(), seen.clone());
         move |req: Request<Full<Bytes>>| {
             runs.fetch_add(1, Ordering::SeqCst);
-            *seen.lock().unwrap() = req.extensions().get::<IdempotencyContext>().map(|c| c.scope().principal.0.clone());
+            *seen.lock().unwrap() =
+                req.extensions().get::<IdempotencyContext>().map(|c| c.scope().principal.as_str().to_owned());
             async { Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from_static(b"ok")))) }
         }
     });
@@ -81,7 +82,7 @@ async fn a_resolver_is_asked_once_per_request_and_its_answer_is_used_everywhere(
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the resolver is asked exactly once per request");
     assert_eq!(principal.as_deref(), Some("p-1"), "the handler's context carries the one answer");
     let first = store.get(RecordId::derive("p-1", ENDPOINT, "k1")).await.unwrap().expect("p-1's record");
-    assert_eq!((first.state, first.scope.principal.0.as_str()), (RecordState::Completed, "p-1"));
+    assert_eq!((first.state, first.scope.principal.as_str()), (RecordState::Completed, "p-1"));
     assert_eq!(store.get(RecordId::derive("p-2", ENDPOINT, "k1")).await.unwrap(), None, "nothing under a 2nd answer");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }

@@ -61,7 +61,11 @@ fn app(env: &Env, runs: &Counter, len: usize, frame_len: usize, hint: Option<u64
                 }
             }),
         )
-        .layer(IdempotencyLayer::new(env.dyn_store()).with_max_stored_body(LIMIT).with_buffer_deadline(None))
+        .layer(
+            IdempotencyLayer::new(env.dyn_store())
+                .with_policy(common::policy(|p| p.max_stored_body = LIMIT))
+                .with_buffer_deadline(None),
+        )
 }
 
 #[tokio::test]
@@ -159,7 +163,7 @@ async fn an_unbounded_max_stored_body_stores_a_body_of_many_frames() {
                 }
             }),
         )
-        .layer(IdempotencyLayer::new(env.dyn_store()).with_max_stored_body(usize::MAX));
+        .layer(IdempotencyLayer::new(env.dyn_store()).with_policy(common::policy(|p| p.max_stored_body = usize::MAX)));
     let req = post("/v1/blobs").key("k").body("{}");
     assert_eq!(send(&app, &req).await.body.as_ref(), data(100).as_slice());
     let replay = send(&app, &req).await;

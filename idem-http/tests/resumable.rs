@@ -246,7 +246,7 @@ fn step_errors_map_to_problems() {
     let lost: StepError<std::io::Error> = StepError::Store {
         name: "a".into(),
         source: StoreError::LeaseLost {
-            id: idem_core::RecordId([0; 32]),
+            id: idem_core::RecordId::from_bytes([0; 32]),
             presented: idem_core::FencingToken(1),
             current: None,
         },

@@ -15,7 +15,7 @@ use axum::body::Body;
 use axum::routing::post;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use idem_core::seal::{SEALED_HEADER, SEALED_STATUS, SealingKeys};
+use idem_core::seal::{SEALED_HEADER, SEALED_STATUS, Sealing, SealingKeys};
 use idem_core::{Endpoint, IdempotencyKey, MemoryStore, RecordId, Scope, Store};
 use idem_http::IdempotencyLayer;
 use redb::{ReadableDatabase, ReadableTable};
@@ -63,7 +63,7 @@ impl App {
 fn layer(store: Arc<dyn Store>, keys: Option<SealingKeys>) -> IdempotencyLayer {
     let layer = IdempotencyLayer::new(store);
     match keys {
-        Some(keys) => layer.with_sealing(keys),
+        Some(keys) => layer.with_sealing(Sealing::new(keys)),
         None => layer,
     }
 }
@@ -98,7 +98,7 @@ enum Raw {
     Redb(idem_redb::RedbStore),
     Sqlite(idem_sqlite::SqliteStore),
     Redis { store: idem_redis::RedisStore, conn: redis::aio::MultiplexedConnection },
-    Postgres { store: idem_postgres::PostgresStore, client: deadpool_postgres::tokio_postgres::Client },
+    Postgres { pool: idem_postgres::sqlx::PgPool, schema: String },
 }
 
 struct Backend {
@@ -181,27 +181,25 @@ async fn open(name: &'static str) -> Backend {
             )
             .await
             .unwrap_or_else(|e| panic!("PostgreSQL is not reachable at {url}: {e}; these tests need a real server"));
-            let (client, conn) =
-                deadpool_postgres::tokio_postgres::connect(&url, deadpool_postgres::tokio_postgres::NoTls)
-                    .await
-                    .expect("postgres connection");
-            tokio::spawn(conn);
-            let cleanup = move || {
-                let _ = std::thread::spawn(move || {
-                    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-                    rt.block_on(async {
-                        let tls = deadpool_postgres::tokio_postgres::NoTls;
-                        if let Ok((c, conn)) = deadpool_postgres::tokio_postgres::connect(&url, tls).await {
-                            tokio::spawn(conn);
-                            let _ = c.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE")).await;
-                        }
-                    });
-                })
-                .join();
+            let cleanup = {
+                let schema = schema.clone();
+                move || {
+                    let _ = std::thread::spawn(move || {
+                        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+                        rt.block_on(async {
+                            use idem_postgres::sqlx::{self, Connection as _};
+                            if let Ok(mut c) = sqlx::PgConnection::connect(&url).await {
+                                let drop = format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE");
+                                let _ = sqlx::Executor::execute(&mut c, sqlx::raw_sql(&drop)).await;
+                            }
+                        });
+                    })
+                    .join();
+                }
             };
             Backend {
                 store: Arc::new(s.clone()),
-                raw: Raw::Postgres { store: s, client },
+                raw: Raw::Postgres { pool: s.pool().clone(), schema },
                 cleanup: Some(Box::new(cleanup)),
                 _dir: None,
             }
@@ -218,18 +216,19 @@ impl Backend {
             Raw::Redb(s) => {
                 let tx = s.database().expect("the database is open").begin_read().expect("read tx");
                 let table = tx.open_table(idem_redb::table::RECORDS).expect("table");
-                table.get(&id.0).expect("get").map(|v| v.value().to_vec())
+                table.get(id.as_bytes()).expect("get").map(|v| v.value().to_vec())
             }
             Raw::Sqlite(s) => {
                 let c = rusqlite::Connection::open(s.path()).expect("open");
-                c.query_row("SELECT response FROM idem_records WHERE id = ?1", [&id.0[..]], |r| r.get(0)).expect("row")
+                c.query_row("SELECT response FROM idem_records WHERE id = ?1", [&id.as_bytes()[..]], |r| r.get(0))
+                    .expect("row")
             }
             Raw::Redis { store, conn } => {
                 redis::cmd("HGET").arg(store.record_key(id)).arg("r").query_async(conn).await.expect("HGET")
             }
-            Raw::Postgres { store, client } => {
-                let sql = format!("SELECT response FROM \"{}\".records WHERE id = $1", store.schema());
-                client.query_one(&sql, &[&&id.0[..]]).await.expect("row").get(0)
+            Raw::Postgres { pool, schema } => {
+                let sql = format!("SELECT response FROM \"{schema}\".records WHERE id = $1");
+                idem_postgres::sqlx::query_scalar(&sql).bind(&id.as_bytes()[..]).fetch_one(&*pool).await.expect("row")
             }
         }
     }
@@ -244,12 +243,12 @@ impl Backend {
                 let tx = db.begin_write().expect("write tx");
                 {
                     let mut table = tx.open_table(idem_redb::table::RECORDS).expect("table");
-                    let src = idem_core::codec::decode(table.get(&from.0).expect("get").expect("from").value())
+                    let src = idem_core::codec::decode(table.get(from.as_bytes()).expect("get").expect("from").value())
                         .expect("decodes");
-                    let mut dst =
-                        idem_core::codec::decode(table.get(&to.0).expect("get").expect("to").value()).expect("decodes");
+                    let mut dst = idem_core::codec::decode(table.get(to.as_bytes()).expect("get").expect("to").value())
+                        .expect("decodes");
                     dst.response = src.response;
-                    table.insert(&to.0, idem_core::codec::encode(&dst).as_slice()).expect("insert");
+                    table.insert(to.as_bytes(), idem_core::codec::encode(&dst).as_slice()).expect("insert");
                 }
                 tx.commit().expect("commit");
             }
@@ -258,7 +257,7 @@ impl Backend {
                 let n = c
                     .execute(
                         "UPDATE idem_records SET response = (SELECT response FROM idem_records WHERE id = ?1) WHERE id = ?2",
-                        [&from.0[..], &to.0[..]],
+                        [&from.as_bytes()[..], &to.as_bytes()[..]],
                     )
                     .expect("update");
                 assert_eq!(n, 1);
@@ -274,12 +273,12 @@ impl Backend {
                     .await
                     .expect("HSET");
             }
-            Raw::Postgres { store, client } => {
+            Raw::Postgres { pool, schema } => {
                 let sql = format!(
-                    "UPDATE \"{0}\".records SET response = (SELECT response FROM \"{0}\".records WHERE id = $1) WHERE id = $2",
-                    store.schema()
+                    "UPDATE \"{schema}\".records SET response = (SELECT response FROM \"{schema}\".records WHERE id = $1) WHERE id = $2"
                 );
-                assert_eq!(client.execute(&sql, &[&&from.0[..], &&to.0[..]]).await.expect("update"), 1);
+                let q = idem_postgres::sqlx::query(&sql).bind(&from.as_bytes()[..]).bind(&to.as_bytes()[..]);
+                assert_eq!(q.execute(&*pool).await.expect("update").rows_affected(), 1);
             }
         }
         true
@@ -313,14 +312,17 @@ impl Backend {
                 let tx = db.begin_write().expect("write tx");
                 tx.open_table(idem_redb::table::RECORDS)
                     .expect("table")
-                    .insert(&id.0, bytes.as_slice())
+                    .insert(id.as_bytes(), bytes.as_slice())
                     .expect("insert");
                 tx.commit().expect("commit");
             }
             Raw::Sqlite(s) => {
                 let c = rusqlite::Connection::open(s.path()).expect("open");
                 let n = c
-                    .execute("UPDATE idem_records SET response = ?1 WHERE id = ?2", rusqlite::params![bytes, &id.0[..]])
+                    .execute(
+                        "UPDATE idem_records SET response = ?1 WHERE id = ?2",
+                        rusqlite::params![bytes, &id.as_bytes()[..]],
+                    )
                     .expect("update");
                 assert_eq!(n, 1);
             }
@@ -333,9 +335,10 @@ impl Backend {
                     .await
                     .expect("HSET");
             }
-            Raw::Postgres { store, client } => {
-                let sql = format!("UPDATE \"{}\".records SET response = $1 WHERE id = $2", store.schema());
-                assert_eq!(client.execute(&sql, &[&bytes, &&id.0[..]]).await.expect("update"), 1);
+            Raw::Postgres { pool, schema } => {
+                let sql = format!("UPDATE \"{schema}\".records SET response = $1 WHERE id = $2");
+                let q = idem_postgres::sqlx::query(&sql).bind(&bytes).bind(&id.as_bytes()[..]);
+                assert_eq!(q.execute(&*pool).await.expect("update").rows_affected(), 1);
             }
         }
         true
@@ -478,7 +481,9 @@ async fn postgres_unsealed_records_are_refused_unless_accepted() {
 
     let strict = app.router(layer(backend.store.clone(), Some(keys_v1())));
     assert_eq!(send(&strict, &key).await.0, StatusCode::SERVICE_UNAVAILABLE);
-    let migrating = app.router(layer(backend.store.clone(), Some(keys_v1())).with_unsealed_accepted(true));
+    let migrating =
+        IdempotencyLayer::new(backend.store.clone()).with_sealing(Sealing::new(keys_v1()).accept_unsealed(true));
+    let migrating = app.router(migrating);
     let replay = send(&migrating, &key).await;
     assert!(replay.0 == StatusCode::CREATED && replay.1, "{replay:?}");
     assert_eq!(replay.2.as_deref(), Some(app.secret.as_str()));

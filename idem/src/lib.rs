@@ -13,10 +13,13 @@
 //! | `axum` (default) | [`IdempotencyLayer`] and the HTTP settings | `idem-http` |
 //! | `redb` | [`redb`]: the embedded store for a single-node agent | `idem-redb` |
 //! | `sqlite` | [`sqlite`]: the embedded store several processes may share | `idem-sqlite` |
-//! | `redis` | [`redis`]: the shared store, one node or a cluster | `idem-redis` |
-//! | `postgres` | [`postgres`]: the shared store in a team's database | `idem-postgres` |
-//! | `postgres-sqlx` | `postgres` on the application's own `sqlx::PgPool` | `idem-postgres/sqlx` |
+//! | `redis` | [`redis`]: the shared store on one Redis node (or a one-primary cluster) | `idem-redis` |
+//! | `redis-cluster` | `redis` on a Redis Cluster too (`RedisStore::connect_cluster`) | `idem-redis`, feature `cluster` |
+//! | `postgres` | [`postgres`]: the shared store in a team's database, on a `sqlx::PgPool` | `idem-postgres` |
 //! | `client` | [`client`]: one key per operation, retries honouring `Retry-After` | `idem-client` |
+//! | `seal` | sealed stored responses: `IdempotencyLayer::with_sealing`, `Sealing`, `SealingKeys` | `idem-http/seal` |
+//! | `grpc` | gRPC rendering in the layer (without it gRPC is plain HTTP to the layer) | `idem-http/grpc` |
+//! | `canonical-json` | `FingerprintMode::CanonicalJson` | `idem-core/canonical-json` |
 //!
 //! Always here: the [`Store`] contract and its types, the in-memory [`MemoryStore`], and
 //! the [`Sweeper`] that removes expired records from any store.
@@ -60,6 +63,8 @@ pub use idem_http::{
     MismatchStatus, MissingPrincipal, PrincipalResolver, Problem, ProblemKind, ResponseCaching, Resumable,
     StoreDeadlines, StoreFailureMode, SubKey,
 };
+#[cfg(feature = "seal")]
+pub use idem_http::{Sealing, SealingKeys};
 
 /// The embedded redb store (feature `redb`): see [`idem_redb`].
 #[cfg(feature = "redb")]

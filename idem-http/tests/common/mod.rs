@@ -478,6 +478,13 @@ impl Script {
     }
 }
 
+/// `Policy::default()` with `change` applied: the record rules of one test.
+pub fn policy(change: impl FnOnce(&mut idem_http::Policy)) -> idem_http::Policy {
+    let mut policy = idem_http::Policy::default();
+    change(&mut policy);
+    policy
+}
+
 /// The test API: one scripted handler behind several routes, wrapped in `layer`.
 pub fn app(layer: idem_http::IdempotencyLayer, counter: &Counter, script: &Script) -> Router {
     use axum::routing::{post, put};

@@ -89,7 +89,8 @@ fn req(tenant: &str) -> Req {
 }
 
 fn layer(b: &Backend) -> IdempotencyLayer {
-    IdempotencyLayer::new(b.dyn_store()).with_lease_ttl(LEASE).with_retention(Duration::from_secs(60))
+    IdempotencyLayer::new(b.dyn_store())
+        .with_policy(crate::common::policy(|p| (p.lease_ttl, p.retention) = (LEASE, Duration::from_secs(60))))
 }
 
 async fn send(app: &Router, r: &Req) -> Got {

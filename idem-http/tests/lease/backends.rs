@@ -71,7 +71,7 @@ impl Backend {
             Raw::Redb(s) => Arc::new(s.clone()),
             Raw::Sqlite(s) => Arc::new(s.clone()),
             Raw::Redis(s) => Arc::new(s.clone()),
-            Raw::Postgres(s) => Arc::new(s.clone()),
+            Raw::Postgres(s, _) => Arc::new(s.clone()),
         };
         Self { name, clock, store: Arc::new(Frozen::new(store)), raw, _keep: keep }
     }
@@ -88,7 +88,8 @@ pub(crate) enum Raw {
     Redb(idem_redb::RedbStore),
     Sqlite(idem_sqlite::SqliteStore),
     Redis(idem_redis::RedisStore),
-    Postgres(idem_postgres::PostgresStore),
+    /// The store and its schema.
+    Postgres(idem_postgres::PostgresStore, String),
 }
 
 /// Opens one backend for one scenario (called on the scenario's runtime).
@@ -192,13 +193,14 @@ pub(crate) fn postgres() -> BoxFuture<'static, Backend> {
             .await
             .unwrap_or_else(|e| panic!("PostgreSQL is not reachable at {url}: {e}; these tests need a real server"));
         let pool = store.pool().clone();
-        Backend::new("postgres", clock, Raw::Postgres(store), Box::new(PostgresSchema { pool: Some(pool), schema }))
+        let raw = Raw::Postgres(store, schema.clone());
+        Backend::new("postgres", clock, raw, Box::new(PostgresSchema { pool: Some(pool), schema }))
     })
 }
 
 /// Drops a test's schema when dropped.
 struct PostgresSchema {
-    pool: Option<deadpool_postgres::Pool>,
+    pool: Option<idem_postgres::sqlx::PgPool>,
     schema: String,
 }
 
@@ -207,10 +209,7 @@ impl Drop for PostgresSchema {
         let (Some(pool), schema) = (self.pool.take(), self.schema.clone()) else { return };
         let sql = format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE");
         let done = std::thread::spawn(move || {
-            io().block_on(async move {
-                let client = pool.get().await.ok()?;
-                client.batch_execute(&sql).await.ok()
-            })
+            io().block_on(async move { idem_postgres::sqlx::raw_sql(&sql).execute(&pool).await.ok().map(drop) })
         })
         .join();
         if !matches!(done, Ok(Some(()))) {

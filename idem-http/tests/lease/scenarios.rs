@@ -55,7 +55,7 @@ pub(crate) fn flash_record_id() -> RecordId {
 
 /// The layer every scenario starts from: the backend's store, a 10 s lease.
 pub(crate) fn layer(b: &Backend) -> IdempotencyLayer {
-    IdempotencyLayer::new(b.dyn_store()).with_lease_ttl(LEASE)
+    IdempotencyLayer::new(b.dyn_store()).with_policy(crate::common::policy(|p| p.lease_ttl = LEASE))
 }
 
 /// Moves the store clock and tokio's clock forward by `d` together, one [`STEP`] at a

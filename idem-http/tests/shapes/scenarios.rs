@@ -33,7 +33,7 @@ fn record_id(route: &str, key: &str) -> RecordId {
 }
 
 fn layer(b: &Backend) -> IdempotencyLayer {
-    IdempotencyLayer::new(b.dyn_store()).with_lease_ttl(LEASE)
+    IdempotencyLayer::new(b.dyn_store()).with_policy(crate::common::policy(|p| p.lease_ttl = LEASE))
 }
 
 /// A request whose response future is kept apart from its body, so the head can be seen
@@ -166,7 +166,9 @@ pub(crate) async fn large_and_binary_bodies_replay_byte_identical(factory: Facto
                 }
             }),
         )
-        .layer(layer(&b).with_max_stored_body(8 << 20));
+        .layer(IdempotencyLayer::new(b.dyn_store()).with_policy(crate::common::policy(|p| {
+            (p.lease_ttl, p.max_stored_body) = (LEASE, 8 << 20);
+        })));
     for (path, ct, expected) in
         [("/v1/exports", "text/csv", Bytes::from(big.to_vec())), ("/v1/images", "image/png", binary)]
     {
@@ -363,7 +365,7 @@ async fn corrupt(b: &Backend, id: RecordId, case: &'static str) {
             let txn = db.begin_write().unwrap();
             {
                 let mut t = txn.open_table(idem_redb::table::RECORDS).unwrap();
-                t.insert(&id.0, &[idem_core::codec::FORMAT_VERSION, 0xff, 0xff, 0xff][..]).unwrap();
+                t.insert(id.as_bytes(), &[idem_core::codec::FORMAT_VERSION, 0xff, 0xff, 0xff][..]).unwrap();
             }
             txn.commit().unwrap();
         }
@@ -372,7 +374,7 @@ async fn corrupt(b: &Backend, id: RecordId, case: &'static str) {
                 "response" => "UPDATE idem_records SET response = x'09ff' WHERE id = ?1",
                 _ => "UPDATE idem_records SET key = 'not a key' WHERE id = ?1",
             };
-            let changed = rusqlite::Connection::open(store.path()).unwrap().execute(sql, [&id.0[..]]).unwrap();
+            let changed = rusqlite::Connection::open(store.path()).unwrap().execute(sql, [&id.as_bytes()[..]]).unwrap();
             assert_eq!(changed, 1);
         }
         Raw::Redis(store) => {
@@ -390,16 +392,16 @@ async fn corrupt(b: &Backend, id: RecordId, case: &'static str) {
             })
             .await;
         }
-        Raw::Postgres(store) => {
-            let (pool, schema) = (store.pool().clone(), store.schema().to_owned());
+        Raw::Postgres(store, schema) => {
+            let (pool, schema) = (store.pool().clone(), schema.clone());
             on_io(async move {
                 let set = match case {
                     "response" => "response = '\\x01ffffffff'::bytea",
                     _ => "key = 'not a key'",
                 };
                 let sql = format!("UPDATE \"{schema}\".records SET {set} WHERE id = $1");
-                let changed = pool.get().await.unwrap().execute(&sql, &[&&id.0[..]]).await.unwrap();
-                assert_eq!(changed, 1);
+                let changed = idem_postgres::sqlx::query(&sql).bind(&id.as_bytes()[..]).execute(&pool).await.unwrap();
+                assert_eq!(changed.rows_affected(), 1);
             })
             .await;
         }
