@@ -9,8 +9,8 @@
 //!   caller.
 //! - Redis: `SET key value NX PX` to claim, `SET key value PX` to complete,
 //!   `SET key value NX GET PX` to replay, through the store's own `ConnectionManager`.
-//! - Postgres: the store's own claim and complete statements ([`idem_postgres::Statements`])
-//!   sent by hand through the store's own pool, without decoding rows into records.
+//! - Postgres: the store's own claim and complete statements ([`idem_postgres::Statement`])
+//!   sent by hand with sqlx through the store's own pool, without decoding rows into records.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -53,14 +53,14 @@ impl NaiveRedb {
             let outcome = {
                 let mut records = txn.open_table(RECORDS)?;
                 let mut expiry = txn.open_table(EXPIRY)?;
-                let current = match records.get(&req.id.0)? {
+                let current = match records.get(req.id().as_bytes())? {
                     Some(v) => Some(codec::decode(v.value())?),
                     None => None,
                 };
                 let (write, outcome) = transition::claim(current.as_ref(), &req, SystemClock.now());
                 if let Some(new) = write {
-                    records.insert(&new.id.0, codec::encode(&new).as_slice())?;
-                    expiry.insert((new.expires_at.0, new.id.0), ())?;
+                    records.insert(new.id.as_bytes(), codec::encode(&new).as_slice())?;
+                    expiry.insert((new.expires_at.0, *new.id.as_bytes()), ())?;
                 }
                 outcome
             };
@@ -76,19 +76,19 @@ impl NaiveRedb {
         token: idem_core::FencingToken,
         response: StoredResponse,
     ) -> Result<(), BoxError> {
-        let (db, id) = (Arc::clone(&self.db), req.id);
+        let (db, id) = (Arc::clone(&self.db), req.id());
         tokio::task::spawn_blocking(move || {
             let txn = db.begin_write()?;
             {
                 let mut records = txn.open_table(RECORDS)?;
-                let current = match records.get(&id.0)? {
+                let current = match records.get(id.as_bytes())? {
                     Some(v) => Some(codec::decode(v.value())?),
                     None => None,
                 };
                 // Completion keeps expires_at, so the expiry index does not change.
                 let new = transition::complete(current.as_ref(), id, token, response, SystemClock.now())
                     .map_err(|_| fail("redb baseline: lease lost"))?;
-                records.insert(&new.id.0, codec::encode(&new).as_slice())?;
+                records.insert(new.id.as_bytes(), codec::encode(&new).as_slice())?;
             }
             txn.commit()?;
             Ok::<_, BoxError>(())
@@ -181,7 +181,7 @@ impl NaiveSqlite {
                 let now = SystemClock.now().0;
                 let found: Option<(i64, Option<Vec<u8>>)> = tx
                     .prepare_cached("SELECT expires_at, response FROM idem_records WHERE id = ?1")?
-                    .query_row([&req.id.0[..]], |row| Ok((row.get(0)?, row.get(1)?)))
+                    .query_row([&req.id().as_bytes()[..]], |row| Ok((row.get(0)?, row.get(1)?)))
                     .optional()?;
                 let claimed = match found {
                     Some((expires_at, response)) if expires_at > now => Err(response),
@@ -195,11 +195,11 @@ impl NaiveSqlite {
                              response = NULL"
                         ))?
                         .execute(params![
-                            &req.id.0[..],
-                            req.scope.principal.0,
-                            req.scope.endpoint.0,
-                            req.key.as_str(),
-                            &req.fingerprint.0[..],
+                            &req.id().as_bytes()[..],
+                            req.scope().principal.as_str(),
+                            req.scope().endpoint.as_str(),
+                            req.key().as_str(),
+                            &req.fingerprint().as_bytes()[..],
                             now,
                             now + req.lease_ms(),
                             now + req.retention_ms(),
@@ -214,7 +214,7 @@ impl NaiveSqlite {
         if self.with_connection(claim(req.clone())).await?.is_err() {
             return Err(fail("sqlite baseline: fresh key not claimed"));
         }
-        let id = req.id;
+        let id = req.id();
         let completed = self
             .with_connection(move |conn| {
                 let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -223,7 +223,7 @@ impl NaiveSqlite {
                         "UPDATE idem_records SET state = 'completed', response = ?2 \
                          WHERE id = ?1 AND token = 1 AND state = 'in_flight' AND expires_at > ?3",
                     )?
-                    .execute(params![&id.0[..], encoded, SystemClock.now().0])?;
+                    .execute(params![&id.as_bytes()[..], encoded, SystemClock.now().0])?;
                 tx.commit()?;
                 Ok::<_, BoxError>(n)
             })
@@ -275,7 +275,7 @@ impl RedisByHand {
         replay: bool,
     ) -> Result<(), BoxError> {
         let mut conn = self.conn.clone();
-        let key = format!("{}{}", self.prefix, hex(&req.id.0));
+        let key = format!("{}{}", self.prefix, hex(req.id().as_bytes()));
         let ms = RETENTION.as_millis() as u64;
         let now = SystemClock.now();
         let (Some(claimed), _) = transition::claim(None, &req, now) else {
@@ -292,7 +292,7 @@ impl RedisByHand {
         if ok.is_none() {
             return Err(fail("redis baseline: fresh key not claimed"));
         }
-        let done = transition::complete(Some(&claimed), req.id, claimed.token, response, now)
+        let done = transition::complete(Some(&claimed), req.id(), claimed.token, response, now)
             .map_err(|_| fail("redis baseline: lease lost"))?;
         let () = redis::cmd("SET").arg(&key).arg(codec::encode(&done)).arg("PX").arg(ms).query_async(&mut conn).await?;
         if !replay {
@@ -317,39 +317,30 @@ impl RedisByHand {
 /// Postgres, the store's own statements by hand through the store's pool.
 #[derive(Clone, Debug)]
 pub(crate) struct PostgresByHand {
-    pool: idem_postgres::deadpool_postgres::Pool,
-    sql: idem_postgres::Statements,
+    store: idem_postgres::PostgresStore,
 }
 
 impl PostgresByHand {
     /// Uses `store`'s pool and SQL text.
     pub(crate) fn new(store: &idem_postgres::PostgresStore) -> Self {
-        Self { pool: store.pool().clone(), sql: store.statements().clone() }
+        Self { store: store.clone() }
     }
 
-    /// The claim statement; returns its `claimed` column.
-    async fn claim(
-        &self,
-        client: &idem_postgres::deadpool_postgres::Object,
-        req: &ClaimRequest,
-    ) -> Result<bool, BoxError> {
-        let stmt = client.prepare_cached(self.sql.claim()).await?;
-        let row = client
-            .query_one(
-                &stmt,
-                &[
-                    &&req.id.0[..],
-                    &req.scope.principal.0.as_bytes(),
-                    &req.scope.endpoint.0.as_bytes(),
-                    &req.key.as_str(),
-                    &&req.fingerprint.0[..],
-                    &req.lease_ms(),
-                    &req.retention_ms(),
-                    &None::<i64>,
-                ],
-            )
+    /// The claim statement; returns its `claimed` column and the token.
+    async fn claim(&self, req: &ClaimRequest) -> Result<(bool, i64), BoxError> {
+        use idem_postgres::sqlx::Row as _;
+        let row = idem_postgres::sqlx::query(self.store.sql(idem_postgres::Statement::Claim))
+            .bind(&req.id().as_bytes()[..])
+            .bind(req.scope().principal.as_str().as_bytes())
+            .bind(req.scope().endpoint.as_str().as_bytes())
+            .bind(req.key().as_str())
+            .bind(&req.fingerprint().as_bytes()[..])
+            .bind(req.lease_ms())
+            .bind(req.retention_ms())
+            .bind(None::<i64>)
+            .fetch_one(self.store.pool())
             .await?;
-        Ok(row.try_get::<_, bool>("claimed")?)
+        Ok((row.try_get("claimed")?, row.try_get("token")?))
     }
 
     /// One cycle: the claim statement, the complete statement, the claim statement again.
@@ -359,26 +350,25 @@ impl PostgresByHand {
         response: StoredResponse,
         replay: bool,
     ) -> Result<(), BoxError> {
-        {
-            let client = self.pool.get().await?;
-            if !self.claim(&client, &req).await? {
-                return Err(fail("postgres baseline: fresh key not claimed"));
-            }
+        let (claimed, token) = self.claim(&req).await?;
+        if !claimed {
+            return Err(fail("postgres baseline: fresh key not claimed"));
         }
-        {
-            let client = self.pool.get().await?;
-            let stmt = client.prepare_cached(self.sql.complete()).await?;
-            let encoded = idem_core::codec::encode_response(&response);
-            let row = client.query_opt(&stmt, &[&&req.id.0[..], &1i64, &encoded, &None::<i64>]).await?;
-            if row.is_none() {
-                return Err(fail("postgres baseline: lease lost"));
-            }
+        let encoded = idem_core::codec::encode_response(&response);
+        let row = idem_postgres::sqlx::query(self.store.sql(idem_postgres::Statement::Complete))
+            .bind(&req.id().as_bytes()[..])
+            .bind(token)
+            .bind(&encoded)
+            .bind(None::<i64>)
+            .fetch_optional(self.store.pool())
+            .await?;
+        if row.is_none() {
+            return Err(fail("postgres baseline: lease lost"));
         }
         if !replay {
             return Ok(());
         }
-        let client = self.pool.get().await?;
-        if self.claim(&client, &req).await? {
+        if self.claim(&req).await?.0 {
             return Err(fail("postgres baseline: replay claimed again"));
         }
         Ok(())

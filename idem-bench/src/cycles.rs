@@ -180,9 +180,8 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
         _ => None,
     };
     if let Some(store) = cleanup_pg {
-        let client = store.pool().get().await?;
         let sql = format!("DELETE FROM {}.records WHERE principal = $1", crate::PG_SCHEMA);
-        client.execute(&sql, &[&work.principal.as_bytes()]).await?;
+        idem_postgres::sqlx::query(&sql).bind(work.principal.as_bytes()).execute(store.pool()).await?;
     }
 
     let ratio = if has_baseline && base_sum.rate() > 0.0 { lib_sum.rate() / base_sum.rate() } else { f64::NAN };

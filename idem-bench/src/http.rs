@@ -15,7 +15,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use idem_core::{BoxError, MemoryStore, Store};
-use idem_http::{HandlerExecution, IdempotencyLayer, SealingKeys};
+use idem_http::{HandlerExecution, IdempotencyLayer, Policy, Sealing, SealingKeys};
 use idem_redb::RedbStore;
 
 /// Settings of one `http` row.
@@ -187,11 +187,11 @@ async fn layer_for(args: &HttpArgs, dir: &Path, role: &str) -> Result<Idempotenc
         std::mem::forget(idem_core::Sweeper::start(Arc::clone(&store), config));
     }
     // Short retention: Redis expires the bench's keys natively within a minute.
-    let layer = IdempotencyLayer::new(store)
-        .with_handler_execution(execution)
-        .with_retention(std::time::Duration::from_secs(args.retention_secs));
+    let mut policy = Policy::default();
+    policy.retention = std::time::Duration::from_secs(args.retention_secs);
+    let layer = IdempotencyLayer::new(store).with_handler_execution(execution).with_policy(policy);
     Ok(if role == "sealed" {
-        layer.with_sealing(SealingKeys::new(1, *b"idem-bench sealing key, 32 bytes"))
+        layer.with_sealing(Sealing::new(SealingKeys::new(1, *b"idem-bench sealing key, 32 bytes")))
     } else {
         layer
     })

@@ -113,8 +113,9 @@ async fn one_side(args: &MemoryArgs, with_layer: bool) -> Result<(u64, f64), Box
     });
     let mut app = Router::new().route("/v1/exports", handler);
     if with_layer {
-        let layer =
-            IdempotencyLayer::new(Arc::new(MemoryStore::new())).with_max_stored_body(args.max_stored_body_kib * 1024);
+        let mut policy = idem_http::Policy::default();
+        policy.max_stored_body = args.max_stored_body_kib * 1024;
+        let layer = IdempotencyLayer::new(Arc::new(MemoryStore::new())).with_policy(policy);
         app = app.layer(layer);
     }
     let started = Instant::now();

@@ -11,7 +11,8 @@
 //! `--subscriber fmt`: the fmt layer writing to `io::sink()`, so every span's fields are
 //! formatted and dropped), and,
 //! when this binary was built with the `metrics` feature, a Prometheus recorder
-//! (`metrics-exporter-prometheus`, not serving). Both are installed for this thread only.
+//! (`metrics-exporter-prometheus`, not serving; `--recorder none` leaves the facade's
+//! no-op recorder). Both are installed for this thread only.
 //!
 //! The comparison the observability budget is about (BENCHMARKS.md, "Observability
 //! overhead") runs two builds, interleaved: `--features metrics` with `--observe` against
@@ -43,17 +44,31 @@ pub(crate) struct ObsArgs {
     #[arg(long)]
     observe: bool,
     /// The subscriber `--observe` installs: `registry` (the span registry with an INFO
-    /// filter and a layer that keeps nothing) or `fmt` (tracing-subscriber's fmt layer
-    /// writing to `io::sink()`: every span's fields are formatted, nothing is written).
+    /// filter and a layer that keeps nothing), `fmt` (tracing-subscriber's fmt layer
+    /// writing to `io::sink()`: every span's fields are formatted, nothing is written) or
+    /// `none` (no subscriber: only the metrics are measured).
     #[arg(long, value_enum, default_value = "registry")]
     subscriber: SubscriberKind,
+    /// With `--observe` and the `metrics` feature: `prometheus` installs a Prometheus
+    /// recorder (not serving); `none` leaves the facade's no-op recorder, so what is
+    /// measured is the layer's metric calls without an exporter's recording.
+    #[arg(long, value_enum, default_value = "prometheus")]
+    recorder: RecorderKind,
     /// Replays instead of first-time requests.
     #[arg(long)]
     replay: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum RecorderKind {
+    Prometheus,
+    None,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 enum SubscriberKind {
+    /// No subscriber: the span is disabled, only the metrics are measured.
+    None,
     Registry,
     Fmt,
 }
@@ -82,9 +97,24 @@ fn request(key: u64) -> Request<Body> {
         .expect("request")
 }
 
-/// Mean ns per request over one slice of `n` requests.
-async fn slice(app: &Router, n: u64, next: &AtomicU64, replay: bool) -> f64 {
-    let started = Instant::now();
+/// Wall and CPU time of one slice, mean ns per request.
+#[derive(Clone, Copy)]
+struct Took {
+    wall: f64,
+    cpu: f64,
+}
+
+/// CPU time this thread has run so far. The slices run on this one thread (a
+/// current-thread runtime, an in-memory store), so its CPU time is the work measured, and
+/// unlike wall time it does not move when other processes take the machine's cores.
+fn thread_cpu() -> std::time::Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    std::time::Duration::new(u64::try_from(t.tv_sec).unwrap_or(0), u32::try_from(t.tv_nsec).unwrap_or(0))
+}
+
+/// Wall and CPU time per request over one slice of `n` requests.
+async fn slice(app: &Router, n: u64, next: &AtomicU64, replay: bool) -> Took {
+    let (started, cpu) = (Instant::now(), thread_cpu());
     for _ in 0..n {
         let key = if replay { next.load(Ordering::Relaxed) % 1_000 } else { next.fetch_add(1, Ordering::Relaxed) };
         let res = app.clone().oneshot(request(key)).await.expect("infallible");
@@ -94,15 +124,21 @@ async fn slice(app: &Router, n: u64, next: &AtomicU64, replay: bool) -> f64 {
             next.fetch_add(1, Ordering::Relaxed);
         }
     }
-    started.elapsed().as_nanos() as f64 / n as f64
+    let per = |d: std::time::Duration| d.as_nanos() as f64 / n as f64;
+    Took { wall: per(started.elapsed()), cpu: per(thread_cpu().saturating_sub(cpu)) }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+/// The medians of wall and CPU time per request.
+fn median(v: &[Took]) -> Took {
+    let mid = |f: fn(&Took) -> f64| {
+        let mut x: Vec<f64> = v.iter().map(f).collect();
+        x.sort_by(f64::total_cmp);
+        x[x.len() / 2]
+    };
+    Took { wall: mid(|t| t.wall), cpu: mid(|t| t.cpu) }
 }
 
-fn measure(args: &ObsArgs) -> Result<(f64, f64), BoxError> {
+fn measure(args: &ObsArgs) -> Result<(Took, Took), BoxError> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         // `with_state(())` turns the handlers into services once, as `axum::serve` does;
@@ -127,30 +163,29 @@ fn measure(args: &ObsArgs) -> Result<(f64, f64), BoxError> {
                 b.push(slice(&bare, args.requests, &AtomicU64::new(0), true).await);
             }
         }
-        Ok((median(b), median(l)))
+        Ok((median(&b), median(&l)))
     })
 }
 
-fn run_here(args: &ObsArgs) -> Result<(f64, f64), BoxError> {
+fn run_here(args: &ObsArgs) -> Result<(Took, Took), BoxError> {
     if !args.observe {
         return measure(args);
     }
+    let with_recorder = || {
+        #[cfg(feature = "metrics")]
+        if args.recorder == RecorderKind::Prometheus {
+            let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+            return metrics::with_local_recorder(&recorder, || measure(args));
+        }
+        measure(args)
+    };
     let registry = tracing_subscriber::registry().with(tracing_subscriber::filter::LevelFilter::INFO);
     let subscriber: Box<dyn tracing::Subscriber + Send + Sync> = match args.subscriber {
+        SubscriberKind::None => return with_recorder(),
         SubscriberKind::Registry => Box::new(registry.with(Sink)),
         SubscriberKind::Fmt => Box::new(registry.with(tracing_subscriber::fmt::layer().with_writer(std::io::sink))),
     };
-    tracing::subscriber::with_default(subscriber, || {
-        #[cfg(feature = "metrics")]
-        {
-            let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
-            metrics::with_local_recorder(&recorder, || measure(args))
-        }
-        #[cfg(not(feature = "metrics"))]
-        {
-            measure(args)
-        }
-    })
+    tracing::subscriber::with_default(subscriber, with_recorder)
 }
 
 /// Runs the slices on a thread of their own (a current-thread runtime, with the
@@ -160,14 +195,19 @@ pub(crate) async fn run(args: ObsArgs) -> Result<(), BoxError> {
     let ((bare, layered), args) =
         tokio::task::spawn_blocking(move || worker.join()).await?.map_err(|_| "the measuring thread panicked")??;
     println!(
-        "obs mode={} observe={} subscriber={:?} metrics_feature={} requests={} rounds={} bare_ns={bare:.0} \
-         layered_ns={layered:.0}",
+        "obs mode={} observe={} subscriber={:?} metrics_feature={} recorder={:?} requests={} rounds={} \
+         bare_ns={:.0} layered_ns={:.0} bare_cpu_ns={:.0} layered_cpu_ns={:.0}",
         if args.replay { "replay" } else { "first" },
         args.observe,
         args.subscriber,
         cfg!(feature = "metrics"),
+        args.recorder,
         args.requests,
         args.rounds,
+        bare.wall,
+        layered.wall,
+        bare.cpu,
+        layered.cpu,
     );
     Ok(())
 }

@@ -7,8 +7,8 @@
 //! - library: `store.claim`, then `store.complete_in(&mut tx, ..)` between the insert and
 //!   the commit;
 //! - by hand: the store's own claim and complete statements
-//!   (`PostgresStore::statements()`), bound and sent with sqlx, with the same insert,
-//!   `BEGIN` and `COMMIT`.
+//!   (`PostgresStore::sql`), bound and sent with sqlx, with the same insert, `BEGIN` and
+//!   `COMMIT`.
 //!
 //! `--via direct`: straight to PostgreSQL, named prepared statements (sqlx's statement
 //! cache) on both sides. `--via pgbouncer`: through PgBouncer in transaction mode
@@ -23,7 +23,7 @@ use clap::ValueEnum;
 use idem_core::{BoxError, ClaimOutcome, Store as _};
 use idem_postgres::sqlx::postgres::PgPoolOptions;
 use idem_postgres::sqlx::{self, Row as _};
-use idem_postgres::{PostgresStore, Sqlx};
+use idem_postgres::{PostgresStore, Statement};
 
 use crate::workload::{Summary, Workload, drive};
 
@@ -98,7 +98,7 @@ fn inline(sql: &str, params: &[Lit<'_>]) -> String {
 
 struct Bench {
     pool: sqlx::PgPool,
-    store: PostgresStore<Sqlx>,
+    store: PostgresStore,
     work: Workload,
     insert: String,
     prepared: bool,
@@ -111,7 +111,7 @@ impl Bench {
             return Err("pgtx: a fresh key was not claimed".into());
         };
         let mut tx = self.pool.begin().await?;
-        self.insert(&mut tx, req.key.as_str()).await?;
+        self.insert(&mut tx, req.key().as_str()).await?;
         self.store.complete_in(&mut tx, r.id, r.token, self.work.response()).await?;
         tx.commit().await?;
         Ok(())
@@ -128,28 +128,30 @@ impl Bench {
 
     async fn by_hand(&self, i: u64) -> Result<(), BoxError> {
         let req = self.work.request("hand", i);
-        let sql = self.store.statements();
-        let (principal, endpoint) = (req.scope.principal.0.as_bytes(), req.scope.endpoint.0.as_bytes());
+        let (claim, complete) = (self.store.sql(Statement::Claim), self.store.sql(Statement::Complete));
+        let (id, fingerprint) = (req.id(), req.fingerprint());
+        let (principal, endpoint) =
+            (req.scope().principal.as_str().as_bytes(), req.scope().endpoint.as_str().as_bytes());
         let row = if self.prepared {
-            let q = sqlx::query(sql.claim())
-                .bind(&req.id.0[..])
+            let q = sqlx::query(claim)
+                .bind(&id.as_bytes()[..])
                 .bind(principal)
                 .bind(endpoint)
-                .bind(req.key.as_str())
-                .bind(&req.fingerprint.0[..])
+                .bind(req.key().as_str())
+                .bind(&fingerprint.as_bytes()[..])
                 .bind(req.lease_ms())
                 .bind(req.retention_ms())
                 .bind(None::<i64>);
             sqlx::Executor::fetch_one(&self.pool, q).await?
         } else {
             let text = inline(
-                sql.claim(),
+                claim,
                 &[
-                    Lit::Bytes(&req.id.0),
+                    Lit::Bytes(id.as_bytes()),
                     Lit::Bytes(principal),
                     Lit::Bytes(endpoint),
-                    Lit::Text(req.key.as_str()),
-                    Lit::Bytes(&req.fingerprint.0),
+                    Lit::Text(req.key().as_str()),
+                    Lit::Bytes(fingerprint.as_bytes()),
                     Lit::I64(req.lease_ms()),
                     Lit::I64(req.retention_ms()),
                     Lit::Null,
@@ -163,13 +165,12 @@ impl Bench {
         let token: i64 = row.try_get("token")?;
         let encoded = idem_core::codec::encode_response(&self.work.response());
         let mut tx = self.pool.begin().await?;
-        self.insert(&mut tx, req.key.as_str()).await?;
+        self.insert(&mut tx, req.key().as_str()).await?;
         let done = if self.prepared {
-            let q = sqlx::query(sql.complete()).bind(&req.id.0[..]).bind(token).bind(&encoded).bind(None::<i64>);
+            let q = sqlx::query(complete).bind(&id.as_bytes()[..]).bind(token).bind(&encoded).bind(None::<i64>);
             sqlx::Executor::fetch_optional(&mut *tx, q).await?
         } else {
-            let text =
-                inline(sql.complete(), &[Lit::Bytes(&req.id.0), Lit::I64(token), Lit::Bytes(&encoded), Lit::Null]);
+            let text = inline(complete, &[Lit::Bytes(id.as_bytes()), Lit::I64(token), Lit::Bytes(&encoded), Lit::Null]);
             sqlx::Executor::fetch_optional(&mut *tx, sqlx::raw_sql(&text)).await?
         };
         if done.is_none() {
@@ -188,7 +189,7 @@ pub(crate) async fn run(args: PgTxArgs) -> Result<(), BoxError> {
     let prepared = args.via == Via::Direct;
     let pool = PgPoolOptions::new().max_connections(args.pool).connect(url).await?;
     let config = idem_postgres::Config::default().with_schema(crate::PG_SCHEMA).with_prepared_statements(prepared);
-    let store = PostgresStore::from_sqlx(pool.clone(), config).await?;
+    let store = PostgresStore::from_pool(pool.clone(), config).await?;
     let table = format!("{}.pgtx_workers", crate::PG_SCHEMA);
     sqlx::raw_sql(&format!("CREATE TABLE IF NOT EXISTS {table} (id bigserial PRIMARY KEY, op text NOT NULL)"))
         .execute(&pool)

@@ -286,8 +286,12 @@ pub(crate) async fn run(args: RenewArgs) -> Result<(), BoxError> {
     let run = crate::run_id();
     let dir = crate::bench_dir()?;
     let lease = Duration::from_millis(args.lease_ms);
+    if lease.is_zero() {
+        return Err("the lease must be longer than 0 ms".into());
+    }
+    // `LeaseRenewal::default()` renews every lease TTL / 3, at least every 10 ms.
     let renewal = LeaseRenewal::default();
-    let interval = renewal.interval(lease).ok_or("the lease must be longer than 0 ms")?;
+    let interval = (lease / 3).max(LeaseRenewal::MIN_INTERVAL);
     let hold = Duration::from_millis(args.hold_ms);
     if hold < interval * 3 {
         return Err(format!("--hold-ms must be at least 3 renewal intervals ({} ms)", interval.as_millis() * 3).into());
@@ -319,7 +323,8 @@ pub(crate) async fn run(args: RenewArgs) -> Result<(), BoxError> {
         }
     };
     let store = Arc::new(Metered::new(inner, lease));
-    let policy = Policy::default().with_lease_ttl(lease).with_retention(RETENTION);
+    let mut policy = Policy::default();
+    (policy.lease_ttl, policy.retention) = (lease, RETENTION);
     let app = Router::new()
         .route("/v1/workers/{id}/firmware", post(long_handler))
         .route_layer(
@@ -369,9 +374,9 @@ pub(crate) async fn run(args: RenewArgs) -> Result<(), BoxError> {
     }
     let elapsed = started.elapsed();
     if let Some(pg) = cleanup_pg {
-        let client = pg.pool().get().await?;
         let sql = format!("DELETE FROM {}.records WHERE principal = $1", crate::PG_SCHEMA);
-        client.execute(&sql, &[&BearerToken::principal_for(token.as_bytes()).as_bytes()]).await?;
+        let principal = BearerToken::principal_for(token.as_bytes());
+        idem_postgres::sqlx::query(&sql).bind(principal.as_bytes()).execute(pg.pool()).await?;
     }
 
     let n = args.handlers;

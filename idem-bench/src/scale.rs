@@ -65,10 +65,10 @@ fn template(work: &Workload) -> Record {
     let now = idem_core::Clock::now(&idem_core::SystemClock);
     let req = work.request("fill", 0);
     Record {
-        id: req.id,
-        scope: req.scope,
-        key: req.key,
-        fingerprint: req.fingerprint,
+        id: req.id(),
+        scope: req.scope().clone(),
+        key: req.key().clone(),
+        fingerprint: req.fingerprint(),
         state: RecordState::Completed,
         token: FencingToken::first_at(now),
         response: Some(work.response()),
@@ -118,11 +118,11 @@ fn fill_sqlite(path: &std::path::Path, template: &Record, from: u64, to: u64) ->
             for i in n..end {
                 let r = filler(template, i);
                 insert.execute(rusqlite::params![
-                    *r.id.as_bytes().as_slice(),
+                    r.id.as_bytes().as_slice(),
                     "scale-fill",
                     "POST /x",
                     format!("fill-{i}"),
-                    r.fingerprint.0.as_slice(),
+                    r.fingerprint.as_bytes().as_slice(),
                     r.token.0 as i64,
                     r.created_at.0,
                     r.expires_at.0,
@@ -138,40 +138,36 @@ fn fill_sqlite(path: &std::path::Path, template: &Record, from: u64, to: u64) ->
 
 async fn fill_postgres(
     store: &idem_postgres::PostgresStore,
+    schema: &str,
     template: &Record,
     from: u64,
     to: u64,
 ) -> Result<(), BoxError> {
-    let client = store.pool().get().await?;
+    use idem_postgres::sqlx;
     let response = idem_core::codec::encode_response(template.response.as_ref().ok_or("no response")?);
     let sql = format!(
         "INSERT INTO {schema}.records (id, principal, endpoint, key, fingerprint, state, token, response, created_at, \
          started_at, lease_expires_at, expires_at, claim_txid) \
          SELECT decode(md5('scale-' || i) || md5('fill-' || i), 'hex'), 'scale-fill'::bytea, 'POST /x'::bytea, \
-         'fill-' || i, $1, 'completed', $2, $3, $4, $4, $4, $5, 0 FROM generate_series($6::bigint, $7::bigint) AS i",
-        schema = store.schema()
+         'fill-' || i, $1, 'completed', $2, $3, $4, $4, $4, $5, 0 FROM generate_series($6::bigint, $7::bigint) AS i"
     );
     let mut n = from;
     while n < to {
         let end = (n + 10 * CHUNK).min(to);
         let (first, last) = (n as i64, end as i64 - 1);
-        client
-            .execute(
-                &sql,
-                &[
-                    template.fingerprint.as_bytes().as_slice(),
-                    &(template.token.0 as i64),
-                    &response.as_slice(),
-                    &template.created_at.0,
-                    &template.expires_at.0,
-                    &first,
-                    &last,
-                ],
-            )
+        sqlx::query(&sql)
+            .bind(template.fingerprint.as_bytes().as_slice())
+            .bind(template.token.0 as i64)
+            .bind(response.as_slice())
+            .bind(template.created_at.0)
+            .bind(template.expires_at.0)
+            .bind(first)
+            .bind(last)
+            .execute(store.pool())
             .await?;
         n = end;
     }
-    client.execute(&format!("ANALYZE {}.records", store.schema()), &[]).await?;
+    sqlx::raw_sql(&format!("ANALYZE {schema}.records")).execute(store.pool()).await?;
     Ok(())
 }
 
@@ -245,7 +241,7 @@ pub(crate) async fn run(args: ScaleArgs) -> Result<(), BoxError> {
                         let (path, t) = (path.clone(), template.clone());
                         tokio::task::spawn_blocking(move || fill_sqlite(&path, &t, filled, target)).await??;
                     }
-                    (_, _, Some(store)) => fill_postgres(store, &template, filled, target).await?,
+                    (_, _, Some(store)) => fill_postgres(store, &schema, &template, filled, target).await?,
                     _ => unreachable!("one backend"),
                 }
                 filled = target;
@@ -274,8 +270,8 @@ pub(crate) async fn run(args: ScaleArgs) -> Result<(), BoxError> {
     }
     .await;
     if let Some(store) = &pg {
-        let client = store.pool().get().await?;
-        client.execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"), &[]).await?;
+        let drop = format!("DROP SCHEMA IF EXISTS {schema} CASCADE");
+        idem_postgres::sqlx::raw_sql(&drop).execute(store.pool()).await?;
     }
     result?;
     println!("(one cycle = claim + complete of a fresh key; live = completed, unexpired records in the store)");

@@ -64,7 +64,7 @@ async fn fill(
         )),
     };
     let body = Arc::new(body);
-    let ids: Vec<_> = (0..n).map(|i| work.request("size", i).id).collect();
+    let ids: Vec<_> = (0..n).map(|i| work.request("size", i).id()).collect();
     let cycle = Arc::new(move |i: u64| {
         let (store, work, body) = (Arc::clone(&store), Arc::clone(&work), Arc::clone(&body));
         async move {
@@ -148,13 +148,14 @@ pub(crate) async fn run(args: SizeArgs) -> Result<(), BoxError> {
                     idem_postgres::Config::default().with_schema(schema.clone()),
                 )
                 .await?;
-                let client = store.pool().get().await?;
+                use idem_postgres::sqlx;
+                let pool = store.pool();
                 let size_sql = format!("SELECT pg_total_relation_size('{schema}.records')::bigint");
-                let before: i64 = client.query_one(&size_sql, &[]).await?.get(0);
+                let before: i64 = sqlx::query_scalar(&size_sql).fetch_one(pool).await?;
                 fill(Arc::new(store.clone()), work, shape, n).await?;
-                client.batch_execute(&format!("VACUUM {schema}.records")).await?;
-                let after: i64 = client.query_one(&size_sql, &[]).await?.get(0);
-                client.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).await?;
+                sqlx::raw_sql(&format!("VACUUM {schema}.records")).execute(pool).await?;
+                let after: i64 = sqlx::query_scalar(&size_sql).fetch_one(pool).await?;
+                sqlx::raw_sql(&format!("DROP SCHEMA {schema} CASCADE")).execute(pool).await?;
                 ((after - before).max(0) as f64 / n as f64, "pg_total_relation_size growth")
             }
         };

@@ -114,7 +114,7 @@ pub(crate) async fn run(args: SweepArgs) -> Result<(), BoxError> {
     let sweep_secs = started.elapsed().as_secs_f64();
     let (rss_after, peak) = rss_kib()?;
     if let Some((store, schema)) = drop_schema {
-        store.pool().get().await?.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).await?;
+        idem_postgres::sqlx::raw_sql(&format!("DROP SCHEMA {schema} CASCADE")).execute(store.pool()).await?;
     }
     println!(
         "{:<9} {:>9} {:>6} {:>9} {:>7} {:>9} {:>9} {:>13} {:>13} {:>13}",

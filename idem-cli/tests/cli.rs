@@ -414,8 +414,8 @@ impl SchemaDrop {
         )
         .await
         .expect("Postgres");
-        let client = store.pool().get().await.expect("connection");
-        client.batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", self.schema)).await.expect("drop schema");
+        let drop = format!("DROP SCHEMA \"{}\" CASCADE", self.schema);
+        idem_postgres::sqlx::raw_sql(&drop).execute(store.pool()).await.expect("drop schema");
     }
 }
 
@@ -464,7 +464,8 @@ async fn a_sealed_response_is_shown_as_sealed_not_as_status_0() {
     let path = temp_file(&dir, "sealed.redb");
     let url = format!("redb://{}", path.display());
     let store = open_redb(path.clone()).await;
-    let layer = IdempotencyLayer::new(store).with_sealing(idem_http::SealingKeys::new(7, [9; 32]));
+    let sealing = idem_http::Sealing::new(idem_http::SealingKeys::new(7, [9; 32]));
+    let layer = IdempotencyLayer::new(store).with_sealing(sealing);
     let app = axum::Router::new()
         .route("/v1/workers/{id}/reboot", post(|| async { (axum::http::StatusCode::CREATED, "rebooted") }))
         .layer(layer);
