@@ -626,10 +626,16 @@ pub(crate) fn record_at(row: &PgRow, base: usize, written: Option<StoredResponse
     if response.is_some() != (state == RecordState::Completed) {
         return Err(bad("response", "a response without the completed state, or none with it"));
     }
+    let scope = Scope { principal, endpoint };
+    // A row whose scope and key hash to another id (copied between rows by something with
+    // write access to the table) would replay one tenant's response under another's key.
+    if scope.record_id(&key) != id {
+        return Err(bad("id", "the scope and key name another record"));
+    }
     let ms = |idx, column| c.get::<i64>(idx, column).map(UnixMillis);
     Ok(Record {
         id,
-        scope: Scope { principal, endpoint },
+        scope,
         key,
         fingerprint,
         state,

@@ -376,6 +376,8 @@ async fn hostile_rows_are_corrupt_naming_the_column() {
         ("fingerprint = '\\x00'::bytea", "fingerprint"),
         ("principal = '\\xff'::bytea", "principal"),
         ("principal = ''::bytea", "principal"),
+        // Another tenant's scope under this id: refused, never replayed across tenants.
+        ("principal = 'tenant-b'::bytea", "id"),
         ("key = 'not a key'", "key"),
         ("state = 'completed'", "response"),
     ];

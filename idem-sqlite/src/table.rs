@@ -254,9 +254,15 @@ pub(crate) fn from_row(row: &Row<'_>) -> Result<Record, StoreError> {
         }
         _ => return Err(Error::invalid_row(&raw_id, "response", "neither a blob nor NULL").into()),
     };
+    let scope = Scope { principal, endpoint: Endpoint::from(text(2)?) };
+    // A row whose scope and key hash to another id (copied between rows by something with
+    // write access to the file) would replay one tenant's response under another's key.
+    if scope.record_id(&key) != id {
+        return Err(Error::invalid_row(&raw_id, "id", "the scope and key name another record").into());
+    }
     Ok(Record {
         id,
-        scope: Scope { principal, endpoint: Endpoint::from(text(2)?) },
+        scope,
         key,
         fingerprint,
         state,

@@ -136,6 +136,24 @@ async fn a_corrupt_stored_response_is_a_typed_error_and_is_never_overwritten() {
 }
 
 #[tokio::test]
+async fn a_row_naming_another_tenant_is_corrupt_and_never_replayed() {
+    //! A row whose scope was rewritten to another tenant's (bytes moved between rows by
+    //! something with write access) was returned under the first tenant's id.
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.sqlite3");
+    let clock = ManualClock::new(UnixMillis(1_700_000_000_000));
+    let store = open(path.clone(), &clock).await;
+    let ClaimOutcome::Claimed(r) = store.claim(req("k1")).await.expect("claim") else { panic!("not claimed") };
+    store.complete(r.id, r.token, StoredResponse::new(201, vec![], b"tenant a".to_vec())).await.expect("complete");
+    Connection::open(&path)
+        .and_then(|c| c.execute("UPDATE idem_records SET principal = 'tenant-b' WHERE id = ?1", [&r.id.as_bytes()[..]]))
+        .expect("move the row to another tenant");
+
+    assert!(matches!(store.get(r.id).await, Err(StoreError::Corrupt { id: Some(id), .. }) if id == r.id));
+    assert!(matches!(store.claim(req("k1")).await, Err(StoreError::Corrupt { .. })));
+}
+
+#[tokio::test]
 async fn keys_and_scopes_round_trip_byte_exact_through_the_columns() {
     let dir = tempfile::tempdir().expect("dir");
     let clock = ManualClock::new(UnixMillis(1_700_000_000_000));
