@@ -230,24 +230,48 @@ fn bytes32(id: &[u8], column: &'static str, value: &[u8]) -> Result<[u8; 32], Er
 }
 
 pub(crate) fn from_row(row: &Row<'_>) -> Result<Record, StoreError> {
-    // A value of the wrong SQL type is reported by rusqlite (kept as the source).
-    let read = || Error::sqlite("read record");
-    let raw_id: Vec<u8> = row.get(0).map_err(read())?;
+    // A value of the wrong SQL type is a damaged row (corrupt, naming its column); any
+    // other error reading the row is the driver's (kept as the source).
+    const COLUMNS: [&str; 12] = [
+        "id",
+        "principal",
+        "endpoint",
+        "key",
+        "fingerprint",
+        "state",
+        "token",
+        "created_at",
+        "started_at",
+        "lease_expires_at",
+        "expires_at",
+        "response",
+    ];
+    let raw = row.get_ref(0).ok().and_then(|v| v.as_blob().ok()).unwrap_or_default().to_vec();
+    let read = |i: usize| {
+        let raw = &raw;
+        move |e: rusqlite::Error| match e {
+            rusqlite::Error::InvalidColumnType(..)
+            | rusqlite::Error::FromSqlConversionFailure(..)
+            | rusqlite::Error::IntegralValueOutOfRange(..) => Error::invalid_row(raw, COLUMNS[i], e.to_string()),
+            other => Error::sqlite("read record")(other),
+        }
+    };
+    let raw_id: Vec<u8> = row.get(0).map_err(read(0))?;
     let id = RecordId::from_bytes(bytes32(&raw_id, "id", &raw_id)?);
-    let text = |i: usize| row.get::<_, String>(i).map_err(read());
-    let int = |i: usize| row.get::<_, i64>(i).map_err(read());
+    let text = |i: usize| row.get::<_, String>(i).map_err(read(i));
+    let int = |i: usize| row.get::<_, i64>(i).map_err(read(i));
 
     let principal =
         Principal::new(text(1)?).map_err(|_| Error::invalid_row(&raw_id, "principal", "blank principal"))?;
     let key = IdempotencyKey::from_stored(&text(3)?)
         .ok_or_else(|| Error::invalid_row(&raw_id, "key", "not a valid idempotency key"))?;
-    let fingerprint: Vec<u8> = row.get(4).map_err(read())?;
+    let fingerprint: Vec<u8> = row.get(4).map_err(read(4))?;
     let fingerprint = Fingerprint::from_bytes(bytes32(&raw_id, "fingerprint", &fingerprint)?);
     let state_name = text(5)?;
     let state = RecordState::from_name(&state_name)
         .ok_or_else(|| Error::invalid_row(&raw_id, "state", format!("unknown state {state_name:?}")))?;
     let token = u64::try_from(int(6)?).map_err(|_| Error::invalid_row(&raw_id, "token", "negative"))?;
-    let response = match row.get_ref(11).map_err(read())? {
+    let response = match row.get_ref(11).map_err(read(11))? {
         ValueRef::Null => None,
         ValueRef::Blob(bytes) => {
             Some(decode_response(bytes).map_err(|source| StoreError::Corrupt { id: Some(id), source })?)

@@ -154,6 +154,27 @@ async fn a_row_naming_another_tenant_is_corrupt_and_never_replayed() {
 }
 
 #[tokio::test]
+async fn a_value_of_the_wrong_type_is_corrupt_not_an_outage() {
+    //! A column holding a value of another SQL type (an integer token stored as text) was
+    //! reported as a retryable store outage instead of a corrupt record.
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("idem.sqlite3");
+    let clock = ManualClock::new(UnixMillis(1_700_000_000_000));
+    let store = open(path.clone(), &clock).await;
+    let ClaimOutcome::Claimed(r) = store.claim(req("k1")).await.expect("claim") else { panic!("not claimed") };
+    Connection::open(&path)
+        .and_then(|c| {
+            c.execute_batch("PRAGMA ignore_check_constraints = ON")?;
+            c.execute("UPDATE idem_records SET token = 'many' WHERE id = ?1", [&r.id.as_bytes()[..]])
+        })
+        .expect("store a text token");
+    match store.get(r.id).await {
+        Err(StoreError::Corrupt { id: Some(id), .. }) => assert_eq!(id, r.id),
+        other => panic!("a wrongly typed column gave {other:?}"),
+    }
+}
+
+#[tokio::test]
 async fn keys_and_scopes_round_trip_byte_exact_through_the_columns() {
     let dir = tempfile::tempdir().expect("dir");
     let clock = ManualClock::new(UnixMillis(1_700_000_000_000));
