@@ -264,23 +264,6 @@ pub fn record_roundtrip(record: &Record) {
     }
 }
 
-/// Replays the committed corpus of a backend's stored-record target (`stored_redb`,
-/// `stored_sqlite`, ...) through `decode`, the body of that target: every file must decode
-/// or be refused, never panic. Returns how many files ran.
-///
-/// # Panics
-/// When `decode` panics on a file (naming the file), or the corpus is missing.
-pub fn replay_stored_corpus(target: &str, decode: fn(&[u8])) -> usize {
-    let files = corpus_files(target);
-    for file in &files {
-        let data = std::fs::read(file).expect("corpus file");
-        if std::panic::catch_unwind(|| decode(&data)).is_err() {
-            panic!("fuzz target {target} fails on corpus file {}", file.display());
-        }
-    }
-    files.len()
-}
-
 /// A record of `principal` in `state` as the stored-record seeds use it.
 fn seed_record(principal: &str, state: RecordState, response: Option<StoredResponse>) -> Record {
     let scope = Scope::new(principal, Endpoint::new("POST", "/v1/workers/{id}/reboot")).expect("principal");
