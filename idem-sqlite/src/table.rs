@@ -246,43 +246,43 @@ pub(crate) fn from_row(row: &Row<'_>) -> Result<Record, StoreError> {
         "expires_at",
         "response",
     ];
-    let raw = row.get_ref(0).ok().and_then(|v| v.as_blob().ok()).unwrap_or_default().to_vec();
+    let raw_id: &[u8] = match row.get_ref(0).map_err(Error::sqlite("read record"))? {
+        ValueRef::Blob(bytes) => bytes,
+        _ => return Err(Error::invalid_row(&[], "id", "not a blob").into()),
+    };
     let read = |i: usize| {
-        let raw = &raw;
         move |e: rusqlite::Error| match e {
             rusqlite::Error::InvalidColumnType(..)
             | rusqlite::Error::FromSqlConversionFailure(..)
-            | rusqlite::Error::IntegralValueOutOfRange(..) => Error::invalid_row(raw, COLUMNS[i], e.to_string()),
+            | rusqlite::Error::IntegralValueOutOfRange(..) => Error::invalid_row(raw_id, COLUMNS[i], e.to_string()),
             other => Error::sqlite("read record")(other),
         }
     };
-    let raw_id: Vec<u8> = row.get(0).map_err(read(0))?;
-    let id = RecordId::from_bytes(bytes32(&raw_id, "id", &raw_id)?);
+    let id = RecordId::from_bytes(bytes32(raw_id, "id", raw_id)?);
     let text = |i: usize| row.get::<_, String>(i).map_err(read(i));
     let int = |i: usize| row.get::<_, i64>(i).map_err(read(i));
 
-    let principal =
-        Principal::new(text(1)?).map_err(|_| Error::invalid_row(&raw_id, "principal", "blank principal"))?;
+    let principal = Principal::new(text(1)?).map_err(|_| Error::invalid_row(raw_id, "principal", "blank principal"))?;
     let key = IdempotencyKey::from_stored(&text(3)?)
-        .ok_or_else(|| Error::invalid_row(&raw_id, "key", "not a valid idempotency key"))?;
+        .ok_or_else(|| Error::invalid_row(raw_id, "key", "not a valid idempotency key"))?;
     let fingerprint: Vec<u8> = row.get(4).map_err(read(4))?;
-    let fingerprint = Fingerprint::from_bytes(bytes32(&raw_id, "fingerprint", &fingerprint)?);
+    let fingerprint = Fingerprint::from_bytes(bytes32(raw_id, "fingerprint", &fingerprint)?);
     let state_name = text(5)?;
     let state = RecordState::from_name(&state_name)
-        .ok_or_else(|| Error::invalid_row(&raw_id, "state", format!("unknown state {state_name:?}")))?;
-    let token = u64::try_from(int(6)?).map_err(|_| Error::invalid_row(&raw_id, "token", "negative"))?;
+        .ok_or_else(|| Error::invalid_row(raw_id, "state", format!("unknown state {state_name:?}")))?;
+    let token = u64::try_from(int(6)?).map_err(|_| Error::invalid_row(raw_id, "token", "negative"))?;
     let response = match row.get_ref(11).map_err(read(11))? {
         ValueRef::Null => None,
         ValueRef::Blob(bytes) => {
             Some(decode_response(bytes).map_err(|source| StoreError::Corrupt { id: Some(id), source })?)
         }
-        _ => return Err(Error::invalid_row(&raw_id, "response", "neither a blob nor NULL").into()),
+        _ => return Err(Error::invalid_row(raw_id, "response", "neither a blob nor NULL").into()),
     };
     let scope = Scope { principal, endpoint: Endpoint::from(text(2)?) };
     // A row whose scope and key hash to another id (copied between rows by something with
     // write access to the file) would replay one tenant's response under another's key.
     if scope.record_id(&key) != id {
-        return Err(Error::invalid_row(&raw_id, "id", "the scope and key name another record").into());
+        return Err(Error::invalid_row(raw_id, "id", "the scope and key name another record").into());
     }
     Ok(Record {
         id,
