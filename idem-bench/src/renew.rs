@@ -189,7 +189,7 @@ impl Store for Metered {
         id: RecordId,
         token: FencingToken,
         response: StoredResponse,
-    ) -> Result<Record, StoreError> {
+    ) -> Result<idem_core::Receipt, StoreError> {
         let t = Instant::now();
         let out = self.inner.complete(id, token, response).await;
         self.complete_latency.push(t.elapsed());
@@ -197,12 +197,12 @@ impl Store for Metered {
         out
     }
 
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<idem_core::Receipt, StoreError> {
         self.others.fetch_add(1, Ordering::Relaxed);
         self.inner.fail(id, token).await
     }
 
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<idem_core::Receipt, StoreError> {
         let mut pending = Pending { meter: self, id, answered: false };
         let t = Instant::now();
         let out = self.inner.extend(id, token, lease_ttl).await;

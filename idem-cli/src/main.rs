@@ -365,7 +365,14 @@ async fn release(store: &Arc<dyn Store>, id: RecordId, force: bool, out: &Output
         )));
     }
     match store.fail(id, record.token).await {
-        Ok(released) => {
+        Ok(receipt) => {
+            // The record as the fail wrote it: failed, with the receipt's times.
+            let released = Record {
+                state: RecordState::Failed,
+                lease_expires_at: receipt.lease_expires_at,
+                expires_at: receipt.expires_at,
+                ..record
+            };
             let note = if live {
                 "released a LIVE claim (--force): the owner's later writes will be refused as lease lost"
             } else {

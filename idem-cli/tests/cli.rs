@@ -133,8 +133,9 @@ async fn operator_story(url: &str, open: Open, native_expiry: bool) {
     let stuck = claimed(store.as_ref(), request(&principal, "stuck", LONG_LEASE, RETENTION)).await;
     until_past(stuck.started_at.0).await;
     let done = claimed(store.as_ref(), request(&principal, "done", LONG_LEASE, RETENTION)).await;
-    let done = store.complete(done.id, done.token, StoredResponse::new(201, vec![], b"{\"id\":1}".to_vec())).await;
-    let done = done.expect("complete");
+    let response = StoredResponse::new(201, vec![], b"{\"id\":1}".to_vec());
+    store.complete(done.id, done.token, response).await.expect("complete");
+    let done = store.get(done.id).await.expect("get").expect("the completed record");
     let broke = claimed(store.as_ref(), request(&principal, "broke", LONG_LEASE, RETENTION)).await;
     store.fail(broke.id, broke.token).await.expect("fail");
     let lapsed = claimed(store.as_ref(), request(&principal, "lapsed", Duration::from_millis(1), RETENTION)).await;

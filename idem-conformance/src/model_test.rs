@@ -36,8 +36,8 @@ use crate::Oracle;
 use arbitrary::Arbitrary;
 use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,
-    Model, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredBody,
-    StoredResponse, UnixMillis,
+    Model, Receipt, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError,
+    StoredBody, StoredResponse, UnixMillis,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
@@ -393,16 +393,29 @@ fn check_record(r: &Record) -> Result<(), String> {
     Ok(())
 }
 
-fn same_write(
+/// Compares a complete's, fail's or extend's outcome on the store and the model; when it
+/// applied, also the record as written, read back from both (a receipt carries only the
+/// times).
+async fn same_write(
     op: usize,
-    store: Result<Record, StoreError>,
-    model: Result<Record, StoreError>,
+    id: RecordId,
+    now: UnixMillis,
+    (store, model): (Result<Receipt, StoreError>, Result<Receipt, StoreError>),
+    (on_store, on_model): (&dyn Store, &Model),
     stats: &mut RunStats,
 ) -> Result<(), String> {
     match (&store, &model) {
         (Ok(a), Ok(b)) if a == b => {
             stats.writes += 1;
-            check_record(a)
+            let written = on_store.get(id).await.map_err(|e| format!("op #{op}: get after a write failed: {e}"))?;
+            let expected = on_model.get(id, now);
+            if written != expected {
+                return Err(format!("op #{op}: the store wrote {written:?}, the model {expected:?}"));
+            }
+            match written {
+                Some(r) if Receipt::of(&r) == *a => check_record(&r),
+                other => Err(format!("op #{op}: receipt {a:?} does not match the record written, {other:?}")),
+            }
         }
         (
             Err(StoreError::LeaseLost { id: a, presented: b, current: c }),
@@ -617,14 +630,14 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
                 let resp = responses[usize::from(response) % responses.len()].clone();
                 let m = model.complete(ids[k], t, resp.clone(), now);
                 let s = store.complete(ids[k], t, resp).await;
-                same_write(i, s, m, &mut stats)?;
+                same_write(i, ids[k], now, (s, m), (store, &model), &mut stats).await?;
             }
             Op::Fail { owner, key, token } => {
                 let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
                 let t = owners.token(o, k, token, current_token(&model, ids[k], now));
                 let m = model.fail(ids[k], t, now);
                 let s = store.fail(ids[k], t).await;
-                same_write(i, s, m, &mut stats)?;
+                same_write(i, ids[k], now, (s, m), (store, &model), &mut stats).await?;
             }
             Op::Extend { owner, key, token, lease } => {
                 let (o, k) = (usize::from(owner) % OWNERS, usize::from(key) % KEYS);
@@ -633,7 +646,7 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
                 let m = model.extend(ids[k], t, lease, now);
                 let applied = m.is_ok();
                 let s = store.extend(ids[k], t, lease).await;
-                same_write(i, s, m, &mut stats)?;
+                same_write(i, ids[k], now, (s, m), (store, &model), &mut stats).await?;
                 stats.extended += u64::from(applied);
             }
             Op::Get { owner, key } => {
@@ -822,7 +835,7 @@ enum Outcome {
     Claim(ClaimOutcome),
     Reclaim(ReclaimOutcome),
     /// `Err` is `LeaseLost { id, presented, current }`.
-    Write(Result<Record, (RecordId, FencingToken, Option<FencingToken>)>),
+    Write(Result<Receipt, (RecordId, FencingToken, Option<FencingToken>)>),
     Get(Option<Record>),
     JournalPut(JournalPutOutcome),
     JournalGet(Option<Vec<u8>>),
@@ -859,7 +872,7 @@ fn on_model(model: &mut Model, p: &Prepared, now: UnixMillis, journal: bool) -> 
 }
 
 async fn on_store(store: &dyn Store, p: Prepared) -> Result<Outcome, String> {
-    let write = |r: Result<Record, StoreError>| match r {
+    let write = |r: Result<Receipt, StoreError>| match r {
         Ok(r) => Ok(Outcome::Write(Ok(r))),
         Err(e) => lease_lost_parts(e).map(|l| Outcome::Write(Err(l))),
     };
@@ -1006,7 +1019,10 @@ impl World {
             }
             Outcome::Write(Ok(r)) => {
                 stats.writes += 1;
-                (false, false, Some(r))
+                if r.token < FencingToken::FIRST || r.expires_at < r.lease_expires_at {
+                    return Err(format!("receipt out of order: {r:?}"));
+                }
+                (false, false, None)
             }
             Outcome::Write(Err(_)) => {
                 stats.lease_lost += 1;

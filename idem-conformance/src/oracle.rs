@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use idem_core::{
-    ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, Model, ReclaimOutcome, ReclaimRequest, Record, RecordId,
-    StoreError, StoredResponse, SweepOutcome, UnixMillis, engine, engine::Write,
+    ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, Model, Receipt, ReclaimOutcome, ReclaimRequest, Record,
+    RecordId, StoreError, StoredResponse, SweepOutcome, UnixMillis, engine, engine::Write,
 };
 
 /// The map-backed table never fails, so the operations that only read or decide are
@@ -34,12 +34,12 @@ pub trait Oracle {
         token: FencingToken,
         response: StoredResponse,
         now: UnixMillis,
-    ) -> Result<Record, StoreError>;
+    ) -> Result<Receipt, StoreError>;
     /// [`idem_core::Store::fail`].
     ///
     /// # Errors
     /// [`StoreError::LeaseLost`] when `token` is not the current claim.
-    fn fail(&mut self, id: RecordId, token: FencingToken, now: UnixMillis) -> Result<Record, StoreError>;
+    fn fail(&mut self, id: RecordId, token: FencingToken, now: UnixMillis) -> Result<Receipt, StoreError>;
     /// [`idem_core::Store::extend`].
     ///
     /// # Errors
@@ -50,7 +50,7 @@ pub trait Oracle {
         token: FencingToken,
         lease_ttl: Duration,
         now: UnixMillis,
-    ) -> Result<Record, StoreError>;
+    ) -> Result<Receipt, StoreError>;
     /// [`idem_core::Store::get`].
     fn get(&self, id: RecordId, now: UnixMillis) -> Option<Record>;
     /// [`idem_core::Store::sweep`]: the oldest expiry first.
@@ -85,11 +85,11 @@ impl Oracle for Model {
         token: FencingToken,
         response: StoredResponse,
         now: UnixMillis,
-    ) -> Result<Record, StoreError> {
-        engine::apply(self, Write::Complete { id, token, response }, now)?.into_record("model")
+    ) -> Result<Receipt, StoreError> {
+        engine::apply(self, Write::Complete { id, token, response }, now)?.into_receipt("model")
     }
-    fn fail(&mut self, id: RecordId, token: FencingToken, now: UnixMillis) -> Result<Record, StoreError> {
-        engine::apply(self, Write::Fail { id, token }, now)?.into_record("model")
+    fn fail(&mut self, id: RecordId, token: FencingToken, now: UnixMillis) -> Result<Receipt, StoreError> {
+        engine::apply(self, Write::Fail { id, token }, now)?.into_receipt("model")
     }
     fn extend(
         &mut self,
@@ -97,8 +97,8 @@ impl Oracle for Model {
         token: FencingToken,
         lease_ttl: Duration,
         now: UnixMillis,
-    ) -> Result<Record, StoreError> {
-        engine::apply(self, Write::Extend { id, token, lease_ttl }, now)?.into_record("model")
+    ) -> Result<Receipt, StoreError> {
+        engine::apply(self, Write::Extend { id, token, lease_ttl }, now)?.into_receipt("model")
     }
     fn get(&self, id: RecordId, now: UnixMillis) -> Option<Record> {
         infallible(engine::get(self, id, now))

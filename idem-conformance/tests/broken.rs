@@ -16,8 +16,8 @@ use idem_conformance::scenarios::{
 use idem_conformance::{Backend, Env, model_test};
 use idem_core::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
 use idem_core::{
-    Capabilities, Clock, FencingToken, JournalWrite, ListFilter, Listing, ManualClock, Record, RecordId, RecordState,
-    Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
+    Capabilities, Clock, FencingToken, JournalWrite, ListFilter, Listing, ManualClock, Receipt, Record, RecordId,
+    RecordState, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
 };
 
 /// The one bug a [`BrokenStore`] carries.
@@ -173,7 +173,7 @@ impl Store for BrokenStore {
         id: RecordId,
         token: FencingToken,
         response: StoredResponse,
-    ) -> Result<Record, StoreError> {
+    ) -> Result<Receipt, StoreError> {
         let now = self.clock.now();
         let mut records = self.lock();
         if self.bug == Bug::CompleteIgnoresToken
@@ -181,15 +181,16 @@ impl Store for BrokenStore {
         {
             r.state = RecordState::Completed;
             r.response = Some(response);
-            return Ok(r.clone());
+            return Ok(Receipt::of(r));
         }
         let next = transition::complete(records.get(&id), id, token, response, now)
             .map_err(|l| StoreError::lease_lost(id, l))?;
-        records.insert(id, next.clone());
-        Ok(next)
+        let receipt = Receipt::of(&next);
+        records.insert(id, next);
+        Ok(receipt)
     }
 
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
         let now = self.clock.now();
         let mut records = self.lock();
         let lease_end = UnixMillis(now.0 + i64::try_from(lease_ttl.as_millis()).unwrap_or(i64::MAX / 2));
@@ -203,7 +204,7 @@ impl Store for BrokenStore {
         {
             r.lease_expires_at = r.lease_expires_at.max(lease_end);
             r.expires_at = r.expires_at.max(r.lease_expires_at);
-            return Ok(r.clone());
+            return Ok(Receipt::of(r));
         }
         let mut next = transition::extend(records.get(&id), id, token, lease_ttl, now)
             .map_err(|l| StoreError::lease_lost(id, l))?;
@@ -212,16 +213,18 @@ impl Store for BrokenStore {
             Bug::ExtendKeepsExpiresAt => next.expires_at = records.get(&id).map_or(next.expires_at, |r| r.expires_at),
             _ => {}
         }
-        records.insert(id, next.clone());
-        Ok(next)
+        let receipt = Receipt::of(&next);
+        records.insert(id, next);
+        Ok(receipt)
     }
 
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
         let now = self.clock.now();
         let mut records = self.lock();
         let next = transition::fail(records.get(&id), id, token, now).map_err(|l| StoreError::lease_lost(id, l))?;
-        records.insert(id, next.clone());
-        Ok(next)
+        let receipt = Receipt::of(&next);
+        records.insert(id, next);
+        Ok(receipt)
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {

@@ -25,6 +25,15 @@ fn claimed(m: &mut Model, r: &ClaimRequest, now: i64) -> Record {
     }
 }
 
+/// The record a model write at `now` just wrote, read back at `now`; its receipt must
+/// report it.
+#[track_caller]
+fn written(m: &Model, id: RecordId, receipt: Receipt, now: i64) -> Record {
+    let record = m.get(id, UnixMillis(now)).expect("the record just written is live");
+    assert_eq!(Receipt::of(&record), receipt, "the receipt reports the record as written");
+    record
+}
+
 fn reclaim_req(r: &Record, body: &[u8]) -> ReclaimRequest {
     ReclaimRequest { id: r.id, expected: r.token, fingerprint: fp(body), lease_ttl: LEASE, retention: RETENTION }
 }
@@ -76,7 +85,8 @@ fn row_in_flight_expired_different_is_mismatch() {
 fn row_completed_same_replays_different_mismatches() {
     let mut m = Model::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
-    let done = m.complete(r.id, r.token, StoredResponse::new(201, vec![], b"ok".to_vec()), UnixMillis(10)).unwrap();
+    let receipt = m.complete(r.id, r.token, StoredResponse::new(201, vec![], b"ok".to_vec()), UnixMillis(10)).unwrap();
+    let done = written(&m, r.id, receipt, 10);
     assert_eq!(decide(Some(&done), &fp(b"x"), UnixMillis(20)), Decision::Replay);
     assert_eq!(decide(Some(&done), &fp(b"y"), UnixMillis(20)), Decision::Mismatch);
     // A completed record is never reclaimable, even after its lease time.
@@ -87,7 +97,8 @@ fn row_completed_same_replays_different_mismatches() {
 fn row_failed_same_reclaims_different_mismatches() {
     let mut m = Model::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
-    let failed = m.fail(r.id, r.token, UnixMillis(10)).unwrap();
+    let receipt = m.fail(r.id, r.token, UnixMillis(10)).unwrap();
+    let failed = written(&m, r.id, receipt, 10);
     assert_eq!(failed.state, RecordState::Failed);
     assert_eq!(decide(Some(&failed), &fp(b"x"), UnixMillis(11)), Decision::Reclaim { expected: r.token });
     assert_eq!(decide(Some(&failed), &fp(b"y"), UnixMillis(11)), Decision::Mismatch);
@@ -126,13 +137,16 @@ fn extend_renews_from_now_never_earlier_and_keeps_the_rest() {
     let mut m = Model::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     // From now, not from the old lease end; token, state and times other than the lease stay.
-    let e = m.extend(r.id, r.token, Duration::from_secs(10), UnixMillis(3_000)).unwrap();
+    let receipt = m.extend(r.id, r.token, Duration::from_secs(10), UnixMillis(3_000)).unwrap();
+    let e = written(&m, r.id, receipt, 3_000);
     assert_eq!(e, Record { lease_expires_at: UnixMillis(13_000), ..r.clone() });
     // Never earlier: a shorter renewal leaves the lease where it is.
     let same = m.extend(r.id, r.token, Duration::from_secs(1), UnixMillis(4_000)).unwrap();
-    assert_eq!(same, e);
+    assert_eq!(same, receipt);
+    assert_eq!(written(&m, r.id, same, 4_000), e);
     // Past the retention: expires_at follows the lease, so a renewed claim is never swept.
-    let long = m.extend(r.id, r.token, Duration::from_secs(100), UnixMillis(5_000)).unwrap();
+    let receipt = m.extend(r.id, r.token, Duration::from_secs(100), UnixMillis(5_000)).unwrap();
+    let long = written(&m, r.id, receipt, 5_000);
     assert_eq!((long.lease_expires_at, long.expires_at), (UnixMillis(105_000), UnixMillis(105_000)));
     assert_eq!(m.sweep(10, UnixMillis(60_000)).removed, 0);
     // A renewed lease blocks a retry until its new end.
@@ -156,11 +170,13 @@ fn extend_is_lease_lost_unless_the_caller_holds_the_in_flight_claim() {
     }
     assert_eq!(m, before);
     // Completed and failed records are not renewed, even by the token that ended them.
-    let done = m.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(9_002)).unwrap();
+    let receipt = m.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(9_002)).unwrap();
+    let done = written(&m, r.id, receipt, 9_002);
     assert!(m.extend(r.id, r.token, LEASE, UnixMillis(9_003)).unwrap_err().is_lease_lost());
     assert_eq!(m.get(r.id, UnixMillis(9_003)), Some(done));
     let f = claimed(&mut m, &req("f", b"x"), 0);
-    let failed = m.fail(f.id, f.token, UnixMillis(1)).unwrap();
+    let receipt = m.fail(f.id, f.token, UnixMillis(1)).unwrap();
+    let failed = written(&m, f.id, receipt, 1);
     assert!(m.extend(f.id, f.token, LEASE, UnixMillis(2)).unwrap_err().is_lease_lost());
     assert_eq!(m.get(f.id, UnixMillis(2)), Some(failed));
     // Absent, and expired: LeaseLost with no current token.
@@ -231,7 +247,7 @@ fn codec_round_trips_and_rejects_garbage() {
     let mut m = Model::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     let body = vec![b'a'; 10_000];
-    let done = m
+    let receipt = m
         .complete(
             r.id,
             r.token,
@@ -239,6 +255,7 @@ fn codec_round_trips_and_rejects_garbage() {
             UnixMillis(1),
         )
         .unwrap();
+    let done = written(&m, r.id, receipt, 1);
     assert!(matches!(done.response.as_ref().unwrap().body, StoredBody::Lz4 { .. }));
     let bytes = codec::encode(&done);
     let back = codec::decode(&bytes).unwrap();

@@ -13,7 +13,7 @@
 
 use crate::record::{FencingToken, Record, StoredResponse};
 use crate::scope::RecordId;
-use crate::store::{JournalWrite, StoreError, SweepOutcome};
+use crate::store::{JournalWrite, Receipt, StoreError, SweepOutcome};
 use crate::table::{RecordRead, RecordTable};
 use crate::time::UnixMillis;
 use crate::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
@@ -74,12 +74,13 @@ pub(crate) fn complete<T: RecordTable + ?Sized>(
     token: FencingToken,
     response: StoredResponse,
     now: UnixMillis,
-) -> Result<Record, StoreError> {
+) -> Result<Receipt, StoreError> {
     let current = t.read(id)?;
     let new = transition::complete(current.as_ref(), id, token, response, now)
         .map_err(|lost| StoreError::lease_lost(id, lost))?;
-    t.write(current.as_ref(), &new)?;
-    Ok(new)
+    let receipt = Receipt::of(&new);
+    t.write_owned(current.as_ref(), new)?;
+    Ok(receipt)
 }
 
 /// See [`crate::Store::fail`].
@@ -91,11 +92,12 @@ pub(crate) fn fail<T: RecordTable + ?Sized>(
     id: RecordId,
     token: FencingToken,
     now: UnixMillis,
-) -> Result<Record, StoreError> {
+) -> Result<Receipt, StoreError> {
     let current = t.read(id)?;
     let new = transition::fail(current.as_ref(), id, token, now).map_err(|lost| StoreError::lease_lost(id, lost))?;
-    t.write(current.as_ref(), &new)?;
-    Ok(new)
+    let receipt = Receipt::of(&new);
+    t.write_owned(current.as_ref(), new)?;
+    Ok(receipt)
 }
 
 /// See [`crate::Store::extend`].
@@ -108,12 +110,13 @@ pub(crate) fn extend<T: RecordTable + ?Sized>(
     token: FencingToken,
     lease_ttl: std::time::Duration,
     now: UnixMillis,
-) -> Result<Record, StoreError> {
+) -> Result<Receipt, StoreError> {
     let current = t.read(id)?;
     let new = transition::extend(current.as_ref(), id, token, lease_ttl, now)
         .map_err(|lost| StoreError::lease_lost(id, lost))?;
-    t.write(current.as_ref(), &new)?;
-    Ok(new)
+    let receipt = Receipt::of(&new);
+    t.write_owned(current.as_ref(), new)?;
+    Ok(receipt)
 }
 
 /// See [`crate::Store::get`].
@@ -257,8 +260,8 @@ pub enum Written {
     Claim(ClaimOutcome),
     /// Of [`Write::Reclaim`].
     Reclaim(ReclaimOutcome),
-    /// Of [`Write::Complete`], [`Write::Fail`] and [`Write::Extend`]: the record as written.
-    Record(Record),
+    /// Of [`Write::Complete`], [`Write::Fail`] and [`Write::Extend`]: the written record's times.
+    Receipt(Receipt),
     /// Of [`Write::Sweep`].
     Sweep(SweepOutcome),
     /// Of [`Write::JournalPut`].
@@ -273,9 +276,9 @@ pub fn apply<T: RecordTable + ?Sized>(t: &mut T, write: Write, now: UnixMillis) 
     Ok(match write {
         Write::Claim(req) => Written::Claim(claim(t, &req, now)?),
         Write::Reclaim(req) => Written::Reclaim(reclaim(t, &req, now)?),
-        Write::Complete { id, token, response } => Written::Record(complete(t, id, token, response, now)?),
-        Write::Fail { id, token } => Written::Record(fail(t, id, token, now)?),
-        Write::Extend { id, token, lease_ttl } => Written::Record(extend(t, id, token, lease_ttl, now)?),
+        Write::Complete { id, token, response } => Written::Receipt(complete(t, id, token, response, now)?),
+        Write::Fail { id, token } => Written::Receipt(fail(t, id, token, now)?),
+        Write::Extend { id, token, lease_ttl } => Written::Receipt(extend(t, id, token, lease_ttl, now)?),
         Write::Sweep { limit } => Written::Sweep(sweep(t, limit, now)?),
         Write::JournalPut { id, token, name, value, overwrite } => {
             Written::Journal(journal_put(t, id, token, &name, &value, overwrite, now)?)
@@ -311,12 +314,12 @@ impl Written {
         if let Written::Reclaim(o) = self { Ok(o) } else { Err(wrong_kind(backend)) }
     }
 
-    /// The record written by a complete, a fail or an extend.
+    /// The receipt of a complete, a fail or an extend.
     ///
     /// # Errors
     /// When this is not a complete's, fail's or extend's outcome.
-    pub fn into_record(self, backend: &'static str) -> Result<Record, StoreError> {
-        if let Written::Record(o) = self { Ok(o) } else { Err(wrong_kind(backend)) }
+    pub fn into_receipt(self, backend: &'static str) -> Result<Receipt, StoreError> {
+        if let Written::Receipt(o) = self { Ok(o) } else { Err(wrong_kind(backend)) }
     }
 
     /// The sweep outcome.

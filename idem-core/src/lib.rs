@@ -95,7 +95,7 @@ pub use policy::Policy;
 pub use record::{FencingToken, Record, RecordState, StoredBody, StoredResponse};
 pub use resume::{LeaseWatch, Reconciled, Resumable, StepError, SubKey};
 pub use scope::{Endpoint, Principal, RecordId, Scope, ScopeError};
-pub use store::{BoxError, Capabilities, JournalWrite, Store, StoreError, SweepOutcome};
+pub use store::{BoxError, Capabilities, JournalWrite, Receipt, Store, StoreError, SweepOutcome};
 #[cfg(feature = "sweeper")]
 pub use sweeper::{SweepConfig, Sweeper};
 pub use table::{Expired, RecordRead, RecordTable};

@@ -14,7 +14,7 @@ use crate::list::{ListFilter, Listing};
 use crate::model::Model;
 use crate::record::{FencingToken, Record, StoredResponse};
 use crate::scope::RecordId;
-use crate::store::{Capabilities, JournalWrite, Store, StoreError, SweepOutcome};
+use crate::store::{Capabilities, JournalWrite, Receipt, Store, StoreError, SweepOutcome};
 use crate::table::RecordTable;
 use crate::time::{Clock, SystemClock, UnixMillis};
 use crate::transition::{ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
@@ -121,15 +121,15 @@ impl<T: RecordTable + Send + 'static> Store for TableStore<T> {
         id: RecordId,
         token: FencingToken,
         response: StoredResponse,
-    ) -> Result<Record, StoreError> {
+    ) -> Result<Receipt, StoreError> {
         self.run(|t, now| engine::complete(t, id, token, response, now))
     }
 
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
         self.run(|t, now| engine::fail(t, id, token, now))
     }
 
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
         self.run(|t, now| engine::extend(t, id, token, lease_ttl, now))
     }
 

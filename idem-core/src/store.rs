@@ -22,6 +22,7 @@ use crate::codec::CodecError;
 use crate::list::{ListFilter, Listing};
 use crate::record::{FencingToken, Record, StoredResponse};
 use crate::scope::RecordId;
+use crate::time::UnixMillis;
 use crate::transition::{ClaimOutcome, ClaimRequest, LeaseLost, ReclaimOutcome, ReclaimRequest};
 
 /// A boxed driver error, kept as the `source` of a [`StoreError`].
@@ -157,6 +158,28 @@ impl Default for Capabilities {
     }
 }
 
+/// What a fenced write ([`Store::complete`], [`Store::fail`], [`Store::extend`]) reports:
+/// the times of the record as written, not the record. The response a completion stored
+/// stays where it was written; the caller already holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Receipt {
+    /// The caller's claim, unchanged by the write.
+    pub token: FencingToken,
+    /// When the lease runs out (ms since the epoch, the store's clock).
+    pub lease_expires_at: UnixMillis,
+    /// When the record is gone (ms since the epoch, the store's clock): the
+    /// `Idempotency-Key-Expires` a response carries.
+    pub expires_at: UnixMillis,
+}
+
+impl Receipt {
+    /// The receipt of `record` as written.
+    #[must_use]
+    pub fn of(record: &Record) -> Self {
+        Self { token: record.token, lease_expires_at: record.lease_expires_at, expires_at: record.expires_at }
+    }
+}
+
 /// What a [`Store::journal_put`] did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum JournalWrite {
@@ -235,17 +258,22 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// completed with `response`; all timestamps stay. Otherwise nothing changes and the
     /// call returns [`StoreError::LeaseLost`]. As with a reclaim's `Conflict`, the
     /// `current` token a refusal reports may be read just after the refusal (here and in
-    /// `fail` and `journal_put`).
-    async fn complete(&self, id: RecordId, token: FencingToken, response: StoredResponse)
-    -> Result<Record, StoreError>;
+    /// `fail` and `journal_put`). Returns the written record's [`Receipt`].
+    async fn complete(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        response: StoredResponse,
+    ) -> Result<Receipt, StoreError>;
 
     /// Marks the attempt failed (handler error, panic, 5xx).
     ///
     /// # Contract
     /// Applies iff the record is live, in flight, and carries `token`: the state becomes
     /// failed and `lease_expires_at = min(lease_expires_at, now)`. Otherwise nothing
-    /// changes and the call returns [`StoreError::LeaseLost`].
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError>;
+    /// changes and the call returns [`StoreError::LeaseLost`]. Returns the written record's
+    /// [`Receipt`].
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError>;
 
     /// Renews the caller's lease (lease renewal while a handler runs).
     ///
@@ -254,11 +282,11 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// lease already ran out: until someone reclaims it, the holder may renew):
     /// `lease_expires_at = max(lease_expires_at, now + lease_ttl)` and
     /// `expires_at = max(expires_at, lease_expires_at)`; the token, state and every other
-    /// field stay. Returns the record as written. Otherwise nothing changes and the call
+    /// field stay. Returns the written record's [`Receipt`]. Otherwise nothing changes and the call
     /// returns [`StoreError::LeaseLost`] (the claim was reclaimed, completed, failed, or the
     /// record is gone): the caller's attempt is over and it should stop before its next
     /// side effect.
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError>;
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError>;
 
     /// Reads a record.
     ///
@@ -353,13 +381,13 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
         id: RecordId,
         token: FencingToken,
         response: StoredResponse,
-    ) -> Result<Record, StoreError> {
+    ) -> Result<Receipt, StoreError> {
         (**self).complete(id, token, response).await
     }
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
         (**self).fail(id, token).await
     }
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
         (**self).extend(id, token, lease_ttl).await
     }
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {

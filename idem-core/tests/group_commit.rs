@@ -227,7 +227,7 @@ fn a_refused_operation_fails_only_its_caller() {
         runtime().block_on(send(&gc, vec![Write::Claim(claim(0, 0)), complete(0, first + 7), complete(0, first)]));
     assert!(matches!(out[0], Ok(Written::Claim(ClaimOutcome::Claimed(_)))));
     assert!(out[1].as_ref().expect_err("fenced").is_lease_lost());
-    assert!(matches!(out[2], Ok(Written::Record(_))));
+    assert!(matches!(out[2], Ok(Written::Receipt(_))));
     assert_eq!(gc.stats().failed_batches, 0);
 }
 

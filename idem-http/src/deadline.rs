@@ -71,8 +71,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ReclaimOutcome, ReclaimRequest, Record,
-    RecordId, RecordState, Store, StoreError, StoredResponse, SweepOutcome,
+    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, Receipt, ReclaimOutcome, ReclaimRequest,
+    Record, RecordId, RecordState, Store, StoreError, StoredResponse, SweepOutcome,
 };
 use tokio::time::Instant;
 
@@ -322,10 +322,10 @@ impl DeadlineStore {
         want: RecordState,
         what: &'static str,
         mut send: F,
-    ) -> Result<Record, StoreError>
+    ) -> Result<Receipt, StoreError>
     where
         F: FnMut() -> Fut,
-        Fut: Future<Output = Result<Record, StoreError>>,
+        Fut: Future<Output = Result<Receipt, StoreError>>,
     {
         let retry = self.deadlines.completion_retry == CompletionRetry::WhileLeaseLasts
             && tokio::runtime::Handle::try_current().is_ok();
@@ -335,13 +335,13 @@ impl DeadlineStore {
         let mut ambiguous = false;
         loop {
             let error = match Self::within(self.deadlines.complete, what, send()).await {
-                Ok(record) => return Ok(record),
+                Ok(receipt) => return Ok(receipt),
                 Err(e) => e,
             };
             if error.is_lease_lost() {
-                if ambiguous && let Some(record) = self.own_write(id, token, want).await {
+                if ambiguous && let Some(receipt) = self.own_write(id, token, want).await {
                     tracing::debug!(record = %id, token = %token, what, "resent completion found already applied");
-                    return Ok(record);
+                    return Ok(receipt);
                 }
                 return Err(error);
             }
@@ -403,10 +403,11 @@ impl DeadlineStore {
         }
     }
 
-    /// The record, if it carries `token` in state `want`: this attempt's own earlier write.
-    async fn own_write(&self, id: RecordId, token: FencingToken, want: RecordState) -> Option<Record> {
+    /// The record's receipt, if it carries `token` in state `want`: this attempt's own
+    /// earlier write.
+    async fn own_write(&self, id: RecordId, token: FencingToken, want: RecordState) -> Option<Receipt> {
         match Self::within(self.deadlines.read, "read after an ambiguous completion", self.inner.get(id)).await {
-            Ok(Some(record)) if record.token == token && record.state == want => Some(record),
+            Ok(Some(record)) if record.token == token && record.state == want => Some(Receipt::of(&record)),
             _ => None,
         }
     }
@@ -431,7 +432,7 @@ impl Store for DeadlineStore {
         id: RecordId,
         token: FencingToken,
         response: StoredResponse,
-    ) -> Result<Record, StoreError> {
+    ) -> Result<Receipt, StoreError> {
         // Sealed once: a resend carries the same bytes (same nonce, same associated data).
         #[cfg(feature = "seal")]
         let stored = match &self.sealing {
@@ -441,27 +442,16 @@ impl Store for DeadlineStore {
         #[cfg(not(feature = "seal"))]
         let stored = std::borrow::Cow::Borrowed(&response);
         let send = || self.inner.complete(id, token, StoredResponse::clone(&stored));
-        let mut record =
-            self.observed(Op::Complete, self.finish(id, token, RecordState::Completed, "complete", send)).await?;
-        // The caller's own response, not a decryption of what was written (or read back
-        // after an ambiguous completion).
-        record.response = Some(response);
-        Ok(record)
+        self.observed(Op::Complete, self.finish(id, token, RecordState::Completed, "complete", send)).await
     }
 
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
-        let call = async {
-            let record = self.finish(id, token, RecordState::Failed, "fail", || self.inner.fail(id, token)).await?;
-            self.open(record)
-        };
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
+        let call = self.finish(id, token, RecordState::Failed, "fail", || self.inner.fail(id, token));
         self.observed(Op::Fail, call).await
     }
 
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
-        let call = async {
-            let record = Self::within(self.deadlines.extend, "extend", self.inner.extend(id, token, lease_ttl)).await?;
-            self.open(record)
-        };
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
+        let call = Self::within(self.deadlines.extend, "extend", self.inner.extend(id, token, lease_ttl));
         self.observed(Op::Extend, call).await
     }
 

@@ -175,7 +175,7 @@ impl Drop for FailGuard {
     }
 }
 
-fn log_fail(result: Result<idem_core::Record, idem_core::StoreError>, id: RecordId, token: FencingToken, why: &str) {
+fn log_fail(result: Result<idem_core::Receipt, idem_core::StoreError>, id: RecordId, token: FencingToken, why: &str) {
     match result {
         Ok(_) => tracing::debug!(record = %id, token = %token, why, "idempotency record marked failed"),
         Err(e) if e.is_lease_lost() => tracing::warn!(

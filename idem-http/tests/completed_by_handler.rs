@@ -36,15 +36,15 @@ impl Store for Counting {
     async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
         self.inner.reclaim(req).await
     }
-    async fn complete(&self, id: RecordId, token: FencingToken, r: StoredResponse) -> Result<Record, StoreError> {
+    async fn complete(&self, id: RecordId, token: FencingToken, r: StoredResponse) -> Result<idem_core::Receipt, StoreError> {
         self.completes.fetch_add(1, Ordering::SeqCst);
         self.inner.complete(id, token, r).await
     }
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<idem_core::Receipt, StoreError> {
         self.fails.fetch_add(1, Ordering::SeqCst);
         self.inner.fail(id, token).await
     }
-    async fn extend(&self, id: RecordId, token: FencingToken, lease: Duration) -> Result<Record, StoreError> {
+    async fn extend(&self, id: RecordId, token: FencingToken, lease: Duration) -> Result<idem_core::Receipt, StoreError> {
         self.inner.extend(id, token, lease).await
     }
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {

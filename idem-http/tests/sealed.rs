@@ -586,14 +586,14 @@ impl Store for FinishesPlainAfterClaim {
         id: RecordId,
         token: idem_core::FencingToken,
         r: idem_core::StoredResponse,
-    ) -> Result<idem_core::Record, idem_core::StoreError> {
+    ) -> Result<idem_core::Receipt, idem_core::StoreError> {
         self.inner.complete(id, token, r).await
     }
     async fn fail(
         &self,
         id: RecordId,
         token: idem_core::FencingToken,
-    ) -> Result<idem_core::Record, idem_core::StoreError> {
+    ) -> Result<idem_core::Receipt, idem_core::StoreError> {
         self.inner.fail(id, token).await
     }
     async fn extend(
@@ -601,7 +601,7 @@ impl Store for FinishesPlainAfterClaim {
         id: RecordId,
         token: idem_core::FencingToken,
         lease: std::time::Duration,
-    ) -> Result<idem_core::Record, idem_core::StoreError> {
+    ) -> Result<idem_core::Receipt, idem_core::StoreError> {
         self.inner.extend(id, token, lease).await
     }
     async fn get(&self, id: RecordId) -> Result<Option<idem_core::Record>, idem_core::StoreError> {

@@ -11,8 +11,8 @@ use std::fmt::Write as _;
 
 use idem_core::codec::{CodecError, decode_response};
 use idem_core::{
-    Endpoint, FencingToken, Fingerprint, IdempotencyKey, Principal, Record, RecordId, RecordState, Scope, StoreError,
-    StoredResponse, UnixMillis,
+    Endpoint, FencingToken, Fingerprint, IdempotencyKey, Principal, Receipt, Record, RecordId, RecordState, Scope,
+    StoreError, UnixMillis,
 };
 use sqlx::postgres::{PgRow, PgValueFormat};
 use sqlx::{Connection as _, PgConnection, Postgres, Row as _};
@@ -601,9 +601,21 @@ impl<'r> Columns<'r> {
     }
 }
 
-/// Reads the record whose columns start at `base` (in [`COLUMNS`] order). `written` is the
-/// response this call just stored (complete), used instead of decoding the column back.
-pub(crate) fn record_at(row: &PgRow, base: usize, written: Option<StoredResponse>) -> Result<Record, StoreError> {
+/// The receipt of the record whose columns start at `base` (in [`COLUMNS`] order): its
+/// token and times, without decoding the rest of the row.
+pub(crate) fn receipt_at(row: &PgRow, base: usize, id: RecordId) -> Result<Receipt, StoreError> {
+    let c = Columns { row, id: Some(id) };
+    let token = u64::try_from(c.get::<i64>(base + 6, "token")?).map_err(|_| corrupt(Some(id), "token", "negative"))?;
+    let ms = |idx, column| c.get::<i64>(idx, column).map(UnixMillis);
+    Ok(Receipt {
+        token: FencingToken(token),
+        lease_expires_at: ms(base + 10, "lease_expires_at")?,
+        expires_at: ms(base + 11, "expires_at")?,
+    })
+}
+
+/// Reads the record whose columns start at `base` (in [`COLUMNS`] order).
+pub(crate) fn record_at(row: &PgRow, base: usize) -> Result<Record, StoreError> {
     let raw_id = Columns::of(row).some_bytes(base, "id")?;
     let id = RecordId::from_bytes(raw_id.as_ref().try_into().map_err(|_| corrupt(None, "id", "not 32 bytes"))?);
     let c = Columns { row, id: Some(id) };
@@ -618,10 +630,9 @@ pub(crate) fn record_at(row: &PgRow, base: usize, written: Option<StoredResponse
         Fingerprint::from_bytes(fingerprint.as_ref().try_into().map_err(|_| bad("fingerprint", "not 32 bytes"))?);
     let state = RecordState::from_name(c.get(base + 5, "state")?).ok_or_else(|| bad("state", "unknown state"))?;
     let token = u64::try_from(c.get::<i64>(base + 6, "token")?).map_err(|_| bad("token", "negative"))?;
-    let response = match (written, c.bytes(base + 7, "response")?) {
-        (Some(written), _) => Some(written),
-        (None, Some(b)) => Some(decode_response(&b).map_err(|source| StoreError::Corrupt { id: Some(id), source })?),
-        (None, None) => None,
+    let response = match c.bytes(base + 7, "response")? {
+        Some(b) => Some(decode_response(&b).map_err(|source| StoreError::Corrupt { id: Some(id), source })?),
+        None => None,
     };
     if response.is_some() != (state == RecordState::Completed) {
         return Err(bad("response", "a response without the completed state, or none with it"));

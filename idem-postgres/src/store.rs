@@ -10,8 +10,9 @@ use idem_core::codec::encode_response;
 use idem_core::time::duration_ms;
 use idem_core::transition::is_reclaimable;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ListFilter, Listing, ReclaimOutcome,
-    ReclaimRequest, Record, RecordId, RecordState, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
+    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ListFilter, Listing, Receipt,
+    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Store, StoreError, StoredResponse, SweepOutcome,
+    UnixMillis,
 };
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
@@ -20,8 +21,8 @@ use sqlx::{PgConnection, PgPool, Postgres};
 use crate::config::Config;
 use crate::error::{Error, is_session_lost};
 use crate::sql::{
-    COLUMNS, COMPLETE_IN_LEVELS, Columns, Param, Statement, Statements, corrupt, query, record_at, token_param,
-    validate_schema,
+    COLUMNS, COMPLETE_IN_LEVELS, Columns, Param, Statement, Statements, corrupt, query, receipt_at, record_at,
+    token_param, validate_schema,
 };
 
 /// An idempotency [`Store`] in one PostgreSQL table, on a `sqlx::PgPool`. Cheap to clone
@@ -192,7 +193,7 @@ impl PostgresStore {
         id: RecordId,
         token: FencingToken,
         response: StoredResponse,
-    ) -> Result<Record, StoreError> {
+    ) -> Result<Receipt, StoreError> {
         const OP: &str = "completing a record in the caller's transaction";
         let bytes = encode_response(&response);
         let params = complete_params(&id, token, &bytes, self.pinned_now());
@@ -203,12 +204,12 @@ impl PostgresStore {
             return Err(Error::IsolationNotSupported { level: level.to_owned() }.into());
         }
         if Columns::of(&row).bytes(1, "id")?.is_some() {
-            return record_at(&row, 1, Some(response));
+            return receipt_at(&row, 1, id);
         }
         let params = [Param::Bytes(id.as_bytes()), Param::OptI64(self.pinned_now())];
         let current = query(tx, &self.inner.sql[Statement::Read], &params, self.inner.prepared).await;
         let current = match current.map_err(Error::postgres(OP))? {
-            Some(row) if Columns::of(&row).bytes(0, "id")?.is_some() => Some(record_at(&row, 0, None)?.token),
+            Some(row) if Columns::of(&row).bytes(0, "id")?.is_some() => Some(record_at(&row, 0)?.token),
             _ => None,
         };
         Err(StoreError::LeaseLost { id, presented: token, current })
@@ -265,7 +266,7 @@ impl PostgresStore {
         let row = self.run(conn, "reading a record", Statement::Read, &params).await?;
         let row = row.ok_or_else(|| corrupt(Some(id), "row", "the statement returned no row"))?;
         let now = UnixMillis(Columns::of(&row).get(COLUMNS.len(), "now")?);
-        let record = if Columns::of(&row).bytes(0, "id")?.is_some() { Some(record_at(&row, 0, None)?) } else { None };
+        let record = if Columns::of(&row).bytes(0, "id")?.is_some() { Some(record_at(&row, 0)?) } else { None };
         Ok((record, now))
     }
 
@@ -321,7 +322,7 @@ impl PostgresStore {
         Err(Error::Contention { operation }.into())
     }
 
-    /// `LeaseLost`, or the record, of a compare-and-set that takes the current claim's token.
+    /// `LeaseLost`, or the receipt, of a compare-and-set that takes the current claim's token.
     async fn fenced(
         &self,
         operation: &'static str,
@@ -329,10 +330,9 @@ impl PostgresStore {
         token: FencingToken,
         statement: Statement,
         params: &[Param<'_>],
-        written: Option<StoredResponse>,
-    ) -> Result<Record, StoreError> {
+    ) -> Result<Receipt, StoreError> {
         match self.compare_and_set(operation, id, statement, params, |r, _| owns(r, token)).await? {
-            Ok(row) => record_at(&row, 0, written),
+            Ok(row) => receipt_at(&row, 0, id),
             Err((current, _)) => Err(StoreError::LeaseLost { id, presented: token, current: current.map(|r| r.token) }),
         }
     }
@@ -370,7 +370,7 @@ impl Store for PostgresStore {
             // snapshot saw it; no row when the live record was committed after that
             // snapshot (then a fresh read finds it).
             if let Some(row) = self.run(&mut conn, OP, Statement::Claim, &params).await? {
-                let record = record_at(&row, 2, None)?;
+                let record = record_at(&row, 2)?;
                 if Columns::of(&row).get(1, "claimed")? {
                     return Ok(ClaimOutcome::Claimed(record));
                 }
@@ -396,7 +396,7 @@ impl Store for PostgresStore {
         ];
         let reclaimable = |r: &Record, now| is_reclaimable(r, &req, now);
         match self.compare_and_set("reclaiming a record", req.id, Statement::Reclaim, &params, reclaimable).await? {
-            Ok(row) => Ok(ReclaimOutcome::Reclaimed(record_at(&row, 0, None)?)),
+            Ok(row) => Ok(ReclaimOutcome::Reclaimed(record_at(&row, 0)?)),
             Err((current, now)) => Ok(ReclaimOutcome::Conflict { current, now }),
         }
     }
@@ -406,25 +406,25 @@ impl Store for PostgresStore {
         id: RecordId,
         token: FencingToken,
         response: StoredResponse,
-    ) -> Result<Record, StoreError> {
+    ) -> Result<Receipt, StoreError> {
         let bytes = encode_response(&response);
         let params = complete_params(&id, token, &bytes, self.pinned_now());
-        self.fenced("completing a record", id, token, Statement::Complete, &params, Some(response)).await
+        self.fenced("completing a record", id, token, Statement::Complete, &params).await
     }
 
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
         let params = [
             Param::Bytes(id.as_bytes()),
             Param::I64(token_param(token)),
             Param::I64(duration_ms(lease_ttl)),
             Param::OptI64(self.pinned_now()),
         ];
-        self.fenced("extending a lease", id, token, Statement::Extend, &params, None).await
+        self.fenced("extending a lease", id, token, Statement::Extend, &params).await
     }
 
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
         let params = [Param::Bytes(id.as_bytes()), Param::I64(token_param(token)), Param::OptI64(self.pinned_now())];
-        self.fenced("marking a record failed", id, token, Statement::Fail, &params, None).await
+        self.fenced("marking a record failed", id, token, Statement::Fail, &params).await
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
@@ -482,7 +482,7 @@ impl Store for PostgresStore {
                 more = true;
                 break;
             }
-            let record = record_at(&row, 0, None)?;
+            let record = record_at(&row, 0)?;
             cursor = record.id.as_bytes().to_vec();
             page.push(record);
         }

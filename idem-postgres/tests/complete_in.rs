@@ -6,8 +6,8 @@ mod common;
 use std::time::Duration;
 
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, ManualClock, ReclaimOutcome, ReclaimRequest,
-    RecordState, Scope, Store, StoreError, StoredResponse,
+    ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, ManualClock, Receipt, ReclaimOutcome,
+    ReclaimRequest, RecordState, Scope, Store, StoreError, StoredResponse,
 };
 
 use common::{SchemaGuard, Via};
@@ -63,5 +63,8 @@ async fn a_stale_token_after_a_reclaim_is_fenced_inside_the_transaction() {
     let now = store.get(new.id).await.expect("get").expect("record");
     assert_eq!((now.state, now.token), (RecordState::InFlight, new.token), "the rollback undid the completion");
     let done = store.complete(new.id, new.token, StoredResponse::new(201, vec![], b"new".to_vec())).await;
-    assert_eq!(done.expect("complete").state, RecordState::Completed);
+    let receipt = done.expect("complete");
+    let written = store.get(new.id).await.expect("get").expect("record");
+    assert_eq!(receipt, Receipt::of(&written), "the receipt reports the record as written");
+    assert_eq!(written.state, RecordState::Completed);
 }

@@ -10,7 +10,7 @@ use std::str::FromStr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, ReclaimOutcome, ReclaimRequest, Record,
+    ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Receipt, ReclaimOutcome, ReclaimRequest, Record,
     RecordState, Scope, Store, StoreError, StoredResponse, UnixMillis,
 };
 use idem_postgres::{Config, PostgresStore};
@@ -93,7 +93,7 @@ async fn must_claim(store: &impl Store) -> Record {
 
 /// The refusal `complete_in` must give a transaction at `level`: the typed error, not a
 /// serialization failure, and not retryable.
-fn assert_refused(result: Result<Record, StoreError>, level: &str) {
+fn assert_refused(result: Result<Receipt, StoreError>, level: &str) {
     let e = match result {
         Err(e @ StoreError::Unavailable { .. }) => e,
         other => panic!("{level}: expected complete_in to be refused with IsolationNotSupported, got {other:?}"),
@@ -158,8 +158,9 @@ async fn complete_in_on_a_repeatable_read_database_is_refused_with_a_typed_error
     store.extend(r.id, r.token, LEASE).await.expect("renewal");
     let done = unnamed.complete_in(&mut tx, r.id, r.token, response()).await.expect("complete_in at READ COMMITTED");
     tx.commit().await.expect("commit");
-    assert_eq!((done.state, done.token), (RecordState::Completed, r.token));
     let now = store.get(r.id).await.expect("get").expect("record");
+    assert_eq!(done, Receipt::of(&now), "the receipt reports the record as written");
+    assert_eq!((now.state, now.token), (RecordState::Completed, r.token));
     assert_eq!((now.state, now.response), (RecordState::Completed, Some(response())));
     let rows: i64 = sqlx::query_scalar(count).fetch_one(&pool).await.expect("count");
     assert_eq!(rows, 1, "only the READ COMMITTED attempt's row committed");

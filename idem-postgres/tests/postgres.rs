@@ -11,7 +11,7 @@ use std::time::Duration;
 use idem_conformance::Oracle;
 use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,
-    Model, Record, RecordState, Scope, Store, StoreError, StoredResponse, SystemClock, UnixMillis,
+    Model, Receipt, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse, SystemClock, UnixMillis,
 };
 use idem_core::{SweepConfig, Sweeper};
 use idem_postgres::{Config, Error, PostgresStore};
@@ -28,6 +28,13 @@ async fn must_claim(store: &impl Store, req: ClaimRequest) -> Record {
         ClaimOutcome::Claimed(r) => r,
         other => panic!("expected Claimed, got {other:?}"),
     }
+}
+
+/// The record a fenced write just wrote, read back; its receipt must report it.
+async fn written(store: &impl Store, id: RecordId, receipt: Receipt) -> Record {
+    let record = store.get(id).await.expect("get after a write").expect("the record just written is live");
+    assert_eq!(Receipt::of(&record), receipt, "the receipt reports the record as written");
+    record
 }
 
 fn response() -> StoredResponse {
@@ -107,6 +114,7 @@ async fn terminated_connection_mid_complete_leaves_record_intact_and_pool_recove
     let now = store.get(r.id).await.expect("pool recovered for get").expect("record still there");
     assert_eq!(now, r, "no half-written record: still in flight, same token, no response");
     let done = store.complete(r.id, r.token, response()).await.expect("retry of complete succeeds");
+    let done = written(&store, r.id, done).await;
     assert_eq!(done.state, RecordState::Completed);
     assert_eq!(done.response, Some(response()));
 }
@@ -715,9 +723,11 @@ async fn extend_matches_the_model_and_is_fenced() {
         let e = store.extend(r.id, r.token, lease).await.expect("extend");
         let m = model.extend(r.id, r.token, lease, clock.now()).expect("the model extends");
         assert_eq!(e, m, "after {advance} ms, lease {lease:?}");
-        assert_eq!(store.get(r.id).await.expect("get"), Some(e));
+        let got = store.get(r.id).await.expect("get");
+        assert_eq!(got, model.get(r.id, clock.now()), "after {advance} ms, lease {lease:?}");
+        assert_eq!(got.as_ref().map(Receipt::of), Some(e));
     }
-    let lost = |res: Result<Record, StoreError>, current: Option<FencingToken>| match res {
+    let lost = |res: Result<Receipt, StoreError>, current: Option<FencingToken>| match res {
         Err(StoreError::LeaseLost { current: c, .. }) => assert_eq!(c, current),
         other => panic!("expected LeaseLost, got {other:?}"),
     };

@@ -10,8 +10,8 @@ use idem_core::engine::{self, Write};
 use idem_core::group_commit::{BatchStats, GroupCommit};
 use idem_core::store::JournalWrite;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, ListFilter, Listing, ReclaimOutcome, ReclaimRequest,
-    Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
+    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, ListFilter, Listing, Receipt, ReclaimOutcome,
+    ReclaimRequest, Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
 };
 use redb::Database;
 
@@ -166,16 +166,16 @@ impl Store for RedbStore {
         id: RecordId,
         token: FencingToken,
         response: StoredResponse,
-    ) -> Result<Record, StoreError> {
-        self.writer.submit(Write::Complete { id, token, response }).await?.into_record(BACKEND)
+    ) -> Result<Receipt, StoreError> {
+        self.writer.submit(Write::Complete { id, token, response }).await?.into_receipt(BACKEND)
     }
 
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
-        self.writer.submit(Write::Fail { id, token }).await?.into_record(BACKEND)
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
+        self.writer.submit(Write::Fail { id, token }).await?.into_receipt(BACKEND)
     }
 
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
-        self.writer.submit(Write::Extend { id, token, lease_ttl }).await?.into_record(BACKEND)
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
+        self.writer.submit(Write::Extend { id, token, lease_ttl }).await?.into_receipt(BACKEND)
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {

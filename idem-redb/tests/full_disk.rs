@@ -12,8 +12,8 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, ManualClock, ReclaimOutcome, ReclaimRequest,
-    Record, RecordState, Scope, Store, StoreError, StoredResponse, UnixMillis,
+    ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, ManualClock, Receipt, ReclaimOutcome,
+    ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse, UnixMillis,
 };
 use idem_redb::{Config, RedbStore};
 use redb::Database;
@@ -103,6 +103,13 @@ fn chain(e: &StoreError) -> String {
     out
 }
 
+/// The record a fenced write just wrote, read back; its receipt must report it.
+async fn written(store: &RedbStore, id: RecordId, receipt: Receipt) -> Record {
+    let record = store.get(id).await.expect("get after a write").expect("the record just written is live");
+    assert_eq!(Receipt::of(&record), receipt, "the receipt reports the record as written");
+    record
+}
+
 /// Claims and completes fresh keys with large responses until a write fails; returns the
 /// records whose completion was acknowledged. The failing one is the commit on the full
 /// disk.
@@ -115,7 +122,7 @@ async fn write_until_full(store: &RedbStore, prefix: &str) -> (Vec<Record>, Stor
             Err(e) => return (acknowledged, e),
         };
         match store.complete(record.id, record.token, body(n)).await {
-            Ok(done) => acknowledged.push(done),
+            Ok(receipt) => acknowledged.push(written(store, record.id, receipt).await),
             Err(e) => return (acknowledged, e),
         }
     }
@@ -146,7 +153,8 @@ async fn faulted(reopen: bool) -> Faulted {
     let first_db = Arc::downgrade(&store.database().expect("the database is open"));
 
     let ClaimOutcome::Claimed(first) = store.claim(req("done")).await.expect("claim") else { panic!("fresh key") };
-    let done = store.complete(first.id, first.token, body(7)).await.expect("complete");
+    let receipt = store.complete(first.id, first.token, body(7)).await.expect("complete");
+    let done = written(&store, first.id, receipt).await;
     let ClaimOutcome::Claimed(running) = store.claim(req("running")).await.expect("claim") else { panic!("fresh key") };
 
     disk.fill();
@@ -161,7 +169,8 @@ async fn writes_work(store: &RedbStore, key: &str) -> Result<Record, StoreError>
         ClaimOutcome::Claimed(r) => r,
         other => panic!("a fresh key is claimed, got {other:?}"),
     };
-    store.complete(record.id, record.token, body(1)).await
+    let receipt = store.complete(record.id, record.token, body(1)).await?;
+    Ok(written(store, record.id, receipt).await)
 }
 
 // Pins: after a commit failed on a full disk, redb refused every later transaction

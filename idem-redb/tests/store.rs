@@ -13,8 +13,9 @@ use idem_core::codec::{self, CodecError};
 use idem_core::store::JournalWrite;
 use idem_core::sweeper::{SweepConfig, Sweeper};
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, ReclaimOutcome,
-    ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse, UnixMillis,
+    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, Receipt,
+    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse,
+    UnixMillis,
 };
 use idem_redb::table::{EXPIRY, JOURNAL, RECORDS};
 use idem_redb::{BatchConfig, Config, RedbStore};
@@ -58,6 +59,13 @@ async fn must_claim(store: &RedbStore, r: ClaimRequest) -> Record {
         ClaimOutcome::Claimed(r) => r,
         other => panic!("expected Claimed, got {other:?}"),
     }
+}
+
+/// The record a fenced write just wrote, read back; its receipt must report it.
+async fn written(store: &RedbStore, id: RecordId, receipt: Receipt) -> Record {
+    let record = store.get(id).await.expect("get after a write").expect("the record just written is live");
+    assert_eq!(Receipt::of(&record), receipt, "the receipt reports the record as written");
+    record
 }
 
 /// (`expires_at` ms, record id) pairs.
@@ -134,7 +142,8 @@ async fn records_survive_close_and_reopen() {
         }
         other => panic!("the in-flight claim must survive reopen, got {other:?}"),
     }
-    let completed = store.complete(running.id, running.token, response(b"late")).await.expect("owner completes");
+    let receipt = store.complete(running.id, running.token, response(b"late")).await.expect("owner completes");
+    let completed = written(&store, running.id, receipt).await;
     assert_eq!(completed.state, RecordState::Completed);
     assert_index_consistent(&store);
 }
@@ -831,7 +840,8 @@ async fn claims_of_live_records_are_answered_without_the_writer() {
     let clock = clock();
     let store = temp_store(config(&clock));
     let r = must_claim(&store, req("k", b"{}", RETENTION)).await;
-    let done = store.complete(r.id, r.token, response(b"{}")).await.expect("complete");
+    let receipt = store.complete(r.id, r.token, response(b"{}")).await.expect("complete");
+    let done = written(&store, r.id, receipt).await;
     let before = store.batch_stats();
     for _ in 0..3 {
         match store.claim(req("k", b"{}", RETENTION)).await.expect("replay") {

@@ -7,8 +7,8 @@ use std::sync::LazyLock;
 
 use idem_core::codec::{CodecError, decode_response};
 use idem_core::{
-    Endpoint, FencingToken, Fingerprint, IdempotencyKey, Principal, Record, RecordId, RecordState, Scope, StoreError,
-    StoredResponse, UnixMillis,
+    Endpoint, FencingToken, Fingerprint, IdempotencyKey, Principal, Receipt, Record, RecordId, RecordState, Scope,
+    StoreError, StoredResponse, UnixMillis,
 };
 use redis::aio::ConnectionLike;
 #[cfg(feature = "cluster")]
@@ -366,23 +366,24 @@ impl Reply {
         Ok(Header::decode(id, h)?.into_record(id, scope, key, None))
     }
 
-    /// The record in a reply of `h, response or nil` after the time. `completed`: the
-    /// response the caller just stored, with `h` as it was before (complete ships neither
-    /// back); otherwise the response is decoded from the reply.
-    pub(crate) fn record(&self, id: RecordId, completed: Option<StoredResponse>) -> Result<Record, StoreError> {
+    /// The receipt in a reply of `h, …` after the time: the header's times alone (a fenced
+    /// write answers no more, so neither the scope nor a response is decoded).
+    pub(crate) fn receipt(&self, id: RecordId) -> Result<Receipt, StoreError> {
         let h = self.bytes(0).ok_or_else(|| missing_field(id, "h"))?;
-        let mut header = Header::decode(id, h)?;
+        let header = Header::decode(id, h)?;
+        Ok(Receipt { token: header.token, lease_expires_at: header.lease_expires_at, expires_at: header.expires_at })
+    }
+
+    /// The record in a reply of `h, response or nil` after the time.
+    pub(crate) fn record(&self, id: RecordId) -> Result<Record, StoreError> {
+        let h = self.bytes(0).ok_or_else(|| missing_field(id, "h"))?;
+        let header = Header::decode(id, h)?;
         let (scope, key) = decode_scope(id, &h[HEADER_LEN..])?;
-        let response = match completed {
-            Some(r) => {
-                header.state = RecordState::Completed;
-                Some(r)
-            }
-            None if header.state == RecordState::Completed => {
-                let r = self.bytes(1).ok_or_else(|| missing_field(id, "r"))?;
-                Some(decode_response(r).map_err(|e| corrupt(id, "r", e))?)
-            }
-            None => None,
+        let response = if header.state == RecordState::Completed {
+            let r = self.bytes(1).ok_or_else(|| missing_field(id, "r"))?;
+            Some(decode_response(r).map_err(|e| corrupt(id, "r", e))?)
+        } else {
+            None
         };
         Ok(header.into_record(id, scope, key, response))
     }
@@ -593,17 +594,17 @@ mod tests {
         let mut h = header(STATE_COMPLETED);
         h.extend_from_slice(&encode_scope(&scope, &key));
         let r = StoredResponse::new(201, vec![("etag".into(), vec![0, 0xff, b'"'])], (0..=255u8).collect());
-        let record = found(h.clone(), Some(encode_response(&r))).record(id, None).expect("decodes");
+        let record = found(h.clone(), Some(encode_response(&r))).record(id).expect("decodes");
         assert_eq!(record.response, Some(r.clone()));
         assert_eq!((record.scope, record.key), (scope, key));
         let mut long = encode_response(&r);
         long.push(0);
         for bad in [vec![], vec![9, 1], long] {
-            let e = found(h.clone(), Some(bad)).record(id, None);
+            let e = found(h.clone(), Some(bad)).record(id);
             assert!(matches!(e, Err(StoreError::Corrupt { id: Some(i), .. }) if i == id), "{e:?}");
         }
         // Completed without a response field.
-        assert!(matches!(found(h, None).record(id, None), Err(StoreError::Corrupt { .. })));
+        assert!(matches!(found(h, None).record(id), Err(StoreError::Corrupt { .. })));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use idem_core::codec::encode_response;
 use idem_core::time::duration_ms;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ListFilter, Listing, ReclaimOutcome,
+    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ListFilter, Listing, Receipt, ReclaimOutcome,
     ReclaimRequest, Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
 };
 use redis::RedisError;
@@ -314,7 +314,7 @@ impl Store for RedisStore {
             self.check_claim_ack(&mut reply, &record).await?;
             Ok(ClaimOutcome::Claimed(record))
         } else if reply.is("existing") {
-            Ok(ClaimOutcome::Existing { record: reply.record(req.id(), None)?, now: reply.now })
+            Ok(ClaimOutcome::Existing { record: reply.record(req.id())?, now: reply.now })
         } else {
             Err(reply.refusal(req.id()))
         }
@@ -329,11 +329,11 @@ impl Store for RedisStore {
             .arg(self.grace_ms());
         let mut reply = self.send(call).await?;
         if reply.is("reclaimed") {
-            let record = reply.record(req.id, None)?;
+            let record = reply.record(req.id)?;
             self.check_claim_ack(&mut reply, &record).await?;
             Ok(ReclaimOutcome::Reclaimed(record))
         } else if reply.is("conflict") {
-            Ok(ReclaimOutcome::Conflict { current: Some(reply.record(req.id, None)?), now: reply.now })
+            Ok(ReclaimOutcome::Conflict { current: Some(reply.record(req.id)?), now: reply.now })
         } else if reply.is("absent") {
             Ok(ReclaimOutcome::Conflict { current: None, now: reply.now })
         } else {
@@ -346,13 +346,13 @@ impl Store for RedisStore {
         id: RecordId,
         token: FencingToken,
         response: StoredResponse,
-    ) -> Result<Record, StoreError> {
+    ) -> Result<Receipt, StoreError> {
         let call = self.call(&SCRIPTS.complete, id)?.arg(&token.0.to_be_bytes()[..]).arg(encode_response(&response));
         let mut reply = self.send(call).await?;
         if reply.is("ok") {
-            let record = reply.record(id, Some(response))?;
+            let receipt = reply.receipt(id)?;
             self.check_ack(&mut reply)?;
-            Ok(record)
+            Ok(receipt)
         } else if reply.is("lost") {
             Err(reply.lease_lost(id, token))
         } else {
@@ -363,7 +363,7 @@ impl Store for RedisStore {
     /// One script (`extend.lua`); under [`crate::ReplicaAck`], `WAIT` follows it like a
     /// complete, so a renewal the primary applied also reached the replicas before the
     /// holder counts on it.
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
         let call = self
             .call(&SCRIPTS.extend, id)?
             .arg(&token.0.to_be_bytes()[..])
@@ -371,9 +371,9 @@ impl Store for RedisStore {
             .arg(self.grace_ms());
         let mut reply = self.send(call).await?;
         if reply.is("ok") {
-            let record = reply.record(id, None)?;
+            let receipt = reply.receipt(id)?;
             self.check_ack(&mut reply)?;
-            Ok(record)
+            Ok(receipt)
         } else if reply.is("lost") {
             Err(reply.lease_lost(id, token))
         } else {
@@ -381,10 +381,10 @@ impl Store for RedisStore {
         }
     }
 
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
         let reply = self.send(self.call(&SCRIPTS.fail, id)?.arg(&token.0.to_be_bytes()[..])).await?;
         if reply.is("ok") {
-            reply.record(id, None)
+            reply.receipt(id)
         } else if reply.is("lost") {
             Err(reply.lease_lost(id, token))
         } else {
@@ -395,7 +395,7 @@ impl Store for RedisStore {
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
         let reply = self.send(self.call(&SCRIPTS.get, id)?).await?;
         if reply.is("found") {
-            reply.record(id, None).map(Some)
+            reply.record(id).map(Some)
         } else if reply.is("absent") {
             Ok(None)
         } else {
@@ -477,7 +477,7 @@ impl Store for RedisStore {
             // The server's clock of the latest read: every record read was live then.
             now = Some(now.map_or(reply.now, |n: UnixMillis| n.max(reply.now)));
             if reply.is("found") {
-                records.push(reply.record(id, None)?);
+                records.push(reply.record(id)?);
             } else if !reply.is("absent") {
                 return Err(reply.refusal(id));
             }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use cluster::PrivateCluster;
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Record, RecordState, Scope, Store,
+    ClaimOutcome, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, Receipt, Record, RecordState, Scope, Store,
     StoredResponse,
 };
 use idem_redis::{Config, RedisStore, ReplicaAck, redis};
@@ -91,10 +91,14 @@ async fn a_migrating_slot_is_followed_with_ask_then_moved() {
     let got = store.get(r.id).await.expect("get through ASK").expect("present on the importing node");
     assert_eq!(got.token, r.token);
     let done = store.complete(r.id, r.token, StoredResponse::new(201, vec![], b"{}".to_vec())).await;
-    assert_eq!(done.expect("complete through ASK").state, RecordState::Completed);
+    let done = done.expect("complete through ASK");
     let evals_after: String = redis::cmd("INFO").arg("commandstats").query_async(&mut dst).await.expect("INFO");
     assert!(stat(&evals_after, "cmdstat_eval") > stat(&evals_before, "cmdstat_eval"), "NOSCRIPT was answered by EVAL");
     assert!(stat(&evals_after, "cmdstat_asking") >= 2, "the calls went through ASKING:\n{evals_after}");
+    // The record as written, read back (still through ASK): the receipt reports it.
+    let written = store.get(r.id).await.expect("get through ASK").expect("present on the importing node");
+    assert_eq!(done, Receipt::of(&written), "the receipt reports the record as written");
+    assert_eq!(written.state, RecordState::Completed);
 
     // MOVED: the migration ends; the store's slot map still names the old owner.
     for p in cluster.primaries().await {

@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, Record, RecordState,
-    Scope, Store, StoreError, StoredResponse,
+    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, Receipt, Record,
+    RecordState, Scope, Store, StoreError, StoredResponse,
 };
 use idem_redis::RedisStore;
 use redis::AsyncCommands;
@@ -205,7 +205,7 @@ async fn kills_during_large_completions_never_leave_half_a_record() {
                 committed += 1;
                 assert_eq!(stored.response.as_ref(), Some(&response), "key {i}: a stored response is whole");
                 if let Ok(done) = result {
-                    assert_eq!(done, stored);
+                    assert_eq!(done, Receipt::of(&stored), "key {i}: the receipt reports the record as written");
                 }
             }
             RecordState::InFlight => {
@@ -265,6 +265,8 @@ async fn kill_while_idle_reads_recover_and_writes_fail_cleanly() {
         Ok(ClaimOutcome::Claimed(c)) => assert_whole_claim(&c, &r2, &clock),
         Ok(other) => panic!("fresh key: {other:?}"),
     }
-    let f = store.fail(r1.id, r1.token).await.expect("fail");
+    let receipt = store.fail(r1.id, r1.token).await.expect("fail");
+    let f = store.get(r1.id).await.expect("get").expect("the failed record is live");
+    assert_eq!(receipt, Receipt::of(&f), "the receipt reports the record as written");
     assert_eq!(f.state, RecordState::Failed);
 }

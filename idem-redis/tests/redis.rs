@@ -12,8 +12,8 @@ use std::time::Duration;
 use idem_conformance::Oracle;
 use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,
-    Model, ReclaimOutcome, ReclaimRequest, Record, RecordState, Scope, Store, StoreError, StoredBody, StoredResponse,
-    SystemClock, UnixMillis,
+    Model, Receipt, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError,
+    StoredBody, StoredResponse, SystemClock, UnixMillis,
 };
 use idem_redis::{Config, Error, EvictionCheck, PersistenceCheck, RedisStore, ReplicaAck};
 use redis::AsyncCommands;
@@ -54,6 +54,13 @@ async fn claim(store: &RedisStore, r: ClaimRequest) -> Record {
         ClaimOutcome::Claimed(r) => r,
         other => panic!("expected Claimed, got {other:?}"),
     }
+}
+
+/// The record a fenced write just wrote, read back; its receipt must report it.
+async fn written(store: &RedisStore, id: RecordId, receipt: Receipt) -> Record {
+    let record = store.get(id).await.expect("get after a write").expect("the record just written is live");
+    assert_eq!(Receipt::of(&record), receipt, "the receipt reports the record as written");
+    record
 }
 
 async fn pexpiretime(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
@@ -101,6 +108,7 @@ async fn reclaim_moves_native_expiry_forward() {
     let mut admin = common::admin().await;
     let r = claim(&store, req("p", "k", b"b")).await;
     let f = store.fail(r.id, r.token).await.expect("fail");
+    let f = written(&store, r.id, f).await;
     assert_eq!(pexpiretime(&mut admin, &store.record_key(r.id)).await, r.expires_at.0);
     let ReclaimOutcome::Reclaimed(n) = store.reclaim(reclaim_of(&f, Duration::from_secs(120))).await.expect("reclaim")
     else {
@@ -245,9 +253,10 @@ async fn responses_round_trip_byte_exact() {
     for (i, response) in responses.into_iter().enumerate() {
         let r = claim(&store, req("p", &format!("k{i}"), b"b")).await;
         let done = store.complete(r.id, r.token, response.clone()).await.expect("complete");
-        assert_eq!(done.response.as_ref(), Some(&response));
         let got = store.get(r.id).await.expect("get").expect("present");
-        assert_eq!(got, done, "response {i} round-trips");
+        assert_eq!(Receipt::of(&got), done, "response {i}: the receipt reports the record as written");
+        let done = got;
+        assert_eq!(done.response.as_ref(), Some(&response), "response {i} round-trips");
         let ClaimOutcome::Existing { record, .. } = store.claim(req("p", &format!("k{i}"), b"b")).await.expect("claim")
         else {
             panic!("completed record exists")
@@ -518,12 +527,12 @@ async fn random_operations_match_the_model() {
                 let resp = StoredResponse::new(200 + next(3) as u16, vec![("x".into(), body.to_vec())], body.to_vec());
                 let m = model.complete(r.id(), token, resp.clone(), now);
                 let s = store.complete(r.id(), token, resp).await;
-                assert_same(step, "complete", s, m);
+                assert_same(step, "complete", (s, m), (&store, &model), r.id(), now).await;
             }
             4 => {
                 let m = model.fail(r.id(), token, now);
                 let s = store.fail(r.id(), token).await;
-                assert_same(step, "fail", s, m);
+                assert_same(step, "fail", (s, m), (&store, &model), r.id(), now).await;
             }
             5 => {
                 let name = ["step-a", "step-b"][next(2) as usize];
@@ -542,7 +551,7 @@ async fn random_operations_match_the_model() {
             7 => {
                 let m = model.extend(r.id(), token, lease_ttl, now);
                 let s = store.extend(r.id(), token, lease_ttl).await;
-                assert_same(step, "extend", s, m);
+                assert_same(step, "extend", (s, m), (&store, &model), r.id(), now).await;
             }
             6 => {
                 let name = ["step-a", "step-b"][next(2) as usize];
@@ -565,9 +574,24 @@ async fn random_operations_match_the_model() {
     }
 }
 
-fn assert_same(step: usize, op: &str, s: Result<Record, StoreError>, m: Result<Record, StoreError>) {
+/// Compares a complete's, fail's or extend's outcome on the store and the model; when it
+/// applied, also the record as written, read back from both at the write's `now` (a receipt
+/// carries only the token and the times).
+async fn assert_same(
+    step: usize,
+    op: &str,
+    (s, m): (Result<Receipt, StoreError>, Result<Receipt, StoreError>),
+    (store, model): (&RedisStore, &Model),
+    id: RecordId,
+    now: UnixMillis,
+) {
     match (s, m) {
-        (Ok(s), Ok(m)) => assert_eq!(s, m, "step {step}: {op}"),
+        (Ok(s), Ok(m)) => {
+            assert_eq!(s, m, "step {step}: {op}");
+            let got = store.get(id).await.expect("get");
+            assert_eq!(got, model.get(id, now), "step {step}: {op}: the record as written");
+            assert_eq!(got.as_ref().map(Receipt::of), Some(s), "step {step}: {op}: the receipt reports the record");
+        }
         (
             Err(StoreError::LeaseLost { id: a, presented: b, current: c }),
             Err(StoreError::LeaseLost { id: x, presented: y, current: z }),
@@ -585,6 +609,7 @@ async fn state_bytes() {
     let key = store.record_key(r.id);
     assert_eq!(state_byte(&mut admin, &key).await, Some(IN_FLIGHT));
     let f = store.fail(r.id, r.token).await.expect("fail");
+    let f = written(&store, r.id, f).await;
     assert_eq!(f.state, RecordState::Failed);
     assert_eq!(state_byte(&mut admin, &key).await, Some(FAILED));
     let r = claim(&store, req("p", "k2", b"b")).await;
@@ -608,6 +633,7 @@ async fn resp3_connections_work() {
     };
     assert_eq!(record, r);
     let f = store.fail(r.id, r.token).await.expect("fail");
+    let f = written(&store, r.id, f).await;
     let lost = store.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![])).await;
     assert!(matches!(lost, Err(StoreError::LeaseLost { current: Some(t), .. }) if t == r.token));
     let gone = store.fail(req("p", "never", b"b").id(), FencingToken::FIRST).await;
@@ -692,6 +718,7 @@ async fn out_of_memory_under_noeviction_is_retryable_and_changes_nothing() {
     assert_eq!(store.get(req("p", "k2", b"b").id()).await.expect("get"), None);
     set_limit(0).await;
     let done = store.complete(r.id, r.token, response.clone()).await.expect("complete after memory is freed");
+    let done = written(&store, r.id, done).await;
     assert_eq!(done.response, Some(response));
 }
 
@@ -718,6 +745,7 @@ async fn journal_lives_and_dies_with_its_record() {
     assert_eq!(field, bytes);
 
     let f = store.fail(r.id, r.token).await.expect("fail");
+    let f = written(&store, r.id, f).await;
     let stale = store.journal_put(r.id, r.token, "charge", b"late".to_vec(), true).await;
     assert!(matches!(stale, Err(StoreError::LeaseLost { current: Some(t), .. }) if t == r.token), "{stale:?}");
     let ReclaimOutcome::Reclaimed(n) = store.reclaim(reclaim_of(&f, RETENTION)).await.expect("reclaim") else {
@@ -770,10 +798,12 @@ async fn cluster_node_accepts_every_script() {
     let e = store.extend(r.id, r.token, Duration::from_secs(120)).await.expect("extend");
     assert_eq!(e.expires_at.0, clock.now_ms() + 120_000);
     let f = store.fail(r.id, r.token).await.expect("fail");
+    let f = written(&store, r.id, f).await;
     let ReclaimOutcome::Reclaimed(n) = store.reclaim(reclaim_of(&f, RETENTION)).await.expect("reclaim") else {
         panic!("reclaimable")
     };
     let done = store.complete(n.id, n.token, StoredResponse::new(201, vec![], b"ok".to_vec())).await.expect("complete");
+    let done = written(&store, n.id, done).await;
     assert_eq!(store.get(r.id).await.expect("get"), Some(done));
     assert_eq!(store.journal_get(r.id, "step").await.expect("journal_get"), Some(b"v".to_vec()));
 }
@@ -859,18 +889,21 @@ async fn extend_moves_native_expiry_with_the_retention_end() {
     assert_eq!(pexpiretime(&mut admin, &key).await, r.expires_at.0 + grace);
 
     let e = store.extend(r.id, r.token, Duration::from_secs(30)).await.expect("extend");
+    let e = written(&store, r.id, e).await;
     assert!(e.lease_expires_at.0 >= r.created_at.0 + 30_000 && e.lease_expires_at.0 < r.expires_at.0);
     assert_eq!((e.token, e.state, e.expires_at, e.created_at), (r.token, r.state, r.expires_at, r.created_at));
     assert_eq!(pexpiretime(&mut admin, &key).await, r.expires_at.0 + grace, "retention did not move");
 
     let f = store.extend(r.id, r.token, Duration::from_secs(600)).await.expect("extend");
+    let f = written(&store, r.id, f).await;
     assert!(f.lease_expires_at.0 >= e.lease_expires_at.0 + 570_000);
     assert_eq!(f.expires_at, f.lease_expires_at, "retention follows the lease");
     assert_eq!(pexpiretime(&mut admin, &key).await, f.expires_at.0 + grace, "the key follows the record");
     assert_eq!(store.get(r.id).await.expect("get"), Some(f.clone()));
 
     let g = store.extend(r.id, r.token, Duration::from_secs(1)).await.expect("a shorter renewal is no error");
-    assert_eq!(g, f, "a lease never moves earlier");
+    assert_eq!(g, Receipt::of(&f), "a lease never moves earlier");
+    assert_eq!(written(&store, r.id, g).await, f, "a lease never moves earlier");
     assert_eq!(pexpiretime(&mut admin, &key).await, f.expires_at.0 + grace);
     let _: () = admin.del(&key).await.expect("clean up own key");
 }
@@ -898,12 +931,15 @@ async fn extend_under_a_test_clock_and_at_the_64_bit_limit() {
     assert_eq!(m, r);
     let m = model.extend(r.id, r.token, Duration::from_secs(300), clock.now()).expect("model extends");
     assert_eq!(m, e);
+    assert_eq!(store.get(r.id).await.expect("get"), model.get(r.id, clock.now()), "the record as written");
     let forever = store.extend(r.id, r.token, Duration::from_secs(u64::MAX)).await.expect("extend");
     let m = model.extend(r.id, r.token, Duration::from_secs(u64::MAX), clock.now()).expect("model extends");
     assert_eq!(forever, m);
     assert_eq!((forever.lease_expires_at.0, forever.expires_at.0), (i64::MAX, i64::MAX));
     assert_eq!(pexpiretime(&mut admin, &store.record_key(r.id)).await, -1, "no native expiry past 2^53 ms");
-    assert_eq!(store.get(r.id).await.expect("get"), Some(forever));
+    let got = store.get(r.id).await.expect("get");
+    assert_eq!(got, model.get(r.id, clock.now()), "the record as written");
+    assert_eq!(got.as_ref().map(Receipt::of), Some(forever));
 }
 
 /// Every write a late owner of `old` can attempt on the record that replaced it (`new`) is

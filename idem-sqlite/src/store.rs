@@ -10,8 +10,9 @@ use async_trait::async_trait;
 use idem_core::engine::{self, Write};
 use idem_core::group_commit::{BatchStats, Engine, GroupCommit, Stage, TransactionFailed};
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ListFilter, Listing, ReclaimOutcome,
-    ReclaimRequest, Record, RecordId, RecordTable, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
+    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ListFilter, Listing, Receipt,
+    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordTable, Store, StoreError, StoredResponse, SweepOutcome,
+    UnixMillis,
 };
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 
@@ -342,16 +343,16 @@ impl Store for SqliteStore {
         id: RecordId,
         token: FencingToken,
         response: StoredResponse,
-    ) -> Result<Record, StoreError> {
-        self.inner.commit.submit(Write::Complete { id, token, response }).await?.into_record(BACKEND)
+    ) -> Result<Receipt, StoreError> {
+        self.inner.commit.submit(Write::Complete { id, token, response }).await?.into_receipt(BACKEND)
     }
 
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
-        self.inner.commit.submit(Write::Fail { id, token }).await?.into_record(BACKEND)
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
+        self.inner.commit.submit(Write::Fail { id, token }).await?.into_receipt(BACKEND)
     }
 
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
-        self.inner.commit.submit(Write::Extend { id, token, lease_ttl }).await?.into_record(BACKEND)
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
+        self.inner.commit.submit(Write::Extend { id, token, lease_ttl }).await?.into_receipt(BACKEND)
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
@@ -461,9 +462,10 @@ mod tests {
         );
         assert!(matches!(first, Ok(ClaimOutcome::Claimed(r)) if r.token == token));
         assert!(matches!(second, Ok(ClaimOutcome::Existing { record, .. }) if record.state == RecordState::InFlight));
-        assert_eq!(complete.expect("complete").response, Some(response));
+        assert_eq!(complete.expect("complete").token, token);
         assert!(fail.expect_err("fenced").is_lease_lost());
-        assert_eq!(f.stored("k").await.map(|r| r.state), Some(RecordState::Completed));
+        let stored = f.stored("k").await.expect("stored");
+        assert_eq!((stored.state, stored.response), (RecordState::Completed, Some(response)));
         let stats = f.store.batch_stats();
         assert_eq!((stats.batches, stats.operations), (1, 4), "one batch: {stats:?}");
     }

@@ -157,13 +157,13 @@ impl Store for Down {
     async fn reclaim(&self, _: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
         Err(down())
     }
-    async fn complete(&self, _: RecordId, _: FencingToken, _: StoredResponse) -> Result<Record, StoreError> {
+    async fn complete(&self, _: RecordId, _: FencingToken, _: StoredResponse) -> Result<idem_core::Receipt, StoreError> {
         Err(down())
     }
-    async fn extend(&self, _: RecordId, _: FencingToken, _: Duration) -> Result<Record, StoreError> {
+    async fn extend(&self, _: RecordId, _: FencingToken, _: Duration) -> Result<idem_core::Receipt, StoreError> {
         Err(down())
     }
-    async fn fail(&self, _: RecordId, _: FencingToken) -> Result<Record, StoreError> {
+    async fn fail(&self, _: RecordId, _: FencingToken) -> Result<idem_core::Receipt, StoreError> {
         Err(down())
     }
     async fn get(&self, _: RecordId) -> Result<Option<Record>, StoreError> {

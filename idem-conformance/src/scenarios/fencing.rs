@@ -122,7 +122,10 @@ pub async fn late_owner_racing_reclaimers_leaves_one_outcome(env: Env) {
     let mut reclaim_winners = Vec::new();
     for o in outcomes {
         match o {
-            Err(Ok(done)) => complete_won = done.state == RecordState::Completed,
+            Err(Ok(done)) => {
+                assert_eq!(done.token, r.token, "the completion's receipt carries its claim's token");
+                complete_won = true;
+            }
             Err(Err(e)) => assert!(e.is_lease_lost(), "the late complete lost with LeaseLost, got {e:?}"),
             Ok(idem_core::ReclaimOutcome::Reclaimed(n)) => reclaim_winners.push(n),
             Ok(idem_core::ReclaimOutcome::Conflict { .. }) => {}

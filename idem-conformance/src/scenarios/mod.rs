@@ -29,8 +29,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ReclaimOutcome, ReclaimRequest,
-    Record, RecordId, Scope, Store, StoreError, StoredResponse, UnixMillis,
+    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, Receipt, ReclaimOutcome,
+    ReclaimRequest, Record, RecordId, Scope, Store, StoreError, StoredResponse, UnixMillis,
 };
 
 use crate::Env;
@@ -162,19 +162,31 @@ pub async fn conflict(store: &dyn Store, req: ReclaimRequest) -> Option<Record> 
     }
 }
 
-/// Completes `record`'s claim with `resp` and expects it to apply.
+/// Completes `record`'s claim with `resp`, expects it to apply, and returns the record as
+/// written.
 pub async fn completed(store: &dyn Store, record: &Record, resp: StoredResponse) -> Record {
-    store.complete(record.id, record.token, resp).await.expect("complete by the current owner")
+    let receipt = store.complete(record.id, record.token, resp).await.expect("complete by the current owner");
+    written(store, record.id, receipt).await
 }
 
-/// Renews `record`'s lease by `lease` and expects it to apply.
+/// Renews `record`'s lease by `lease`, expects it to apply, and returns the record as
+/// written.
 pub async fn extended(store: &dyn Store, record: &Record, lease: Duration) -> Record {
-    store.extend(record.id, record.token, lease).await.expect("extend by the current owner")
+    let receipt = store.extend(record.id, record.token, lease).await.expect("extend by the current owner");
+    written(store, record.id, receipt).await
 }
 
-/// Marks `record`'s claim failed and expects it to apply.
+/// Marks `record`'s claim failed, expects it to apply, and returns the record as written.
 pub async fn failed(store: &dyn Store, record: &Record) -> Record {
-    store.fail(record.id, record.token).await.expect("fail by the current owner")
+    let receipt = store.fail(record.id, record.token).await.expect("fail by the current owner");
+    written(store, record.id, receipt).await
+}
+
+/// The record a fenced write just wrote, read back; its receipt must report it.
+async fn written(store: &dyn Store, id: RecordId, receipt: Receipt) -> Record {
+    let record = store.get(id).await.expect("get after a write").expect("the record just written is live");
+    assert_eq!(Receipt::of(&record), receipt, "the receipt reports the record as written");
+    record
 }
 
 /// Reads a record.
@@ -184,8 +196,8 @@ pub async fn get(store: &dyn Store, id: RecordId) -> Option<Record> {
 
 /// Asserts `res` is exactly `StoreError::LeaseLost { id, presented, current }`.
 #[track_caller]
-pub fn assert_lease_lost(
-    res: Result<Record, StoreError>,
+pub fn assert_lease_lost<T: std::fmt::Debug>(
+    res: Result<T, StoreError>,
     id: RecordId,
     presented: FencingToken,
     current: Option<FencingToken>,

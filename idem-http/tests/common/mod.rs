@@ -170,7 +170,7 @@ impl Store for FlakyStore {
         id: RecordId,
         token: FencingToken,
         response: StoredResponse,
-    ) -> Result<Record, StoreError> {
+    ) -> Result<idem_core::Receipt, StoreError> {
         self.completes.fetch_add(1, Ordering::SeqCst);
         self.down("complete")?;
         Self::outage(&self.complete_outages, "complete")?;
@@ -195,12 +195,12 @@ impl Store for FlakyStore {
         }
         self.inner.complete(id, token, response).await
     }
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<idem_core::Receipt, StoreError> {
         self.down("extend")?;
         self.inner.extend(id, token, lease_ttl).await
     }
 
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<idem_core::Receipt, StoreError> {
         self.fails.fetch_add(1, Ordering::SeqCst);
         self.down("fail")?;
         Self::outage(&self.fail_outages, "fail")?;

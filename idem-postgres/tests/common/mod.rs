@@ -180,13 +180,13 @@ impl Store for TestStore {
         id: RecordId,
         token: FencingToken,
         response: StoredResponse,
-    ) -> Result<Record, StoreError> {
+    ) -> Result<idem_core::Receipt, StoreError> {
         self.inner.complete(id, token, response).await
     }
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Record, StoreError> {
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<idem_core::Receipt, StoreError> {
         self.inner.fail(id, token).await
     }
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Record, StoreError> {
+    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<idem_core::Receipt, StoreError> {
         self.inner.extend(id, token, lease_ttl).await
     }
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
