@@ -58,7 +58,7 @@ while [ $# -gt 0 ]; do
         --peer-scope) PEER_SCOPE=$2; shift 2 ;;
         --bin) BIN=$2; shift 2 ;;
         --raw) RAW=$2; shift 2 ;;
-        -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
         *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
