@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use idem_core::{
     ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, Model, Receipt, ReclaimOutcome, ReclaimRequest, Record,
-    RecordId, StoreError, StoredResponse, SweepOutcome, UnixMillis, engine, engine::Write,
+    RecordId, StoreError, StoredResponse, SweepOutcome, UnixMillis, engine,
 };
 
 /// The map-backed table never fails, so the operations that only read or decide are
@@ -74,10 +74,10 @@ pub trait Oracle {
 
 impl Oracle for Model {
     fn claim(&mut self, req: &ClaimRequest, now: UnixMillis) -> ClaimOutcome {
-        infallible(engine::apply(self, Write::Claim(req.clone()), now).and_then(|w| w.into_claim("model")))
+        infallible(engine::claim(self, req, now))
     }
     fn reclaim(&mut self, req: &ReclaimRequest, now: UnixMillis) -> ReclaimOutcome {
-        infallible(engine::apply(self, Write::Reclaim(req.clone()), now).and_then(|w| w.into_reclaim("model")))
+        infallible(engine::reclaim(self, req, now))
     }
     fn complete(
         &mut self,
@@ -86,10 +86,10 @@ impl Oracle for Model {
         response: StoredResponse,
         now: UnixMillis,
     ) -> Result<Receipt, StoreError> {
-        engine::apply(self, Write::Complete { id, token, response }, now)?.into_receipt("model")
+        engine::complete(self, id, token, response, now)
     }
     fn fail(&mut self, id: RecordId, token: FencingToken, now: UnixMillis) -> Result<Receipt, StoreError> {
-        engine::apply(self, Write::Fail { id, token }, now)?.into_receipt("model")
+        engine::fail(self, id, token, now)
     }
     fn extend(
         &mut self,
@@ -98,13 +98,13 @@ impl Oracle for Model {
         lease_ttl: Duration,
         now: UnixMillis,
     ) -> Result<Receipt, StoreError> {
-        engine::apply(self, Write::Extend { id, token, lease_ttl }, now)?.into_receipt("model")
+        engine::extend(self, id, token, lease_ttl, now)
     }
     fn get(&self, id: RecordId, now: UnixMillis) -> Option<Record> {
         infallible(engine::get(self, id, now))
     }
     fn sweep(&mut self, limit: usize, now: UnixMillis) -> SweepOutcome {
-        infallible(engine::apply(self, Write::Sweep { limit }, now).and_then(|w| w.into_sweep("model")))
+        infallible(engine::sweep(self, limit, now))
     }
     fn journal_put(
         &mut self,
@@ -115,8 +115,7 @@ impl Oracle for Model {
         overwrite: bool,
         now: UnixMillis,
     ) -> Result<JournalWrite, StoreError> {
-        engine::apply(self, Write::JournalPut { id, token, name: name.to_owned(), value, overwrite }, now)?
-            .into_journal("model")
+        engine::journal_put(self, id, token, name, &value, overwrite, now)
     }
     fn journal_get(&self, id: RecordId, name: &str, now: UnixMillis) -> Option<Vec<u8>> {
         infallible(engine::journal_get(self, id, name, now))

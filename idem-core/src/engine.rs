@@ -2,14 +2,15 @@
 //! read-compute-write on a [`RecordTable`], through the pure rules of [`crate::transition`].
 //!
 //! The memory store, redb, SQLite and the file-store example run it inside their own
-//! transactions; none of them restates a rule. Operations that write are data ([`Write`],
-//! applied with [`apply`]), so an executor can queue them, apply a batch of them in one
-//! transaction and answer each caller with its own [`Written`] outcome; reads are
-//! [`get`] and [`journal_get`].
+//! transactions; none of them restates a rule. Each function answers with its operation's
+//! own outcome type, so an executor that queues operations and applies a batch of them in
+//! one transaction (`crate::group_commit`) hands every caller exactly what its
+//! [`crate::Store`] method returns; reads are [`get`] and [`journal_get`].
 //!
-//! Every function reads what it needs and decides before it changes anything: a refusal
-//! (`LeaseLost`, a corrupt record, a value the engine will not take) leaves the
-//! transaction as it was.
+//! Every function reads what it needs and decides before it changes anything (a claim's
+//! [`RecordTable::create`] writes only where nothing is stored, which is what it decides
+//! on): a refusal (`LeaseLost`, a corrupt record, a value the engine will not take) leaves
+//! the transaction as it was.
 
 use crate::record::{FencingToken, Record, StoredResponse};
 use crate::scope::RecordId;
@@ -22,27 +23,31 @@ use crate::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, Reclai
 ///
 /// # Errors
 /// What the table reports.
-pub(crate) fn claim<T: RecordTable + ?Sized>(
+pub fn claim<T: RecordTable + ?Sized>(
     t: &mut T,
     req: &ClaimRequest,
     now: UnixMillis,
 ) -> Result<ClaimOutcome, StoreError> {
-    // A live record is the replay path (the pure rule writes nothing for it): hand over the
-    // record as read, without the copy `transition::claim` would make of it.
-    let current = match t.read(req.id)? {
+    // A claim that reaches a table mostly finds nothing (a store with read views answers
+    // the claims of live records from them), so it is written where nothing is stored, and
+    // what is stored is looked at only when there is something: one lookup, not a read
+    // and then a write.
+    let first = transition::new_generation(None, req, now);
+    let current = match t.create(&first)? {
+        None => return Ok(ClaimOutcome::Claimed(first)),
+        // The replay path (the pure rule writes nothing for it): the record as read,
+        // without the copy `transition::claim` would make of it.
         Some(record) if !record.is_expired(now) => return Ok(ClaimOutcome::Existing { record, now }),
-        other => other,
+        Some(expired) => expired,
     };
-    let (write, outcome) = transition::claim(current.as_ref(), req, now);
+    let (write, outcome) = transition::claim(Some(&current), req, now);
     if let Some(new) = write {
         // A claim that replaces an expired record starts with an empty journal. The old
         // entries go first: on a store without transactions (files) a crash in between
         // leaves an expired record without entries, never a new claim with old entries.
-        if current.is_some() {
-            t.journal_clear(new.id)?;
-        }
+        t.journal_clear(new.id)?;
         // The pure rule handed out its own copy for the outcome; this one goes to the table.
-        t.write_owned(current.as_ref(), new)?;
+        t.write_owned(Some(&current), new)?;
     }
     Ok(outcome)
 }
@@ -51,7 +56,7 @@ pub(crate) fn claim<T: RecordTable + ?Sized>(
 ///
 /// # Errors
 /// What the table reports.
-pub(crate) fn reclaim<T: RecordTable + ?Sized>(
+pub fn reclaim<T: RecordTable + ?Sized>(
     t: &mut T,
     req: &ReclaimRequest,
     now: UnixMillis,
@@ -68,7 +73,7 @@ pub(crate) fn reclaim<T: RecordTable + ?Sized>(
 ///
 /// # Errors
 /// [`StoreError::LeaseLost`] when `token` is not the current claim; what the table reports.
-pub(crate) fn complete<T: RecordTable + ?Sized>(
+pub fn complete<T: RecordTable + ?Sized>(
     t: &mut T,
     id: RecordId,
     token: FencingToken,
@@ -87,7 +92,7 @@ pub(crate) fn complete<T: RecordTable + ?Sized>(
 ///
 /// # Errors
 /// [`StoreError::LeaseLost`] when `token` is not the current claim; what the table reports.
-pub(crate) fn fail<T: RecordTable + ?Sized>(
+pub fn fail<T: RecordTable + ?Sized>(
     t: &mut T,
     id: RecordId,
     token: FencingToken,
@@ -104,7 +109,7 @@ pub(crate) fn fail<T: RecordTable + ?Sized>(
 ///
 /// # Errors
 /// [`StoreError::LeaseLost`] when `token` is not the current claim; what the table reports.
-pub(crate) fn extend<T: RecordTable + ?Sized>(
+pub fn extend<T: RecordTable + ?Sized>(
     t: &mut T,
     id: RecordId,
     token: FencingToken,
@@ -132,11 +137,7 @@ pub fn get<V: RecordRead + ?Sized>(view: &V, id: RecordId, now: UnixMillis) -> R
 ///
 /// # Errors
 /// What the table reports.
-pub(crate) fn sweep<T: RecordTable + ?Sized>(
-    t: &mut T,
-    limit: usize,
-    now: UnixMillis,
-) -> Result<SweepOutcome, StoreError> {
+pub fn sweep<T: RecordTable + ?Sized>(t: &mut T, limit: usize, now: UnixMillis) -> Result<SweepOutcome, StoreError> {
     // One more than the batch, to tell whether another call is needed.
     let mut expired = t.expired(now, limit.saturating_add(1))?;
     let more = expired.len() > limit;
@@ -153,7 +154,7 @@ pub(crate) fn sweep<T: RecordTable + ?Sized>(
 /// # Errors
 /// [`StoreError::LeaseLost`] when `token` is not the current claim (checked before the
 /// entry is looked at); what the table reports.
-pub(crate) fn journal_put<T: RecordTable + ?Sized>(
+pub fn journal_put<T: RecordTable + ?Sized>(
     t: &mut T,
     id: RecordId,
     token: FencingToken,
@@ -186,155 +187,4 @@ pub fn journal_get<V: RecordRead + ?Sized>(
         return Ok(None);
     }
     view.journal_read(id, name)
-}
-
-/// An operation that may write, as data: what an executor queues and applies in a batch.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Write {
-    /// [`crate::Store::claim`].
-    Claim(ClaimRequest),
-    /// [`crate::Store::reclaim`].
-    Reclaim(ReclaimRequest),
-    /// [`crate::Store::complete`].
-    Complete {
-        /// The record.
-        id: RecordId,
-        /// The caller's claim.
-        token: FencingToken,
-        /// The response to store.
-        response: StoredResponse,
-    },
-    /// [`crate::Store::fail`].
-    Fail {
-        /// The record.
-        id: RecordId,
-        /// The caller's claim.
-        token: FencingToken,
-    },
-    /// [`crate::Store::extend`].
-    Extend {
-        /// The record.
-        id: RecordId,
-        /// The caller's claim.
-        token: FencingToken,
-        /// The new lease, from the store's `now`.
-        lease_ttl: std::time::Duration,
-    },
-    /// [`crate::Store::sweep`].
-    Sweep {
-        /// Most records to remove.
-        limit: usize,
-    },
-    /// [`crate::Store::journal_put`].
-    JournalPut {
-        /// The record.
-        id: RecordId,
-        /// The caller's claim.
-        token: FencingToken,
-        /// Entry name.
-        name: String,
-        /// Entry value.
-        value: Vec<u8>,
-        /// Replace an existing entry.
-        overwrite: bool,
-    },
-}
-
-impl Write {
-    /// Whether the operation only matters while its caller waits for it: a claim or a
-    /// reclaim whose caller went away would hold a lease nobody uses, so an executor may
-    /// skip it. Completions, fails, journal writes and sweeps are worth applying anyway.
-    #[must_use]
-    #[cfg(feature = "group-commit")]
-    pub(crate) fn is_claim(&self) -> bool {
-        matches!(self, Write::Claim(_) | Write::Reclaim(_))
-    }
-}
-
-/// The outcome of a [`Write`], one variant per operation kind.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Written {
-    /// Of [`Write::Claim`].
-    Claim(ClaimOutcome),
-    /// Of [`Write::Reclaim`].
-    Reclaim(ReclaimOutcome),
-    /// Of [`Write::Complete`], [`Write::Fail`] and [`Write::Extend`]: the written record's times.
-    Receipt(Receipt),
-    /// Of [`Write::Sweep`].
-    Sweep(SweepOutcome),
-    /// Of [`Write::JournalPut`].
-    Journal(JournalWrite),
-}
-
-/// Applies one [`Write`] on `t` at `now`.
-///
-/// # Errors
-/// As the matching function of this module.
-pub fn apply<T: RecordTable + ?Sized>(t: &mut T, write: Write, now: UnixMillis) -> Result<Written, StoreError> {
-    Ok(match write {
-        Write::Claim(req) => Written::Claim(claim(t, &req, now)?),
-        Write::Reclaim(req) => Written::Reclaim(reclaim(t, &req, now)?),
-        Write::Complete { id, token, response } => Written::Receipt(complete(t, id, token, response, now)?),
-        Write::Fail { id, token } => Written::Receipt(fail(t, id, token, now)?),
-        Write::Extend { id, token, lease_ttl } => Written::Receipt(extend(t, id, token, lease_ttl, now)?),
-        Write::Sweep { limit } => Written::Sweep(sweep(t, limit, now)?),
-        Write::JournalPut { id, token, name, value, overwrite } => {
-            Written::Journal(journal_put(t, id, token, &name, &value, overwrite, now)?)
-        }
-    })
-}
-
-/// A wrong-kind outcome from an executor: a bug in the executor, reported as an error
-/// rather than a panic.
-fn wrong_kind(backend: &'static str) -> StoreError {
-    StoreError::unavailable(
-        backend,
-        "the executor answered with another operation's outcome",
-        false,
-        "wrong outcome kind",
-    )
-}
-
-impl Written {
-    /// The claim outcome; an error naming `backend` for any other kind.
-    ///
-    /// # Errors
-    /// When this is not a claim's outcome.
-    pub fn into_claim(self, backend: &'static str) -> Result<ClaimOutcome, StoreError> {
-        if let Written::Claim(o) = self { Ok(o) } else { Err(wrong_kind(backend)) }
-    }
-
-    /// The reclaim outcome.
-    ///
-    /// # Errors
-    /// When this is not a reclaim's outcome.
-    pub fn into_reclaim(self, backend: &'static str) -> Result<ReclaimOutcome, StoreError> {
-        if let Written::Reclaim(o) = self { Ok(o) } else { Err(wrong_kind(backend)) }
-    }
-
-    /// The receipt of a complete, a fail or an extend.
-    ///
-    /// # Errors
-    /// When this is not a complete's, fail's or extend's outcome.
-    pub fn into_receipt(self, backend: &'static str) -> Result<Receipt, StoreError> {
-        if let Written::Receipt(o) = self { Ok(o) } else { Err(wrong_kind(backend)) }
-    }
-
-    /// The sweep outcome.
-    ///
-    /// # Errors
-    /// When this is not a sweep's outcome.
-    pub fn into_sweep(self, backend: &'static str) -> Result<SweepOutcome, StoreError> {
-        if let Written::Sweep(o) = self { Ok(o) } else { Err(wrong_kind(backend)) }
-    }
-
-    /// The journal write outcome.
-    ///
-    /// # Errors
-    /// When this is not a journal write's outcome.
-    pub fn into_journal(self, backend: &'static str) -> Result<JournalWrite, StoreError> {
-        if let Written::Journal(o) = self { Ok(o) } else { Err(wrong_kind(backend)) }
-    }
 }

@@ -7,7 +7,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use idem_core::engine::{self, Write, Written};
+//! use idem_core::engine;
 //! use idem_core::{decide, ClaimOutcome, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey,
 //!     Model, RequestParts, Scope, UnixMillis};
 //!
@@ -20,8 +20,7 @@
 //! let now = UnixMillis(1_000);
 //! assert_eq!(decide(None, &fp, now), Decision::Claim);
 //! let req = ClaimRequest::new(scope, key, fp, Duration::from_secs(300), Duration::from_secs(86_400));
-//! let claim = engine::apply(&mut model, Write::Claim(req), now).unwrap();
-//! let Written::Claim(ClaimOutcome::Claimed(record)) = claim else { unreachable!() };
+//! let ClaimOutcome::Claimed(record) = engine::claim(&mut model, &req, now).unwrap() else { unreachable!() };
 //! // A retry while the first attempt runs: 409 with Retry-After.
 //! assert_eq!(decide(Some(&record), &fp, UnixMillis(2_000)), Decision::InFlight { retry_after_secs: 299 });
 //! ```
@@ -53,8 +52,9 @@
 //! - `memory` (feature `memory`, on by default): [`MemoryStore`] and [`TableStore`], any
 //!   record table behind one mutex.
 //! - `group_commit` (feature `group-commit`): the writer thread that batches an embedded
-//!   store's writes into one transaction. With `sweeper` (feature `sweeper`), the only
-//!   modules that run anything: everything else here is pure.
+//!   store's writes into one transaction, and `Embedded`, the `Store` of every store on
+//!   it. With `sweeper` (feature `sweeper`), the only modules that run anything:
+//!   everything else here is pure.
 //! - `sweeper` (feature `sweeper`): `Sweeper`, the one background task that removes
 //!   expired records from any store.
 

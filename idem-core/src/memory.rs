@@ -160,17 +160,9 @@ impl<T: RecordTable + Send + 'static> Store for TableStore<T> {
         self.run(|t, now| engine::journal_get(t, id, name, now))
     }
 
-    /// Through [`crate::table::RecordRead::scan`] under the lock: a table that cannot scan
+    /// Through [`crate::table::RecordRead::list`] under the lock: a table that cannot scan
     /// answers `Unsupported` (and its store should leave [`Capabilities::list`] unset).
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
-        self.run(|t, now| {
-            let mut matching = Vec::new();
-            t.scan(&mut |r| {
-                if filter.matches(&r, now) {
-                    matching.push(r);
-                }
-            })?;
-            Ok(filter.select(matching, now))
-        })
+        self.run(|t, now| t.list(&filter, now))
     }
 }

@@ -4,6 +4,7 @@
 //! is the table of [`crate::MemoryStore`] and the oracle of the conformance suite's model
 //! test (`idem_conformance::Oracle` gives it one method per store operation).
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::record::Record;
@@ -89,6 +90,18 @@ impl RecordTable for Model {
         self.index(old, &new);
         self.records.insert(new.id, Box::new(new));
         Ok(())
+    }
+
+    fn create(&mut self, new: &Record) -> Result<Option<Record>, StoreError> {
+        // One hash lookup whichever way it goes.
+        match self.records.entry(new.id) {
+            Entry::Occupied(stored) => Ok(Some(Record::clone(stored.get()))),
+            Entry::Vacant(slot) => {
+                slot.insert(Box::new(new.clone()));
+                self.expiry.insert(Expired { expires_at: new.expires_at, id: new.id });
+                Ok(None)
+            }
+        }
     }
 
     fn expired(&mut self, now: UnixMillis, limit: usize) -> Result<Vec<Expired>, StoreError> {

@@ -15,10 +15,13 @@
 //! - [`RecordTable::write`] replaces the whole record and keeps the expiry index at exactly
 //!   one entry per record, keyed by `expires_at` (`old` is what `read` returned, so a
 //!   store can move the entry without a second read).
+//! - [`RecordTable::create`] writes a record only where none is stored, and otherwise
+//!   leaves the stored one (and its index entry) exactly as they were.
 //! - A method that fails having changed nothing returns its error and leaves the
 //!   transaction usable; a failure that leaves the transaction in an unknown state must
 //!   also make [`RecordTable::is_poisoned`] true, so the batch is aborted as a whole.
 
+use crate::list::{ListFilter, Listing};
 use crate::record::Record;
 use crate::scope::RecordId;
 use crate::store::StoreError;
@@ -47,16 +50,31 @@ pub trait RecordRead {
     /// An engine error.
     fn journal_read(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError>;
 
-    /// Visits every stored record, expired or not, in any order, for
-    /// [`crate::Store::list`] on a [`crate::TableStore`]. The default answers
-    /// [`StoreError::Unsupported`]: a table that cannot enumerate its records simply does
-    /// not offer listing.
+    /// Visits every stored record, expired or not, in any order, for the default
+    /// [`RecordRead::list`]. The default answers [`StoreError::Unsupported`]: a table that
+    /// cannot enumerate its records simply does not offer listing.
     ///
     /// # Errors
     /// [`StoreError::Corrupt`] for a record that does not decode; an engine error otherwise.
     fn scan(&self, visit: &mut dyn FnMut(Record)) -> Result<(), StoreError> {
         let _ = visit;
         Err(StoreError::Unsupported { operation: "list" })
+    }
+
+    /// A page of [`crate::Store::list`] at `now`. The default selects from
+    /// [`RecordRead::scan`], which visits every record; a table with an ordered index
+    /// reads only the page.
+    ///
+    /// # Errors
+    /// As [`RecordRead::scan`].
+    fn list(&self, filter: &ListFilter, now: UnixMillis) -> Result<Listing, StoreError> {
+        let mut matching = Vec::new();
+        self.scan(&mut |r| {
+            if filter.matches(&r, now) {
+                matching.push(r);
+            }
+        })?;
+        Ok(filter.select(matching, now))
     }
 }
 
@@ -78,6 +96,21 @@ pub trait RecordTable: RecordRead {
     /// As [`RecordTable::write`].
     fn write_owned(&mut self, old: Option<&Record>, new: Record) -> Result<(), StoreError> {
         self.write(old, &new)
+    }
+
+    /// Writes `new` (with its index entry) when no record with its id is stored, expired
+    /// or not, and returns `None`; otherwise changes nothing and returns the stored record,
+    /// as [`RecordRead::read`] would. A first claim is one lookup this way: a table whose
+    /// engine reports what an insert found (redb's `insert`, SQLite's `ON CONFLICT DO
+    /// NOTHING`) does not read before it writes. The default reads, then writes.
+    ///
+    /// # Errors
+    /// As [`RecordRead::read`] and [`RecordTable::write`].
+    fn create(&mut self, new: &Record) -> Result<Option<Record>, StoreError> {
+        match self.read(new.id)? {
+            Some(stored) => Ok(Some(stored)),
+            None => self.write(None, new).map(|()| None),
+        }
     }
 
     /// Up to `limit` index entries with `expires_at <= now`, oldest first.

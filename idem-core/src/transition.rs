@@ -172,26 +172,31 @@ pub fn claim(current: Option<&Record>, req: &ClaimRequest, now: UnixMillis) -> (
     match current {
         Some(r) if !r.is_expired(now) => (None, ClaimOutcome::Existing { record: r.clone(), now }),
         _ => {
-            // A new generation's token comes from the clock, so it is above every token of
-            // every earlier generation, including ones whose record already left the store;
-            // replacing an expired record that is still here also stays above its token.
-            let first = FencingToken::first_at(now);
-            let token = current.map_or(first, |r| r.token.next().max(first));
-            let record = Record {
-                id: req.id,
-                scope: req.scope.clone(),
-                key: req.key.clone(),
-                fingerprint: req.fingerprint,
-                state: RecordState::InFlight,
-                token,
-                response: None,
-                created_at: now,
-                started_at: now,
-                lease_expires_at: UnixMillis(now.0.saturating_add(req.lease_ms())),
-                expires_at: UnixMillis(now.0.saturating_add(req.retention_ms())),
-            };
+            let record = new_generation(current, req, now);
             (Some(record.clone()), ClaimOutcome::Claimed(record))
         }
+    }
+}
+
+/// The record a claim writes over `current`, which is absent or expired: a new generation.
+pub(crate) fn new_generation(current: Option<&Record>, req: &ClaimRequest, now: UnixMillis) -> Record {
+    // A new generation's token comes from the clock, so it is above every token of every
+    // earlier generation, including ones whose record already left the store; replacing an
+    // expired record that is still here also stays above its token.
+    let first = FencingToken::first_at(now);
+    let token = current.map_or(first, |r| r.token.next().max(first));
+    Record {
+        id: req.id,
+        scope: req.scope.clone(),
+        key: req.key.clone(),
+        fingerprint: req.fingerprint,
+        state: RecordState::InFlight,
+        token,
+        response: None,
+        created_at: now,
+        started_at: now,
+        lease_expires_at: UnixMillis(now.0.saturating_add(req.lease_ms())),
+        expires_at: UnixMillis(now.0.saturating_add(req.retention_ms())),
     }
 }
 

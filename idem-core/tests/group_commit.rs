@@ -1,24 +1,27 @@
 //! The group-commit executor on its own, over a transactional engine made of the model
-//! (a transaction works on a copy and commits by swapping it in): batches against the
-//! sequential model, and each batch-level behaviour the executor promises every embedded
-//! store (own refusals stay own, a failed commit fails exactly its batch, a panic is
-//! recovered, read-only batches are not committed, abandoned claims are skipped).
+//! (a transaction works on a copy and commits by swapping it in), as an `Embedded` store
+//! whose claims all go to the writer: batches against the sequential model, and each
+//! batch-level behaviour the executor promises every embedded store (own refusals stay
+//! own, a failed commit fails exactly its batch, a panic is recovered, read-only batches
+//! are not committed, abandoned claims are skipped).
 
+use std::fmt::Debug;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::future::join_all;
-use idem_core::engine::{self, Write, Written};
-use idem_core::group_commit::{BatchConfig, Engine, GroupCommit, Stage, TransactionFailed};
+use futures::future::{BoxFuture, join_all};
+use idem_core::engine;
+use idem_core::group_commit::{BatchConfig, Embedded, Engine, GroupCommit, Stage, TransactionFailed};
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Clock, Endpoint, Expired, FencingToken, Fingerprint, IdempotencyKey, ManualClock,
-    Model, ReclaimRequest, Record, RecordId, RecordRead, RecordTable, Scope, StoreError, StoredResponse, UnixMillis,
+    Capabilities, ClaimOutcome, ClaimRequest, Clock, Endpoint, Expired, FencingToken, Fingerprint, IdempotencyKey,
+    ManualClock, Model, ReclaimRequest, Record, RecordId, RecordRead, RecordTable, Scope, Store, StoreError,
+    StoredResponse, UnixMillis,
 };
 use proptest::prelude::*;
 
 /// The model as a transactional engine, with faults a test can plant.
-#[derive(Clone, Default)]
+#[derive(Clone, Debug, Default)]
 struct ModelEngine {
     committed: Arc<Mutex<Model>>,
     fail_commit: Arc<AtomicBool>,
@@ -107,24 +110,55 @@ fn id(k: usize) -> RecordId {
     claim(k, 0).id()
 }
 
-/// An executor that closes a batch only when `batch` operations are queued (or after a
-/// long linger), so operations pushed together share one transaction.
-fn start(engine: &ModelEngine, clock: &ManualClock, batch: usize) -> GroupCommit {
-    let config = BatchConfig::default().with_max_batch(batch).with_full_batches(Duration::from_secs(5));
-    GroupCommit::start(engine.clone(), Arc::new(clock.clone()), config).expect("writer starts")
+/// The model engine as an embedded store with no read view at hand for claims, so every
+/// operation goes to the writer and each batch is exactly the operations sent.
+#[derive(Clone, Debug)]
+struct ModelStore {
+    engine: ModelEngine,
+    writer: GroupCommit,
 }
 
-/// Operations pushed in this order in one go (futures are polled, and so queued, in order).
-async fn send(gc: &GroupCommit, writes: Vec<Write>) -> Vec<Result<Written, StoreError>> {
-    join_all(writes.into_iter().map(|w| gc.submit(w))).await
-}
-
-fn complete(k: usize, token: u64) -> Write {
-    Write::Complete {
-        id: id(k),
-        token: FencingToken(token),
-        response: StoredResponse::new(201, vec![], b"{}".to_vec()),
+impl Embedded for ModelStore {
+    const CAPABILITIES: Capabilities = Capabilities { backend: "model", journal: true, ..Capabilities::NONE };
+    fn writer(&self) -> &GroupCommit {
+        &self.writer
     }
+    fn try_view<T>(&self, _read: impl FnOnce(&dyn RecordRead) -> T) -> Option<T> {
+        None
+    }
+    fn view<T>(&self, read: impl FnOnce(&dyn RecordRead) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        read(&*lock(&self.engine.committed))
+    }
+}
+
+/// A store whose writer closes a batch only when `batch` operations are queued (or after
+/// a long linger), so operations sent together share one transaction.
+fn start(engine: &ModelEngine, clock: &ManualClock, batch: usize) -> ModelStore {
+    let config = BatchConfig::default().with_max_batch(batch).with_full_batches(Duration::from_secs(5));
+    let writer = GroupCommit::start(engine.clone(), Arc::new(clock.clone()), config).expect("writer starts");
+    ModelStore { engine: engine.clone(), writer }
+}
+
+/// One operation's outcome, whatever its type, as the tests compare it.
+type Shown = BoxFuture<'static, String>;
+
+fn show<T: Debug>(outcome: Result<T, StoreError>) -> String {
+    format!("{outcome:?}")
+}
+
+/// Operations sent in this order in one go (futures are polled, and so queued, in order).
+async fn send(ops: Vec<Shown>) -> Vec<String> {
+    join_all(ops).await
+}
+
+fn complete(store: &ModelStore, k: usize, token: u64) -> BoxFuture<'static, Result<idem_core::Receipt, StoreError>> {
+    let store = store.clone();
+    let response = StoredResponse::new(201, vec![], b"{}".to_vec());
+    Box::pin(async move { store.complete(id(k), FencingToken(token), response).await })
+}
+
+fn claimed<T>(outcome: &Result<ClaimOutcome, T>) -> bool {
+    matches!(outcome, Ok(ClaimOutcome::Claimed(_)))
 }
 
 /// An operation of the property test. A token is `1..4`, presented relative to the key's
@@ -143,31 +177,57 @@ enum Op {
 }
 
 impl Op {
-    fn write(&self, oracle: &Model, now: UnixMillis) -> Write {
+    /// The operation as sent to `store`, and the same one applied to `oracle` (which it
+    /// advances), both shown; tokens count from `batch_start`, the model before the batch.
+    fn run(&self, store: &ModelStore, batch_start: &Model, oracle: &mut Model, now: UnixMillis) -> (Shown, String) {
         let token = |k: usize, t: u64| {
-            let base = engine::get(oracle, id(k), now).unwrap().map_or(FencingToken::first_at(now), |r| r.token);
+            let base = engine::get(batch_start, id(k), now).unwrap().map_or(FencingToken::first_at(now), |r| r.token);
             FencingToken((base.0 + t).saturating_sub(2))
         };
+        let s = store.clone();
         match *self {
-            Op::Claim(k, body) => Write::Claim(claim(k, body)),
-            Op::Reclaim(k, expected, body) => Write::Reclaim(ReclaimRequest {
-                id: id(k),
-                expected: token(k, expected),
-                fingerprint: Fingerprint::of_bytes(&[body]),
-                lease_ttl: LEASE,
-                retention: RETENTION,
-            }),
-            Op::Complete(k, t) => complete(k, token(k, t).0),
-            Op::Fail(k, t) => Write::Fail { id: id(k), token: token(k, t) },
-            Op::Extend(k, t) => Write::Extend { id: id(k), token: token(k, t), lease_ttl: RETENTION * 2 },
-            Op::Sweep(limit) => Write::Sweep { limit },
-            Op::Journal(k, t, overwrite) => Write::JournalPut {
-                id: id(k),
-                token: token(k, t),
-                name: "step".into(),
-                value: vec![u8::try_from(t).unwrap_or(0)],
-                overwrite,
-            },
+            Op::Claim(k, body) => {
+                let req = claim(k, body);
+                let want = show(engine::claim(oracle, &req, now));
+                (Box::pin(async move { show(s.claim(req).await) }), want)
+            }
+            Op::Reclaim(k, expected, body) => {
+                let req = ReclaimRequest {
+                    id: id(k),
+                    expected: token(k, expected),
+                    fingerprint: Fingerprint::of_bytes(&[body]),
+                    lease_ttl: LEASE,
+                    retention: RETENTION,
+                };
+                let want = show(engine::reclaim(oracle, &req, now));
+                (Box::pin(async move { show(s.reclaim(req).await) }), want)
+            }
+            Op::Complete(k, t) => {
+                let token = token(k, t);
+                let response = StoredResponse::new(201, vec![], b"{}".to_vec());
+                let want = show(engine::complete(oracle, id(k), token, response.clone(), now));
+                (Box::pin(async move { show(s.complete(id(k), token, response).await) }), want)
+            }
+            Op::Fail(k, t) => {
+                let token = token(k, t);
+                let want = show(engine::fail(oracle, id(k), token, now));
+                (Box::pin(async move { show(s.fail(id(k), token).await) }), want)
+            }
+            Op::Extend(k, t) => {
+                let token = token(k, t);
+                let want = show(engine::extend(oracle, id(k), token, RETENTION * 2, now));
+                (Box::pin(async move { show(s.extend(id(k), token, RETENTION * 2).await) }), want)
+            }
+            Op::Sweep(limit) => {
+                let want = show(engine::sweep(oracle, limit, now));
+                (Box::pin(async move { show(s.sweep(limit).await) }), want)
+            }
+            Op::Journal(k, t, overwrite) => {
+                let token = token(k, t);
+                let value = vec![u8::try_from(t).unwrap_or(0)];
+                let want = show(engine::journal_put(oracle, id(k), token, "step", &value, overwrite, now));
+                (Box::pin(async move { show(s.journal_put(id(k), token, "step", value, overwrite).await) }), want)
+            }
         }
     }
 }
@@ -196,19 +256,20 @@ proptest! {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
         let engine = ModelEngine::default();
         let clock = ManualClock::new(UnixMillis(1_000_000));
-        let gc = start(&engine, &clock, 5);
+        let store = start(&engine, &clock, 5);
         let mut oracle = Model::new();
         for (ops, advance) in rounds {
-            let writes: Vec<Write> = ops.iter().map(|op| op.write(&oracle, clock.now())).collect();
-            let got = rt.block_on(send(&gc, writes.clone()));
-            for ((op, write), got) in ops.iter().zip(writes).zip(got) {
-                let want = idem_core::engine::apply(&mut oracle, write, clock.now());
-                prop_assert_eq!(format!("{got:?}"), format!("{want:?}"), "{:?}", op);
+            let batch_start = oracle.clone();
+            let (sent, wanted): (Vec<Shown>, Vec<String>) =
+                ops.iter().map(|op| op.run(&store, &batch_start, &mut oracle, clock.now())).unzip();
+            let got = rt.block_on(send(sent));
+            for ((op, got), want) in ops.iter().zip(got).zip(wanted) {
+                prop_assert_eq!(got, want, "{:?}", op);
             }
             clock.advance(Duration::from_millis(advance.unsigned_abs()));
         }
         prop_assert_eq!(&*engine.committed.lock().expect("lock"), &oracle);
-        let stats = gc.stats();
+        let stats = store.writer.stats();
         prop_assert!(stats.batches < stats.operations, "operations shared transactions: {stats:?}");
     }
 }
@@ -221,14 +282,21 @@ fn runtime() -> tokio::runtime::Runtime {
 fn a_refused_operation_fails_only_its_caller() {
     //! A lease lost inside a batch must not take the batch's other callers down.
     let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000)));
-    let gc = start(&engine, &clock, 3);
+    let store = start(&engine, &clock, 3);
     let first = FencingToken::first_at(clock.now()).0;
-    let out =
-        runtime().block_on(send(&gc, vec![Write::Claim(claim(0, 0)), complete(0, first + 7), complete(0, first)]));
-    assert!(matches!(out[0], Ok(Written::Claim(ClaimOutcome::Claimed(_)))));
-    assert!(out[1].as_ref().expect_err("fenced").is_lease_lost());
-    assert!(matches!(out[2], Ok(Written::Receipt(_))));
-    assert_eq!(gc.stats().failed_batches, 0);
+    let (claim, stale, done) = runtime().block_on(async {
+        futures::join!(store.claim(claim(0, 0)), complete(&store, 0, first + 7), complete(&store, 0, first))
+    });
+    assert!(claimed(&claim), "{claim:?}");
+    assert!(stale.expect_err("fenced").is_lease_lost());
+    assert_eq!(done.expect("the owner completes").token, FencingToken(first));
+    assert_eq!(store.writer.stats().failed_batches, 0);
+}
+
+/// Claims keys 0 and 1 in one batch.
+fn claim_two(rt: &tokio::runtime::Runtime, store: &ModelStore) -> [Result<ClaimOutcome, StoreError>; 2] {
+    let (a, b) = rt.block_on(async { futures::join!(store.claim(claim(0, 0)), store.claim(claim(1, 0))) });
+    [a, b]
 }
 
 #[test]
@@ -237,11 +305,11 @@ fn a_write_the_engine_refuses_fails_only_its_caller() {
     //! count as a change: the rest of its batch commits and the batch is not failed.
     let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000)));
     *lock(&engine.refuse) = Some(id(0));
-    let gc = start(&engine, &clock, 2);
-    let out = runtime().block_on(send(&gc, vec![Write::Claim(claim(0, 0)), Write::Claim(claim(1, 0))]));
+    let store = start(&engine, &clock, 2);
+    let out = claim_two(&runtime(), &store);
     assert!(matches!(out[0], Err(StoreError::Unavailable { .. })), "the refused caller gets its error: {out:?}");
-    assert!(matches!(out[1], Ok(Written::Claim(ClaimOutcome::Claimed(_)))), "{out:?}");
-    let stats = gc.stats();
+    assert!(claimed(&out[1]), "{out:?}");
+    let stats = store.writer.stats();
     assert_eq!((stats.batches, stats.failed_batches, stats.read_only_batches), (1, 0, 0));
     let committed = lock(&engine.committed).clone();
     assert!(
@@ -255,67 +323,90 @@ fn a_failed_commit_fails_every_caller_of_its_batch_and_only_those() {
     //! Nobody may hear "claimed" for a write that never committed, and the next batch
     //! must not inherit the failure.
     let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000)));
-    let gc = start(&engine, &clock, 2);
+    let store = start(&engine, &clock, 2);
     engine.fail_commit.store(true, Ordering::SeqCst);
     let rt = runtime();
-    for result in rt.block_on(send(&gc, vec![Write::Claim(claim(0, 0)), Write::Claim(claim(1, 0))])) {
+    for result in claim_two(&rt, &store) {
         let err = result.expect_err("the commit failed");
         assert!(err.to_string().contains("group commit of 2 operations failed at commit"), "{err}");
         assert!(err.is_retryable(), "the planted cause is retryable, so is the batch error");
     }
     assert!(engine.committed.lock().expect("lock").is_empty());
     engine.fail_commit.store(false, Ordering::SeqCst);
-    let out = rt.block_on(send(&gc, vec![Write::Claim(claim(0, 0)), Write::Claim(claim(1, 0))]));
-    assert!(out.iter().all(|o| matches!(o, Ok(Written::Claim(ClaimOutcome::Claimed(_))))));
-    assert_eq!(gc.stats().failed_batches, 1);
+    let out = claim_two(&rt, &store);
+    assert!(out.iter().all(claimed), "{out:?}");
+    assert_eq!(store.writer.stats().failed_batches, 1);
 }
 
 #[test]
 fn a_panic_in_a_batch_fails_that_batch_and_the_writer_goes_on() {
     //! A bug that panics inside one batch used to stop a store's writer until restart.
     let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000)));
-    let gc = start(&engine, &clock, 2);
+    let store = start(&engine, &clock, 2);
     *engine.panic_on.lock().expect("lock") = Some(id(1));
     let rt = runtime();
-    let out = rt.block_on(send(&gc, vec![Write::Claim(claim(0, 0)), Write::Claim(claim(1, 0))]));
+    let out = claim_two(&rt, &store);
     assert!(out.iter().all(Result::is_err), "{out:?}");
     assert!(engine.committed.lock().expect("lock").is_empty(), "nothing of the panicked batch committed");
     *engine.panic_on.lock().expect("lock") = None;
-    let out = rt.block_on(send(&gc, vec![Write::Claim(claim(0, 0)), Write::Claim(claim(1, 0))]));
-    assert!(out.iter().all(|o| matches!(o, Ok(Written::Claim(ClaimOutcome::Claimed(_))))), "{out:?}");
-    assert_eq!(gc.stats().failed_batches, 1);
+    let out = claim_two(&rt, &store);
+    assert!(out.iter().all(claimed), "{out:?}");
+    assert_eq!(store.writer.stats().failed_batches, 1);
 }
 
 #[test]
 fn a_batch_that_writes_nothing_is_not_committed() {
     //! A batch of replays and lost leases has nothing to make durable: no commit, no fsync.
     let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000)));
-    let gc = start(&engine, &clock, 1);
     let rt = runtime();
-    rt.block_on(send(&gc, vec![Write::Claim(claim(0, 0))]));
-    let gc = start(&engine, &clock, 2);
-    let out = rt.block_on(send(&gc, vec![Write::Claim(claim(0, 0)), complete(0, 9)]));
-    assert!(matches!(out[0], Ok(Written::Claim(ClaimOutcome::Existing { .. }))));
+    let first = rt.block_on(start(&engine, &clock, 1).claim(claim(0, 0)));
+    assert!(claimed(&first), "{first:?}");
+    let store = start(&engine, &clock, 2);
+    let (replay, stale) = rt.block_on(async { futures::join!(store.claim(claim(0, 0)), complete(&store, 0, 9)) });
+    assert!(matches!(replay, Ok(ClaimOutcome::Existing { .. })), "{replay:?}");
+    assert!(stale.expect_err("fenced").is_lease_lost());
     assert_eq!(*engine.commits.lock().expect("lock"), 1, "only the first claim committed");
-    assert_eq!(gc.stats().read_only_batches, 1);
+    assert_eq!(store.writer.stats().read_only_batches, 1);
 }
 
 #[test]
 fn a_claim_whose_caller_went_away_is_not_applied() {
     //! A claim nobody waits for must not lock the key for a lease.
     let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000)));
-    let gc = start(&engine, &clock, 2);
+    let store = start(&engine, &clock, 2);
     let rt = runtime();
     rt.block_on(async {
-        let mut gone = Box::pin(gc.submit(Write::Claim(claim(0, 0))));
+        let mut gone = store.claim(claim(0, 0));
         // Polled once: queued; then dropped before the batch (still waiting for a second
         // operation) runs.
         assert!(futures::poll!(gone.as_mut()).is_pending());
         drop(gone);
-        let kept = gc.submit(Write::Claim(claim(1, 0))).await;
-        assert!(matches!(kept, Ok(Written::Claim(ClaimOutcome::Claimed(_)))));
+        let kept = store.claim(claim(1, 0)).await;
+        assert!(claimed(&kept), "{kept:?}");
     });
     let committed = engine.committed.lock().expect("lock").clone();
     assert!(engine::get(&committed, id(0), clock.now()).unwrap().is_none(), "the abandoned claim was skipped");
-    assert_eq!(gc.stats().abandoned_claims, 1);
+    assert_eq!(store.writer.stats().abandoned_claims, 1);
+}
+
+#[test]
+fn claims_of_one_id_in_one_batch_have_one_winner_and_keep_its_record() {
+    //! A claim decides by writing where nothing is stored (`RecordTable::create`): later
+    //! claims of the same id in the batch must find the winner's record, untouched, and
+    //! the index must keep one entry for it.
+    let (engine, clock) = (ModelEngine::default(), ManualClock::new(UnixMillis(1_000)));
+    let store = start(&engine, &clock, 4);
+    let outcomes = runtime().block_on(join_all((0..4u8).map(|body| store.claim(claim(0, body)))));
+    let winner = match &outcomes[0] {
+        Ok(ClaimOutcome::Claimed(r)) => r.clone(),
+        other => panic!("the first claim in the batch wins, got {other:?}"),
+    };
+    for other in &outcomes[1..] {
+        assert!(matches!(other, Ok(ClaimOutcome::Existing { record, .. }) if *record == winner), "{other:?}");
+    }
+    let committed = lock(&engine.committed).clone();
+    assert_eq!(engine::get(&committed, id(0), clock.now()).unwrap(), Some(winner.clone()));
+    let mut oracle = Model::new();
+    engine::claim(&mut oracle, &claim(0, 0), clock.now()).unwrap();
+    assert_eq!(committed, oracle, "one record, one index entry: the first claim's");
 }

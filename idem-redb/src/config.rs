@@ -38,7 +38,7 @@ impl Config {
 
     /// Feature `test-util`: with `false`, every claim goes to the writer in the order it was
     /// handed over, instead of a claim that finds a live record being answered from a read
-    /// transaction ([`idem_core::group_commit::GroupCommit::claim_from_view`]).
+    /// transaction ([`idem_core::group_commit::Embedded::try_view`]).
     #[cfg(feature = "test-util")]
     pub fn with_claim_reads(mut self, on: bool) -> Self {
         self.claim_reads = on;

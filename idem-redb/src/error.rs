@@ -47,9 +47,6 @@ pub enum Error {
     /// for its backoff (at most 1 s). Retryable.
     #[error("the redb database is being reopened after an I/O failure")]
     Reopening,
-    /// The blocking task that ran a read was cancelled or panicked.
-    #[error("a blocking redb read task failed")]
-    Join(#[source] tokio::task::JoinError),
 }
 
 fn storage_is_retryable(e: &redb::StorageError) -> bool {
@@ -76,7 +73,7 @@ impl Error {
             // A poisoned transaction is dropped; the next batch starts a fresh one.
             Error::Commit(_) => true,
             Error::Reopen(_) | Error::Reopening => true,
-            Error::Spawn(_) | Error::Join(_) => false,
+            Error::Spawn(_) => false,
         }
     }
 
@@ -88,7 +85,6 @@ impl Error {
             Error::Storage(_) => "reading or writing a table",
             Error::Commit(_) => "committing a write transaction",
             Error::Spawn(_) => "starting the writer thread",
-            Error::Join(_) => "running a blocking read",
             Error::Reopen(_) | Error::Reopening => "reopening the database after an I/O failure",
         }
     }

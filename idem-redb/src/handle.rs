@@ -47,7 +47,7 @@ impl Handle {
         self.slot.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The open database, without trying to reopen (for the async claim path, which must
+    /// The open database, without trying to reopen (for a claim's first look, which must
     /// not block on file I/O).
     pub(crate) fn current(&self) -> Option<Arc<Database>> {
         self.lock().db.clone()

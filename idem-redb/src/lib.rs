@@ -2,9 +2,10 @@
 //!
 //! # Layout
 //! - `src/config.rs`: [`Config`] (`Config::default().with_*(..)`: batching, clock).
-//! - `src/store.rs`: [`RedbStore`], the [`Store`](idem_core::Store) impl and the claim path:
-//!   a claim that finds a live record is answered from a read transaction, every other
-//!   write goes to the group-commit writer ([`idem_core::group_commit`]).
+//! - `src/store.rs`: [`RedbStore`], an [`Embedded`](idem_core::group_commit::Embedded)
+//!   store: its writer and its read transactions, from which `idem-core` makes the
+//!   [`Store`](idem_core::Store) (a claim that finds a live record is answered from a read
+//!   transaction, every write goes to the group-commit writer).
 //! - [`table`]: the three tables ([`table::RECORDS`], [`table::EXPIRY`],
 //!   [`table::JOURNAL`]) and the record-table seam over them ([`idem_core::table`]); the
 //!   rules applied to them are [`idem_core::engine`]'s.

@@ -1,26 +1,20 @@
-//! [`RedbStore`]: the [`Store`] on one redb file, and its claim path.
+//! [`RedbStore`]: the store on one redb file, an [`Embedded`] store of `idem-core`.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
-use async_trait::async_trait;
-use idem_core::engine::{self, Write};
-use idem_core::group_commit::{BatchStats, GroupCommit};
-use idem_core::store::JournalWrite;
-use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, ListFilter, Listing, Receipt, ReclaimOutcome,
-    ReclaimRequest, Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
-};
+use idem_core::group_commit::{BatchStats, Embedded, GroupCommit};
+use idem_core::{Capabilities, RecordRead, StoreError};
 use redb::Database;
 
 use crate::config::Config;
-use crate::error::{BACKEND, Error};
+use crate::error::Error;
 use crate::handle::Handle;
 use crate::table::{self, RedbEngine, RedbView};
 
-/// The [`Store`] on one redb file, with group commit.
+/// The [`Store`](idem_core::Store) on one redb file, with group commit: an [`Embedded`]
+/// store, whose `Store` methods `idem-core` writes once for every embedded engine.
 ///
 /// Every operation that may write goes to one writer thread, which applies the waiting
 /// operations in one write transaction and commits once ([`idem_core::group_commit`]). A
@@ -111,100 +105,33 @@ impl RedbStore {
     pub fn batch_stats(&self) -> BatchStats {
         self.writer.stats()
     }
-
-    /// The claim's outcome when a read transaction finds a live record; `None` sends the
-    /// claim to the writer. Runs on the caller's thread before the first `.await`: a redb
-    /// read transaction never waits for the writer, and a claim that goes on to the writer
-    /// is queued in the order its future was first polled.
-    fn claim_from_view(&self, req: &ClaimRequest) -> Option<ClaimOutcome> {
-        let db = self.handle.current()?;
-        let view = RedbView::begin(&db).ok()?;
-        self.writer.claim_from_view(&view, req)
-    }
-
-    /// Runs `read` on a read transaction on the blocking pool, with `now` read after the
-    /// transaction began (a record live now was live at its snapshot).
-    async fn read<T: Send + 'static>(
-        &self,
-        read: impl FnOnce(&RedbView, UnixMillis) -> Result<T, StoreError> + Send + 'static,
-    ) -> Result<T, StoreError> {
-        let handle = Arc::clone(&self.handle);
-        let clock = Arc::clone(&self.config.clock);
-        tokio::task::spawn_blocking(move || {
-            // The view (a read transaction) is dropped before `db`, and both before the
-            // task ends: a reopen waits only for reads in progress.
-            let db = handle.get()?;
-            let view = RedbView::begin(&db)?;
-            read(&view, clock.now())
-        })
-        .await
-        .map_err(Error::Join)?
-    }
 }
 
-#[async_trait]
-impl Store for RedbStore {
-    fn capabilities(&self) -> Capabilities {
-        Capabilities { backend: "redb", journal: true, list: true, ..Capabilities::NONE }
+impl Embedded for RedbStore {
+    const CAPABILITIES: Capabilities =
+        Capabilities { backend: "redb", journal: true, list: true, ..Capabilities::NONE };
+
+    fn writer(&self) -> &GroupCommit {
+        &self.writer
     }
 
-    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        if self.config.claim_reads
-            && let Some(outcome) = self.claim_from_view(&req)
-        {
-            return Ok(outcome);
+    /// A read transaction on the database as it is: never a reopen (file I/O), and a redb
+    /// read transaction does not wait for the writer.
+    fn try_view<T>(&self, read: impl FnOnce(&dyn RecordRead) -> T) -> Option<T> {
+        if !self.config.claim_reads {
+            return None;
         }
-        self.writer.submit(Write::Claim(req)).await?.into_claim(BACKEND)
+        let db = self.handle.current()?;
+        let view = RedbView::begin(&db).ok()?;
+        Some(read(&view))
     }
 
-    async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
-        self.writer.submit(Write::Reclaim(req)).await?.into_reclaim(BACKEND)
-    }
-
-    async fn complete(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        response: StoredResponse,
-    ) -> Result<Receipt, StoreError> {
-        self.writer.submit(Write::Complete { id, token, response }).await?.into_receipt(BACKEND)
-    }
-
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
-        self.writer.submit(Write::Fail { id, token }).await?.into_receipt(BACKEND)
-    }
-
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
-        self.writer.submit(Write::Extend { id, token, lease_ttl }).await?.into_receipt(BACKEND)
-    }
-
-    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        self.read(move |view, now| engine::get(view, id, now)).await
-    }
-
-    async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
-        self.writer.submit(Write::Sweep { limit }).await?.into_sweep(BACKEND)
-    }
-
-    async fn journal_put(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        name: &str,
-        value: Vec<u8>,
-        overwrite: bool,
-    ) -> Result<JournalWrite, StoreError> {
-        let write = Write::JournalPut { id, token, name: name.to_owned(), value, overwrite };
-        self.writer.submit(write).await?.into_journal(BACKEND)
-    }
-
-    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        let name = name.to_owned();
-        self.read(move |view, now| engine::journal_get(view, id, &name, now)).await
-    }
-
-    /// One read transaction on the blocking pool: a range scan of the records table.
-    async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
-        self.read(move |view, now| view.list(&filter, now)).await
+    /// One read transaction, on the database opened again first if a latched I/O failure
+    /// closed it.
+    fn view<T>(&self, read: impl FnOnce(&dyn RecordRead) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        // The view is dropped before `db`: a reopen waits only for reads in progress.
+        let db = self.handle.get()?;
+        let view = RedbView::begin(&db)?;
+        read(&view)
     }
 }

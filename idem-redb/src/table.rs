@@ -1,7 +1,8 @@
 //! The store's three redb tables, and the record-table seam ([`idem_core::table`]) over
 //! them: `RedbTable` in a write transaction (what the group-commit writer applies batches
-//! to), `RedbView` in a read transaction (claims of live records, `get`, `journal_get`),
-//! and `RedbEngine`, which runs the writer's transactions ([`idem_core::group_commit::Engine`]).
+//! to), `RedbView` in a read transaction (claims of live records, `get`, `journal_get`,
+//! `list`), and `RedbEngine`, which runs the writer's transactions
+//! ([`idem_core::group_commit::Engine`]).
 //!
 //! The rules themselves are [`idem_core::engine`]'s; this module only stores bytes.
 
@@ -145,6 +146,26 @@ impl RecordTable for RedbTable<'_> {
         Ok(())
     }
 
+    /// One insert: redb's `insert` hands back what it replaced, so a first claim is one
+    /// B-tree descent instead of a read and then a write. When something was stored, its
+    /// bytes go back exactly as they were (the index entry was never touched), so the
+    /// table is unchanged, and the record is decided on as read.
+    fn create(&mut self, new: &Record) -> Result<Option<Record>, StoreError> {
+        let bytes = codec::encode(new);
+        let displaced = match self.records.insert(new.id.as_bytes(), bytes.as_slice()) {
+            Ok(displaced) => displaced.map(|stored| stored.value().to_vec()),
+            Err(e) => return Err(refused(&mut self.poisoned, e)),
+        };
+        let Some(stored) = displaced else {
+            self.expiry
+                .insert((new.expires_at.0, *new.id.as_bytes()), ())
+                .map_err(|e| broken(&mut self.poisoned, e))?;
+            return Ok(None);
+        };
+        self.records.insert(new.id.as_bytes(), stored.as_slice()).map_err(|e| broken(&mut self.poisoned, e))?;
+        decode_record(new.id, &stored).map(Some)
+    }
+
     fn expired(&mut self, now: UnixMillis, limit: usize) -> Result<Vec<Expired>, StoreError> {
         let mut expired = Vec::new();
         for entry in self.expiry.range(..=(now.0, [u8::MAX; 32])).map_err(Error::from)?.take(limit) {
@@ -198,11 +219,18 @@ impl RedbView {
     }
 }
 
-impl RedbView {
-    /// A page of [`idem_core::Store::list`]: a range scan of the records table from the
-    /// cursor, in key (= record id) order, decoding each record and stopping one past the
-    /// limit (that one only says `more`).
-    pub(crate) fn list(&self, filter: &ListFilter, now: UnixMillis) -> Result<Listing, StoreError> {
+impl RecordRead for RedbView {
+    fn read(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        read_record(&self.0.open_table(RECORDS).map_err(table_error(RECORDS_NAME))?, id)
+    }
+
+    fn journal_read(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        read_journal(&self.0.open_table(JOURNAL).map_err(table_error(JOURNAL_NAME))?, id, name)
+    }
+
+    /// A range scan of the records table from the cursor, in key (= record id) order,
+    /// decoding each record and stopping one past the limit (that one only says `more`).
+    fn list(&self, filter: &ListFilter, now: UnixMillis) -> Result<Listing, StoreError> {
         use std::ops::Bound;
         let records = self.0.open_table(RECORDS).map_err(table_error(RECORDS_NAME))?;
         let start = filter.after.as_ref().map_or(Bound::Unbounded, |id| Bound::Excluded(id.as_bytes()));
@@ -222,16 +250,6 @@ impl RedbView {
             page.push(record);
         }
         Ok(Listing::new(now, page, more))
-    }
-}
-
-impl RecordRead for RedbView {
-    fn read(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        read_record(&self.0.open_table(RECORDS).map_err(table_error(RECORDS_NAME))?, id)
-    }
-
-    fn journal_read(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        read_journal(&self.0.open_table(JOURNAL).map_err(table_error(JOURNAL_NAME))?, id, name)
     }
 }
 

@@ -11,8 +11,8 @@ use idem_conformance::Oracle;
 use idem_core::Clock;
 use idem_core::store::JournalWrite;
 use idem_core::{
-    ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, Model, ReclaimRequest, RecordId,
-    Scope, Store, StoredResponse, UnixMillis,
+    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, Model,
+    ReclaimRequest, Record, RecordId, Scope, Store, StoredResponse, UnixMillis,
 };
 use idem_redb::{BatchConfig, Config, RedbStore};
 use proptest::prelude::*;
@@ -260,4 +260,79 @@ proptest! {
             Ok(())
         })?;
     }
+}
+
+/// The winner of claims of one key sent together, after checking that exactly one of them
+/// got `Claimed` and every other saw the winner's record as it was written.
+fn one_winner(outcomes: Vec<Result<ClaimOutcome, idem_core::StoreError>>) -> Record {
+    let mut winners = Vec::new();
+    let mut seen = Vec::new();
+    for outcome in outcomes {
+        match outcome.expect("claim") {
+            ClaimOutcome::Claimed(r) => winners.push(r),
+            ClaimOutcome::Existing { record, .. } => seen.push(record),
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one claim wins: {winners:?}");
+    let winner = winners.remove(0);
+    assert!(seen.iter().all(|r| *r == winner), "the others see the winner's record untouched: {seen:?}");
+    winner
+}
+
+/// The expiry index entries of record `k`.
+fn index_entries(store: &RedbStore, k: usize) -> Vec<i64> {
+    use redb::{ReadableDatabase, ReadableTable};
+    let db = store.database().expect("the database is open");
+    let txn = db.begin_read().expect("read");
+    let expiry = txn.open_table(idem_redb::table::EXPIRY).expect("expiry");
+    let entries = expiry.iter().expect("iter").map(|e| e.expect("entry").0.value());
+    entries.filter(|(_, of)| of == id(k).as_bytes()).map(|(at, _)| at).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_of_one_key_in_one_batch_have_one_winner_first_and_over_an_expired_record() {
+    //! A claim is decided by an insert that hands back what it displaced (no read before
+    //! it): of eight claims of one key in one batch, each with its own body, exactly one
+    //! wins, the displaced winner goes back untouched with one index entry (also for a
+    //! claim that meets it later), and a claim over an expired record takes the next
+    //! generation's token and an empty journal.
+    const N: usize = 8;
+    let clock = ManualClock::new(UnixMillis(1_800_000_000_000));
+    let file = tempfile::tempfile().expect("temporary file");
+    let db = redb::Database::builder()
+        .create_with_backend(redb::backends::FileBackend::new(file).expect("backend"))
+        .expect("database");
+    // Claim reads on (the default): every claim looks in a read transaction first, finds
+    // nothing live, and goes to the writer, which takes all eight in one batch.
+    let batch = BatchConfig::default().with_max_batch(N).with_full_batches(Duration::from_millis(200));
+    let config = Config::default().with_clock(Arc::new(clock.clone())).with_batch(batch);
+    let db = Arc::new(db);
+    let store = RedbStore::from_database(Arc::clone(&db), config).expect("store");
+    let race = || futures::future::join_all((0..N).map(|body| store.claim(claim_req(0, body as u8))));
+
+    let first = one_winner(race().await);
+    assert_eq!(store.get(id(0)).await.expect("get"), Some(first.clone()));
+    assert_eq!(index_entries(&store, 0), [first.expires_at.0]);
+    // A later claim that meets the live record in the writer (a store without claim reads),
+    // in a batch that commits, leaves it and its one index entry as they were.
+    clock.advance_ms(1);
+    let writer_only = Config::default()
+        .with_clock(Arc::new(clock.clone()))
+        .with_claim_reads(false)
+        .with_batch(BatchConfig::default().with_max_batch(2).with_full_batches(Duration::from_millis(200)));
+    let other = RedbStore::from_database(db, writer_only).expect("second store");
+    let (lost, won) = futures::join!(other.claim(claim_req(0, 0)), other.claim(claim_req(1, 0)));
+    assert!(matches!(lost.expect("claim"), ClaimOutcome::Existing { record, .. } if record == first));
+    assert!(matches!(won.expect("claim"), ClaimOutcome::Claimed(_)), "the batch wrote, so it committed");
+    assert_eq!(index_entries(&store, 0), [first.expires_at.0], "no entry for the claim that lost");
+    store.journal_put(id(0), first.token, NAMES[0], b"old".to_vec(), false).await.expect("journal put");
+
+    clock.advance_ms(RETENTION.as_millis() as i64 - 1);
+    let second = one_winner(race().await);
+    assert_eq!(second.token, FencingToken::first_at(clock.now()).max(first.token.next()));
+    assert_eq!(store.get(id(0)).await.expect("get"), Some(second.clone()));
+    assert_eq!(index_entries(&store, 0), [second.expires_at.0], "the expired record's entry moved");
+    assert_eq!(store.journal_get(id(0), NAMES[0]).await.expect("journal_get"), None, "a new generation's journal");
+    let stats = store.batch_stats();
+    assert_eq!((stats.batches, stats.claims_read), (3, 0), "{stats:?}");
 }

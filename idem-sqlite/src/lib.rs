@@ -2,9 +2,10 @@
 //!
 //! # Layout
 //! - `src/config.rs`: [`Config`].
-//! - `src/store.rs`: [`SqliteStore`]: the claim path (a claim that finds a live record is
-//!   answered by a pooled read connection), the writer connection as the group-commit
-//!   engine ([`idem_core::group_commit`]), the reader pool.
+//! - `src/store.rs`: [`SqliteStore`], an [`Embedded`](idem_core::group_commit::Embedded)
+//!   store: the writer connection as the group-commit engine ([`idem_core::group_commit`])
+//!   and the reader pool, from which `idem-core` makes the [`Store`](idem_core::Store) (a
+//!   claim that finds a live record is answered by a pooled read connection).
 //! - `src/table.rs`: the SQLite tables as [`idem_core::RecordTable`] (writer) and
 //!   [`idem_core::RecordRead`] (readers): statements and the record/row mapping; the rules
 //!   are [`idem_core::engine`]'s.

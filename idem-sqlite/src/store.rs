@@ -1,19 +1,13 @@
-//! [`SqliteStore`]: the [`Store`] implementation, the claim path, the writer connection
-//! as a group-commit [`Engine`], and the pool of read connections.
+//! [`SqliteStore`]: the store in one SQLite file, an [`Embedded`] store of `idem-core`:
+//! the writer connection as a group-commit [`Engine`], and the pool of read connections.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use async_trait::async_trait;
-use idem_core::engine::{self, Write};
-use idem_core::group_commit::{BatchStats, Engine, GroupCommit, Stage, TransactionFailed};
-use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ListFilter, Listing, Receipt,
-    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordTable, Store, StoreError, StoredResponse, SweepOutcome,
-    UnixMillis,
-};
+use idem_core::group_commit::{BatchStats, Embedded, Engine, GroupCommit, Stage, TransactionFailed};
+use idem_core::{Capabilities, Clock, RecordRead, RecordTable, StoreError};
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 
 use crate::config::Config;
@@ -21,7 +15,8 @@ use crate::error::{BACKEND, Error};
 use crate::sql;
 use crate::table::{SqliteTable, SqliteView};
 
-/// An idempotency [`Store`] in one SQLite file.
+/// An idempotency [`Store`](idem_core::Store) in one SQLite file: an [`Embedded`] store,
+/// whose `Store` methods `idem-core` writes once for every embedded engine.
 ///
 /// Cheap to clone: clones share the writer thread and the reader pool. Writes go to one
 /// writer thread that applies whatever is queued in one `BEGIN IMMEDIATE` transaction
@@ -130,16 +125,29 @@ impl SqliteStore {
     pub fn batch_stats(&self) -> BatchStats {
         self.inner.commit.stats()
     }
+}
 
-    /// Runs `f` on a pooled read connection inside `spawn_blocking`, with the store's now.
-    async fn read<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&Connection, UnixMillis) -> Result<T, StoreError> + Send + 'static,
-    ) -> Result<T, StoreError> {
-        let inner = Arc::clone(&self.inner);
-        tokio::task::spawn_blocking(move || inner.readers.with(|conn| f(conn, inner.clock.now())))
-            .await
-            .map_err(|join| StoreError::unavailable(BACKEND, "read task failed", false, join))?
+impl Embedded for SqliteStore {
+    // Several processes may open the same file: BEGIN IMMEDIATE serialises them.
+    const CAPABILITIES: Capabilities =
+        Capabilities { backend: "sqlite", shared: true, journal: true, list: true, ..Capabilities::NONE };
+
+    fn writer(&self) -> &GroupCommit {
+        &self.inner.commit
+    }
+
+    /// A free pooled reader, never a new connection: a WAL point read does not wait.
+    fn try_view<T>(&self, read: impl FnOnce(&dyn RecordRead) -> T) -> Option<T> {
+        self.inner.readers.try_with(|conn| read(&SqliteView::new(conn)))
+    }
+
+    /// A pooled reader (or a short-lived one when all are busy), inside one read
+    /// transaction: a record's liveness and its journal entry come from the same snapshot.
+    fn view<T>(&self, read: impl FnOnce(&dyn RecordRead) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        self.inner.readers.with(|conn| {
+            let snapshot = conn.unchecked_transaction().map_err(Error::sqlite("begin read"))?;
+            read(&SqliteView::new(&snapshot))
+        })
     }
 }
 
@@ -322,81 +330,6 @@ impl Engine for Writer {
     }
 }
 
-#[async_trait]
-impl Store for SqliteStore {
-    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let inner = &self.inner;
-        if let Some(Some(outcome)) =
-            inner.readers.try_with(|conn| inner.commit.claim_from_view(&SqliteView::new(conn), &req))
-        {
-            return Ok(outcome);
-        }
-        inner.commit.submit(Write::Claim(req)).await?.into_claim(BACKEND)
-    }
-
-    async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
-        self.inner.commit.submit(Write::Reclaim(req)).await?.into_reclaim(BACKEND)
-    }
-
-    async fn complete(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        response: StoredResponse,
-    ) -> Result<Receipt, StoreError> {
-        self.inner.commit.submit(Write::Complete { id, token, response }).await?.into_receipt(BACKEND)
-    }
-
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
-        self.inner.commit.submit(Write::Fail { id, token }).await?.into_receipt(BACKEND)
-    }
-
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
-        self.inner.commit.submit(Write::Extend { id, token, lease_ttl }).await?.into_receipt(BACKEND)
-    }
-
-    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        self.read(move |conn, now| engine::get(&SqliteView::new(conn), id, now)).await
-    }
-
-    async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
-        self.inner.commit.submit(Write::Sweep { limit }).await?.into_sweep(BACKEND)
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        // Several processes may open the same file: BEGIN IMMEDIATE serialises them.
-        Capabilities { backend: "sqlite", shared: true, journal: true, list: true, ..Capabilities::NONE }
-    }
-
-    async fn journal_put(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        name: &str,
-        value: Vec<u8>,
-        overwrite: bool,
-    ) -> Result<JournalWrite, StoreError> {
-        let write = Write::JournalPut { id, token, name: name.to_owned(), value, overwrite };
-        self.inner.commit.submit(write).await?.into_journal(BACKEND)
-    }
-
-    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        let name = name.to_owned();
-        self.read(move |conn, now| {
-            // One read transaction, so the record's liveness and its entry come from the
-            // same snapshot.
-            let snapshot = conn.unchecked_transaction().map_err(Error::sqlite("begin read"))?;
-            engine::journal_get(&SqliteView::new(&snapshot), id, &name, now)
-        })
-        .await
-    }
-
-    /// One statement on a read connection: a range of the primary key from the cursor.
-    async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
-        self.read(move |conn, now| crate::table::list(conn, &filter, now)).await
-    }
-}
-
 #[cfg(test)]
 mod tests {
     //! Batch-level behaviour through the real store: operations pushed together share one
@@ -404,7 +337,10 @@ mod tests {
 
     use futures::FutureExt;
     use idem_core::group_commit::BatchConfig;
-    use idem_core::{Endpoint, Fingerprint, IdempotencyKey, ManualClock, RecordState, Scope};
+    use idem_core::{
+        ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, Record,
+        RecordState, Scope, Store, StoredResponse, UnixMillis,
+    };
 
     use super::*;
 

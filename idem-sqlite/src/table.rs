@@ -5,11 +5,11 @@
 //! the epoch, the response as [`idem_core::codec::encode_response`] bytes); one row of
 //! `idem_journal` per journal entry. The expiry index is the SQL index
 //! `idem_records_expires` on `expires_at`, which SQLite keeps at one entry per row by
-//! itself, so [`RecordTable::write`] is one upsert and [`RecordTable::expired`] a range scan
-//! of that index. Every method is one statement: a statement SQLite refuses is undone on
-//! its own and leaves the transaction usable, unless SQLite rolled the whole transaction
-//! back (disk full, I/O error, `RAISE(ROLLBACK)`), which [`RecordTable::is_poisoned`]
-//! reports.
+//! itself, so [`RecordTable::write`] is one upsert, [`RecordTable::create`] one insert (and
+//! a read only when it meets a row) and [`RecordTable::expired`] a range scan of that
+//! index. Every write is one statement: a statement SQLite refuses is undone on its own
+//! and leaves the transaction usable, unless SQLite rolled the whole transaction back
+//! (disk full, I/O error, `RAISE(ROLLBACK)`), which [`RecordTable::is_poisoned`] reports.
 
 use idem_core::codec::decode_response;
 use idem_core::{
@@ -23,6 +23,11 @@ use crate::error::Error;
 
 const SELECT_RECORD: &str = "SELECT id, principal, endpoint, key, fingerprint, state, token, created_at, started_at, \
                              lease_expires_at, expires_at, response FROM idem_records WHERE id = ?1";
+
+/// A first claim: written only where no row has the id (`changes() == 0` otherwise).
+const INSERT_RECORD: &str = "INSERT INTO idem_records (id, principal, endpoint, key, fingerprint, state, token, \
+     created_at, started_at, lease_expires_at, expires_at, response) \
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12) ON CONFLICT (id) DO NOTHING";
 
 const UPSERT_RECORD: &str = "INSERT INTO idem_records (id, principal, endpoint, key, fingerprint, state, token, \
      created_at, started_at, lease_expires_at, expires_at, response) \
@@ -73,6 +78,11 @@ impl RecordRead for SqliteView<'_> {
     fn journal_read(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
         read_journal(self.conn, id, name)
     }
+
+    /// One statement: a range of the primary key from the cursor.
+    fn list(&self, filter: &ListFilter, now: UnixMillis) -> Result<Listing, StoreError> {
+        list(self.conn, filter, now)
+    }
 }
 
 /// The tables inside one write transaction of the writer connection.
@@ -104,33 +114,60 @@ impl RecordRead for SqliteTable<'_, '_> {
     }
 }
 
-impl RecordTable for SqliteTable<'_, '_> {
-    fn write(&mut self, _old: Option<&Record>, new: &Record) -> Result<(), StoreError> {
+impl SqliteTable<'_, '_> {
+    /// Runs `sql` (an insert of every column) with `record`'s columns; the rows it changed.
+    fn put(&self, sql: &str, record: &Record) -> Result<usize, StoreError> {
         #[cfg(test)]
-        assert!(self.panic_on_key != Some(new.key.as_str()), "planted panic in the SQLite table");
-        let token = i64::try_from(new.token.0)
-            .map_err(|_| Error::invalid_record(new.id, "token", format!("{} does not fit an INTEGER", new.token)))?;
-        let response = new.response.as_ref().map(codec::encode_response);
-        self.tx
-            .prepare_cached(UPSERT_RECORD)
+        assert!(self.panic_on_key != Some(record.key.as_str()), "planted panic in the SQLite table");
+        let token = i64::try_from(record.token.0).map_err(|_| {
+            Error::invalid_record(record.id, "token", format!("{} does not fit an INTEGER", record.token))
+        })?;
+        let response = record.response.as_ref().map(codec::encode_response);
+        let changed = self
+            .tx
+            .prepare_cached(sql)
             .and_then(|mut stmt| {
                 stmt.execute(params![
-                    &new.id.as_bytes()[..],
-                    new.scope.principal.as_str(),
-                    new.scope.endpoint.as_str(),
-                    new.key.as_str(),
-                    &new.fingerprint.as_bytes()[..],
-                    new.state.as_str(),
+                    &record.id.as_bytes()[..],
+                    record.scope.principal.as_str(),
+                    record.scope.endpoint.as_str(),
+                    record.key.as_str(),
+                    &record.fingerprint.as_bytes()[..],
+                    record.state.as_str(),
                     token,
-                    new.created_at.0,
-                    new.started_at.0,
-                    new.lease_expires_at.0,
-                    new.expires_at.0,
+                    record.created_at.0,
+                    record.started_at.0,
+                    record.lease_expires_at.0,
+                    record.expires_at.0,
                     response,
                 ])
             })
             .map_err(Error::sqlite("write record"))?;
-        Ok(())
+        Ok(changed)
+    }
+}
+
+impl RecordTable for SqliteTable<'_, '_> {
+    fn write(&mut self, _old: Option<&Record>, new: &Record) -> Result<(), StoreError> {
+        self.put(UPSERT_RECORD, new).map(drop)
+    }
+
+    /// One insert that does nothing on a conflict; the row is read only when there was
+    /// one.
+    fn create(&mut self, new: &Record) -> Result<Option<Record>, StoreError> {
+        if self.put(INSERT_RECORD, new)? == 1 {
+            return Ok(None);
+        }
+        match read_record(self.tx, new.id)? {
+            Some(stored) => Ok(Some(stored)),
+            // No row written and none found: a trigger swallowed the insert (RAISE(IGNORE)).
+            None => Err(StoreError::unavailable(
+                crate::error::BACKEND,
+                "the insert of a claim neither wrote a row nor met one",
+                false,
+                "insert ignored",
+            )),
+        }
     }
 
     fn expired(&mut self, now: UnixMillis, limit: usize) -> Result<Vec<Expired>, StoreError> {

@@ -440,3 +440,49 @@ fn migrations_are_numbered_in_order_and_end_at_the_schema_version() {
     }
     assert_eq!(idem_sqlite::MIGRATIONS.last().map(|m| m.version), Some(SCHEMA_VERSION));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_of_one_key_in_one_batch_have_one_winner_first_and_over_an_expired_record() {
+    //! A claim is decided by `INSERT ... ON CONFLICT DO NOTHING`, reading the row only on
+    //! a conflict: of eight claims of one key in one batch, each with its own body, exactly
+    //! one wins and its row stays as written, and a claim over an expired record takes the
+    //! next generation's token and an empty journal.
+    const N: usize = 8;
+    let dir = tempfile::tempdir().expect("dir");
+    let clock = ManualClock::new(UnixMillis(1_700_000_000_000));
+    // Pooled readers on (the default): every claim looks first, finds nothing live, and
+    // goes to the writer, which takes all eight in one batch.
+    let batch = idem_sqlite::BatchConfig::default().with_max_batch(N).with_full_batches(Duration::from_millis(200));
+    let config = Config::default().with_clock(Arc::new(clock.clone())).with_batch(batch);
+    let store = SqliteStore::open(dir.path().join("idem.sqlite3"), config).expect("open");
+    let claim = |body: usize| {
+        let scope = Scope::new("tenant-a", Endpoint::new("POST", "/v1/workers")).expect("scope");
+        let key = IdempotencyKey::parse(b"race").expect("key");
+        let fingerprint = Fingerprint::of_bytes(&body.to_le_bytes());
+        store.claim(ClaimRequest::new(scope, key, fingerprint, Duration::from_secs(5), Duration::from_secs(60)))
+    };
+    let one_winner = |outcomes: Vec<Result<ClaimOutcome, StoreError>>| {
+        let (mut winners, mut seen) = (Vec::new(), Vec::new());
+        for outcome in outcomes {
+            match outcome.expect("claim") {
+                ClaimOutcome::Claimed(r) => winners.push(r),
+                ClaimOutcome::Existing { record, .. } => seen.push(record),
+            }
+        }
+        assert_eq!(winners.len(), 1, "exactly one claim wins: {winners:?}");
+        assert!(seen.iter().all(|r| *r == winners[0]), "the others see the winner's row untouched: {seen:?}");
+        winners.remove(0)
+    };
+
+    let first = one_winner(futures::future::join_all((0..N).map(claim)).await);
+    assert_eq!(store.get(first.id).await.expect("get"), Some(first.clone()));
+    store.journal_put(first.id, first.token, "step", b"old".to_vec(), false).await.expect("journal put");
+
+    clock.advance_ms(60_000);
+    let second = one_winner(futures::future::join_all((0..N).map(claim)).await);
+    assert_eq!(second.token, FencingToken::first_at(UnixMillis(clock.now_ms())).max(first.token.next()));
+    assert_eq!(store.get(first.id).await.expect("get"), Some(second.clone()));
+    assert_eq!(store.journal_get(first.id, "step").await.expect("journal_get"), None, "a new generation's journal");
+    let stats = store.batch_stats();
+    assert_eq!((stats.batches, stats.claims_read), (3, 0), "{stats:?}");
+}

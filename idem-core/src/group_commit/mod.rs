@@ -1,5 +1,6 @@
 //! Group commit (feature `group-commit`): one writer thread that applies every waiting
-//! [`Write`] of an embedded store in one transaction and commits once.
+//! write of an embedded store in one transaction and commits once, and [`Embedded`], the
+//! [`crate::Store`] of every store built on it.
 //!
 //! A durable commit costs one fsync (about 0.4 ms on a typical disk), so a store that
 //! commits each claim and each completion on its own tops out near a thousand writes per
@@ -7,13 +8,14 @@
 //! queued (up to [`BatchConfig::with_max_batch`]), lingers briefly for more
 //! ([`BatchConfig::with_linger`]), applies them in arrival order through [`crate::engine`] inside one
 //! transaction of the store's [`Engine`], commits once, and only then answers each caller
-//! with its own outcome. Later operations in a batch see the earlier ones exactly as if
-//! each had committed on its own: two claims of one id in one batch give `Claimed` then
-//! `Existing`.
+//! with its own outcome, of its own type. Later operations in a batch see the earlier ones
+//! exactly as if each had committed on its own: two claims of one id in one batch give
+//! `Claimed` then `Existing`.
 //!
 //! This is the one piece of `idem-core` that owns a thread; the rules it applies stay the
-//! pure ones. redb and SQLite are adapters over it, and so can any embedded engine with
-//! transactions be.
+//! pure ones. redb and SQLite are [`Embedded`] stores over it, and so can any embedded
+//! engine with transactions be: it supplies an [`Engine`] (write transactions) and read
+//! views, and gets the whole [`crate::Store`].
 //!
 //! # Behaviour (the same for every store on it)
 //! - **Own outcomes stay own.** An operation refused before it changed anything
@@ -33,10 +35,12 @@
 //!   before its batch ran is not applied: nobody would run the handler, and the claim would
 //!   only lock the key for a lease. Completions, fails, journal writes and sweeps are
 //!   applied even when nobody waits for them.
-//! - **Claims of live records need no writer.** [`GroupCommit::claim_from_view`] answers a
-//!   claim that finds a live record from a read view (a read transaction), so replays never
-//!   wait for, or dilute, a group commit.
+//! - **Claims of live records need no writer.** An [`Embedded`] store answers a claim that
+//!   finds a live record from a read view, so replays never wait for, or dilute, a group
+//!   commit.
 
+mod embedded;
+mod job;
 mod queue;
 
 use std::fmt;
@@ -48,12 +52,16 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use crate::engine::{self, Write, Written};
-use crate::store::StoreError;
-use crate::table::{RecordRead, RecordTable};
-use crate::time::Clock;
-use crate::transition::{ClaimOutcome, ClaimRequest};
+pub use embedded::Embedded;
+pub(crate) use job::Unawaited;
+use job::{Applied, Caller, Job, Op};
 use queue::{Next, Queue};
+
+use crate::record::Record;
+use crate::store::StoreError;
+use crate::table::{Expired, RecordRead, RecordTable};
+use crate::time::{Clock, UnixMillis};
+use crate::transition::{ClaimOutcome, ClaimRequest};
 
 /// Where a transaction failed as a whole.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -181,17 +189,9 @@ struct Counters {
     abandoned_claims: AtomicU64,
 }
 
-type Reply = oneshot::Sender<Result<Written, StoreError>>;
-
-/// One queued operation and where its caller waits.
-struct Job {
-    write: Write,
-    reply: Reply,
-}
-
-/// The handle stores hold: queue operations, read statistics. Clones share the writer;
-/// when the last clone is dropped the writer answers what is queued and stops, and the
-/// drop waits for it (so the file can be opened again
+/// The writer an [`Embedded`] store holds: it queues the store's operations and reports
+/// statistics. Clones share the writer; when the last clone is dropped the writer answers
+/// what is queued and stops, and the drop waits for it (so the file can be opened again
 /// right after).
 #[derive(Clone)]
 pub struct GroupCommit {
@@ -201,7 +201,7 @@ pub struct GroupCommit {
 struct Shared {
     backend: &'static str,
     clock: Arc<dyn Clock>,
-    queue: Arc<Queue<Job>>,
+    queue: Arc<Queue<Box<dyn Job>>>,
     counters: Arc<Counters>,
     writer: Mutex<Option<JoinHandle<()>>>,
 }
@@ -248,15 +248,19 @@ impl GroupCommit {
         Ok(Self { shared: Arc::new(Shared { backend, clock, queue, counters, writer: Mutex::new(Some(handle)) }) })
     }
 
-    /// Hands `write` to the writer and waits for its outcome, which arrives only after the
+    /// Hands `apply` to the writer and waits for its outcome, which arrives only after the
     /// commit that holds it (or with the batch's error).
     ///
     /// # Errors
     /// The operation's own refusal, its batch's failure, or an error when the writer has
     /// stopped.
-    pub async fn submit(&self, write: Write) -> Result<Written, StoreError> {
+    pub(crate) async fn submit<R, F>(&self, unawaited: Unawaited, apply: F) -> Result<R, StoreError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut dyn RecordTable, UnixMillis) -> Result<R, StoreError> + Send + 'static,
+    {
         let (reply, answer) = oneshot::channel();
-        if self.shared.queue.push(Job { write, reply }).is_err() {
+        if self.shared.queue.push(Box::new(Op::new(apply, reply, unawaited))).is_err() {
             return Err(self.stopped());
         }
         // A dropped reply means its batch panicked, or the writer is gone.
@@ -265,15 +269,10 @@ impl GroupCommit {
 
     /// The outcome of a claim of `req` if `view` shows a live record (the claim would write
     /// nothing, so it takes effect at this read); `None` when the claim must go to the
-    /// writer: no record, an expired one, or a read error (the writer re-reads inside its
-    /// transaction and is the authority).
-    ///
-    /// Every acknowledged write is visible to a view opened after it, because the writer
-    /// answers a caller only after the commit that holds its write. Runs on the caller's
-    /// thread: use it with views whose point reads do not wait (a redb read transaction, a
-    /// SQLite WAL reader).
-    pub fn claim_from_view<V: RecordRead + ?Sized>(&self, view: &V, req: &ClaimRequest) -> Option<ClaimOutcome> {
-        let record = view.read(req.id).ok()??;
+    /// writer: no record, an expired one, or a read error (the writer looks again inside
+    /// its transaction and is the authority).
+    pub(crate) fn claim_from_view(&self, view: &dyn RecordRead, req: &ClaimRequest) -> Option<ClaimOutcome> {
+        let record = view.read(req.id()).ok()??;
         // `now` is read after the read: a record live now was live when it was read.
         let now = self.shared.clock.now();
         if record.is_expired(now) {
@@ -281,6 +280,16 @@ impl GroupCommit {
         }
         self.shared.counters.claims_read.fetch_add(1, Ordering::Relaxed);
         Some(ClaimOutcome::Existing { record, now })
+    }
+
+    /// The clock every `now` of this store is read from.
+    pub(crate) fn clock(&self) -> &dyn Clock {
+        &*self.shared.clock
+    }
+
+    /// The backend's name, for errors.
+    pub(crate) fn backend(&self) -> &'static str {
+        self.shared.backend
     }
 
     /// What the writer has done so far.
@@ -322,7 +331,7 @@ fn batch_error(backend: &'static str, size: usize, stage: Stage, cause: &Arc<Sto
 }
 
 /// Closes the queue when dropped, however the writer loop ends.
-struct CloseOnExit(Arc<Queue<Job>>);
+struct CloseOnExit(Arc<Queue<Box<dyn Job>>>);
 
 impl Drop for CloseOnExit {
     fn drop(&mut self) {
@@ -347,7 +356,7 @@ impl Tracked<'_> {
 }
 
 impl RecordRead for Tracked<'_> {
-    fn read(&self, id: crate::RecordId) -> Result<Option<crate::Record>, StoreError> {
+    fn read(&self, id: crate::RecordId) -> Result<Option<Record>, StoreError> {
         self.table.read(id)
     }
     fn journal_read(&self, id: crate::RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
@@ -356,14 +365,27 @@ impl RecordRead for Tracked<'_> {
 }
 
 impl RecordTable for Tracked<'_> {
-    fn write(&mut self, old: Option<&crate::Record>, new: &crate::Record) -> Result<(), StoreError> {
+    fn write(&mut self, old: Option<&Record>, new: &Record) -> Result<(), StoreError> {
         let result = self.table.write(old, new);
         self.count(result)
     }
-    fn expired(&mut self, now: crate::UnixMillis, limit: usize) -> Result<Vec<crate::Expired>, StoreError> {
+    // Forwarded, not left to the default (which writes a borrowed record): the owned
+    // record reaches the table, and a table that keeps records as values takes it without
+    // a copy.
+    fn write_owned(&mut self, old: Option<&Record>, new: Record) -> Result<(), StoreError> {
+        let result = self.table.write_owned(old, new);
+        self.count(result)
+    }
+    fn create(&mut self, new: &Record) -> Result<Option<Record>, StoreError> {
+        // Finding a stored record writes nothing, whatever the table did to find it.
+        let result = self.table.create(new);
+        self.wrote |= matches!(result, Ok(None));
+        result
+    }
+    fn expired(&mut self, now: UnixMillis, limit: usize) -> Result<Vec<Expired>, StoreError> {
         self.table.expired(now, limit)
     }
-    fn remove(&mut self, expired: crate::Expired) -> Result<(), StoreError> {
+    fn remove(&mut self, expired: Expired) -> Result<(), StoreError> {
         let result = self.table.remove(expired);
         self.count(result)
     }
@@ -389,7 +411,7 @@ struct Writer<E> {
     /// Size of the last batch, the adaptive linger's target.
     last_batch: usize,
     counters: Arc<Counters>,
-    queue: Arc<Queue<Job>>,
+    queue: Arc<Queue<Box<dyn Job>>>,
 }
 
 impl<E: Engine> Writer<E> {
@@ -415,7 +437,7 @@ impl<E: Engine> Writer<E> {
     }
 
     /// Waits for the first operation of the next batch; `None` once the store is dropped.
-    fn next_first(&mut self) -> Option<Job> {
+    fn next_first(&mut self) -> Option<Box<dyn Job>> {
         loop {
             match self.queue.next(None) {
                 Next::Item(job) => return Some(job),
@@ -426,7 +448,7 @@ impl<E: Engine> Writer<E> {
     }
 
     /// Adds what is already queued, then lingers for more (see [`BatchConfig`]).
-    fn fill(&mut self, batch: &mut Vec<Job>) {
+    fn fill(&mut self, batch: &mut Vec<Box<dyn Job>>) {
         let max = self.config.max_batch;
         self.queue.drain_into(batch, max);
         let wait = self.config.linger;
@@ -447,7 +469,7 @@ impl<E: Engine> Writer<E> {
         self.last_batch = batch.len();
     }
 
-    fn run_batch(&mut self, jobs: Vec<Job>) {
+    fn run_batch(&mut self, jobs: Vec<Box<dyn Job>>) {
         let size = jobs.len();
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         self.counters.operations.fetch_add(size as u64, Ordering::Relaxed);
@@ -458,44 +480,46 @@ impl<E: Engine> Writer<E> {
         let clock = Arc::clone(&self.clock);
         let counters = Arc::clone(&self.counters);
         let mut pending = jobs.into_iter();
-        let mut done: Vec<(Reply, Result<Written, StoreError>)> = Vec::with_capacity(size);
+        // Every outcome, refusals included, waits for the commit: a refusal decided on
+        // writes of this batch is only true once they are committed.
+        let mut done: Vec<Applied> = Vec::with_capacity(size);
         // The operation that broke the transaction, and why.
-        let mut fault: Option<(Reply, StoreError)> = None;
+        let mut fault: Option<(Box<dyn Caller>, StoreError)> = None;
         let mut wrote = false;
         let result = self.engine.transaction(&mut |table| {
             for job in pending.by_ref() {
-                if job.write.is_claim() && job.reply.is_closed() {
+                if job.abandoned() {
                     counters.abandoned_claims.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
                 let mut tracked = Tracked { table: &mut *table, wrote: false };
-                let outcome = engine::apply(&mut tracked, job.write, clock.now());
+                let applied = job.apply(&mut tracked, clock.now());
                 wrote |= tracked.wrote;
                 let poisoned = tracked.is_poisoned();
-                match outcome {
+                match applied {
                     // An operation that failed half-way, or an engine that undid the
                     // transaction: outcomes computed so far may describe writes that will
                     // not be committed, so nobody of this batch may hear "done".
-                    Err(error) if tracked.wrote || poisoned => {
-                        fault = Some((job.reply, error));
+                    Err(refused) if tracked.wrote || poisoned => {
+                        fault = Some(refused);
                         return false;
                     }
-                    Ok(_) if poisoned => {
+                    Ok(answer) if poisoned => {
                         let error = StoreError::unavailable(
                             backend,
                             "the engine rolled the transaction back",
                             true,
                             "transaction rolled back",
                         );
-                        fault = Some((job.reply, error));
+                        fault = Some((answer as Box<dyn Caller>, error));
                         return false;
                     }
-                    outcome => done.push((job.reply, outcome)),
+                    applied => done.push(applied),
                 }
             }
             wrote
         });
-        let (fault_reply, fault) = fault.map_or((None, None), |(reply, error)| (Some(reply), Some(error)));
+        let (fault_caller, fault) = fault.map_or((None, None), |(caller, error)| (Some(caller), Some(error)));
         let failure = match (result, fault) {
             (Err(TransactionFailed { stage, error }), _) => Some((stage, error)),
             (Ok(()), Some(error)) => Some((Stage::Apply, error)),
@@ -506,19 +530,24 @@ impl<E: Engine> Writer<E> {
                 self.counters.failed_batches.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(backend, batch = size, %stage, %error, "group commit failed; nothing in it was committed");
                 let cause = Arc::new(error);
-                let replies =
-                    done.into_iter().map(|(reply, _)| reply).chain(fault_reply).chain(pending.map(|job| job.reply));
-                for reply in replies {
-                    // A caller that stopped waiting needs no answer.
-                    let _ = reply.send(Err(batch_error(backend, size, stage, &cause)));
+                let applied = done.into_iter().map(|applied| match applied {
+                    Ok(answer) => answer as Box<dyn Caller>,
+                    Err((caller, _)) => caller,
+                });
+                let unapplied = pending.map(|job| job as Box<dyn Caller>);
+                for caller in applied.chain(fault_caller).chain(unapplied) {
+                    caller.fail(batch_error(backend, size, stage, &cause));
                 }
             }
             None => {
                 if !wrote {
                     self.counters.read_only_batches.fetch_add(1, Ordering::Relaxed);
                 }
-                for (reply, outcome) in done {
-                    let _ = reply.send(outcome);
+                for applied in done {
+                    match applied {
+                        Ok(answer) => answer.send(),
+                        Err((caller, error)) => caller.fail(error),
+                    }
                 }
             }
         }
