@@ -202,7 +202,12 @@ impl Store for Metered {
         self.inner.fail(id, token).await
     }
 
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<idem_core::Receipt, StoreError> {
+    async fn extend(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease_ttl: Duration,
+    ) -> Result<idem_core::Receipt, StoreError> {
         let mut pending = Pending { meter: self, id, answered: false };
         let t = Instant::now();
         let out = self.inner.extend(id, token, lease_ttl).await;

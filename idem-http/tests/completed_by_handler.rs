@@ -36,7 +36,12 @@ impl Store for Counting {
     async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
         self.inner.reclaim(req).await
     }
-    async fn complete(&self, id: RecordId, token: FencingToken, r: StoredResponse) -> Result<idem_core::Receipt, StoreError> {
+    async fn complete(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        r: StoredResponse,
+    ) -> Result<idem_core::Receipt, StoreError> {
         self.completes.fetch_add(1, Ordering::SeqCst);
         self.inner.complete(id, token, r).await
     }
@@ -44,7 +49,12 @@ impl Store for Counting {
         self.fails.fetch_add(1, Ordering::SeqCst);
         self.inner.fail(id, token).await
     }
-    async fn extend(&self, id: RecordId, token: FencingToken, lease: Duration) -> Result<idem_core::Receipt, StoreError> {
+    async fn extend(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<idem_core::Receipt, StoreError> {
         self.inner.extend(id, token, lease).await
     }
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {

@@ -157,7 +157,12 @@ impl Store for Down {
     async fn reclaim(&self, _: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
         Err(down())
     }
-    async fn complete(&self, _: RecordId, _: FencingToken, _: StoredResponse) -> Result<idem_core::Receipt, StoreError> {
+    async fn complete(
+        &self,
+        _: RecordId,
+        _: FencingToken,
+        _: StoredResponse,
+    ) -> Result<idem_core::Receipt, StoreError> {
         Err(down())
     }
     async fn extend(&self, _: RecordId, _: FencingToken, _: Duration) -> Result<idem_core::Receipt, StoreError> {

@@ -195,7 +195,12 @@ impl Store for FlakyStore {
         }
         self.inner.complete(id, token, response).await
     }
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<idem_core::Receipt, StoreError> {
+    async fn extend(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease_ttl: Duration,
+    ) -> Result<idem_core::Receipt, StoreError> {
         self.down("extend")?;
         self.inner.extend(id, token, lease_ttl).await
     }

@@ -304,7 +304,12 @@ impl Store for Frozen {
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<idem_core::Receipt, StoreError> {
         self.run(move |s| async move { s.fail(id, token).await }).await
     }
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<idem_core::Receipt, StoreError> {
+    async fn extend(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease_ttl: Duration,
+    ) -> Result<idem_core::Receipt, StoreError> {
         self.extends.fetch_add(1, Ordering::SeqCst);
         let injected = self.failing_extends.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
         if injected.is_ok() {

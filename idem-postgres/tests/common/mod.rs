@@ -186,7 +186,12 @@ impl Store for TestStore {
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<idem_core::Receipt, StoreError> {
         self.inner.fail(id, token).await
     }
-    async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<idem_core::Receipt, StoreError> {
+    async fn extend(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        lease_ttl: Duration,
+    ) -> Result<idem_core::Receipt, StoreError> {
         self.inner.extend(id, token, lease_ttl).await
     }
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
