@@ -10,6 +10,9 @@ use std::sync::Mutex;
 
 use crate::retry::OperationKey;
 
+/// Tries of the file lock, 5 ms apart, before a journal reports [`JournalError::InUse`].
+const LOCK_TRIES: u32 = 20;
+
 /// Why the journal failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -102,10 +105,21 @@ impl KeyJournal {
         }
         // Before reading: what another opener has half-written must not be cut off as torn,
         // nor its appends cut back later by this journal.
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => return Err(JournalError::InUse { path }),
-            Err(TryLockError::Error(e)) => return Err(io(e)),
+        // A few short tries before `InUse`: a thread of this process that forks while an
+        // earlier opener's file is open gives the child that descriptor, and with it the
+        // lock, until the child execs (close-on-exec), so a lock released by a `drop` can
+        // still read as held for a moment after it.
+        let mut tries = 0;
+        loop {
+            match file.try_lock() {
+                Ok(()) => break,
+                Err(TryLockError::WouldBlock) if tries < LOCK_TRIES => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Err(TryLockError::WouldBlock) => return Err(JournalError::InUse { path }),
+                Err(TryLockError::Error(e)) => return Err(io(e)),
+            }
         }
         let mut text = Vec::new();
         file.read_to_end(&mut text).map_err(io)?;
