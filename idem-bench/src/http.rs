@@ -5,6 +5,12 @@
 //! with a Lua script that gives every request its own `Idempotency-Key` (mode `first`:
 //! every request is a first-time claim, complete and response) or cycles through a pool
 //! of keys completed during the warm-up (mode `replay`: every request is a replay).
+//!
+//! Besides the request rates, each row gives the CPU time the process spent per request
+//! served, bare and layered (`clock_gettime(CLOCK_PROCESS_CPUTIME_ID)` around each slice;
+//! wrk runs in a process of its own), and their difference: the CPU the layer adds to a
+//! request. Other processes on the machine move it less than the rates (they take cores,
+//! not this process's CPU time), though not to nothing (they share its caches).
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -229,7 +235,8 @@ async fn serve(app: Router) -> Result<SocketAddr, BoxError> {
     Ok(addr)
 }
 
-/// What one wrk run reported.
+/// What one wrk run reported, and the CPU time this process (both servers) spent
+/// meanwhile.
 #[derive(Clone, Copy, Debug, Default)]
 struct WrkResult {
     requests: u64,
@@ -237,6 +244,15 @@ struct WrkResult {
     p50_ms: f64,
     p99_ms: f64,
     bad: u64,
+    /// CPU time of this process (user + system, every thread) during the run. wrk is a
+    /// process of its own, so this is what the servers spent; the other server is idle.
+    cpu: std::time::Duration,
+}
+
+/// CPU time this process has run so far, every thread: the servers run in it.
+fn process_cpu() -> std::time::Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    std::time::Duration::new(u64::try_from(t.tv_sec).unwrap_or(0), u32::try_from(t.tv_nsec).unwrap_or(0))
 }
 
 fn parse_ms(s: &str) -> Option<f64> {
@@ -261,6 +277,7 @@ fn wrk(
     mode: &str,
     run: &str,
 ) -> Result<WrkResult, BoxError> {
+    let cpu = process_cpu();
     let out = Command::new("wrk")
         .arg(format!("-t{}", args.threads))
         .arg(format!("-c{}", args.connections))
@@ -275,11 +292,12 @@ fn wrk(
         .arg(args.pool.to_string())
         .output()
         .map_err(|e| format!("running wrk (apt-get install -y wrk): {e}"))?;
+    let cpu = process_cpu().saturating_sub(cpu);
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         return Err(format!("wrk failed: {text}{}", String::from_utf8_lossy(&out.stderr)).into());
     }
-    let mut r = WrkResult::default();
+    let mut r = WrkResult { cpu, ..WrkResult::default() };
     for line in text.lines() {
         let t = line.trim();
         if let Some(v) = t.strip_prefix("50%") {
@@ -362,10 +380,17 @@ pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
     let (bp50, lp50) = (median(&b, |r| r.p50_ms), median(&l, |r| r.p50_ms));
     let (bp99, lp99) = (median(&b, |r| r.p99_ms), median(&l, |r| r.p99_ms));
     let bad: u64 = l.iter().chain(&b).map(|r| r.bad).sum();
+    // Server CPU per request, µs, over all slices of a server; the layer's own share is
+    // the difference (both servers run the same handler on the same runtime).
+    let cpu_us = |v: &[WrkResult]| {
+        v.iter().map(|r| r.cpu.as_secs_f64()).sum::<f64>() * 1e6 / v.iter().map(|r| r.requests).sum::<u64>() as f64
+    };
+    let (bcpu, lcpu) = (cpu_us(&b), cpu_us(&l));
     let (base_label, measured_label) =
         if args.sealed { ("unseal req/s", "sealed req/s") } else { ("bare req/s", "layer req/s") };
+    let (base_cpu, measured_cpu) = if args.sealed { ("unseal µs", "sealed µs") } else { ("bare µs", "layer µs") };
     println!(
-        "{:<7} {:<7} {:>11} {:>8} {:>8} {:>11} {:>8} {:>8} {:>7} {:>13} {:>6}",
+        "{:<7} {:<7} {:>11} {:>8} {:>8} {:>11} {:>8} {:>8} {:>7} {:>13} {:>9} {:>9} {:>9} {:>6}",
         "store",
         "mode",
         base_label,
@@ -376,10 +401,13 @@ pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
         "p99 ms",
         "ratio",
         "p50 added ms",
+        base_cpu,
+        measured_cpu,
+        "added µs",
         "non2xx"
     );
     println!(
-        "{:<7} {:<7} {:>11.0} {:>8.3} {:>8.3} {:>11.0} {:>8.3} {:>8.3} {:>6.2}x {:>13.3} {:>6}",
+        "{:<7} {:<7} {:>11.0} {:>8.3} {:>8.3} {:>11.0} {:>8.3} {:>8.3} {:>6.2}x {:>13.3} {:>9.2} {:>9.2} {:>9.2} {:>6}",
         match args.store {
             HttpStore::Memory => "memory",
             HttpStore::Redb => "redb",
@@ -395,10 +423,14 @@ pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
         lp99,
         lr / br,
         lp50 - bp50,
+        bcpu,
+        lcpu,
+        lcpu - bcpu,
         bad,
     );
     println!(
-        "(wrk -t{} -c{}, {} x {slice} s per server, loopback, handler {:?}, body {}, observe {}{}; p50/p99 are the median over slices)",
+        "(wrk -t{} -c{}, {} x {slice} s per server, loopback, handler {:?}, body {}, observe {}{}; p50/p99 are the median over \
+         slices; µs: this process's CPU time per request served, {base}, {measured}, and the difference)",
         args.threads,
         args.connections,
         rounds,
@@ -410,6 +442,8 @@ pub(crate) async fn run(args: HttpArgs) -> Result<(), BoxError> {
             (true, Recorder::Prometheus) => " (metrics compiled in, Prometheus recorder)",
             (true, Recorder::None) => " (metrics compiled in, no recorder)",
         },
+        base = if args.sealed { "unsealed" } else { "bare" },
+        measured = if args.sealed { "sealed" } else { "layered" },
     );
     Ok(())
 }

@@ -59,7 +59,12 @@ impl Endpoint {
     /// `"{METHOD} {route}"`, the canonical endpoint spelling.
     #[must_use]
     pub fn new(method: &str, route: &str) -> Self {
-        Self(format!("{method} {route}"))
+        // Every keyed request makes one: built by hand, without the formatting machinery.
+        let mut endpoint = String::with_capacity(method.len() + 1 + route.len());
+        endpoint.push_str(method);
+        endpoint.push(' ');
+        endpoint.push_str(route);
+        Self(endpoint)
     }
 
     /// The endpoint as stored, e.g. `POST /v1/workers`.
@@ -128,12 +133,11 @@ impl RecordId {
     /// Derives the id from raw parts. Prefer [`Scope::record_id`].
     #[must_use]
     pub fn derive(principal: &str, endpoint: &str, key: &str) -> Self {
-        let mut h = crate::hash::keyed(&crate::hash::RECORD_ID_HASHER, RECORD_ID_CONTEXT);
+        let mut h = crate::hash::Fields::new(&crate::hash::RECORD_ID_HASHER, RECORD_ID_CONTEXT);
         for part in [principal.as_bytes(), endpoint.as_bytes(), key.as_bytes()] {
-            h.update(&(part.len() as u64).to_le_bytes());
-            h.update(part);
+            h.prefixed(part);
         }
-        Self(*h.finalize().as_bytes())
+        Self(h.finalize())
     }
 
     /// An id from its 32 bytes, e.g. read back from a store's key.
@@ -211,6 +215,22 @@ mod tests {
         assert_ne!(RecordId::derive("ab", "c", "k"), RecordId::derive("a", "bc", "k"));
         assert_ne!(RecordId::derive("p", "ab", "c"), RecordId::derive("p", "a", "bc"));
         assert_ne!(RecordId::derive("", "pk", ""), RecordId::derive("p", "k", ""));
+    }
+
+    /// Stored records keep their ids: a change to how the parts are fed to the hasher must
+    /// not change a single id, for short parts or for a principal longer than any buffer.
+    #[test]
+    fn record_ids_are_the_documented_hash() {
+        let long = "p".repeat(2000);
+        for (principal, endpoint, key) in [("bearer:ab12", "POST /v1/workers", "k-1"), (long.as_str(), "E", "")] {
+            let mut h = blake3::Hasher::new_derive_key(RECORD_ID_CONTEXT);
+            for part in [principal, endpoint, key] {
+                h.update(&(part.len() as u64).to_le_bytes());
+                h.update(part.as_bytes());
+            }
+            assert_eq!(RecordId::derive(principal, endpoint, key).0, *h.finalize().as_bytes());
+        }
+        assert_eq!(Endpoint::new("POST", "/v1/workers/{id}").as_str(), "POST /v1/workers/{id}");
     }
 
     #[test]

@@ -15,7 +15,7 @@ use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 
 #[cfg(feature = "grpc")]
-use crate::grpc::StreamEnd;
+use crate::grpc::stream::StreamEnd;
 
 /// Body of responses from [`crate::Idempotency`].
 ///

@@ -1,8 +1,8 @@
-//! The layer's settings: the types of its HTTP knobs, and the read-only settings bundle
-//! every [`crate::Idempotency`] service shares.
+//! The layer's settings: the types of its HTTP knobs, and [`Settings`], every value one
+//! [`crate::IdempotencyLayer`] was configured with.
 //!
-//! Both `layer` (which builds the bundle) and `service` (which reads it) import this
-//! module; neither imports the other.
+//! `layer` (which sets them) and `pipeline` (which prepares them once per layer and reads
+//! them per request) both import this module; neither imports the other's settings code.
 
 use std::fmt;
 use std::sync::Arc;
@@ -11,7 +11,7 @@ use std::time::Duration;
 use idem_core::key::DEFAULT_MAX_KEY_LEN;
 use idem_core::{FingerprintMode, Policy, Store};
 
-use crate::deadline::{DeadlineStore, StoreDeadlines};
+use crate::deadline::StoreDeadlines;
 use crate::principal::{BearerToken, PrincipalResolver};
 
 /// What the layer does with a non-safe request that has no `Idempotency-Key` field.
@@ -206,9 +206,10 @@ pub(crate) const DEFAULT_MAX_FINGERPRINT_FIELDS: usize = 32;
 /// Default most bytes (names plus values) of the header fields that enter the fingerprint.
 pub(crate) const DEFAULT_MAX_FINGERPRINT_HEADER_BYTES: usize = 16 * 1024;
 
-/// Everything one layer was configured with, shared read-only by every service it makes.
+/// Everything one layer was configured with; [`crate::pipeline::Pipeline`] is made from it
+/// once per layer.
 #[derive(Clone)]
-pub(crate) struct Config {
+pub(crate) struct Settings {
     pub(crate) store: Arc<dyn Store>,
     /// The record rules.
     pub(crate) policy: Policy,
@@ -243,12 +244,9 @@ pub(crate) struct Config {
     /// Keys that seal stored responses, and whether plain ones are still replayed.
     #[cfg(feature = "seal")]
     pub(crate) sealing: Option<idem_core::seal::Sealing>,
-    /// The store call metrics, shared by every service of the layer.
-    #[cfg(feature = "metrics")]
-    pub(crate) store_metrics: Arc<crate::observe::StoreMetrics>,
 }
 
-impl Config {
+impl Settings {
     /// The defaults over `store` (listed on [`crate::IdempotencyLayer`]).
     pub(crate) fn new(store: Arc<dyn Store>) -> Self {
         Self {
@@ -274,23 +272,13 @@ impl Config {
             store_deadlines: StoreDeadlines::default(),
             #[cfg(feature = "seal")]
             sealing: None,
-            #[cfg(feature = "metrics")]
-            store_metrics: Arc::default(),
         }
-    }
-
-    /// The settings a service runs with: these, with `store` wrapped in the deadlines and
-    /// completion retries ([`crate::deadline`]), which also seal and open responses when
-    /// sealing is on. Done when a service is made, not per setter, because the retry
-    /// window follows the lease TTL, whichever was set last.
-    pub(crate) fn for_service(&self) -> Self {
-        Self { store: Arc::new(DeadlineStore::new(self)), ..self.clone() }
     }
 }
 
-impl fmt::Debug for Config {
+impl fmt::Debug for Settings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut config = f.debug_struct("Config");
+        let mut config = f.debug_struct("Settings");
         #[cfg(feature = "seal")]
         config.field("sealing", &self.sealing);
         config

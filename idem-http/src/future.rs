@@ -1,10 +1,10 @@
 //! [`ResponseFuture`], and the drop guard that marks a record failed when its handler
 //! does not finish.
 //!
-//! The layer's work is one `async fn` (see `service.rs`), boxed: it awaits the store
+//! The layer's work is one `async fn` (`Pipeline::walk`), boxed: it awaits the store
 //! several times around the handler, which a hand-written state machine would spell out
 //! as a dozen states for no gain at this layer's cost (one allocation per request next to
-//! at least one store round trip).
+//! at least one store call).
 
 use std::cell::Cell;
 use std::fmt;
@@ -15,13 +15,14 @@ use std::task::{Context, Poll};
 
 use futures::future::BoxFuture;
 use http::Response;
-use idem_core::{FencingToken, RecordId, Store};
+use idem_core::{FencingToken, RecordId};
 use tracing::Instrument;
 
 use crate::body::ResponseBody;
+use crate::store::{Calls, LayerStore};
 
 /// Where the rest of a request's work goes if its response future is dropped first: the
-/// runtime current when the request was claimed, and the span its task runs in.
+/// runtime the request was claimed on, and the span its task runs in.
 type DetachTo = (tokio::runtime::Handle, tracing::Span);
 
 /// The layer's whole work for one request, boxed.
@@ -30,26 +31,26 @@ type Work<B, E> = BoxFuture<'static, Result<Response<ResponseBody<B>>, E>>;
 thread_local! {
     /// How the layer's work, deep inside a poll of its [`ResponseFuture`], tells that
     /// future "from here on I must outlive you" without a shared allocation per request:
-    /// [`detach_on_drop`] puts the runtime here, and the innermost `ResponseFuture` being
-    /// polled on this thread takes it when the poll returns. Each poll saves and restores
-    /// the value it found, so nested layers each see only their own mark.
-    static DETACH_TO: Cell<Option<DetachTo>> = const { Cell::new(None) };
+    /// [`detach_on_drop`] puts the work's span here, and the innermost `ResponseFuture`
+    /// being polled on this thread takes it when the poll returns. Each poll saves and
+    /// restores the value it found, so nested layers each see only their own mark.
+    static DETACH_MARK: Cell<Option<tracing::Span>> = const { Cell::new(None) };
 }
 
-/// Called by the work inside a [`ResponseFuture`]'s poll, on the current tokio runtime:
-/// from now on, dropping that response future moves the rest of its work to a task of its
-/// own on `runtime` instead of cancelling it ([`crate::HandlerExecution::Detached`]).
-pub(crate) fn detach_on_drop(runtime: tokio::runtime::Handle) {
-    DETACH_TO.set(Some((runtime, tracing::Span::current())));
+/// Called by the work inside a [`ResponseFuture`]'s poll, on the tokio runtime it claimed
+/// on: from now on, dropping that response future moves the rest of its work to a task of
+/// its own on that runtime instead of cancelling it ([`crate::HandlerExecution::Detached`]).
+pub(crate) fn detach_on_drop() {
+    DETACH_MARK.set(Some(tracing::Span::current()));
 }
 
-/// Puts back the mark an enclosing poll left in [`DETACH_TO`], also when the inner poll
+/// Puts back the mark an enclosing poll left in [`DETACH_MARK`], also when the inner poll
 /// unwinds.
-struct RestoreOuter(Option<DetachTo>);
+struct RestoreOuter(Option<tracing::Span>);
 
 impl Drop for RestoreOuter {
     fn drop(&mut self) {
-        DETACH_TO.set(self.0.take());
+        DETACH_MARK.set(self.0.take());
     }
 }
 
@@ -97,14 +98,20 @@ impl<B, E> Future for ResponseFuture<B, E> {
         let Some(mut inner) = self.inner.take() else {
             panic!("ResponseFuture polled after it finished");
         };
-        let outer = RestoreOuter(DETACH_TO.take());
+        let outer = RestoreOuter(DETACH_MARK.take());
         let poll = inner.as_mut().poll(cx);
-        let mark = DETACH_TO.take();
+        let mark = DETACH_MARK.take();
         drop(outer);
-        if mark.is_some() {
-            self.detach_to = mark;
-        }
         if poll.is_pending() {
+            // The runtime is looked up only now: work that ends within the poll that marked
+            // it (most requests) can never be left behind. The work was claimed on the
+            // runtime polling it, in this poll or an earlier one.
+            if let Some(span) = mark
+                && self.detach_to.is_none()
+                && let Ok(runtime) = tokio::runtime::Handle::try_current()
+            {
+                self.detach_to = Some((runtime, span));
+            }
             self.inner = Some(inner);
         }
         poll
@@ -134,13 +141,40 @@ impl<B, E> fmt::Debug for ResponseFuture<B, E> {
 /// under `Detached` the runtime cancelled the handler's task while shutting down), it
 /// spawns the `fail` on the current tokio runtime so a retry can reclaim at once instead of
 /// waiting out the lease.
-pub(crate) struct FailGuard {
-    armed: Option<(Arc<dyn Store>, RecordId, FencingToken)>,
+///
+/// It borrows the layer's store from the request's work, which owns it; only a guard that
+/// must outlive that work (a gRPC stream's, [`FailGuard::into_owned`]) or the drop path
+/// holds a reference count of its own.
+pub(crate) struct FailGuard<'a> {
+    armed: Option<(StoreRef<'a>, RecordId, FencingToken)>,
 }
 
-impl FailGuard {
-    pub(crate) fn new(store: Arc<dyn Store>, id: RecordId, token: FencingToken) -> Self {
-        Self { armed: Some((store, id, token)) }
+enum StoreRef<'a> {
+    Borrowed(&'a Arc<LayerStore>),
+    #[cfg(feature = "grpc")]
+    Owned(Arc<LayerStore>),
+}
+
+impl StoreRef<'_> {
+    fn get(&self) -> &Arc<LayerStore> {
+        match self {
+            StoreRef::Borrowed(store) => store,
+            #[cfg(feature = "grpc")]
+            StoreRef::Owned(store) => store,
+        }
+    }
+}
+
+impl<'a> FailGuard<'a> {
+    pub(crate) fn new(store: &'a Arc<LayerStore>, id: RecordId, token: FencingToken) -> Self {
+        Self { armed: Some((StoreRef::Borrowed(store), id, token)) }
+    }
+
+    /// The same duty, held past the request's work.
+    #[cfg(feature = "grpc")]
+    pub(crate) fn into_owned(mut self) -> FailGuard<'static> {
+        let armed = self.armed.take().map(|(store, id, token)| (StoreRef::Owned(Arc::clone(store.get())), id, token));
+        FailGuard { armed }
     }
 
     /// The duty is done (or handed on): dropping no longer writes.
@@ -152,19 +186,20 @@ impl FailGuard {
     /// guard is still armed and the drop path retries the write.
     pub(crate) async fn fail_now(&mut self, why: &'static str) {
         if let Some((store, id, token)) = &self.armed {
-            log_fail(store.fail(*id, *token).await, *id, *token, why);
+            log_fail(store.get().calls.fail(*id, *token).await, *id, *token, why);
         }
         self.disarm();
     }
 }
 
-impl Drop for FailGuard {
+impl Drop for FailGuard<'_> {
     fn drop(&mut self) {
         let Some((store, id, token)) = self.armed.take() else { return };
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
+                let store = Arc::clone(store.get());
                 runtime.spawn(async move {
-                    log_fail(store.fail(id, token).await, id, token, "request dropped before completion");
+                    log_fail(store.calls.fail(id, token).await, id, token, "request dropped before completion");
                 });
             }
             Err(_) => tracing::warn!(
@@ -212,7 +247,7 @@ mod tests {
         let (finished, gate) = (Arc::new(AtomicBool::new(false)), Arc::new(tokio::sync::Notify::new()));
         let (f, g) = (Arc::clone(&finished), Arc::clone(&gate));
         let mut rf = Rf::new(Box::pin(async move {
-            detach_on_drop(tokio::runtime::Handle::current());
+            detach_on_drop();
             g.notified().await;
             f.store(true, Ordering::SeqCst);
             done()
@@ -234,7 +269,7 @@ mod tests {
     #[tokio::test]
     async fn a_mark_stays_with_the_innermost_response_future() {
         let inner = Rf::new(Box::pin(async {
-            detach_on_drop(tokio::runtime::Handle::current());
+            detach_on_drop();
             futures::future::pending().await
         }));
         // A future of its own around the inner one, as the outer layer's work would be.
@@ -244,12 +279,12 @@ mod tests {
 
         let inner = Rf::new(Box::pin(futures::future::pending()));
         let mut outer = Rf::new(Box::pin(async move {
-            detach_on_drop(tokio::runtime::Handle::current());
+            detach_on_drop();
             inner.await
         }));
         assert!((&mut outer).now_or_never().is_none());
         assert!(format!("{outer:?}").contains("detached_on_drop: true"), "{outer:?}");
-        assert!(DETACH_TO.take().is_none(), "no mark leaks out of a poll");
+        assert!(DETACH_MARK.take().is_none(), "no mark leaks out of a poll");
     }
 
     /// Unmarked work (inline execution, or before the claim) is cancelled with its response future.

@@ -80,33 +80,43 @@ pub(crate) fn http_date(t: UnixMillis) -> String {
     )
 }
 
-/// Refuses a request whose fingerprint headers (every value of every configured name) are
-/// more than `max_fields` fields or `max_bytes` bytes of names plus values: 431
-/// `headers-too-large` (RFC 6585 §5), checked before the body is read or anything claimed.
-pub(crate) fn check_fingerprint_headers(
-    headers: &http::HeaderMap,
-    names: &[String],
-    max_fields: usize,
-    max_bytes: usize,
-) -> Result<(), crate::Problem> {
-    let (mut fields, mut bytes) = (0usize, 0usize);
-    for name in names {
-        for value in headers.get_all(name.as_str()) {
-            fields += 1;
-            bytes = bytes.saturating_add(name.len() + value.len());
-        }
+/// The fields of `fields` (headers or trailers) a record keeps: not hop-by-hop, not on the
+/// deny list, and not named by the message's own `Connection` field (RFC 9110 §7.6.1: a
+/// sender lists there the fields meant for the next hop only).
+pub(crate) fn kept_fields(policy: &idem_core::Policy, fields: &http::HeaderMap) -> Vec<(String, Vec<u8>)> {
+    let per_hop: Vec<String> = fields
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|name| name.trim().to_ascii_lowercase())
+        .filter(|name| !name.is_empty())
+        .collect();
+    fields
+        .iter()
+        .filter(|(name, _)| policy.stores_header(name.as_str()) && !per_hop.iter().any(|p| p == name.as_str()))
+        .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+        .collect()
+}
+
+/// The media type of a message's `content-type`: without parameters, trimmed; `None`
+/// without one, or when the field holds a byte outside visible ASCII. Read on every
+/// keyed request and response, so it is compared in place, never lower-cased into a copy.
+pub(crate) fn media_type(headers: &http::HeaderMap) -> Option<&[u8]> {
+    let value = headers.get(http::header::CONTENT_TYPE)?.to_str().ok()?;
+    Some(value.split(';').next().unwrap_or_default().trim().as_bytes())
+}
+
+/// Whether a request or response is gRPC (`crate::grpc`). Without the `grpc` feature
+/// never: a gRPC request is handled as plain HTTP.
+pub(crate) fn is_grpc(headers: &http::HeaderMap) -> bool {
+    #[cfg(feature = "grpc")]
+    return crate::grpc::is_grpc(headers);
+    #[cfg(not(feature = "grpc"))]
+    {
+        let _ = headers;
+        false
     }
-    if fields > max_fields || bytes > max_bytes {
-        return Err(crate::Problem::new(
-            crate::ProblemKind::HeadersTooLarge,
-            http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            format!(
-                "the request's fingerprinted header fields are {fields} fields, {bytes} bytes; the limits are \
-                 {max_fields} fields and {max_bytes} bytes"
-            ),
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! Retry hints for SDK retry loops, and the last touch on the layer's own answers.
+//! Retry hints for SDK retry loops, on the layer's own answers.
 //!
 //! Generated API SDKs retry every 409 (and 408, 429, 5xx) unless the server says
 //! otherwise, so a mismatch (409 by default) would be retried until the SDK's budget runs
@@ -17,10 +17,9 @@
 //! it ([`RetryHints::stripe_should_retry`]). Responses of the handler and replays of
 //! them are never marked: the handler owns those.
 
-use http::{HeaderMap, HeaderName, HeaderValue, Response};
+use http::{HeaderMap, HeaderName, HeaderValue};
 
-use crate::body::ResponseBody;
-use crate::problem::{Problem, ProblemKind};
+use crate::problem::ProblemKind;
 
 /// `x-should-retry` (Stainless-generated SDKs).
 pub const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
@@ -51,45 +50,22 @@ impl Default for RetryHints {
 }
 
 impl RetryHints {
-    fn set(self, headers: &mut HeaderMap, retry: bool) {
+    /// Adds the enabled hints, saying `retry`, to an answer's headers.
+    pub(crate) fn add(self, headers: &mut HeaderMap, retry: bool) {
         let value = HeaderValue::from_static(if retry { "true" } else { "false" });
-        if self.x_should_retry && !headers.contains_key(X_SHOULD_RETRY) {
+        if self.x_should_retry {
             headers.insert(X_SHOULD_RETRY, value.clone());
         }
-        if self.stripe_should_retry && !headers.contains_key(STRIPE_SHOULD_RETRY) {
+        if self.stripe_should_retry {
             headers.insert(STRIPE_SHOULD_RETRY, value);
         }
     }
 }
 
-/// Whether a client should retry the answer of `kind` with the same key.
-fn should_retry(kind: ProblemKind) -> bool {
+/// Whether a client should retry the answer of `kind` with the same key (module docs).
+pub(crate) fn should_retry(kind: ProblemKind) -> bool {
     matches!(
         kind,
         ProblemKind::InFlight | ProblemKind::Busy | ProblemKind::StoreUnavailable | ProblemKind::ResponseBodyFailed
     )
-}
-
-/// Marks an answer that retrying cannot change (set before [`dress`], which keeps it).
-pub(crate) fn never_retry(headers: &mut HeaderMap, hints: &RetryHints) {
-    hints.set(headers, false);
-}
-
-/// The retry hints on the layer's own answers, and for a gRPC request (feature `grpc`)
-/// the answer as a gRPC status. Responses without a [`Problem`] extension (the handler's, and replays of
-/// them) pass unchanged.
-pub(crate) fn dress<B>(
-    mut res: Response<ResponseBody<B>>,
-    hints: &RetryHints,
-    grpc: bool,
-) -> Response<ResponseBody<B>> {
-    let Some(problem) = res.extensions_mut().remove::<Problem>() else { return res };
-    #[cfg(feature = "grpc")]
-    if grpc {
-        res = crate::grpc::problem_to_status(res, &problem);
-    }
-    #[cfg(not(feature = "grpc"))]
-    let _ = grpc;
-    hints.set(res.headers_mut(), should_retry(problem.kind()));
-    res
 }

@@ -1,17 +1,24 @@
 //! [`IdempotencyLayer`]: every setting of the layer, and the tower [`Layer`] that wraps a
 //! service in [`Idempotency`].
+//!
+//! The settings are prepared into a [`Pipeline`] (the store wrapped in its deadlines,
+//! completion retries, sealing and metrics; header names parsed; intervals computed) once
+//! per layer: on the first `layer` call, and shared by every service made from this layer
+//! or its clones after that. A setter starts a new preparation, since the retry window
+//! follows the lease TTL, whichever was set last.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use idem_core::{FingerprintMode, Policy, Store};
 use tower::Layer;
 
 use crate::config::{
-    Config, HandlerExecution, KeyRequirement, LeaseRenewal, MismatchStatus, MissingPrincipal, StoreFailureMode,
+    HandlerExecution, KeyRequirement, LeaseRenewal, MismatchStatus, MissingPrincipal, Settings, StoreFailureMode,
 };
 use crate::deadline::StoreDeadlines;
 use crate::hints::RetryHints;
+use crate::pipeline::Pipeline;
 use crate::principal::PrincipalResolver;
 use crate::service::Idempotency;
 
@@ -45,7 +52,7 @@ use crate::service::Idempotency;
 /// | [`with_store_deadlines`](Self::with_store_deadlines) | 2 s per store call; completions retried while the lease lasts |
 /// | `with_sealing` (feature `seal`) | off: responses stored as they are |
 ///
-/// Cloning is cheap (one `Arc`).
+/// Cloning is cheap (two `Arc`s); clones share the prepared pipeline.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -62,19 +69,24 @@ use crate::service::Idempotency;
 /// ```
 #[derive(Clone, Debug)]
 pub struct IdempotencyLayer {
-    config: Arc<Config>,
+    config: Arc<Settings>,
+    /// The pipeline prepared from `config`, once, by the first `layer` call of this layer
+    /// or of any clone made before a setter ran.
+    prepared: Arc<OnceLock<Arc<Pipeline>>>,
 }
 
 impl IdempotencyLayer {
     /// A layer over `store` with the defaults above.
     #[must_use]
     pub fn new(store: Arc<dyn Store>) -> Self {
-        Self { config: Arc::new(Config::new(store)) }
+        Self { config: Arc::new(Settings::new(store)), prepared: Arc::default() }
     }
 
-    /// The settings, to change one of them. Copies them first if a service made from this
-    /// layer still shares them (services keep what they were made with).
-    fn config(&mut self) -> &mut Config {
+    /// The settings, to change one of them. Copies them first if a clone of this layer
+    /// still shares them, and drops the prepared pipeline: services made before keep the
+    /// one they were made with.
+    fn config(&mut self) -> &mut Settings {
+        self.prepared = Arc::default();
         Arc::make_mut(&mut self.config)
     }
 
@@ -281,7 +293,8 @@ impl<S> Layer<S> for IdempotencyLayer {
     type Service = Idempotency<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::new(inner, Arc::new(self.config.for_service()))
+        let pipeline = self.prepared.get_or_init(|| Arc::new(Pipeline::prepare(&self.config)));
+        Idempotency::new(inner, Arc::clone(pipeline))
     }
 }
 
@@ -310,5 +323,18 @@ mod tests {
         assert_eq!(l.config.max_key_len, 8);
         assert_eq!(l.config.mismatch_status, MismatchStatus::BadRequest);
         assert_eq!(l.config.fingerprint_headers, ["content-type", "x-tenant"]);
+    }
+
+    /// The store wrappers were composed again on every `layer` call (axum calls it once per
+    /// route), or a setter after a `layer` call left the old composition in place.
+    #[test]
+    fn the_pipeline_is_prepared_once_per_layer() {
+        let l = layer();
+        let copy = l.clone();
+        let (a, b) = (l.layer(()), copy.layer(()));
+        assert!(Arc::ptr_eq(a.pipeline(), b.pipeline()), "clones share one preparation");
+        assert!(Arc::ptr_eq(a.pipeline(), l.layer(()).pipeline()));
+        let changed = l.with_max_key_len(8);
+        assert!(!Arc::ptr_eq(a.pipeline(), changed.layer(()).pipeline()), "a setter prepares anew");
     }
 }

@@ -1,7 +1,7 @@
 //! Lease renewal while a claimed handler runs, and the lease state the handler can watch.
 //!
-//! The renewal is a loop of tokio timers and fenced [`Store::extend`] calls, polled
-//! together with the attempt's own work ([`while_renewing`]): the handler, then its
+//! The renewal is a loop of tokio timers and fenced `Store::extend` calls, polled
+//! together with the attempt's own work ([`Renewal::during`]): the handler, then its
 //! completion, which may be resent for a whole lease while the store is out. It lives
 //! exactly as long as that work, moves with it to a task of its own under
 //! [`crate::HandlerExecution::Detached`], and is cancelled with it under
@@ -18,15 +18,16 @@
 
 use std::future::Future;
 use std::pin::{Pin, pin};
-
-use futures::future::{Either, select};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use idem_core::{FencingToken, LeaseWatch, RecordId, Store, StoreError};
+use idem_core::{FencingToken, LeaseWatch, RecordId, StoreError};
 use tokio::sync::Notify;
 use tokio::time::Instant;
+
+use crate::store::{Calls, LayerStore};
 
 /// First pause before a failed renewal is tried again; it doubles per failure.
 const RETRY_FIRST: Duration = Duration::from_millis(25);
@@ -94,17 +95,15 @@ impl LeaseWatch for LeaseState {
     }
 }
 
-/// The renewal duty of one claimed attempt.
-#[derive(Debug)]
-pub(crate) struct Renewal {
-    pub(crate) store: Arc<dyn Store>,
+/// The lease one claimed attempt renews: the terms of its claim.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Lease {
     pub(crate) id: RecordId,
     pub(crate) token: FencingToken,
-    pub(crate) lease_ttl: Duration,
+    pub(crate) ttl: Duration,
     pub(crate) interval: Duration,
     /// Sent time of the claim or reclaim that gave this attempt its lease.
     pub(crate) claimed_at: Instant,
-    pub(crate) state: LeaseState,
 }
 
 /// How one renewal (with its retries) ended.
@@ -118,77 +117,80 @@ enum Renewed {
     Stop,
 }
 
-impl Renewal {
-    /// Renews every `interval` until the lease is lost or the store cannot extend; then
-    /// returns (the caller keeps awaiting the handler alone).
-    pub(crate) async fn run(self) {
-        let mut lease_end = self.claimed_at + self.lease_ttl;
-        let mut next = self.claimed_at + self.interval;
-        loop {
-            tokio::time::sleep_until(next).await;
-            match self.renew_once(lease_end).await {
-                Renewed::Yes(sent) => {
-                    lease_end = sent + self.lease_ttl;
-                    next = sent + self.interval;
-                }
-                Renewed::NotYet => next = Instant::now() + self.interval,
-                Renewed::Stop => return,
+/// Renews `lease` every interval until it is lost or the store cannot extend; then
+/// returns (the caller keeps awaiting the work alone). Without a tokio runtime to time it
+/// (an executor other than tokio) it returns at once: nothing renews.
+pub(crate) async fn renew(store: &LayerStore, lease: Lease, state: &LeaseState) {
+    if tokio::runtime::Handle::try_current().is_err() {
+        tracing::debug!(record = %lease.id, "no tokio runtime: the lease is not renewed");
+        return;
+    }
+    let mut lease_end = lease.claimed_at + lease.ttl;
+    let mut next = lease.claimed_at + lease.interval;
+    loop {
+        tokio::time::sleep_until(next).await;
+        match renew_once(store, &lease, state, lease_end).await {
+            Renewed::Yes(sent) => {
+                lease_end = sent + lease.ttl;
+                next = sent + lease.interval;
             }
+            Renewed::NotYet => next = Instant::now() + lease.interval,
+            Renewed::Stop => return,
         }
     }
+}
 
-    async fn renew_once(&self, lease_end: Instant) -> Renewed {
-        let (id, token) = (self.id, self.token);
-        let mut pause = RETRY_FIRST;
-        loop {
-            let sent = Instant::now();
-            // A hung call must not outlast the lease it tries to keep: past that, it counts
-            // as a transient failure and the next interval tries again.
-            let limit = lease_end.saturating_duration_since(sent).max(self.interval);
-            let result = match tokio::time::timeout(limit, self.store.extend(id, token, self.lease_ttl)).await {
-                Ok(result) => result,
-                Err(_) => Err(StoreError::unavailable("idem-http", "lease renewal", true, TimedOut)),
-            };
-            match result {
-                Ok(record) => {
-                    self.state.renewed();
-                    tracing::trace!(record = %id, token = %token, lease_expires_at = %record.lease_expires_at, "lease renewed");
-                    return Renewed::Yes(sent);
-                }
-                Err(e) if e.is_lease_lost() => {
-                    self.state.set_lost();
+async fn renew_once(store: &LayerStore, lease: &Lease, state: &LeaseState, lease_end: Instant) -> Renewed {
+    let (id, token) = (lease.id, lease.token);
+    let mut pause = RETRY_FIRST;
+    loop {
+        let sent = Instant::now();
+        // A hung call must not outlast the lease it tries to keep: past that, it counts
+        // as a transient failure and the next interval tries again.
+        let limit = lease_end.saturating_duration_since(sent).max(lease.interval);
+        let result = match tokio::time::timeout(limit, store.calls.extend(id, token, lease.ttl)).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::unavailable("idem-http", "lease renewal", true, TimedOut)),
+        };
+        match result {
+            Ok(receipt) => {
+                state.renewed();
+                tracing::trace!(record = %id, token = %token, lease_expires_at = %receipt.lease_expires_at, "lease renewed");
+                return Renewed::Yes(sent);
+            }
+            Err(e) if e.is_lease_lost() => {
+                state.set_lost();
+                tracing::warn!(
+                    record = %id, token = %token, error = %e,
+                    "lease lost while the handler runs: another attempt may own the record; renewal stopped, \
+                     resumable steps refuse to start, and this attempt's response will not be stored"
+                );
+                return Renewed::Stop;
+            }
+            // A non-retryable `Unavailable` (a full disk, an I/O error) is retried like a
+            // blip: the handler runs on, and the store may well recover (the disk freed)
+            // before anyone reclaims; giving up would let the lease run out under a
+            // running handler and a retry run it twice. The fence keeps a renewal after
+            // a reclaim harmless (`LeaseLost`).
+            Err(e) if e.is_retryable() || matches!(e, StoreError::Unavailable { .. }) => {
+                let retry_at = Instant::now() + pause;
+                if retry_at >= lease_end {
                     tracing::warn!(
                         record = %id, token = %token, error = %e,
-                        "lease lost while the handler runs: another attempt may own the record; renewal stopped, \
-                         resumable steps refuse to start, and this attempt's response will not be stored"
+                        "lease renewal keeps failing and the lease may run out; trying again at the next interval"
                     );
-                    return Renewed::Stop;
+                    return Renewed::NotYet;
                 }
-                // A non-retryable `Unavailable` (a full disk, an I/O error) is retried like a
-                // blip: the handler runs on, and the store may well recover (the disk freed)
-                // before anyone reclaims; giving up would let the lease run out under a
-                // running handler and a retry run it twice. The fence keeps a renewal after
-                // a reclaim harmless (`LeaseLost`).
-                Err(e) if e.is_retryable() || matches!(e, StoreError::Unavailable { .. }) => {
-                    let retry_at = Instant::now() + pause;
-                    if retry_at >= lease_end {
-                        tracing::warn!(
-                            record = %id, token = %token, error = %e,
-                            "lease renewal keeps failing and the lease may run out; trying again at the next interval"
-                        );
-                        return Renewed::NotYet;
-                    }
-                    tracing::debug!(record = %id, token = %token, error = %e, "lease renewal failed; retrying");
-                    tokio::time::sleep_until(retry_at).await;
-                    pause = (pause * 2).min(RETRY_MAX);
-                }
-                Err(e) => {
-                    tracing::error!(
-                        record = %id, token = %token, error = %e,
-                        "lease renewal failed for good; renewal stopped, and the lease runs out as if it were off"
-                    );
-                    return Renewed::Stop;
-                }
+                tracing::debug!(record = %id, token = %token, error = %e, "lease renewal failed; retrying");
+                tokio::time::sleep_until(retry_at).await;
+                pause = (pause * 2).min(RETRY_MAX);
+            }
+            Err(e) => {
+                tracing::error!(
+                    record = %id, token = %token, error = %e,
+                    "lease renewal failed for good; renewal stopped, and the lease runs out as if it were off"
+                );
+                return Renewed::Stop;
             }
         }
     }
@@ -199,23 +201,60 @@ impl Renewal {
 #[error("the store did not answer before the lease ran out")]
 struct TimedOut;
 
-/// Awaits `work` while `renewal` (the attempt's [`Renewal::run`], `None` without renewal)
-/// renews its lease. The renewal is polled only here: between two calls, and once the
-/// caller drops it, it does not run; one that ended (lease lost, or the store cannot
-/// extend) is set to `None` and the work goes on alone.
-pub(crate) async fn while_renewing<R, F>(mut renewal: Pin<&mut Option<R>>, work: F) -> F::Output
-where
-    R: Future<Output = ()>,
-    F: Future,
-{
-    let Some(run) = renewal.as_mut().as_pin_mut() else { return work.await };
-    let mut work = pin!(work);
-    match select(work.as_mut(), run).await {
-        Either::Left((output, _)) => output,
-        Either::Right(((), work)) => {
-            renewal.set(None);
-            work.await
+/// An attempt's lease renewal ([`renew`]), polled only alongside the attempt's own work
+/// ([`Renewal::during`]): it is started, as a future of its own, the first time that work
+/// waits, so work that ends at once (most handlers, most completions) starts none.
+pub(crate) struct Renewal<'a> {
+    state: RenewalState<'a>,
+}
+
+enum RenewalState<'a> {
+    /// Not started: what starting it takes; `None` when nothing renews.
+    Idle(Option<(&'a LayerStore, Lease, &'a LeaseState)>),
+    Running(Pin<Box<dyn Future<Output = ()> + Send + 'a>>),
+    /// Ended (the lease was lost, or the store cannot extend): the work goes on alone.
+    Over,
+}
+
+impl<'a> Renewal<'a> {
+    /// The renewal of `lease` (`None`: nothing renews), which reports to `state`.
+    pub(crate) fn new(store: &'a LayerStore, lease: Option<Lease>, state: &'a LeaseState) -> Self {
+        Self { state: RenewalState::Idle(lease.map(|lease| (store, lease, state))) }
+    }
+
+    /// `work` (pinned by the caller, in its own frame), awaited while the lease is renewed.
+    /// The renewal is polled only here: between two calls, and once the caller drops it, it
+    /// does not run.
+    pub(crate) fn during<'r, F: Future>(&'r mut self, work: Pin<&'r mut F>) -> During<'r, 'a, F> {
+        During { renewal: self, work }
+    }
+}
+
+/// The future of [`Renewal::during`]: the work, and the renewal polled whenever the work
+/// waits.
+pub(crate) struct During<'r, 'a, F> {
+    renewal: &'r mut Renewal<'a>,
+    work: Pin<&'r mut F>,
+}
+
+impl<F: Future> Future for During<'_, '_, F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.get_mut();
+        if let Poll::Ready(output) = this.work.as_mut().poll(cx) {
+            return Poll::Ready(output);
         }
+        let state = &mut this.renewal.state;
+        if let RenewalState::Idle(Some((store, lease, lease_state))) = *state {
+            *state = RenewalState::Running(Box::pin(renew(store, lease, lease_state)));
+        }
+        if let RenewalState::Running(renewal) = state
+            && renewal.as_mut().poll(cx).is_ready()
+        {
+            *state = RenewalState::Over;
+        }
+        Poll::Pending
     }
 }
 

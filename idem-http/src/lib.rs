@@ -64,30 +64,35 @@
 //! | feature | default | what it adds | what it costs |
 //! |---|---|---|---|
 //! | `axum` | on | the endpoint from axum's `MatchedPath` (the route template); [`Problem`] as an axum response | the `axum` crate |
-//! | `seal` | off | `IdempotencyLayer::with_sealing`: stored responses encrypted and bound to their record (`docs/contract.md#sealed-responses`) | `chacha20` and `ring` (through `idem-core/seal`); about 350 lines of `idem_core::seal` and 80 here |
-//! | `grpc` | off | gRPC rendering (module `grpc`): only a lasting `grpc-status` is stored, a streamed response keeps its claim until its status, the layer answers gRPC statuses. Without it a gRPC request is plain HTTP to the layer: stored by its HTTP status (200 whatever its `grpc-status`) and answered with problem bodies | no crate; about 600 lines (`src/grpc.rs`) |
+//! | `seal` | off | `IdempotencyLayer::with_sealing`: stored responses encrypted and bound to their record (`docs/contract.md#sealed-responses`) | `chacha20` and `ring` (through `idem-core/seal`); about 350 lines of `idem_core::seal` and 130 here (`src/store/sealed.rs`) |
+//! | `grpc` | off | gRPC rendering (module `grpc`): only a lasting `grpc-status` is stored, a streamed response keeps its claim until its status, the layer answers gRPC statuses. Without it a gRPC request is plain HTTP to the layer: stored by its HTTP status (200 whatever its `grpc-status`) and answered with problem bodies | no crate; about 800 lines (`src/grpc/`) |
 //! | `canonical-json` | off | `FingerprintMode::CanonicalJson`: a JSON body fingerprinted in its RFC 8785 form | `serde_json_canonicalizer` and `serde_json` (through `idem-core/canonical-json`); about 40 lines |
-//! | `metrics` | off | counters and histograms through the `metrics` facade (`docs/observability.md`) | the `metrics` crate; about 90 lines |
+//! | `metrics` | off | counters and histograms through the `metrics` facade (`docs/observability.md`) | the `metrics` crate; about 200 lines (`src/store/timed.rs`, `src/observe.rs`) |
 //!
 //! # Layout
-//! A request walks `service` (the flow: key, principal, body, fingerprint, claim,
-//! decision), runs its handler under the claim while `lease` renews it, and is answered
-//! in `body` (passed through, buffered, or streamed after a read prefix) and `future`
-//! (the boxed flow, moved to a task of its own when a detached handler's client goes
-//! away, and the drop guard that marks a record failed).
-//! - [`IdempotencyLayer`] (`layer`) holds every setting; `config` the setting types and
-//!   the bundle every service shares.
-//! - [`deadline`]: [`StoreDeadlines`], [`CompletionRetry`] and the store wrapper every
-//!   call goes through (deadlines, completion retries, sealing).
+//! A request walks one pipeline (`pipeline/`), a file per step: `intake` (key, principal,
+//! limits, body, fingerprint), `acquire` (claim, decide, reclaim, bounded wait), `run` (the
+//! handler under the claim, its lease renewed by `lease`, detached from the response
+//! future by `future`), `capture` (the bounded read of the response, what the record
+//! stores); its one typed answer (`answer`: the handler's response, a replay or a refusal)
+//! is made a response once, at the end, in `body`'s forms (passed through, buffered, or
+//! streamed after a read prefix).
+//! - [`IdempotencyLayer`] (`layer`) holds every setting and prepares the pipeline once per
+//!   layer; `config` holds the setting types; [`Idempotency`] (`service`) is the service.
+//! - `store/`: the layer's store, the given one behind single-purpose wrappers
+//!   (deadlines, completion retries, sealing, metrics); [`deadline`]: their settings,
+//!   [`StoreDeadlines`] and [`CompletionRetry`].
 //! - [`principal`]: [`PrincipalResolver`], [`BearerToken`].
 //! - [`problem`]: RFC 9457 bodies, [`ProblemKind`]; [`hints`]: [`RetryHints`].
 //! - `context`: [`IdempotencyContext`], the request extension a claimed handler sees, and
 //!   [`ResponseCaching`], the response extension it may set.
 //! - `streaming` (when a storable response streams instead), `observe` (the span and the
-//!   metrics), `headers` (header names and the HTTP-date), `grpc` (feature `grpc`).
+//!   metrics), `headers` (header names, the HTTP-date, the fields a record keeps), `grpc/`
+//!   (feature `grpc`: what is lasting, the answers as statuses, streamed responses).
 //! - Re-exported from `idem_core`: [`Policy`], [`FingerprintMode`], and the resumable
 //!   handler types [`Resumable`], [`SubKey`], [`Reconciled`], [`StepError`], [`LeaseWatch`].
 
+mod answer;
 mod body;
 mod config;
 mod context;
@@ -100,9 +105,11 @@ pub mod hints;
 mod layer;
 mod lease;
 mod observe;
+mod pipeline;
 pub mod principal;
 pub mod problem;
 mod service;
+mod store;
 mod streaming;
 
 pub use body::ResponseBody;

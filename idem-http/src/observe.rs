@@ -1,12 +1,13 @@
 //! What the layer tells an operator: the `idempotency` span of each keyed request, and,
-//! with the `metrics` feature, counters and histograms through the `metrics` facade.
+//! with the `metrics` feature, its counters through the `metrics` facade (the store call
+//! metrics are the store's own wrapper, `store/timed.rs`).
 //! Field and metric names are a stable interface, listed in `docs/observability.md`.
 //!
 //! Cost: the span's fields start empty and are recorded as plain `&str` and `u64` values,
 //! never formatted here (the short record id is a `Display` value a subscriber formats
 //! only if it writes it). With no subscriber interested in the span, it is disabled and
-//! every `record` is a no-op; with the `metrics` feature off, the metric calls compile
-//! to nothing.
+//! no field is even gathered for it; with the `metrics` feature off, the metric calls
+//! compile to nothing.
 
 use std::fmt;
 
@@ -158,12 +159,16 @@ impl Observer {
     /// A decision that claimed the record (`claimed`, `reclaimed`) and its token: one
     /// dispatch for both fields.
     pub(crate) fn claimed(&self, decision: DecisionKind, token: FencingToken) {
-        tracing::record_all!(self.span, decision = decision.as_str(), token = token.0);
+        if !self.span.is_disabled() {
+            tracing::record_all!(self.span, decision = decision.as_str(), token = token.0);
+        }
         self.count(decision);
     }
 
     pub(crate) fn decision(&self, decision: DecisionKind) {
-        self.span.record("decision", decision.as_str());
+        if !self.span.is_disabled() {
+            self.span.record("decision", decision.as_str());
+        }
         self.count(decision);
     }
 
@@ -183,15 +188,11 @@ impl Observer {
         }
     }
 
-    /// Names the decision [`DecisionKind::Rejected`] and returns `problem`'s response.
-    pub(crate) fn rejected<B>(&self, problem: crate::problem::Problem) -> http::Response<crate::body::ResponseBody<B>> {
-        self.decision(DecisionKind::Rejected);
-        problem.into_response()
-    }
-
     pub(crate) fn outcome(&self, outcome: Outcome, renewals: u64) {
         // One dispatch for both fields.
-        tracing::record_all!(self.span, outcome = outcome.as_str(), renewals = renewals);
+        if !self.span.is_disabled() {
+            tracing::record_all!(self.span, outcome = outcome.as_str(), renewals = renewals);
+        }
         #[cfg(feature = "metrics")]
         if let Some(endpoint) = &self.endpoint {
             metrics::counter!("idem_outcomes_total", "outcome" => outcome.as_str(), "endpoint" => endpoint.clone())
@@ -214,85 +215,5 @@ impl Observer {
 impl fmt::Debug for Observer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Observer").field("span", &self.span).finish_non_exhaustive()
-    }
-}
-
-/// A store operation the layer times: the `operation` label.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum StoreOp {
-    Claim,
-    Reclaim,
-    Complete,
-    Fail,
-    Extend,
-    Get,
-    Sweep,
-    JournalPut,
-    JournalGet,
-}
-
-impl StoreOp {
-    /// How many operations there are.
-    #[cfg_attr(not(feature = "metrics"), allow(dead_code, reason = "sizes the store metrics"))]
-    pub(crate) const COUNT: usize = 9;
-
-    #[cfg_attr(not(feature = "metrics"), allow(dead_code, reason = "the metrics' label"))]
-    pub(crate) const fn as_str(self) -> &'static str {
-        match self {
-            Self::Claim => "claim",
-            Self::Reclaim => "reclaim",
-            Self::Complete => "complete",
-            Self::Fail => "fail",
-            Self::Extend => "extend",
-            Self::Get => "get",
-            Self::Sweep => "sweep",
-            Self::JournalPut => "journal_put",
-            Self::JournalGet => "journal_get",
-        }
-    }
-}
-
-/// The store call metrics of one layer: a histogram per operation and an error counter
-/// per operation and retryability, each registered on its first use with the recorder
-/// installed then, and kept for the layer's life (install the recorder before serving).
-#[cfg(feature = "metrics")]
-#[derive(Debug, Default)]
-pub(crate) struct StoreMetrics {
-    calls: [std::sync::OnceLock<metrics::Histogram>; StoreOp::COUNT],
-    /// Index: operation, then retryable (1) or not (0).
-    errors: [[std::sync::OnceLock<metrics::Counter>; 2]; StoreOp::COUNT],
-}
-
-#[cfg(feature = "metrics")]
-impl StoreMetrics {
-    /// One store call's latency (`idem_store_call_seconds`) and error
-    /// (`idem_store_errors_total`; a refused fenced write is no error), labelled with the
-    /// store's backend name.
-    pub(crate) fn record(
-        &self,
-        backend: &'static str,
-        op: StoreOp,
-        took: std::time::Duration,
-        error: Option<&idem_core::StoreError>,
-    ) {
-        let call = &self.calls[op as usize];
-        call.get_or_init(
-            || metrics::histogram!("idem_store_call_seconds", "backend" => backend, "operation" => op.as_str()),
-        )
-        .record(took.as_secs_f64());
-        if let Some(e) = error
-            && !e.is_lease_lost()
-        {
-            let retryable = e.is_retryable();
-            self.errors[op as usize][usize::from(retryable)]
-                .get_or_init(|| {
-                    let retryable = if retryable { "true" } else { "false" };
-                    metrics::counter!(
-                        "idem_store_errors_total",
-                        "backend" => backend, "operation" => op.as_str(), "retryable" => retryable
-                    )
-                })
-                .increment(1);
-        }
     }
 }

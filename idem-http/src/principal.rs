@@ -19,6 +19,9 @@
 //! let layer = IdempotencyLayer::new(store).with_principal_resolver(resolver);
 //! ```
 
+use std::sync::OnceLock;
+
+use blake3::hazmat::HasherExt;
 use http::request::Parts;
 use http::{HeaderValue, header};
 
@@ -52,16 +55,6 @@ where
     }
 }
 
-/// The layer's answer to a blank principal: 401, `urn:idem:problem:missing-principal`,
-/// nothing claimed, no handler run.
-pub(crate) fn blank_principal() -> crate::Problem {
-    crate::Problem::new(
-        crate::ProblemKind::MissingPrincipal,
-        http::StatusCode::UNAUTHORIZED,
-        "the request's principal is blank; an idempotency key needs a non-blank authenticated principal",
-    )
-}
-
 /// BLAKE3 `derive_key` context for [`BearerToken`] principals.
 const BEARER_CONTEXT: &str = "idem-http 2026-11-30 bearer principal v1";
 
@@ -84,14 +77,19 @@ impl BearerToken {
     /// The principal string for `token`: `bearer:<64 hex>`.
     #[must_use]
     pub fn principal_for(token: &[u8]) -> String {
-        let hash = blake3::derive_key(BEARER_CONTEXT, token);
-        let mut out = String::with_capacity(7 + 64);
-        out.push_str("bearer:");
-        for b in hash {
-            out.push(char::from(b"0123456789abcdef"[usize::from(b >> 4)]));
-            out.push(char::from(b"0123456789abcdef"[usize::from(b & 0xf)]));
+        // Every keyed request resolves its principal: the context's key is derived once
+        // per process (`blake3::derive_key` would hash the context string each time).
+        static CONTEXT_KEY: OnceLock<blake3::hazmat::ContextKey> = OnceLock::new();
+        let context_key = CONTEXT_KEY.get_or_init(|| blake3::hazmat::hash_derive_key_context(BEARER_CONTEXT));
+        let mut hasher = blake3::Hasher::new_from_context_key(context_key);
+        hasher.update(token);
+        let mut out = *b"bearer:0000000000000000000000000000000000000000000000000000000000000000";
+        for (pair, b) in out[7..].chunks_exact_mut(2).zip(hasher.finalize().as_bytes()) {
+            pair[0] = b"0123456789abcdef"[usize::from(b >> 4)];
+            pair[1] = b"0123456789abcdef"[usize::from(b & 0xf)];
         }
-        out
+        // `bearer:` and hex digits are ASCII.
+        String::from_utf8(out.to_vec()).unwrap_or_default()
     }
 }
 
@@ -139,6 +137,15 @@ mod tests {
         assert!(p.starts_with("bearer:") && p.len() == 7 + 64);
         assert!(!p.contains("abc"));
         assert_ne!(p, BearerToken.resolve(&parts(&["Bearer abd"])).unwrap());
+    }
+
+    /// Stored records keep their principal: the bearer hash must stay
+    /// `bearer:` + hex of BLAKE3 `derive_key` over the token.
+    #[test]
+    fn the_principal_is_the_documented_derive_key() {
+        let expected: String =
+            blake3::derive_key(BEARER_CONTEXT, b"tok-1").iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(BearerToken::principal_for(b"tok-1"), format!("bearer:{expected}"));
     }
 
     #[test]

@@ -15,11 +15,11 @@
 //! [`ProblemKind::InFlight`] request may be retried after `Retry-After`, a
 //! [`ProblemKind::Mismatch`] never (draft-ietf-httpapi-idempotency-key-header §2.7).
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use idem_core::{StepError, StoreError};
-
-use crate::body::ResponseBody;
 
 /// The media type of problem bodies (RFC 9457 §3).
 pub const PROBLEM_JSON: &str = "application/problem+json";
@@ -95,39 +95,40 @@ impl ProblemKind {
         ProblemKind::ResumeFailed,
     ];
 
-    /// The short name that ends the `type` URI, e.g. `in-flight`.
-    fn slug(self) -> &'static str {
+    /// The `type` member, `urn:idem:problem:<slug>`, spelled out: the layer writes it into
+    /// every answer it makes, so it is not built per answer.
+    pub(crate) const fn uri(self) -> &'static str {
         match self {
-            ProblemKind::MissingKey => "missing-idempotency-key",
-            ProblemKind::InvalidKey => "invalid-idempotency-key",
-            ProblemKind::DuplicateKey => "duplicate-idempotency-key",
-            ProblemKind::MissingPrincipal => "missing-principal",
-            ProblemKind::UnreadableBody => "unreadable-body",
-            ProblemKind::BodyTooLarge => "body-too-large",
-            ProblemKind::HeadersTooLarge => "headers-too-large",
-            ProblemKind::InFlight => "in-flight",
-            ProblemKind::Busy => "busy",
-            ProblemKind::Mismatch => "mismatch",
-            ProblemKind::StoreUnavailable => "store-unavailable",
-            ProblemKind::ResponseNotRetained => "response-not-retained",
-            ProblemKind::ResponseBodyFailed => "response-body-failed",
-            ProblemKind::JournalUnsupported => "journal-unsupported",
-            ProblemKind::AmbiguousSideEffect => "ambiguous-side-effect",
-            ProblemKind::ResumeFailed => "resume-failed",
+            ProblemKind::MissingKey => "urn:idem:problem:missing-idempotency-key",
+            ProblemKind::InvalidKey => "urn:idem:problem:invalid-idempotency-key",
+            ProblemKind::DuplicateKey => "urn:idem:problem:duplicate-idempotency-key",
+            ProblemKind::MissingPrincipal => "urn:idem:problem:missing-principal",
+            ProblemKind::UnreadableBody => "urn:idem:problem:unreadable-body",
+            ProblemKind::BodyTooLarge => "urn:idem:problem:body-too-large",
+            ProblemKind::HeadersTooLarge => "urn:idem:problem:headers-too-large",
+            ProblemKind::InFlight => "urn:idem:problem:in-flight",
+            ProblemKind::Busy => "urn:idem:problem:busy",
+            ProblemKind::Mismatch => "urn:idem:problem:mismatch",
+            ProblemKind::StoreUnavailable => "urn:idem:problem:store-unavailable",
+            ProblemKind::ResponseNotRetained => "urn:idem:problem:response-not-retained",
+            ProblemKind::ResponseBodyFailed => "urn:idem:problem:response-body-failed",
+            ProblemKind::JournalUnsupported => "urn:idem:problem:journal-unsupported",
+            ProblemKind::AmbiguousSideEffect => "urn:idem:problem:ambiguous-side-effect",
+            ProblemKind::ResumeFailed => "urn:idem:problem:resume-failed",
         }
     }
 
     /// The `type` member: `urn:idem:problem:<slug>`.
     #[must_use]
     pub fn type_uri(self) -> String {
-        format!("{PREFIX}{}", self.slug())
+        self.uri().to_owned()
     }
 
     /// The kind named by a `type` member, if it is one of ours.
     #[must_use]
     pub fn from_type_uri(uri: &str) -> Option<Self> {
-        let slug = uri.strip_prefix(PREFIX)?;
-        Self::ALL.into_iter().find(|k| k.slug() == slug)
+        uri.strip_prefix(PREFIX)?;
+        Self::ALL.into_iter().find(|k| k.uri() == uri)
     }
 
     /// The `title` member: a short summary that does not change between occurrences
@@ -159,12 +160,23 @@ impl ProblemKind {
 pub struct Problem {
     kind: ProblemKind,
     status: StatusCode,
-    detail: String,
+    /// Most details are fixed sentences; only some name a number or an error.
+    detail: Cow<'static, str>,
+}
+
+/// The JSON body. The members are in the order the layer has always sent them, sorted by
+/// name: clients parse them, and a reordering would change bytes a proxy may have cached.
+#[derive(serde::Serialize)]
+struct Json<'a> {
+    detail: &'a str,
+    status: u16,
+    title: &'static str,
+    r#type: &'static str,
 }
 
 impl Problem {
     /// A problem of `kind` answered with `status`; `detail` explains this occurrence.
-    pub(crate) fn new(kind: ProblemKind, status: StatusCode, detail: impl Into<String>) -> Self {
+    pub(crate) fn new(kind: ProblemKind, status: StatusCode, detail: impl Into<Cow<'static, str>>) -> Self {
         Self { kind, status, detail: detail.into() }
     }
 
@@ -187,15 +199,15 @@ impl Problem {
     }
 
     /// The JSON body.
-    fn to_json(&self) -> Vec<u8> {
-        let value = serde_json::json!({
-            "type": self.kind.type_uri(),
-            "title": self.kind.title(),
-            "status": self.status.as_u16(),
-            "detail": self.detail,
-        });
-        // Serialising a `Value` built from strings and integers cannot fail.
-        serde_json::to_vec(&value).unwrap_or_default()
+    pub(crate) fn to_json(&self) -> Vec<u8> {
+        let json = Json {
+            detail: &self.detail,
+            status: self.status.as_u16(),
+            title: self.kind.title(),
+            r#type: self.kind.uri(),
+        };
+        // Serialising strings and an integer cannot fail.
+        serde_json::to_vec(&json).unwrap_or_default()
     }
 
     /// The problem a resumable handler answers when a step or intent did not produce a
@@ -273,17 +285,6 @@ impl Problem {
         }
         res
     }
-
-    /// The response: this status, `Content-Type: application/problem+json`, the JSON body.
-    /// The problem rides along as a response extension until the layer's last step adds the
-    /// retry hints (or turns it into a gRPC status), which takes it out again.
-    pub(crate) fn into_response<B>(self) -> Response<ResponseBody<B>> {
-        let mut res = Response::new(ResponseBody::full(Bytes::from(self.to_json())));
-        *res.status_mut() = self.status;
-        res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        res.extensions_mut().insert(self);
-        res
-    }
 }
 
 #[cfg(feature = "axum")]
@@ -313,5 +314,16 @@ mod tests {
         assert_eq!(v["status"], 409);
         assert_eq!(v["detail"], "d");
         assert!(v["title"].is_string());
+    }
+
+    /// The body's bytes changed: the members' order, or the escaping of a detail that
+    /// quotes a client's error text.
+    #[test]
+    fn the_body_bytes_are_pinned() {
+        let p = Problem::new(ProblemKind::UnreadableBody, StatusCode::BAD_REQUEST, "read: \"x\"\\\u{1}\n é");
+        assert_eq!(
+            String::from_utf8(p.to_json()).unwrap(),
+            r#"{"detail":"read: \"x\"\\\u0001\n é","status":400,"title":"Unreadable request body","type":"urn:idem:problem:unreadable-body"}"#
+        );
     }
 }

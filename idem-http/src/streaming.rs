@@ -18,7 +18,7 @@
 
 use std::time::Duration;
 
-use http::{HeaderMap, header};
+use http::HeaderMap;
 
 /// The default buffering deadline: long enough for any handler that builds its body in
 /// memory and returns it, short enough that a streamed response's first bytes reach the
@@ -43,8 +43,7 @@ impl Default for Streaming {
 impl Streaming {
     /// Whether a response with `headers` is a stream by its media type.
     pub(crate) fn is_stream(&self, headers: &HeaderMap) -> bool {
-        let Some(media) = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()) else { return false };
-        let media = media.split(';').next().unwrap_or_default().trim();
-        self.content_types.iter().any(|t| t.eq_ignore_ascii_case(media))
+        crate::headers::media_type(headers)
+            .is_some_and(|media| self.content_types.iter().any(|t| t.as_bytes().eq_ignore_ascii_case(media)))
     }
 }
