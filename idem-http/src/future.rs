@@ -19,7 +19,7 @@ use idem_core::{FencingToken, RecordId};
 use tracing::Instrument;
 
 use crate::body::ResponseBody;
-use crate::store::{Calls, LayerStore};
+use crate::store::LayerStore;
 
 /// Where the rest of a request's work goes if its response future is dropped first: the
 /// runtime the request was claimed on, and the span its task runs in.
@@ -186,7 +186,7 @@ impl<'a> FailGuard<'a> {
     /// guard is still armed and the drop path retries the write.
     pub(crate) async fn fail_now(&mut self, why: &'static str) {
         if let Some((store, id, token)) = &self.armed {
-            log_fail(store.get().calls.fail(*id, *token).await, *id, *token, why);
+            log_fail(store.get().fail(*id, *token).await, *id, *token, why);
         }
         self.disarm();
     }
@@ -199,7 +199,7 @@ impl Drop for FailGuard<'_> {
             Ok(runtime) => {
                 let store = Arc::clone(store.get());
                 runtime.spawn(async move {
-                    log_fail(store.calls.fail(id, token).await, id, token, "request dropped before completion");
+                    log_fail(store.fail(id, token).await, id, token, "request dropped before completion");
                 });
             }
             Err(_) => tracing::warn!(

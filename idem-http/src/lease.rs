@@ -27,7 +27,7 @@ use idem_core::{FencingToken, LeaseWatch, RecordId, StoreError};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::store::{Calls, LayerStore};
+use crate::store::LayerStore;
 
 /// First pause before a failed renewal is tried again; it doubles per failure.
 const RETRY_FIRST: Duration = Duration::from_millis(25);
@@ -148,7 +148,7 @@ async fn renew_once(store: &LayerStore, lease: &Lease, state: &LeaseState, lease
         // A hung call must not outlast the lease it tries to keep: past that, it counts
         // as a transient failure and the next interval tries again.
         let limit = lease_end.saturating_duration_since(sent).max(lease.interval);
-        let result = match tokio::time::timeout(limit, store.calls.extend(id, token, lease.ttl)).await {
+        let result = match tokio::time::timeout(limit, store.extend(id, token, lease.ttl)).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::unavailable("idem-http", "lease renewal", true, TimedOut)),
         };

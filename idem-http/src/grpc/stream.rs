@@ -19,7 +19,7 @@ use crate::future::FailGuard;
 use crate::headers::kept_fields;
 use crate::lease::{Lease, LeaseState, renew};
 use crate::observe::{Observer, Outcome};
-use crate::store::{Calls, LayerStore};
+use crate::store::LayerStore;
 
 /// The claim of a gRPC response that streams before its `grpc-status` is known (module
 /// docs, "Streamed responses"): held by the response body, which has the record written
@@ -204,7 +204,7 @@ impl StreamEnd {
         let write = async move {
             let outcome = match stored {
                 Some(stored) => {
-                    let written = store.calls.complete(id, token, || stored.clone()).await;
+                    let written = store.complete(id, token, || stored.clone()).await;
                     // Landed or given up, the write is over: a failed one leaves the record
                     // in flight until its lease ends, as for an HTTP response.
                     guard.disarm();

@@ -20,7 +20,6 @@ use tokio::time::Instant;
 use super::Pipeline;
 use crate::answer::{Answer, Refusal};
 use crate::observe::DecisionKind;
-use crate::store::Calls;
 
 /// How many times one request re-reads a record that changed under it (a lost reclaim, a
 /// record that expired between two reads) before it answers 409 busy. Each round follows
@@ -69,7 +68,7 @@ impl<B> Acquired<B> {
 /// expired or vanished between two reads) rebuilds it from a record it saw, which has the
 /// same scope and key: the record id is their hash.
 pub(super) async fn acquire<B>(pipeline: &Pipeline, claim: ClaimRequest) -> Acquired<B> {
-    let calls = &pipeline.store.calls;
+    let calls = &*pipeline.store;
     let (id, fingerprint) = (claim.id(), claim.fingerprint());
     let (lease_ttl, retention) = (pipeline.settings.policy.lease_ttl, pipeline.retention);
     let again = |scope: Scope, key: IdempotencyKey| ClaimRequest::new(scope, key, fingerprint, lease_ttl, retention);

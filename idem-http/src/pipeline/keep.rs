@@ -24,7 +24,6 @@ use crate::context::ResponseCaching;
 use crate::headers::{IDEMPOTENCY_KEY_EXPIRES, IDEMPOTENT_STORED, expires_value, kept_fields};
 use crate::lease::Renewal;
 use crate::observe::Outcome;
-use crate::store::Calls;
 
 /// A response the record keeps.
 enum Kept<B> {
@@ -125,7 +124,7 @@ where
         Kept::Streamed { len, .. } => Stored::NotRetained(*len),
     };
     let response = || stored.response(pipeline, status, &head.headers);
-    let written = renewal.during(pin!(pipeline.store.calls.complete(id, attempt.token, response))).await;
+    let written = renewal.during(pin!(pipeline.store.complete(id, attempt.token, response))).await;
     let (outcome, body) = match kept {
         Kept::Whole(bytes, trailers) => {
             let outcome = if bytes.len() <= policy.max_stored_body { Outcome::Completed } else { Outcome::NotRetained };
@@ -179,7 +178,7 @@ async fn completed_by_handler<B>(
     mut attempt: Attempt<'_>,
 ) -> Answer<B> {
     let (id, token) = (attempt.id, attempt.token);
-    let check = pipeline.store.calls.get(id).await;
+    let check = pipeline.store.get(id).await;
     if let Err(e) = &check
         && e.is_corrupt()
     {

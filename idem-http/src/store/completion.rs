@@ -13,37 +13,16 @@
 use std::future::Future;
 use std::time::Duration;
 
-use idem_core::{
-    ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, Receipt, ReclaimOutcome, ReclaimRequest, Record, RecordId,
-    RecordState, StoreError, StoredResponse, SweepOutcome,
-};
+use idem_core::{FencingToken, JournalWrite, Receipt, RecordId, RecordState, StoreError};
 use tokio::time::Instant;
 
-use super::Calls;
+use super::{LayerStore, Op, deadlines};
 use crate::deadline::CompletionRetry;
 
 /// First pause before a write is sent again.
 const RETRY_FIRST: Duration = Duration::from_millis(25);
 /// Longest pause between two attempts.
 const RETRY_MAX: Duration = Duration::from_secs(1);
-
-/// `inner`, with completions and journal writes sent again after an outage.
-pub(crate) struct Resent<S> {
-    inner: S,
-    retry: CompletionRetry,
-    /// How long writes are sent again: the lease TTL.
-    window: Duration,
-}
-
-impl<S> Resent<S> {
-    pub(crate) fn new(inner: S, retry: CompletionRetry, window: Duration) -> Self {
-        Self { inner, retry, window }
-    }
-
-    fn schedule(&self) -> Schedule {
-        Schedule { retry: self.retry, window_end: Instant::now() + self.window, pause: RETRY_FIRST, ambiguous: false }
-    }
-}
 
 /// Whether a write that failed with `error` may land if sent again: any
 /// `StoreError::Unavailable`, the retryable ones (a blip, a busy timeout, a missed
@@ -87,9 +66,53 @@ impl Schedule {
     }
 }
 
-impl<S: Calls> Resent<S> {
-    /// A `complete` (`want` completed) or `fail` (`want` failed) that failed with `error`:
-    /// the final result, if this was the last attempt; `None` to send it again.
+impl LayerStore {
+    /// The resends of a write that starts now.
+    fn schedule(&self) -> Schedule {
+        Schedule {
+            retry: self.deadlines.completion_retry,
+            window_end: Instant::now() + self.resend_window,
+            pause: RETRY_FIRST,
+            ambiguous: false,
+        }
+    }
+
+    /// A `complete` (`want` completed) or `fail` (`want` failed) of `id` under `token`,
+    /// each attempt made by `attempt`, sent again after an outage (module docs).
+    pub(super) async fn resend<F, A>(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        want: RecordState,
+        mut attempt: A,
+    ) -> Result<Receipt, StoreError>
+    where
+        A: FnMut() -> F + Send,
+        F: Future<Output = Result<Receipt, StoreError>> + Send,
+    {
+        let mut schedule = self.schedule();
+        let mut error = match attempt().await {
+            Ok(receipt) => return Ok(receipt),
+            Err(e) => e,
+        };
+        // The resends are a future of their own, boxed: a completion that lands at once,
+        // the common case, carries none of their state.
+        Box::pin(async move {
+            loop {
+                if let Some(end) = self.settle(&mut schedule, (id, token, want), error).await {
+                    return end;
+                }
+                error = match attempt().await {
+                    Ok(receipt) => return Ok(receipt),
+                    Err(e) => e,
+                };
+            }
+        })
+        .await
+    }
+
+    /// A completion that failed with `error`: the final result, if this was the last
+    /// attempt; `None` to send it again.
     async fn settle(
         &self,
         schedule: &mut Schedule,
@@ -121,81 +144,12 @@ impl<S: Calls> Resent<S> {
     }
 
     /// The record's receipt, if it carries `token` in state `want`: this attempt's own
-    /// earlier write.
+    /// earlier write. Read as stored (not opened): only its token and state count.
     async fn own_write(&self, id: RecordId, token: FencingToken, want: RecordState) -> Option<Receipt> {
-        match self.inner.get(id).await {
+        match deadlines::within(self.deadlines.read, Op::Get, self.store().get(id)).await {
             Ok(Some(record)) if record.token == token && record.state == want => Some(Receipt::of(&record)),
             _ => None,
         }
-    }
-}
-
-impl<S: Calls> Calls for Resent<S> {
-    fn claim(&self, req: ClaimRequest) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send {
-        self.inner.claim(req)
-    }
-
-    fn reclaim(&self, req: ReclaimRequest) -> impl Future<Output = Result<ReclaimOutcome, StoreError>> + Send {
-        self.inner.reclaim(req)
-    }
-
-    async fn complete<R>(&self, id: RecordId, token: FencingToken, mut response: R) -> Result<Receipt, StoreError>
-    where
-        R: FnMut() -> StoredResponse + Send,
-    {
-        let mut schedule = self.schedule();
-        let mut error = match self.inner.complete(id, token, &mut response).await {
-            Ok(receipt) => return Ok(receipt),
-            Err(e) => e,
-        };
-        // The resends are a future of their own, boxed: a completion that lands at once,
-        // the common case, carries none of their state.
-        Box::pin(async move {
-            loop {
-                if let Some(end) = self.settle(&mut schedule, (id, token, RecordState::Completed), error).await {
-                    return end;
-                }
-                error = match self.inner.complete(id, token, &mut response).await {
-                    Ok(receipt) => return Ok(receipt),
-                    Err(e) => e,
-                };
-            }
-        })
-        .await
-    }
-
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
-        let mut schedule = self.schedule();
-        let mut error = match self.inner.fail(id, token).await {
-            Ok(receipt) => return Ok(receipt),
-            Err(e) => e,
-        };
-        // As for `complete`.
-        Box::pin(async move {
-            loop {
-                if let Some(end) = self.settle(&mut schedule, (id, token, RecordState::Failed), error).await {
-                    return end;
-                }
-                error = match self.inner.fail(id, token).await {
-                    Ok(receipt) => return Ok(receipt),
-                    Err(e) => e,
-                };
-            }
-        })
-        .await
-    }
-
-    fn extend(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        lease_ttl: Duration,
-    ) -> impl Future<Output = Result<Receipt, StoreError>> + Send {
-        self.inner.extend(id, token, lease_ttl)
-    }
-
-    fn get(&self, id: RecordId) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send {
-        self.inner.get(id)
     }
 
     /// A journal entry (a step's outcome, an intent's `pending` or `done`), sent again like
@@ -208,17 +162,18 @@ impl<S: Calls> Calls for Resent<S> {
     /// step's entry is written only if absent (the resend finds it and returns
     /// [`JournalWrite::Exists`] with the same value), and an intent's entry is overwritten
     /// with the same state. `LeaseLost` (another attempt owns the record) ends the resends.
-    async fn journal_put<'a>(
-        &'a self,
+    pub(super) async fn resend_journal(
+        &self,
         id: RecordId,
         token: FencingToken,
-        name: &'a str,
+        name: &str,
         value: Vec<u8>,
         overwrite: bool,
     ) -> Result<JournalWrite, StoreError> {
         let mut schedule = self.schedule();
         loop {
-            let error = match self.inner.journal_put(id, token, name, value.clone(), overwrite).await {
+            let put = self.store().journal_put(id, token, name, value.clone(), overwrite);
+            let error = match deadlines::within(self.deadlines.journal, Op::JournalPut, put).await {
                 Ok(written) => return Ok(written),
                 Err(e) => e,
             };
@@ -227,17 +182,5 @@ impl<S: Calls> Calls for Resent<S> {
             };
             schedule.again(error, log).await?;
         }
-    }
-
-    fn journal_get<'a>(
-        &'a self,
-        id: RecordId,
-        name: &'a str,
-    ) -> impl Future<Output = Result<Option<Vec<u8>>, StoreError>> + Send {
-        self.inner.journal_get(id, name)
-    }
-
-    fn sweep(&self, limit: usize) -> impl Future<Output = Result<SweepOutcome, StoreError>> + Send {
-        self.inner.sweep(limit)
     }
 }

@@ -1,30 +1,29 @@
-//! The layer's store: the store it was given, behind single-purpose wrappers composed once
-//! per layer ([`compose`], called when the layer prepares its pipeline).
+//! The layer's store: the store it was given, with each call's concerns applied in one
+//! place ([`compose`], called once when the layer prepares its pipeline).
 //!
-//! A call goes through them outermost first:
-//! 1. `timed` (feature `metrics`): `idem_store_call_seconds` and `idem_store_errors_total`;
-//! 2. `sealed` (feature `seal`): seals a response before `complete`, opens every record a
-//!    call returns;
-//! 3. `completion`: sends `complete`, `fail` and journal writes again after an outage
-//!    ([`crate::deadline::CompletionRetry`]);
-//! 4. `deadlines`: a deadline per call ([`crate::deadline::StoreDeadlines`]);
+//! A call meets them outermost first:
+//! 1. timing (feature `metrics`, `timed`): `idem_store_call_seconds` and
+//!    `idem_store_errors_total`;
+//! 2. sealing (feature `seal`): a response is sealed before `complete`, every record a
+//!    call returns is opened (`docs/contract.md#sealed-responses`);
+//! 3. resends (`completion`): `complete`, `fail` and journal writes are sent again after an
+//!    outage ([`crate::deadline::CompletionRetry`]);
+//! 4. a deadline per attempt (`deadlines`, [`crate::deadline::StoreDeadlines`]);
 //!
 //! then the store. Why in this order: a deadline bounds one attempt, and a resend is an
 //! attempt; a response is sealed once, outside the resends, so every resend carries the
-//! same sealed bytes, and the read-back of an ambiguous completion compares token and
-//! state only; the timing is outermost, so it is the latency the request saw, and a
-//! response that does not open counts as an error of its call, as a record that does not
-//! decode does.
+//! same sealed bytes (same nonce, same associated data), and the read-back of an ambiguous
+//! completion compares token and state only; the timing is outermost, so it is the latency
+//! the request saw, and a response that does not open counts as an error of its call, as a
+//! record that does not decode does.
 //!
-//! The wrappers are plain generic structs that call each other through [`Calls`], whose
-//! futures are not boxed: a call through all of them costs one boxed future, the store's
-//! own. [`LayerStore`] is also a [`Store`], for whatever needs one (the handler's
-//! `IdempotencyContext::store`, its journal steps, the drop guard's `fail`).
+//! Each concern is a function, not a wrapper type: without its feature it is not there at
+//! all, and a call's future is not boxed beyond the store's own. [`LayerStore`] is also a
+//! [`Store`], for whatever needs one (the handler's `IdempotencyContext::store`, its journal
+//! steps, the drop guard's `fail`).
 
 mod completion;
 mod deadlines;
-#[cfg(feature = "seal")]
-mod sealed;
 #[cfg(feature = "metrics")]
 mod timed;
 
@@ -36,95 +35,70 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idem_core::{
     Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ListFilter, Listing, Receipt, ReclaimOutcome,
-    ReclaimRequest, Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome,
+    ReclaimRequest, Record, RecordId, RecordState, Store, StoreError, StoredResponse, SweepOutcome,
 };
 
 use crate::config::Settings;
+use crate::deadline::StoreDeadlines;
 
-/// The store operations, as the wrappers pass them to each other: each wrapper adds its
-/// one concern to the call and hands it on.
-pub(crate) trait Calls: Send + Sync + 'static {
-    fn claim(&self, req: ClaimRequest) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send;
-
-    fn reclaim(&self, req: ReclaimRequest) -> impl Future<Output = Result<ReclaimOutcome, StoreError>> + Send;
-
-    /// `response` makes the response one attempt sends; called once per attempt, so a
-    /// resend builds it again from what its caller still holds (the body it returns to its
-    /// client, the head) rather than every attempt sending a copy kept for a resend that
-    /// almost never comes.
-    fn complete<R>(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        response: R,
-    ) -> impl Future<Output = Result<Receipt, StoreError>> + Send
-    where
-        R: FnMut() -> StoredResponse + Send;
-
-    fn fail(&self, id: RecordId, token: FencingToken) -> impl Future<Output = Result<Receipt, StoreError>> + Send;
-
-    fn extend(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        lease_ttl: Duration,
-    ) -> impl Future<Output = Result<Receipt, StoreError>> + Send;
-
-    fn get(&self, id: RecordId) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
-
-    fn journal_put<'a>(
-        &'a self,
-        id: RecordId,
-        token: FencingToken,
-        name: &'a str,
-        value: Vec<u8>,
-        overwrite: bool,
-    ) -> impl Future<Output = Result<JournalWrite, StoreError>> + Send;
-
-    fn journal_get<'a>(
-        &'a self,
-        id: RecordId,
-        name: &'a str,
-    ) -> impl Future<Output = Result<Option<Vec<u8>>, StoreError>> + Send;
-
-    fn sweep(&self, limit: usize) -> impl Future<Output = Result<SweepOutcome, StoreError>> + Send;
+/// A store operation: the `operation` label of the metrics, the name in logs and errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Op {
+    Claim,
+    Reclaim,
+    Complete,
+    Fail,
+    Extend,
+    Get,
+    Sweep,
+    JournalPut,
+    JournalGet,
 }
 
-/// The wrappers, innermost first; without a feature its wrapper is not there at all.
-type Resent = completion::Resent<deadlines::Deadlined>;
-#[cfg(feature = "seal")]
-type Opened = sealed::Sealed<Resent>;
-#[cfg(not(feature = "seal"))]
-type Opened = Resent;
-#[cfg(feature = "metrics")]
-type Stack = timed::Timed<Opened>;
-#[cfg(not(feature = "metrics"))]
-type Stack = Opened;
+impl Op {
+    /// How many operations there are.
+    #[cfg(feature = "metrics")]
+    const COUNT: usize = 9;
 
-/// The store of one layer: the given store behind its wrappers (module docs).
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            Self::Claim => "claim",
+            Self::Reclaim => "reclaim",
+            Self::Complete => "complete",
+            Self::Fail => "fail",
+            Self::Extend => "extend",
+            Self::Get => "get",
+            Self::Sweep => "sweep",
+            Self::JournalPut => "journal_put",
+            Self::JournalGet => "journal_get",
+        }
+    }
+}
+
+/// The store of one layer (module docs).
 pub(crate) struct LayerStore {
-    /// Every call the layer makes goes through these.
-    pub(crate) calls: Stack,
-    /// The given store, for what no wrapper concerns: its capabilities, an operator's
-    /// listing.
     store: Arc<dyn Store>,
+    deadlines: StoreDeadlines,
+    /// How long completions and journal writes are sent again: the lease TTL.
+    resend_window: Duration,
+    #[cfg(feature = "seal")]
+    sealing: Option<idem_core::seal::Sealing>,
+    #[cfg(feature = "metrics")]
+    timing: timed::Timing,
 }
 
 /// The layer's store over `settings.store`: deadlines and completion retries as set,
 /// resends for up to one lease TTL, sealing and metrics when their features are on.
 pub(crate) fn compose(settings: &Settings) -> LayerStore {
-    let deadlined = deadlines::Deadlined::new(Arc::clone(&settings.store), settings.store_deadlines);
-    let resent =
-        completion::Resent::new(deadlined, settings.store_deadlines.completion_retry, settings.policy.lease_ttl);
-    #[cfg(feature = "seal")]
-    let opened = sealed::Sealed::new(resent, settings.sealing.clone());
-    #[cfg(not(feature = "seal"))]
-    let opened = resent;
-    #[cfg(feature = "metrics")]
-    let calls = timed::Timed::new(opened, settings.store.capabilities().backend);
-    #[cfg(not(feature = "metrics"))]
-    let calls = opened;
-    LayerStore { calls, store: Arc::clone(&settings.store) }
+    LayerStore {
+        store: Arc::clone(&settings.store),
+        deadlines: settings.store_deadlines,
+        resend_window: settings.policy.lease_ttl,
+        #[cfg(feature = "seal")]
+        sealing: settings.sealing.clone(),
+        #[cfg(feature = "metrics")]
+        timing: timed::Timing::new(settings.store.capabilities().backend),
+    }
 }
 
 impl fmt::Debug for LayerStore {
@@ -133,14 +107,134 @@ impl fmt::Debug for LayerStore {
     }
 }
 
+impl LayerStore {
+    /// The store itself, called through its vtable: `Arc<dyn Store>` is a `Store` too,
+    /// whose every call would box one more future around the store's own.
+    fn store(&self) -> &dyn Store {
+        &*self.store
+    }
+
+    /// `call`, timed as `op` (feature `metrics`).
+    #[cfg(feature = "metrics")]
+    async fn timed<T>(&self, op: Op, call: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        self.timing.observed(op, call).await
+    }
+
+    #[cfg(not(feature = "metrics"))]
+    fn timed<F>(&self, _op: Op, call: F) -> F {
+        call
+    }
+
+    /// A record as read from the store, opened if the layer seals (feature `seal`).
+    fn open(&self, record: Record) -> Result<Record, StoreError> {
+        #[cfg(feature = "seal")]
+        if let Some(sealing) = &self.sealing {
+            return sealing.open(record);
+        }
+        Ok(record)
+    }
+
+    pub(crate) async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.timed(Op::Claim, async {
+            Ok(match deadlines::within(self.deadlines.claim, Op::Claim, self.store().claim(req)).await? {
+                ClaimOutcome::Claimed(record) => ClaimOutcome::Claimed(self.open(record)?),
+                ClaimOutcome::Existing { record, now } => ClaimOutcome::Existing { record: self.open(record)?, now },
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
+        self.timed(Op::Reclaim, async {
+            Ok(match deadlines::within(self.deadlines.claim, Op::Reclaim, self.store().reclaim(req)).await? {
+                ReclaimOutcome::Reclaimed(record) => ReclaimOutcome::Reclaimed(self.open(record)?),
+                ReclaimOutcome::Conflict { current, now } => {
+                    ReclaimOutcome::Conflict { current: current.map(|r| self.open(r)).transpose()?, now }
+                }
+            })
+        })
+        .await
+    }
+
+    /// `response` makes the response one attempt sends; called once per attempt, so a
+    /// resend builds it again from what its caller still holds (the body it returns to its
+    /// client, the head) rather than every attempt sending a copy kept for a resend that
+    /// almost never comes.
+    pub(crate) async fn complete<R>(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        mut response: R,
+    ) -> Result<Receipt, StoreError>
+    where
+        R: FnMut() -> StoredResponse + Send,
+    {
+        let limit = self.deadlines.complete;
+        self.timed(Op::Complete, async {
+            #[cfg(feature = "seal")]
+            if let Some(sealing) = &self.sealing {
+                let sealed = sealing.seal(id, token, &response());
+                let attempt =
+                    || deadlines::within(limit, Op::Complete, self.store().complete(id, token, sealed.clone()));
+                return self.resend(id, token, RecordState::Completed, attempt).await;
+            }
+            let attempt = || deadlines::within(limit, Op::Complete, self.store().complete(id, token, response()));
+            self.resend(id, token, RecordState::Completed, attempt).await
+        })
+        .await
+    }
+
+    pub(crate) async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
+        let attempt = || deadlines::within(self.deadlines.complete, Op::Fail, self.store().fail(id, token));
+        self.timed(Op::Fail, self.resend(id, token, RecordState::Failed, attempt)).await
+    }
+
+    pub(crate) async fn extend(&self, id: RecordId, token: FencingToken, ttl: Duration) -> Result<Receipt, StoreError> {
+        self.timed(
+            Op::Extend,
+            deadlines::within(self.deadlines.extend, Op::Extend, self.store().extend(id, token, ttl)),
+        )
+        .await
+    }
+
+    pub(crate) async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        self.timed(Op::Get, async {
+            let found = deadlines::within(self.deadlines.read, Op::Get, self.store().get(id)).await?;
+            found.map(|record| self.open(record)).transpose()
+        })
+        .await
+    }
+
+    pub(crate) async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        self.timed(Op::JournalPut, self.resend_journal(id, token, name, value, overwrite)).await
+    }
+
+    pub(crate) async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let call = deadlines::within(self.deadlines.read, Op::JournalGet, self.store().journal_get(id, name));
+        self.timed(Op::JournalGet, call).await
+    }
+
+    /// No deadline: the layer never sweeps (the sweeper in `idem_core::sweeper` does).
+    pub(crate) async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
+        self.timed(Op::Sweep, self.store().sweep(limit)).await
+    }
+}
+
 #[async_trait]
 impl Store for LayerStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        self.calls.claim(req).await
+        LayerStore::claim(self, req).await
     }
 
     async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
-        self.calls.reclaim(req).await
+        LayerStore::reclaim(self, req).await
     }
 
     /// A handler's own completion: the response is the caller's, so each attempt sends a
@@ -151,27 +245,27 @@ impl Store for LayerStore {
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Receipt, StoreError> {
-        self.calls.complete(id, token, || response.clone()).await
+        LayerStore::complete(self, id, token, || response.clone()).await
     }
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
-        self.calls.fail(id, token).await
+        LayerStore::fail(self, id, token).await
     }
 
     async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
-        self.calls.extend(id, token, lease_ttl).await
+        LayerStore::extend(self, id, token, lease_ttl).await
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        self.calls.get(id).await
+        LayerStore::get(self, id).await
     }
 
     async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
-        self.calls.sweep(limit).await
+        LayerStore::sweep(self, limit).await
     }
 
     fn capabilities(&self) -> Capabilities {
-        (*self.store).capabilities()
+        self.store().capabilities()
     }
 
     async fn journal_put(
@@ -182,15 +276,15 @@ impl Store for LayerStore {
         value: Vec<u8>,
         overwrite: bool,
     ) -> Result<JournalWrite, StoreError> {
-        self.calls.journal_put(id, token, name, value, overwrite).await
+        LayerStore::journal_put(self, id, token, name, value, overwrite).await
     }
 
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        self.calls.journal_get(id, name).await
+        LayerStore::journal_get(self, id, name).await
     }
 
     /// An operator's listing: no request waits on it, so no deadline (like `sweep`).
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
-        (*self.store).list(filter).await
+        self.store().list(filter).await
     }
 }
