@@ -178,13 +178,16 @@ impl Refusal {
     }
 
     /// A blank principal: a resolver bug or a client-supplied blank identity, never
-    /// "anonymous".
-    pub(crate) fn blank_principal() -> Self {
-        Self::new(
-            ProblemKind::MissingPrincipal,
-            StatusCode::UNAUTHORIZED,
-            "the request's principal is blank; an idempotency key needs a non-blank authenticated principal",
-        )
+    /// "anonymous". A 401 like a missing one, so it carries the resolver's challenge too.
+    pub(crate) fn blank_principal(challenge: Option<HeaderValue>) -> Self {
+        Self {
+            challenge,
+            ..Self::new(
+                ProblemKind::MissingPrincipal,
+                StatusCode::UNAUTHORIZED,
+                "the request's principal is blank; an idempotency key needs a non-blank authenticated principal",
+            )
+        }
     }
 
     pub(crate) fn headers_too_large(fields: usize, bytes: usize, max_fields: usize, max_bytes: usize) -> Self {

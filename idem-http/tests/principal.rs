@@ -65,6 +65,29 @@ async fn a_blank_principal_is_refused_in_every_mode_and_claims_nothing() {
     }
 }
 
+/// Pins: a blank principal was answered 401 without the resolver's `WWW-Authenticate`
+/// challenge, which a missing one carries (RFC 9110 §15.5.2: a 401 sends one).
+#[tokio::test]
+async fn a_blank_principal_gets_the_resolvers_challenge() {
+    struct Blank;
+    impl idem_http::PrincipalResolver for Blank {
+        fn resolve(&self, _: &http::request::Parts) -> Option<String> {
+            Some(" ".to_owned())
+        }
+        fn challenge(&self) -> Option<http::HeaderValue> {
+            Some(http::HeaderValue::from_static("Bearer realm=\"fleet\""))
+        }
+    }
+    let layer = IdempotencyLayer::new(Arc::new(MemoryStore::new())).with_principal_resolver(Blank);
+    let handler = tower::service_fn(|_: Request<Full<Bytes>>| async {
+        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::new())))
+    });
+    let req = Request::post("/v1/workers").header("idempotency-key", "k1").body(Full::new(Bytes::new())).unwrap();
+    let res = layer.layer(handler).oneshot(req).await.unwrap();
+    assert_eq!(res.status(), 401);
+    assert_eq!(res.headers()["www-authenticate"], "Bearer realm=\"fleet\"");
+}
+
 /// Pins: a resolver that answers differently each time it is asked (a rotating token
 /// cache, a bug) must not give one request two principals: the layer asks once, and the
 /// claim, the record and the handler's context all carry that one answer.

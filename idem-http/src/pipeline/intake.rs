@@ -92,7 +92,7 @@ where
     // Blank is a resolver bug (or a client-supplied blank identity), not "anonymous": it
     // never shares a bucket and never skips idempotency, whatever `MissingPrincipal` says.
     let Ok(principal) = Principal::new(resolved) else {
-        return Intake::Refused(Refusal::blank_principal());
+        return Intake::Refused(Refusal::blank_principal(settings.resolver.challenge()));
     };
     let (max_fields, max_bytes) = (settings.max_fingerprint_fields, settings.max_fingerprint_header_bytes);
     let fingerprinted = Fingerprinted::gather(pipeline, &parts.headers, max_fields);
