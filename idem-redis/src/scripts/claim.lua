@@ -9,8 +9,20 @@
 --
 -- The most frequent script, so its fresh-key path is written out inline rather than
 -- through arith.lua's helpers: every helper is a closure the server builds on each call.
+-- It reads the record first: a retry of a live record (a replay, a 409) reads one hash and
+-- builds nothing.
 local key = KEYS[1]
 local now = now_ms(ARGV[1])
+local cur = redis.call('HMGET', key, 'h', 'r')
+local old = cur[1]
+if old then
+  if not valid(old) then
+    return {'corrupt', now}
+  end
+  if now < num_at(old, AT_EXPIRES) then
+    return {'existing', now, old, cur[2]}
+  end
+end
 -- now + lease and now + retention, half by half, saturating at i64::MAX (see common.lua).
 local nh = math.floor(now / TWO32)
 local nl = now - nh * TWO32
@@ -43,18 +55,7 @@ if fh == 0 and fl == 0 then
 end
 local h = struct.pack('>BBI4I4I4I4I4I4I4I4I4I4', FORMAT, 1, fh, fl, nh, nl, nh, nl, leh, lel, eh, el)
   .. ARGV[4] .. ARGV[5]
--- A fresh key: one write that fails if any record is there. (A hash without 'h' is not a
--- record; the claim adds its header to it.)
-if redis.call('HSETNX', key, 'h', h) == 0 then
-  local cur = redis.call('HMGET', key, 'h', 'r')
-  local old = cur[1]
-  if not valid(old) then
-    return {'corrupt', now}
-  end
-  -- A live record: nothing to write.
-  if now < num_at(old, AT_EXPIRES) then
-    return {'existing', now, old, cur[2]}
-  end
+if old then
   -- Past its retention: counts as absent, but the token stays above the old record's (its
   -- token + 1, saturating, if that is above first_at(now)), so a very late owner of the
   -- old record can never complete the new one, whatever the clock did meanwhile.
@@ -68,8 +69,9 @@ if redis.call('HSETNX', key, 'h', h) == 0 then
     h = string.sub(h, 1, 2) .. struct.pack('>I4I4', th, tl) .. string.sub(h, 11)
   end
   redis.call('DEL', key)
-  redis.call('HSET', key, 'h', h)
 end
+-- (A hash without 'h' is not a record; the claim adds its header to it.)
+redis.call('HSET', key, 'h', h)
 -- Native expiry at expires_at + grace (see expire in arith.lua).
 local grace = tonumber(ARGV[3])
 local at
