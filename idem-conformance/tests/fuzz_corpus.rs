@@ -127,6 +127,7 @@ fn write_seed_corpus() {
                     status: 201,
                     headers: vec![],
                     body: StoredBody::NotRetained { len: Some(1 << 40) },
+                    trailers: vec![],
                 }),
             ),
         ),
