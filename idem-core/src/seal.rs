@@ -17,7 +17,8 @@
 //! - one header, [`SEALED_HEADER`], whose value is `v1;<key id>` (ASCII decimal);
 //! - an `Identity` body: a 24-byte random nonce (from the operating system), then the
 //!   XChaCha20-Poly1305 ciphertext of [`crate::codec::encode_response`] of the real
-//!   response (16-byte tag included).
+//!   response, trailers included (16-byte tag included);
+//! - no trailers.
 //!
 //! XChaCha20-Poly1305 is built as draft-irtf-cfrg-xchacha-03 §2.3 defines it: HChaCha20
 //! (the `chacha20` crate) derives a subkey from the key and the nonce's first 16 bytes, and
