@@ -32,13 +32,12 @@ fn rfc3339(t: UnixMillis) -> String {
 /// `(status, header count, body bytes (None: unknown), retained, trailer count)`.
 fn response_summary(record: &Record) -> Option<(u16, usize, Option<u64>, bool, usize)> {
     let response = record.response.as_ref()?;
-    let (len, retained) = match response.plain_body() {
+    let (len, retained) = match &response.body {
         StoredBody::Identity(b) => (Some(b.len() as u64), true),
         StoredBody::Lz4 { len, .. } => (Some(*len), true),
         StoredBody::NotRetained { len } => (*len, false),
-        StoredBody::WithTrailers { .. } => (None, true),
     };
-    Some((response.status, response.headers.len(), len, retained, response.trailers().len()))
+    Some((response.status, response.headers.len(), len, retained, response.trailers.len()))
 }
 
 /// The key id of a sealed response (`idem_core::seal`: status 0 and one `idem-sealed:

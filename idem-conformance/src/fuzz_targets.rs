@@ -178,9 +178,12 @@ fn arbitrary_record(u: &mut Unstructured<'_>) -> arbitrary::Result<Record> {
         Some(match u.int_in_range(0..=2u8)? {
             0 => StoredResponse::new(status, headers, body),
             1 => StoredResponse::compressed_over(status, headers, body, 0),
-            _ => {
-                StoredResponse { status, headers, body: StoredBody::NotRetained { len: Option::<u64>::arbitrary(u)? } }
-            }
+            _ => StoredResponse {
+                status,
+                headers,
+                body: StoredBody::NotRetained { len: Option::<u64>::arbitrary(u)? },
+                trailers: vec![],
+            },
         })
     } else {
         None
@@ -295,7 +298,12 @@ pub fn write_stored_seeds(target: &str, seed: fn(&Record) -> Vec<u8>) {
     std::fs::create_dir_all(&dir).expect("corpus dir");
     let full = StoredResponse::new(201, vec![("location".into(), b"/t/42".to_vec())], br#"{"id":"t42"}"#.to_vec());
     let compressed = StoredResponse::compressed_over(200, vec![], b"abc".repeat(200), 16);
-    let not_retained = StoredResponse { status: 201, headers: vec![], body: StoredBody::NotRetained { len: Some(9) } };
+    let not_retained = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: StoredBody::NotRetained { len: Some(9) },
+        trailers: vec![],
+    };
     let a_in_flight = seed_record("tenant-a", RecordState::InFlight, None);
     let mut moved = seed(&seed_record("tenant-b", RecordState::Completed, Some(full.clone())));
     let b_id = *seed_record("tenant-b", RecordState::Failed, None).id.as_bytes();

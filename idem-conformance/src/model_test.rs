@@ -217,7 +217,12 @@ pub fn responses() -> [StoredResponse; 5] {
         StoredResponse::new(201, vec![("location".to_owned(), b"/r/1".to_vec())], b"{\"id\":1}".to_vec()),
         StoredResponse::new(422, vec![("content-type".to_owned(), b"application/problem+json".to_vec())], vec![0xff]),
         StoredResponse::compressed_over(200, vec![], b"abc".repeat(400), 64),
-        StoredResponse { status: 201, headers: vec![], body: StoredBody::NotRetained { len: Some(1 << 30) } },
+        StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: StoredBody::NotRetained { len: Some(1 << 30) },
+            trailers: vec![],
+        },
         StoredResponse::new(204, vec![], vec![]),
     ]
 }

@@ -127,6 +127,7 @@ fn write_seed_corpus() {
                     status: 201,
                     headers: vec![],
                     body: StoredBody::NotRetained { len: Some(1 << 40) },
+                    trailers: vec![],
                 }),
             ),
         ),
@@ -142,7 +143,9 @@ fn write_seed_corpus() {
         bomb[pos + 1] = 0x7f;
     }
     write("record_decode", "length-bomb", &bomb);
-    write("record_decode", "unknown-version", &[2, 0, 0, 0]);
+    // `v1-grpc-trailers` is kept by hand: a format-1 record (trailers inside the body),
+    // which the current encoder no longer writes.
+    write("record_decode", "unknown-version", &[3, 0, 0, 0]);
     write("record_decode", "truncated", &codec::encode(&records[1].1)[..40]);
 
     for i in 0..4u64 {

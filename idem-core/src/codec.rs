@@ -5,12 +5,18 @@
 //! Decoding arbitrary bytes returns a typed [`CodecError`], never panics, and never
 //! allocates more than the input can justify (postcard reads lengths against the
 //! remaining input; compressed bodies are bounded by [`crate::record::MAX_DECODED_BODY`]).
+//!
+//! Version 2 keeps a response's trailers in their own field after the body. Version 1
+//! kept them inside the body (a fourth body variant); it is still read, into the same
+//! shape, but never written.
+
+use serde::Deserialize;
 
 pub use crate::corrupt::CodecError;
 use crate::record::{Record, StoredResponse};
 
 /// The current format version, the first byte of every encoded record.
-pub const FORMAT_VERSION: u8 = 1;
+pub const FORMAT_VERSION: u8 = 2;
 
 /// Encodes a record: `[FORMAT_VERSION] ++ postcard(record)`.
 #[must_use]
@@ -24,28 +30,113 @@ pub fn encode(record: &Record) -> Vec<u8> {
     }
 }
 
-/// Decodes bytes written by [`encode`].
+/// Decodes bytes written by [`encode`], of this format version or version 1.
 ///
 /// # Errors
 /// [`CodecError`] for empty, unknown-version, malformed or trailing input.
 pub fn decode(bytes: &[u8]) -> Result<Record, CodecError> {
-    let (&version, rest) = bytes.split_first().ok_or(CodecError::Empty)?;
-    if version != FORMAT_VERSION {
-        return Err(CodecError::UnknownVersion(version));
+    match bytes.split_first().ok_or(CodecError::Empty)? {
+        (&FORMAT_VERSION, rest) => exactly(rest),
+        (1, rest) => {
+            let (
+                id,
+                scope,
+                key,
+                fingerprint,
+                state,
+                token,
+                response,
+                created_at,
+                started_at,
+                lease_expires_at,
+                expires_at,
+            ) = exactly::<v1::Record>(rest)?;
+            let response = response.map(v1::response);
+            Ok(Record {
+                id,
+                scope,
+                key,
+                fingerprint,
+                state,
+                token,
+                response,
+                created_at,
+                started_at,
+                lease_expires_at,
+                expires_at,
+            })
+        }
+        (&version, _) => Err(CodecError::UnknownVersion(version)),
     }
-    let (record, tail) = postcard::take_from_bytes::<Record>(rest).map_err(CodecError::Malformed)?;
+}
+
+/// One postcard value that is all of `bytes`.
+fn exactly<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError> {
+    let (value, tail) = postcard::take_from_bytes::<T>(bytes).map_err(CodecError::Malformed)?;
     if !tail.is_empty() {
         return Err(CodecError::Trailing(tail.len()));
     }
-    Ok(record)
+    Ok(value)
+}
+
+/// Version 1, read only. postcard writes a struct or a variant as its fields in order,
+/// so tuples of the same types read what the structs of version 1 wrote.
+mod v1 {
+    use serde::Deserialize;
+
+    use crate::record::{FencingToken, RecordState, StoredBody, StoredResponse};
+    use crate::{Fingerprint, IdempotencyKey, RecordId, Scope, UnixMillis};
+
+    type Fields = Vec<(String, Vec<u8>)>;
+
+    /// [`crate::Record`]'s fields in order, its response in the version-1 layout.
+    pub(super) type Record = (
+        RecordId,
+        Scope,
+        IdempotencyKey,
+        Fingerprint,
+        RecordState,
+        FencingToken,
+        Option<Response>,
+        UnixMillis,
+        UnixMillis,
+        UnixMillis,
+        UnixMillis,
+    );
+
+    /// Status, headers, body.
+    pub(super) type Response = (u16, Fields, Body);
+
+    /// The body with its trailers inside. The first three variants are [`StoredBody`]'s; a
+    /// body inside `WithTrailers` is read as a [`StoredBody`], which has no fourth variant,
+    /// so hostile bytes cannot nest trailers and exhaust the decoder's stack.
+    #[derive(Deserialize)]
+    pub(super) enum Body {
+        Identity(#[serde(with = "serde_bytes")] Vec<u8>),
+        Lz4(u64, #[serde(with = "serde_bytes")] Vec<u8>),
+        NotRetained(Option<u64>),
+        WithTrailers(StoredBody, Fields),
+    }
+
+    /// A version-1 response in the current shape: trailers moved out of the body.
+    pub(super) fn response((status, headers, body): Response) -> StoredResponse {
+        let (body, trailers) = match body {
+            Body::Identity(bytes) => (StoredBody::Identity(bytes), Vec::new()),
+            Body::Lz4(len, data) => (StoredBody::Lz4 { len, data }, Vec::new()),
+            Body::NotRetained(len) => (StoredBody::NotRetained { len }, Vec::new()),
+            Body::WithTrailers(body, trailers) => (body, trailers),
+        };
+        StoredResponse { status, headers, body, trailers }
+    }
 }
 
 /// Format version of a stored response kept apart from its record (a Redis hash field,
-/// a Postgres or SQLite `response` column): the first byte, then postcard.
-pub const RESPONSE_FORMAT_VERSION: u8 = 1;
+/// a Postgres or SQLite `response` column): the first byte, then postcard. Versions as
+/// for records: 2 is written, 1 is still read.
+pub const RESPONSE_FORMAT_VERSION: u8 = 2;
 
 /// Encodes a stored response on its own: `[RESPONSE_FORMAT_VERSION] ++ postcard(response)`.
-/// Headers and body bytes round-trip exactly.
+/// Headers, body and trailer bytes round-trip exactly.
 #[must_use]
 pub fn encode_response(response: &StoredResponse) -> Vec<u8> {
     // Serialising plain data into a Vec cannot fail; the bare version byte (which decodes
@@ -68,20 +159,16 @@ pub(crate) fn encode_response_into(response: &StoredResponse, mut out: Vec<u8>) 
     })
 }
 
-/// Decodes bytes written by [`encode_response`].
+/// Decodes bytes written by [`encode_response`], of this format version or version 1.
 ///
 /// # Errors
 /// [`CodecError`] for empty, unknown-version, malformed or trailing input.
 pub fn decode_response(bytes: &[u8]) -> Result<StoredResponse, CodecError> {
-    let (&version, rest) = bytes.split_first().ok_or(CodecError::Empty)?;
-    if version != RESPONSE_FORMAT_VERSION {
-        return Err(CodecError::UnknownVersion(version));
+    match bytes.split_first().ok_or(CodecError::Empty)? {
+        (&RESPONSE_FORMAT_VERSION, rest) => exactly(rest),
+        (1, rest) => exactly(rest).map(v1::response),
+        (&version, _) => Err(CodecError::UnknownVersion(version)),
     }
-    let (response, tail) = postcard::take_from_bytes::<StoredResponse>(rest).map_err(CodecError::Malformed)?;
-    if !tail.is_empty() {
-        return Err(CodecError::Trailing(tail.len()));
-    }
-    Ok(response)
 }
 
 /// [`decode_response`] of `buf[range]`, handing `buf` itself over as the body's bytes when
@@ -97,13 +184,14 @@ pub(crate) fn decode_response_reusing(
 ) -> Result<StoredResponse, CodecError> {
     /// The fields of a [`StoredResponse`] with an `Identity` body, the body borrowed.
     /// Variant 0 is `StoredBody::Identity` in both enums, so postcard reads the same bytes;
-    /// any other variant fails here and takes the general path.
+    /// any other variant, or version 1, fails here and takes the general path.
     #[derive(serde::Deserialize)]
     struct Borrowed<'a> {
         status: u16,
         headers: Vec<(String, Vec<u8>)>,
         #[serde(borrow)]
         body: IdentityOnly<'a>,
+        trailers: Vec<(String, Vec<u8>)>,
     }
     #[derive(serde::Deserialize)]
     enum IdentityOnly<'a> {
@@ -113,20 +201,20 @@ pub(crate) fn decode_response_reusing(
         return Err(CodecError::Empty);
     };
     if let Some((&RESPONSE_FORMAT_VERSION, rest)) = bytes.split_first()
-        && let Ok((Borrowed { status, headers, body: IdentityOnly::Identity(body) }, [])) =
+        && let Ok((Borrowed { status, headers, body: IdentityOnly::Identity(body), trailers }, [])) =
             postcard::take_from_bytes::<Borrowed<'_>>(rest)
     {
         let start = body.as_ptr().addr() - buf.as_ptr().addr();
         let end = start + body.len();
         buf.truncate(end);
         buf.drain(..start);
-        return Ok(StoredResponse { status, headers, body: crate::record::StoredBody::Identity(buf) });
+        return Ok(StoredResponse { status, headers, body: crate::record::StoredBody::Identity(buf), trailers });
     }
     decode_response(&buf[range])
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// The in-place decode reads what `decode_response` reads, for every body form.
@@ -138,7 +226,12 @@ mod tests {
             StoredResponse::new(201, vec![("location".into(), b"/w/1".to_vec())], b"{\"id\":1}".to_vec()),
             StoredResponse::new(204, vec![], vec![]),
             StoredResponse::compressed_over(200, vec![], vec![b'a'; 4096], 16),
-            StoredResponse { status: 200, headers: vec![], body: StoredBody::NotRetained { len: Some(9) } },
+            StoredResponse {
+                status: 200,
+                headers: vec![],
+                body: StoredBody::NotRetained { len: Some(9) },
+                trailers: vec![],
+            },
             StoredResponse::new(200, vec![], b"x".to_vec()).with_trailers(vec![("grpc-status".into(), b"0".to_vec())]),
         ];
         for r in responses {
@@ -148,6 +241,8 @@ mod tests {
             buf.extend([9; 3]);
             assert_eq!(decode_response_reusing(buf, 5..end).expect("decodes"), r);
         }
+        let v1 = V1_GRPC.to_vec();
+        assert_eq!(decode_response_reusing(v1, 0..V1_GRPC.len()).expect("version 1 decodes"), v1_grpc_decoded());
         let mut bad = encode_response(&StoredResponse::new(200, vec![], b"abc".to_vec()));
         bad.push(0);
         let n = bad.len();
@@ -174,18 +269,19 @@ mod tests {
     /// written before trailers existed no longer decoded (or decoded differently).
     #[test]
     fn trailers_round_trip_and_records_from_before_trailers_still_decode() {
-        // 201, no headers, Identity(b"hi"), as every earlier build wrote it.
-        let before = [RESPONSE_FORMAT_VERSION, 0xc9, 0x01, 0x00, 0x00, 0x02, b'h', b'i'];
+        // 201, no headers, Identity(b"hi"), as every build before version 2 wrote it.
+        let before = [1, 0xc9, 0x01, 0x00, 0x00, 0x02, b'h', b'i'];
         let old = decode_response(&before).expect("an old record decodes");
         assert_eq!(old, StoredResponse::new(201, vec![], b"hi".to_vec()));
-        assert!(old.trailers().is_empty());
-        assert_eq!(encode_response(&old), before, "no trailers: the same bytes as before");
+        assert!(old.trailers.is_empty());
+        let now = [RESPONSE_FORMAT_VERSION, 0xc9, 0x01, 0x00, 0x00, 0x02, b'h', b'i', 0x00];
+        assert_eq!(encode_response(&old), now, "version 2: the same fields, then no trailers");
 
         let grpc = StoredResponse::new(200, vec![("content-type".into(), b"application/grpc".to_vec())], vec![0; 9])
             .with_trailers(vec![("grpc-status".into(), b"0".to_vec()), ("grpc-message".into(), vec![])]);
         let back = decode_response(&encode_response(&grpc)).expect("decodes");
         assert_eq!(back, grpc);
-        assert_eq!(back.trailers()[0], ("grpc-status".to_owned(), b"0".to_vec()));
+        assert_eq!(back.trailers[0], ("grpc-status".to_owned(), b"0".to_vec()));
         assert_eq!(back.body_bytes().expect("body").as_deref(), Some(&[0u8; 9][..]));
         let lz4 = StoredResponse::compressed_over(200, vec![], vec![7; 10_000], 16)
             .with_trailers(vec![("x-checksum".into(), b"abc".to_vec())]);
@@ -193,23 +289,133 @@ mod tests {
             decode_response(&encode_response(&lz4)).expect("decodes").body_bytes().expect("body").map(|b| b.len()),
             Some(10_000)
         );
-        let nested = StoredResponse {
-            status: 200,
-            headers: vec![],
-            body: crate::StoredBody::WithTrailers {
-                body: Box::new(crate::StoredBody::WithTrailers {
-                    body: Box::new(crate::StoredBody::Identity(vec![])),
-                    trailers: vec![],
-                }),
-                trailers: vec![],
-            },
-        };
-        assert!(matches!(nested.body_bytes(), Err(CodecError::NestedTrailers)));
         // Hostile bytes that nest trailers a million deep are refused by the decoder at
-        // the second level, never by a stack overflow.
-        let mut deep = vec![RESPONSE_FORMAT_VERSION, 0xc8, 0x01, 0x00];
-        deep.extend(std::iter::repeat_n(3, 1_000_000));
-        assert!(matches!(decode_response(&deep), Err(CodecError::Malformed(_))));
-        assert!(matches!(decode_response(&encode_response(&nested)), Err(CodecError::Malformed(_))));
+        // the second level, never by a stack overflow: in version 1, where the body held
+        // the trailers, and in version 2, where no body variant 3 exists.
+        for version in [1, RESPONSE_FORMAT_VERSION] {
+            let mut deep = vec![version, 0xc8, 0x01, 0x00];
+            deep.extend(std::iter::repeat_n(3, 1_000_000));
+            assert!(matches!(decode_response(&deep), Err(CodecError::Malformed(_))), "version {version}");
+        }
+        let nested = [1, 0xc8, 0x01, 0x00, 0x03, 0x03, 0x00, 0x00, 0x00, 0x00];
+        assert!(matches!(decode_response(&nested), Err(CodecError::Malformed(_))));
+    }
+
+    /// gRPC trailers as the version-1 encoder wrote them (inside the body): content-type
+    /// header, Identity body, `grpc-status: 0`, empty `grpc-message`, `grpc-status: 0`.
+    pub(crate) const V1_GRPC: &[u8] = &[
+        0x01, 0xc8, 0x01, 0x01, 0x0c, b'c', b'o', b'n', b't', b'e', b'n', b't', b'-', b't', b'y', b'p', b'e', 0x10,
+        b'a', b'p', b'p', b'l', b'i', b'c', b'a', b't', b'i', b'o', b'n', b'/', b'g', b'r', b'p', b'c', 0x03, 0x00,
+        0x06, 0x00, 0x00, 0x00, 0x00, 0x01, 0x07, 0x03, 0x0b, b'g', b'r', b'p', b'c', b'-', b's', b't', b'a', b't',
+        b'u', b's', 0x01, b'0', 0x0c, b'g', b'r', b'p', b'c', b'-', b'm', b'e', b's', b's', b'a', b'g', b'e', 0x00,
+        0x0b, b'g', b'r', b'p', b'c', b'-', b's', b't', b'a', b't', b'u', b's', 0x01, b'0',
+    ];
+
+    /// What [`V1_GRPC`] decodes to.
+    pub(crate) fn v1_grpc_decoded() -> StoredResponse {
+        let status = ("grpc-status".to_owned(), b"0".to_vec());
+        StoredResponse::new(200, vec![("content-type".into(), b"application/grpc".to_vec())], vec![0, 0, 0, 0, 1, 7])
+            .with_trailers(vec![status.clone(), ("grpc-message".into(), vec![]), status])
+    }
+
+    fn unhex(hex: &str) -> Vec<u8> {
+        (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex")).collect()
+    }
+
+    /// Trailers moved from the body to their own field in version 2; version-1 bytes of
+    /// every kind (pinned from the version-1 encoder) decode into that shape, and what
+    /// they decode to is written as version 2 and reads back the same.
+    #[test]
+    fn version_1_trailers_decode_into_the_trailers_field() {
+        use crate::record::StoredBody;
+        #[rustfmt::skip]
+        const V1_LZ4: &[u8] = &[
+            0x01, 0xc8, 0x01, 0x00, 0x03, 0x01, 0x40, 0x0c, 0x1f, 0x07, 0x01, 0x00, 0x26, 0x60, 0x07, 0x07, 0x07, 0x07,
+            0x07, 0x07, 0x01, 0x0a, b'x', b'-', b'c', b'h', b'e', b'c', b'k', b's', b'u', b'm', 0x03, b'a', b'b', b'c',
+        ];
+        let lz4 = decode_response(V1_LZ4).expect("decodes");
+        assert!(matches!(lz4.body, StoredBody::Lz4 { len: 64, .. }));
+        assert_eq!(lz4.trailers, [("x-checksum".to_owned(), b"abc".to_vec())]);
+        assert_eq!(lz4.body_bytes().expect("body").as_deref(), Some(&[7u8; 64][..]));
+        let grpc = decode_response(V1_GRPC).expect("decodes");
+        assert_eq!(grpc, v1_grpc_decoded());
+        assert_eq!(decode_response(&encode_response(&grpc)).expect("decodes"), grpc);
+
+        // A record completed by a gRPC stream whose body was not retained: id [1; 32],
+        // scope ("p", "POST /w"), key "k", fingerprint [2; 32], token 3, times 10..13.
+        let v1 = unhex(concat!(
+            "01",
+            "0101010101010101010101010101010101010101010101010101010101010101",
+            "017007504f5354202f77016b",
+            "0202020202020202020202020202020202020202020202020202020202020202",
+            "0103",
+            "01c80100",
+            "030201ac02",
+            "010b677270632d7374617475730135",
+            "1416181a",
+        ));
+        let record = decode(&v1).expect("a version-1 record decodes");
+        let response = record.response.as_ref().expect("completed");
+        assert_eq!(
+            (record.id, record.fingerprint),
+            (crate::RecordId::from_bytes([1; 32]), crate::Fingerprint::from_bytes([2; 32]))
+        );
+        assert_eq!((record.token.0, record.expires_at.0, response.status), (3, 13, 200));
+        assert_eq!(response.body, StoredBody::NotRetained { len: Some(300) });
+        assert_eq!(response.trailers, [("grpc-status".to_owned(), b"5".to_vec())]);
+        let v2 = encode(&record);
+        assert_eq!(v2[0], FORMAT_VERSION);
+        assert_eq!(decode(&v2).expect("decodes"), record);
+        // The same record truncated or extended anywhere is refused with a typed error.
+        for cut in 0..v1.len() {
+            assert!(decode(&v1[..cut]).is_err(), "cut at {cut}");
+        }
+        assert!(matches!(decode(&[&v1[..], &[0]].concat()), Err(CodecError::Trailing(1))));
+    }
+
+    /// The trailers field is read as strictly as the rest: truncated anywhere, a count or
+    /// a length past the end, a name that is not UTF-8, or a byte left over is a typed
+    /// error, and none allocates what the input cannot hold.
+    #[test]
+    fn a_truncated_or_garbled_trailers_field_is_a_typed_error() {
+        let r = StoredResponse::new(200, vec![], b"ok".to_vec())
+            .with_trailers(vec![("grpc-status".into(), b"0".to_vec()), ("grpc-status".into(), b"1".to_vec())]);
+        let bytes = encode_response(&r);
+        // 200, no headers, Identity(b"ok"), then the trailers: two pairs, repeats kept.
+        let head = [RESPONSE_FORMAT_VERSION, 0xc8, 0x01, 0x00, 0x00, 0x02, b'o', b'k'];
+        assert_eq!(bytes[..head.len()], head);
+        assert_eq!(bytes[head.len()], 2, "the trailer count");
+        assert_eq!(decode_response(&bytes).expect("decodes"), r);
+        for cut in head.len()..bytes.len() {
+            assert!(matches!(decode_response(&bytes[..cut]), Err(CodecError::Malformed(_))), "cut at {cut}");
+        }
+        let with = |at: usize, new: &[u8]| [&bytes[..at], new, &bytes[at + 1..]].concat();
+        let huge_count = with(head.len(), &[0xff, 0xff, 0xff, 0xff, 0x0f]);
+        assert!(matches!(decode_response(&huge_count), Err(CodecError::Malformed(_))));
+        let long_name = with(head.len() + 1, &[0xff, 0xff, 0xff, 0x7f]);
+        assert!(matches!(decode_response(&long_name), Err(CodecError::Malformed(_))));
+        let not_utf8 = with(head.len() + 2, &[0xff]);
+        assert!(matches!(decode_response(&not_utf8), Err(CodecError::Malformed(_))));
+        let bad_count = with(head.len(), &[0x80]);
+        assert!(matches!(decode_response(&bad_count), Err(CodecError::Malformed(_))));
+        assert!(matches!(decode_response(&[&bytes[..], &[0]].concat()), Err(CodecError::Trailing(1))));
+
+        // The same in a whole record.
+        let scope = crate::Scope::new("p", crate::Endpoint::new("POST", "/w")).expect("scope");
+        let key = crate::IdempotencyKey::parse(b"k").expect("key");
+        let req = crate::ClaimRequest::new(
+            scope,
+            key,
+            crate::Fingerprint::from_bytes([0; 32]),
+            Default::default(),
+            Default::default(),
+        );
+        let (Some(claimed), _) = crate::transition::claim(None, &req, crate::UnixMillis(1)) else { unreachable!() };
+        let record = Record { response: Some(r), ..claimed };
+        let bytes = encode(&record);
+        assert_eq!(decode(&bytes).expect("decodes"), record);
+        for cut in 1..bytes.len() {
+            assert!(decode(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
     }
 }

@@ -39,7 +39,4 @@ pub enum CodecError {
         /// What is wrong with it.
         reason: String,
     },
-    /// A stored body nests trailers inside trailers, which no writer produces.
-    #[error("a stored body nests trailers twice")]
-    NestedTrailers,
 }

@@ -91,7 +91,8 @@ impl std::fmt::Display for FencingToken {
     }
 }
 
-/// How a stored body is encoded.
+/// How a stored body is encoded. The variants' order is part of the stored format
+/// (postcard writes a variant's index), so a new one goes last.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub enum StoredBody {
@@ -113,58 +114,10 @@ pub enum StoredBody {
         /// Length of the original body in bytes, when it was known.
         len: Option<u64>,
     },
-    /// A body followed by trailer fields (RFC 9110 §6.5; gRPC sends its `grpc-status`
-    /// there). A variant rather than a field of [`StoredResponse`] so that records written
-    /// before trailers were stored decode unchanged: postcard numbers enum variants, and
-    /// this one comes last. `body` is never itself `WithTrailers`.
-    WithTrailers {
-        /// The body itself: `Identity`, `Lz4` or `NotRetained`. Decoded as one of those
-        /// three only, so hostile bytes cannot nest trailers without bound and exhaust the
-        /// decoder's stack.
-        #[serde(deserialize_with = "plain_body")]
-        #[cfg_attr(feature = "arbitrary", arbitrary(with = arbitrary_plain_body))]
-        body: Box<StoredBody>,
-        /// `(lower-case name, raw value)` trailer pairs in the order they were sent.
-        trailers: Vec<(String, Vec<u8>)>,
-    },
-}
-
-/// The body variants that can sit inside [`StoredBody::WithTrailers`], with the same
-/// variant numbers and fields as [`StoredBody`], so both read the same bytes.
-#[derive(Deserialize)]
-enum PlainBody {
-    Identity(#[serde(with = "serde_bytes")] Vec<u8>),
-    Lz4 {
-        len: u64,
-        #[serde(with = "serde_bytes")]
-        data: Vec<u8>,
-    },
-    NotRetained {
-        len: Option<u64>,
-    },
-}
-
-/// Reads the body inside `WithTrailers`: a [`PlainBody`], so a nested `WithTrailers` is a
-/// decoding error rather than a recursion.
-fn plain_body<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Box<StoredBody>, D::Error> {
-    Ok(Box::new(match PlainBody::deserialize(d)? {
-        PlainBody::Identity(b) => StoredBody::Identity(b),
-        PlainBody::Lz4 { len, data } => StoredBody::Lz4 { len, data },
-        PlainBody::NotRetained { len } => StoredBody::NotRetained { len },
-    }))
-}
-
-#[cfg(feature = "arbitrary")]
-fn arbitrary_plain_body(u: &mut arbitrary::Unstructured<'_>) -> arbitrary::Result<Box<StoredBody>> {
-    Ok(Box::new(match u.int_in_range(0..=2u8)? {
-        0 => StoredBody::Identity(u.arbitrary()?),
-        1 => StoredBody::Lz4 { len: u.arbitrary()?, data: u.arbitrary()? },
-        _ => StoredBody::NotRetained { len: u.arbitrary()? },
-    }))
 }
 
 /// The response replayed to every retry: status, headers (hop-by-hop and denied headers
-/// already removed) and body.
+/// already removed), body and trailers.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub struct StoredResponse {
@@ -174,6 +127,9 @@ pub struct StoredResponse {
     pub headers: Vec<(String, Vec<u8>)>,
     /// The body.
     pub body: StoredBody,
+    /// Trailer fields (RFC 9110 §6.5; gRPC sends its `grpc-status` there), kept like
+    /// `headers`; empty when the response had none.
+    pub trailers: Vec<(String, Vec<u8>)>,
 }
 
 /// Upper bound on a decompressed body, bytes: a corrupt or hostile record cannot make a
@@ -184,7 +140,7 @@ impl StoredResponse {
     /// A response whose body is kept as is.
     #[must_use]
     pub fn new(status: u16, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Self {
-        Self { status, headers, body: StoredBody::Identity(body) }
+        Self { status, headers, body: StoredBody::Identity(body), trailers: Vec::new() }
     }
 
     /// A response whose body is LZ4-compressed when it is longer than `threshold` bytes
@@ -201,40 +157,13 @@ impl StoredResponse {
         } else {
             StoredBody::Identity(body)
         };
-        Self { status, headers, body }
+        Self { status, headers, body, trailers: Vec::new() }
     }
 
-    /// The same response with `trailers` after its body (nothing changes when `trailers`
-    /// is empty).
+    /// The same response with `trailers` after its body.
     #[must_use]
-    pub fn with_trailers(mut self, trailers: Vec<(String, Vec<u8>)>) -> Self {
-        if !trailers.is_empty() {
-            let body = match self.body {
-                StoredBody::WithTrailers { body, .. } => body,
-                body => Box::new(body),
-            };
-            self.body = StoredBody::WithTrailers { body, trailers };
-        }
-        self
-    }
-
-    /// The stored trailer fields, `(lower-case name, raw value)`; empty when the response
-    /// had none.
-    #[must_use]
-    pub fn trailers(&self) -> &[(String, Vec<u8>)] {
-        match &self.body {
-            StoredBody::WithTrailers { trailers, .. } => trailers,
-            _ => &[],
-        }
-    }
-
-    /// The body without its trailers.
-    #[must_use]
-    pub fn plain_body(&self) -> &StoredBody {
-        match &self.body {
-            StoredBody::WithTrailers { body, .. } => body,
-            body => body,
-        }
+    pub fn with_trailers(self, trailers: Vec<(String, Vec<u8>)>) -> Self {
+        Self { trailers, ..self }
     }
 
     /// The first value of header `name` (lower-case).
@@ -250,8 +179,7 @@ impl StoredResponse {
     /// [`MAX_DECODED_BODY`] bytes.
     pub fn body_bytes(&self) -> Result<Option<std::borrow::Cow<'_, [u8]>>, crate::corrupt::CodecError> {
         use std::borrow::Cow;
-        match self.plain_body() {
-            StoredBody::WithTrailers { .. } => Err(crate::corrupt::CodecError::NestedTrailers),
+        match &self.body {
             StoredBody::Identity(b) => Ok(Some(Cow::Borrowed(b))),
             StoredBody::NotRetained { .. } => Ok(None),
             StoredBody::Lz4 { len, data } => {
@@ -278,11 +206,7 @@ impl StoredResponse {
     /// # Errors
     /// As [`Self::body_bytes`].
     pub fn take_body_bytes(&mut self) -> Result<Option<Vec<u8>>, crate::corrupt::CodecError> {
-        let body = match &mut self.body {
-            StoredBody::WithTrailers { body, .. } => &mut **body,
-            body => body,
-        };
-        if let StoredBody::Identity(bytes) = body {
+        if let StoredBody::Identity(bytes) = &mut self.body {
             return Ok(Some(std::mem::take(bytes)));
         }
         Ok(self.body_bytes()?.map(std::borrow::Cow::into_owned))

@@ -17,7 +17,8 @@
 //! - one header, [`SEALED_HEADER`], whose value is `v1;<key id>` (ASCII decimal);
 //! - an `Identity` body: a 24-byte random nonce (from the operating system), then the
 //!   XChaCha20-Poly1305 ciphertext of [`crate::codec::encode_response`] of the real
-//!   response (16-byte tag included).
+//!   response, trailers included (16-byte tag included);
+//! - no trailers.
 //!
 //! XChaCha20-Poly1305 is built as draft-irtf-cfrg-xchacha-03 §2.3 defines it: HChaCha20
 //! (the `chacha20` crate) derives a subkey from the key and the nonce's first 16 bytes, and
@@ -170,6 +171,7 @@ impl SealingKeys {
             status: SEALED_STATUS,
             headers: vec![(SEALED_HEADER.to_owned(), format!("v1;{key_id}").into_bytes())],
             body: StoredBody::Identity(body),
+            trailers: Vec::new(),
         }
     }
 
@@ -179,7 +181,8 @@ impl SealingKeys {
     fn open(&self, id: RecordId, token: FencingToken, stored: StoredResponse) -> Result<StoredResponse, Unsealed> {
         let key_id = sealed_key_id(&stored)?.ok_or(Unsealed::Plain)?;
         let key = self.key(key_id).ok_or(Unsealed::Broken("sealed by a key id that is not configured"))?;
-        let StoredBody::Identity(mut body) = stored.body else {
+        // Trailers belong inside the seal; ones outside it were added by someone else.
+        let (StoredBody::Identity(mut body), true) = (stored.body, stored.trailers.is_empty()) else {
             return Err(Unsealed::Broken("a sealed body is not stored as is"));
         };
         if body.len() < NONCE_LEN + TAG_LEN {
@@ -202,16 +205,12 @@ impl SealingKeys {
 /// Bytes the encoded response is likely to need: body, header and trailer bytes plus a
 /// little for lengths and the status. A guess only: the buffer grows if it is short.
 fn encoded_len_hint(response: &StoredResponse) -> usize {
-    fn body_len(body: &StoredBody) -> usize {
-        match body {
-            StoredBody::Identity(b) | StoredBody::Lz4 { data: b, .. } => b.len(),
-            StoredBody::NotRetained { .. } => 0,
-            StoredBody::WithTrailers { body, trailers } => {
-                body_len(body) + trailers.iter().map(|(n, v)| n.len() + v.len() + 4).sum::<usize>()
-            }
-        }
-    }
-    16 + body_len(&response.body) + response.headers.iter().map(|(n, v)| n.len() + v.len() + 4).sum::<usize>()
+    let fields = |f: &[(String, Vec<u8>)]| f.iter().map(|(n, v)| n.len() + v.len() + 4).sum::<usize>();
+    let body = match &response.body {
+        StoredBody::Identity(b) | StoredBody::Lz4 { data: b, .. } => b.len(),
+        StoredBody::NotRetained { .. } => 0,
+    };
+    16 + body + fields(&response.headers) + fields(&response.trailers)
 }
 
 /// The XChaCha20-Poly1305 construction (draft-irtf-cfrg-xchacha-03 §2.3): HChaCha20 of
@@ -434,8 +433,30 @@ mod tests {
             status: SEALED_STATUS,
             headers: vec![(SEALED_HEADER.into(), b"v1;3".to_vec())],
             body: StoredBody::Identity([&nonce[..], &ct].concat()),
+            trailers: vec![],
         };
         assert_eq!(keys.open(B, FencingToken(2), sealed.clone()), Ok(r));
+
+        // Sealed before version 2: the plaintext is a version-1 response with its
+        // trailers in the body. It opens into the current shape.
+        use crate::codec::tests::{V1_GRPC, v1_grpc_decoded};
+        let ct = reference.encrypt(XNonce::from_slice(&nonce), Payload { msg: V1_GRPC, aad: &aad }).unwrap();
+        let old = StoredResponse { body: StoredBody::Identity([&nonce[..], &ct].concat()), ..sealed };
+        assert_eq!(keys.open(B, FencingToken(2), old), Ok(v1_grpc_decoded()));
+    }
+
+    /// Trailers are sealed with the rest of the response; trailers beside a seal were put
+    /// there by someone else, and are refused rather than replayed or dropped.
+    #[test]
+    fn trailers_are_sealed_and_trailers_outside_a_seal_are_refused() {
+        let keys = SealingKeys::new(1, [7; 32]);
+        let grpc = response().with_trailers(vec![("grpc-status".into(), b"0".to_vec())]);
+        let sealed = keys.seal(A, FencingToken(5), &grpc);
+        assert!(sealed.trailers.is_empty());
+        assert!(!encode_response(&sealed).windows(11).any(|w| w == b"grpc-status"), "a trailer name in the seal");
+        assert_eq!(keys.open(A, FencingToken(5), sealed.clone()), Ok(grpc));
+        let added = sealed.with_trailers(vec![("grpc-status".into(), b"13".to_vec())]);
+        assert!(matches!(keys.open(A, FencingToken(5), added), Err(Unsealed::Broken(_))));
     }
 
     #[test]

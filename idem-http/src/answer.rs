@@ -93,14 +93,11 @@ impl<B> Answer<B> {
 impl Replay {
     fn render<B>(self) -> Response<ResponseBody<B>> {
         let Replay { status, mut stored, body, expires_at } = self;
-        let trailers = match &mut stored.body {
-            StoredBody::WithTrailers { trailers, .. } if !trailers.is_empty() => {
-                let mut map = HeaderMap::new();
-                append_stored(&mut map, std::mem::take(trailers));
-                Some(map)
-            }
-            _ => None,
-        };
+        let trailers = (!stored.trailers.is_empty()).then(|| {
+            let mut map = HeaderMap::new();
+            append_stored(&mut map, std::mem::take(&mut stored.trailers));
+            map
+        });
         let mut res = Response::new(ResponseBody::full_with_trailers(body, trailers));
         *res.status_mut() = status;
         let headers = res.headers_mut();
@@ -285,7 +282,7 @@ impl Refusal {
     /// The replay of `stored`, whose body was over `max_stored_body` (or streamed): its
     /// original status and `Location`, and a problem for a body.
     fn not_retained(status: StatusCode, stored: &StoredResponse, expires_at: UnixMillis) -> Self {
-        let len = match stored.plain_body() {
+        let len = match &stored.body {
             StoredBody::NotRetained { len: Some(len) } => format!(" ({len} bytes)"),
             _ => String::new(),
         };

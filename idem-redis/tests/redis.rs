@@ -248,7 +248,12 @@ async fn responses_round_trip_byte_exact() {
         StoredResponse::new(204, vec![], vec![]),
         StoredResponse::new(200, vec![("content-type".into(), b"application/octet-stream".to_vec())], big),
         StoredResponse::compressed_over(200, vec![], vec![b'a'; 10_000], 100),
-        StoredResponse { status: 201, headers: vec![], body: StoredBody::NotRetained { len: Some(1 << 40) } },
+        StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: StoredBody::NotRetained { len: Some(1 << 40) },
+            trailers: vec![],
+        },
     ];
     for (i, response) in responses.into_iter().enumerate() {
         let r = claim(&store, req("p", &format!("k{i}"), b"b")).await;

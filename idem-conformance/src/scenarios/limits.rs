@@ -1,6 +1,6 @@
 //! Keys and values at their limits: the longest key, every visible ASCII byte, non-ASCII
 //! scope strings, every byte value in bodies and header values, empty and multi-MiB
-//! bodies, many headers, compressed and not-retained bodies. Everything round-trips
+//! bodies, many headers, compressed and not-retained bodies, trailers. Everything round-trips
 //! byte-exact (`docs/contract.md#for-every-operation`).
 
 use idem_core::{ClaimRequest, Endpoint, RecordState, Scope, StoredBody, StoredResponse};
@@ -122,10 +122,28 @@ pub async fn not_retained_body_round_trips(env: Env) {
         status: 201,
         headers: vec![("location".to_owned(), b"/images/9".to_vec())],
         body: StoredBody::NotRetained { len: Some(64 * 1024 * 1024) },
+        trailers: vec![],
     };
     round_trip(&env, claim_req(&env, "p", "k1", b"body"), resp).await;
-    let unknown = StoredResponse { status: 200, headers: vec![], body: StoredBody::NotRetained { len: None } };
+    let unknown =
+        StoredResponse { status: 200, headers: vec![], body: StoredBody::NotRetained { len: None }, trailers: vec![] };
     round_trip(&env, claim_req(&env, "p", "k2", b"body"), unknown).await;
+}
+
+/// Trailers round-trip in order with repeats and raw bytes kept, after a kept body and
+/// after a not-retained one (a gRPC stream's `grpc-status`).
+pub async fn trailers_round_trip(env: Env) {
+    let trailers = vec![
+        ("grpc-status".to_owned(), b"0".to_vec()),
+        ("grpc-message".to_owned(), vec![]),
+        ("x-raw".to_owned(), vec![0, 0xff, b'\n']),
+        ("grpc-status".to_owned(), b"0".to_vec()),
+    ];
+    let kept = body_response(b"ok".to_vec()).with_trailers(trailers.clone());
+    round_trip(&env, claim_req(&env, "p", "k1", b"body"), kept).await;
+    let body = StoredBody::NotRetained { len: Some(1 << 20) };
+    let streamed = StoredResponse { status: 200, headers: vec![], body, trailers };
+    round_trip(&env, claim_req(&env, "p", "k2", b"body"), streamed).await;
 }
 
 /// Principal and endpoint strings holding control characters (NUL, newline, tab, DEL) round-trip.

@@ -352,6 +352,7 @@ macro_rules! __for_each_scenario {
         $m!($backend, limits::header_values_with_non_utf8_bytes_round_trip);
         $m!($backend, limits::compressed_body_round_trips);
         $m!($backend, limits::not_retained_body_round_trips);
+        $m!($backend, limits::trailers_round_trip);
         $m!($backend, limits::control_characters_in_principal_and_endpoint_round_trip);
         $m!($backend, clock::lease_is_fresh_one_ms_before_it_expires);
         $m!($backend, clock::lease_is_stale_exactly_when_it_expires);

@@ -195,7 +195,7 @@ impl StreamEnd {
         let lasting = lasting_code(status_field);
         let stored = lasting.then(|| {
             let kept = trailers.as_ref().map_or_else(Vec::new, |t| kept_fields(&policy, t));
-            StoredResponse { status, headers, body: StoredBody::NotRetained { len: Some(len) } }.with_trailers(kept)
+            StoredResponse { status, headers, body: StoredBody::NotRetained { len: Some(len) }, trailers: kept }
         });
         let span = obs.span.clone();
         // The renewal runs on until the write returns: `complete` is resent for up to a

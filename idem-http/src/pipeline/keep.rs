@@ -269,17 +269,18 @@ impl Stored<'_> {
     fn response(self, pipeline: &Pipeline, status: u16, headers: &HeaderMap) -> StoredResponse {
         let policy = &pipeline.settings.policy;
         let headers = kept_fields(policy, headers);
-        match self {
+        let (body, trailers) = match self {
             Stored::Whole(body, trailers) => {
-                let stored = if body.len() > policy.max_stored_body {
-                    StoredResponse { status, headers, body: StoredBody::NotRetained { len: Some(body.len() as u64) } }
-                } else {
-                    StoredResponse::compressed_over(status, headers, body.to_vec(), policy.compress_over)
-                };
-                stored.with_trailers(trailers.map_or_else(Vec::new, |t| kept_fields(policy, t)))
+                let trailers = trailers.map_or_else(Vec::new, |t| kept_fields(policy, t));
+                if body.len() <= policy.max_stored_body {
+                    let stored = StoredResponse::compressed_over(status, headers, body.to_vec(), policy.compress_over);
+                    return stored.with_trailers(trailers);
+                }
+                (StoredBody::NotRetained { len: Some(body.len() as u64) }, trailers)
             }
-            Stored::NotRetained(len) => StoredResponse { status, headers, body: StoredBody::NotRetained { len } },
-        }
+            Stored::NotRetained(len) => (StoredBody::NotRetained { len }, Vec::new()),
+        };
+        StoredResponse { status, headers, body, trailers }
     }
 }
 

@@ -301,7 +301,12 @@ pub(crate) async fn fail_open_never_reruns_a_corrupt_record(factory: Factory) {
     let claim = claim_for("k-lz4");
     let store = b.dyn_store();
     let ClaimOutcome::Claimed(record) = store.claim(claim).await.unwrap() else { panic!("claimed") };
-    let bad = StoredResponse { status: 201, headers: vec![], body: StoredBody::Lz4 { len: 64, data: vec![0xff; 8] } };
+    let bad = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: StoredBody::Lz4 { len: 64, data: vec![0xff; 8] },
+        trailers: vec![],
+    };
     store.complete(record.id, record.token, bad).await.unwrap();
     expect_503_without_a_run(&b, &app, &req, &runs).await;
 
