@@ -27,10 +27,13 @@ async fn a_short_chaos_pass_has_no_double_execution_and_no_lost_response() {
         operations: 80,
         concurrency: 16,
         fault_after: Duration::from_millis(1_000),
-        fault_for: Duration::from_secs(2),
+        // Longer than the layer's 2 s store deadline by half a second: a stall exactly as
+        // long as the deadline answered a 503 only to a probe sent in its first
+        // milliseconds, so whether the stall showed at all was a coin toss.
+        fault_for: Duration::from_millis(2_500),
         // Renewal keeps a running handler's claim across a store outage only while the
         // outage is shorter than the lease minus one renewal interval (lease / 3): 5 s
-        // covers the 2 s faults (with 3 s, the last renewal before a 2 s full disk could
+        // covers the 2.5 s faults (with 3 s, the last renewal before a 2 s full disk could
         // lapse right as the disk was freed, and a retry reclaimed running flashes).
         lease: Duration::from_secs(5),
         base_port: base_port(7110),

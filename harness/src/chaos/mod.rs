@@ -747,13 +747,25 @@ struct Probe {
 const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
 async fn probe(http: reqwest::Client, target: String, during: Arc<AtomicBool>) -> Probe {
-    let mut seen = Probe { unavailable: 0, slowest_ms: 0, hung: 0 };
+    // A probe goes out every 100 ms whether or not the one before was answered: a probe
+    // whose claim landed just before a stall waits out the stall in its completion's
+    // resends, and probes sent one after another then saw nothing of the stall but that one
+    // slow answer.
+    let mut sent = tokio::task::JoinSet::new();
     let mut n = 0u32;
     while during.load(Ordering::SeqCst) {
         n += 1;
-        let sent = Instant::now();
-        let answer = probe_request(&http, &target, n).timeout(PROBE_TIMEOUT).send().await;
-        let took = u64::try_from(sent.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let request = probe_request(&http, &target, n).timeout(PROBE_TIMEOUT);
+        sent.spawn(async move {
+            let started = Instant::now();
+            let answer = request.send().await;
+            (answer, u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX))
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut seen = Probe { unavailable: 0, slowest_ms: 0, hung: 0 };
+    while let Some(joined) = sent.join_next().await {
+        let Ok((answer, took)) = joined else { continue };
         match answer {
             Ok(r) => {
                 seen.unavailable += u64::from(r.status() == 503);
@@ -764,7 +776,6 @@ async fn probe(http: reqwest::Client, target: String, during: Arc<AtomicBool>) -
             Err(e) if e.is_timeout() => seen.hung += 1,
             Err(_) => {}
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     seen
 }
