@@ -49,6 +49,7 @@
 //! - [`fuzz_targets`]: the bodies of the `fuzz/` targets, shared with the corpus replay
 //!   test so every committed corpus file runs on stable Rust.
 //! - [`store_tests!`]: the macro.
+//! - [`Forward`], [`Forwarding`]: store wrappers for tests that write only their overrides.
 //! - [`killed_process`]: a SIGKILL crash test for stores on a local file (the `main` of a
 //!   test target without the test harness).
 //!
@@ -120,6 +121,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use idem_core::{Capabilities, ManualClock, Store, UnixMillis};
 
+mod forward;
 pub mod fuzz_targets;
 pub mod killed_process;
 pub mod model_test;
@@ -127,6 +129,7 @@ mod oracle;
 pub mod racing_processes;
 pub mod scenarios;
 
+pub use forward::{Forward, Forwarding};
 pub use oracle::Oracle;
 
 /// How the suite opens stores of one backend.
