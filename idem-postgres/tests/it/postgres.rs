@@ -4,7 +4,7 @@
 //! generations across a sweep.
 //! Runs against the real server at `IDEM_POSTGRES_URL`, each test in its own schema.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! with a real replica (and a paused one), `READONLY`, and a differential run against
 //! `idem_core::Model`.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;
