@@ -12,8 +12,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use idem_core::{
-    ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, Receipt, ReclaimOutcome, ReclaimRequest, Record,
-    RecordId, RecordState, StoreError, StoredResponse, SweepOutcome, UnixMillis,
+    ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, Receipt, ReclaimOutcome, ReclaimRequest, Record, RecordId,
+    RecordState, StoreError, StoredResponse, SweepOutcome, UnixMillis,
 };
 
 use crate::Oracle;
