@@ -47,6 +47,8 @@
 //! - [`scenarios`]: the named scenarios, plain `pub async fn(Env)`, one doc line each
 //!   saying what must hold.
 //! - [`model_test`]: the model-based (oracle) test and its operation language.
+//! - [`Spec`]: its oracle, the rules of `docs/state-machine.md` written out again without
+//!   the engine the in-process stores share; [`Oracle`]: the operations an oracle answers.
 //! - [`fuzz_targets`]: the bodies of the `fuzz/` targets, shared with the corpus replay
 //!   test so every committed corpus file runs on stable Rust.
 //! - [`store_tests!`]: the macro.
