@@ -65,8 +65,9 @@ fn retention(lease: Duration, retention: Duration) -> Duration {
     retention.max(lease)
 }
 
-/// "claim": `first_at(now)` is the clock in ms (at least 0, at most 2^47 − 1, so the token
-/// fits a signed 64-bit column) shifted left by 16 bits, at least 1.
+/// "claim": `first_at(now)` is the clock in ms shifted left by 16 bits, at least 1; the
+/// clock counts from 0 and is capped at 2^47 − 1 ms so the token fits a signed 64-bit
+/// column (contract.md, "Fencing token").
 fn first_at(now: UnixMillis) -> FencingToken {
     let clock = u64::try_from(now.0).unwrap_or(0).min((1 << 47) - 1);
     FencingToken((clock << 16).max(1))
