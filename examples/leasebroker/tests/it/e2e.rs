@@ -1,6 +1,6 @@
 //! leasebroker end to end over real sockets with a real HTTP client (reqwest), on a redb
 //! file, including a server restart between an attempt and its retry. The retry storms
-//! against this server are the rig's (`harness/tests/storm.rs`).
+//! against this server are the rig's (`harness/tests/it/storm.rs`).
 
 use std::path::Path;
 use std::time::Duration;
