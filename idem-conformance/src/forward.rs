@@ -109,7 +109,7 @@ pub trait Forward: Send + Sync + fmt::Debug + 'static {
 
 /// A [`Forward`] as a [`Store`]; derefs to the wrapper, so a test reads its counters and
 /// switches through it.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Forwarding<W>(pub W);
 
 impl<W> Deref for Forwarding<W> {

@@ -8,10 +8,8 @@ use std::sync::{Arc, Once};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ManualClock, ReclaimOutcome, ReclaimRequest,
-    Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome,
-};
+use idem_conformance::{Forward, Forwarding};
+use idem_core::{ManualClock, Store};
 use idem_postgres::sqlx::{self, Connection as _, PgConnection};
 use idem_postgres::{Config, PostgresStore};
 
@@ -154,10 +152,10 @@ pub(crate) async fn connect(schema: &str, clock: Option<ManualClock>, max_connec
 }
 
 /// A store on a fresh, migrated schema that is dropped when the last handle goes.
-pub(crate) async fn fresh_store(clock: Option<ManualClock>, max_connections: usize) -> TestStore {
+pub(crate) async fn fresh_store(clock: Option<ManualClock>, max_connections: usize) -> Forwarding<TestStore> {
     let guard = SchemaGuard::fresh().await;
     let store = connect(&guard.name, clock, max_connections).await;
-    TestStore { inner: store, guard }
+    Forwarding(TestStore { inner: store, guard })
 }
 
 /// A store that keeps its schema alive.
@@ -168,56 +166,9 @@ pub(crate) struct TestStore {
 }
 
 #[async_trait]
-impl Store for TestStore {
-    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        self.inner.claim(req).await
-    }
-    async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
-        self.inner.reclaim(req).await
-    }
-    async fn complete(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        response: StoredResponse,
-    ) -> Result<idem_core::Receipt, StoreError> {
-        self.inner.complete(id, token, response).await
-    }
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<idem_core::Receipt, StoreError> {
-        self.inner.fail(id, token).await
-    }
-    async fn extend(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        lease_ttl: Duration,
-    ) -> Result<idem_core::Receipt, StoreError> {
-        self.inner.extend(id, token, lease_ttl).await
-    }
-    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        self.inner.get(id).await
-    }
-    async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
-        self.inner.sweep(limit).await
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    async fn journal_put(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        name: &str,
-        value: Vec<u8>,
-        overwrite: bool,
-    ) -> Result<JournalWrite, StoreError> {
-        self.inner.journal_put(id, token, name, value, overwrite).await
-    }
-    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        self.inner.journal_get(id, name).await
-    }
-    async fn list(&self, filter: idem_core::ListFilter) -> Result<idem_core::Listing, StoreError> {
-        self.inner.list(filter).await
+impl Forward for TestStore {
+    fn inner(&self) -> &dyn Store {
+        &self.inner
     }
 }
 
@@ -288,5 +239,5 @@ pub(crate) async fn pool(via: Via, max: usize) -> sqlx::PgPool {
 /// A store reached `via` on `guard`'s schema, keeping the schema alive.
 pub(crate) async fn open(via: Via, guard: &Arc<SchemaGuard>, clock: Option<ManualClock>, max: usize) -> Arc<dyn Store> {
     let guard = Arc::clone(guard);
-    Arc::new(TestStore { inner: store(via, &guard.name, clock, max).await, guard })
+    Arc::new(Forwarding(TestStore { inner: store(via, &guard.name, clock, max).await, guard }))
 }
