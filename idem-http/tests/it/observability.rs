@@ -5,7 +5,7 @@
 //! each test runs on a current-thread runtime, so tests running in parallel never see each
 //! other's spans or metrics.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::future::Future;

@@ -3,7 +3,7 @@
 //! `oneshot` on an axum router over a memory store on a manual clock; time moves only when
 //! a test moves the clock.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;
