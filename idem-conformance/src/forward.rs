@@ -38,8 +38,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ListFilter, Listing, Receipt,
-    ReclaimOutcome, ReclaimRequest, Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome,
+    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ListFilter, Listing, Receipt, ReclaimOutcome,
+    ReclaimRequest, Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome,
 };
 
 /// A store wrapper's overrides; every call it does not override goes to [`Forward::inner`].

@@ -34,7 +34,7 @@ impl WithBytes {
     /// The record as a store that keeps bytes would read it.
     fn read(&self, record: Record) -> Result<Record, StoreError> {
         let corrupt = |source: CodecError| StoreError::Corrupt { id: Some(record.id), source };
-        match self.planted.lock().unwrap().get(&record.id) {
+        match self.planted.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&record.id) {
             None => Ok(record),
             Some(Planted::Spoiled) => Err(corrupt(CodecError::Empty)),
             Some(Planted::Response(bytes)) => {

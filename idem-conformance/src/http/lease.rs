@@ -7,8 +7,8 @@
 //! rides out store outages and stops with the handler.
 //!
 //! Time: the store's [`idem_core::ManualClock`] and tokio's paused clock move together,
-//! only through [`advance`], in steps of [`STEP`]; after each step every task that came due
-//! runs and every store call it made finishes ([`settle`]) before time moves again.
+//! only through `advance`, in steps of `STEP` (100 ms); after each step every task that came due
+//! runs and every store call it made finishes (`settle`) before time moves again.
 
 use std::collections::VecDeque;
 use std::future::Future;
