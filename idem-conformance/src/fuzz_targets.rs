@@ -231,7 +231,7 @@ pub fn record_decode(data: &[u8]) {
 }
 
 /// Operation sequences decoded from `data` (up to 256 [`Op`]s) run on `store` and on
-/// [`idem_core::Model`] through the model test's runner ([`model_test::run_ops`]), which
+/// [`crate::Spec`] through the model test's runner ([`model_test::run_ops`]), which
 /// compares every outcome and checks record invariants. `store` must be fresh and timed by
 /// `clock`. Runs its own current-thread Tokio runtime, so call it outside one. `Err`
 /// describes the first divergence; the fuzz target panics on it.

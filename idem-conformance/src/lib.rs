@@ -10,9 +10,10 @@
 //! which expands into one named `#[tokio::test]` per scenario (see [`scenarios`] for the
 //! list, grouped by what they check) plus `model_based`, a property test that drives
 //! random operation sequences from several simulated owners against the store and against
-//! [`idem_core::Model`] and compares every outcome, then races batches of operations on
-//! separate tasks and checks every outcome is explained by some sequential order on the
-//! model (see [`model_test`]).
+//! [`Spec`], a second statement of the rules of `docs/state-machine.md` independent of the
+//! engine the in-process stores share, and compares every outcome, then races batches of
+//! operations on separate tasks and checks every outcome is explained by some sequential
+//! order on the spec (see [`model_test`]).
 //!
 //! # What it checks
 //!
@@ -46,6 +47,8 @@
 //! - [`scenarios`]: the named scenarios, plain `pub async fn(Env)`, one doc line each
 //!   saying what must hold.
 //! - [`model_test`]: the model-based (oracle) test and its operation language.
+//! - [`Spec`]: its oracle, the rules of `docs/state-machine.md` written out again without
+//!   the engine the in-process stores share; [`Oracle`]: the operations an oracle answers.
 //! - [`fuzz_targets`]: the bodies of the `fuzz/` targets, shared with the corpus replay
 //!   test so every committed corpus file runs on stable Rust.
 //! - [`store_tests!`]: the macro.
@@ -157,9 +160,11 @@ pub mod model_test;
 mod oracle;
 pub mod racing_processes;
 pub mod scenarios;
+mod spec;
 
 pub use forward::{Forward, Forwarding};
 pub use oracle::Oracle;
+pub use spec::Spec;
 
 /// How the suite opens stores of one backend.
 #[async_trait]
@@ -346,7 +351,7 @@ macro_rules! store_tests {
         $crate::__for_each_scenario!($crate::__store_test, $backend);
 
         /// The model-based test: random operation sequences against the store and
-        /// `idem_core::Model`, every outcome compared.
+        /// `idem_conformance::Spec`, every outcome compared.
         #[test]
         fn model_based() {
             $crate::model_test::run(|| -> ::std::sync::Arc<dyn $crate::Backend> { ::std::sync::Arc::new($backend) });

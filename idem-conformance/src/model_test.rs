@@ -2,7 +2,13 @@
 //! sweep, journal put and get (on stores with [`idem_core::Capabilities::journal`]; on others both
 //! must return `StoreError::Unsupported`) and clock moves (including moves to exactly a lease end or an `expires_at`, and one ms either
 //! side), issued by several simulated owners over a small key space, run against a store and
-//! against [`idem_core::Model`] (the oracle). Every outcome is compared.
+//! against [`Spec`] (the oracle). Every outcome is compared.
+//!
+//! The oracle is not the engine the memory, redb and SQLite stores and the file-store
+//! example run (`idem_core::engine` over `idem_core::transition`): [`Spec`] states the rules
+//! of `docs/state-machine.md` a second time, so a wrong rule in the shared engine shows up
+//! as a divergence instead of being repeated by the oracle. The `*_with` entry points take
+//! another oracle, for a test that shows what one would miss.
 //!
 //! What the contract leaves free, and only that, is not compared exactly:
 //! - which expired records a partial sweep picks, and whether a full batch sets `more`:
@@ -32,12 +38,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::Oracle;
+use crate::{Oracle, Spec};
 use arbitrary::Arbitrary;
 use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,
-    Model, Receipt, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError,
-    StoredBody, StoredResponse, UnixMillis,
+    Receipt, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredBody,
+    StoredResponse, UnixMillis,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
@@ -342,6 +348,19 @@ pub fn run(make: impl FnOnce() -> Arc<dyn Backend>) {
 /// # Errors
 /// A description of the divergence when the store and the model disagree.
 pub fn check(rt: &tokio::runtime::Runtime, backend: &Arc<dyn Backend>, cases: u32) -> Result<RunStats, String> {
+    check_with::<Spec>(rt, backend, cases)
+}
+
+/// [`check`] against the oracle `O` instead of [`Spec`] (a test that shows what another
+/// oracle would miss).
+///
+/// # Errors
+/// As [`check`].
+pub fn check_with<O: Oracle + Clone + Default + PartialEq>(
+    rt: &tokio::runtime::Runtime,
+    backend: &Arc<dyn Backend>,
+    cases: u32,
+) -> Result<RunStats, String> {
     let _sweeps = crate::blocking_sweep_lock();
     let total = std::sync::Mutex::new(RunStats::default());
     let config = Config { cases, failure_persistence: None, ..Config::default() };
@@ -354,7 +373,7 @@ pub fn check(rt: &tokio::runtime::Runtime, backend: &Arc<dyn Backend>, cases: u3
                 clock.set(UnixMillis(clock.now_ms() - crate::SWEEP_REWIND_MS));
             }
             let namespace = format!("model-{}", uuid::Uuid::new_v4().simple());
-            run_ops(store.as_ref(), &clock, &namespace, &ops).await
+            run_ops_with::<O>(store.as_ref(), &clock, &namespace, &ops).await
         })
         .map(|stats| total.lock().unwrap_or_else(std::sync::PoisonError::into_inner).add(&stats))
         .map_err(TestCaseError::fail)
@@ -401,12 +420,12 @@ fn check_record(r: &Record) -> Result<(), String> {
 /// Compares a complete's, fail's or extend's outcome on the store and the model; when it
 /// applied, also the record as written, read back from both (a receipt carries only the
 /// times).
-async fn same_write(
+async fn same_write<O: Oracle>(
     op: usize,
     id: RecordId,
     now: UnixMillis,
     (store, model): (Result<Receipt, StoreError>, Result<Receipt, StoreError>),
-    (on_store, on_model): (&dyn Store, &Model),
+    (on_store, on_model): (&dyn Store, &O),
     stats: &mut RunStats,
 ) -> Result<(), String> {
     match (&store, &model) {
@@ -546,11 +565,11 @@ impl Owners {
 
 /// The token of record `id`'s live record in `model`, or, with none, the token a claim
 /// would take at `now`.
-fn current_token(model: &Model, id: RecordId, now: UnixMillis) -> FencingToken {
+fn current_token(model: &impl Oracle, id: RecordId, now: UnixMillis) -> FencingToken {
     model.get(id, now).map_or(FencingToken::first_at(now), |r| r.token)
 }
 
-/// Runs `ops` against `store` (timed by `clock`) and a fresh [`Model`], comparing every
+/// Runs `ops` against `store` (timed by `clock`) and a fresh [`Spec`], comparing every
 /// outcome; records live under `namespace`. Used by the model test and the
 /// `model_vs_redb` fuzz target ([`crate::fuzz_targets::model_vs_store`]).
 ///
@@ -559,11 +578,24 @@ fn current_token(model: &Model, id: RecordId, now: UnixMillis) -> FencingToken {
 /// # Errors
 /// The first divergence (or store error, or broken record invariant), described.
 pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, ops: &[Op]) -> Result<RunStats, String> {
+    run_ops_with::<Spec>(store, clock, namespace, ops).await
+}
+
+/// [`run_ops`] against the oracle `O` instead of [`Spec`].
+///
+/// # Errors
+/// As [`run_ops`].
+pub async fn run_ops_with<O: Oracle + Clone + Default>(
+    store: &dyn Store,
+    clock: &ManualClock,
+    namespace: &str,
+    ops: &[Op],
+) -> Result<RunStats, String> {
     let native = store.capabilities().native_expiry;
     let journal = store.capabilities().journal;
     let values = journal_values();
     let mut stats = RunStats { ops: ops.len() as u64, ..RunStats::default() };
-    let mut model = Model::new();
+    let mut model = O::default();
     let mut owners = Owners::default();
     let parts: Vec<(Scope, IdempotencyKey)> = (0..KEYS).map(|k| key_parts(namespace, k)).collect();
     let ids: Vec<RecordId> = parts.iter().map(|(s, k)| s.record_id(k)).collect();
@@ -721,10 +753,10 @@ pub async fn run_ops(store: &dyn Store, clock: &ManualClock, namespace: &str, op
 }
 
 /// One sweep, compared as far as the contract fixes it (see the module docs).
-async fn sweep(
+async fn sweep<O: Oracle + Clone>(
     i: usize,
     store: &dyn Store,
-    model: &mut Model,
+    model: &mut O,
     now: UnixMillis,
     limit: usize,
     native: bool,
@@ -855,7 +887,7 @@ fn lease_lost_parts(e: StoreError) -> Result<(RecordId, FencingToken, Option<Fen
     }
 }
 
-fn on_model(model: &mut Model, p: &Prepared, now: UnixMillis, journal: bool) -> Outcome {
+fn on_model(model: &mut impl Oracle, p: &Prepared, now: UnixMillis, journal: bool) -> Outcome {
     let lost = |e: StoreError| match e {
         StoreError::LeaseLost { id, presented, current } => (id, presented, current),
         // The model only ever refuses with LeaseLost.
@@ -918,8 +950,8 @@ fn permutations(n: usize) -> Vec<Vec<usize>> {
 }
 
 /// The shared state of a run: the model, what owners hold, the key space.
-struct World {
-    model: Model,
+struct World<O> {
+    model: O,
     owners: Owners,
     parts: Vec<(Scope, IdempotencyKey)>,
     ids: Vec<RecordId>,
@@ -928,12 +960,12 @@ struct World {
     journal: bool,
 }
 
-impl World {
+impl<O: Oracle + Default> World<O> {
     fn new(namespace: &str, journal: bool) -> Self {
         let parts: Vec<(Scope, IdempotencyKey)> = (0..KEYS).map(|k| key_parts(namespace, k)).collect();
         let ids = parts.iter().map(|(s, k)| s.record_id(k)).collect();
         Self {
-            model: Model::new(),
+            model: O::default(),
             owners: Owners::default(),
             parts,
             ids,
@@ -1097,8 +1129,21 @@ pub async fn run_batches(
     namespace: &str,
     batches: &[Batch],
 ) -> Result<RunStats, String> {
+    run_batches_with::<Spec>(store, clock, namespace, batches).await
+}
+
+/// [`run_batches`] against the oracle `O` instead of [`Spec`].
+///
+/// # Errors
+/// As [`run_batches`].
+pub async fn run_batches_with<O: Oracle + Clone + Default + PartialEq>(
+    store: Arc<dyn Store>,
+    clock: &ManualClock,
+    namespace: &str,
+    batches: &[Batch],
+) -> Result<RunStats, String> {
     let native = store.capabilities().native_expiry;
-    let mut world = World::new(namespace, store.capabilities().journal);
+    let mut world = World::<O>::new(namespace, store.capabilities().journal);
     let mut stats = RunStats::default();
     for (b, batch) in batches.iter().enumerate() {
         let now = clock.now();
@@ -1121,7 +1166,7 @@ pub async fn run_batches(
             let outcome = t.await.map_err(|e| format!("batch #{b}: a task died: {e}"))?;
             seen.push(outcome.map_err(|e| format!("batch #{b} {:?}: {e}", batch.ops))?);
         }
-        let mut explaining: Vec<(Model, Vec<usize>)> = permutations(prepared.len())
+        let mut explaining: Vec<(O, Vec<usize>)> = permutations(prepared.len())
             .into_iter()
             .filter_map(|order| {
                 let mut model = world.model.clone();
@@ -1199,6 +1244,18 @@ pub fn check_concurrent(
     backend: &Arc<dyn Backend>,
     cases: u32,
 ) -> Result<RunStats, String> {
+    check_concurrent_with::<Spec>(rt, backend, cases)
+}
+
+/// [`check_concurrent`] against the oracle `O` instead of [`Spec`].
+///
+/// # Errors
+/// As [`check_concurrent`].
+pub fn check_concurrent_with<O: Oracle + Clone + Default + PartialEq>(
+    rt: &tokio::runtime::Runtime,
+    backend: &Arc<dyn Backend>,
+    cases: u32,
+) -> Result<RunStats, String> {
     let _sweeps = crate::blocking_sweep_lock();
     let total = std::sync::Mutex::new(RunStats::default());
     let config = Config { cases, failure_persistence: None, ..Config::default() };
@@ -1211,7 +1268,7 @@ pub fn check_concurrent(
                 clock.set(UnixMillis(clock.now_ms() - crate::SWEEP_REWIND_MS));
             }
             let namespace = format!("model-{}", uuid::Uuid::new_v4().simple());
-            run_batches(store, &clock, &namespace, &batches).await
+            run_batches_with::<O>(store, &clock, &namespace, &batches).await
         })
         .map(|stats| total.lock().unwrap_or_else(std::sync::PoisonError::into_inner).add(&stats))
         .map_err(TestCaseError::fail)

@@ -1,8 +1,9 @@
-//! The decision table and the state machine, row by row, on the pure model.
+//! The decision table and the state machine, row by row, on the specification model
+//! ([`Spec`]).
 
 use std::time::Duration;
 
-use idem_conformance::Oracle;
+use idem_conformance::{Oracle, Spec};
 use idem_core::*;
 use proptest::prelude::*;
 
@@ -18,7 +19,7 @@ fn req(key: &str, body: &[u8]) -> ClaimRequest {
     ClaimRequest::new(scope, IdempotencyKey::parse(key.as_bytes()).unwrap(), fp(body), LEASE, RETENTION)
 }
 
-fn claimed(m: &mut Model, r: &ClaimRequest, now: i64) -> Record {
+fn claimed(m: &mut Spec, r: &ClaimRequest, now: i64) -> Record {
     match m.claim(r, UnixMillis(now)) {
         ClaimOutcome::Claimed(rec) => rec,
         other => panic!("expected Claimed, got {other:?}"),
@@ -28,7 +29,7 @@ fn claimed(m: &mut Model, r: &ClaimRequest, now: i64) -> Record {
 /// The record a model write at `now` just wrote, read back at `now`; its receipt must
 /// report it.
 #[track_caller]
-fn written(m: &Model, id: RecordId, receipt: Receipt, now: i64) -> Record {
+fn written(m: &Spec, id: RecordId, receipt: Receipt, now: i64) -> Record {
     let record = m.get(id, UnixMillis(now)).expect("the record just written is live");
     assert_eq!(Receipt::of(&record), receipt, "the receipt reports the record as written");
     record
@@ -45,7 +46,7 @@ fn row_none_claims() {
 
 #[test]
 fn row_in_flight_fresh_same_is_busy_with_retry_after() {
-    let mut m = Model::new();
+    let mut m = Spec::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     assert_eq!(r.token, FencingToken::first_at(UnixMillis(0)));
     assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(0)), Decision::InFlight { retry_after_secs: 5 });
@@ -56,14 +57,14 @@ fn row_in_flight_fresh_same_is_busy_with_retry_after() {
 
 #[test]
 fn row_in_flight_fresh_different_is_mismatch() {
-    let mut m = Model::new();
+    let mut m = Spec::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     assert_eq!(decide(Some(&r), &fp(b"y"), UnixMillis(1)), Decision::Mismatch);
 }
 
 #[test]
 fn row_in_flight_expired_same_reclaims_exactly_at_lease_end() {
-    let mut m = Model::new();
+    let mut m = Spec::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     assert!(matches!(decide(Some(&r), &fp(b"x"), UnixMillis(4_999)), Decision::InFlight { .. }));
     assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(5_000)), Decision::Reclaim { expected: r.token });
@@ -75,7 +76,7 @@ fn row_in_flight_expired_same_reclaims_exactly_at_lease_end() {
 
 #[test]
 fn row_in_flight_expired_different_is_mismatch() {
-    let mut m = Model::new();
+    let mut m = Spec::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     assert_eq!(decide(Some(&r), &fp(b"y"), UnixMillis(9_000)), Decision::Mismatch);
     assert!(matches!(m.reclaim(&reclaim_req(&r, b"y"), UnixMillis(9_000)), ReclaimOutcome::Conflict { .. }));
@@ -83,7 +84,7 @@ fn row_in_flight_expired_different_is_mismatch() {
 
 #[test]
 fn row_completed_same_replays_different_mismatches() {
-    let mut m = Model::new();
+    let mut m = Spec::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     let receipt = m.complete(r.id, r.token, StoredResponse::new(201, vec![], b"ok".to_vec()), UnixMillis(10)).unwrap();
     let done = written(&m, r.id, receipt, 10);
@@ -95,7 +96,7 @@ fn row_completed_same_replays_different_mismatches() {
 
 #[test]
 fn row_failed_same_reclaims_different_mismatches() {
-    let mut m = Model::new();
+    let mut m = Spec::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     let receipt = m.fail(r.id, r.token, UnixMillis(10)).unwrap();
     let failed = written(&m, r.id, receipt, 10);
@@ -107,7 +108,7 @@ fn row_failed_same_reclaims_different_mismatches() {
 
 #[test]
 fn retention_end_makes_the_record_absent_and_a_new_claim_gets_a_higher_token() {
-    let mut m = Model::new();
+    let mut m = Spec::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     m.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(1)).unwrap();
     assert!(m.get(r.id, UnixMillis(59_999)).is_some());
@@ -121,7 +122,7 @@ fn retention_end_makes_the_record_absent_and_a_new_claim_gets_a_higher_token() {
 
 #[test]
 fn stale_token_writes_are_lease_lost_and_change_nothing() {
-    let mut m = Model::new();
+    let mut m = Spec::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     let ReclaimOutcome::Reclaimed(n) = m.reclaim(&reclaim_req(&r, b"x"), UnixMillis(6_000)) else { panic!() };
     let before = m.clone();
@@ -134,7 +135,7 @@ fn stale_token_writes_are_lease_lost_and_change_nothing() {
 
 #[test]
 fn extend_renews_from_now_never_earlier_and_keeps_the_rest() {
-    let mut m = Model::new();
+    let mut m = Spec::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     // From now, not from the old lease end; token, state and times other than the lease stay.
     let receipt = m.extend(r.id, r.token, Duration::from_secs(10), UnixMillis(3_000)).unwrap();
@@ -158,7 +159,7 @@ fn extend_renews_from_now_never_earlier_and_keeps_the_rest() {
 
 #[test]
 fn extend_is_lease_lost_unless_the_caller_holds_the_in_flight_claim() {
-    let mut m = Model::new();
+    let mut m = Spec::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     // An owner whose lease ran out but whom nobody reclaimed still renews.
     let late = m.extend(r.id, r.token, LEASE, UnixMillis(9_000)).unwrap();
@@ -207,7 +208,7 @@ fn a_generation_s_first_token_comes_from_the_clock() {
     assert!(FencingToken(early.0 + (1 << 16) - 1) < FencingToken::first_at(UnixMillis(1_001)));
     // A claim replacing an expired record that is still stored stays above its token,
     // even when the clock gives less (two generations in one ms, or a clock stepped back).
-    let mut m = Model::new();
+    let mut m = Spec::new();
     let r = req("k", b"x");
     let zero = ClaimRequest::new(r.scope().clone(), r.key().clone(), r.fingerprint(), Duration::ZERO, Duration::ZERO);
     let first = claimed(&mut m, &zero, 1_000);
@@ -218,7 +219,7 @@ fn a_generation_s_first_token_comes_from_the_clock() {
 #[test]
 fn zero_lease_is_finite_and_expires_at_once() {
     // A zero budget must never mean "no deadline" (docs/failures.md#zero-lease-means-no-deadline).
-    let mut m = Model::new();
+    let mut m = Spec::new();
     let r0 = req("k", b"x");
     let r0 = ClaimRequest::new(r0.scope().clone(), r0.key().clone(), r0.fingerprint(), Duration::ZERO, RETENTION);
     let r = claimed(&mut m, &r0, 1_000);
@@ -228,7 +229,7 @@ fn zero_lease_is_finite_and_expires_at_once() {
 
 #[test]
 fn sweep_is_bounded_and_spares_live_records() {
-    let mut m = Model::new();
+    let mut m = Spec::new();
     for i in 0..10 {
         claimed(&mut m, &req(&format!("k{i}"), b"x"), i);
     }
@@ -239,12 +240,13 @@ fn sweep_is_bounded_and_spares_live_records() {
     // Records 0..=5 expired by t=60_005 (retention 60 s from t=i): two are left to sweep.
     let s = m.sweep(4, UnixMillis(60_005));
     assert_eq!((s.removed, s.more), (2, false));
-    assert_eq!(m.len(), 4);
+    // The other four are still held: once they expire too, a sweep removes exactly them.
+    assert_eq!(m.sweep(100, UnixMillis(70_000)).removed, 4);
 }
 
 #[test]
 fn codec_round_trips_and_rejects_garbage() {
-    let mut m = Model::new();
+    let mut m = Spec::new();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     let body = vec![b'a'; 10_000];
     let receipt = m
@@ -277,7 +279,7 @@ proptest! {
         // Whatever the sequence, the tokens of one record id never decrease, across its
         // generations too (a record swept or replaced after its retention), and every
         // successful claim or reclaim takes a token above every earlier one.
-        let mut m = Model::new();
+        let mut m = Spec::new();
         let r = req("k", b"x");
         let mut now = 0i64;
         let mut last = 0u64;

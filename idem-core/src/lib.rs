@@ -2,8 +2,9 @@
 //!
 //! The pure core of idem: everything that decides what a retried request gets, with no
 //! I/O, no runtime and no clock reads (`now` is always an argument). Backends implement
-//! [`Store`]; the HTTP layer calls [`decide`]; the conformance suite checks every backend
-//! against [`Model`].
+//! [`Store`]; the HTTP layer calls [`decide`]; the in-process stores run [`engine`] over a
+//! table such as [`Model`], and the conformance suite checks every backend against its own
+//! statement of the rules (`idem_conformance::Spec`).
 //!
 //! ```
 //! use std::time::Duration;

@@ -1,8 +1,8 @@
 //! The reference model: the smallest [`RecordTable`], three ordinary maps (records, the
 //! expiry index, the journal). [`crate::engine`] runs every store operation on it
 //! synchronously, with `now` as an argument, exactly as on redb's and SQLite's tables; it
-//! is the table of [`crate::MemoryStore`] and the oracle of the conformance suite's model
-//! test (`idem_conformance::Oracle` gives it one method per store operation).
+//! is the table of [`crate::MemoryStore`]. It is not the conformance suite's oracle: that
+//! is `idem_conformance::Spec`, which restates the rules instead of running them.
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap};

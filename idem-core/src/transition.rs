@@ -13,8 +13,9 @@
 //!
 //! Stores that run a read-modify-write inside one transaction (memory, redb, SQLite) call
 //! these directly, so every such backend shares one implementation of the rules; stores
-//! that run the rules server-side (Redis Lua, Postgres SQL) are checked against them by
-//! the conformance suite's model test.
+//! that run the rules server-side (Redis Lua, Postgres SQL) restate them. The conformance
+//! suite's model test checks all of them, these functions included, against a second
+//! statement of the rules (`idem_conformance::Spec`) that does not call them.
 
 use std::time::Duration;
 
@@ -76,6 +77,18 @@ impl ClaimRequest {
     #[must_use]
     pub fn fingerprint(&self) -> Fingerprint {
         self.fingerprint
+    }
+
+    /// Lease length, as requested.
+    #[must_use]
+    pub fn lease_ttl(&self) -> Duration {
+        self.lease_ttl
+    }
+
+    /// Retention window, as requested (before it is raised to the lease).
+    #[must_use]
+    pub fn retention(&self) -> Duration {
+        self.retention
     }
 
     /// Lease in ms, as stores write it.

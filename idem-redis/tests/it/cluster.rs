@@ -4,7 +4,7 @@
 //! when the cluster is not reachable. Plus what only a cluster shows: records spread over
 //! every primary, and the start-up checks reach every primary.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -5,10 +5,7 @@
 //! cluster on private loopback ports (7010-7015, 7030-7035), so the shared cluster on
 //! 7000-7005 is never disturbed.
 
-mod common;
-
-#[path = "common/cluster.rs"]
-mod cluster;
+use crate::cluster_nodes as cluster;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -2,7 +2,7 @@
 //! `serializable`), set per connection in the URL (`options=-c ...`), as organisations set
 //! it on roles. Nothing here changes the shared server's configuration.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

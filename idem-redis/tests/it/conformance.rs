@@ -2,7 +2,7 @@
 //! `IDEM_REDIS_URL` (default `redis://127.0.0.1:6379`). Fails, never skips, when Redis is
 //! not reachable.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 

@@ -3,8 +3,7 @@
 //! protocol with inlined values, no startup options.
 //! No server: every test fails with the command that starts one.
 
-#[path = "common/backend.rs"]
-mod backend;
-mod common;
+use crate::backend;
+use crate::common;
 
 idem_conformance::store_tests!(backend::Postgres::new(common::Via::PgBouncer));

@@ -1,18 +1,18 @@
-//! Group commit against the reference model: random operations sent as full batches (each
+//! Group commit against the specification model: random operations sent as full batches (each
 //! batch one write transaction), with the clock moved between batches. Every outcome, in
-//! arrival order, and the final state must equal the [`Model`] applying the same
+//! arrival order, and the final state must equal the [`Spec`] applying the same
 //! operations one by one: a batch behaves exactly like its operations run in sequence.
 //! Also: arbitrary bytes stored as a record never make any operation panic.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_conformance::Oracle;
+use idem_conformance::{Oracle, Spec};
 use idem_core::Clock;
 use idem_core::store::JournalWrite;
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, Model,
-    ReclaimRequest, Record, RecordId, Scope, Store, StoredResponse, UnixMillis,
+    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, Fingerprint, IdempotencyKey, ManualClock, ReclaimRequest,
+    Record, RecordId, Scope, Store, StoredResponse, UnixMillis,
 };
 use idem_redb::{BatchConfig, Config, RedbStore};
 use proptest::prelude::*;
@@ -40,7 +40,7 @@ enum Op {
 
 /// `op` with its relative token made absolute against `model` at `now`: the key's live
 /// token, or with none the token a claim would take now (a new generation's first).
-fn resolve(model: &Model, op: &Op, now: UnixMillis) -> Op {
+fn resolve(model: &Spec, op: &Op, now: UnixMillis) -> Op {
     let abs = |key: usize, t: u64| {
         let base = model.get(id(key), now).map_or(FencingToken::first_at(now), |r| r.token);
         (base.0 + t).saturating_sub(2)
@@ -120,7 +120,7 @@ fn response(token: u64) -> StoredResponse {
 }
 
 /// What the model says, in the same shape as the store's answers.
-fn model_apply(model: &mut Model, op: &Op, now: UnixMillis) -> String {
+fn model_apply(model: &mut Spec, op: &Op, now: UnixMillis) -> String {
     match op {
         Op::Claim { key, body } => format!("{:?}", Ok::<_, ()>(model.claim(&claim_req(*key, *body), now))),
         Op::Reclaim { key, expected, body } => {
@@ -172,7 +172,7 @@ async fn check(steps: Vec<Step>) -> Result<(), TestCaseError> {
         // listed, in order (a claim answered from a read would not join the batch).
         .with_claim_reads(false);
     let store = RedbStore::from_database(Arc::new(db), config).expect("store");
-    let mut model = Model::new();
+    let mut model = Spec::new();
     let mut batches = 0;
     for step in steps {
         match step {

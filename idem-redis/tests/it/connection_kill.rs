@@ -10,7 +10,7 @@
 //! order. A third test kills the connection at random points while a large completion is
 //! being sent.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! value into the statement text: values full of quotes, backslashes, NUL bytes and
 //! non-ASCII must round-trip unchanged whatever the session's string settings.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

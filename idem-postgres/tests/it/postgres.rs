@@ -4,14 +4,14 @@
 //! generations across a sweep.
 //! Runs against the real server at `IDEM_POSTGRES_URL`, each test in its own schema.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
-use idem_conformance::Oracle;
+use idem_conformance::{Oracle, Spec};
 use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,
-    Model, Receipt, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse, SystemClock, UnixMillis,
+    Receipt, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse, SystemClock, UnixMillis,
 };
 use idem_core::{SweepConfig, Sweeper};
 use idem_postgres::{Config, Error, PostgresStore};
@@ -711,7 +711,7 @@ async fn claim_replacing_an_expired_record_takes_the_larger_token() {
 async fn extend_matches_the_model_and_is_fenced() {
     let clock = ManualClock::starting_now();
     let store = common::fresh_store(Some(clock.clone()), 2).await;
-    let mut model = Model::new();
+    let mut model = Spec::new();
     let req = claim_req("p", "extend", Duration::from_secs(5), Duration::from_secs(60));
     let r = must_claim(&store, req.clone()).await;
     let ClaimOutcome::Claimed(m) = model.claim(&req, r.created_at) else { panic!("the model claims") };

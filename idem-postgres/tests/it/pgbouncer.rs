@@ -2,7 +2,7 @@
 //! `Config::with_prepared_statements(false)` there. The whole conformance suite through it
 //! is in `conformance_pgbouncer*.rs`.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

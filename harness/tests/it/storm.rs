@@ -2,7 +2,8 @@
 //! firmware flashes longer than their lease with lease renewal on and off, the task BMC
 //! itself, and a Redis Cluster whose topology changes under the storm.
 
-#[path = "../../idem-redis/tests/common/cluster.rs"]
+#[cfg(feature = "live-tests")]
+#[path = "../../../idem-redis/tests/it/cluster_nodes.rs"]
 mod cluster;
 
 use std::time::Duration;
@@ -171,12 +172,14 @@ mod firmware_renewal {
         .await;
     }
 
+    #[cfg(feature = "live-tests")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn firmware_storm_on_redis() {
         let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
         renewal_prevents_double_flashes("redis", |_, _| url.clone()).await;
     }
 
+    #[cfg(feature = "live-tests")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn firmware_storm_on_postgres() {
         let url =
@@ -268,6 +271,7 @@ mod bmc {
     }
 }
 
+#[cfg(feature = "live-tests")]
 mod redis_cluster {
     //! The retry storm on a real Redis Cluster while its topology changes: busy slots migrated
     //! between primaries (what `redis-cli --cluster reshard` does), a manual failover

@@ -393,6 +393,7 @@ fn sigkill_inside_create_on_sqlite() {
     crash_run("sqlite", &format!("sqlite:{}", dir.path().join("lb.sqlite").display()), dir.path());
 }
 
+#[cfg(feature = "live-tests")]
 #[test]
 fn sigkill_inside_create_on_redis() {
     // The real Redis on loopback (scripts/services starts it); fresh keys and principals per run.
@@ -401,6 +402,7 @@ fn sigkill_inside_create_on_redis() {
     crash_run("redis", &url, dir.path());
 }
 
+#[cfg(feature = "live-tests")]
 #[test]
 fn sigkill_inside_create_on_postgres() {
     // The real PostgreSQL on loopback (scripts/services starts it); fresh keys and principals per run.

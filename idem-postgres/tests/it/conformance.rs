@@ -4,8 +4,7 @@
 //! store handle goes. No server: every test fails with the command that starts one.
 //! `conformance_pgbouncer.rs` runs the same suite through PgBouncer.
 
-#[path = "common/backend.rs"]
-mod backend;
-mod common;
+use crate::backend;
+use crate::common;
 
 idem_conformance::store_tests!(backend::Postgres::new(common::Via::Direct));

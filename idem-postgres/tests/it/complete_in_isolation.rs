@@ -4,7 +4,7 @@
 //! database with `ALTER DATABASE ... SET default_transaction_isolation` and drops it; the
 //! shared `test` database is never altered.
 
-mod common;
+use crate::common;
 
 use std::str::FromStr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

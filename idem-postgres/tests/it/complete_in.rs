@@ -1,7 +1,7 @@
 //! `complete_in` under the fencing rules: a stale token after a reclaim, and a
 //! completion whose transaction rolls back.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! Debian's self-signed certificate, which `require` does not verify; production sets
 //! `sslmode=verify-full` with `sslrootcert`.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

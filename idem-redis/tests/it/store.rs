@@ -2,18 +2,18 @@
 //! expiry, exact 64-bit arithmetic inside the scripts, byte-exact responses, corrupt and
 //! foreign values, script reloading, the `maxmemory-policy` and persistence checks, `WAIT`
 //! with a real replica (and a paused one), `READONLY`, and a differential run against
-//! `idem_core::Model`.
+//! `idem_conformance::Spec`.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_conformance::Oracle;
+use idem_conformance::{Oracle, Spec};
 use idem_core::{
     ClaimOutcome, ClaimRequest, Clock, Endpoint, FencingToken, Fingerprint, IdempotencyKey, JournalWrite, ManualClock,
-    Model, Receipt, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError,
-    StoredBody, StoredResponse, SystemClock, UnixMillis,
+    Receipt, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredBody,
+    StoredResponse, SystemClock, UnixMillis,
 };
 use idem_redis::{Config, Error, EvictionCheck, PersistenceCheck, RedisStore, ReplicaAck};
 use redis::AsyncCommands;
@@ -149,7 +149,7 @@ async fn scripts_do_exact_64_bit_arithmetic() {
     let forever = Duration::from_secs(u64::MAX);
     let r = ClaimRequest::new(r.scope().clone(), r.key().clone(), r.fingerprint(), forever, forever);
     let c = claim(&store, r.clone()).await;
-    let mut model = Model::new();
+    let mut model = Spec::new();
     let ClaimOutcome::Claimed(m) = model.claim(&r, clock.now()) else { panic!("model claims") };
     assert_eq!(c, m);
     assert_eq!((c.lease_expires_at.0, c.expires_at.0), (i64::MAX, i64::MAX));
@@ -494,7 +494,7 @@ async fn wait_for_replicas_and_readonly() {
 #[tokio::test]
 async fn random_operations_match_the_model() {
     let (store, clock) = test_store().await;
-    let mut model = Model::new();
+    let mut model = Spec::new();
     let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
     let mut next = move |n: u64| {
         rng ^= rng << 13;
@@ -586,7 +586,7 @@ async fn assert_same(
     step: usize,
     op: &str,
     (s, m): (Result<Receipt, StoreError>, Result<Receipt, StoreError>),
-    (store, model): (&RedisStore, &Model),
+    (store, model): (&RedisStore, &Spec),
     id: RecordId,
     now: UnixMillis,
 ) {
@@ -928,7 +928,7 @@ async fn extend_under_a_test_clock_and_at_the_64_bit_limit() {
     let want = 300_000 + idem_core::time::duration_ms(common::TEST_GRACE);
     assert!(pttl > want - 5_000 && pttl <= want, "300 s remaining + grace, got {pttl} ms");
 
-    let mut model = Model::new();
+    let mut model = Spec::new();
     let m = match model.claim(&req("p", "k", b"b"), r.created_at) {
         ClaimOutcome::Claimed(m) => m,
         other => panic!("model claims: {other:?}"),
