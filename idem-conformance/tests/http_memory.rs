@@ -134,3 +134,33 @@ impl idem_conformance::Backend for MemoryWithBytes {
 }
 
 idem_conformance::http_tests!(MemoryWithBytes::default());
+
+/// Every HTTP scenario written is a scenario run: a `pub async fn` taking an `HttpEnv` in
+/// `src/http/` that `http_tests!` does not call would silently never run on any backend.
+#[test]
+fn every_http_scenario_is_listed_in_the_macro() {
+    use std::collections::BTreeSet;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src").join("http");
+    let mut written = BTreeSet::new();
+    for group in ["lease", "isolation", "shapes", "sealed"] {
+        let text = std::fs::read_to_string(dir.join(format!("{group}.rs"))).expect("group file");
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("pub async fn ")
+                && let Some((name, args)) = rest.split_once('(')
+                && args.contains(": HttpEnv")
+            {
+                written.insert(format!("{group}::{name}"));
+            }
+        }
+    }
+    let text = std::fs::read_to_string(dir.join("mod.rs")).expect("mod.rs");
+    let listed: BTreeSet<_> = text
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("=> ")?.split_once('(').map(|(path, _)| path.to_owned()))
+        .collect();
+    let unlisted: Vec<_> = written.difference(&listed).collect();
+    assert!(unlisted.is_empty(), "HTTP scenarios written but never run: {unlisted:?}");
+    let unknown: Vec<_> = listed.difference(&written).collect();
+    assert!(unknown.is_empty(), "listed but not found: {unknown:?}");
+    assert_eq!(written.len(), 29, "{written:?}");
+}
