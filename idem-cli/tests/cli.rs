@@ -335,10 +335,12 @@ async fn sqlite_end_to_end() {
     operator_story(&url, open, false).await;
 }
 
+#[cfg(feature = "live-tests")]
 fn redis_config(prefix: &str) -> idem_redis::Config {
     idem_redis::Config::default().with_prefix(prefix).with_eviction_check(idem_redis::EvictionCheck::Warn)
 }
 
+#[cfg(feature = "live-tests")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_end_to_end() {
     let server = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
@@ -354,6 +356,7 @@ async fn redis_end_to_end() {
     operator_story(&url, open, true).await;
 }
 
+#[cfg(feature = "live-tests")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_end_to_end() {
     let nodes: Vec<String> = match std::env::var("IDEM_REDIS_CLUSTER_URLS") {
@@ -375,6 +378,7 @@ async fn redis_cluster_end_to_end() {
     operator_story(&url, open, true).await;
 }
 
+#[cfg(feature = "live-tests")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_end_to_end() {
     let server =
@@ -402,11 +406,13 @@ async fn postgres_end_to_end() {
 }
 
 /// Drops the test's schema.
+#[cfg(feature = "live-tests")]
 struct SchemaDrop {
     server: String,
     schema: String,
 }
 
+#[cfg(feature = "live-tests")]
 impl SchemaDrop {
     async fn drop_now(self) {
         let store = idem_postgres::PostgresStore::connect(

@@ -5,5 +5,4 @@
 #[cfg(feature = "live-tests")]
 mod chaos;
 mod crash;
-mod metrics;
 mod storm;

@@ -83,3 +83,37 @@ pub async fn server_clock_sets_leases_from_the_server(env: Env) {
     assert!(seen.lease_is_fresh(now), "a 5 s lease is fresh right after the claim on the server's clock");
     completed(store.as_ref(), &r, response()).await;
 }
+
+/// What the store declares about its clock and sharing is what its backend does: a store
+/// that declares [`idem_core::Capabilities::server_clock`] has a server-clock store
+/// (`Backend::open_server_clock`, which then declares it too) and one that does not has
+/// none; a store that declares [`idem_core::Capabilities::shared`] gets an independent
+/// second handle from `Backend::open_peer` (one opener per file is not sharing), which
+/// declares the same capabilities. (Native expiry, the journal and listing are checked
+/// both ways by their own scenarios: declared means it works, undeclared means it is
+/// refused.)
+pub async fn declared_clock_and_sharing_match_the_backend(env: Env) {
+    let caps = env.capabilities();
+    let server = env.server_clock_store().await;
+    assert_eq!(
+        caps.server_clock,
+        server.is_some(),
+        "Capabilities::server_clock is {} but Backend::open_server_clock returned {}",
+        caps.server_clock,
+        if server.is_some() { "a store" } else { "None" }
+    );
+    if let Some(server) = server {
+        assert!(server.capabilities().server_clock, "the server-clock store must declare server_clock");
+    }
+    let peer = env.peer().await;
+    if caps.shared {
+        env.report("shared: the peer handle is an independent handle");
+        assert!(
+            !std::sync::Arc::ptr_eq(&peer, &env.store),
+            "a store that declares Capabilities::shared must get an independent handle from Backend::open_peer"
+        );
+        assert_eq!(peer.capabilities(), caps, "both handles on shared storage declare the same capabilities");
+    } else {
+        env.report("not shared: one handle per storage");
+    }
+}

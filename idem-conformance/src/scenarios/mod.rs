@@ -371,6 +371,7 @@ macro_rules! __for_each_scenario {
         $m!($backend, capability::declared_capabilities_hold);
         $m!($backend, capability::peer_handle_sees_the_same_records);
         $m!($backend, capability::server_clock_sets_leases_from_the_server);
+        $m!($backend, capability::declared_clock_and_sharing_match_the_backend);
         $m!($backend, journal::journal_values_round_trip_byte_exact);
         $m!($backend, journal::journal_names_at_the_limits_round_trip);
         $m!($backend, journal::journal_first_write_wins);

@@ -75,7 +75,7 @@ fn sample_record(state: RecordState, response: Option<StoredResponse>) -> Record
 }
 
 /// Regenerates the seed corpora under `fuzz/corpus/` (they are committed; run by hand with
-/// `cargo test -p idem-conformance --test fuzz_corpus -- --ignored`).
+/// `cargo test -p idem-conformance --test it fuzz_corpus -- --ignored`).
 #[test]
 #[ignore = "writes files into fuzz/corpus; run by hand to regenerate the seeds"]
 fn write_seed_corpus() {

@@ -67,6 +67,12 @@ enum Bug {
     ListIncludesExpired,
     /// The listing ignores the cursor: every page starts again at the first record.
     ListIgnoresCursor,
+    /// Declares `Capabilities::server_clock` but times everything by the process's clock:
+    /// a fleet trusting it skips the clock-sync bound it needs.
+    ClaimsServerClock,
+    /// Declares `Capabilities::shared` on storage one handle owns: a second process
+    /// opening it would keep its own records.
+    ClaimsShared,
 }
 
 /// A map-based store that follows `idem_core::transition` except for its bug.
@@ -246,7 +252,13 @@ impl Store for BrokenStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { journal: self.bug != Bug::NoJournal, list: true, ..Capabilities::NONE }
+        Capabilities {
+            journal: self.bug != Bug::NoJournal,
+            list: true,
+            server_clock: self.bug == Bug::ClaimsServerClock,
+            shared: self.bug == Bug::ClaimsShared,
+            ..Capabilities::NONE
+        }
     }
 
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
@@ -560,6 +572,14 @@ async fn listing_expired_records_is_caught() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn listing_that_ignores_the_cursor_is_caught() {
     caught(Bug::ListIgnoresCursor, 1, &scenarios![list::list_pages_resume_after_the_cursor]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn declaring_a_server_clock_or_sharing_the_store_lacks_is_caught() {
+    use idem_conformance::scenarios::capability;
+    let scenario = scenarios![capability::declared_clock_and_sharing_match_the_backend];
+    caught(Bug::ClaimsServerClock, 1, &scenario).await;
+    caught(Bug::ClaimsShared, 1, &scenario).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

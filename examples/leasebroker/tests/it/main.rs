@@ -1,0 +1,9 @@
+//! Every integration test of this crate in one binary (one link on two cores, not one per
+//! file); one module per area.
+
+mod e2e;
+// A PostgreSQL server, private redis-server and PostgreSQL clusters: live servers.
+#[cfg(feature = "live-tests")]
+mod pg_crash;
+#[cfg(feature = "live-tests")]
+mod stalled_store;

@@ -1,0 +1,7 @@
+//! Every integration test of this crate in one binary (one link on two cores, not one per
+//! file); one module per area.
+
+mod journal_full_disk;
+#[cfg(feature = "middleware")]
+mod middleware;
+mod retry;
