@@ -53,6 +53,7 @@
 //!   test so every committed corpus file runs on stable Rust.
 //! - [`store_tests!`]: the macro.
 //! - [`Forward`], [`Forwarding`]: store wrappers for tests that write only their overrides.
+//! - `http` (feature `http`): the HTTP scenarios and [`http_tests!`](crate#http-scenarios).
 //! - [`killed_process`]: a SIGKILL crash test for stores on a local file (the `main` of a
 //!   test target without the test harness).
 //!
@@ -107,6 +108,32 @@
 //! "journal unsupported" variant (both methods must answer `StoreError::Unsupported`).
 //! Every store in this repository declares it; `tests/registry.rs` checks that.
 //!
+//! # HTTP scenarios
+//!
+//! With the feature `http`, the module `http` holds scenarios that put idem-http's
+//! `IdempotencyLayer` in front of the backend's store and drive it as clients do: lease
+//! renewal under a paused clock (a 30-minute handler under a 10 s lease runs once, killed
+//! and stalled holders, the bounded in-flight wait), tenant isolation in every row of the
+//! decision table, response shapes (endless streams, large and binary bodies, trailers, a
+//! corrupt completed record under `FailOpen`) and sealed responses. One more line runs
+//! them all, one named test each, beside `store_tests!`:
+//!
+//! ```ignore
+//! idem_conformance::http_tests!(MyBackend::new());
+//! ```
+//!
+//! The crate running them needs dev-dependencies on `idem-conformance` with
+//! `features = ["http"]` and on `tokio` (the tests are `#[tokio::test(start_paused =
+//! true)]`; the feature turns on tokio's `test-util`).
+//!
+//! A few scenarios write behind the store's back: garbage in a completed record, a sealed
+//! response moved onto another record or flipped by one byte. They use the optional raw
+//! access of [`Backend`]: [`Backend::read_stored`] and [`Backend::overwrite_stored`] (the
+//! bytes of a record's stored response, or of the whole record where the backend keeps it
+//! as one value) and [`Backend::corrupt_stored`] (spoil another part of a record). A
+//! backend that leaves them at their defaults runs everything else and prints a
+//! `variant: no raw access: ...` line for each check it skipped.
+//!
 //! # Running against a shared server
 //!
 //! Every scenario works inside its own random namespace (principals start with
@@ -122,10 +149,12 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use idem_core::{Capabilities, ManualClock, Store, UnixMillis};
+use idem_core::{Capabilities, ManualClock, RecordId, Store, UnixMillis};
 
 mod forward;
 pub mod fuzz_targets;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod killed_process;
 pub mod model_test;
 mod oracle;
@@ -161,6 +190,34 @@ pub trait Backend: Send + Sync + 'static {
     /// variant.
     async fn open_server_clock(&self) -> Option<Arc<dyn Store>> {
         None
+    }
+
+    /// Raw access, for the HTTP scenarios that write behind the store's back (feature
+    /// `http`, [`http`](crate#http-scenarios)): the bytes this backend keeps for the stored
+    /// response of record `id` of `store` (a store [`Backend::open`] returned), read with
+    /// the backend's own commands, not through [`Store`]. A backend that keeps each record
+    /// as one value ([`idem_core::codec::encode`]) returns that whole value. `None` (the
+    /// default) means no raw access: the scenarios then report the parts they skipped.
+    async fn read_stored(&self, store: &Arc<dyn Store>, id: RecordId) -> Option<Vec<u8>> {
+        let _ = (store, id);
+        None
+    }
+
+    /// Raw access: replaces what [`Backend::read_stored`] reads for record `id` with
+    /// `bytes` (which may be garbage), behind the store's back. Returns false (the default)
+    /// if the backend has no raw access.
+    async fn overwrite_stored(&self, store: &Arc<dyn Store>, id: RecordId, bytes: Vec<u8>) -> bool {
+        let _ = (store, id, bytes);
+        false
+    }
+
+    /// Raw access: spoils one part of record `id` other than its response (its key, its
+    /// state; the backend picks), behind the store's back, so that reading the record is
+    /// [`idem_core::StoreError::Corrupt`]. Returns false (the default) if the backend has
+    /// no raw access.
+    async fn corrupt_stored(&self, store: &Arc<dyn Store>, id: RecordId) -> bool {
+        let _ = (store, id);
+        false
     }
 }
 

@@ -4,6 +4,7 @@
 mod broken;
 mod decision_table;
 mod fuzz_corpus;
+mod http;
 mod memory;
 mod planted;
 mod registry;

@@ -28,7 +28,6 @@ mod deadlines;
 mod timed;
 
 use std::fmt;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -4,4 +4,5 @@
 mod batch_model;
 mod conformance;
 mod full_disk;
+mod http;
 mod store;

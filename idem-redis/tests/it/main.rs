@@ -8,4 +8,5 @@ mod cluster_script;
 mod common;
 mod conformance;
 mod connection_kill;
+mod http;
 mod store;

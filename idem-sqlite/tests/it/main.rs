@@ -2,4 +2,5 @@
 //! file); one module per area.
 
 mod conformance;
+mod http;
 mod sqlite;

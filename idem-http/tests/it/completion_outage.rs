@@ -6,7 +6,7 @@
 //! behind the shared `FlakyStore`, which refuses `complete` or `fail`; the layer's retry pauses run on
 //! tokio's timer (real, or paused where the outage outlasts a whole lease).
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

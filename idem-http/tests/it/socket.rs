@@ -1,7 +1,7 @@
 //! End to end over a real TCP socket with a real HTTP client (reqwest over hyper): what a
 //! client on the wire sees of create, replay, mismatch, in flight and a missing key.
 
-mod common;
+use crate::common;
 
 use common::{Counter, Env, Gate, Script, Step, app};
 use idem_http::IdempotencyLayer;

@@ -5,7 +5,7 @@
 //! run on tokio's real timer. The same stall against real servers (a `SIGSTOP`ped Redis and
 //! Postgres) is in `examples/leasebroker/tests/stalled_store.rs`.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -1,9 +1,14 @@
-//! The lease scenarios, written once and run on every backend by `lease_tests!` (in
-//! `main.rs`): each takes a [`Factory`] and opens its own store.
+//! A firmware flash that outlives its lease ran twice: a retry arriving after the lease
+//! reclaimed the record while the first flash still ran. Lease renewal, in-flight answers
+//! and the bounded wait, with a clock the test controls (the store's manual clock and
+//! tokio's paused clock, moved together): a 30-minute flash under a 10 s lease runs once
+//! while a retry arrives every 3 s; a killed holder is reclaimed within one lease plus one
+//! renewal interval; a holder stalled past its lease is fenced when it resumes; renewal
+//! rides out store outages and stops with the handler.
 //!
 //! Time: the store's [`idem_core::ManualClock`] and tokio's paused clock move together,
-//! only through [`advance`], in steps of [`STEP`]; after each step every task that came due
-//! runs and every store call it made finishes ([`settle`]) before time moves again.
+//! only through `advance`, in steps of `STEP` (100 ms); after each step every task that came due
+//! runs and every store call it made finishes (`settle`) before time moves again.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -22,8 +27,8 @@ use idem_core::{Endpoint, IdempotencyKey, Record, RecordId, RecordState, Scope};
 use idem_http::{BearerToken, HandlerExecution, IdempotencyContext, IdempotencyLayer, LeaseRenewal, Problem};
 use tokio::task::JoinHandle;
 
-use crate::backends::{Backend, Factory};
-use crate::common::{Got, Req, post as post_req, send};
+use super::HttpEnv;
+use super::fixtures::{Got, Req, policy, post as post_req, send};
 
 /// The lease every scenario runs under.
 pub(crate) const LEASE: Duration = Duration::from_secs(10);
@@ -54,13 +59,13 @@ pub(crate) fn flash_record_id() -> RecordId {
 }
 
 /// The layer every scenario starts from: the backend's store, a 10 s lease.
-pub(crate) fn layer(b: &Backend) -> IdempotencyLayer {
-    IdempotencyLayer::new(b.dyn_store()).with_policy(crate::common::policy(|p| p.lease_ttl = LEASE))
+pub(crate) fn layer(b: &HttpEnv) -> IdempotencyLayer {
+    IdempotencyLayer::new(b.dyn_store()).with_policy(policy(|p| p.lease_ttl = LEASE))
 }
 
 /// Moves the store clock and tokio's clock forward by `d` together, one [`STEP`] at a
 /// time; the store clock first, so a renewal the step's timers fire reads the new time.
-pub(crate) async fn advance(b: &Backend, d: Duration) {
+pub(crate) async fn advance(b: &HttpEnv, d: Duration) {
     let mut left = d;
     while !left.is_zero() {
         let step = left.min(STEP);
@@ -74,7 +79,7 @@ pub(crate) async fn advance(b: &Backend, d: Duration) {
 /// Lets every task that is ready run, and every store call they started finish, until
 /// nothing is left to do at this instant. Yields, never sleeps (paused time stays put:
 /// tokio does not auto-advance while the store's blocking calls run).
-pub(crate) async fn settle(b: &Backend) {
+pub(crate) async fn settle(b: &HttpEnv) {
     let started = std::time::Instant::now();
     let mut quiet = 0;
     while quiet < 16 {
@@ -89,7 +94,7 @@ pub(crate) async fn settle(b: &Backend) {
 }
 
 /// The store clock, ms.
-pub(crate) fn now_ms(b: &Backend) -> i64 {
+pub(crate) fn now_ms(b: &HttpEnv) -> i64 {
     b.clock.now_ms()
 }
 
@@ -281,7 +286,7 @@ pub(crate) struct Storm {
 }
 
 /// A 30-minute flash under a 10 s lease, retried every 3 s until it finished.
-pub(crate) async fn thirty_minute_flash(b: &Backend, layer: IdempotencyLayer) -> (Storm, Firmware) {
+pub(crate) async fn thirty_minute_flash(b: &HttpEnv, layer: IdempotencyLayer) -> (Storm, Firmware) {
     let fw = Firmware::with_plan([Run::Flash(Duration::from_secs(30 * 60))]);
     let app = fw.app(layer);
     let req = flash_req();
@@ -321,8 +326,7 @@ pub(crate) async fn thirty_minute_flash(b: &Backend, layer: IdempotencyLayer) ->
 
 /// Renewal on: the flash runs once; every retry during the 30 minutes gets 409 `in-flight`
 /// with the 2 s poll interval, then the replay; renewal stops with the handler.
-pub(crate) async fn long_flash_runs_once(factory: Factory, execution: HandlerExecution) {
-    let b = factory().await;
+pub async fn long_flash_runs_once(b: HttpEnv, execution: HandlerExecution) {
     let (storm, fw) = thirty_minute_flash(&b, layer(&b).with_handler_execution(execution)).await;
     let name = b.name;
     assert_eq!((fw.runs(), fw.flashes(), storm.ran), (1, 1, 0), "{name}: one flash, no retry ran it: {storm:?}");
@@ -346,8 +350,7 @@ pub(crate) async fn long_flash_runs_once(factory: Factory, execution: HandlerExe
 
 /// Renewal off: the same storm runs the flash again once the lease has passed, so the
 /// test above fails without renewal.
-pub(crate) async fn long_flash_runs_twice_without_renewal(factory: Factory) {
-    let b = factory().await;
+pub async fn long_flash_runs_twice_without_renewal(b: HttpEnv) {
     let (storm, fw) = thirty_minute_flash(&b, layer(&b).with_lease_renewal(LeaseRenewal::Off)).await;
     assert!(storm.ran >= 1 && fw.runs() >= 2, "{}: a retry after the lease ran the flash again: {storm:?}", b.name);
     // Retries 1 to 3 (3 s to 9 s) found the lease fresh; the fourth (12 s) reclaimed.
@@ -358,8 +361,7 @@ pub(crate) async fn long_flash_runs_twice_without_renewal(factory: Factory) {
 /// The holder is killed mid-flash: renewal dies with it, and a retry reclaims the record
 /// once the lease it last renewed runs out: within one lease plus one renewal interval of
 /// the kill, never before the lease's end.
-pub(crate) async fn killed_holder_is_reclaimed_within_one_lease(factory: Factory) {
-    let b = factory().await;
+pub async fn killed_holder_is_reclaimed_within_one_lease(b: HttpEnv) {
     let fw = Firmware::with_plan([Run::Flash(Duration::from_secs(30 * 60)), Run::Flash(Duration::from_secs(5))]);
     let app = fw.app(layer(&b));
     let req = flash_req();
@@ -414,8 +416,7 @@ pub(crate) async fn killed_holder_is_reclaimed_within_one_lease(factory: Factory
 /// resumes, its late `complete` is fenced and the record keeps the retry's outcome. (Two
 /// flashes: without renewal a stall is a double execution; the fence only keeps the
 /// record straight.)
-pub(crate) async fn stalled_holder_without_renewal_is_fenced(factory: Factory) {
-    let b = factory().await;
+pub async fn stalled_holder_without_renewal_is_fenced(b: HttpEnv) {
     let fw = Firmware::with_plan([Run::Flash(Duration::from_secs(20)), Run::Flash(Duration::from_secs(1))]);
     let app = fw.app(layer(&b).with_lease_renewal(LeaseRenewal::Off));
     let req = flash_req();
@@ -459,8 +460,7 @@ pub(crate) async fn stalled_holder_without_renewal_is_fenced(factory: Factory) {
 /// Renewal on: a holder stalled past its lease (its renewal stalls with it) learns on
 /// resuming that the lease is lost: `lease_lost` resolves, its resumable step refuses to
 /// start, and nothing it writes lands. One flash in all.
-pub(crate) async fn stalled_holder_with_renewal_learns_its_lease_is_lost(factory: Factory) {
-    let b = factory().await;
+pub async fn stalled_holder_with_renewal_learns_its_lease_is_lost(b: HttpEnv) {
     let fw = Firmware::with_plan([Run::Careful(Duration::from_secs(60)), Run::Careful(Duration::from_secs(5))]);
     let app = fw.app(layer(&b));
     let req = flash_req();
@@ -498,8 +498,7 @@ pub(crate) async fn stalled_holder_with_renewal_learns_its_lease_is_lost(factory
 
 /// Bounded wait, first outcome: the first attempt completes while the duplicate waits,
 /// and the duplicate gets the replay as soon as a read sees it.
-pub(crate) async fn bounded_wait_replays_a_completion(factory: Factory) {
-    let b = factory().await;
+pub async fn bounded_wait_replays_a_completion(b: HttpEnv) {
     let fw = Firmware::with_plan([Run::Flash(Duration::from_secs(3))]);
     let app = fw.app(layer(&b).with_in_flight_wait(Some(Duration::from_secs(10))));
     let req = flash_req();
@@ -518,8 +517,7 @@ pub(crate) async fn bounded_wait_replays_a_completion(factory: Factory) {
 
 /// Bounded wait, second outcome: the first attempt fails while the duplicate waits; the
 /// duplicate reclaims and runs the handler, as any retry of a failed record would.
-pub(crate) async fn bounded_wait_reclaims_a_failure(factory: Factory) {
-    let b = factory().await;
+pub async fn bounded_wait_reclaims_a_failure(b: HttpEnv) {
     let fw = Firmware::with_plan([Run::FailAfter(Duration::from_secs(3), 503), Run::Flash(Duration::from_secs(1))]);
     let app = fw.app(layer(&b).with_in_flight_wait(Some(Duration::from_secs(10))));
     let req = flash_req();
@@ -538,8 +536,7 @@ pub(crate) async fn bounded_wait_reclaims_a_failure(factory: Factory) {
 
 /// Bounded wait, third outcome: the first attempt outlasts the wait; the duplicate gets the
 /// usual 409 once the wait is over, not before.
-pub(crate) async fn bounded_wait_times_out_with_409(factory: Factory) {
-    let b = factory().await;
+pub async fn bounded_wait_times_out_with_409(b: HttpEnv) {
     let fw = Firmware::with_plan([Run::Flash(Duration::from_secs(30))]);
     let app = fw.app(layer(&b).with_in_flight_wait(Some(Duration::from_secs(5))));
     let req = flash_req();
@@ -558,7 +555,7 @@ pub(crate) async fn bounded_wait_times_out_with_409(factory: Factory) {
 
 /// Advances time step by step until `attempt` finished (at most 60 s); returns it with the
 /// store time it finished at.
-pub(crate) async fn run_until_finished(b: &Backend, attempt: JoinHandle<Got>) -> (JoinHandle<Got>, i64) {
+pub(crate) async fn run_until_finished(b: &HttpEnv, attempt: JoinHandle<Got>) -> (JoinHandle<Got>, i64) {
     settle(b).await;
     for _ in 0..600 {
         if attempt.is_finished() {
@@ -567,4 +564,132 @@ pub(crate) async fn run_until_finished(b: &Backend, attempt: JoinHandle<Got>) ->
         advance(b, STEP).await;
     }
     panic!("{}: the attempt did not finish within 60 s", b.name);
+}
+
+/// A renewal that failed transiently waited for the next interval instead of retrying
+/// within the lease, so three failures in a row let a retry reclaim a live flash.
+pub async fn transient_renewal_failures_are_retried(b: HttpEnv) {
+    let fw = Firmware::with_plan([Run::Flash(Duration::from_secs(60))]);
+    let app = fw.app(layer(&b));
+    let req = flash_req();
+    b.store.failing_extends.store(3, Ordering::SeqCst);
+    let holder = start(&app, &req);
+    settle(&b).await;
+    for _ in 0..59 {
+        advance(&b, Duration::from_secs(1)).await;
+        let retry = start(&app, &req);
+        settle(&b).await;
+        answer(retry).await.problem(409, "in-flight");
+    }
+    advance(&b, Duration::from_secs(1)).await;
+    assert_eq!(answer(holder).await.status, 201);
+    assert_eq!((fw.runs(), b.store.failing_extends.load(Ordering::SeqCst)), (1, 0));
+}
+
+/// A renewal refused with a non-retryable `Unavailable` (SQLite's full disk) stopped
+/// renewing for good: the lease ran out while the flash still ran, and a retry flashed
+/// again once the disk was freed (the chaos run's double flashes on a full disk).
+pub async fn renewal_failing_for_good_keeps_renewing(b: HttpEnv) {
+    let fw = Firmware::with_plan([Run::Flash(Duration::from_secs(60))]);
+    let app = fw.app(layer(&b));
+    let req = flash_req();
+    b.store.failing_for_good.store(true, Ordering::SeqCst);
+    b.store.failing_extends.store(3, Ordering::SeqCst);
+    let holder = start(&app, &req);
+    settle(&b).await;
+    for _ in 0..59 {
+        advance(&b, Duration::from_secs(1)).await;
+        let retry = start(&app, &req);
+        settle(&b).await;
+        answer(retry).await.problem(409, "in-flight");
+    }
+    advance(&b, Duration::from_secs(1)).await;
+    assert_eq!(answer(holder).await.status, 201);
+    assert_eq!((fw.runs(), b.store.failing_extends.load(Ordering::SeqCst)), (1, 0));
+}
+
+/// Renewal gave up for good when an outage outlasted the lease, although nobody had
+/// reclaimed the record and the store would still extend it.
+pub async fn renewal_outlasts_a_long_outage(b: HttpEnv) {
+    let fw = Firmware::with_plan([Run::Flash(Duration::from_secs(60))]);
+    let app = fw.app(layer(&b));
+    let req = flash_req();
+    // The renewals fail from 3.4 s to 12.5 s: eleven tries within the first lease (3.4 s,
+    // then backing off from 25 ms to 1 s until 9.1 s), then the one try at the next
+    // interval (12.5 s); the next interval's (15.9 s) succeeds.
+    b.store.failing_extends.store(12, Ordering::SeqCst);
+    let holder = start(&app, &req);
+    settle(&b).await;
+    advance(&b, Duration::from_secs(13)).await;
+    let lapsed = b.store.record(flash_record_id()).await.unwrap();
+    assert!(lapsed.lease_expires_at.0 <= now_ms(&b), "the lease ran out during the outage");
+    assert_eq!(b.store.failing_extends.load(Ordering::SeqCst), 0, "the outage is over");
+    advance(&b, Duration::from_secs(4)).await;
+    let renewed = b.store.record(flash_record_id()).await.unwrap();
+    assert!(renewed.lease_expires_at.0 > now_ms(&b), "renewed again once the store answered");
+    let retry = start(&app, &req);
+    settle(&b).await;
+    answer(retry).await.problem(409, "in-flight");
+    drop(holder);
+}
+
+/// Renewal went on after the handler panicked.
+pub async fn panicking_handler_stops_renewing(b: HttpEnv) {
+    let fw = Firmware::with_plan([Run::PanicAfter(Duration::from_secs(5))]);
+    let app = fw.app(layer(&b));
+    let holder = start(&app, &flash_req());
+    settle(&b).await;
+    advance(&b, Duration::from_secs(6)).await;
+    assert!(holder.await.unwrap_err().is_panic(), "the panic goes on up");
+    let renewals = b.store.extends();
+    assert_eq!(renewals, 1);
+    assert_eq!(b.store.record(flash_record_id()).await.unwrap().state, RecordState::Failed);
+    advance(&b, Duration::from_secs(30)).await;
+    assert_eq!(b.store.extends(), renewals);
+}
+
+/// Under inline execution, a cancelled request (client gone) kept renewing a claim nobody
+/// would finish.
+pub async fn cancelled_inline_handler_stops_renewing(b: HttpEnv) {
+    let fw = Firmware::with_plan([Run::Flash(Duration::from_secs(60))]);
+    let app = fw.app(layer(&b).with_handler_execution(HandlerExecution::Inline));
+    let holder = start(&app, &flash_req());
+    settle(&b).await;
+    advance(&b, Duration::from_secs(5)).await;
+    assert_eq!(b.store.extends(), 1);
+    holder.abort();
+    settle(&b).await;
+    assert_eq!(b.store.record(flash_record_id()).await.unwrap().state, RecordState::Failed, "the drop guard failed it");
+    advance(&b, Duration::from_secs(30)).await;
+    assert_eq!(b.store.extends(), 1);
+}
+
+/// Renewal spawned a task per request, or renewed with renewal off, or renewed a handler
+/// that ended within one interval.
+pub async fn renewal_spawns_no_task_and_short_handlers_cost_no_write(b: HttpEnv) {
+    for renewal in [LeaseRenewal::default(), LeaseRenewal::Off] {
+        let fw = Firmware::with_plan([Run::Flash(Duration::from_secs(30))]);
+        let app = fw.app(layer(&b).with_lease_renewal(renewal));
+        let before = b.store.extends();
+        let holder = start(&app, &flash_req_with_key(&format!("{renewal:?}")));
+        settle(&b).await;
+        advance(&b, Duration::from_secs(15)).await;
+        // The holder's task alone (the test body is not a task): its renewal runs inside it.
+        assert_eq!(tokio::runtime::Handle::current().metrics().num_alive_tasks(), 1, "{renewal:?}");
+        advance(&b, Duration::from_secs(15)).await;
+        assert_eq!(answer(holder).await.status, 201);
+        let renewals = b.store.extends() - before;
+        match renewal {
+            LeaseRenewal::Off => assert_eq!(renewals, 0),
+            _ => assert_eq!(renewals, 8, "every 3.4 s for 30 s"),
+        }
+    }
+    let fw = Firmware::with_plan([Run::Flash(Duration::from_secs(3))]);
+    let app = fw.app(layer(&b));
+    let before = b.store.extends();
+    let holder = start(&app, &flash_req_with_key("short"));
+    settle(&b).await;
+    advance(&b, Duration::from_secs(4)).await;
+    assert_eq!(answer(holder).await.status, 201);
+    assert_eq!(b.store.extends(), before, "a 3 s flash ends before the first renewal at 3.3 s");
 }

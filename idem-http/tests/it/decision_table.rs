@@ -2,7 +2,7 @@
 //! router (no sockets), plus the layer's other answers: safe methods, 413, 401, retention,
 //! replay fidelity, the request extension and the endpoint scope.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,11 +1,11 @@
 //! The `idempotency` span and the metrics (docs/observability.md), row by row of the
-//! decision table (`tests/decision_table.rs` drives the same rows for the responses): a
+//! decision table (`decision_table.rs` beside this module drives the same rows for the responses): a
 //! capturing `tracing` layer reads every span's fields, and `metrics-util`'s
 //! `DebuggingRecorder` every counter. Both are installed for the current thread only, and
 //! each test runs on a current-thread runtime, so tests running in parallel never see each
 //! other's spans or metrics.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::future::Future;

@@ -5,7 +5,7 @@
 //! across layer instances, and a store without a journal answering a clear problem instead
 //! of panicking.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -1,6 +1,6 @@
 //! Response bodies at the edges of `max_stored_body`, read by the layer frame by frame.
 
-mod common;
+use crate::common;
 
 use std::convert::Infallible;
 use std::pin::Pin;

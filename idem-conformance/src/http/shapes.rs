@@ -1,5 +1,9 @@
-//! The response-shape scenarios, written once and run on every backend by `shape_tests!`
-//! (in `main.rs`). Time moves only through the lease scenarios' `advance`.
+//! A streamed or endless response (SSE, chunked progress) held the client's head until the
+//! body ended and left its record in flight, so a retry after the lease ran the handler a
+//! second time; trailers were dropped; and FailOpen ran the handler again over a completed
+//! record that did not decode. Every response shape, with a clock the test controls (the
+//! store's manual clock and tokio's paused clock, moved together, only through the lease
+//! scenarios' `advance`).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -20,9 +24,9 @@ use idem_core::{
 use idem_http::{BearerToken, IdempotencyLayer, StoreFailureMode};
 use tokio::task::JoinHandle;
 
-use crate::backends::{Backend, Factory, Raw, on_io};
-use crate::common::{Counter, Got, Req, post as post_req};
-use crate::lease::{LEASE, advance, answer, settle, start};
+use super::HttpEnv;
+use super::fixtures::{Counter, Got, Req, policy, post as post_req};
+use super::lease::{LEASE, advance, answer, settle, start};
 
 const TOKEN: &str = "tok-p";
 
@@ -32,8 +36,8 @@ fn record_id(route: &str, key: &str) -> RecordId {
     scope.record_id(&IdempotencyKey::parse(key.as_bytes()).unwrap())
 }
 
-fn layer(b: &Backend) -> IdempotencyLayer {
-    IdempotencyLayer::new(b.dyn_store()).with_policy(crate::common::policy(|p| p.lease_ttl = LEASE))
+fn layer(b: &HttpEnv) -> IdempotencyLayer {
+    IdempotencyLayer::new(b.dyn_store()).with_policy(policy(|p| p.lease_ttl = LEASE))
 }
 
 /// A request whose response future is kept apart from its body, so the head can be seen
@@ -63,8 +67,7 @@ fn noise(len: usize, seed: u64) -> Vec<u8> {
 /// An endless stream: one first event, then nothing, forever. The head reaches the client
 /// within a second; the record completes as not retained; a retry after the lease gets
 /// the `response-not-retained` problem with the original status; the handler ran once.
-pub(crate) async fn endless_stream_runs_once(factory: Factory, content_type: &'static str) {
-    let b = factory().await;
+pub async fn endless_stream_runs_once(b: HttpEnv, content_type: &'static str) {
     let runs = Counter::default();
     let app = endless_app(layer(&b), content_type, &runs);
     let req = post_req("/v1/exports").key("export-1").body("{}");
@@ -98,8 +101,7 @@ pub(crate) async fn endless_stream_runs_once(factory: Factory, content_type: &'s
 
 /// The same endless stream with the streaming rules off: no head after a minute, and a
 /// retry after the lease runs the handler a second time (the bug the rules fix).
-pub(crate) async fn endless_stream_without_rules_holds_the_head(factory: Factory) {
-    let b = factory().await;
+pub async fn endless_stream_without_rules_holds_the_head(b: HttpEnv) {
     let runs = Counter::default();
     let rules_off = layer(&b).with_buffer_deadline(None).with_streaming_content_types(Vec::<String>::new());
     let app = endless_app(rules_off.with_lease_renewal(idem_http::LeaseRenewal::Off), "text/event-stream", &runs);
@@ -137,8 +139,7 @@ fn endless_app(layer: IdempotencyLayer, content_type: &'static str, runs: &Count
 
 /// A 5 MiB chunked body and a binary (invalid UTF-8) body replay byte-identical with the
 /// same content type.
-pub(crate) async fn large_and_binary_bodies_replay_byte_identical(factory: Factory) {
-    let b = factory().await;
+pub async fn large_and_binary_bodies_replay_byte_identical(b: HttpEnv) {
     let runs = Counter::default();
     let big = Arc::new(noise(5 << 20, 7));
     let binary = Bytes::from(vec![0xff, 0xfe, 0x00, 0xc3, 0x28, 0x80, 0x7f]);
@@ -166,7 +167,7 @@ pub(crate) async fn large_and_binary_bodies_replay_byte_identical(factory: Facto
                 }
             }),
         )
-        .layer(IdempotencyLayer::new(b.dyn_store()).with_policy(crate::common::policy(|p| {
+        .layer(IdempotencyLayer::new(b.dyn_store()).with_policy(policy(|p| {
             (p.lease_ttl, p.max_stored_body) = (LEASE, 8 << 20);
         })));
     for (path, ct, expected) in
@@ -190,8 +191,7 @@ pub(crate) async fn large_and_binary_bodies_replay_byte_identical(factory: Facto
 
 /// A 3 MiB body over a 1 MiB limit streams through whole, the record completes without
 /// it, and a retry gets the not-retained problem with the original status and `Location`.
-pub(crate) async fn over_the_limit_streams_and_is_not_retained(factory: Factory) {
-    let b = factory().await;
+pub async fn over_the_limit_streams_and_is_not_retained(b: HttpEnv) {
     let runs = Counter::default();
     let r = runs.clone();
     let body = Arc::new(noise(3 << 20, 11));
@@ -231,8 +231,7 @@ pub(crate) async fn over_the_limit_streams_and_is_not_retained(factory: Factory)
 }
 
 /// A body with trailers replays the same body and the same trailers.
-pub(crate) async fn trailers_are_replayed(factory: Factory) {
-    let b = factory().await;
+pub async fn trailers_are_replayed(b: HttpEnv) {
     let runs = Counter::default();
     let r = runs.clone();
     let app = Router::new()
@@ -276,11 +275,10 @@ async fn answer_head<T>(head: JoinHandle<T>) -> T {
 }
 
 /// FailOpen, and a completed record that does not decode (a body that does not
-/// decompress, written through the store; on the real backends also raw garbage in the
-/// stored response and in one other field, written behind the store's back): 503, never
-/// a second run.
-pub(crate) async fn fail_open_never_reruns_a_corrupt_record(factory: Factory) {
-    let b = factory().await;
+/// decompress, written through the store; with the backend's raw access also garbage in
+/// the stored response, twice, and in one other field, written behind the store's back):
+/// 503, never a second run.
+pub async fn fail_open_never_reruns_a_corrupt_record(b: HttpEnv) {
     let runs = Counter::default();
     let r = runs.clone();
     let app = Router::new()
@@ -311,21 +309,19 @@ pub(crate) async fn fail_open_never_reruns_a_corrupt_record(factory: Factory) {
     expect_503_without_a_run(&b, &app, &req, &runs).await;
 
     // Raw garbage behind the store's back, in the response and in another field.
-    let cases: &[&str] = match &b.raw {
-        Raw::Memory(_) => &[],
-        Raw::Redb(_) => &["record"],
-        _ => &["response", "field"],
-    };
-    for case in cases {
+    for case in ["unknown-version", "truncated", "field"] {
         let key = format!("k-raw-{case}");
+        let id = record_id("/v1/orders", &key);
         let req = post_req("/v1/orders").key(&key).body("{}");
         let first = start(&app, &req);
         settle(&b).await;
         assert_eq!(answer(first).await.status, 201);
         let ran = runs.get();
-        corrupt(&b, record_id("/v1/orders", &key), case).await;
-        let store = b.dyn_store();
-        let err = store.get(record_id("/v1/orders", &key)).await.unwrap_err();
+        if !corrupt(&b, id, case).await {
+            b.report(&format!("no raw access: the corrupt record ({case}) is not checked"));
+            continue;
+        }
+        let err = b.dyn_store().get(id).await.unwrap_err();
         assert!(err.is_corrupt(), "{}: {case}: one error kind for a record that does not decode: {err:?}", b.name);
         expect_503_without_a_run(&b, &app, &req, &runs).await;
         assert_eq!(runs.get(), ran, "{}: {case}", b.name);
@@ -351,7 +347,7 @@ fn claim_for(key: &str) -> ClaimRequest {
     )
 }
 
-async fn expect_503_without_a_run(b: &Backend, app: &Router, req: &Req, runs: &Counter) {
+async fn expect_503_without_a_run(b: &HttpEnv, app: &Router, req: &Req, runs: &Counter) {
     let before = runs.get();
     let retry = start(app, req);
     settle(b).await;
@@ -361,54 +357,21 @@ async fn expect_503_without_a_run(b: &Backend, app: &Router, req: &Req, runs: &C
     assert_eq!(runs.get(), before, "{}: the handler ran over a completed record", b.name);
 }
 
-/// Writes garbage into one part of record `id`, behind the store's back.
-async fn corrupt(b: &Backend, id: RecordId, case: &'static str) {
-    match &b.raw {
-        Raw::Memory(_) => unreachable!("the memory store keeps no bytes"),
-        Raw::Redb(store) => {
-            let db = store.database().expect("the database is open");
-            let txn = db.begin_write().unwrap();
-            {
-                let mut t = txn.open_table(idem_redb::table::RECORDS).unwrap();
-                t.insert(id.as_bytes(), &[idem_core::codec::FORMAT_VERSION, 0xff, 0xff, 0xff][..]).unwrap();
-            }
-            txn.commit().unwrap();
-        }
-        Raw::Sqlite(store) => {
-            let sql = match case {
-                "response" => "UPDATE idem_records SET response = x'09ff' WHERE id = ?1",
-                _ => "UPDATE idem_records SET key = 'not a key' WHERE id = ?1",
-            };
-            let changed = rusqlite::Connection::open(store.path()).unwrap().execute(sql, [&id.as_bytes()[..]]).unwrap();
-            assert_eq!(changed, 1);
-        }
-        Raw::Redis(store) => {
-            let (mut conn, key) = (store.connection(), store.record_key(id));
-            on_io(async move {
-                use redis::AsyncCommands;
-                match case {
-                    "response" => conn.hset::<_, _, _, ()>(&key, "r", &[0x09u8, 0xff][..]).await.unwrap(),
-                    _ => {
-                        let mut h: Vec<u8> = conn.hget(&key, "h").await.unwrap();
-                        h[1] = 9; // an unknown state
-                        conn.hset::<_, _, _, ()>(&key, "h", h).await.unwrap();
-                    }
-                }
-            })
-            .await;
-        }
-        Raw::Postgres(store, schema) => {
-            let (pool, schema) = (store.pool().clone(), schema.clone());
-            on_io(async move {
-                let set = match case {
-                    "response" => "response = '\\x01ffffffff'::bytea",
-                    _ => "key = 'not a key'",
-                };
-                let sql = format!("UPDATE \"{schema}\".records SET {set} WHERE id = $1");
-                let changed = idem_postgres::sqlx::query(&sql).bind(&id.as_bytes()[..]).execute(&pool).await.unwrap();
-                assert_eq!(changed.rows_affected(), 1);
-            })
-            .await;
-        }
+/// Writes garbage into one part of record `id`, behind the store's back, with the
+/// backend's raw access; false if it has none. `unknown-version` and `truncated` replace
+/// the stored response (or, where the backend keeps the record as one value, that value);
+/// `field` spoils another part of the record (the backend's [`crate::Backend::corrupt_stored`]).
+async fn corrupt(b: &HttpEnv, id: RecordId, case: &'static str) -> bool {
+    if case == "field" {
+        return b.corrupt_stored(id).await;
     }
+    let Some(stored) = b.read_stored(id).await else { return false };
+    let whole = super::whole_record(&stored, id).is_some();
+    let garbage = match (case, whole) {
+        ("unknown-version", _) => vec![0x09, 0xff],
+        (_, true) => vec![idem_core::codec::FORMAT_VERSION, 0xff, 0xff, 0xff],
+        (_, false) => vec![0x01, 0xff, 0xff, 0xff, 0xff],
+    };
+    assert!(b.overwrite_stored(id, garbage).await, "{}: read_stored works but overwrite_stored does not", b.name);
+    true
 }

@@ -1,7 +1,7 @@
 //! `Idempotency-Key` handling at the HTTP level: every malformed key is a 400 problem body
 //! (`application/problem+json`), the handler never runs for it and nothing is stored.
 
-mod common;
+use crate::common;
 
 use common::{Counter, Env, Script, app, post, send};
 use idem_http::{IdempotencyLayer, KeyRequirement};

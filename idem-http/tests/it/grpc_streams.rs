@@ -5,7 +5,7 @@
 //! the status existed. Now the claim is held (and renewed) until the stream ends; a lasting
 //! status completes the record, anything else fails it. No sockets: `tower::ServiceExt::oneshot`.
 
-mod common;
+use crate::common;
 
 use std::convert::Infallible;
 use std::pin::Pin;

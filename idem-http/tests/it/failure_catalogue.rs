@@ -3,7 +3,7 @@
 //! `oneshot` on an axum router over a memory store on a manual clock; time moves only when
 //! a test moves the clock.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -261,7 +261,7 @@ async fn a_failed_complete_blocks_retries_only_until_the_lease_ends() {
     let env = Env::new();
     let (n, s) = (Counter::default(), Script::default());
     // Completion retries off: this pins what a lost completion costs without them
-    // (`tests/deadlines.rs` shows the retry preventing the second run).
+    // (`deadlines.rs` beside this module shows the retry preventing the second run).
     let mut no_retry = StoreDeadlines::default();
     no_retry.completion_retry = CompletionRetry::Off;
     let app = app(layer(&env).with_store_deadlines(no_retry), &n, &s);

@@ -4,7 +4,7 @@
 //! retry loops, which retry every 409, kept retrying a mismatch because no answer said
 //! not to.
 
-mod common;
+use crate::common;
 
 use axum::Router;
 use axum::http::StatusCode;

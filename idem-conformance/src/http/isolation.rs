@@ -1,5 +1,11 @@
-//! The isolation matrix, written once and run on every backend by `isolation_tests!` (in
-//! `main.rs`). Tenant A is bearer `tok-a`, tenant B bearer `tok-b`; both send `POST
+//! Tenant isolation through the layer: two principals send the same key to the
+//! same endpoint with the same body while the first one's record is in every row of the
+//! decision table (in flight, completed, failed, mismatched, lease expired and reclaimed,
+//! retention expired). The second tenant's request must run its own handler exactly once
+//! and get its own answer: never the first tenant's status, headers, body, problem detail,
+//! `Retry-After` or in-flight state.
+//!
+//! Tenant A is bearer `tok-a`, tenant B bearer `tok-b`; both send `POST
 //! /v1/workers` with key `k1` and the same JSON body. The handler answers with the tenant's
 //! own status, secret header and body, so any crossing shows.
 
@@ -17,9 +23,10 @@ use idem_core::{
 use idem_http::{BearerToken, IdempotencyLayer};
 use tokio::sync::Notify;
 
-use crate::backends::{Backend, Factory, on_io};
-use crate::common::{Got, Req, post as post_req};
-use crate::lease::{LEASE, advance, answer, settle, start};
+use super::HttpEnv;
+use super::fixtures::{Got, Req, policy, post as post_req};
+use super::frozen::on_io;
+use super::lease::{LEASE, advance, answer, settle, start};
 
 const ROUTE: &str = "/v1/workers";
 const KEY: &str = "k1";
@@ -88,13 +95,13 @@ fn req(tenant: &str) -> Req {
     post_req(ROUTE).token(tenant).key(KEY).body(BODY)
 }
 
-fn layer(b: &Backend) -> IdempotencyLayer {
+fn layer(b: &HttpEnv) -> IdempotencyLayer {
     IdempotencyLayer::new(b.dyn_store())
-        .with_policy(crate::common::policy(|p| (p.lease_ttl, p.retention) = (LEASE, Duration::from_secs(60))))
+        .with_policy(policy(|p| (p.lease_ttl, p.retention) = (LEASE, Duration::from_secs(60))))
 }
 
 async fn send(app: &Router, r: &Req) -> Got {
-    crate::common::send(app, r).await
+    super::fixtures::send(app, r).await
 }
 
 /// `got` is `tenant`'s own fresh answer, and nothing in it names or comes from `other`.
@@ -126,15 +133,14 @@ fn record_id(tenant: &str) -> RecordId {
     scope.record_id(&IdempotencyKey::parse(KEY.as_bytes()).unwrap())
 }
 
-async fn state(b: &Backend, tenant: &str) -> Option<(RecordState, u64)> {
+async fn state(b: &HttpEnv, tenant: &str) -> Option<(RecordState, u64)> {
     let store = b.dyn_store();
     let id = record_id(tenant);
     on_io(async move { store.get(id).await }).await.unwrap().map(|r| (r.state, r.token.0))
 }
 
 /// Row "in flight": A's handler is running; B runs its own, once, and gets its own answer.
-pub(crate) async fn in_flight(factory: Factory) {
-    let b = factory().await;
+pub async fn in_flight(b: HttpEnv) {
     let t = Tenants::default();
     let app = t.app(layer(&b));
     t.plan(A, Plan::Hold);
@@ -157,8 +163,7 @@ pub(crate) async fn in_flight(factory: Factory) {
 }
 
 /// Row "completed": A's stored response is never B's replay; each replays only its own.
-pub(crate) async fn completed(factory: Factory) {
-    let b = factory().await;
+pub async fn completed(b: HttpEnv) {
     let t = Tenants::default();
     let app = t.app(layer(&b));
     own_answer(&send(&app, &req(A)).await, A, B);
@@ -174,8 +179,7 @@ pub(crate) async fn completed(factory: Factory) {
 }
 
 /// Row "failed": A's failed record is neither reclaimed nor seen by B; A's retry reruns A.
-pub(crate) async fn failed(factory: Factory) {
-    let b = factory().await;
+pub async fn failed(b: HttpEnv) {
     let t = Tenants::default();
     let app = t.app(layer(&b));
     t.plan(A, Plan::Fail);
@@ -195,8 +199,7 @@ pub(crate) async fn failed(factory: Factory) {
 
 /// Row "mismatch": A used the key with another body first; B's same-key request with
 /// either body is B's own first use. A's mismatch problem names nothing of B's.
-pub(crate) async fn mismatch(factory: Factory) {
-    let b = factory().await;
+pub async fn mismatch(b: HttpEnv) {
     let t = Tenants::default();
     let app = t.app(layer(&b));
     own_answer(&send(&app, &post_req(ROUTE).token(A).key(KEY).body("{\"pool\":\"cpu\"}")).await, A, B);
@@ -213,8 +216,7 @@ pub(crate) async fn mismatch(factory: Factory) {
 
 /// Row "in flight, lease expired": a crashed process of A left A's record claimed; after
 /// the lease B still only runs its own, and only A's retry reclaims A's record (token + 1).
-pub(crate) async fn reclaimed(factory: Factory) {
-    let b = factory().await;
+pub async fn reclaimed(b: HttpEnv) {
     let t = Tenants::default();
     let app = t.app(layer(&b));
     // The claim a killed process of A left behind, with the fingerprint A's requests have.
@@ -250,8 +252,7 @@ pub(crate) async fn reclaimed(factory: Factory) {
 }
 
 /// Retention passed: A's expired record does not leak into B's, and A's new use is A's.
-pub(crate) async fn expired(factory: Factory) {
-    let b = factory().await;
+pub async fn expired(b: HttpEnv) {
     let t = Tenants::default();
     let app = t.app(layer(&b));
     own_answer(&send(&app, &req(A)).await, A, B);
