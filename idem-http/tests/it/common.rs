@@ -4,6 +4,7 @@
 
 #![allow(dead_code, unreachable_pub, reason = "each test binary uses a different subset of the fixtures")]
 
+use idem_conformance::{Forward, Forwarding};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -15,9 +16,9 @@ use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, Endpoint, FencingToken, IdempotencyKey, JournalWrite, ManualClock,
-    MemoryStore, ReclaimOutcome, ReclaimRequest, Record, RecordId, Scope, Store, StoreError, StoredResponse,
-    SweepOutcome, UnixMillis,
+    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, IdempotencyKey, JournalWrite, ManualClock, MemoryStore,
+    ReclaimOutcome, ReclaimRequest, Record, RecordId, Scope, Store, StoreError, StoredResponse, SweepOutcome,
+    UnixMillis,
 };
 use idem_http::BearerToken;
 use tower::ServiceExt;
@@ -29,14 +30,14 @@ pub const T0: UnixMillis = UnixMillis(1_800_000_000_000);
 #[derive(Clone, Debug)]
 pub struct Env {
     pub clock: ManualClock,
-    pub store: Arc<FlakyStore>,
+    pub store: Arc<Forwarding<FlakyStore>>,
 }
 
 impl Env {
     pub fn new() -> Self {
         let clock = ManualClock::new(T0);
         let memory = MemoryStore::with_clock(Arc::new(clock.clone()));
-        Self { store: Arc::new(FlakyStore::new(memory, clock.clone())), clock }
+        Self { store: Arc::new(Forwarding(FlakyStore::new(memory, clock.clone()))), clock }
     }
 
     pub fn dyn_store(&self) -> Arc<dyn Store> {
@@ -148,7 +149,10 @@ impl FlakyStore {
 }
 
 #[async_trait]
-impl Store for FlakyStore {
+impl Forward for FlakyStore {
+    fn inner(&self) -> &dyn Store {
+        &self.inner
+    }
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         self.down("claim")?;
         if self.stall_claims.load(Ordering::SeqCst) {
@@ -218,9 +222,6 @@ impl Store for FlakyStore {
     async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
         self.down("sweep")?;
         self.inner.sweep(limit).await
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
     }
     async fn journal_put(
         &self,

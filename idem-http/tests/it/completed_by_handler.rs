@@ -2,9 +2,9 @@
 //! its own database transaction, e.g. `idem_postgres::PostgresStore::complete_in`) gets no
 //! second write from the layer, and retries replay what the handler stored.
 
+use idem_conformance::{Forward, Forwarding};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
 
 use async_trait::async_trait;
 use axum::Router;
@@ -13,10 +13,7 @@ use axum::extract::Extension;
 use axum::http::{Request, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
-use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, FencingToken, MemoryStore, ReclaimOutcome, ReclaimRequest, Record,
-    RecordId, Store, StoreError, StoredResponse, SweepOutcome,
-};
+use idem_core::{FencingToken, MemoryStore, RecordId, Store, StoreError, StoredResponse};
 use idem_http::{IdempotencyContext, IdempotencyLayer, ResponseCaching};
 use tower::ServiceExt;
 
@@ -29,12 +26,9 @@ struct Counting {
 }
 
 #[async_trait]
-impl Store for Counting {
-    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        self.inner.claim(req).await
-    }
-    async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
-        self.inner.reclaim(req).await
+impl Forward for Counting {
+    fn inner(&self) -> &dyn Store {
+        &self.inner
     }
     async fn complete(
         &self,
@@ -48,23 +42,6 @@ impl Store for Counting {
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<idem_core::Receipt, StoreError> {
         self.fails.fetch_add(1, Ordering::SeqCst);
         self.inner.fail(id, token).await
-    }
-    async fn extend(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        lease: Duration,
-    ) -> Result<idem_core::Receipt, StoreError> {
-        self.inner.extend(id, token, lease).await
-    }
-    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        self.inner.get(id).await
-    }
-    async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
-        self.inner.sweep(limit).await
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
     }
 }
 
@@ -81,7 +58,7 @@ fn request() -> Request<Body> {
 // response the handler stored.
 #[tokio::test]
 async fn the_layer_writes_nothing_after_a_handler_that_completed_its_record() {
-    let store = Arc::new(Counting::default());
+    let store = Arc::new(Forwarding(Counting::default()));
     let handler = |Extension(ctx): Extension<IdempotencyContext>| async move {
         // A final business answer the policy would not store by status (409): the handler
         // stores it itself, as it would inside its own transaction.
@@ -118,7 +95,7 @@ async fn the_layer_writes_nothing_after_a_handler_that_completed_its_record() {
 // 500, and the retry runs the handler again.
 #[tokio::test]
 async fn a_completion_that_rolled_back_fails_the_record_and_the_retry_runs_again() {
-    let store = Arc::new(Counting::default());
+    let store = Arc::new(Forwarding(Counting::default()));
     let runs = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&runs);
     let handler = move |Extension(ctx): Extension<IdempotencyContext>| {

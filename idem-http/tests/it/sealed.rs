@@ -5,6 +5,7 @@
 //! rotation, unsealed records) is `idem_conformance::http::sealed`, run from each store
 //! crate by `http_tests!`.
 
+use idem_conformance::{Forward, Forwarding};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -167,7 +168,10 @@ struct FinishesPlainAfterClaim {
 }
 
 #[async_trait::async_trait]
-impl Store for FinishesPlainAfterClaim {
+impl Forward for FinishesPlainAfterClaim {
+    fn inner(&self) -> &dyn Store {
+        &self.inner
+    }
     async fn claim(&self, req: idem_core::ClaimRequest) -> Result<idem_core::ClaimOutcome, idem_core::StoreError> {
         let out = self.inner.claim(req).await?;
         if let idem_core::ClaimOutcome::Existing { record, .. } = &out
@@ -178,44 +182,6 @@ impl Store for FinishesPlainAfterClaim {
         }
         Ok(out)
     }
-    async fn reclaim(
-        &self,
-        req: idem_core::ReclaimRequest,
-    ) -> Result<idem_core::ReclaimOutcome, idem_core::StoreError> {
-        self.inner.reclaim(req).await
-    }
-    async fn complete(
-        &self,
-        id: RecordId,
-        token: idem_core::FencingToken,
-        r: idem_core::StoredResponse,
-    ) -> Result<idem_core::Receipt, idem_core::StoreError> {
-        self.inner.complete(id, token, r).await
-    }
-    async fn fail(
-        &self,
-        id: RecordId,
-        token: idem_core::FencingToken,
-    ) -> Result<idem_core::Receipt, idem_core::StoreError> {
-        self.inner.fail(id, token).await
-    }
-    async fn extend(
-        &self,
-        id: RecordId,
-        token: idem_core::FencingToken,
-        lease: std::time::Duration,
-    ) -> Result<idem_core::Receipt, idem_core::StoreError> {
-        self.inner.extend(id, token, lease).await
-    }
-    async fn get(&self, id: RecordId) -> Result<Option<idem_core::Record>, idem_core::StoreError> {
-        self.inner.get(id).await
-    }
-    async fn sweep(&self, limit: usize) -> Result<idem_core::SweepOutcome, idem_core::StoreError> {
-        self.inner.sweep(limit).await
-    }
-    fn capabilities(&self) -> idem_core::Capabilities {
-        self.inner.capabilities()
-    }
 }
 
 // Pins: with a bounded in-flight wait, a record that stopped opening while the duplicate
@@ -224,7 +190,7 @@ impl Store for FinishesPlainAfterClaim {
 // like every other read of a record that does not open.
 #[tokio::test]
 async fn a_record_that_does_not_open_during_a_bounded_wait_is_a_503_not_a_409() {
-    let store = Arc::new(FinishesPlainAfterClaim::default());
+    let store = Arc::new(Forwarding(FinishesPlainAfterClaim::default()));
     // The first attempt: claimed with the fingerprint the duplicate's request has, still running.
     let headers: [(&str, &[u8]); 1] = [("content-type", b"application/json")];
     let fp = idem_core::Fingerprint::of(&idem_core::RequestParts {
