@@ -1,9 +1,12 @@
-//! The decision table and the state machine, row by row, on the specification model
-//! ([`Spec`]).
+//! The decision table and the state machine, row by row, on both statements of the rules:
+//! the specification model ([`Spec`]) and the engine every in-process store runs
+//! ([`Engine`]). A row written once runs on each, so a wrong rule in either fails it by name.
 
 use std::time::Duration;
 
 use idem_conformance::{Oracle, Spec};
+
+use crate::engine::Engine;
 use idem_core::*;
 use proptest::prelude::*;
 
@@ -19,7 +22,7 @@ fn req(key: &str, body: &[u8]) -> ClaimRequest {
     ClaimRequest::new(scope, IdempotencyKey::parse(key.as_bytes()).unwrap(), fp(body), LEASE, RETENTION)
 }
 
-fn claimed(m: &mut Spec, r: &ClaimRequest, now: i64) -> Record {
+fn claimed(m: &mut impl Oracle, r: &ClaimRequest, now: i64) -> Record {
     match m.claim(r, UnixMillis(now)) {
         ClaimOutcome::Claimed(rec) => rec,
         other => panic!("expected Claimed, got {other:?}"),
@@ -29,7 +32,7 @@ fn claimed(m: &mut Spec, r: &ClaimRequest, now: i64) -> Record {
 /// The record a model write at `now` just wrote, read back at `now`; its receipt must
 /// report it.
 #[track_caller]
-fn written(m: &Spec, id: RecordId, receipt: Receipt, now: i64) -> Record {
+fn written(m: &impl Oracle, id: RecordId, receipt: Receipt, now: i64) -> Record {
     let record = m.get(id, UnixMillis(now)).expect("the record just written is live");
     assert_eq!(Receipt::of(&record), receipt, "the receipt reports the record as written");
     record
@@ -44,9 +47,8 @@ fn row_none_claims() {
     assert_eq!(decide(None, &fp(b"x"), UnixMillis(0)), Decision::Claim);
 }
 
-#[test]
-fn row_in_flight_fresh_same_is_busy_with_retry_after() {
-    let mut m = Spec::new();
+fn row_in_flight_fresh_same_is_busy_with_retry_after<M: Oracle + Default + Clone + PartialEq + std::fmt::Debug>() {
+    let mut m = M::default();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     assert_eq!(r.token, FencingToken::first_at(UnixMillis(0)));
     assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(0)), Decision::InFlight { retry_after_secs: 5 });
@@ -55,16 +57,16 @@ fn row_in_flight_fresh_same_is_busy_with_retry_after() {
     assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(4_999)), Decision::InFlight { retry_after_secs: 1 });
 }
 
-#[test]
-fn row_in_flight_fresh_different_is_mismatch() {
-    let mut m = Spec::new();
+fn row_in_flight_fresh_different_is_mismatch<M: Oracle + Default + Clone + PartialEq + std::fmt::Debug>() {
+    let mut m = M::default();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     assert_eq!(decide(Some(&r), &fp(b"y"), UnixMillis(1)), Decision::Mismatch);
 }
 
-#[test]
-fn row_in_flight_expired_same_reclaims_exactly_at_lease_end() {
-    let mut m = Spec::new();
+fn row_in_flight_expired_same_reclaims_exactly_at_lease_end<
+    M: Oracle + Default + Clone + PartialEq + std::fmt::Debug,
+>() {
+    let mut m = M::default();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     assert!(matches!(decide(Some(&r), &fp(b"x"), UnixMillis(4_999)), Decision::InFlight { .. }));
     assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(5_000)), Decision::Reclaim { expected: r.token });
@@ -74,17 +76,15 @@ fn row_in_flight_expired_same_reclaims_exactly_at_lease_end() {
     assert_eq!(n.lease_expires_at, UnixMillis(10_001));
 }
 
-#[test]
-fn row_in_flight_expired_different_is_mismatch() {
-    let mut m = Spec::new();
+fn row_in_flight_expired_different_is_mismatch<M: Oracle + Default + Clone + PartialEq + std::fmt::Debug>() {
+    let mut m = M::default();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     assert_eq!(decide(Some(&r), &fp(b"y"), UnixMillis(9_000)), Decision::Mismatch);
     assert!(matches!(m.reclaim(&reclaim_req(&r, b"y"), UnixMillis(9_000)), ReclaimOutcome::Conflict { .. }));
 }
 
-#[test]
-fn row_completed_same_replays_different_mismatches() {
-    let mut m = Spec::new();
+fn row_completed_same_replays_different_mismatches<M: Oracle + Default + Clone + PartialEq + std::fmt::Debug>() {
+    let mut m = M::default();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     let receipt = m.complete(r.id, r.token, StoredResponse::new(201, vec![], b"ok".to_vec()), UnixMillis(10)).unwrap();
     let done = written(&m, r.id, receipt, 10);
@@ -94,9 +94,8 @@ fn row_completed_same_replays_different_mismatches() {
     assert!(matches!(m.reclaim(&reclaim_req(&done, b"x"), UnixMillis(50_000)), ReclaimOutcome::Conflict { .. }));
 }
 
-#[test]
-fn row_failed_same_reclaims_different_mismatches() {
-    let mut m = Spec::new();
+fn row_failed_same_reclaims_different_mismatches<M: Oracle + Default + Clone + PartialEq + std::fmt::Debug>() {
+    let mut m = M::default();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     let receipt = m.fail(r.id, r.token, UnixMillis(10)).unwrap();
     let failed = written(&m, r.id, receipt, 10);
@@ -106,9 +105,10 @@ fn row_failed_same_reclaims_different_mismatches() {
     assert!(matches!(m.reclaim(&reclaim_req(&failed, b"x"), UnixMillis(11)), ReclaimOutcome::Reclaimed(_)));
 }
 
-#[test]
-fn retention_end_makes_the_record_absent_and_a_new_claim_gets_a_higher_token() {
-    let mut m = Spec::new();
+fn retention_end_makes_the_record_absent_and_a_new_claim_gets_a_higher_token<
+    M: Oracle + Default + Clone + PartialEq + std::fmt::Debug,
+>() {
+    let mut m = M::default();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     m.complete(r.id, r.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(1)).unwrap();
     assert!(m.get(r.id, UnixMillis(59_999)).is_some());
@@ -120,9 +120,8 @@ fn retention_end_makes_the_record_absent_and_a_new_claim_gets_a_higher_token() {
     assert!(again.token > r.token);
 }
 
-#[test]
-fn stale_token_writes_are_lease_lost_and_change_nothing() {
-    let mut m = Spec::new();
+fn stale_token_writes_are_lease_lost_and_change_nothing<M: Oracle + Default + Clone + PartialEq + std::fmt::Debug>() {
+    let mut m = M::default();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     let ReclaimOutcome::Reclaimed(n) = m.reclaim(&reclaim_req(&r, b"x"), UnixMillis(6_000)) else { panic!() };
     let before = m.clone();
@@ -133,9 +132,10 @@ fn stale_token_writes_are_lease_lost_and_change_nothing() {
     assert!(m.complete(n.id, n.token, StoredResponse::new(200, vec![], vec![]), UnixMillis(6_002)).is_ok());
 }
 
-#[test]
-fn extend_renews_from_now_never_earlier_and_keeps_the_rest() {
-    let mut m = Spec::new();
+fn extend_renews_from_now_never_earlier_and_keeps_the_rest<
+    M: Oracle + Default + Clone + PartialEq + std::fmt::Debug,
+>() {
+    let mut m = M::default();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     // From now, not from the old lease end; token, state and times other than the lease stay.
     let receipt = m.extend(r.id, r.token, Duration::from_secs(10), UnixMillis(3_000)).unwrap();
@@ -157,9 +157,10 @@ fn extend_renews_from_now_never_earlier_and_keeps_the_rest() {
     assert_eq!(m.get(r.id, UnixMillis(105_000)), None, "lease and retention end together");
 }
 
-#[test]
-fn extend_is_lease_lost_unless_the_caller_holds_the_in_flight_claim() {
-    let mut m = Spec::new();
+fn extend_is_lease_lost_unless_the_caller_holds_the_in_flight_claim<
+    M: Oracle + Default + Clone + PartialEq + std::fmt::Debug,
+>() {
+    let mut m = M::default();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     // An owner whose lease ran out but whom nobody reclaimed still renews.
     let late = m.extend(r.id, r.token, LEASE, UnixMillis(9_000)).unwrap();
@@ -190,8 +191,7 @@ fn extend_is_lease_lost_unless_the_caller_holds_the_in_flight_claim() {
     assert!(matches!(e, StoreError::LeaseLost { current: None, .. }), "{e:?}");
 }
 
-#[test]
-fn a_generation_s_first_token_comes_from_the_clock() {
+fn a_generation_s_first_token_comes_from_the_clock<M: Oracle + Default + Clone + PartialEq + std::fmt::Debug>() {
     // ms << 16: room for 65,536 reclaims per ms between two generations.
     assert_eq!(FencingToken::ATTEMPT_BITS, 16);
     assert_eq!(FencingToken::first_at(UnixMillis(1)), FencingToken(1 << 16));
@@ -208,7 +208,7 @@ fn a_generation_s_first_token_comes_from_the_clock() {
     assert!(FencingToken(early.0 + (1 << 16) - 1) < FencingToken::first_at(UnixMillis(1_001)));
     // A claim replacing an expired record that is still stored stays above its token,
     // even when the clock gives less (two generations in one ms, or a clock stepped back).
-    let mut m = Spec::new();
+    let mut m = M::default();
     let r = req("k", b"x");
     let zero = ClaimRequest::new(r.scope().clone(), r.key().clone(), r.fingerprint(), Duration::ZERO, Duration::ZERO);
     let first = claimed(&mut m, &zero, 1_000);
@@ -216,10 +216,9 @@ fn a_generation_s_first_token_comes_from_the_clock() {
     assert_eq!(second.token, first.token.next());
 }
 
-#[test]
-fn zero_lease_is_finite_and_expires_at_once() {
+fn zero_lease_is_finite_and_expires_at_once<M: Oracle + Default + Clone + PartialEq + std::fmt::Debug>() {
     // A zero budget must never mean "no deadline" (docs/failures.md#zero-lease-means-no-deadline).
-    let mut m = Spec::new();
+    let mut m = M::default();
     let r0 = req("k", b"x");
     let r0 = ClaimRequest::new(r0.scope().clone(), r0.key().clone(), r0.fingerprint(), Duration::ZERO, RETENTION);
     let r = claimed(&mut m, &r0, 1_000);
@@ -227,9 +226,8 @@ fn zero_lease_is_finite_and_expires_at_once() {
     assert_eq!(decide(Some(&r), &fp(b"x"), UnixMillis(1_000)), Decision::Reclaim { expected: r.token });
 }
 
-#[test]
-fn sweep_is_bounded_and_spares_live_records() {
-    let mut m = Spec::new();
+fn sweep_is_bounded_and_spares_live_records<M: Oracle + Default + Clone + PartialEq + std::fmt::Debug>() {
+    let mut m = M::default();
     for i in 0..10 {
         claimed(&mut m, &req(&format!("k{i}"), b"x"), i);
     }
@@ -244,9 +242,8 @@ fn sweep_is_bounded_and_spares_live_records() {
     assert_eq!(m.sweep(100, UnixMillis(70_000)).removed, 4);
 }
 
-#[test]
-fn codec_round_trips_and_rejects_garbage() {
-    let mut m = Spec::new();
+fn codec_round_trips_and_rejects_garbage<M: Oracle + Default + Clone + PartialEq + std::fmt::Debug>() {
+    let mut m = M::default();
     let r = claimed(&mut m, &req("k", b"x"), 0);
     let body = vec![b'a'; 10_000];
     let receipt = m
@@ -275,39 +272,15 @@ proptest! {
     }
 
     #[test]
-    fn tokens_only_grow(ops in proptest::collection::vec((0u8..6, 0i64..20_000), 1..60)) {
-        // Whatever the sequence, the tokens of one record id never decrease, across its
-        // generations too (a record swept or replaced after its retention), and every
-        // successful claim or reclaim takes a token above every earlier one.
-        let mut m = Spec::new();
-        let r = req("k", b"x");
-        let mut now = 0i64;
-        let mut last = 0u64;
-        for (op, dt) in ops {
-            now += dt;
-            let t = UnixMillis(now);
-            let cur = m.get(r.id(), t);
-            let won = match op {
-                0 => match m.claim(&r, t) { ClaimOutcome::Claimed(n) => Some(n), ClaimOutcome::Existing { .. } => None },
-                1 => cur.as_ref().and_then(|c| match m.reclaim(&reclaim_req(c, b"x"), t) {
-                    ReclaimOutcome::Reclaimed(n) => Some(n),
-                    ReclaimOutcome::Conflict { .. } => None,
-                }),
-                2 => { if let Some(c) = &cur { let _ = m.complete(c.id, c.token, StoredResponse::new(200, vec![], vec![]), t); } None }
-                3 => { if let Some(c) = &cur { let _ = m.fail(c.id, c.token, t); } None }
-                4 => { if let Some(c) = &cur { let _ = m.extend(c.id, c.token, LEASE, t); } None }
-                _ => { let _ = m.sweep(10, t); None }
-            };
-            if let Some(n) = won {
-                prop_assert!(n.token.0 > last, "token {} after {last}", n.token);
-            }
-            if let Some(after) = m.get(r.id(), t) {
-                prop_assert!(after.token.0 >= last);
-                prop_assert!(after.lease_expires_at <= after.expires_at || after.state != RecordState::InFlight);
-                last = after.token.0;
-            }
-        }
+    fn tokens_only_grow_on_spec(ops in proptest::collection::vec((0u8..6, 0i64..20_000), 1..60)) {
+        tokens_only_grow::<Spec>(ops)?;
     }
+
+    #[test]
+    fn tokens_only_grow_on_the_engine(ops in proptest::collection::vec((0u8..6, 0i64..20_000), 1..60)) {
+        tokens_only_grow::<Engine>(ops)?;
+    }
+
 }
 
 #[test]
@@ -322,4 +295,130 @@ fn byte_string_bodies_keep_the_postcard_wire_format() {
     let new = postcard::to_allocvec(&StoredBody::Identity(body.clone())).unwrap();
     let old = postcard::to_allocvec(&OldBody::Identity(body)).unwrap();
     assert_eq!(new, old);
+}
+
+/// Whatever the sequence, tokens only grow (see the two property tests above).
+fn tokens_only_grow<M: Oracle + Default>(ops: Vec<(u8, i64)>) -> Result<(), TestCaseError> {
+    // Whatever the sequence, the tokens of one record id never decrease, across its
+    // generations too (a record swept or replaced after its retention), and every
+    // successful claim or reclaim takes a token above every earlier one.
+    let mut m = M::default();
+    let r = req("k", b"x");
+    let mut now = 0i64;
+    let mut last = 0u64;
+    for (op, dt) in ops {
+        now += dt;
+        let t = UnixMillis(now);
+        let cur = m.get(r.id(), t);
+        let won = match op {
+            0 => match m.claim(&r, t) {
+                ClaimOutcome::Claimed(n) => Some(n),
+                ClaimOutcome::Existing { .. } => None,
+            },
+            1 => cur.as_ref().and_then(|c| match m.reclaim(&reclaim_req(c, b"x"), t) {
+                ReclaimOutcome::Reclaimed(n) => Some(n),
+                ReclaimOutcome::Conflict { .. } => None,
+            }),
+            2 => {
+                if let Some(c) = &cur {
+                    let _ = m.complete(c.id, c.token, StoredResponse::new(200, vec![], vec![]), t);
+                }
+                None
+            }
+            3 => {
+                if let Some(c) = &cur {
+                    let _ = m.fail(c.id, c.token, t);
+                }
+                None
+            }
+            4 => {
+                if let Some(c) = &cur {
+                    let _ = m.extend(c.id, c.token, LEASE, t);
+                }
+                None
+            }
+            _ => {
+                let _ = m.sweep(10, t);
+                None
+            }
+        };
+        if let Some(n) = won {
+            prop_assert!(n.token.0 > last, "token {} after {last}", n.token);
+        }
+        if let Some(after) = m.get(r.id(), t) {
+            prop_assert!(after.token.0 >= last);
+            prop_assert!(after.lease_expires_at <= after.expires_at || after.state != RecordState::InFlight);
+            last = after.token.0;
+        }
+    }
+    Ok(())
+}
+
+/// Each row above as a named test on one oracle.
+macro_rules! rows {
+    ($name:ident, $oracle:ty) => {
+        mod $name {
+            #[test]
+            fn row_in_flight_fresh_same_is_busy_with_retry_after() {
+                super::super::row_in_flight_fresh_same_is_busy_with_retry_after::<$oracle>();
+            }
+            #[test]
+            fn row_in_flight_fresh_different_is_mismatch() {
+                super::super::row_in_flight_fresh_different_is_mismatch::<$oracle>();
+            }
+            #[test]
+            fn row_in_flight_expired_same_reclaims_exactly_at_lease_end() {
+                super::super::row_in_flight_expired_same_reclaims_exactly_at_lease_end::<$oracle>();
+            }
+            #[test]
+            fn row_in_flight_expired_different_is_mismatch() {
+                super::super::row_in_flight_expired_different_is_mismatch::<$oracle>();
+            }
+            #[test]
+            fn row_completed_same_replays_different_mismatches() {
+                super::super::row_completed_same_replays_different_mismatches::<$oracle>();
+            }
+            #[test]
+            fn row_failed_same_reclaims_different_mismatches() {
+                super::super::row_failed_same_reclaims_different_mismatches::<$oracle>();
+            }
+            #[test]
+            fn retention_end_makes_the_record_absent_and_a_new_claim_gets_a_higher_token() {
+                super::super::retention_end_makes_the_record_absent_and_a_new_claim_gets_a_higher_token::<$oracle>();
+            }
+            #[test]
+            fn stale_token_writes_are_lease_lost_and_change_nothing() {
+                super::super::stale_token_writes_are_lease_lost_and_change_nothing::<$oracle>();
+            }
+            #[test]
+            fn extend_renews_from_now_never_earlier_and_keeps_the_rest() {
+                super::super::extend_renews_from_now_never_earlier_and_keeps_the_rest::<$oracle>();
+            }
+            #[test]
+            fn extend_is_lease_lost_unless_the_caller_holds_the_in_flight_claim() {
+                super::super::extend_is_lease_lost_unless_the_caller_holds_the_in_flight_claim::<$oracle>();
+            }
+            #[test]
+            fn a_generation_s_first_token_comes_from_the_clock() {
+                super::super::a_generation_s_first_token_comes_from_the_clock::<$oracle>();
+            }
+            #[test]
+            fn zero_lease_is_finite_and_expires_at_once() {
+                super::super::zero_lease_is_finite_and_expires_at_once::<$oracle>();
+            }
+            #[test]
+            fn sweep_is_bounded_and_spares_live_records() {
+                super::super::sweep_is_bounded_and_spares_live_records::<$oracle>();
+            }
+            #[test]
+            fn codec_round_trips_and_rejects_garbage() {
+                super::super::codec_round_trips_and_rejects_garbage::<$oracle>();
+            }
+        }
+    };
+}
+
+mod on {
+    rows!(spec, idem_conformance::Spec);
+    rows!(engine, crate::engine::Engine);
 }

@@ -3,6 +3,7 @@
 
 mod broken;
 mod decision_table;
+mod engine;
 mod fuzz_corpus;
 mod http;
 mod memory;

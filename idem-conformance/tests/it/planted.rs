@@ -13,10 +13,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_conformance::{Backend, Oracle, model_test};
+
+use crate::engine::Engine;
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ManualClock, MemoryStore, Model,
-    Receipt, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordRead, Store, StoreError, StoredResponse,
-    SweepOutcome, UnixMillis, engine,
+    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ManualClock, MemoryStore, Receipt,
+    ReclaimOutcome, ReclaimRequest, Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
 };
 
 /// Enough cases that a run meets the planted rule many times over (a case meets it only
@@ -24,67 +25,8 @@ use idem_core::{
 /// abandoned record), few enough to run in seconds.
 const CASES: u32 = 500;
 
-/// The engine over a [`Model`] table, with the planted rule.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-struct Mutant(Model);
-
-/// The map-backed table never fails.
-fn table<T>(result: Result<T, StoreError>) -> T {
-    result.unwrap_or_else(|e| unreachable!("the in-memory table failed: {e}"))
-}
-
-impl Oracle for Mutant {
-    fn claim(&mut self, req: &ClaimRequest, now: UnixMillis) -> ClaimOutcome {
-        table(engine::claim(&mut self.0, req, now))
-    }
-    fn reclaim(&mut self, req: &ReclaimRequest, now: UnixMillis) -> ReclaimOutcome {
-        // The planted rule: the engine is shown the stored fingerprint instead of the
-        // request's, so its "fingerprints equal" precondition always holds.
-        let stored = table(self.0.read(req.id)).map_or(req.fingerprint, |r| r.fingerprint);
-        table(engine::reclaim(&mut self.0, &ReclaimRequest { fingerprint: stored, ..req.clone() }, now))
-    }
-    fn complete(
-        &mut self,
-        id: RecordId,
-        token: FencingToken,
-        response: StoredResponse,
-        now: UnixMillis,
-    ) -> Result<Receipt, StoreError> {
-        engine::complete(&mut self.0, id, token, response, now)
-    }
-    fn fail(&mut self, id: RecordId, token: FencingToken, now: UnixMillis) -> Result<Receipt, StoreError> {
-        engine::fail(&mut self.0, id, token, now)
-    }
-    fn extend(
-        &mut self,
-        id: RecordId,
-        token: FencingToken,
-        lease_ttl: Duration,
-        now: UnixMillis,
-    ) -> Result<Receipt, StoreError> {
-        engine::extend(&mut self.0, id, token, lease_ttl, now)
-    }
-    fn get(&self, id: RecordId, now: UnixMillis) -> Option<Record> {
-        table(engine::get(&self.0, id, now))
-    }
-    fn sweep(&mut self, limit: usize, now: UnixMillis) -> SweepOutcome {
-        table(engine::sweep(&mut self.0, limit, now))
-    }
-    fn journal_put(
-        &mut self,
-        id: RecordId,
-        token: FencingToken,
-        name: &str,
-        value: Vec<u8>,
-        overwrite: bool,
-        now: UnixMillis,
-    ) -> Result<JournalWrite, StoreError> {
-        engine::journal_put(&mut self.0, id, token, name, &value, overwrite, now)
-    }
-    fn journal_get(&self, id: RecordId, name: &str, now: UnixMillis) -> Option<Vec<u8>> {
-        table(engine::journal_get(&self.0, id, name, now))
-    }
-}
+/// The engine with the planted rule.
+type Mutant = Engine<true>;
 
 /// [`Mutant`] as a store: every operation under one lock, at the clock's `now`.
 #[derive(Debug)]
