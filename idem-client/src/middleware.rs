@@ -85,6 +85,15 @@ impl IdempotencyMiddleware {
         self.max_wait = max;
         self
     }
+
+    /// The `Retry-After` to wait before `response` goes back to a retry loop: only for an
+    /// answer [`IdempotencyRetryStrategy`] retries.
+    fn wait_before_retry(&self, response: &Response) -> Option<Duration> {
+        if classify(response) != Some(Retryable::Transient) {
+            return None;
+        }
+        retry_after(response.headers()).map(|d| d.min(self.max_wait)).filter(|d| !d.is_zero())
+    }
 }
 
 /// Safe methods (RFC 9110 §9.2.1) need no key: repeating them changes nothing.
@@ -129,17 +138,6 @@ impl Middleware for IdempotencyMiddleware {
             tokio::time::sleep(wait).await;
         }
         Ok(response)
-    }
-}
-
-impl IdempotencyMiddleware {
-    /// The `Retry-After` to wait before `response` goes back to a retry loop: only for an
-    /// answer [`IdempotencyRetryStrategy`] retries.
-    fn wait_before_retry(&self, response: &Response) -> Option<Duration> {
-        if classify(response) != Some(Retryable::Transient) {
-            return None;
-        }
-        retry_after(response.headers()).map(|d| d.min(self.max_wait)).filter(|d| !d.is_zero())
     }
 }
 

@@ -21,13 +21,9 @@ pub const FORMAT_VERSION: u8 = 2;
 /// Encodes a record: `[FORMAT_VERSION] ++ postcard(record)`.
 #[must_use]
 pub fn encode(record: &Record) -> Vec<u8> {
-    let out = vec![FORMAT_VERSION];
     // Serialising plain data into a Vec cannot fail; fall back to the version byte alone
     // (which decodes to a typed error) rather than panic if it ever did.
-    match postcard::to_extend(record, out) {
-        Ok(v) => v,
-        Err(_) => vec![FORMAT_VERSION],
-    }
+    postcard::to_extend(record, vec![FORMAT_VERSION]).unwrap_or_else(|_| vec![FORMAT_VERSION])
 }
 
 /// Decodes bytes written by [`encode`], of this format version or version 1.
@@ -318,6 +314,16 @@ pub(crate) mod tests {
             .with_trailers(vec![status.clone(), ("grpc-message".into(), vec![]), status])
     }
 
+    /// A fresh claim of key `k` by principal `p` on `POST /w`.
+    pub(crate) fn claimed() -> Record {
+        let scope = crate::Scope::new("p", crate::Endpoint::new("POST", "/w")).expect("scope");
+        let key = crate::IdempotencyKey::parse(b"k").expect("key");
+        let fingerprint = crate::Fingerprint::from_bytes([0; 32]);
+        let req = crate::ClaimRequest::new(scope, key, fingerprint, Default::default(), Default::default());
+        let (Some(claimed), _) = crate::transition::claim(None, &req, crate::UnixMillis(1)) else { unreachable!() };
+        claimed
+    }
+
     fn unhex(hex: &str) -> Vec<u8> {
         (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex")).collect()
     }
@@ -401,17 +407,7 @@ pub(crate) mod tests {
         assert!(matches!(decode_response(&[&bytes[..], &[0]].concat()), Err(CodecError::Trailing(1))));
 
         // The same in a whole record.
-        let scope = crate::Scope::new("p", crate::Endpoint::new("POST", "/w")).expect("scope");
-        let key = crate::IdempotencyKey::parse(b"k").expect("key");
-        let req = crate::ClaimRequest::new(
-            scope,
-            key,
-            crate::Fingerprint::from_bytes([0; 32]),
-            Default::default(),
-            Default::default(),
-        );
-        let (Some(claimed), _) = crate::transition::claim(None, &req, crate::UnixMillis(1)) else { unreachable!() };
-        let record = Record { response: Some(r), ..claimed };
+        let record = Record { response: Some(r), ..claimed() };
         let bytes = encode(&record);
         assert_eq!(decode(&bytes).expect("decodes"), record);
         for cut in 1..bytes.len() {

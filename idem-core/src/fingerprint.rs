@@ -75,20 +75,6 @@ pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub struct Fingerprint(pub(crate) [u8; 32]);
 
-impl Fingerprint {
-    /// A fingerprint from its 32 bytes, e.g. read back from a store.
-    #[must_use]
-    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
-        Self(bytes)
-    }
-
-    /// The 32 bytes.
-    #[must_use]
-    pub const fn as_bytes(&self) -> &[u8; 32] {
-        &self.0
-    }
-}
-
 impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Fingerprint({})", &crate::scope::to_hex(&self.0)[..16])
@@ -111,6 +97,18 @@ pub struct RequestParts<'a> {
 }
 
 impl Fingerprint {
+    /// A fingerprint from its 32 bytes, e.g. read back from a store.
+    #[must_use]
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The 32 bytes.
+    #[must_use]
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
     /// Fingerprints `parts` in raw mode.
     #[must_use]
     pub fn of(parts: &RequestParts<'_>) -> Self {

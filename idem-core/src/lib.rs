@@ -59,6 +59,26 @@
 //! - `sweeper` (feature `sweeper`): `Sweeper`, the one background task that removes
 //!   expired records from any store.
 
+/// Builder setters that put their argument, or a value made from it, in one field: each
+/// `fn with_x(arg: T) => field = value;` is `fn with_x(mut self, arg: T) -> Self`, with the
+/// docs and attributes written before it (`=> via().field`: the field of what `via` returns).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! setters {
+    ($($(#[$attr:meta])* $vis:vis fn $name:ident($arg:ident: $ty:ty) => $($field:ident).+ = $value:expr;)+) => {
+        $($(#[$attr])* $vis fn $name(mut self, $arg: $ty) -> Self {
+            self.$($field).+ = $value;
+            self
+        })+
+    };
+    ($($(#[$attr:meta])* $vis:vis fn $name:ident($arg:ident: $ty:ty) => $via:ident().$($field:ident).+ = $value:expr;)+) => {
+        $($(#[$attr])* $vis fn $name(mut self, $arg: $ty) -> Self {
+            self.$via().$($field).+ = $value;
+            self
+        })+
+    };
+}
+
 pub mod codec;
 mod corrupt;
 pub mod decision;

@@ -41,32 +41,22 @@ impl ListFilter {
         Self { limit, ..Self::default() }
     }
 
-    /// Only records in `state`.
-    #[must_use]
-    pub fn with_state(mut self, state: RecordState) -> Self {
-        self.state = Some(state);
-        self
-    }
+    crate::setters! {
+        /// Only records in `state`.
+        #[must_use]
+        pub fn with_state(state: RecordState) => state = Some(state);
 
-    /// Only records whose current attempt started at or before `t`.
-    #[must_use]
-    pub fn with_started_before(mut self, t: UnixMillis) -> Self {
-        self.started_before = Some(t);
-        self
-    }
+        /// Only records whose current attempt started at or before `t`.
+        #[must_use]
+        pub fn with_started_before(t: UnixMillis) => started_before = Some(t);
 
-    /// Only records of `principal`.
-    #[must_use]
-    pub fn with_principal(mut self, principal: impl Into<String>) -> Self {
-        self.principal = Some(Principal(principal.into()));
-        self
-    }
+        /// Only records of `principal`.
+        #[must_use]
+        pub fn with_principal(principal: impl Into<String>) => principal = Some(Principal(principal.into()));
 
-    /// Only records after `id` (the last id of the previous page).
-    #[must_use]
-    pub fn with_after(mut self, id: RecordId) -> Self {
-        self.after = Some(id);
-        self
+        /// Only records after `id` (the last id of the previous page).
+        #[must_use]
+        pub fn with_after(id: RecordId) => after = Some(id);
     }
 
     /// Whether `record` belongs in the listing at `now`: live (`now < expires_at`, the

@@ -43,6 +43,16 @@ impl Model {
     pub fn is_empty(&self) -> bool {
         self.records.is_empty()
     }
+
+    /// Keeps the expiry index at one entry per record.
+    fn index(&mut self, old: Option<&Record>, new: &Record) {
+        if old.map(|o| o.expires_at) != Some(new.expires_at) {
+            if let Some(o) = old {
+                self.expiry.remove(&Expired { expires_at: o.expires_at, id: o.id });
+            }
+            self.expiry.insert(Expired { expires_at: new.expires_at, id: new.id });
+        }
+    }
 }
 
 impl RecordRead for Model {
@@ -59,18 +69,6 @@ impl RecordRead for Model {
             visit(Record::clone(record));
         }
         Ok(())
-    }
-}
-
-impl Model {
-    /// Keeps the expiry index at one entry per record.
-    fn index(&mut self, old: Option<&Record>, new: &Record) {
-        if old.map(|o| o.expires_at) != Some(new.expires_at) {
-            if let Some(o) = old {
-                self.expiry.remove(&Expired { expires_at: o.expires_at, id: o.id });
-            }
-            self.expiry.insert(Expired { expires_at: new.expires_at, id: new.id });
-        }
     }
 }
 

@@ -35,12 +35,7 @@ impl RecordState {
     /// The state named by [`RecordState::as_str`]; `None` for any other text.
     #[must_use]
     pub fn from_name(name: &str) -> Option<Self> {
-        match name {
-            "in_flight" => Some(RecordState::InFlight),
-            "completed" => Some(RecordState::Completed),
-            "failed" => Some(RecordState::Failed),
-            _ => None,
-        }
+        [RecordState::InFlight, RecordState::Completed, RecordState::Failed].into_iter().find(|s| s.as_str() == name)
     }
 }
 

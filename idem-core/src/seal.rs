@@ -46,19 +46,9 @@
 //! [`SealingKeys`] (a removed key), or an unsealed response was found while
 //! [`Sealing::accept_unsealed`] is off.
 //!
-//! # Unsealed records
-//! A record completed before sealing was turned on holds a plain response. By default it
-//! is refused like a corrupt record: otherwise anyone who can write to the store could
-//! replace a sealed response with a plain one of their choosing (a downgrade), and the
-//! seal would protect nothing. During a migration, [`Sealing::accept_unsealed`] lets plain
-//! responses through for one retention window; turn it off once every record written
-//! before the switch has expired.
-//!
-//! # Key rotation
-//! [`SealingKeys`] holds several 32-byte keys by id. The key with the highest id seals;
-//! every key opens what it sealed. To rotate, add a key with a higher id everywhere,
-//! then remove the old one once one retention window has passed (records it sealed
-//! are gone by then). A record sealed by a removed key gives 503.
+//! # Unsealed records and key rotation
+//! Why a plain response is refused unless [`Sealing::accept_unsealed`] (a downgrade), and
+//! how to rotate [`SealingKeys`]: `docs/contract.md#sealed-responses`.
 
 use std::fmt;
 use std::sync::Arc;
@@ -310,7 +300,7 @@ impl Sealing {
 
     /// Whether a plain (unsealed) stored response is replayed as is (`true`, for the
     /// migration window after turning sealing on) or refused as corrupt (`false`, the
-    /// default; see the module docs for why).
+    /// default; why: `docs/contract.md#sealed-responses`).
     #[must_use]
     pub fn accept_unsealed(mut self, accept: bool) -> Self {
         self.accept_unsealed = accept;
@@ -482,16 +472,7 @@ mod tests {
     /// sealed response for one of its choosing; or a migration could not replay old ones.
     #[test]
     fn a_plain_response_is_refused_unless_accepted() {
-        let scope = crate::Scope::new("p", crate::Endpoint::new("POST", "/w")).unwrap();
-        let key = crate::IdempotencyKey::parse(b"k").unwrap();
-        let req = crate::ClaimRequest::new(
-            scope,
-            key,
-            crate::Fingerprint::from_bytes([0; 32]),
-            Default::default(),
-            Default::default(),
-        );
-        let (Some(claimed), _) = crate::transition::claim(None, &req, crate::UnixMillis(1)) else { unreachable!() };
+        let claimed = crate::codec::tests::claimed();
         let record = |response| crate::Record { response: Some(response), ..claimed.clone() };
         let sealing = Sealing::new(SealingKeys::new(1, [7; 32]));
         let sealed = sealing.seal(claimed.id, claimed.token, &response());

@@ -37,16 +37,12 @@ impl Default for SweepConfig {
 }
 
 impl SweepConfig {
-    /// Time between rounds (default 60 s; raised to 1 ms). The first round runs at once.
-    pub fn with_period(mut self, period: Duration) -> Self {
-        self.period = period.max(Duration::from_millis(1));
-        self
-    }
+    crate::setters! {
+        /// Time between rounds (default 60 s; raised to 1 ms). The first round runs at once.
+        pub fn with_period(period: Duration) => period = period.max(Duration::from_millis(1));
 
-    /// Most records removed per [`Store::sweep`] call (default 1,000; raised to 1).
-    pub fn with_batch(mut self, batch: usize) -> Self {
-        self.batch = batch.max(1);
-        self
+        /// Most records removed per [`Store::sweep`] call (default 1,000; raised to 1).
+        pub fn with_batch(batch: usize) => batch = batch.max(1);
     }
 }
 

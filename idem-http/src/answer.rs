@@ -162,29 +162,16 @@ impl Refusal {
         Self::new(ProblemKind::InvalidKey, StatusCode::BAD_REQUEST, error.to_string())
     }
 
-    /// No principal, under `MissingPrincipal::Reject`; `challenge` is the resolver's.
-    pub(crate) fn missing_principal(challenge: Option<HeaderValue>) -> Self {
-        Self {
-            challenge,
-            ..Self::new(
-                ProblemKind::MissingPrincipal,
-                StatusCode::UNAUTHORIZED,
-                "an idempotency key is only meaningful for an authenticated principal; none was found",
-            )
-        }
-    }
-
-    /// A blank principal: a resolver bug or a client-supplied blank identity, never
-    /// "anonymous". A 401 like a missing one, so it carries the resolver's challenge too.
-    pub(crate) fn blank_principal(challenge: Option<HeaderValue>) -> Self {
-        Self {
-            challenge,
-            ..Self::new(
-                ProblemKind::MissingPrincipal,
-                StatusCode::UNAUTHORIZED,
-                "the request's principal is blank; an idempotency key needs a non-blank authenticated principal",
-            )
-        }
+    /// 401: no principal, under `MissingPrincipal::Reject`, or (`blank`) a blank one: a
+    /// resolver bug or a client-supplied blank identity, never "anonymous", refused in
+    /// every mode. `challenge` is the resolver's.
+    pub(crate) fn missing_principal(challenge: Option<HeaderValue>, blank: bool) -> Self {
+        let detail = if blank {
+            "the request's principal is blank; an idempotency key needs a non-blank authenticated principal"
+        } else {
+            "an idempotency key is only meaningful for an authenticated principal; none was found"
+        };
+        Self { challenge, ..Self::new(ProblemKind::MissingPrincipal, StatusCode::UNAUTHORIZED, detail) }
     }
 
     pub(crate) fn headers_too_large(fields: usize, bytes: usize, max_fields: usize, max_bytes: usize) -> Self {

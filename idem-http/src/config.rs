@@ -4,7 +4,6 @@
 //! `layer` (which sets them) and `pipeline` (which prepares them once per layer and reads
 //! them per request) both import this module; neither imports the other's settings code.
 
-use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -208,7 +207,7 @@ pub(crate) const DEFAULT_MAX_FINGERPRINT_HEADER_BYTES: usize = 16 * 1024;
 
 /// Everything one layer was configured with; [`crate::pipeline::Pipeline`] is made from it
 /// once per layer.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub(crate) struct Settings {
     pub(crate) store: Arc<dyn Store>,
     /// The record rules.
@@ -273,32 +272,5 @@ impl Settings {
             #[cfg(feature = "seal")]
             sealing: None,
         }
-    }
-}
-
-impl fmt::Debug for Settings {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut config = f.debug_struct("Settings");
-        #[cfg(feature = "seal")]
-        config.field("sealing", &self.sealing);
-        config
-            .field("store", &self.store)
-            .field("policy", &self.policy)
-            .field("key_requirement", &self.key_requirement)
-            .field("max_key_len", &self.max_key_len)
-            .field("missing_principal", &self.missing_principal)
-            .field("max_request_body", &self.max_request_body)
-            .field("fingerprint_headers", &self.fingerprint_headers)
-            .field("fingerprint_mode", &self.fingerprint_mode)
-            .field("mismatch_status", &self.mismatch_status)
-            .field("store_failure_mode", &self.store_failure_mode)
-            .field("handler_execution", &self.handler_execution)
-            .field("lease_renewal", &self.lease_renewal)
-            .field("in_flight_retry_after", &self.in_flight_retry_after)
-            .field("in_flight_wait", &self.in_flight_wait)
-            .field("streaming", &self.streaming)
-            .field("retry_hints", &self.retry_hints)
-            .field("store_deadlines", &self.store_deadlines)
-            .finish_non_exhaustive()
     }
 }

@@ -90,53 +90,37 @@ impl IdempotencyLayer {
         Arc::make_mut(&mut self.config)
     }
 
-    /// Sets the record rules (retention, lease TTL, uncacheable statuses, stored body
-    /// limit, compression threshold, header deny list), all at once. The lease TTL bounds
-    /// how long a dead holder blocks its key; while the handler runs, the layer renews it
-    /// ([`Self::with_lease_renewal`]), so seconds are enough: `docs/contract.md#lease-ttl`.
-    #[must_use]
-    pub fn with_policy(mut self, policy: Policy) -> Self {
-        self.config().policy = policy;
-        self
-    }
+    idem_core::setters! {
+        /// Sets the record rules (retention, lease TTL, uncacheable statuses, stored body
+        /// limit, compression threshold, header deny list), all at once. The lease TTL bounds
+        /// how long a dead holder blocks its key; while the handler runs, the layer renews it
+        /// ([`Self::with_lease_renewal`]), so seconds are enough: `docs/contract.md#lease-ttl`.
+        #[must_use]
+        pub fn with_policy(policy: Policy) => config().policy = policy;
 
-    /// Sets what happens to non-safe requests without a key (default
-    /// [`KeyRequirement::Required`]).
-    #[must_use]
-    pub fn with_key_requirement(mut self, requirement: KeyRequirement) -> Self {
-        self.config().key_requirement = requirement;
-        self
-    }
+        /// Sets what happens to non-safe requests without a key (default
+        /// [`KeyRequirement::Required`]).
+        #[must_use]
+        pub fn with_key_requirement(requirement: KeyRequirement) => config().key_requirement = requirement;
 
-    /// Sets the longest accepted idempotency key, bytes after unquoting (default 255).
-    /// A longer key is a 400 `invalid-idempotency-key`.
-    #[must_use]
-    pub fn with_max_key_len(mut self, bytes: usize) -> Self {
-        self.config().max_key_len = bytes;
-        self
-    }
+        /// Sets the longest accepted idempotency key, bytes after unquoting (default 255).
+        /// A longer key is a 400 `invalid-idempotency-key`.
+        #[must_use]
+        pub fn with_max_key_len(bytes: usize) => config().max_key_len = bytes;
 
-    /// Replaces the principal resolver (default [`crate::BearerToken`]).
-    #[must_use]
-    pub fn with_principal_resolver(mut self, resolver: impl PrincipalResolver) -> Self {
-        self.config().resolver = Arc::new(resolver);
-        self
-    }
+        /// Replaces the principal resolver (default [`crate::BearerToken`]).
+        #[must_use]
+        pub fn with_principal_resolver(resolver: impl PrincipalResolver) => config().resolver = Arc::new(resolver);
 
-    /// Sets what happens to keyed requests without a principal (default
-    /// [`MissingPrincipal::Reject`]).
-    #[must_use]
-    pub fn with_missing_principal(mut self, rule: MissingPrincipal) -> Self {
-        self.config().missing_principal = rule;
-        self
-    }
+        /// Sets what happens to keyed requests without a principal (default
+        /// [`MissingPrincipal::Reject`]).
+        #[must_use]
+        pub fn with_missing_principal(rule: MissingPrincipal) => config().missing_principal = rule;
 
-    /// Sets the largest request body the layer buffers to fingerprint, bytes (default
-    /// 1 MiB). A larger request gets 413 `body-too-large` and claims nothing.
-    #[must_use]
-    pub fn with_max_request_body(mut self, bytes: usize) -> Self {
-        self.config().max_request_body = bytes;
-        self
+        /// Sets the largest request body the layer buffers to fingerprint, bytes (default
+        /// 1 MiB). A larger request gets 413 `body-too-large` and claims nothing.
+        #[must_use]
+        pub fn with_max_request_body(bytes: usize) => config().max_request_body = bytes;
     }
 
     /// Sets the request headers whose values enter the fingerprint (default
@@ -162,83 +146,61 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Sets how the body enters the fingerprint (default [`FingerprintMode::Raw`], the raw
-    /// bytes; `FingerprintMode::CanonicalJson`, feature `canonical-json`, is opt-in because
-    /// it can merge requests an API treats as different).
-    #[must_use]
-    pub fn with_fingerprint_mode(mut self, mode: FingerprintMode) -> Self {
-        self.config().fingerprint_mode = mode;
-        self
-    }
+    idem_core::setters! {
+        /// Sets how the body enters the fingerprint (default [`FingerprintMode::Raw`], the raw
+        /// bytes; `FingerprintMode::CanonicalJson`, feature `canonical-json`, is opt-in because
+        /// it can merge requests an API treats as different).
+        #[must_use]
+        pub fn with_fingerprint_mode(mode: FingerprintMode) => config().fingerprint_mode = mode;
 
-    /// Sets the status of the answer to a fingerprint mismatch (default
-    /// [`MismatchStatus::Conflict`], 409).
-    #[must_use]
-    pub fn with_mismatch_status(mut self, status: MismatchStatus) -> Self {
-        self.config().mismatch_status = status;
-        self
-    }
+        /// Sets the status of the answer to a fingerprint mismatch (default
+        /// [`MismatchStatus::Conflict`], 409).
+        #[must_use]
+        pub fn with_mismatch_status(status: MismatchStatus) => config().mismatch_status = status;
 
-    /// Sets what happens when the store cannot be reached (default
-    /// [`StoreFailureMode::FailClosed`]: 503, the handler does not run).
-    #[must_use]
-    pub fn with_store_failure_mode(mut self, mode: StoreFailureMode) -> Self {
-        self.config().store_failure_mode = mode;
-        self
-    }
+        /// Sets what happens when the store cannot be reached (default
+        /// [`StoreFailureMode::FailClosed`]: 503, the handler does not run).
+        #[must_use]
+        pub fn with_store_failure_mode(mode: StoreFailureMode) => config().store_failure_mode = mode;
 
-    /// Sets where a claimed request's handler runs (default [`HandlerExecution::Detached`]:
-    /// a client disconnect does not cancel it half-way).
-    #[must_use]
-    pub fn with_handler_execution(mut self, execution: HandlerExecution) -> Self {
-        self.config().handler_execution = execution;
-        self
-    }
+        /// Sets where a claimed request's handler runs (default [`HandlerExecution::Detached`]:
+        /// a client disconnect does not cancel it half-way).
+        #[must_use]
+        pub fn with_handler_execution(execution: HandlerExecution) => config().handler_execution = execution;
 
-    /// Sets how often the lease of a running handler is renewed (default
-    /// [`LeaseRenewal::Fraction`]`(3)`, every lease TTL / 3). [`LeaseRenewal::Off`] renews
-    /// nothing and costs nothing per request. Renewal times itself with tokio's timer: the
-    /// runtime must have time enabled (`#[tokio::main]` and `Builder::enable_all` do);
-    /// outside a tokio runtime nothing is renewed.
-    #[must_use]
-    pub fn with_lease_renewal(mut self, renewal: LeaseRenewal) -> Self {
-        self.config().lease_renewal = renewal;
-        self
-    }
+        /// Sets how often the lease of a running handler is renewed (default
+        /// [`LeaseRenewal::Fraction`]`(3)`, every lease TTL / 3). [`LeaseRenewal::Off`] renews
+        /// nothing and costs nothing per request. Renewal times itself with tokio's timer: the
+        /// runtime must have time enabled (`#[tokio::main]` and `Builder::enable_all` do);
+        /// outside a tokio runtime nothing is renewed.
+        #[must_use]
+        pub fn with_lease_renewal(renewal: LeaseRenewal) => config().lease_renewal = renewal;
 
-    /// Sets the largest `Retry-After` of an in-flight 409 (default 2 s). The answer is the
-    /// remaining lease clamped to [1 s, `cap`], in whole seconds (`cap` is rounded down, at
-    /// least 1 s): a short poll interval. A long cap makes clients sleep through the moment
-    /// the response is stored; under renewal the lease end says nothing about when that is.
-    #[must_use]
-    pub fn with_in_flight_retry_after(mut self, cap: Duration) -> Self {
-        self.config().in_flight_retry_after = cap;
-        self
-    }
+        /// Sets the largest `Retry-After` of an in-flight 409 (default 2 s). The answer is the
+        /// remaining lease clamped to [1 s, `cap`], in whole seconds (`cap` is rounded down, at
+        /// least 1 s): a short poll interval. A long cap makes clients sleep through the moment
+        /// the response is stored; under renewal the lease end says nothing about when that is.
+        #[must_use]
+        pub fn with_in_flight_retry_after(cap: Duration) => config().in_flight_retry_after = cap;
 
-    /// Lets a duplicate of an in-flight request wait up to `limit` for the first attempt's
-    /// outcome (default `None`: it gets 409 `in-flight` at once). While it waits, the layer
-    /// reads the record again after short pauses (20 ms, doubling, at most 500 ms), holding
-    /// no store connection, lock or claim in between; it answers as soon as the record
-    /// completed (the replay), failed or lost its lease (the duplicate reclaims it and runs
-    /// the handler, as any retry would), and with the usual 409 when `limit` has passed.
-    /// The wait holds the client's connection and one task for up to `limit`; keep it to
-    /// seconds. Needs tokio's timer, like renewal.
-    #[must_use]
-    pub fn with_in_flight_wait(mut self, limit: Option<Duration>) -> Self {
-        self.config().in_flight_wait = limit;
-        self
-    }
+        /// Lets a duplicate of an in-flight request wait up to `limit` for the first attempt's
+        /// outcome (default `None`: it gets 409 `in-flight` at once). While it waits, the layer
+        /// reads the record again after short pauses (20 ms, doubling, at most 500 ms), holding
+        /// no store connection, lock or claim in between; it answers as soon as the record
+        /// completed (the replay), failed or lost its lease (the duplicate reclaims it and runs
+        /// the handler, as any retry would), and with the usual 409 when `limit` has passed.
+        /// The wait holds the client's connection and one task for up to `limit`; keep it to
+        /// seconds. Needs tokio's timer, like renewal.
+        #[must_use]
+        pub fn with_in_flight_wait(limit: Option<Duration>) => config().in_flight_wait = limit;
 
-    /// Sets how long the layer waits, after a storable response's head, for its body to
-    /// end before it streams the response instead (default 500 ms; `None`: no deadline,
-    /// only the size and the content type decide). A streamed response completes the
-    /// record as not retained before its first byte is sent: a retry gets the
-    /// `response-not-retained` problem, never a second run. Needs tokio's timer.
-    #[must_use]
-    pub fn with_buffer_deadline(mut self, deadline: Option<Duration>) -> Self {
-        self.config().streaming.buffer_for = deadline;
-        self
+        /// Sets how long the layer waits, after a storable response's head, for its body to
+        /// end before it streams the response instead (default 500 ms; `None`: no deadline,
+        /// only the size and the content type decide). A streamed response completes the
+        /// record as not retained before its first byte is sent: a retry gets the
+        /// `response-not-retained` problem, never a second run. Needs tokio's timer.
+        #[must_use]
+        pub fn with_buffer_deadline(deadline: Option<Duration>) => config().streaming.buffer_for = deadline;
     }
 
     /// Sets the response media types streamed at once, without buffering any of the body
@@ -250,42 +212,35 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Sets the retry hint headers of the layer's own answers (default `x-should-retry`
-    /// on, `Stripe-Should-Retry` off; see [`RetryHints`]).
-    #[must_use]
-    pub fn with_retry_hints(mut self, hints: RetryHints) -> Self {
-        self.config().retry_hints = hints;
-        self
-    }
+    idem_core::setters! {
+        /// Sets the retry hint headers of the layer's own answers (default `x-should-retry`
+        /// on, `Stripe-Should-Retry` off; see [`RetryHints`]).
+        #[must_use]
+        pub fn with_retry_hints(hints: RetryHints) => config().retry_hints = hints;
 
-    /// Sets the deadline of each store call and whether a `complete`/`fail` that misses it
-    /// or fails transiently is sent again (default: 2 s per call, completions retried with
-    /// backoff for up to one lease TTL). A claim that misses its deadline is answered 503
-    /// (or runs unprotected under [`StoreFailureMode::FailOpen`]); see
-    /// [`crate::deadline`] for what an abandoned call may leave behind.
-    #[must_use]
-    pub fn with_store_deadlines(mut self, deadlines: StoreDeadlines) -> Self {
-        self.config().store_deadlines = deadlines;
-        self
-    }
+        /// Sets the deadline of each store call and whether a `complete`/`fail` that misses it
+        /// or fails transiently is sent again (default: 2 s per call, completions retried with
+        /// backoff for up to one lease TTL). A claim that misses its deadline is answered 503
+        /// (or runs unprotected under [`StoreFailureMode::FailOpen`]); see
+        /// [`crate::deadline`] for what an abandoned call may leave behind.
+        #[must_use]
+        pub fn with_store_deadlines(deadlines: StoreDeadlines) => config().store_deadlines = deadlines;
 
-    /// Seals every stored response (XChaCha20-Poly1305; the record id and fencing token
-    /// are the associated data): a reader of the store sees no status, header or body, and
-    /// a response that was altered, moved to another record, sealed by a key no longer
-    /// configured, or stored plain while [`Sealing::accept_unsealed`] is off, is answered
-    /// 503 with `x-should-retry: false`, never by running the handler again. See
-    /// `docs/contract.md#sealed-responses`.
-    ///
-    /// A handler that completes its record itself ([`crate::ResponseCaching::CompletedByHandler`])
-    /// must store [`crate::IdempotencyContext::stored_form`] of its response, not the plain
-    /// response.
-    ///
-    /// [`Sealing::accept_unsealed`]: idem_core::seal::Sealing::accept_unsealed
-    #[cfg(feature = "seal")]
-    #[must_use]
-    pub fn with_sealing(mut self, sealing: idem_core::seal::Sealing) -> Self {
-        self.config().sealing = Some(sealing);
-        self
+        /// Seals every stored response (XChaCha20-Poly1305; the record id and fencing token
+        /// are the associated data): a reader of the store sees no status, header or body, and
+        /// a response that was altered, moved to another record, sealed by a key no longer
+        /// configured, or stored plain while [`Sealing::accept_unsealed`] is off, is answered
+        /// 503 with `x-should-retry: false`, never by running the handler again. See
+        /// `docs/contract.md#sealed-responses`.
+        ///
+        /// A handler that completes its record itself ([`crate::ResponseCaching::CompletedByHandler`])
+        /// must store [`crate::IdempotencyContext::stored_form`] of its response, not the plain
+        /// response.
+        ///
+        /// [`Sealing::accept_unsealed`]: idem_core::seal::Sealing::accept_unsealed
+        #[cfg(feature = "seal")]
+        #[must_use]
+        pub fn with_sealing(sealing: idem_core::seal::Sealing) => config().sealing = Some(sealing);
     }
 }
 

@@ -29,10 +29,11 @@ use tokio::time::Instant;
 
 use crate::store::LayerStore;
 
-/// First pause before a failed renewal is tried again; it doubles per failure.
-const RETRY_FIRST: Duration = Duration::from_millis(25);
-/// Longest pause between two tries of one failing renewal.
-const RETRY_MAX: Duration = Duration::from_secs(1);
+/// First pause before a failed renewal (or a completion, `crate::store`) is sent again; it
+/// doubles per failure.
+pub(crate) const RETRY_FIRST: Duration = Duration::from_millis(25);
+/// Longest pause between two tries of one failing renewal or completion.
+pub(crate) const RETRY_MAX: Duration = Duration::from_secs(1);
 
 /// What one attempt knows about its lease, shared by the renewal loop (which writes it)
 /// and the handler's [`crate::IdempotencyContext`] and [`crate::Resumable`] (which read it).

@@ -70,13 +70,11 @@
 //! | `metrics` | off | counters and histograms through the `metrics` facade (`docs/observability.md`) | the `metrics` crate; about 200 lines (`src/store/timed.rs`, `src/observe.rs`) |
 //!
 //! # Layout
-//! A request walks one pipeline (`pipeline/`), a file per step: `intake` (key, principal,
-//! limits, body, fingerprint), `acquire` (claim, decide, reclaim, bounded wait), `run` (the
-//! handler under the claim, its lease renewed by `lease`, detached from the response
-//! future by `future`), `capture` (the bounded read of the response, what the record
-//! stores); its one typed answer (`answer`: the handler's response, a replay or a refusal)
-//! is made a response once, at the end, in `body`'s forms (passed through, buffered, or
-//! streamed after a read prefix).
+//! A request walks one pipeline (`pipeline/`), a file per step (`intake`, `acquire`, `run`
+//! with `lease` and `future`, `capture`, `keep`: its module docs say what each does); its
+//! one typed answer (`answer`: the handler's response, a replay or a refusal) is made a
+//! response once, at the end, in `body`'s forms (passed through, buffered, or streamed
+//! after a read prefix).
 //! - [`IdempotencyLayer`] (`layer`) holds every setting and prepares the pipeline once per
 //!   layer; `config` holds the setting types; [`Idempotency`] (`service`) is the service.
 //! - `store/`: the layer's store, the given one behind single-purpose wrappers
@@ -91,6 +89,25 @@
 //!   (feature `grpc`: what is lasting, the answers as statuses, streamed responses).
 //! - Re-exported from `idem_core`: [`Policy`], [`FingerprintMode`], and the resumable
 //!   handler types [`Resumable`], [`SubKey`], [`Reconciled`], [`StepError`], [`LeaseWatch`].
+
+/// A field-less enum whose variants each have a fixed name (`as_str`), written on the
+/// variant's own line: `Variant => "name",`.
+macro_rules! named_enum {
+    ($(#[$meta:meta])* $vis:vis enum $name:ident { $($(#[$doc:meta])* $variant:ident => $str:literal,)+ }) => {
+        $(#[$meta])*
+        $vis enum $name {
+            $($(#[$doc])* $variant,)+
+        }
+
+        impl $name {
+            pub(crate) const fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $str,)+
+                }
+            }
+        }
+    };
+}
 
 mod answer;
 mod body;

@@ -15,81 +15,55 @@ use idem_core::{Endpoint, FencingToken, RecordId};
 use tracing::Span;
 use tracing::field::Empty;
 
-/// What the layer decided for one request: the `decision` field and the
-/// `idem_decisions_total{decision}` label.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum DecisionKind {
-    /// No live record: this request claimed it and runs the handler.
-    Claimed,
-    /// An expired lease or a failed record: this request won the compare-and-set.
-    Reclaimed,
-    /// A completed record with the same fingerprint: its response was replayed.
-    Replayed,
-    /// Another attempt holds a fresh lease: 409 `in-flight`.
-    InFlight,
-    /// Same key, different request: 409 (or the configured status) `mismatch`.
-    Mismatch,
-    /// The record kept changing under this request: 409 `busy`.
-    Busy,
-    /// The store failed and the layer fails closed: 503.
-    StoreUnavailable,
-    /// The store failed and the layer fails open: the handler ran unprotected.
-    FailOpen,
-    /// The stored record does not decode or cannot be replayed: 503, never retried.
-    Unreadable,
-    /// No key on an endpoint where it is optional, or no principal under
-    /// `MissingPrincipal::SkipIdempotency`: the handler ran without idempotency.
-    Skipped,
-    /// The request was answered before any claim: missing or invalid key, missing
-    /// principal, body too large or unreadable.
-    Rejected,
-}
-
-impl DecisionKind {
-    pub(crate) const fn as_str(self) -> &'static str {
-        match self {
-            Self::Claimed => "claimed",
-            Self::Reclaimed => "reclaimed",
-            Self::Replayed => "replayed",
-            Self::InFlight => "in_flight",
-            Self::Mismatch => "mismatch",
-            Self::Busy => "busy",
-            Self::StoreUnavailable => "store_unavailable",
-            Self::FailOpen => "fail_open",
-            Self::Unreadable => "unreadable",
-            Self::Skipped => "skipped",
-            Self::Rejected => "rejected",
-        }
+named_enum! {
+    /// What the layer decided for one request: the `decision` field and the
+    /// `idem_decisions_total{decision}` label.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(crate) enum DecisionKind {
+        /// No live record: this request claimed it and runs the handler.
+        Claimed => "claimed",
+        /// An expired lease or a failed record: this request won the compare-and-set.
+        Reclaimed => "reclaimed",
+        /// A completed record with the same fingerprint: its response was replayed.
+        Replayed => "replayed",
+        /// Another attempt holds a fresh lease: 409 `in-flight`.
+        InFlight => "in_flight",
+        /// Same key, different request: 409 (or the configured status) `mismatch`.
+        Mismatch => "mismatch",
+        /// The record kept changing under this request: 409 `busy`.
+        Busy => "busy",
+        /// The store failed and the layer fails closed: 503.
+        StoreUnavailable => "store_unavailable",
+        /// The store failed and the layer fails open: the handler ran unprotected.
+        FailOpen => "fail_open",
+        /// The stored record does not decode or cannot be replayed: 503, never retried.
+        Unreadable => "unreadable",
+        /// No key on an endpoint where it is optional, or no principal under
+        /// `MissingPrincipal::SkipIdempotency`: the handler ran without idempotency.
+        Skipped => "skipped",
+        /// The request was answered before any claim: missing or invalid key, missing
+        /// principal, body too large or unreadable.
+        Rejected => "rejected",
     }
 }
 
-/// How a claimed attempt ended: the `outcome` field and the
-/// `idem_outcomes_total{outcome}` label.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Outcome {
-    /// The record completed with the response (or the handler completed it itself).
-    Completed,
-    /// The record completed, but its body was not kept (over `max_stored_body`, streamed).
-    NotRetained,
-    /// The record was marked failed: 5xx, uncacheable status, handler error or panic,
-    /// a response body that failed.
-    Failed,
-    /// Another attempt took the record over: this attempt's writes were refused.
-    LeaseLost,
-    /// The completion could not be written (store unavailable after retries): the record
-    /// stays in flight until its lease ends.
-    NotStored,
-}
-
-impl Outcome {
-    pub(crate) const fn as_str(self) -> &'static str {
-        match self {
-            Self::Completed => "completed",
-            Self::NotRetained => "not_retained",
-            Self::Failed => "failed",
-            Self::LeaseLost => "lease_lost",
-            Self::NotStored => "not_stored",
-        }
+named_enum! {
+    /// How a claimed attempt ended: the `outcome` field and the
+    /// `idem_outcomes_total{outcome}` label.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(crate) enum Outcome {
+        /// The record completed with the response (or the handler completed it itself).
+        Completed => "completed",
+        /// The record completed, but its body was not kept (over `max_stored_body`, streamed).
+        NotRetained => "not_retained",
+        /// The record was marked failed: 5xx, uncacheable status, handler error or panic,
+        /// a response body that failed.
+        Failed => "failed",
+        /// Another attempt took the record over: this attempt's writes were refused.
+        LeaseLost => "lease_lost",
+        /// The completion could not be written (store unavailable after retries): the record
+        /// stays in flight until its lease ends.
+        NotStored => "not_stored",
     }
 }
 
@@ -121,6 +95,7 @@ pub(crate) fn request_span(endpoint: &Endpoint) -> Span {
 }
 
 /// One request's observer: its span, and the endpoint label of its counters.
+#[derive(Debug)]
 pub(crate) struct Observer {
     pub(crate) span: Span,
     /// The `endpoint` label, made once per request (a reference count per metric call
@@ -209,11 +184,5 @@ impl Observer {
                 metrics::counter!(name, "endpoint" => endpoint.clone()).increment(1);
             }
         }
-    }
-}
-
-impl fmt::Debug for Observer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Observer").field("span", &self.span).finish_non_exhaustive()
     }
 }

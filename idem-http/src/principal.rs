@@ -46,6 +46,13 @@ pub trait PrincipalResolver: Send + Sync + 'static {
     }
 }
 
+/// Shows only that it is a resolver: a closure has nothing else to show.
+impl std::fmt::Debug for dyn PrincipalResolver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PrincipalResolver")
+    }
+}
+
 impl<F> PrincipalResolver for F
 where
     F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,

@@ -24,100 +24,87 @@ use idem_core::{StepError, StoreError};
 /// The media type of problem bodies (RFC 9457 §3).
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
-/// The kinds of problem the layer reports. Each has a stable `type` URI.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum ProblemKind {
+/// Declares [`ProblemKind`] from one table: each kind, its `type` URI and its `title`.
+macro_rules! problem_kinds {
+    ($($(#[$doc:meta])* $kind:ident => $uri:literal, $title:literal;)*) => {
+        /// The kinds of problem the layer reports. Each has a stable `type` URI.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum ProblemKind {
+            $($(#[$doc])* $kind,)*
+        }
+
+        impl ProblemKind {
+            const ALL: &[ProblemKind] = &[$(ProblemKind::$kind),*];
+
+            /// The `type` member, `urn:idem:problem:<slug>`, spelled out: the layer writes it
+            /// into every answer it makes, so it is not built per answer.
+            pub(crate) const fn uri(self) -> &'static str {
+                match self {
+                    $(ProblemKind::$kind => $uri,)*
+                }
+            }
+
+            /// The `title` member: a short summary that does not change between occurrences
+            /// (RFC 9457 §3.1.3).
+            fn title(self) -> &'static str {
+                match self {
+                    $(ProblemKind::$kind => $title,)*
+                }
+            }
+        }
+    };
+}
+
+problem_kinds! {
     /// 400: the endpoint requires an `Idempotency-Key` and the request has none.
-    MissingKey,
+    MissingKey => "urn:idem:problem:missing-idempotency-key", "Idempotency-Key required";
     /// 400: the `Idempotency-Key` value is empty, blank, too long, not visible ASCII, or a
     /// malformed structured-field string.
-    InvalidKey,
+    InvalidKey => "urn:idem:problem:invalid-idempotency-key", "Invalid Idempotency-Key";
     /// 400: the request carries more than one `Idempotency-Key` field.
-    DuplicateKey,
+    DuplicateKey => "urn:idem:problem:duplicate-idempotency-key", "More than one Idempotency-Key";
     /// 401: no principal could be resolved, and the layer rejects anonymous keyed requests.
-    MissingPrincipal,
+    MissingPrincipal => "urn:idem:problem:missing-principal", "Principal required";
     /// 400: the request body could not be read.
-    UnreadableBody,
+    UnreadableBody => "urn:idem:problem:unreadable-body", "Unreadable request body";
     /// 413: the request body is larger than the layer's `max_request_body`.
-    BodyTooLarge,
+    BodyTooLarge => "urn:idem:problem:body-too-large", "Request body too large";
     /// 431 (RFC 6585 §5): the request headers that enter the fingerprint are more fields
     /// or more bytes than the layer's limits (`with_max_fingerprint_headers`).
-    HeadersTooLarge,
+    HeadersTooLarge => "urn:idem:problem:headers-too-large", "Request header fields too large";
     /// 409 + `Retry-After`: another attempt with this key holds a fresh lease.
-    InFlight,
+    InFlight => "urn:idem:problem:in-flight", "Request in flight";
     /// 409 + `Retry-After`: the record changed under this request several times in a row
     /// (heavy contention on one key); retry.
-    Busy,
+    Busy => "urn:idem:problem:busy", "Idempotency record busy";
     /// 409 (or the layer's mismatch status): the key was first used with a different
     /// request. Never retry with this key.
-    Mismatch,
+    Mismatch => "urn:idem:problem:mismatch", "Idempotency-Key reused with a different request";
     /// 503 + `Retry-After`: the idempotency store is unavailable; the handler did not run.
-    StoreUnavailable,
+    StoreUnavailable => "urn:idem:problem:store-unavailable", "Idempotency store unavailable";
     /// The original status: the response completed but its body was larger than the
     /// policy's `max_stored_body`, so the replay cannot repeat it.
-    ResponseNotRetained,
+    ResponseNotRetained => "urn:idem:problem:response-not-retained", "Response not retained";
     /// 500: the handler's response body failed while being read; the record was marked
     /// failed, so a retry runs the handler again.
-    ResponseBodyFailed,
+    ResponseBodyFailed => "urn:idem:problem:response-body-failed", "Response body failed";
     /// 500: a resumable handler needs the step journal and the store has none
     /// ([`idem_core::Capabilities::journal`] false, [`idem_core::StoreError::Unsupported`]).
     /// Retrying does not help until the store is changed.
-    JournalUnsupported,
+    JournalUnsupported => "urn:idem:problem:journal-unsupported", "Step journal unsupported by the store";
     /// 500: an intent was found pending and its reconcile could not tell whether the earlier
     /// call happened ([`idem_core::StepError::Ambiguous`]); the handler refused to risk a
     /// second call. Needs an operator (or a later reconcile that can tell).
-    AmbiguousSideEffect,
+    AmbiguousSideEffect => "urn:idem:problem:ambiguous-side-effect", "Side effect ambiguous";
     /// 500: a journalled step value no longer decodes, or a step name is invalid (a code
     /// change between attempts, or a bug).
-    ResumeFailed,
+    ResumeFailed => "urn:idem:problem:resume-failed", "Resume failed";
 }
 
 const PREFIX: &str = "urn:idem:problem:";
 
 impl ProblemKind {
-    const ALL: [ProblemKind; 16] = [
-        ProblemKind::MissingKey,
-        ProblemKind::InvalidKey,
-        ProblemKind::DuplicateKey,
-        ProblemKind::MissingPrincipal,
-        ProblemKind::UnreadableBody,
-        ProblemKind::BodyTooLarge,
-        ProblemKind::HeadersTooLarge,
-        ProblemKind::InFlight,
-        ProblemKind::Busy,
-        ProblemKind::Mismatch,
-        ProblemKind::StoreUnavailable,
-        ProblemKind::ResponseNotRetained,
-        ProblemKind::ResponseBodyFailed,
-        ProblemKind::JournalUnsupported,
-        ProblemKind::AmbiguousSideEffect,
-        ProblemKind::ResumeFailed,
-    ];
-
-    /// The `type` member, `urn:idem:problem:<slug>`, spelled out: the layer writes it into
-    /// every answer it makes, so it is not built per answer.
-    pub(crate) const fn uri(self) -> &'static str {
-        match self {
-            ProblemKind::MissingKey => "urn:idem:problem:missing-idempotency-key",
-            ProblemKind::InvalidKey => "urn:idem:problem:invalid-idempotency-key",
-            ProblemKind::DuplicateKey => "urn:idem:problem:duplicate-idempotency-key",
-            ProblemKind::MissingPrincipal => "urn:idem:problem:missing-principal",
-            ProblemKind::UnreadableBody => "urn:idem:problem:unreadable-body",
-            ProblemKind::BodyTooLarge => "urn:idem:problem:body-too-large",
-            ProblemKind::HeadersTooLarge => "urn:idem:problem:headers-too-large",
-            ProblemKind::InFlight => "urn:idem:problem:in-flight",
-            ProblemKind::Busy => "urn:idem:problem:busy",
-            ProblemKind::Mismatch => "urn:idem:problem:mismatch",
-            ProblemKind::StoreUnavailable => "urn:idem:problem:store-unavailable",
-            ProblemKind::ResponseNotRetained => "urn:idem:problem:response-not-retained",
-            ProblemKind::ResponseBodyFailed => "urn:idem:problem:response-body-failed",
-            ProblemKind::JournalUnsupported => "urn:idem:problem:journal-unsupported",
-            ProblemKind::AmbiguousSideEffect => "urn:idem:problem:ambiguous-side-effect",
-            ProblemKind::ResumeFailed => "urn:idem:problem:resume-failed",
-        }
-    }
-
     /// The `type` member: `urn:idem:problem:<slug>`.
     #[must_use]
     pub fn type_uri(self) -> String {
@@ -128,30 +115,7 @@ impl ProblemKind {
     #[must_use]
     pub fn from_type_uri(uri: &str) -> Option<Self> {
         uri.strip_prefix(PREFIX)?;
-        Self::ALL.into_iter().find(|k| k.uri() == uri)
-    }
-
-    /// The `title` member: a short summary that does not change between occurrences
-    /// (RFC 9457 §3.1.3).
-    fn title(self) -> &'static str {
-        match self {
-            ProblemKind::MissingKey => "Idempotency-Key required",
-            ProblemKind::InvalidKey => "Invalid Idempotency-Key",
-            ProblemKind::DuplicateKey => "More than one Idempotency-Key",
-            ProblemKind::MissingPrincipal => "Principal required",
-            ProblemKind::UnreadableBody => "Unreadable request body",
-            ProblemKind::BodyTooLarge => "Request body too large",
-            ProblemKind::HeadersTooLarge => "Request header fields too large",
-            ProblemKind::InFlight => "Request in flight",
-            ProblemKind::Busy => "Idempotency record busy",
-            ProblemKind::Mismatch => "Idempotency-Key reused with a different request",
-            ProblemKind::StoreUnavailable => "Idempotency store unavailable",
-            ProblemKind::ResponseNotRetained => "Response not retained",
-            ProblemKind::ResponseBodyFailed => "Response body failed",
-            ProblemKind::JournalUnsupported => "Step journal unsupported by the store",
-            ProblemKind::AmbiguousSideEffect => "Side effect ambiguous",
-            ProblemKind::ResumeFailed => "Resume failed",
-        }
+        Self::ALL.iter().copied().find(|k| k.uri() == uri)
     }
 }
 
@@ -300,7 +264,7 @@ mod tests {
 
     #[test]
     fn type_uris_round_trip() {
-        for k in ProblemKind::ALL {
+        for &k in ProblemKind::ALL {
             assert_eq!(ProblemKind::from_type_uri(&k.type_uri()), Some(k));
         }
         assert_eq!(ProblemKind::from_type_uri("about:blank"), None);

@@ -1,20 +1,8 @@
 //! When the layer stops buffering a response it may store, and streams it instead.
 //!
-//! The layer reads a cacheable response's body before it returns the head, so that the
-//! record completes (with the body) before anybody can see the response. It stops reading
-//! and streams the rest through, completing the record as not retained first, when:
-//! - the body passes `max_stored_body` bytes (a large export, an image);
-//! - the response is a stream by its `content-type` (default `text/event-stream`): it
-//!   streams at once, without waiting for any of its body;
-//! - the body is still open `buffer_for` after the head (default 500 ms): chunked progress
-//!   or a long poll that would otherwise keep the client waiting for its first byte.
-//!
-//! A retry of a streamed operation gets the `response-not-retained` problem with the
-//! original status and `Location`, never a second run.
-//!
-//! A gRPC response is the exception: its `grpc-status` comes after the body, so the
-//! record keeps its claim while the body streams and is written when the stream ends
-//! (`crate::grpc`, "Streamed responses").
+//! The rules (the body passes `max_stored_body`, a streaming media type, the body still
+//! open `buffer_for` after the head), what the record keeps, what a retry gets, and why a
+//! gRPC response holds its claim instead: `docs/contract.md#bounded-buffering`.
 
 use std::time::Duration;
 

@@ -25,13 +25,8 @@
 //! - `src/config.rs`: [`Config`].
 //! - `src/error.rs`: [`Error`] and which failures are retryable.
 //! - `migrations/*.sql`: the schema, one file per version.
-//! - `tests/conformance.rs`, `tests/conformance_pgbouncer.rs`: the shared conformance suite
-//!   against a real server, directly and through PgBouncer in transaction mode;
-//!   `tests/postgres.rs`: connection loss, migrations, corrupt rows, row locks, clocks;
-//!   `tests/isolation.rs`, `tests/complete_in_isolation.rs`: REPEATABLE READ and
-//!   SERIALIZABLE defaults; `tests/complete_in.rs`: fencing inside the caller's
-//!   transaction; `tests/pgbouncer.rs`, `tests/inline_literals.rs`: named against unnamed
-//!   statements behind PgBouncer, hostile inlined values; `tests/tls.rs`: `sslmode=require`.
+//! - `tests/it/`: the integration tests, one module per area (`docs/testing.md`; the test
+//!   behind each failure: `docs/failures.md`).
 //! - `benches/claim_complete.rs`: the store against the same statements sent by hand
 //!   through the same pool, ratio per round.
 

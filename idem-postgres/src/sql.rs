@@ -376,21 +376,11 @@ impl Statements {
         let now = |p: &str| format!("COALESCE({p}::bigint, {SERVER_NOW_MS})");
         // now + d, saturating like the pure model (a huge retention must not overflow).
         let plus = |d: &str| format!("LEAST(n.ms::numeric + {d}::bigint, 9223372036854775807)::bigint");
-        let replaced = [
-            "principal",
-            "endpoint",
-            "key",
-            "fingerprint",
-            "state",
-            "response",
-            "created_at",
-            "started_at",
-            "lease_expires_at",
-            "expires_at",
-            "claim_txid",
-        ]
-        .map(|c| format!("{c} = EXCLUDED.{c}"))
-        .join(",\n        ");
+        // Every column but the id and the token (which the claim computes), and the claim's txid.
+        let replaced = (COLUMNS.iter().filter(|c| !matches!(**c, "id" | "token")).chain(&["claim_txid"]))
+            .map(|c| format!("{c} = EXCLUDED.{c}"))
+            .collect::<Vec<_>>()
+            .join(",\n        ");
         // The upsert writes only when there is no live row: `DO UPDATE ... WHERE expired`
         // locks a live row but leaves it unchanged (no new row version, nothing for a
         // concurrent compare-and-set to conflict with under REPEATABLE READ). The second

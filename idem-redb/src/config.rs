@@ -29,35 +29,25 @@ impl Default for Config {
 }
 
 impl Config {
-    /// How the writer batches (default [`BatchConfig::default`]: up to 256 operations, a
-    /// 200 µs linger); see [`idem_core::group_commit`].
-    pub fn with_batch(mut self, batch: BatchConfig) -> Self {
-        self.batch = batch;
-        self
-    }
+    idem_core::setters! {
+        /// How the writer batches (default [`BatchConfig::default`]: up to 256 operations, a
+        /// 200 µs linger); see [`idem_core::group_commit`].
+        pub fn with_batch(batch: BatchConfig) => batch = batch;
 
-    /// Feature `test-util`: with `false`, every claim goes to the writer in the order it was
-    /// handed over, instead of a claim that finds a live record being answered from a read
-    /// transaction ([`idem_core::group_commit::Embedded::try_view`]).
-    #[cfg(feature = "test-util")]
-    pub fn with_claim_reads(mut self, on: bool) -> Self {
-        self.claim_reads = on;
-        self
-    }
+        /// Feature `test-util`: with `false`, every claim goes to the writer in the order it was
+        /// handed over, instead of a claim that finds a live record being answered from a read
+        /// transaction ([`idem_core::group_commit::Embedded::try_view`]).
+        #[cfg(feature = "test-util")]
+        pub fn with_claim_reads(on: bool) => claim_reads = on;
 
-    /// Feature `test-util`: with `false`, a store opened from a path does not reopen its file
-    /// after redb latched an I/O failure (see [`crate::RedbStore::open`]).
-    #[cfg(feature = "test-util")]
-    pub fn with_reopen(mut self, on: bool) -> Self {
-        self.reopen = on;
-        self
-    }
+        /// Feature `test-util`: with `false`, a store opened from a path does not reopen its file
+        /// after redb latched an I/O failure (see [`crate::RedbStore::open`]).
+        #[cfg(feature = "test-util")]
+        pub fn with_reopen(on: bool) => reopen = on;
 
-    /// The clock every `now` is read from (default [`SystemClock`]); tests pass an
-    /// [`idem_core::ManualClock`].
-    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
-        self.clock = clock;
-        self
+        /// The clock every `now` is read from (default [`SystemClock`]); tests pass an
+        /// [`idem_core::ManualClock`].
+        pub fn with_clock(clock: Arc<dyn Clock>) => clock = clock;
     }
 
     /// The executor's settings.

@@ -207,76 +207,57 @@ impl Default for Config {
 }
 
 impl Config {
-    /// The namespace every key starts with: records live at `<prefix>{<record id hex>}`.
-    /// Must not contain `{` or `}` (the braces around the id are the Cluster hash tag).
-    #[must_use]
-    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
-        self
-    }
+    idem_core::setters! {
+        /// The namespace every key starts with: records live at `<prefix>{<record id hex>}`.
+        /// Must not contain `{` or `}` (the braces around the id are the Cluster hash tag).
+        #[must_use]
+        pub fn with_prefix(prefix: impl Into<String>) => prefix = prefix.into();
 
-    /// What to do when `maxmemory-policy` may evict keys (see [`EvictionCheck`]).
-    #[must_use]
-    pub fn with_eviction_check(mut self, check: EvictionCheck) -> Self {
-        self.eviction_check = check;
-        self
-    }
+        /// What to do when `maxmemory-policy` may evict keys (see [`EvictionCheck`]).
+        #[must_use]
+        pub fn with_eviction_check(check: EvictionCheck) => eviction_check = check;
 
-    /// What to do when the server (every primary of a cluster) would lose records on a
-    /// restart (see [`PersistenceCheck`]).
-    #[must_use]
-    pub fn with_persistence_check(mut self, check: PersistenceCheck) -> Self {
-        self.persistence_check = check;
-        self
-    }
+        /// What to do when the server (every primary of a cluster) would lose records on a
+        /// restart (see [`PersistenceCheck`]).
+        #[must_use]
+        pub fn with_persistence_check(check: PersistenceCheck) => persistence_check = check;
 
-    /// Wait for replicas after claim, reclaim, extend and complete (see [`ReplicaAck`]).
-    #[must_use]
-    pub fn with_replica_ack(mut self, ack: Option<ReplicaAck>) -> Self {
-        self.replica_ack = ack;
-        self
-    }
+        /// Wait for replicas after claim, reclaim, extend and complete (see [`ReplicaAck`]).
+        #[must_use]
+        pub fn with_replica_ack(ack: Option<ReplicaAck>) => replica_ack = ack;
 
-    /// How long one command may take before the call fails with a retryable timeout
-    /// (raised to the WAIT timeout plus 500 ms when [`ReplicaAck`] is set). A timed-out
-    /// write may still have been applied: a retry then sees the claim as in flight.
-    /// Applies to [`crate::RedisStore::connect`]; a connection passed to
-    /// [`crate::RedisStore::from_connection`] keeps its own.
-    #[must_use]
-    pub fn with_response_timeout(mut self, timeout: Duration) -> Self {
-        self.response_timeout = timeout;
-        self
-    }
+        /// How long one command may take before the call fails with a retryable timeout
+        /// (raised to the WAIT timeout plus 500 ms when [`ReplicaAck`] is set). A timed-out
+        /// write may still have been applied: a retry then sees the claim as in flight.
+        /// Applies to [`crate::RedisStore::connect`]; a connection passed to
+        /// [`crate::RedisStore::from_connection`] keeps its own.
+        #[must_use]
+        pub fn with_response_timeout(timeout: Duration) => response_timeout = timeout;
 
-    /// How long a record's key outlives its `expires_at` in Redis (default zero: the key
-    /// expires exactly at `expires_at`). Logically the record is gone at `expires_at`
-    /// either way: every read and script checks. Fencing tokens stay unique across record
-    /// generations without it (a new generation's first token comes from the server's
-    /// clock, `docs/redis.md#fencing-tokens-and-the-servers-clock`); a grace adds that a record claimed again within it
-    /// continues its old token + 1 even if the server's clock stepped back meanwhile, at the
-    /// cost of memory. A renewal ([`idem_core::Store::extend`]) that moves `expires_at`
-    /// moves the key's expiry to the new `expires_at` plus the grace.
-    #[must_use]
-    pub fn with_expiry_grace(mut self, grace: Duration) -> Self {
-        self.expiry_grace = grace;
-        self
-    }
+        /// How long a record's key outlives its `expires_at` in Redis (default zero: the key
+        /// expires exactly at `expires_at`). Logically the record is gone at `expires_at`
+        /// either way: every read and script checks. Fencing tokens stay unique across record
+        /// generations without it (a new generation's first token comes from the server's
+        /// clock, `docs/redis.md#fencing-tokens-and-the-servers-clock`); a grace adds that a record claimed again within it
+        /// continues its old token + 1 even if the server's clock stepped back meanwhile, at the
+        /// cost of memory. A renewal ([`idem_core::Store::extend`]) that moves `expires_at`
+        /// moves the key's expiry to the new `expires_at` plus the grace.
+        #[must_use]
+        pub fn with_expiry_grace(grace: Duration) => expiry_grace = grace;
 
-    /// Reads time from `clock` instead of the server's `TIME`. Without it (the default)
-    /// every script reads the server's `TIME`, so application servers with skewed clocks
-    /// still agree on when a lease ends: leave it unset in production.
-    ///
-    /// For tests: the conformance suite passes its `ManualClock`, whose reading goes to
-    /// every script as an argument. Key expiry then follows this clock too: instead of
-    /// `PEXPIREAT expires_at`, a key gets `PEXPIRE` of the record's remaining time on
-    /// `clock` plus the [expiry grace](Config::with_expiry_grace). Real time keeps running
-    /// while a test clock stands still, so set a grace longer than the test, or Redis may
-    /// drop a key that the test clock still sees live. The clock must read between the
-    /// Unix epoch and 2^53 ms.
-    #[must_use]
-    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
-        self.clock = Some(clock);
-        self
+        /// Reads time from `clock` instead of the server's `TIME`. Without it (the default)
+        /// every script reads the server's `TIME`, so application servers with skewed clocks
+        /// still agree on when a lease ends: leave it unset in production.
+        ///
+        /// For tests: the conformance suite passes its `ManualClock`, whose reading goes to
+        /// every script as an argument. Key expiry then follows this clock too: instead of
+        /// `PEXPIREAT expires_at`, a key gets `PEXPIRE` of the record's remaining time on
+        /// `clock` plus the [expiry grace](Config::with_expiry_grace). Real time keeps running
+        /// while a test clock stands still, so set a grace longer than the test, or Redis may
+        /// drop a key that the test clock still sees live. The clock must read between the
+        /// Unix epoch and 2^53 ms.
+        #[must_use]
+        pub fn with_clock(clock: Arc<dyn Clock>) => clock = Some(clock);
     }
 
     pub(crate) fn validate(&self) -> Result<(), Error> {

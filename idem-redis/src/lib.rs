@@ -32,10 +32,8 @@
 //! - `src/scripts/*.lua`: the scripts (`common.lua` is prepended to each, `arith.lua` to
 //!   `reclaim`, `extend` and `fail`): `claim`, `reclaim`, `complete`, `extend`, `fail`,
 //!   `get`, `journal_put`, `journal_get`.
-//! - `tests/conformance.rs`: the shared conformance suite; `tests/redis.rs` and
-//!   `tests/connection_kill.rs`: Redis-specific behaviour; `tests/cluster.rs` and
-//!   `tests/cluster_faults.rs`: the suite on a cluster, resharding and failovers (feature
-//!   `cluster`, which the crate's own dev-dependency turns on).
+//! - `tests/it/`: the integration tests, one module per area (`docs/testing.md`; the test
+//!   behind each failure: `docs/failures.md`).
 
 mod config;
 mod conn;

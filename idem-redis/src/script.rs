@@ -472,11 +472,7 @@ impl Header {
         }
         let h: &[u8; HEADER_LEN] =
             h.get(..HEADER_LEN).and_then(|h| h.try_into().ok()).ok_or_else(|| bad_field(id, field))?;
-        let u64_at = |at: usize| {
-            let mut b = [0; 8];
-            b.copy_from_slice(&h[at..at + 8]);
-            u64::from_be_bytes(b)
-        };
+        let u64_at = |at: usize| u64::from_be_bytes(std::array::from_fn(|i| h[at + i]));
         let time_at = |at: usize| i64::try_from(u64_at(at)).map(UnixMillis).map_err(|_| bad_field(id, field));
         let state = match h[1] {
             STATE_IN_FLIGHT => RecordState::InFlight,
@@ -484,8 +480,6 @@ impl Header {
             STATE_FAILED => RecordState::Failed,
             _ => return Err(bad_field(id, field)),
         };
-        let mut fingerprint = [0; 32];
-        fingerprint.copy_from_slice(&h[42..]);
         Ok(Self {
             state,
             token: FencingToken(u64_at(2)),
@@ -493,7 +487,7 @@ impl Header {
             started_at: time_at(18)?,
             lease_expires_at: time_at(26)?,
             expires_at: time_at(34)?,
-            fingerprint: Fingerprint::from_bytes(fingerprint),
+            fingerprint: Fingerprint::from_bytes(std::array::from_fn(|i| h[42 + i])),
         })
     }
 

@@ -279,6 +279,20 @@ impl RedisStore {
         }
     }
 
+    /// The reply of a fenced write (`complete`, `extend`, `fail`): its receipt once the WAIT
+    /// that covered it (if any) is checked, `LeaseLost` when `token` no longer holds `id`.
+    fn receipt(&self, mut reply: Reply, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
+        if reply.is("ok") {
+            let receipt = reply.receipt(id)?;
+            self.check_ack(&mut reply)?;
+            Ok(receipt)
+        } else if reply.is("lost") {
+            Err(reply.lease_lost(id, token))
+        } else {
+            Err(reply.refusal(id))
+        }
+    }
+
     /// After a claim or reclaim that WAIT covered: on a shortfall (or a WAIT that failed
     /// outright, e.g. an ACL without `WAIT`) the caller gets an error
     /// and will not run the handler, so the claim it just made would block every retry for
@@ -296,6 +310,23 @@ impl RedisStore {
             );
         }
         Err(shortfall)
+    }
+
+    /// The record id in a key `<prefix>{<64 hex digits>}`; `None` for any other key that
+    /// happens to match the scan's pattern.
+    fn id_of_key(&self, key: &[u8]) -> Option<RecordId> {
+        let rest = key.strip_prefix(self.config.prefix.as_bytes())?;
+        let hex = rest.strip_prefix(b"{")?.strip_suffix(b"}")?;
+        RecordId::from_hex(std::str::from_utf8(hex).ok()?)
+    }
+
+    /// The server's `TIME` in ms (a listing that read no record still reports a `now`).
+    async fn server_now(&self) -> Result<UnixMillis, StoreError> {
+        let (secs, micros): (i64, i64) = redis::cmd("TIME")
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| Error::command("read the server clock", e))?;
+        Ok(UnixMillis(secs * 1_000 + micros / 1_000))
     }
 }
 
@@ -348,16 +379,7 @@ impl Store for RedisStore {
         response: StoredResponse,
     ) -> Result<Receipt, StoreError> {
         let call = self.call(&SCRIPTS.complete, id)?.arg(&token.0.to_be_bytes()[..]).arg(encode_response(&response));
-        let mut reply = self.send(call).await?;
-        if reply.is("ok") {
-            let receipt = reply.receipt(id)?;
-            self.check_ack(&mut reply)?;
-            Ok(receipt)
-        } else if reply.is("lost") {
-            Err(reply.lease_lost(id, token))
-        } else {
-            Err(reply.refusal(id))
-        }
+        self.receipt(self.send(call).await?, id, token)
     }
 
     /// One script (`extend.lua`); under [`crate::ReplicaAck`], `WAIT` follows it like a
@@ -369,27 +391,11 @@ impl Store for RedisStore {
             .arg(&token.0.to_be_bytes()[..])
             .arg(&ms_arg(duration_ms(lease_ttl))[..])
             .arg(self.grace_ms());
-        let mut reply = self.send(call).await?;
-        if reply.is("ok") {
-            let receipt = reply.receipt(id)?;
-            self.check_ack(&mut reply)?;
-            Ok(receipt)
-        } else if reply.is("lost") {
-            Err(reply.lease_lost(id, token))
-        } else {
-            Err(reply.refusal(id))
-        }
+        self.receipt(self.send(call).await?, id, token)
     }
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
-        let reply = self.send(self.call(&SCRIPTS.fail, id)?.arg(&token.0.to_be_bytes()[..])).await?;
-        if reply.is("ok") {
-            reply.receipt(id)
-        } else if reply.is("lost") {
-            Err(reply.lease_lost(id, token))
-        } else {
-            Err(reply.refusal(id))
-        }
+        self.receipt(self.send(self.call(&SCRIPTS.fail, id)?.arg(&token.0.to_be_bytes()[..])).await?, id, token)
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
@@ -487,25 +493,6 @@ impl Store for RedisStore {
             None => self.server_now().await?,
         };
         Ok(filter.select(records, now))
-    }
-}
-
-impl RedisStore {
-    /// The record id in a key `<prefix>{<64 hex digits>}`; `None` for any other key that
-    /// happens to match the scan's pattern.
-    fn id_of_key(&self, key: &[u8]) -> Option<RecordId> {
-        let rest = key.strip_prefix(self.config.prefix.as_bytes())?;
-        let hex = rest.strip_prefix(b"{")?.strip_suffix(b"}")?;
-        RecordId::from_hex(std::str::from_utf8(hex).ok()?)
-    }
-
-    /// The server's `TIME` in ms (a listing that read no record still reports a `now`).
-    async fn server_now(&self) -> Result<UnixMillis, StoreError> {
-        let (secs, micros): (i64, i64) = redis::cmd("TIME")
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| Error::command("read the server clock", e))?;
-        Ok(UnixMillis(secs * 1_000 + micros / 1_000))
     }
 }
 

@@ -60,60 +60,41 @@ impl Default for Config {
 }
 
 impl Config {
-    /// The clock every `now` is read from (default [`SystemClock`]); tests pass an
-    /// [`idem_core::ManualClock`].
-    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
-        self.clock = clock;
-        self
-    }
+    idem_core::setters! {
+        /// The clock every `now` is read from (default [`SystemClock`]); tests pass an
+        /// [`idem_core::ManualClock`].
+        pub fn with_clock(clock: Arc<dyn Clock>) => clock = clock;
 
-    /// How long a connection waits for a lock another process holds before giving up with
-    /// a retryable `SQLITE_BUSY` (default 5 s).
-    pub fn with_busy_timeout(mut self, timeout: Duration) -> Self {
-        self.busy_timeout = timeout;
-        self
-    }
+        /// How long a connection waits for a lock another process holds before giving up with
+        /// a retryable `SQLITE_BUSY` (default 5 s).
+        pub fn with_busy_timeout(timeout: Duration) => busy_timeout = timeout;
 
-    /// How the writer batches (default [`BatchConfig::default`]: up to 256 operations per
-    /// `BEGIN IMMEDIATE` transaction, a 200 µs linger); see [`idem_core::group_commit`].
-    pub fn with_batch(mut self, batch: BatchConfig) -> Self {
-        self.batch = batch;
-        self
-    }
+        /// How the writer batches (default [`BatchConfig::default`]: up to 256 operations per
+        /// `BEGIN IMMEDIATE` transaction, a 200 µs linger); see [`idem_core::group_commit`].
+        pub fn with_batch(batch: BatchConfig) => batch = batch;
 
-    /// Read connections opened with the store and kept for reads (default 4).
-    /// [`Store::get`] and [`Store::journal_get`] open a short-lived extra connection when
-    /// every pooled one is busy; a claim's read only takes a free pooled one and otherwise
-    /// goes to the writer (so 0 sends every claim to the writer).
-    ///
-    /// [`Store::get`]: idem_core::Store::get
-    /// [`Store::journal_get`]: idem_core::Store::journal_get
-    pub fn with_max_readers(mut self, readers: usize) -> Self {
-        self.max_readers = readers;
-        self
-    }
+        /// Read connections opened with the store and kept for reads (default 4).
+        /// [`Store::get`] and [`Store::journal_get`] open a short-lived extra connection when
+        /// every pooled one is busy; a claim's read only takes a free pooled one and otherwise
+        /// goes to the writer (so 0 sends every claim to the writer).
+        ///
+        /// [`Store::get`]: idem_core::Store::get
+        /// [`Store::journal_get`]: idem_core::Store::journal_get
+        pub fn with_max_readers(readers: usize) => max_readers = readers;
 
-    /// Whether [`crate::SqliteStore::open`] applies missing migrations (default `true`).
-    /// With `false` it only checks the file's schema version and fails with
-    /// [`crate::Error::SchemaOutdated`] until [`crate::SqliteStore::migrate`] has run.
-    pub fn with_auto_migrate(mut self, on: bool) -> Self {
-        self.auto_migrate = on;
-        self
-    }
+        /// Whether [`crate::SqliteStore::open`] applies missing migrations (default `true`).
+        /// With `false` it only checks the file's schema version and fails with
+        /// [`crate::Error::SchemaOutdated`] until [`crate::SqliteStore::migrate`] has run.
+        pub fn with_auto_migrate(on: bool) => auto_migrate = on;
 
-    /// How far the file's newest claim may lie ahead of this process's clock when the
-    /// store opens (default 1 s): further, and [`crate::SqliteStore::open`] refuses with
-    /// [`crate::Error::ClockBehind`]. `Duration::MAX` turns the refusal off (the skew is
-    /// then only logged). The rule for processes sharing a file: `docs/contract.md#time`.
-    pub fn with_max_clock_skew(mut self, limit: Duration) -> Self {
-        self.max_clock_skew = limit;
-        self
-    }
+        /// How far the file's newest claim may lie ahead of this process's clock when the
+        /// store opens (default 1 s): further, and [`crate::SqliteStore::open`] refuses with
+        /// [`crate::Error::ClockBehind`]. `Duration::MAX` turns the refusal off (the skew is
+        /// then only logged). The rule for processes sharing a file: `docs/contract.md#time`.
+        pub fn with_max_clock_skew(limit: Duration) => max_clock_skew = limit;
 
-    /// Makes a claim of `key` panic inside the writer's batch.
-    #[cfg(test)]
-    pub(crate) fn with_panic_on_key(mut self, key: &str) -> Self {
-        self.panic_on_key = Some(key.to_owned());
-        self
+        /// Makes a claim of `key` panic inside the writer's batch.
+        #[cfg(test)]
+        pub(crate) fn with_panic_on_key(key: &str) => panic_on_key = Some(key.to_owned());
     }
 }

@@ -13,10 +13,9 @@
 //! - `src/error.rs`: [`Error`], converted into [`idem_core::StoreError`] with the rusqlite
 //!   error kept as source and `is_retryable()` true for `SQLITE_BUSY` / `SQLITE_LOCKED`.
 //! - `migrations/`: the schema as SQL files.
-//! - `tests/conformance.rs`: the idem conformance suite; `tests/two_processes.rs`: child
-//!   processes racing for the same keys; `tests/killed_process.rs`: acknowledged claims
-//!   survive SIGKILL; `tests/sqlite.rs`: file, schema, lock, batch and journal behaviour;
-//!   `benches/group_commit.rs`: throughput against a commit-per-statement baseline
+//! - `tests/it/`: the integration tests, one module per area (`docs/testing.md`; the test
+//!   behind each failure: `docs/failures.md`).
+//! - `benches/group_commit.rs`: throughput against a commit-per-statement baseline
 //!   (`BENCHMARKS.md`).
 
 mod config;

@@ -269,10 +269,7 @@ impl Readers {
     /// Runs `f` on a pooled connection, opening a short-lived one when all are in use.
     /// Blocking: for `spawn_blocking`.
     fn with<T>(&self, f: impl FnOnce(&Connection) -> Result<T, StoreError>) -> Result<T, StoreError> {
-        let conn = match self.take() {
-            Some(conn) => conn,
-            None => self.connect()?,
-        };
+        let conn = self.take().map_or_else(|| self.connect(), Ok)?;
         let result = f(&conn);
         self.give_back(conn);
         result

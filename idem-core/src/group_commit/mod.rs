@@ -134,19 +134,15 @@ impl Default for BatchConfig {
 }
 
 impl BatchConfig {
-    /// Most operations applied in one transaction (default 256; zero counts as 1). A larger
-    /// batch shares one commit (one fsync) among more callers but makes each of them wait
-    /// for the whole batch.
-    pub fn with_max_batch(mut self, ops: usize) -> Self {
-        self.max_batch = ops.max(1);
-        self
-    }
+    crate::setters! {
+        /// Most operations applied in one transaction (default 256; zero counts as 1). A larger
+        /// batch shares one commit (one fsync) among more callers but makes each of them wait
+        /// for the whole batch.
+        pub fn with_max_batch(ops: usize) => max_batch = ops.max(1);
 
-    /// Longest wait for a batch to grow to the previous batch's size (default 200 µs; zero
-    /// never waits).
-    pub fn with_linger(mut self, linger: Duration) -> Self {
-        self.linger = linger;
-        self
+        /// Longest wait for a batch to grow to the previous batch's size (default 200 µs; zero
+        /// never waits).
+        pub fn with_linger(linger: Duration) => linger = linger;
     }
 
     /// Feature `test-util`: every batch waits up to `wait` to fill to the maximum, so a test

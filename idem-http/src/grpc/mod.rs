@@ -3,52 +3,9 @@
 //! to the layer: stored by its HTTP status (200, whatever its `grpc-status`), answered
 //! with problem bodies.
 //!
-//! gRPC runs over HTTP/2 with `content-type: application/grpc` (or `application/grpc+proto`
-//! and the like); metadata are header fields, so the key travels as `idempotency-key`
-//! metadata and the principal as `authorization`, exactly as over HTTP. A unary RPC
-//! answers HTTP 200, one message, and its status in the `grpc-status` trailer (or, with no
-//! message, in the headers: "trailers-only"). The layer stores the trailers with the
-//! message and replays both, so a retry gets the same message and the same `grpc-status`.
-//!
-//! **What is stored.** HTTP 200 says nothing about a gRPC call's outcome, so a gRPC
-//! response is stored only when its `grpc-status` is a lasting one, the gRPC counterpart
-//! of "2xx and lasting 4xx": `OK`, `INVALID_ARGUMENT`, `NOT_FOUND`, `ALREADY_EXISTS`,
-//! `FAILED_PRECONDITION`, `OUT_OF_RANGE`. Every other code (`UNAVAILABLE`, `INTERNAL`,
-//! `DEADLINE_EXCEEDED`, `ABORTED`, `RESOURCE_EXHAUSTED`, `UNAUTHENTICATED`,
-//! `PERMISSION_DENIED`, `UNKNOWN`, `CANCELLED`, `DATA_LOSS`, `UNIMPLEMENTED`) or a missing
-//! status marks the record failed, so a retry runs the handler again. A handler's
-//! [`crate::ResponseCaching`] still decides for one response. gRPC-Web
-//! (`application/grpc-web[-text]`) answers an error trailers-only too: a `grpc-status`
-//! header that is not lasting marks the record failed the same way. A gRPC-Web response
-//! with a message carries its status inside the body, which the layer does not parse: it
-//! is stored by its HTTP status. The layer's own answers to a gRPC-Web request are
-//! problem bodies, not gRPC statuses.
-//!
-//! **Streamed responses.** A gRPC response that streams (longer than `max_stored_body`,
-//! or still open at the buffering deadline) sends its `grpc-status` last, so its record is
-//! not completed when the body starts to stream, as an HTTP response's is: the attempt
-//! keeps its claim, its lease renewed, until the stream ends, and the trailers reach the
-//! client only after the record is written. A lasting status completes the record as not
-//! retained, the status kept in its trailers: a retry gets `ALREADY_EXISTS`. Any other
-//! status, no status, a body that fails, or a client that goes away before the trailers
-//! marks the record failed: a retry runs the handler again. While the stream flows, a
-//! retry gets `ABORTED` (in flight), however long the stream lasts. Once the stream has
-//! ended, the record is written on a task of its own, its lease still renewed until the
-//! write returns: a client that goes away while the store is slow to take the status does
-//! not cancel the write, so a stream that ended `OK` is never run again. A status the
-//! store did not take (an outage longer than the completion retries, a lost lease) reaches
-//! the client with `idempotent-stored: false` among its trailers, as an HTTP response's
-//! [`crate::IDEMPOTENT_STORED`]. A client that stops reading for one lease TTL is treated
-//! as gone (a half-open connection would otherwise hold the key claimed for ever): the
-//! lease is no longer renewed and lapses, so a retry reclaims the record and runs the call
-//! again; should that client read again, its call ends at once with `ABORTED` and
-//! `idempotent-stored: false`. A client waiting for a handler that is slow to send is
-//! reading: only a body left unpolled after a frame counts as idle. Why hold the claim
-//! rather than store the final status: `complete` and `fail` only change a record in
-//! flight, so a record completed when the stream started cannot take its status later,
-//! and a stored `UNAVAILABLE` replayed to every retry would still never run the call
-//! again. A handler's `ResponseCaching::Store` completes the record when the body starts
-//! to stream, as for HTTP, whatever the status.
+//! What is stored (only a lasting `grpc-status`: `OK`, `INVALID_ARGUMENT`, `NOT_FOUND`,
+//! `ALREADY_EXISTS`, `FAILED_PRECONDITION`, `OUT_OF_RANGE`), gRPC-Web, and how a streamed
+//! response keeps its claim until its status, and why: `docs/contract.md#grpc`.
 //!
 //! **The layer's answers.** For a gRPC request the layer answers trailers-only (HTTP 200,
 //! `grpc-status`, `grpc-message`), never a problem body a gRPC client cannot read:
@@ -177,17 +134,15 @@ fn lasting_code(status: Option<&HeaderValue>) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use http::header;
-
     use super::*;
+
+    fn map(fields: &[(&'static str, &'static str)]) -> HeaderMap {
+        fields.iter().map(|&(n, v)| (http::HeaderName::from_static(n), HeaderValue::from_static(v))).collect()
+    }
 
     #[test]
     fn grpc_content_types_are_recognised() {
-        let ct = |v: &'static str| {
-            let mut h = HeaderMap::new();
-            h.insert(header::CONTENT_TYPE, HeaderValue::from_static(v));
-            is_grpc(&h)
-        };
+        let ct = |v: &'static str| is_grpc(&map(&[("content-type", v)]));
         assert!(ct("application/grpc") && ct("application/grpc+proto") && ct("Application/GRPC; charset=x"));
         assert!(!ct("application/grpc-web") && !ct("application/json"));
         assert!(!is_grpc(&HeaderMap::new()));
@@ -196,13 +151,8 @@ mod tests {
     /// A gRPC error answered with HTTP 200 was stored and replayed to every retry.
     #[test]
     fn only_lasting_grpc_statuses_are_stored() {
-        let mut h = HeaderMap::new();
-        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-        let with = |s: &'static str| {
-            let mut t = HeaderMap::new();
-            t.insert("grpc-status", HeaderValue::from_static(s));
-            is_lasting(&h, Some(&t))
-        };
+        let h = map(&[("content-type", "application/grpc")]);
+        let with = |s: &'static str| is_lasting(&h, Some(&map(&[("grpc-status", s)])));
         for s in ["0", "3", "5", "6", "9", "11"] {
             assert!(with(s), "{s}");
         }
@@ -210,8 +160,7 @@ mod tests {
             assert!(!with(s), "{s}");
         }
         assert!(!is_lasting(&h, None), "no status at all is a broken response");
-        let mut trailers_only = h.clone();
-        trailers_only.insert("grpc-status", HeaderValue::from_static("5"));
+        let trailers_only = map(&[("content-type", "application/grpc"), ("grpc-status", "5")]);
         assert!(is_lasting(&trailers_only, None));
         assert!(is_lasting(&HeaderMap::new(), None), "not gRPC: the HTTP status decided");
     }
@@ -222,17 +171,14 @@ mod tests {
     #[test]
     fn a_grpc_web_error_is_not_lasting() {
         for ct in ["application/grpc-web", "application/grpc-web+proto", "application/grpc-web-text"] {
-            let mut h = HeaderMap::new();
-            h.insert(header::CONTENT_TYPE, HeaderValue::from_static(ct));
+            let mut h = map(&[("content-type", ct)]);
             assert!(is_lasting(&h, None), "{ct}: a message, its status in the body: stored");
             h.insert("grpc-status", HeaderValue::from_static("14"));
             assert!(!is_lasting(&h, None), "{ct}: UNAVAILABLE");
             h.insert("grpc-status", HeaderValue::from_static("5"));
             assert!(is_lasting(&h, None), "{ct}: NOT_FOUND");
         }
-        let mut h = HeaderMap::new();
-        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc-webby"));
-        h.insert("grpc-status", HeaderValue::from_static("14"));
+        let h = map(&[("content-type", "application/grpc-webby"), ("grpc-status", "14")]);
         assert!(is_lasting(&h, None), "not gRPC-Web: the HTTP status decided");
     }
 

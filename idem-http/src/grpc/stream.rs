@@ -1,5 +1,5 @@
-//! The claim of a gRPC response that streams before its `grpc-status` is known (module
-//! docs of `crate::grpc`, "Streamed responses"): held by the response body, which has the
+//! The claim of a gRPC response that streams before its `grpc-status` is known
+//! (`docs/contract.md#grpc`, "Streamed"): held by the response body, which has the
 //! record completed or failed when the stream ends and only then passes the trailers on.
 
 use std::pin::Pin;
@@ -21,8 +21,8 @@ use crate::lease::{Lease, LeaseState, renew};
 use crate::observe::{Observer, Outcome};
 use crate::store::LayerStore;
 
-/// The claim of a gRPC response that streams before its `grpc-status` is known (module
-/// docs, "Streamed responses"): held by the response body, which has the record written
+/// The claim of a gRPC response that streams before its `grpc-status` is known
+/// (`docs/contract.md#grpc`, "Streamed"): held by the response body, which has the record written
 /// when the stream ends and only then passes the trailers on.
 pub(crate) struct StreamEnd {
     /// Keeps the lease fresh while the stream flows and its client reads: a stream may

@@ -1,13 +1,8 @@
 //! Step 4, capture: the handler's response, its body read as far as the record needs
 //! (`docs/contract.md#what-is-stored-and-when`).
 //!
-//! A response that is not stored (5xx, 1xx, 3xx other than 303, the uncacheable 4xx, what
-//! the handler marked `DoNotStore`) is not read at all: its body streams through. A
-//! storable one is read up to `max_stored_body + 1` bytes, holding at most that plus the
-//! one frame that crossed it: whole when it ended within the limit; when it is longer, a
-//! streaming media type, or still open at the buffering deadline, the part read and the
-//! rest, which streams straight from the handler. What the record keeps of it is decided
-//! and written next (`keep`).
+//! What is read of which response, and when reading stops: `docs/contract.md#bounded-buffering`.
+//! What the record keeps of it is decided and written next (`keep`).
 
 use std::future::{Future, poll_fn};
 use std::pin::Pin;

@@ -87,12 +87,12 @@ where
         if settings.missing_principal == MissingPrincipal::SkipIdempotency {
             return Intake::Skipped(Request::from_parts(parts, body));
         }
-        return Intake::Refused(Refusal::missing_principal(settings.resolver.challenge()));
+        return Intake::Refused(Refusal::missing_principal(settings.resolver.challenge(), false));
     };
     // Blank is a resolver bug (or a client-supplied blank identity), not "anonymous": it
     // never shares a bucket and never skips idempotency, whatever `MissingPrincipal` says.
     let Ok(principal) = Principal::new(resolved) else {
-        return Intake::Refused(Refusal::blank_principal(settings.resolver.challenge()));
+        return Intake::Refused(Refusal::missing_principal(settings.resolver.challenge(), true));
     };
     let (max_fields, max_bytes) = (settings.max_fingerprint_fields, settings.max_fingerprint_header_bytes);
     let fingerprinted = Fingerprinted::gather(pipeline, &parts.headers, max_fields);

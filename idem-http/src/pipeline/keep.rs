@@ -2,11 +2,9 @@
 //! `fail`) while the lease is still renewed, before the response is returned
 //! (`docs/contract.md#what-is-stored-and-when`).
 //!
-//! A cacheable response completes the record: with its body when it was read whole, not
-//! retained when it streams. Anything else marks the record failed, so a retry runs the
-//! handler again. A gRPC response that streams keeps its claim until its status is known
-//! instead (`crate::grpc`); a handler that completed its record in its own transaction
-//! has it checked once.
+//! A gRPC response that streams keeps its claim until its status is known instead
+//! (`crate::grpc`); a handler that completed its record in its own transaction has it
+//! checked once.
 
 use std::pin::{Pin, pin};
 
@@ -222,8 +220,8 @@ async fn completed_by_handler<B>(
 }
 
 /// The claim of a gRPC response that streams, handed to its body: the record is written
-/// when the stream ends, with the status it ends with (`crate::grpc`, "Streamed
-/// responses"). The stream renews its own lease from here on.
+/// when the stream ends, with the status it ends with (`docs/contract.md#grpc`,
+/// "Streamed"). The stream renews its own lease from here on.
 #[cfg(feature = "grpc")]
 fn hold_until_status(
     pipeline: &Pipeline,

@@ -96,78 +96,63 @@ impl Pipeline {
         let span = crate::observe::request_span(&endpoint);
         let mut obs = Observer::new(span.clone());
         obs.endpoint(&endpoint);
-        let answer = self.keyed(inner, req, endpoint, &mut obs).instrument(span).await?;
-        Ok(answer.render(grpc, self.settings.retry_hints))
-    }
-
-    async fn keyed<S, ReqBody, ResBody>(
-        &self,
-        inner: S,
-        req: Request<ReqBody>,
-        endpoint: idem_core::Endpoint,
-        obs: &mut Observer,
-    ) -> Result<Answer<ResBody>, S::Error>
-    where
-        S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
-        S::Future: Send,
-        S::Error: Send + 'static,
-        ReqBody: Body + From<Bytes> + Send + 'static,
-        ReqBody::Error: Into<BoxError>,
-        ResBody: Body<Data = Bytes> + Send + 'static,
-        ResBody::Error: Into<BoxError>,
-    {
-        let admitted = match intake::admit(self, req, endpoint).await {
-            intake::Intake::Admitted(admitted) => admitted,
-            intake::Intake::Skipped(req) => {
-                obs.decision(DecisionKind::Skipped);
-                return pass_through(inner, req).await.map(Answer::Handler);
-            }
-            intake::Intake::Refused(refusal) => {
-                obs.decision(DecisionKind::Rejected);
-                return Ok(Answer::Refusal(refusal));
-            }
-        };
-        let intake::Admitted { parts, body, claim } = admitted;
-        let id = claim.id();
-        obs.record(id);
-        match acquire::acquire(self, claim).await {
-            acquire::Acquired::Claimed { record, sent, decision } => {
-                obs.claimed(decision, record.token);
-                run::run(self, inner, parts, body, record, sent, obs).await
-            }
-            acquire::Acquired::Answered(answer, decision) => {
-                obs.decision(decision);
-                Ok(answer)
-            }
-            acquire::Acquired::StoreFailed(error) => {
-                let endpoint = intake::endpoint_of(&parts.method, &parts.uri, &parts.extensions);
-                match self.settings.store_failure_mode {
-                    StoreFailureMode::FailOpen => {
-                        obs.decision(DecisionKind::FailOpen);
-                        tracing::warn!(
-                            record = %id, endpoint = %endpoint.as_str(), error = %error,
-                            "idempotency store failed; running the handler WITHOUT idempotency protection (fail-open)"
-                        );
-                        pass_through(inner, Request::from_parts(parts, ReqBody::from(body))).await.map(Answer::Handler)
-                    }
-                    StoreFailureMode::FailClosed => {
-                        obs.decision(DecisionKind::StoreUnavailable);
-                        tracing::error!(
-                            record = %id, endpoint = %endpoint.as_str(), error = %error,
-                            "idempotency store failed; answering 503 without running the handler (fail-closed)"
-                        );
-                        Ok(Answer::Refusal(Refusal::store_unavailable()))
+        let answer = async {
+            let admitted = match intake::admit(&self, req, endpoint).await {
+                intake::Intake::Admitted(admitted) => admitted,
+                intake::Intake::Skipped(req) => {
+                    obs.decision(DecisionKind::Skipped);
+                    return pass_through(inner, req).await.map(Answer::Handler);
+                }
+                intake::Intake::Refused(refusal) => {
+                    obs.decision(DecisionKind::Rejected);
+                    return Ok(Answer::Refusal(refusal));
+                }
+            };
+            let intake::Admitted { parts, body, claim } = admitted;
+            let id = claim.id();
+            obs.record(id);
+            match acquire::acquire(&self, claim).await {
+                acquire::Acquired::Claimed { record, sent, decision } => {
+                    obs.claimed(decision, record.token);
+                    run::run(&self, inner, parts, body, record, sent, &mut obs).await
+                }
+                acquire::Acquired::Answered(answer, decision) => {
+                    obs.decision(decision);
+                    Ok(answer)
+                }
+                acquire::Acquired::StoreFailed(error) => {
+                    let endpoint = intake::endpoint_of(&parts.method, &parts.uri, &parts.extensions);
+                    match self.settings.store_failure_mode {
+                        StoreFailureMode::FailOpen => {
+                            obs.decision(DecisionKind::FailOpen);
+                            tracing::warn!(
+                                record = %id, endpoint = %endpoint.as_str(), error = %error,
+                                "idempotency store failed; running the handler WITHOUT idempotency protection (fail-open)"
+                            );
+                            pass_through(inner, Request::from_parts(parts, ReqBody::from(body))).await.map(Answer::Handler)
+                        }
+                        StoreFailureMode::FailClosed => {
+                            obs.decision(DecisionKind::StoreUnavailable);
+                            tracing::error!(
+                                record = %id, endpoint = %endpoint.as_str(), error = %error,
+                                "idempotency store failed; answering 503 without running the handler (fail-closed)"
+                            );
+                            Ok(Answer::Refusal(Refusal::store_unavailable()))
+                        }
                     }
                 }
-            }
-            acquire::Acquired::Unreadable(why) => {
-                // In both failure modes: the record may be a completed operation, and
-                // running its handler again (fail-open) could repeat it.
-                obs.decision(DecisionKind::Unreadable);
-                tracing::error!(record = %id, why, "stored idempotency record cannot be read or replayed");
-                Ok(Answer::Refusal(Refusal::unreadable()))
+                acquire::Acquired::Unreadable(why) => {
+                    // In both failure modes: the record may be a completed operation, and
+                    // running its handler again (fail-open) could repeat it.
+                    obs.decision(DecisionKind::Unreadable);
+                    tracing::error!(record = %id, why, "stored idempotency record cannot be read or replayed");
+                    Ok(Answer::Refusal(Refusal::unreadable()))
+                }
             }
         }
+        .instrument(span)
+        .await?;
+        Ok(answer.render(grpc, self.settings.retry_hints))
     }
 }
 

@@ -2,18 +2,9 @@
 //! (`capture`) and kept (`keep`) before its answer is returned.
 //!
 //! The handler sees its claim as the [`IdempotencyContext`] request extension. Its lease is
-//! renewed from the claim until the record is written ([`crate::lease`]), polled together
-//! with the handler and then with the completion, never on a task of its own: a request
-//! that stops being polled, or is dropped, stops renewing. The completion may be resent for
-//! a whole lease while the store is out, and a lease that ran out meanwhile would let a
-//! retry reclaim the record and run the handler again.
-//!
-//! Under [`crate::HandlerExecution::Detached`] (default) the handler, the reading of its
-//! body and the record's write are work that outlives the response future: polled in
-//! place while the client waits, moved to a task of its own if the response future is
-//! dropped first ([`crate::future`]). A disconnect then does not reach the handler: it
-//! finishes and stores its outcome, and the client's retry finds it in flight, then
-//! replays it. Under `Inline` they are the response future's own, and cancelled with it.
+//! renewed from the claim until the record is written, polled with that work, never on a
+//! task of its own (why: [`crate::lease`]). Where the work runs, and what a disconnect does
+//! to it: [`crate::HandlerExecution`] (`Detached` moves it to a task, [`crate::future`]).
 //!
 //! A handler panic marks the record failed, then goes on (a layer must not turn a panic
 //! into a response); an error of the inner service marks it failed and is returned as is.

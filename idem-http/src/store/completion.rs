@@ -18,11 +18,7 @@ use tokio::time::Instant;
 
 use super::{LayerStore, Op, deadlines};
 use crate::deadline::CompletionRetry;
-
-/// First pause before a write is sent again.
-const RETRY_FIRST: Duration = Duration::from_millis(25);
-/// Longest pause between two attempts.
-const RETRY_MAX: Duration = Duration::from_secs(1);
+use crate::lease::{RETRY_FIRST, RETRY_MAX};
 
 /// Whether a write that failed with `error` may land if sent again: any
 /// `StoreError::Unavailable`, the retryable ones (a blip, a busy timeout, a missed

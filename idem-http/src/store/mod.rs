@@ -40,38 +40,26 @@ use idem_core::{
 use crate::config::Settings;
 use crate::deadline::StoreDeadlines;
 
-/// A store operation: the `operation` label of the metrics, the name in logs and errors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Op {
-    Claim,
-    Reclaim,
-    Complete,
-    Fail,
-    Extend,
-    Get,
-    Sweep,
-    JournalPut,
-    JournalGet,
+named_enum! {
+    /// A store operation: the `operation` label of the metrics, the name in logs and errors.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(crate) enum Op {
+        Claim => "claim",
+        Reclaim => "reclaim",
+        Complete => "complete",
+        Fail => "fail",
+        Extend => "extend",
+        Get => "get",
+        Sweep => "sweep",
+        JournalPut => "journal_put",
+        JournalGet => "journal_get",
+    }
 }
 
 impl Op {
     /// How many operations there are.
     #[cfg(feature = "metrics")]
     const COUNT: usize = 9;
-
-    pub(crate) const fn as_str(self) -> &'static str {
-        match self {
-            Self::Claim => "claim",
-            Self::Reclaim => "reclaim",
-            Self::Complete => "complete",
-            Self::Fail => "fail",
-            Self::Extend => "extend",
-            Self::Get => "get",
-            Self::Sweep => "sweep",
-            Self::JournalPut => "journal_put",
-            Self::JournalGet => "journal_get",
-        }
-    }
 }
 
 /// The store of one layer (module docs).
@@ -203,27 +191,6 @@ impl LayerStore {
         })
         .await
     }
-
-    pub(crate) async fn journal_put(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        name: &str,
-        value: Vec<u8>,
-        overwrite: bool,
-    ) -> Result<JournalWrite, StoreError> {
-        self.timed(Op::JournalPut, self.resend_journal(id, token, name, value, overwrite)).await
-    }
-
-    pub(crate) async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        let call = deadlines::within(self.deadlines.read, Op::JournalGet, self.store().journal_get(id, name));
-        self.timed(Op::JournalGet, call).await
-    }
-
-    /// No deadline: the layer never sweeps (the sweeper in `idem_core::sweeper` does).
-    pub(crate) async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
-        self.timed(Op::Sweep, self.store().sweep(limit)).await
-    }
 }
 
 #[async_trait]
@@ -259,8 +226,9 @@ impl Store for LayerStore {
         LayerStore::get(self, id).await
     }
 
+    /// No deadline: the layer never sweeps (the sweeper in `idem_core::sweeper` does).
     async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
-        LayerStore::sweep(self, limit).await
+        self.timed(Op::Sweep, self.store().sweep(limit)).await
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -275,11 +243,12 @@ impl Store for LayerStore {
         value: Vec<u8>,
         overwrite: bool,
     ) -> Result<JournalWrite, StoreError> {
-        LayerStore::journal_put(self, id, token, name, value, overwrite).await
+        self.timed(Op::JournalPut, self.resend_journal(id, token, name, value, overwrite)).await
     }
 
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        LayerStore::journal_get(self, id, name).await
+        let call = deadlines::within(self.deadlines.read, Op::JournalGet, self.store().journal_get(id, name));
+        self.timed(Op::JournalGet, call).await
     }
 
     /// An operator's listing: no request waits on it, so no deadline (like `sweep`).
