@@ -114,7 +114,7 @@ impl Pipeline {
             match acquire::acquire(&self, claim).await {
                 acquire::Acquired::Claimed { record, sent, decision } => {
                     obs.claimed(decision, record.token);
-                    run::run(&self, inner, parts, body, record, sent, &mut obs).await
+                    run::run(&self, inner, parts, body, record, sent, &obs).await
                 }
                 acquire::Acquired::Answered(answer, decision) => {
                     obs.decision(decision);
