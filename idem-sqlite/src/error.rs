@@ -92,7 +92,7 @@ pub enum Error {
     /// would see that process's leases as longer than they are, and it would see this
     /// one's as shorter. Fix the clocks (NTP), or raise the limit.
     #[error(
-        "this process's clock is {ahead_ms} ms behind the newest claim in the SQLite file (limit {limit_ms} ms);          sync the clocks of every process sharing the file"
+        "this process's clock is {ahead_ms} ms behind the newest claim in the SQLite file (limit {limit_ms} ms); sync the clocks of every process sharing the file"
     )]
     ClockBehind {
         /// How far the newest claim's `started_at` lies ahead of this clock, ms.

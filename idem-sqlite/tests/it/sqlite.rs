@@ -486,3 +486,12 @@ async fn claims_of_one_key_in_one_batch_have_one_winner_first_and_over_an_expire
     let stats = store.batch_stats();
     assert_eq!((stats.batches, stats.claims_read), (3, 0), "{stats:?}");
 }
+
+/// The clock-skew refusal printed a run of ten spaces mid-sentence (a lost line
+/// continuation in its message); an operator reads it in a start-up log.
+#[test]
+fn the_clock_behind_message_reads_as_one_sentence() {
+    let message = idem_sqlite::Error::ClockBehind { ahead_ms: 1_500, limit_ms: 1_000 }.to_string();
+    assert!(!message.contains("  "), "{message}");
+    assert!(message.contains("1500 ms behind") && message.contains("limit 1000 ms"), "{message}");
+}
