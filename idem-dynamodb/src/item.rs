@@ -55,6 +55,12 @@ pub(crate) const WRITE: &str = "i_w";
 pub(crate) const RESPONSE: &str = "i_resp";
 /// The encoded response, LZ4-compressed (size prepended).
 pub(crate) const RESPONSE_LZ4: &str = "i_rz";
+/// How many part items hold the response (responses too large for the record item).
+pub(crate) const RESPONSE_PARTS: &str = "i_rp";
+/// The nonce naming a parted response's items.
+pub(crate) const RESPONSE_PARTS_ID: &str = "i_rw";
+/// Whether a parted response's bytes are LZ4-compressed (`lz4`) or not (`raw`).
+pub(crate) const RESPONSE_PARTS_KIND: &str = "i_rk";
 /// A journal entry's value (or one part of it).
 pub(crate) const VALUE: &str = "i_v";
 /// How many parts a journal entry has (the first item included).
@@ -69,6 +75,8 @@ pub(crate) const RECORD_OVERHEAD: usize = 24 * 1024;
 pub(crate) const RESPONSE_INLINE: usize = ITEM_LIMIT - RECORD_OVERHEAD;
 /// Bytes of a journal value per item.
 pub(crate) const PART_BYTES: usize = 350 * 1024;
+/// Largest response kept in part items; a larger one is completed as not retained.
+pub(crate) const MAX_PARTED_RESPONSE: usize = 64 * 1024 * 1024;
 /// Largest journal value: a put is one transaction, which DynamoDB caps at 4 MB in all.
 pub const MAX_JOURNAL_VALUE: usize = 3 * 1024 * 1024;
 
@@ -142,19 +150,46 @@ pub(crate) fn record_item(r: &Record, gen_token: FencingToken, w: &str, grace_se
     item
 }
 
-/// A response as the record item keeps it: the attribute and its bytes. Responses whose
-/// encoding does not fit are LZ4-compressed; if that still does not fit, the body is
-/// completed as not retained (status, headers and trailers kept, or only the status when
-/// even those do not fit), so a completion never fails because of its size.
-pub(crate) fn response_attr(response: &StoredResponse) -> (&'static str, Vec<u8>) {
+/// How a response is kept.
+pub(crate) enum StoredForm {
+    /// In the record item, under this attribute (`i_resp`, or `i_rz` compressed).
+    Inline(&'static str, Vec<u8>),
+    /// In part items beside the record (`p#<token>#<nonce>#<i>`), compressed or not.
+    Parts {
+        /// Whether `bytes` are LZ4-compressed.
+        lz4: bool,
+        /// The encoded (and maybe compressed) response.
+        bytes: Vec<u8>,
+    },
+}
+
+/// A response as the store keeps it: inline when its encoding fits in the record item,
+/// else LZ4-compressed inline when that fits, else in part items beside the record (the
+/// smaller of compressed and raw), and only beyond [`MAX_PARTED_RESPONSE`] completed as
+/// not retained (status, headers and trailers kept), so a completion never fails because
+/// of its size.
+pub(crate) fn stored_form(response: &StoredResponse) -> StoredForm {
     let bytes = codec::encode_response(response);
     if bytes.len() <= RESPONSE_INLINE {
-        return (RESPONSE, bytes);
+        return StoredForm::Inline(RESPONSE, bytes);
     }
     let packed = lz4_flex::block::compress_prepend_size(&bytes);
     if packed.len() <= RESPONSE_INLINE {
-        return (RESPONSE_LZ4, packed);
+        return StoredForm::Inline(RESPONSE_LZ4, packed);
     }
+    let (lz4, smaller) = if packed.len() < bytes.len() { (true, packed) } else { (false, bytes) };
+    if smaller.len() <= MAX_PARTED_RESPONSE {
+        return StoredForm::Parts { lz4, bytes: smaller };
+    }
+    tracing::warn!(
+        encoded = smaller.len(),
+        "idem-dynamodb: a response is over the parted-response limit; completed as not retained"
+    );
+    StoredForm::Inline(RESPONSE, codec::encode_response(&not_retained(response, true)))
+}
+
+/// `response` with its body not retained; `keep_fields`: headers and trailers kept.
+pub(crate) fn not_retained(response: &StoredResponse, keep_fields: bool) -> StoredResponse {
     let len = match &response.body {
         StoredBody::Identity(b) => Some(b.len() as u64),
         StoredBody::Lz4 { len, .. } => Some(*len),
@@ -166,17 +201,16 @@ pub(crate) fn response_attr(response: &StoredResponse) -> (&'static str, Vec<u8>
         body: StoredBody::NotRetained { len },
         trailers: response.trailers.clone(),
     };
-    let mut bytes = codec::encode_response(&kept);
-    if bytes.len() > RESPONSE_INLINE {
+    if !keep_fields || codec::encode_response(&kept).len() > RESPONSE_INLINE {
         kept.headers.clear();
         kept.trailers.clear();
-        bytes = codec::encode_response(&kept);
     }
-    tracing::warn!(
-        encoded = codec::encode_response(response).len(),
-        "idem-dynamodb: a response does not fit in a DynamoDB item even compressed; completed as not retained"
-    );
-    (RESPONSE, bytes)
+    kept
+}
+
+/// The key of part `i` of a parted response written by token `token` under nonce `w`.
+pub(crate) fn response_part_key(id: RecordId, token: FencingToken, w: &str, i: usize) -> Item {
+    HashMap::from([(PK.to_owned(), pk(id)), (SK.to_owned(), AttributeValue::S(format!("p#{}#{w}#{i}", token.0)))])
 }
 
 fn attr<'a>(item: &'a Item, id: Option<RecordId>, name: &'static str) -> Result<&'a AttributeValue, StoreError> {
@@ -297,4 +331,18 @@ pub(crate) fn decode_record(item: &Item, id: RecordId) -> Result<Record, StoreEr
 pub(crate) fn item_id(item: &Item) -> Result<RecordId, StoreError> {
     let hex = get_str(item, None, PK)?;
     RecordId::from_hex(hex).ok_or_else(|| corrupt(None, PK, format!("not a record id: {hex:?}")))
+}
+
+/// Decodes an expired record item for the token a claim replacing it needs, without its
+/// response's part items (a sweep may be deleting them): a parted response reads as not
+/// retained.
+pub(crate) fn decode_expired(item: &Item, id: RecordId) -> Result<Record, StoreError> {
+    if !item.contains_key(RESPONSE_PARTS) {
+        return decode_record(item, id);
+    }
+    let mut head = item.clone();
+    head.remove(RESPONSE_PARTS);
+    let stub = StoredResponse { status: 0, headers: vec![], body: StoredBody::NotRetained { len: None }, trailers: vec![] };
+    head.insert(RESPONSE.to_owned(), b(codec::encode_response(&stub)));
+    decode_record(&head, id)
 }

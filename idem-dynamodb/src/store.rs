@@ -31,14 +31,14 @@ use idem_core::store::MAX_JOURNAL_NAME;
 use idem_core::time::duration_ms;
 use idem_core::transition::{self, is_reclaimable};
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ListFilter, Listing, Receipt, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Store, StoreError, StoredBody,
+    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ListFilter, Listing, Receipt, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Store, StoreError,
     StoredResponse, SweepOutcome, UnixMillis,
 };
 
 use crate::config::Config;
 use crate::error::Error;
 use crate::item::{
-    self, EXPIRES, GEN, Head, Item, LEASE, MAX_JOURNAL_VALUE, PART_BYTES, PARTS, RESPONSE, RESPONSE_LZ4, SK_RECORD,
+    self, EXPIRES, RESPONSE_PARTS, RESPONSE_PARTS_ID, RESPONSE_PARTS_KIND, StoredForm, GEN, Head, Item, LEASE, MAX_JOURNAL_VALUE, PART_BYTES, PARTS, RESPONSE, RESPONSE_LZ4, SK_RECORD,
     STATE, TOKEN, TTL, VALUE, WRITE, b, decode_record, get_bytes, get_i64, get_token, journal_key, n, record_item,
     record_key, s, ttl_secs, write_nonce,
 };
@@ -198,9 +198,37 @@ impl DynamoStore {
     /// The live record `id` at `now`.
     async fn read(&self, id: RecordId, now: UnixMillis) -> Result<Option<Record>, StoreError> {
         match self.read_item(id).await? {
-            Some(item) => Ok(Some(decode_record(&item, id)?).filter(|r| !r.is_expired(now))),
+            Some(item) if Head::of(&item, id)?.is_live(now) => Ok(Some(self.full_record(&item, id).await?)),
+            Some(_) => Ok(None),
             None => Ok(None),
         }
+    }
+
+    /// Decodes a record item, reading its response's part items when it has them.
+    async fn full_record(&self, item: &Item, id: RecordId) -> Result<Record, StoreError> {
+        let Some(AttributeValue::N(count)) = item.get(RESPONSE_PARTS) else { return decode_record(item, id) };
+        let sid = Some(id);
+        let count: usize =
+            count.parse().map_err(|_| item::corrupt(sid, RESPONSE_PARTS, format!("not a count: {count:?}")))?;
+        let w = item::get_str(item, sid, RESPONSE_PARTS_ID)?.to_owned();
+        let lz4 = match item::get_str(item, sid, RESPONSE_PARTS_KIND)? {
+            "lz4" => true,
+            "raw" => false,
+            other => return Err(item::corrupt(sid, RESPONSE_PARTS_KIND, format!("unknown kind {other:?}"))),
+        };
+        let token = get_token(item, sid, TOKEN)?;
+        let mut bytes = Vec::new();
+        for i in 0..count {
+            let part = self
+                .read_key(item::response_part_key(id, token, &w, i), "reading a response part")
+                .await?
+                .ok_or_else(|| item::corrupt(sid, RESPONSE_PARTS, format!("part {i} of {count} is missing")))?;
+            bytes.extend_from_slice(get_bytes(&part, sid, VALUE)?.unwrap_or_default());
+        }
+        let mut whole = item.clone();
+        whole.remove(RESPONSE_PARTS);
+        whole.insert((if lz4 { RESPONSE_LZ4 } else { RESPONSE }).to_owned(), b(bytes));
+        decode_record(&whole, id)
     }
 
     /// A conditional `UpdateItem` of record `id`.
@@ -243,23 +271,35 @@ impl DynamoStore {
         }
     }
 
-    /// `complete` with a response already in its stored form.
-    async fn complete_with(
+    /// `complete` with the response inline in the record item, under `attr`.
+    async fn complete_inline(
         &self,
         id: RecordId,
         token: FencingToken,
         attr: &'static str,
         bytes: Vec<u8>,
     ) -> Result<Result<Receipt, StoreError>, StoreError> {
+        let other = if attr == RESPONSE { RESPONSE_LZ4 } else { RESPONSE };
+        let remove = format!("{other}, {RESPONSE_PARTS}, {RESPONSE_PARTS_ID}, {RESPONSE_PARTS_KIND}");
+        self.complete_with(id, token, &format!("{attr} = :r"), &remove, Vals::default().with(":r", b(bytes))).await
+    }
+
+    /// `complete` with a response already in its stored form.
+    async fn complete_with(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        set: &str,
+        remove: &str,
+        extra: Vals,
+    ) -> Result<Result<Receipt, StoreError>, StoreError> {
         const OP: &str = "completing a record";
         let now = self.now();
         let w = nonce();
-        let other = if attr == RESPONSE { RESPONSE_LZ4 } else { RESPONSE };
-        let update = format!("SET {STATE} = :c, {attr} = :r, {WRITE} = :w REMOVE {other}");
+        let update = format!("SET {STATE} = :c, {set}, {WRITE} = :w REMOVE {remove}");
         let condition = format!("{TOKEN} = :t AND {STATE} = :if AND {EXPIRES} > :now");
-        let vals = Vals::default()
+        let vals = extra
             .with(":c", s(RecordState::Completed.as_str()))
-            .with(":r", b(bytes))
             .with(":w", s(&w))
             .with(":t", n(token.0))
             .with(":if", s(IN_FLIGHT))
@@ -340,8 +380,22 @@ impl DynamoStore {
         Ok(Ok(Some((value, w))))
     }
 
-    /// Deletes record `id`'s journal entries of generations up to `generation`.
-    async fn delete_entries(&self, id: RecordId, generation: FencingToken) -> Result<(), StoreError> {
+    /// Deletes record `id`'s journal entries of generations up to `generation`, and the
+    /// response parts written with tokens up to `token`.
+    async fn delete_entries(&self, id: RecordId, generation: FencingToken, token: FencingToken) -> Result<(), StoreError> {
+        self.delete_beside(id, "j#", GEN, generation).await?;
+        self.delete_beside(id, "p#", TOKEN, token).await
+    }
+
+    /// Deletes the items of record `id`'s partition whose sort key starts with `prefix` and
+    /// whose `attr` is at most `bound` (each delete conditional on it).
+    async fn delete_beside(
+        &self,
+        id: RecordId,
+        prefix: &str,
+        attr: &str,
+        bound: FencingToken,
+    ) -> Result<(), StoreError> {
         const OP: &str = "deleting an expired record's journal entries";
         let mut start = None;
         loop {
@@ -352,8 +406,8 @@ impl DynamoStore {
                 .table_name(&self.inner.table)
                 .key_condition_expression("pk = :pk AND begins_with(sk, :j)")
                 .expression_attribute_values(":pk", item::pk(id))
-                .expression_attribute_values(":j", s("j#"))
-                .projection_expression(format!("pk, sk, {GEN}"))
+                .expression_attribute_values(":j", s(prefix))
+                .projection_expression(format!("pk, sk, {attr}"))
                 .consistent_read(true)
                 .set_exclusive_start_key(start)
                 .send()
@@ -371,8 +425,8 @@ impl DynamoStore {
                     .delete_item()
                     .table_name(&self.inner.table)
                     .set_key(Some(key))
-                    .condition_expression(format!("{GEN} <= :g"))
-                    .expression_attribute_values(":g", n(generation.0))
+                    .condition_expression(format!("{attr} <= :g"))
+                    .expression_attribute_values(":g", n(bound.0))
                     .send()
                     .await;
                 if let Err(e) = sent {
@@ -482,11 +536,12 @@ impl Store for DynamoStore {
                 // This call's own put, sent again by the SDK after the first send landed.
                 Some(old) if write_nonce(&old) == Some(w.as_str()) => return Ok(outcome),
                 Some(old) => {
-                    let old = decode_record(&old, id)?;
-                    if !old.is_expired(now) {
-                        return Ok(ClaimOutcome::Existing { record: old, now });
+                    if Head::of(&old, id)?.is_live(now) {
+                        return Ok(ClaimOutcome::Existing { record: self.full_record(&old, id).await?, now });
                     }
-                    current = Some(old);
+                    // Expired: only its token matters to the next generation, so a parted
+                    // response (which a sweep may be deleting) is not read.
+                    current = Some(item::decode_expired(&old, id)?);
                 }
                 None => current = None,
             }
@@ -537,8 +592,11 @@ impl Store for DynamoStore {
                     Some(old) if write_nonce(&old) == Some(w.as_str()) => {
                         return Ok(ReclaimOutcome::Reclaimed(decode_record(&old, id)?));
                     }
+                    Some(old) if !Head::of(&old, id)?.is_live(now) => {
+                        return Ok(ReclaimOutcome::Conflict { current: None, now });
+                    }
                     Some(old) => {
-                        let r = decode_record(&old, id)?;
+                        let r = self.full_record(&old, id).await?;
                         if !is_reclaimable(&r, &req, now) {
                             let current = Some(r).filter(|r| !r.is_expired(now));
                             return Ok(ReclaimOutcome::Conflict { current, now });
@@ -561,26 +619,46 @@ impl Store for DynamoStore {
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Receipt, StoreError> {
-        let (attr, bytes) = item::response_attr(&response);
-        match self.complete_with(id, token, attr, bytes).await? {
+        let first = match item::stored_form(&response) {
+            StoredForm::Inline(attr, bytes) => self.complete_inline(id, token, attr, bytes).await?,
+            StoredForm::Parts { lz4, bytes } => {
+                // The parts first, under a fresh nonce and this token, then the record's
+                // conditional update naming them: a refused completion leaves parts nobody
+                // names, which the record's sweep deletes.
+                let w = nonce();
+                let count = bytes.len().div_ceil(PART_BYTES).max(1);
+                for (i, part) in bytes.chunks(PART_BYTES).enumerate() {
+                    let mut it = item::response_part_key(id, token, &w, i);
+                    it.insert(TOKEN.to_owned(), n(token.0));
+                    it.insert(VALUE.to_owned(), b(part.to_vec()));
+                    self.inner
+                        .client
+                        .put_item()
+                        .table_name(&self.inner.table)
+                        .set_item(Some(it))
+                        .send()
+                        .await
+                        .map_err(|e| Error::sdk("writing a response part", &e))?;
+                }
+                let extra = Vals::default()
+                    .with(":rp", n(count))
+                    .with(":rw", s(&w))
+                    .with(":rk", s(if lz4 { "lz4" } else { "raw" }));
+                let set = format!("{RESPONSE_PARTS} = :rp, {RESPONSE_PARTS_ID} = :rw, {RESPONSE_PARTS_KIND} = :rk");
+                self.complete_with(id, token, &set, &format!("{RESPONSE}, {RESPONSE_LZ4}"), extra).await?
+            }
+        };
+        match first {
             Err(StoreError::Unavailable { message, .. })
                 if message.contains("ValidationException") && message.to_ascii_lowercase().contains("size") =>
             {
                 // The item with its response is over DynamoDB's limit after all (a very
                 // long scope): keep the status only, so the handler's completion stands.
-                tracing::warn!("idem-dynamodb: the record with its response is over the item size limit; completed as not retained");
-                let len = match &response.body {
-                    StoredBody::Identity(b) => Some(b.len() as u64),
-                    StoredBody::Lz4 { len, .. } => Some(*len),
-                    StoredBody::NotRetained { len } => *len,
-                };
-                let bare = StoredResponse {
-                    status: response.status,
-                    headers: Vec::new(),
-                    body: StoredBody::NotRetained { len },
-                    trailers: Vec::new(),
-                };
-                self.complete_with(id, token, RESPONSE, idem_core::codec::encode_response(&bare)).await?
+                tracing::warn!(
+                    "idem-dynamodb: the record with its response is over the item size limit; completed as not retained"
+                );
+                let bare = idem_core::codec::encode_response(&item::not_retained(&response, false));
+                self.complete_inline(id, token, RESPONSE, bare).await?
             }
             other => other,
         }
@@ -707,7 +785,7 @@ impl Store for DynamoStore {
         found.truncate(limit);
         let mut removed = 0;
         for (id, token, generation) in found {
-            self.delete_entries(id, generation).await?;
+            self.delete_entries(id, generation, token).await?;
             let sent = self
                 .inner
                 .client
@@ -737,14 +815,19 @@ impl Store for DynamoStore {
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
         const OP: &str = "listing records";
         let now = self.now();
-        let mut records = Vec::new();
+        let mut items = Vec::new();
         let vals = Vals::default().with(":r", s(SK_RECORD));
         self.scan_records(OP, "sk = :r", vals, None, |it| {
-            let id = item::item_id(it)?;
-            records.push(decode_record(it, id)?);
+            items.push((item::item_id(it)?, it.clone()));
             Ok(true)
         })
         .await?;
+        let mut records = Vec::new();
+        for (id, it) in items {
+            if Head::of(&it, id)?.is_live(now) {
+                records.push(self.full_record(&it, id).await?);
+            }
+        }
         Ok(filter.select(records, now))
     }
 
