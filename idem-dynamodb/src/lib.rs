@@ -8,7 +8,7 @@
 //! [`idem_core::Clock`] ([`Config::with_clock`], the system clock by default): the
 //! processes sharing a table must keep their clocks in sync. The item layout, the
 //! condition behind each operation, expiry (the store's own comparison, DynamoDB's TTL as
-//! the clean-up, and [`idem_core::Store::sweep`]), the 400 KB item limit, SDK retries, the
+//! the clean-up, and [`idem_core::Store::sweep`]), the 400 KB item limit (large responses go to part items beside the record), SDK retries, the
 //! clock-sync bound and running it locally: `docs/dynamodb.md`.
 //!
 //! # Features
