@@ -313,7 +313,9 @@ pub(crate) fn decode_record(item: &Item, id: RecordId) -> Result<Record, StoreEr
     r.lease_expires_at = head.lease_expires_at;
     r.expires_at = head.expires_at;
     r.response = match (get_bytes(item, sid, RESPONSE)?, get_bytes(item, sid, RESPONSE_LZ4)?) {
-        (Some(bytes), _) => Some(codec::decode_response(bytes).map_err(|source| StoreError::Corrupt { id: sid, source })?),
+        (Some(bytes), _) => {
+            Some(codec::decode_response(bytes).map_err(|source| StoreError::Corrupt { id: sid, source })?)
+        }
         (None, Some(packed)) => {
             let bytes = lz4_flex::block::decompress_size_prepended(packed)
                 .map_err(|_| StoreError::Corrupt { id: sid, source: CodecError::BadCompression })?;
@@ -342,7 +344,8 @@ pub(crate) fn decode_expired(item: &Item, id: RecordId) -> Result<Record, StoreE
     }
     let mut head = item.clone();
     head.remove(RESPONSE_PARTS);
-    let stub = StoredResponse { status: 0, headers: vec![], body: StoredBody::NotRetained { len: None }, trailers: vec![] };
+    let stub =
+        StoredResponse { status: 0, headers: vec![], body: StoredBody::NotRetained { len: None }, trailers: vec![] };
     head.insert(RESPONSE.to_owned(), b(codec::encode_response(&stub)));
     decode_record(&head, id)
 }

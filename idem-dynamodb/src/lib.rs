@@ -44,8 +44,8 @@ pub use error::Error;
 pub use item::MAX_JOURNAL_VALUE;
 pub use store::DynamoStore;
 
+/// The SDK's configuration loader, for an [`aws_config::SdkConfig`] of the same version.
+pub use aws_config;
 /// The SDK this store is built on, for building a [`aws_sdk_dynamodb::Client`] of the same
 /// version.
 pub use aws_sdk_dynamodb;
-/// The SDK's configuration loader, for an [`aws_config::SdkConfig`] of the same version.
-pub use aws_config;

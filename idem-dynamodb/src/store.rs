@@ -31,16 +31,17 @@ use idem_core::store::MAX_JOURNAL_NAME;
 use idem_core::time::duration_ms;
 use idem_core::transition::{self, is_reclaimable};
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ListFilter, Listing, Receipt, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Store, StoreError,
-    StoredResponse, SweepOutcome, UnixMillis,
+    Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ListFilter, Listing, Receipt,
+    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Store, StoreError, StoredResponse, SweepOutcome,
+    UnixMillis,
 };
 
 use crate::config::Config;
 use crate::error::Error;
 use crate::item::{
-    self, EXPIRES, RESPONSE_PARTS, RESPONSE_PARTS_ID, RESPONSE_PARTS_KIND, StoredForm, GEN, Head, Item, LEASE, MAX_JOURNAL_VALUE, PART_BYTES, PARTS, RESPONSE, RESPONSE_LZ4, SK_RECORD,
-    STATE, TOKEN, TTL, VALUE, WRITE, b, decode_record, get_bytes, get_i64, get_token, journal_key, n, record_item,
-    record_key, s, ttl_secs, write_nonce,
+    self, EXPIRES, GEN, Head, Item, LEASE, MAX_JOURNAL_VALUE, PART_BYTES, PARTS, RESPONSE, RESPONSE_LZ4,
+    RESPONSE_PARTS, RESPONSE_PARTS_ID, RESPONSE_PARTS_KIND, SK_RECORD, STATE, StoredForm, TOKEN, TTL, VALUE, WRITE, b,
+    decode_record, get_bytes, get_i64, get_token, journal_key, n, record_item, record_key, s, ttl_secs, write_nonce,
 };
 use crate::table::built;
 
@@ -102,7 +103,8 @@ impl DynamoStore {
     /// Those of [`DynamoStore::from_client`].
     pub async fn connect(config: Config) -> Result<Self, Error> {
         use aws_smithy_http_client::tls::{Provider, rustls_provider::CryptoMode};
-        let http = aws_smithy_http_client::Builder::new().tls_provider(Provider::Rustls(CryptoMode::Ring)).build_https();
+        let http =
+            aws_smithy_http_client::Builder::new().tls_provider(Provider::Rustls(CryptoMode::Ring)).build_https();
         let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http);
         if let Some(url) = &config.endpoint_url {
             loader = loader.endpoint_url(url);
@@ -382,7 +384,12 @@ impl DynamoStore {
 
     /// Deletes record `id`'s journal entries of generations up to `generation`, and the
     /// response parts written with tokens up to `token`.
-    async fn delete_entries(&self, id: RecordId, generation: FencingToken, token: FencingToken) -> Result<(), StoreError> {
+    async fn delete_entries(
+        &self,
+        id: RecordId,
+        generation: FencingToken,
+        token: FencingToken,
+    ) -> Result<(), StoreError> {
         self.delete_beside(id, "j#", GEN, generation).await?;
         self.delete_beside(id, "p#", TOKEN, token).await
     }
@@ -732,10 +739,9 @@ impl Store for DynamoStore {
                         format!("{owner} AND {LEASE} < :l AND {EXPIRES} < :l"),
                     )
                 }
-                (true, false) => (
-                    format!("SET {LEASE} = :l, {WRITE} = :w"),
-                    format!("{owner} AND {LEASE} < :l AND {EXPIRES} >= :l"),
-                ),
+                (true, false) => {
+                    (format!("SET {LEASE} = :l, {WRITE} = :w"), format!("{owner} AND {LEASE} < :l AND {EXPIRES} >= :l"))
+                }
                 (false, _) => (format!("SET {WRITE} = :w"), format!("{owner} AND {LEASE} >= :l")),
             };
             match self.update(OP, id, &update, &condition, vals, ReturnValue::AllNew).await? {
@@ -799,7 +805,8 @@ impl Store for DynamoStore {
                 .await;
             match sent {
                 Ok(_) => removed += 1,
-                Err(e) if matches!(e.as_service_error(), Some(DeleteItemError::ConditionalCheckFailedException(_))) => {}
+                Err(e) if matches!(e.as_service_error(), Some(DeleteItemError::ConditionalCheckFailedException(_))) => {
+                }
                 Err(e) => return Err(Error::sdk(OP, &e).into()),
             }
         }

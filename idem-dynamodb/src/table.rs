@@ -90,10 +90,7 @@ async fn wait_active(client: &Client, table: &str) -> Result<(), Error> {
             return Err(Error::Table { table: table.to_owned(), reason: "DescribeTable returned no table".into() });
         };
         let keys: Vec<(&str, &KeyType)> = t.key_schema().iter().map(|k| (k.attribute_name(), k.key_type())).collect();
-        if keys.len() != 2
-            || !keys.contains(&(PK, &KeyType::Hash))
-            || !keys.contains(&(SK, &KeyType::Range))
-        {
+        if keys.len() != 2 || !keys.contains(&(PK, &KeyType::Hash)) || !keys.contains(&(SK, &KeyType::Range)) {
             return Err(Error::Table {
                 table: table.to_owned(),
                 reason: format!("key schema {keys:?}, expected hash key {PK:?} and range key {SK:?} (both strings)"),
