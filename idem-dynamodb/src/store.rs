@@ -436,10 +436,10 @@ impl DynamoStore {
                     .expression_attribute_values(":g", n(bound.0))
                     .send()
                     .await;
-                if let Err(e) = sent {
-                    if !matches!(e.as_service_error(), Some(DeleteItemError::ConditionalCheckFailedException(_))) {
-                        return Err(Error::sdk(OP, &e).into());
-                    }
+                if let Err(e) = sent
+                    && !matches!(e.as_service_error(), Some(DeleteItemError::ConditionalCheckFailedException(_)))
+                {
+                    return Err(Error::sdk(OP, &e).into());
                 }
             }
             match out.last_evaluated_key {
@@ -930,7 +930,7 @@ impl Store for DynamoStore {
                     Ok(None) | Err(()) => continue,
                 }
             }
-            if codes.iter().any(|c| *c == "TransactionConflict") {
+            if codes.contains(&"TransactionConflict") {
                 tokio::time::sleep(Duration::from_millis(1 + attempt as u64 * 2)).await;
                 continue;
             }
