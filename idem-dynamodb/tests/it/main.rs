@@ -4,3 +4,4 @@
 mod common;
 mod conformance;
 mod http;
+mod store;
