@@ -4,4 +4,5 @@
 mod common;
 mod conformance;
 mod http;
+mod resend;
 mod store;
