@@ -31,7 +31,10 @@
 //! - `src/error.rs`: [`Error`] and which failures are retryable.
 //! - `tests/it/conformance.rs`: the shared conformance suite (every scenario, the model
 //!   test) against a DynamoDB endpoint (`moto_server` from `scripts/services` by default);
-//!   `tests/it/http.rs`: the HTTP scenarios.
+//!   `tests/it/http.rs`: the HTTP scenarios; `tests/it/resend.rs`: a write whose answer was
+//!   lost and which the SDK sent again reads as the caller's own; `tests/it/store.rs`: the
+//!   application's own `SdkConfig` with an endpoint override, missing tables and other key
+//!   schemas.
 
 mod config;
 mod error;
