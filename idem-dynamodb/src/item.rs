@@ -349,3 +349,71 @@ pub(crate) fn decode_expired(item: &Item, id: RecordId) -> Result<Record, StoreE
     head.insert(RESPONSE.to_owned(), b(codec::encode_response(&stub)));
     decode_record(&head, id)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn journal_sort_keys_are_hex_and_distinct_per_part() {
+        assert_eq!(journal_sk("a", 0), "j#61");
+        assert_eq!(journal_sk("a", 2), "j#61#2");
+        assert_eq!(journal_sk("\u{0}#", 0), "j#0023");
+        assert_ne!(journal_sk("A", 0), journal_sk("a", 0));
+    }
+
+    #[test]
+    fn ttl_is_the_second_after_expiry_plus_the_grace() {
+        assert_eq!(ttl_secs(UnixMillis(1_000), 0), 2);
+        assert_eq!(ttl_secs(UnixMillis(1_999), 0), 2);
+        assert_eq!(ttl_secs(UnixMillis(2_000), 60), 63);
+    }
+
+    fn body_len(form: &StoredForm) -> usize {
+        match form {
+            StoredForm::Inline(_, b) | StoredForm::Parts { bytes: b, .. } => b.len(),
+        }
+    }
+
+    #[test]
+    fn responses_stay_inline_then_compressed_then_in_parts() {
+        let small = StoredResponse::new(200, vec![], b"ok".to_vec());
+        assert!(matches!(stored_form(&small), StoredForm::Inline(RESPONSE, _)));
+        let repetitive = StoredResponse::new(200, vec![], b"abcd".repeat(200_000));
+        let form = stored_form(&repetitive);
+        assert!(matches!(form, StoredForm::Inline(RESPONSE_LZ4, _)));
+        assert!(body_len(&form) <= RESPONSE_INLINE);
+        // Bytes LZ4 cannot shrink: kept raw, in parts.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let noise: Vec<u8> = (0..1_000_000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let form = stored_form(&StoredResponse::new(200, vec![], noise));
+        assert!(matches!(form, StoredForm::Parts { lz4: false, .. }));
+    }
+
+    #[test]
+    fn not_retained_keeps_the_status_and_the_length() {
+        let r = StoredResponse::new(201, vec![("location".into(), b"/x".to_vec())], vec![7; 10]);
+        let kept = not_retained(&r, true);
+        assert_eq!((kept.status, kept.body, kept.headers.len()), (201, StoredBody::NotRetained { len: Some(10) }, 1));
+        assert!(not_retained(&r, false).headers.is_empty());
+    }
+
+    #[test]
+    fn an_unknown_state_is_corrupt() {
+        let mut item = record_key(RecordId::derive("p", "e", "k"));
+        item.insert(STATE.to_owned(), s("bogus"));
+        item.insert(TOKEN.to_owned(), n(1));
+        item.insert(GEN.to_owned(), n(1));
+        item.insert(LEASE.to_owned(), n(1));
+        item.insert(EXPIRES.to_owned(), n(1));
+        let e = Head::of(&item, RecordId::derive("p", "e", "k")).expect_err("unknown state");
+        assert!(e.is_corrupt(), "{e:?}");
+    }
+}
