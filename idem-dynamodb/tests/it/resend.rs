@@ -51,7 +51,7 @@ impl Intercept for LoseAnswer {
         _: &mut ConfigBag,
     ) -> Result<(), BoxError> {
         let target = context.request().headers().get("x-amz-target").unwrap_or_default().to_owned();
-        *self.current.lock().expect("lock") = target;
+        *self.current.lock().map_err(|_| "lock poisoned")? = target;
         Ok(())
     }
 
@@ -61,11 +61,11 @@ impl Intercept for LoseAnswer {
         _: &RuntimeComponents,
         _: &mut ConfigBag,
     ) -> Result<(), BoxError> {
-        let target = *self.target.lock().expect("lock");
-        let current = self.current.lock().expect("lock").clone();
+        let target = *self.target.lock().map_err(|_| "lock poisoned")?;
+        let current = self.current.lock().map_err(|_| "lock poisoned")?.clone();
         if target.is_some_and(|t| t == current) && self.armed.swap(false, Ordering::SeqCst) {
             assert!(context.response().status().is_success(), "the first send landed");
-            *context.response_mut().status_mut() = 500u16.try_into().expect("status");
+            *context.response_mut().status_mut() = 500u16.try_into()?;
             self.lost.fetch_add(1, Ordering::SeqCst);
         }
         Ok(())
