@@ -1066,9 +1066,12 @@ async fn wait_shortfall_after_a_claim_releases_it() {
     let left = store.get(r.id()).await.expect("get").expect("WAIT never rolls back the write");
     assert_eq!(left.state, RecordState::Failed, "the claim was released, not left in flight for a lease");
     // "Back" means acknowledging again: a replica resumed by SIGCONT on a loaded machine
-    // took longer than the store's 300 ms WAIT to catch up, and the retry's WAIT fell short.
+    // took longer than a 300 ms WAIT to catch up, so the retry's WAIT fell short. The retry
+    // runs on a second handle whose WAIT budget leaves room for a slow replica.
     let acked: i64 = redis::cmd("WAIT").arg(1).arg(10_000).query_async(&mut padmin).await.expect("WAIT");
     assert_eq!(acked, 1, "the resumed replica acknowledges within 10 s");
+    let patient = Config::default().with_replica_ack(Some(ReplicaAck::new(1, Duration::from_secs(10))));
+    let store = RedisStore::connect(&primary.url, patient).await.expect("connect");
     // The retry: claim finds the failed record, reclaims it at once, and WAIT now succeeds.
     let ClaimOutcome::Existing { record, .. } = store.claim(r).await.expect("claim") else { panic!("exists") };
     let ReclaimOutcome::Reclaimed(rec) =
