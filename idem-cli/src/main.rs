@@ -39,7 +39,8 @@ struct Cli {
         env = "IDEM_STORE",
         global = true,
         help = "Where the records are: redb:///PATH, sqlite:///PATH, redis://HOST:PORT[/DB][?prefix=P], \
-                redis-cluster://HOST:PORT[,HOST:PORT...][?prefix=P], postgres://USER@HOST/DB[?schema=S]"
+                redis-cluster://HOST:PORT[,HOST:PORT...][?prefix=P], postgres://USER@HOST/DB[?schema=S], \
+                dynamodb://TABLE[?endpoint=URL&region=R]"
     )]
     store: Option<String>,
     /// Print one JSON document on stdout instead of text (errors too).
@@ -226,7 +227,7 @@ async fn run(cli: Cli, out: &Output) -> Result<(), Failure> {
     // Arguments are checked before connecting: a typo never costs a connection.
     let command = Checked::from(cli.command)?;
     let store = url.connect().await.map_err(|e| match e {
-        url::OpenError::NoFile(_) => Failure::Usage(e.to_string()),
+        url::OpenError::NoFile(_) | url::OpenError::Unsupported(_) => Failure::Usage(e.to_string()),
         url::OpenError::Backend { .. } => Failure::Store(chain(&e)),
     })?;
     match command {

@@ -37,6 +37,16 @@ pub(crate) enum StoreUrl {
         /// The schema holding the records (`idem` unless the deployment changed it).
         schema: Option<String>,
     },
+    /// `dynamodb://TABLE[?endpoint=URL&region=R]`: credentials, and the region unless
+    /// given, from the AWS environment.
+    DynamoDb {
+        /// The table holding the records.
+        table: String,
+        /// An endpoint instead of the region's (a local emulator).
+        endpoint: Option<String>,
+        /// The region instead of the environment's.
+        region: Option<String>,
+    },
 }
 
 /// Why a URL cannot be used: exit code 2.
@@ -45,7 +55,7 @@ pub(crate) enum UrlError {
     /// The scheme is none of the known ones.
     #[error(
         "unknown store URL {0:?}: use redb:///PATH, sqlite:///PATH, redis://HOST:PORT[/DB], \
-         redis-cluster://HOST:PORT[,HOST:PORT...], or postgres://USER@HOST/DB"
+         redis-cluster://HOST:PORT[,HOST:PORT...], postgres://USER@HOST/DB, or dynamodb://TABLE"
     )]
     Scheme(String),
     /// Something after the scheme is wrong.
@@ -145,9 +155,32 @@ impl std::str::FromStr for StoreUrl {
                 }
                 Ok(StoreUrl::Postgres { url: driver_url, schema })
             }
+            "dynamodb" => dynamodb(url, rest),
             _ => Err(UrlError::Scheme(url.to_owned())),
         }
     }
+}
+
+/// `dynamodb://TABLE[?endpoint=URL&region=R]`. The table name follows DynamoDB's rule
+/// (3 to 255 of `A-Z a-z 0-9 _ . -`), so a typo is a usage error, not a remote one.
+fn dynamodb(url: &str, rest: &str) -> Result<StoreUrl, UrlError> {
+    let rest = rest.strip_prefix("//").ok_or_else(|| bad(url, "expected dynamodb://TABLE"))?;
+    let (table, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let valid = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-');
+    if !(3..=255).contains(&table.len()) || !table.chars().all(valid) {
+        return Err(bad(url, "a table name is 3 to 255 of A-Z a-z 0-9 _ . -"));
+    }
+    let (mut endpoint, mut region) = (None, None);
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("endpoint", v)) if v.starts_with("http://") || v.starts_with("https://") => {
+                endpoint = Some(v.to_owned());
+            }
+            Some(("region", v)) if !v.is_empty() => region = Some(v.to_owned()),
+            _ => return Err(bad(url, format!("{pair:?}: the options are endpoint=http(s)://… and region=R"))),
+        }
+    }
+    Ok(StoreUrl::DynamoDb { table: table.to_owned(), endpoint, region })
 }
 
 /// The Redis store refuses braces in a prefix (they delimit the cluster hash tag); say so
@@ -166,6 +199,10 @@ pub(crate) enum OpenError {
     /// A file store's path does not exist: the CLI never creates a store.
     #[error("no store file at {0}: the CLI never creates one (check the path)")]
     NoFile(PathBuf),
+    /// This build left the backend out (a cargo feature).
+    #[cfg_attr(feature = "dynamodb", allow(dead_code, reason = "every backend is built in"))]
+    #[error("this idem was built without {0} support: install it with `--features {0}`")]
+    Unsupported(&'static str),
     /// The backend refused.
     #[error("cannot open the {backend} store: {source}")]
     Backend {
@@ -229,6 +266,21 @@ impl StoreUrl {
                 let store = idem_postgres::PostgresStore::connect(url, config)
                     .await
                     .map_err(|e| backend("postgres")(e.into()))?;
+                Ok(Arc::new(store))
+            }
+            #[cfg(not(feature = "dynamodb"))]
+            StoreUrl::DynamoDb { .. } => Err(OpenError::Unsupported("dynamodb")),
+            #[cfg(feature = "dynamodb")]
+            StoreUrl::DynamoDb { table, endpoint, region } => {
+                let mut config = idem_dynamodb::Config::default().with_table(table).with_auto_migrate(false);
+                if let Some(endpoint) = endpoint {
+                    config = config.with_endpoint_url(endpoint);
+                }
+                if let Some(region) = region {
+                    config = config.with_region(region);
+                }
+                let store =
+                    idem_dynamodb::DynamoStore::connect(config).await.map_err(|e| backend("dynamodb")(e.into()))?;
                 Ok(Arc::new(store))
             }
         }
@@ -300,6 +352,26 @@ mod tests {
             })
         );
         assert!(matches!(parse("postgres://u@h/db?schema=a;drop"), Err(UrlError::Bad { .. })));
+    }
+
+    #[test]
+    fn dynamodb_table_endpoint_and_region() {
+        assert_eq!(
+            parse("dynamodb://idem?endpoint=http://127.0.0.1:5005&region=eu-west-1"),
+            Ok(StoreUrl::DynamoDb {
+                table: "idem".into(),
+                endpoint: Some("http://127.0.0.1:5005".into()),
+                region: Some("eu-west-1".into())
+            })
+        );
+        assert_eq!(
+            parse("dynamodb://prod.idem-records_2"),
+            Ok(StoreUrl::DynamoDb { table: "prod.idem-records_2".into(), endpoint: None, region: None })
+        );
+        for url in ["dynamodb:idem", "dynamodb://ab", "dynamodb://a/b", "dynamodb://idem?endpoint=127.0.0.1:5005"] {
+            assert!(matches!(parse(url), Err(UrlError::Bad { .. })), "{url}");
+        }
+        assert!(matches!(parse("dynamodb://idem?consistent=false"), Err(UrlError::Bad { .. })));
     }
 
     #[test]

@@ -44,6 +44,7 @@ fn idem(store: &str, args: &[&str]) -> Run {
         .arg(store)
         .args(args)
         .env_remove("IDEM_STORE")
+        .envs(emulator_credentials(store))
         .output()
         .expect("run the idem binary");
     Run {
@@ -51,6 +52,15 @@ fn idem(store: &str, args: &[&str]) -> Run {
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }
+}
+
+/// The emulator's dummy credentials for a `dynamodb://` run, unless the environment has
+/// real ones (the SDK's default chain would otherwise go on to profiles and EC2 metadata).
+fn emulator_credentials(store: &str) -> Vec<(&'static str, String)> {
+    if !store.starts_with("dynamodb:") || std::env::var_os("AWS_ACCESS_KEY_ID").is_some() {
+        return Vec::new();
+    }
+    vec![("AWS_ACCESS_KEY_ID", "test".into()), ("AWS_SECRET_ACCESS_KEY", "test".into())]
 }
 
 fn local_ms() -> i64 {
@@ -403,6 +413,47 @@ async fn postgres_end_to_end() {
     let dropper = SchemaDrop { server: server.clone(), schema: schema.clone() };
     operator_story(&url, open, false).await;
     dropper.drop_now().await;
+}
+
+#[cfg(all(feature = "live-tests", feature = "dynamodb"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamodb_end_to_end() {
+    use idem_dynamodb::aws_sdk_dynamodb::config::{BehaviorVersion, Credentials, Region};
+    let endpoint = std::env::var("IDEM_DYNAMODB_URL").unwrap_or_else(|_| "http://127.0.0.1:5005".to_owned());
+    let table = format!("idem-cli-test-{}", uuid::Uuid::new_v4().simple());
+    let url = format!("dynamodb://{table}?endpoint={endpoint}&region=us-east-1");
+    let open: Open = Box::new(move || {
+        let (endpoint, table) = (endpoint.clone(), table.clone());
+        Box::pin(async move {
+            let (key, secret) = match emulator_credentials("dynamodb:").as_slice() {
+                [] => (
+                    std::env::var("AWS_ACCESS_KEY_ID").expect("key"),
+                    std::env::var("AWS_SECRET_ACCESS_KEY").expect("secret"),
+                ),
+                _ => ("test".to_owned(), "test".to_owned()),
+            };
+            let http = aws_smithy_http_client::Builder::new()
+                .tls_provider(aws_smithy_http_client::tls::Provider::Rustls(
+                    aws_smithy_http_client::tls::rustls_provider::CryptoMode::Ring,
+                ))
+                .build_https();
+            let config = idem_dynamodb::aws_sdk_dynamodb::Config::builder()
+                .behavior_version(BehaviorVersion::latest())
+                .region(Region::new("us-east-1"))
+                .endpoint_url(&endpoint)
+                .credentials_provider(Credentials::new(key, secret, None, None, "idem-cli-tests"))
+                .http_client(http)
+                .build();
+            let client = idem_dynamodb::aws_sdk_dynamodb::Client::from_conf(config);
+            // Creates the table: the CLI itself never does.
+            let store =
+                idem_dynamodb::DynamoStore::from_client(client, idem_dynamodb::Config::default().with_table(table))
+                    .await
+                    .expect("DynamoDB emulator on 127.0.0.1:5005 (scripts/moto, or IDEM_DYNAMODB_URL)");
+            Arc::new(store) as Arc<dyn Store>
+        })
+    });
+    operator_story(&url, open, false).await;
 }
 
 /// Drops the test's schema.

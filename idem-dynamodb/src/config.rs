@@ -18,6 +18,7 @@ pub struct Config {
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) ttl_grace: Duration,
     pub(crate) endpoint_url: Option<String>,
+    pub(crate) region: Option<String>,
 }
 
 impl Default for Config {
@@ -30,6 +31,7 @@ impl Default for Config {
             clock: Arc::new(SystemClock),
             ttl_grace: Duration::from_secs(3_600),
             endpoint_url: None,
+            region: None,
         }
     }
 }
@@ -81,6 +83,14 @@ impl Config {
     #[must_use]
     pub fn with_endpoint_url(mut self, url: impl Into<String>) -> Self {
         self.endpoint_url = Some(url.into());
+        self
+    }
+
+    /// The region [`crate::DynamoStore::connect`] uses instead of the environment's
+    /// (`AWS_REGION`, the profile). Ignored by [`crate::DynamoStore::from_client`].
+    #[must_use]
+    pub fn with_region(mut self, region: impl Into<String>) -> Self {
+        self.region = Some(region.into());
         self
     }
 

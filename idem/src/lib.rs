@@ -16,6 +16,7 @@
 //! | `redis` | [`redis`]: the shared store on one Redis node (or a one-primary cluster) | `idem-redis` |
 //! | `redis-cluster` | `redis` on a Redis Cluster too (`RedisStore::connect_cluster`) | `idem-redis`, feature `cluster` |
 //! | `postgres` | [`postgres`]: the shared store in a team's database, on a `sqlx::PgPool` | `idem-postgres` |
+//! | `dynamodb` | [`dynamodb`]: the shared store in one DynamoDB table, on the official AWS SDK | `idem-dynamodb` |
 //! | `client` | [`client`]: one key per operation, retries honouring `Retry-After` | `idem-client` |
 //! | `seal` | sealed stored responses: `IdempotencyLayer::with_sealing`, `Sealing`, `SealingKeys` | `idem-http/seal` |
 //! | `grpc` | gRPC rendering in the layer (without it gRPC is plain HTTP to the layer) | `idem-http/grpc` |
@@ -45,7 +46,7 @@
 //! - Crate root: the core types ([`Store`], [`StoreError`], [`Policy`], [`MemoryStore`],
 //!   [`Sweeper`], keys, scopes, records) and, with `axum`, the layer and its settings.
 //! - [`core`], [`http`]: the underlying crates whole, for what the root does not name.
-//! - [`redb`], [`sqlite`], [`redis`], [`postgres`]: one module per store.
+//! - [`redb`], [`sqlite`], [`redis`], [`postgres`], [`dynamodb`]: one module per store.
 //! - [`client`]: the client side.
 
 pub use idem_core as core;
@@ -88,6 +89,12 @@ pub mod redis {
 #[cfg(feature = "postgres")]
 pub mod postgres {
     pub use idem_postgres::*;
+}
+
+/// The shared DynamoDB store (feature `dynamodb`): see [`idem_dynamodb`].
+#[cfg(feature = "dynamodb")]
+pub mod dynamodb {
+    pub use idem_dynamodb::*;
 }
 
 /// The client side (feature `client`): see [`idem_client`].
