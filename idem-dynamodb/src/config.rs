@@ -1,5 +1,5 @@
 //! [`Config`]: the table a [`crate::DynamoStore`] uses, whether it creates it, its clock,
-//! the TTL grace and, for [`crate::DynamoStore::connect`], an endpoint override.
+//! the TTL grace and, for [`crate::DynamoStore::connect`], an endpoint and region override.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,6 +18,7 @@ pub struct Config {
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) ttl_grace: Duration,
     pub(crate) endpoint_url: Option<String>,
+    pub(crate) region: Option<String>,
 }
 
 impl Default for Config {
@@ -30,6 +31,7 @@ impl Default for Config {
             clock: Arc::new(SystemClock),
             ttl_grace: Duration::from_secs(3_600),
             endpoint_url: None,
+            region: None,
         }
     }
 }
@@ -81,6 +83,16 @@ impl Config {
     #[must_use]
     pub fn with_endpoint_url(mut self, url: impl Into<String>) -> Self {
         self.endpoint_url = Some(url.into());
+        self
+    }
+
+    /// The region [`crate::DynamoStore::connect`] uses instead of the environment's
+    /// (`AWS_REGION`, the profile's): a store URL that names its region, such as the demo's
+    /// `dynamodb://TABLE?region=R`, needs no environment. Ignored by
+    /// [`crate::DynamoStore::from_client`].
+    #[must_use]
+    pub fn with_region(mut self, region: impl Into<String>) -> Self {
+        self.region = Some(region.into());
         self
     }
 

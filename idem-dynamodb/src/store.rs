@@ -96,7 +96,7 @@ impl DynamoStore {
     /// Builds a client from the environment (credentials, region, retries as the AWS SDK
     /// loads them: environment variables, profile files, web identity, ECS and EC2
     /// metadata), over a hyper HTTPS client on rustls with ring, with
-    /// [`Config::with_endpoint_url`] when set, then builds the store as
+    /// [`Config::with_endpoint_url`] and [`Config::with_region`] when set, then builds the store as
     /// [`DynamoStore::from_client`] does.
     ///
     /// # Errors
@@ -108,6 +108,9 @@ impl DynamoStore {
         let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http);
         if let Some(url) = &config.endpoint_url {
             loader = loader.endpoint_url(url);
+        }
+        if let Some(region) = &config.region {
+            loader = loader.region(aws_config::Region::new(region.clone()));
         }
         let sdk = loader.load().await;
         Self::from_client(Client::new(&sdk), config).await
