@@ -1,5 +1,5 @@
 //! [`Config`]: the table a [`crate::DynamoStore`] uses, whether it creates it, its clock,
-//! the TTL grace and, for [`crate::DynamoStore::connect`], an endpoint override.
+//! the TTL grace and, for [`crate::DynamoStore::connect`], an endpoint and region override.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -87,7 +87,9 @@ impl Config {
     }
 
     /// The region [`crate::DynamoStore::connect`] uses instead of the environment's
-    /// (`AWS_REGION`, the profile). Ignored by [`crate::DynamoStore::from_client`].
+    /// (`AWS_REGION`, the profile's): a store URL that names its region, such as the demo's
+    /// `dynamodb://TABLE?region=R`, needs no environment. Ignored by
+    /// [`crate::DynamoStore::from_client`].
     #[must_use]
     pub fn with_region(mut self, region: impl Into<String>) -> Self {
         self.region = Some(region.into());

@@ -14,7 +14,9 @@ pub struct ServeArgs {
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub addr: String,
     /// Record store: `redb:PATH`, `sqlite:PATH`, `redis://HOST:PORT`,
-    /// `redis-cluster://HOST:PORT[,HOST:PORT...][?wait=N]`, `postgres://USER@HOST/DB` or `memory`.
+    /// `redis-cluster://HOST:PORT[,HOST:PORT...][?wait=N]`, `postgres://USER@HOST/DB`,
+    /// `dynamodb://TABLE[?endpoint=URL&region=R]` (credentials and, without `region`, the
+    /// region from the AWS environment) or `memory`.
     #[arg(long, default_value = "redb:leasebroker.redb")]
     pub store: StoreSpec,
     /// Infra state file (a redb file of its own, whatever the store).

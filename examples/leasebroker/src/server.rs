@@ -16,7 +16,7 @@ use crate::app::{Config, router};
 use crate::state::Infra;
 
 /// Where records go: `redb:PATH` (or a bare path ending in `.redb`), `sqlite:PATH`,
-/// `redis://…`, `postgres://…` or `memory`.
+/// `redis://…`, `postgres://…`, `dynamodb://TABLE…` or `memory`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StoreSpec {
     /// Records in a redb file; infra state in the `--state` redb file. The infra keeps its
@@ -41,6 +41,18 @@ pub enum StoreSpec {
     /// Records in PostgreSQL at this URL (schema `idem`, or `?schema=S`, migrated on start); infra state
     /// in the `--state` redb file.
     Postgres(String),
+    /// Records in the DynamoDB table `table` (created when missing), credentials from the
+    /// AWS environment; `endpoint` (an emulator) and `region` override the environment's.
+    /// Infra state in the `--state` redb file. Spelled `dynamodb://TABLE[?endpoint=URL&region=R]`,
+    /// as the `idem` CLI takes it.
+    Dynamo {
+        /// The table.
+        table: String,
+        /// The endpoint URL instead of the region's.
+        endpoint: Option<String>,
+        /// The region instead of the environment's.
+        region: Option<String>,
+    },
     /// Records in memory (lost on restart); infra state in the `--state` redb file.
     Memory,
 }
@@ -58,6 +70,8 @@ impl std::str::FromStr for StoreSpec {
             Ok(StoreSpec::Redis(s.to_string()))
         } else if s.starts_with("postgres://") || s.starts_with("postgresql://") {
             Ok(StoreSpec::Postgres(s.to_string()))
+        } else if let Some(rest) = s.strip_prefix("dynamodb://") {
+            parse_dynamo(rest)
         } else if let Some(p) = s.strip_prefix("redb:") {
             Ok(StoreSpec::Redb(PathBuf::from(p)))
         } else if s.ends_with(".redb") {
@@ -65,7 +79,8 @@ impl std::str::FromStr for StoreSpec {
         } else {
             Err(format!(
                 "unknown store {s:?}: use redb:PATH, sqlite:PATH, redis://HOST:PORT, \
-                 redis-cluster://HOST:PORT[,HOST:PORT...][?wait=N], postgres://USER@HOST/DB or memory"
+                 redis-cluster://HOST:PORT[,HOST:PORT...][?wait=N], postgres://USER@HOST/DB, \
+                 dynamodb://TABLE[?endpoint=URL&region=R] or memory"
             ))
         }
     }
@@ -97,6 +112,23 @@ fn parse_cluster(rest: &str) -> Result<StoreSpec, String> {
         }
     }
     Ok(StoreSpec::RedisCluster { nodes, wait })
+}
+
+/// `TABLE[?endpoint=URL&region=R]`, after `dynamodb://`.
+fn parse_dynamo(rest: &str) -> Result<StoreSpec, String> {
+    let (table, query) = rest.split_once('?').unwrap_or((rest, ""));
+    if table.is_empty() {
+        return Err("dynamodb:// needs a table name: dynamodb://TABLE".into());
+    }
+    let (mut endpoint, mut region) = (None, None);
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("endpoint", v)) if !v.is_empty() => endpoint = Some(v.to_owned()),
+            Some(("region", v)) if !v.is_empty() => region = Some(v.to_owned()),
+            _ => return Err(format!("unknown dynamodb option {pair:?} (known: endpoint=URL, region=R)")),
+        }
+    }
+    Ok(StoreSpec::Dynamo { table: table.to_owned(), endpoint, region })
 }
 
 /// Why the server could not start.
@@ -167,6 +199,17 @@ pub async fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>
             let store = idem_postgres::PostgresStore::connect(&driver_url, config)
                 .await
                 .map_err(|e| open_err(url.clone(), e))?;
+            Ok((Arc::new(store), infra_file()?))
+        }
+        StoreSpec::Dynamo { table, endpoint, region } => {
+            let mut config = idem_dynamodb::Config::default().with_table(table);
+            if let Some(url) = endpoint {
+                config = config.with_endpoint_url(url);
+            }
+            if let Some(region) = region {
+                config = config.with_region(region);
+            }
+            let store = idem_dynamodb::DynamoStore::connect(config).await.map_err(|e| open_err(table.clone(), e))?;
             Ok((Arc::new(store), infra_file()?))
         }
         StoreSpec::Memory => Ok((Arc::new(MemoryStore::new()), infra_file()?)),
@@ -341,5 +384,17 @@ mod tests {
             ("postgres://u@h/db?sslmode=disable&connect_timeout=5".to_owned(), Some("r2".to_owned()))
         );
         assert_eq!(super::take_option("redis://h:1", "prefix"), ("redis://h:1".to_owned(), None));
+    }
+
+    #[test]
+    fn a_dynamodb_spec_names_its_table_endpoint_and_region() {
+        use super::StoreSpec;
+        let spec: StoreSpec = "dynamodb://idem?endpoint=http://127.0.0.1:5005&region=eu-west-1".parse().unwrap();
+        let endpoint = Some("http://127.0.0.1:5005".to_owned());
+        assert_eq!(spec, StoreSpec::Dynamo { table: "idem".into(), endpoint, region: Some("eu-west-1".into()) });
+        let bare: StoreSpec = "dynamodb://t".parse().unwrap();
+        assert_eq!(bare, StoreSpec::Dynamo { table: "t".into(), endpoint: None, region: None });
+        assert!("dynamodb://".parse::<StoreSpec>().is_err());
+        assert!("dynamodb://t?prefix=x".parse::<StoreSpec>().is_err());
     }
 }

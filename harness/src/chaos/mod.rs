@@ -2,7 +2,8 @@
 //! hits the store or the server, one row per fault, one table per backend.
 //!
 //! For each fault the run starts its own store server (a private `redis-server`, a private
-//! PostgreSQL cluster made with `initdb`, a SQLite or redb file on a small tmpfs) and its
+//! PostgreSQL cluster made with `initdb`, a private `moto_server` for DynamoDB, a SQLite or
+//! redb file on a small tmpfs) and its
 //! own `idem-harness serve` child, on the loopback ports it is given, in temp dirs; it
 //! drives the storm (every operation one key, kept across retries; a quarter of the
 //! responses held past the client's attempt timeout, so they are lost after the work was
@@ -38,7 +39,9 @@ use std::time::{Duration, Instant};
 use idem_client::{IdempotentClient, OperationKey, RetryPolicy};
 use tokio::sync::Semaphore;
 
-use self::servers::{AppServer, PrivatePostgres, PrivateRedis, RedisPersistence, ServerError, SmallDisk, signal};
+use self::servers::{
+    AppServer, PrivateMoto, PrivatePostgres, PrivateRedis, RedisPersistence, ServerError, SmallDisk, signal,
+};
 use crate::firmware::Bmc;
 use crate::storm::{Counts, counts};
 
@@ -53,6 +56,8 @@ pub enum Backend {
     Sqlite,
     /// A redb file.
     Redb,
+    /// A private `moto_server` (the DynamoDB emulator).
+    Dynamo,
 }
 
 impl Backend {
@@ -64,6 +69,7 @@ impl Backend {
             Backend::Postgres => "postgres",
             Backend::Sqlite => "sqlite",
             Backend::Redb => "redb",
+            Backend::Dynamo => "dynamodb",
         }
     }
 }
@@ -144,6 +150,7 @@ impl Fault {
             Fault::AppKill(Backend::Sqlite),
             Fault::FullDisk(Backend::Redb),
             Fault::AppKill(Backend::Redb),
+            Fault::Stall(Backend::Dynamo),
         ]
     }
 
@@ -160,6 +167,7 @@ impl Fault {
             // redb latches a failed commit until its file is reopened: the row fails unless
             // the store reopens by itself.
             Fault::FullDisk(Backend::Redb),
+            Fault::Stall(Backend::Dynamo),
         ]
     }
 }
@@ -335,6 +343,7 @@ pub enum ChaosError {
 enum StoreSide {
     Redis(PrivateRedis),
     Postgres(PrivatePostgres),
+    Dynamo(PrivateMoto),
     File { _dir: tempfile::TempDir, disk: Option<SmallDisk> },
 }
 
@@ -395,6 +404,13 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
             let url = pg.url();
             (StoreSide::Postgres(pg), url)
         }
+        Backend::Dynamo => {
+            let moto = blocking(move || PrivateMoto::start(store_port)).await?;
+            // The region in the spec; the credentials (the emulator takes any) in the
+            // server's environment, where the AWS SDK looks for them.
+            let spec = format!("dynamodb://chaos?endpoint={}&region=us-east-1", moto.url());
+            (StoreSide::Dynamo(moto), spec)
+        }
         Backend::Sqlite | Backend::Redb => {
             let dir = tempfile::tempdir().map_err(|e| ChaosError::Stats(e.to_string()))?;
             let disk = match fault {
@@ -437,7 +453,13 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
     let exe = cfg.exe.clone();
     let log = work.path().join("serve.log");
     let log_path = log.clone();
-    let mut app = match blocking(move || AppServer::start(&exe, app_port, args, &log)).await {
+    let env = match backend {
+        Backend::Dynamo => {
+            vec![("AWS_ACCESS_KEY_ID".into(), "test".into()), ("AWS_SECRET_ACCESS_KEY".into(), "test".into())]
+        }
+        _ => Vec::new(),
+    };
+    let mut app = match blocking(move || AppServer::start(&exe, app_port, args, env, &log)).await {
         Ok(app) => app,
         // A store that refuses a configuration that loses records on restart (the Redis
         // persistence check) is the right answer for a non-durable row: say so.
@@ -497,6 +519,12 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
             for &p in &pids {
                 signal(p, "CONT")?;
             }
+        }
+        (Fault::Stall(_), StoreSide::Dynamo(moto)) => {
+            let pid = moto.pid().unwrap_or(0);
+            signal(pid, "STOP")?;
+            tokio::time::sleep(cfg.fault_for).await;
+            signal(pid, "CONT")?;
         }
         (Fault::FullDisk(_), StoreSide::File { disk: Some(disk), .. }) => {
             let filled = tokio::task::block_in_place(|| disk.fill())?;

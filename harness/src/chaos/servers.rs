@@ -1,6 +1,7 @@
 //! The processes a chaos run starts, faults and cleans up: a private `redis-server`, a
-//! private PostgreSQL cluster (made with `initdb` in a temp dir), a small tmpfs for the
-//! full-disk fault, and the `idem-harness serve` under test. Everything listens on loopback
+//! private PostgreSQL cluster (made with `initdb` in a temp dir), a private `moto_server`
+//! (the DynamoDB emulator), a small tmpfs for the full-disk fault, and the
+//! `idem-harness serve` under test. Everything listens on loopback
 //! ports the run is given and lives in temp dirs; dropping a handle kills its processes
 //! (by pid) and removes its files.
 
@@ -329,6 +330,98 @@ impl Drop for PrivatePostgres {
     }
 }
 
+/// `moto_server` with werkzeug's threads off, as `scripts/moto` runs it: moto's DynamoDB
+/// takes no lock, so its threaded server lets two conditional writes to one item both
+/// pass; one request at a time is the atomicity DynamoDB itself gives.
+const MOTO_ONE_AT_A_TIME: &str = r#"
+import sys
+import moto.server as server
+import werkzeug.serving as serving
+
+run_simple = serving.run_simple
+server.run_simple = lambda *a, **k: run_simple(*a, **{**k, "threaded": False})
+server.main(sys.argv[1:])
+"#;
+
+/// The Python interpreter itself, not the `python3` on the path: that may be a wrapper
+/// (pyenv's shim is a shell script that runs Python as its child), and SIGSTOP to a
+/// wrapper's id would stall nothing.
+fn python() -> Result<PathBuf, ServerError> {
+    let out = Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .map_err(|e| failed("python3 (moto_server needs it)", e))?;
+    let path = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    if !out.status.success() || path.is_empty() {
+        return Err(failed("python3", String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(PathBuf::from(path))
+}
+
+/// A `moto_server` (DynamoDB emulator, moto 5.x from PyPI: `pip install 'moto[server]'`)
+/// of this run's own: one Python process on a private loopback port, in a temp dir, its
+/// tables in memory. Slow (one request at a time, in Python): a storm against it is sized
+/// for that.
+#[derive(Debug)]
+pub struct PrivateMoto {
+    port: u16,
+    _dir: TempDir,
+    child: Option<Child>,
+}
+
+impl PrivateMoto {
+    /// Starts `moto_server` on `127.0.0.1:port`, serving one request at a time.
+    ///
+    /// # Errors
+    /// [`ServerError`] when `python3` cannot run or nothing listens within 30 s.
+    pub fn start(port: u16) -> Result<Self, ServerError> {
+        let dir = tempfile::Builder::new().prefix("idem-chaos-moto").tempdir().map_err(|e| failed("temp dir", e))?;
+        let log = std::fs::File::create(dir.path().join("moto.log")).map_err(|e| failed("log", e))?;
+        let child = Command::new(python()?)
+            .arg("-c")
+            .arg(MOTO_ONE_AT_A_TIME)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .map_err(|e| failed("moto_server (python3 -m pip install 'moto[server]>=5,<6')", e))?;
+        let mut moto = Self { port, _dir: dir, child: Some(child) };
+        if let Err(e) = wait_port(port, Duration::from_secs(30)) {
+            moto.kill();
+            return Err(e);
+        }
+        Ok(moto)
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    #[must_use]
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The server's process id.
+    #[must_use]
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // A stalled run may have stopped it: resume, so the kill is reaped at once.
+            let _ = signal(c.id(), "CONT");
+            kill_child(&mut c);
+        }
+    }
+}
+
+impl Drop for PrivateMoto {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
 /// A tmpfs of a few MiB mounted on a temp dir: the full-disk fault. Needs root (mount).
 #[derive(Debug)]
 pub struct SmallDisk {
@@ -403,19 +496,27 @@ impl Drop for SmallDisk {
 pub struct AppServer {
     exe: PathBuf,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     port: u16,
     log: PathBuf,
     child: Option<Child>,
 }
 
 impl AppServer {
-    /// Starts `exe serve --addr 127.0.0.1:PORT` with `args` (store, state, lease, faults),
-    /// appending its stderr to `log`, and waits for its `LISTENING` line.
+    /// Starts `exe serve --addr 127.0.0.1:PORT` with `args` (store, state, lease, faults)
+    /// and `env` added to its environment (the emulator's dummy AWS credentials), appending
+    /// its stderr to `log`, and waits for its `LISTENING` line.
     ///
     /// # Errors
     /// [`ServerError`] when it does not start within 30 s.
-    pub fn start(exe: &Path, port: u16, args: Vec<String>, log: &Path) -> Result<Self, ServerError> {
-        let mut app = Self { exe: exe.to_path_buf(), args, port, log: log.to_path_buf(), child: None };
+    pub fn start(
+        exe: &Path,
+        port: u16,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        log: &Path,
+    ) -> Result<Self, ServerError> {
+        let mut app = Self { exe: exe.to_path_buf(), args, env, port, log: log.to_path_buf(), child: None };
         app.spawn()?;
         Ok(app)
     }
@@ -426,6 +527,7 @@ impl AppServer {
         let mut child = Command::new(&self.exe)
             .args(["serve", "--addr", &format!("127.0.0.1:{}", self.port)])
             .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env_remove("LEASEBROKER_CRASH_AT")
             .env_remove("LEASEBROKER_CRASH_RATE")
             .stdin(Stdio::null())
