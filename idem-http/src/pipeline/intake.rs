@@ -25,6 +25,10 @@ use crate::headers::IDEMPOTENCY_KEY;
 use crate::lease::{LeaseDeadline, capped};
 
 /// What intake makes of a request.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "made once per request and moved out at once; a box would allocate on every keyed request"
+)]
 pub(super) enum Intake<B> {
     /// Keyed, with a principal, within the limits: claim its record.
     Admitted(Admitted),
