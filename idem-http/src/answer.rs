@@ -251,6 +251,19 @@ impl Refusal {
         }
     }
 
+    /// 503: the request's [`crate::LeaseDeadline`] left no time to claim and run. A retry
+    /// (a new invocation, with its own deadline) may.
+    pub(crate) fn deadline_passed() -> Self {
+        Self {
+            retry_after: Some(RETRY_AFTER_BUSY_SECS),
+            ..Self::new(
+                ProblemKind::DeadlinePassed,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the request's deadline left no time to process it; the request was not processed",
+            )
+        }
+    }
+
     /// 503, never retried: the stored record does not decode or cannot be replayed. It may
     /// be a completed operation, so running its handler could repeat it; retrying cannot
     /// mend the record.

@@ -66,6 +66,10 @@ impl RetryHints {
 pub(crate) fn should_retry(kind: ProblemKind) -> bool {
     matches!(
         kind,
-        ProblemKind::InFlight | ProblemKind::Busy | ProblemKind::StoreUnavailable | ProblemKind::ResponseBodyFailed
+        ProblemKind::InFlight
+            | ProblemKind::Busy
+            | ProblemKind::StoreUnavailable
+            | ProblemKind::DeadlinePassed
+            | ProblemKind::ResponseBodyFailed
     )
 }

@@ -21,7 +21,7 @@ use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use idem_core::{FencingToken, LeaseWatch, RecordId, StoreError};
 use tokio::sync::Notify;
@@ -34,6 +34,36 @@ use crate::store::LayerStore;
 pub(crate) const RETRY_FIRST: Duration = Duration::from_millis(25);
 /// Longest pause between two tries of one failing renewal or completion.
 pub(crate) const RETRY_MAX: Duration = Duration::from_secs(1);
+
+/// A request extension: the wall-clock instant at which the handler will be stopped from
+/// outside the process (AWS Lambda's `Context::deadline()`), set by a layer outside the
+/// idempotency layer. A handler killed there writes nothing, so with a fixed lease its retry
+/// would get 409 for a whole lease TTL. With it the layer claims a lease of min(lease TTL,
+/// time left) and never renews past the deadline, so a retry reclaims from the deadline
+/// on; with under 1 ms left it answers 503 `deadline-passed` (`Retry-After: 1`), claiming
+/// nothing and not running the handler. The time left is read once, on the system clock,
+/// as the request enters the layer. Without the extension nothing changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseDeadline(SystemTime);
+
+impl LeaseDeadline {
+    /// The deadline at `at`, on the system clock.
+    #[must_use]
+    pub fn at(at: SystemTime) -> Self {
+        Self(at)
+    }
+
+    /// The time left from now, on tokio's clock; `None` under 1 ms (the stores count ms).
+    pub(crate) fn instant(self) -> Option<Instant> {
+        let left = self.0.duration_since(SystemTime::now()).ok().filter(|left| left.as_millis() > 0)?;
+        Some(Instant::now() + left)
+    }
+}
+
+/// min(`ttl`, time left until `deadline`): the lease a claim or a renewal asks for.
+pub(crate) fn capped(ttl: Duration, deadline: Option<Instant>) -> Duration {
+    deadline.map_or(ttl, |deadline| ttl.min(deadline.saturating_duration_since(Instant::now())))
+}
 
 /// What one attempt knows about its lease, shared by the renewal loop (which writes it)
 /// and the handler's [`crate::IdempotencyContext`] and [`crate::Resumable`] (which read it).
@@ -105,6 +135,8 @@ pub(crate) struct Lease {
     pub(crate) interval: Duration,
     /// Sent time of the claim or reclaim that gave this attempt its lease.
     pub(crate) claimed_at: Instant,
+    /// The request's [`LeaseDeadline`]: no renewal moves the lease past it.
+    pub(crate) deadline: Option<Instant>,
 }
 
 /// How one renewal (with its retries) ended.
@@ -126,13 +158,13 @@ pub(crate) async fn renew(store: &LayerStore, lease: Lease, state: &LeaseState) 
         tracing::debug!(record = %lease.id, "no tokio runtime: the lease is not renewed");
         return;
     }
-    let mut lease_end = lease.claimed_at + lease.ttl;
+    let mut lease_end = lease.claimed_at + capped(lease.ttl, lease.deadline);
     let mut next = lease.claimed_at + lease.interval;
     loop {
         tokio::time::sleep_until(next).await;
         match renew_once(store, &lease, state, lease_end).await {
             Renewed::Yes(sent) => {
-                lease_end = sent + lease.ttl;
+                lease_end = sent + capped(lease.ttl, lease.deadline);
                 next = sent + lease.interval;
             }
             Renewed::NotYet => next = Instant::now() + lease.interval,
@@ -146,10 +178,15 @@ async fn renew_once(store: &LayerStore, lease: &Lease, state: &LeaseState, lease
     let mut pause = RETRY_FIRST;
     loop {
         let sent = Instant::now();
+        // At the deadline the lease already ends there, and the handler is about to stop.
+        let ttl = capped(lease.ttl, lease.deadline);
+        if ttl.is_zero() {
+            return Renewed::Stop;
+        }
         // A hung call must not outlast the lease it tries to keep: past that, it counts
         // as a transient failure and the next interval tries again.
         let limit = lease_end.saturating_duration_since(sent).max(lease.interval);
-        let result = match tokio::time::timeout(limit, store.extend(id, token, lease.ttl)).await {
+        let result = match tokio::time::timeout(limit, store.extend(id, token, ttl)).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::unavailable("idem-http", "lease renewal", true, TimedOut)),
         };

@@ -143,6 +143,7 @@ pub use idem_core::resume::{LeaseWatch, Reconciled, Resumable, StepError, SubKey
 pub use idem_core::seal::{Sealing, SealingKeys};
 pub use idem_core::{FingerprintMode, Policy};
 pub use layer::IdempotencyLayer;
+pub use lease::LeaseDeadline;
 pub use principal::{BearerToken, PrincipalResolver};
 pub use problem::{PROBLEM_JSON, Problem, ProblemKind};
 pub use service::Idempotency;

@@ -83,6 +83,9 @@ problem_kinds! {
     Mismatch => "urn:idem:problem:mismatch", "Idempotency-Key reused with a different request";
     /// 503 + `Retry-After`: the idempotency store is unavailable; the handler did not run.
     StoreUnavailable => "urn:idem:problem:store-unavailable", "Idempotency store unavailable";
+    /// 503 + `Retry-After`: the request's [`crate::LeaseDeadline`] left no time; nothing
+    /// was claimed and the handler did not run.
+    DeadlinePassed => "urn:idem:problem:deadline-passed", "Request deadline passed";
     /// The original status: the response completed but its body was larger than the
     /// policy's `max_stored_body`, so the replay cannot repeat it.
     ResponseNotRetained => "urn:idem:problem:response-not-retained", "Response not retained";

@@ -60,9 +60,9 @@ pub use idem_core::{
 pub use idem_http as http;
 #[cfg(feature = "axum")]
 pub use idem_http::{
-    BearerToken, CompletionRetry, HandlerExecution, IdempotencyContext, IdempotencyLayer, KeyRequirement, LeaseRenewal,
-    MismatchStatus, MissingPrincipal, PrincipalResolver, Problem, ProblemKind, ResponseCaching, Resumable,
-    StoreDeadlines, StoreFailureMode, SubKey,
+    BearerToken, CompletionRetry, HandlerExecution, IdempotencyContext, IdempotencyLayer, KeyRequirement,
+    LeaseDeadline, LeaseRenewal, MismatchStatus, MissingPrincipal, PrincipalResolver, Problem, ProblemKind,
+    ResponseCaching, Resumable, StoreDeadlines, StoreFailureMode, SubKey,
 };
 #[cfg(feature = "seal")]
 pub use idem_http::{Sealing, SealingKeys};

@@ -17,7 +17,7 @@
 //! | request body over `max_request_body` | `RESOURCE_EXHAUSTED` (8) |
 //! | in flight, busy | `ABORTED` (10): retry the whole call later, per the gRPC status guide |
 //! | mismatch | `FAILED_PRECONDITION` (9): do not retry until the request is fixed |
-//! | store unavailable | `UNAVAILABLE` (14) |
+//! | store unavailable, deadline passed | `UNAVAILABLE` (14) |
 //! | record does not decode | `DATA_LOSS` (15): retrying cannot mend it, and gRPC retry policies retry `UNAVAILABLE` |
 //! | replay of a response that was not retained | `ALREADY_EXISTS` (6): the operation was done |
 //! | the handler's body failed | `INTERNAL` (13) |
@@ -83,7 +83,7 @@ pub fn grpc_code_for(kind: ProblemKind) -> u32 {
         ProblemKind::BodyTooLarge | ProblemKind::HeadersTooLarge => code::RESOURCE_EXHAUSTED,
         ProblemKind::InFlight | ProblemKind::Busy => code::ABORTED,
         ProblemKind::Mismatch => code::FAILED_PRECONDITION,
-        ProblemKind::StoreUnavailable => code::UNAVAILABLE,
+        ProblemKind::StoreUnavailable | ProblemKind::DeadlinePassed => code::UNAVAILABLE,
         ProblemKind::ResponseNotRetained => code::ALREADY_EXISTS,
         _ => code::INTERNAL,
     }

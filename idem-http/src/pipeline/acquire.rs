@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 use super::Pipeline;
 use crate::answer::{Answer, Refusal};
+use crate::lease::capped;
 use crate::observe::DecisionKind;
 
 /// How many times one request re-reads a record that changed under it (a lost reclaim, a
@@ -67,11 +68,13 @@ impl<B> Acquired<B> {
 /// replay, a 409) need nothing of it afterwards. A request that must claim anew (its record
 /// expired or vanished between two reads) rebuilds it from a record it saw, which has the
 /// same scope and key: the record id is their hash.
-pub(super) async fn acquire<B>(pipeline: &Pipeline, claim: ClaimRequest) -> Acquired<B> {
+pub(super) async fn acquire<B>(pipeline: &Pipeline, claim: ClaimRequest, deadline: Option<Instant>) -> Acquired<B> {
     let calls = &*pipeline.store;
     let (id, fingerprint) = (claim.id(), claim.fingerprint());
-    let (lease_ttl, retention) = (pipeline.settings.policy.lease_ttl, pipeline.retention);
-    let again = |scope: Scope, key: IdempotencyKey| ClaimRequest::new(scope, key, fingerprint, lease_ttl, retention);
+    let (ttl, retention) = (pipeline.settings.policy.lease_ttl, pipeline.retention);
+    let again = |scope: Scope, key: IdempotencyKey| {
+        ClaimRequest::new(scope, key, fingerprint, capped(ttl, deadline), retention)
+    };
     let sent = Instant::now();
     let (mut current, mut now) = match calls.claim(claim).await {
         Ok(ClaimOutcome::Claimed(record)) => return Acquired::claimed(record, sent, DecisionKind::Claimed),
@@ -147,7 +150,7 @@ pub(super) async fn acquire<B>(pipeline: &Pipeline, claim: ClaimRequest) -> Acqu
             }
             (Decision::Reclaim { expected }, Some(record)) => {
                 seen = Some((record.scope.clone(), record.key.clone()));
-                let req = ReclaimRequest { id, expected, fingerprint, lease_ttl, retention };
+                let req = ReclaimRequest { id, expected, fingerprint, lease_ttl: capped(ttl, deadline), retention };
                 let sent = Instant::now();
                 match Box::pin(calls.reclaim(req)).await {
                     Ok(ReclaimOutcome::Reclaimed(record)) => {

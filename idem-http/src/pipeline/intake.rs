@@ -6,7 +6,8 @@
 //! 2. the principal: none (per [`crate::MissingPrincipal`]), blank;
 //! 3. the limits: the fingerprinted header fields (431), the body (413, or 400 when it
 //!    cannot be read), buffered up to `max_request_body`;
-//! 4. the fingerprint, and the claim request for the record of (principal, endpoint, key).
+//! 4. the fingerprint, and the claim request for the record of (principal, endpoint, key),
+//!    its lease cut to the [`crate::LeaseDeadline`] if any (under 1 ms left: 503).
 
 use std::pin::pin;
 
@@ -21,8 +22,13 @@ use super::Pipeline;
 use crate::answer::Refusal;
 use crate::config::{KeyRequirement, MissingPrincipal};
 use crate::headers::IDEMPOTENCY_KEY;
+use crate::lease::{LeaseDeadline, capped};
 
 /// What intake makes of a request.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "made once per request and moved out at once; a box would allocate on every keyed request"
+)]
 pub(super) enum Intake<B> {
     /// Keyed, with a principal, within the limits: claim its record.
     Admitted(Admitted),
@@ -39,6 +45,8 @@ pub(super) struct Admitted {
     /// The whole body, read: the handler gets it rebuilt from these bytes.
     pub(super) body: Bytes,
     pub(super) claim: ClaimRequest,
+    /// The request's [`crate::LeaseDeadline`], on tokio's clock.
+    pub(super) deadline: Option<tokio::time::Instant>,
 }
 
 /// Method plus axum's route template when the request went through an axum router (so
@@ -112,8 +120,14 @@ where
     };
     let fingerprint = Fingerprint::of_mode(&request, settings.fingerprint_mode);
     let scope = Scope { principal, endpoint };
-    let claim = ClaimRequest::new(scope, key, fingerprint, settings.policy.lease_ttl, pipeline.retention);
-    Intake::Admitted(Admitted { parts, body, claim })
+    // Read after the body, whose reading took some of the time left.
+    let deadline = match parts.extensions.get::<LeaseDeadline>().map(|deadline| deadline.instant()) {
+        Some(None) => return Intake::Refused(Refusal::deadline_passed()),
+        found => found.flatten(),
+    };
+    let lease_ttl = capped(settings.policy.lease_ttl, deadline);
+    let claim = ClaimRequest::new(scope, key, fingerprint, lease_ttl, pipeline.retention);
+    Intake::Admitted(Admitted { parts, body, claim, deadline })
 }
 
 /// Reads the whole body, refusing one over `limit` bytes: a declared `Content-Length` over

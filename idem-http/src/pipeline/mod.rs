@@ -108,13 +108,13 @@ impl Pipeline {
                     return Ok(Answer::Refusal(refusal));
                 }
             };
-            let intake::Admitted { parts, body, claim } = admitted;
+            let intake::Admitted { parts, body, claim, deadline } = admitted;
             let id = claim.id();
             obs.record(id);
-            match acquire::acquire(&self, claim).await {
+            match acquire::acquire(&self, claim, deadline).await {
                 acquire::Acquired::Claimed { record, sent, decision } => {
                     obs.claimed(decision, record.token);
-                    run::run(&self, inner, parts, body, record, sent, &obs).await
+                    run::run(&self, inner, parts, body, record, (sent, deadline), &obs).await
                 }
                 acquire::Acquired::Answered(answer, decision) => {
                     obs.decision(decision);

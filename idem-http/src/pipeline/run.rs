@@ -67,14 +67,15 @@ impl Attempt<'_> {
 }
 
 /// Runs the handler under the claim in `record` (claimed by a call sent at `claimed_at`),
-/// then has the record completed or failed before the answer is returned.
+/// renewed never past `deadline`, then has the record completed or failed before the
+/// answer is returned.
 pub(super) async fn run<S, ReqBody, ResBody>(
     pipeline: &Pipeline,
     mut inner: S,
     mut parts: Parts,
     body: Bytes,
     record: Record,
-    claimed_at: Instant,
+    (claimed_at, deadline): (Instant, Option<Instant>),
     obs: &Observer,
 ) -> Result<Answer<ResBody>, S::Error>
 where
@@ -96,6 +97,7 @@ where
         ttl: pipeline.settings.policy.lease_ttl,
         interval,
         claimed_at,
+        deadline,
     });
     let mut renewal = Renewal::new(&pipeline.store, terms, &lease);
     let mut attempt = Attempt {

@@ -16,6 +16,7 @@ mod failure_catalogue;
 mod grpc_streams;
 mod headers_and_hints;
 mod keys;
+mod lease_deadline;
 mod limits;
 mod observability;
 mod principal;
