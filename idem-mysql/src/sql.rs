@@ -169,7 +169,13 @@ async fn apply(conn: &mut MySqlConnection, prefix: &str) -> Result<usize, Error>
     let record = format!("INSERT INTO {} (version, name) VALUES (?, ?)", migrations_table(prefix));
     let mut applied = 0;
     for m in MIGRATIONS.iter().filter(|m| m.version > found) {
-        tracing::debug!(backend = "mysql", prefix, version = m.version, name = m.name, "idem-mysql: applying migration");
+        tracing::debug!(
+            backend = "mysql",
+            prefix,
+            version = m.version,
+            name = m.name,
+            "idem-mysql: applying migration"
+        );
         // Unprepared (text protocol): MySQL cannot prepare every DDL statement.
         sqlx::Executor::execute(&mut *conn, sqlx::raw_sql(&m.sql_for(prefix)))
             .await

@@ -130,7 +130,8 @@ fn drop_stale_tables() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>
         for name in names {
             let created = name[TEST_PREFIX.len()..].split('_').next().and_then(|s| s.parse::<u64>().ok());
             if created.is_some_and(|t| t + 3600 < now) {
-                let _ = sqlx::Executor::execute(&mut conn, sqlx::raw_sql(&format!("DROP TABLE IF EXISTS `{name}`"))).await;
+                let _ =
+                    sqlx::Executor::execute(&mut conn, sqlx::raw_sql(&format!("DROP TABLE IF EXISTS `{name}`"))).await;
             }
         }
     })
