@@ -226,6 +226,8 @@ pub(crate) struct Statements {
     pub(crate) insert: String,
     /// Every column but the id as `?` in [`COLUMNS`] order, then `?` id: the whole row.
     pub(crate) update: String,
+    /// The record columns of every row; `list` appends its `WHERE`, order and limit.
+    pub(crate) scan: String,
     /// `?` now, `?` limit: deletes expired records, oldest expiry first.
     pub(crate) sweep: String,
     /// `?` now: whether any expired record is left.
@@ -241,6 +243,7 @@ impl Statements {
         Self {
             lock: format!("SELECT {cols} FROM {table} WHERE id = ? FOR UPDATE"),
             read: format!("SELECT {cols} FROM {table} WHERE id = ?"),
+            scan: format!("SELECT {cols} FROM {table}"),
             insert: format!("INSERT INTO {table} ({cols}) VALUES ({marks})"),
             update: format!("UPDATE {table} SET {sets} WHERE id = ?"),
             // Single-table DELETE with ORDER BY and LIMIT: the same on both servers.

@@ -11,8 +11,8 @@ use async_trait::async_trait;
 use idem_core::codec::encode_response;
 use idem_core::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
 use idem_core::{
-    Capabilities, Clock, FencingToken, Receipt, Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome,
-    UnixMillis,
+    Capabilities, Clock, FencingToken, ListFilter, Listing, Receipt, Record, RecordId, Store, StoreError,
+    StoredResponse, SweepOutcome, UnixMillis,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::pool::PoolConnection;
@@ -428,6 +428,61 @@ impl Store for MySqlStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { backend: "mysql", server_clock: true, shared: true, ..Capabilities::NONE }
+        Capabilities { backend: "mysql", server_clock: true, shared: true, list: true, ..Capabilities::NONE }
+    }
+
+    /// One consistent read (autocommit, so one snapshot for the page): the live records
+    /// after the cursor in id order, through the primary key, one more than the limit to
+    /// tell `more`. The filter's conditions are pushed into the `WHERE` (each only when
+    /// set, from fixed text) so a page reads about `limit` rows, and checked again with
+    /// [`ListFilter::matches`] on the decoded records.
+    async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
+        const OP: &str = "listing records";
+        let mut conn = self.inner.pool.acquire().await.map_err(Error::connection(OP))?;
+        let now = self.now(&mut conn).await.map_err(Error::mysql(OP))?;
+        let mut sql = format!("{} WHERE expires_at > ?", self.inner.sql.scan);
+        if filter.after.is_some() {
+            sql.push_str(" AND id > ?");
+        }
+        if filter.state.is_some() {
+            sql.push_str(" AND state = ?");
+        }
+        if filter.started_before.is_some() {
+            sql.push_str(" AND started_at <= ?");
+        }
+        if filter.principal.is_some() {
+            sql.push_str(" AND principal = ?");
+        }
+        sql.push_str(" ORDER BY id LIMIT ?");
+        let mut q = sqlx::query(&sql).bind(now.0);
+        if let Some(after) = &filter.after {
+            q = q.bind(after.as_bytes().as_slice());
+        }
+        if let Some(state) = filter.state {
+            q = q.bind(state.as_str());
+        }
+        if let Some(t) = filter.started_before {
+            q = q.bind(t.0);
+        }
+        if let Some(p) = &filter.principal {
+            q = q.bind(p.as_str().as_bytes());
+        }
+        let q = q.bind(u64::try_from(filter.limit).unwrap_or(u64::MAX).saturating_add(1));
+        let rows = q.fetch_all(&mut *conn).await.map_err(|e| {
+            if is_session_lost(&e) {
+                conn.close_on_drop();
+            }
+            Error::mysql(OP)(e)
+        })?;
+        let mut page = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let r = record_at(row)?;
+            if filter.matches(&r, now) {
+                page.push(r);
+            }
+        }
+        let more = page.len() > filter.limit;
+        page.truncate(filter.limit);
+        Ok(Listing::new(now, page, more))
     }
 }
