@@ -3,7 +3,7 @@
 
 #![allow(dead_code, reason = "each module uses a different subset")]
 
-use std::sync::{Arc, Once};
+use std::sync::{Arc, Once, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -43,8 +43,42 @@ pub(crate) fn unreachable(err: &dyn std::error::Error) -> ! {
     );
 }
 
+/// Fails the test at once when the server cannot be reached: asked once per test process
+/// (on a thread with its own runtime, so any caller may ask), so a suite run without a
+/// server fails every test in moments instead of waiting out a pool timeout in each, and
+/// in each case the model-based test shrinks.
+pub(crate) fn ensure_reachable() {
+    static PROBE: OnceLock<Option<String>> = OnceLock::new();
+    let failure = PROBE.get_or_init(|| {
+        let url = url();
+        let probe = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+            rt.block_on(async move {
+                let connect = tokio::time::timeout(Duration::from_secs(10), MySqlConnection::connect(&url));
+                match connect.await {
+                    Ok(Ok(conn)) => {
+                        let _ = conn.close().await;
+                        Ok(())
+                    }
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err("no answer within 10 s".to_owned()),
+                }
+            })
+        });
+        match probe.join() {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e),
+            Err(_) => Some("the probe thread panicked".to_owned()),
+        }
+    });
+    if let Some(e) = failure {
+        unreachable(&std::io::Error::other(e.clone()));
+    }
+}
+
 /// A connection of the test's own (for its own SQL).
 pub(crate) async fn raw() -> MySqlConnection {
+    ensure_reachable();
     MySqlConnection::connect(&url()).await.unwrap_or_else(|e| unreachable(&e))
 }
 
@@ -63,6 +97,7 @@ pub(crate) struct PrefixGuard {
 impl PrefixGuard {
     /// A fresh, unused prefix (nothing is created yet: building a store migrates it).
     pub(crate) async fn fresh() -> Arc<Self> {
+        ensure_reachable();
         static CLEANUP: Once = Once::new();
         let mut first = false;
         CLEANUP.call_once(|| first = true);
@@ -148,6 +183,7 @@ pub(crate) fn config(prefix: &str, clock: Option<ManualClock>, max_connections: 
 
 /// Connects with `config`, failing the test with the start hint when the server is down.
 pub(crate) async fn connect_with(config: Config) -> MySqlStore {
+    ensure_reachable();
     match MySqlStore::connect(&url(), config).await {
         Ok(s) => s,
         Err(e @ idem_mysql::Error::Connection { .. }) => unreachable(&e),
@@ -184,6 +220,7 @@ impl Forward for TestStore {
 /// An application's own pool, sessions at the server's default level unless
 /// `read_committed`.
 pub(crate) async fn pool(max: u32, read_committed: bool) -> sqlx::MySqlPool {
+    ensure_reachable();
     let mut options =
         sqlx::mysql::MySqlPoolOptions::new().max_connections(max).acquire_timeout(Duration::from_secs(30));
     if read_committed {
