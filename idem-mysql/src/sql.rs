@@ -51,8 +51,10 @@ impl Migration {
 }
 
 /// Every migration this build ships, in order.
-pub const MIGRATIONS: &[Migration] =
-    &[Migration { version: 1, name: "records", sql: include_str!("../migrations/0001_records.sql") }];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration { version: 1, name: "records", sql: include_str!("../migrations/0001_records.sql") },
+    Migration { version: 2, name: "journal", sql: include_str!("../migrations/0002_journal.sql") },
+];
 
 /// The version this build's statements need: the last of [`MIGRATIONS`].
 pub(crate) const KNOWN_VERSION: i32 = MIGRATIONS[MIGRATIONS.len() - 1].version;
@@ -228,6 +230,14 @@ pub(crate) struct Statements {
     pub(crate) update: String,
     /// The record columns of every row; `list` appends its `WHERE`, order and limit.
     pub(crate) scan: String,
+    /// `?` id: deletes every journal entry of the record (a claim replacing a generation).
+    pub(crate) journal_clear: String,
+    /// `?` id, `?` name: the entry's value (the caller holds the record's lock).
+    pub(crate) journal_read: String,
+    /// `?` id, `?` name, `?` value, `?` value again: writes the entry, over an old one.
+    pub(crate) journal_write: String,
+    /// `?` id, `?` name, `?` now: the entry's value if its record is live.
+    pub(crate) journal_get: String,
     /// `?` now, `?` limit: deletes expired records, oldest expiry first.
     pub(crate) sweep: String,
     /// `?` now: whether any expired record is left.
@@ -237,6 +247,7 @@ pub(crate) struct Statements {
 impl Statements {
     pub(crate) fn for_prefix(prefix: &str) -> Self {
         let table = format!("`{prefix}_records`");
+        let journal = format!("`{prefix}_journal`");
         let cols = COLUMNS.join(", ");
         let marks = vec!["?"; COLUMNS.len()].join(", ");
         let sets = COLUMNS[1..].iter().map(|c| format!("{c} = ?")).collect::<Vec<_>>().join(", ");
@@ -246,6 +257,17 @@ impl Statements {
             scan: format!("SELECT {cols} FROM {table}"),
             insert: format!("INSERT INTO {table} ({cols}) VALUES ({marks})"),
             update: format!("UPDATE {table} SET {sets} WHERE id = ?"),
+            journal_clear: format!("DELETE FROM {journal} WHERE id = ?"),
+            journal_read: format!("SELECT value FROM {journal} WHERE id = ? AND name = ?"),
+            // `= ?` rather than `VALUES(value)`, deprecated in MySQL 8.0.20.
+            journal_write: format!(
+                "INSERT INTO {journal} (id, name, value) VALUES (?, ?, ?) ON DUPLICATE KEY UPDATE value = ?"
+            ),
+            // One consistent read: the entry and its record's liveness in one snapshot.
+            journal_get: format!(
+                "SELECT j.value FROM {table} AS r JOIN {journal} AS j ON j.id = r.id
+                 WHERE r.id = ? AND j.name = ? AND r.expires_at > ?"
+            ),
             // Single-table DELETE with ORDER BY and LIMIT: the same on both servers.
             sweep: format!("DELETE FROM {table} WHERE expires_at <= ? ORDER BY expires_at LIMIT ?"),
             expired_left: format!("SELECT EXISTS (SELECT 1 FROM {table} WHERE expires_at <= ?)"),
@@ -361,7 +383,8 @@ mod tests {
             assert_eq!(m.version(), i32::try_from(i + 1).unwrap());
             assert!(m.sql.contains("{prefix}"));
         }
-        assert_eq!(KNOWN_VERSION, 1);
+        assert_eq!(KNOWN_VERSION, 2);
+        assert!(MIGRATIONS[1].sql_for("idem").contains("REFERENCES `idem_records` (id) ON DELETE CASCADE"));
         assert_eq!(MIGRATIONS[0].name(), "records");
         let sql = MIGRATIONS[0].sql_for("idem");
         assert!(sql.contains("`idem_records`") && sql.contains("KEY `idem_records_expires_at` (expires_at)"));

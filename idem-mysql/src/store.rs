@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use idem_core::codec::encode_response;
 use idem_core::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
 use idem_core::{
-    Capabilities, Clock, FencingToken, ListFilter, Listing, Receipt, Record, RecordId, Store, StoreError,
+    Capabilities, Clock, FencingToken, JournalWrite, ListFilter, Listing, Receipt, Record, RecordId, Store, StoreError,
     StoredResponse, SweepOutcome, UnixMillis,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
@@ -358,6 +358,14 @@ impl Store for MySqlStore {
             let now = self.now(conn).await?;
             let (write, outcome) = transition::claim(current.as_ref(), &req, now);
             if let Some(new) = write {
+                if current.is_some() {
+                    // A new generation starts with an empty journal; the old one's entries
+                    // go in the same transaction, under the same lock.
+                    sqlx::query(&self.inner.sql.journal_clear)
+                        .bind(new.id.as_bytes().as_slice())
+                        .execute(&mut *conn)
+                        .await?;
+                }
                 self.write(conn, current.is_some(), &new).await?;
             }
             Ok::<_, Abort>(outcome)
@@ -428,7 +436,70 @@ impl Store for MySqlStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { backend: "mysql", server_clock: true, shared: true, list: true, ..Capabilities::NONE }
+        Capabilities {
+            backend: "mysql",
+            server_clock: true,
+            shared: true,
+            journal: true,
+            list: true,
+            ..Capabilities::NONE
+        }
+    }
+
+    /// The record's row lock, then the owner check (before the entry is looked at, so a
+    /// stale owner never learns the value), then the entry: every journal write of a record
+    /// holds its lock, so the check and the write see one state.
+    async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        Ok(in_transaction!(self, "writing a journal entry", |conn| async {
+            let current = self.lock(conn, id).await?;
+            let now = self.now(conn).await?;
+            transition::check_journal_owner(current.as_ref(), id, token, now)
+                .map_err(|lost| StoreError::lease_lost(id, lost))?;
+            let (id_bytes, name_bytes) = (id.as_bytes().as_slice(), name.as_bytes());
+            if !overwrite {
+                let stored: Option<Vec<u8>> = sqlx::query_scalar(&self.inner.sql.journal_read)
+                    .bind(id_bytes)
+                    .bind(name_bytes)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                if let Some(stored) = stored {
+                    return Ok(JournalWrite::Exists(stored));
+                }
+            }
+            sqlx::query(&self.inner.sql.journal_write)
+                .bind(id_bytes)
+                .bind(name_bytes)
+                .bind(value.as_slice())
+                .bind(value.as_slice())
+                .execute(&mut *conn)
+                .await?;
+            Ok::<_, Abort>(JournalWrite::Written)
+        }))
+    }
+
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        const OP: &str = "reading a journal entry";
+        let mut conn = self.inner.pool.acquire().await.map_err(Error::connection(OP))?;
+        let now = self.now(&mut conn).await.map_err(Error::mysql(OP))?;
+        let value = sqlx::query_scalar(&self.inner.sql.journal_get)
+            .bind(id.as_bytes().as_slice())
+            .bind(name.as_bytes())
+            .bind(now.0)
+            .fetch_optional(&mut *conn)
+            .await;
+        value.map_err(|e| {
+            if is_session_lost(&e) {
+                conn.close_on_drop();
+            }
+            Error::mysql(OP)(e).into()
+        })
     }
 
     /// One consistent read (autocommit, so one snapshot for the page): the live records

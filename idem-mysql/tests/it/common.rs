@@ -117,7 +117,7 @@ pub(crate) fn fresh_name() -> String {
 
 /// The statement that drops every table of `prefix`.
 pub(crate) fn drop_tables_sql(prefix: &str) -> String {
-    format!("DROP TABLE IF EXISTS `{prefix}_records`, `{prefix}_schema_migrations`")
+    format!("DROP TABLE IF EXISTS `{prefix}_journal`, `{prefix}_records`, `{prefix}_schema_migrations`")
 }
 
 /// Runs `sql` on a new connection, on a thread with its own small runtime, and says
@@ -157,7 +157,8 @@ fn drop_stale_tables() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_secs();
         let names: Vec<String> = sqlx::query_scalar(
             "SELECT CAST(table_name AS CHAR) FROM information_schema.tables
-             WHERE table_schema = DATABASE() AND table_name LIKE 'idem\\_test\\_%'",
+             WHERE table_schema = DATABASE() AND table_name LIKE 'idem\\_test\\_%'
+             ORDER BY table_name", // `_journal` before `_records`, which its foreign key names
         )
         .fetch_all(&mut conn)
         .await

@@ -108,6 +108,9 @@ async fn an_unknown_record_is_lease_lost() {
     let id = req("never-claimed").id();
     let err = store.0.inner.complete_in(&mut tx, id, FencingToken(1), response()).await.expect_err("lost");
     assert!(matches!(err, StoreError::LeaseLost { current: None, .. }), "{err:?}");
+    // Ended now: an open transaction would hold the table's metadata lock past the test,
+    // and the guard's DROP TABLE would wait for it.
+    tx.rollback().await.expect("rollback");
 }
 
 async fn renewal_during_the_handler(level: &str) {
