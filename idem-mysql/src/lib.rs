@@ -59,7 +59,7 @@
 //!   the statements, and row decoding.
 //! - `src/config.rs`: [`Config`].
 //! - `src/error.rs`: [`Error`] and which failures are retryable.
-//! - `migrations/*.sql`: the schema, one file per version.
+//! - `migrations/*.sql`: the schema, one file per version (records; the journal).
 //! - `tests/it/`: the integration tests (feature `live-tests`), one module per area.
 
 mod config;

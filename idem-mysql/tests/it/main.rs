@@ -6,4 +6,5 @@ mod backend;
 mod common;
 mod complete_in;
 mod conformance;
+mod http;
 mod mysql;
