@@ -498,3 +498,80 @@ async fn a_killed_session_is_a_retryable_error_and_the_next_call_works() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sweep_racing_claims_of_expired_records_never_removes_a_new_claim() {
+    let clock = clock();
+    let store = Arc::new(common::fresh_store(Some(clock.clone()), 8).await);
+    let short = Duration::from_secs(1);
+    for i in 0..24 {
+        must_claim(&*store, claim_req("p", &format!("swept-{i}"), short, short)).await;
+    }
+    clock.advance(Duration::from_secs(10));
+    let sweeper = {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move {
+            let mut removed = 0;
+            loop {
+                let outcome = store.sweep(3).await.expect("sweep");
+                removed += outcome.removed;
+                if !outcome.more {
+                    return removed;
+                }
+            }
+        })
+    };
+    let mut claims = Vec::new();
+    for i in 0..24 {
+        let store = Arc::clone(&store);
+        claims
+            .push(tokio::spawn(async move { store.claim(claim_req("p", &format!("swept-{i}"), short, short)).await }));
+    }
+    let mut fresh = Vec::new();
+    for c in claims {
+        // The old record is expired whether or not the sweep got to it first: a new claim.
+        match c.await.expect("task").expect("claim") {
+            ClaimOutcome::Claimed(r) => fresh.push(r),
+            other => panic!("expected Claimed, got {other:?}"),
+        }
+    }
+    let removed = sweeper.await.expect("sweeper");
+    assert!(removed <= 24);
+    for r in fresh {
+        assert_eq!(store.get(r.id).await.expect("get"), Some(r), "a claim made during the sweep survives it");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_wait_timeout_runs_the_transaction_again() {
+    // The store's sessions give up on a row lock after 1 s (a knob of the pool, not of
+    // the store), while the test holds the record's lock for about 2.5 s.
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(2)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                idem_mysql::pin_read_committed(conn).await?;
+                sqlx::Executor::execute(conn, sqlx::raw_sql("SET SESSION innodb_lock_wait_timeout = 1")).await.map(drop)
+            })
+        })
+        .connect(&common::url())
+        .await
+        .unwrap_or_else(|e| common::unreachable(&e));
+    let guard = PrefixGuard::fresh().await;
+    let store = MySqlStore::from_pool(pool, common::config(&guard.name, Some(clock()), 2)).await.expect("store");
+    let r = must_claim(&store, req("held-lock")).await;
+    let mut holder = common::raw().await;
+    let mut tx = holder.begin().await.expect("begin");
+    let lock = format!("SELECT token FROM `{}_records` WHERE id = ? FOR UPDATE", guard.name);
+    sqlx::query(&lock).bind(r.id.as_bytes().as_slice()).fetch_one(&mut *tx).await.expect("lock");
+    let started = std::time::Instant::now();
+    let complete = {
+        let store = store.clone();
+        tokio::spawn(async move { store.complete(r.id, r.token, response()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    tx.rollback().await.expect("release");
+    complete.await.expect("task").expect("completed after the lock was released");
+    assert!(started.elapsed() >= Duration::from_secs(2), "it waited out at least one lock-wait timeout");
+    assert_eq!(store.get(r.id).await.expect("get").expect("live").state, RecordState::Completed);
+}
