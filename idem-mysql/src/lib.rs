@@ -42,8 +42,10 @@
 //! A transaction is run again from `BEGIN` only when nothing of it can have been
 //! committed: after a deadlock (1213: the server rolled the whole transaction back), a
 //! lock-wait timeout (1205: the statement was rolled back and the store rolls back the
-//! rest), or a claim's `INSERT` that lost to a concurrent one (1062). A failed `COMMIT` is
-//! never resent: whether it committed is unknown.
+//! rest), or a claim's `INSERT` that lost to a concurrent one (1062); and once after the
+//! session died before `COMMIT` was sent (the server rolls back a transaction whose
+//! session is gone; an idle pooled connection killed by `wait_timeout` costs nothing). A
+//! failed `COMMIT` is never resent: whether it committed is unknown.
 //!
 //! # MySQL 8 and MariaDB 10.11
 //! The same SQL runs on both: no `RETURNING`, no `FOR UPDATE OF`, no `SKIP LOCKED`, no

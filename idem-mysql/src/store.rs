@@ -33,8 +33,9 @@ use crate::sql::{SERVER_NOW_MS, Statements, record_at, token_param, validate_pre
 /// held open across the handler; a call holds a pooled connection for its transaction
 /// only. A transaction rolled back by a deadlock (1213) or a lock-wait timeout (1205), or a
 /// claim whose insert lost to a concurrent one (1062), runs again from `BEGIN` (nothing of
-/// it was committed) up to 8 times, 1, 4, 9, ... ms apart. A connection whose session died
-/// is closed rather than returned to the pool.
+/// it was committed) up to 8 times, 1, 4, 9, ... ms apart; one whose session died before
+/// `COMMIT` was sent runs again once, on a fresh connection. A connection whose session
+/// died is closed rather than returned to the pool.
 #[derive(Clone, Debug)]
 pub struct MySqlStore {
     inner: Arc<Inner>,
@@ -84,7 +85,13 @@ macro_rules! in_transaction {
         loop {
             attempt += 1;
             let pooled = $self.inner.pool.acquire().await.map_err(Error::connection(op))?;
-            let mut tx = Open::begin(pooled).await.map_err(|e| Error::mysql(op)(e))?;
+            let mut tx = match Open::begin(pooled).await {
+                Ok(tx) => tx,
+                // A pooled session that died while idle: nothing was done, so once more on
+                // a fresh connection.
+                Err(e) if is_session_lost(&e) && attempt == 1 => continue,
+                Err(e) => return Err(Error::mysql(op)(e).into()),
+            };
             let result = {
                 let $conn: &mut MySqlConnection = &mut tx.conn;
                 $body.await
@@ -106,7 +113,10 @@ macro_rules! in_transaction {
             if !lost {
                 let _ = tx.end("ROLLBACK").await;
             }
-            let again = !lost && (is_transient_lock(&e) || number(&e) == Some(code::DUPLICATE_KEY));
+            // A session lost before COMMIT was sent takes its transaction with it (the
+            // server rolls it back), so it is run again, but only once: a server that is
+            // down should fail the call within one acquire timeout, not eight.
+            let again = (lost && attempt == 1) || is_transient_lock(&e) || number(&e) == Some(code::DUPLICATE_KEY);
             if !again {
                 return Err(Error::mysql(op)(e).into());
             }
