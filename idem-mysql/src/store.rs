@@ -128,6 +128,38 @@ macro_rules! in_transaction {
     }};
 }
 
+/// Runs `$body` (reads only, awaiting on `$conn`, a pooled connection in autocommit mode,
+/// evaluating to `Result<T, Abort>`) and returns its value. A read is safe to resend, so
+/// one whose pooled session turned out dead runs once more on a fresh connection (only
+/// once: a server that is down fails the call within one acquire timeout).
+macro_rules! reading {
+    ($self:ident, $op:expr, |$conn:ident| $body:expr) => {{
+        let op: &'static str = $op;
+        let mut attempt: u32 = 0;
+        loop {
+            attempt += 1;
+            let mut pooled = $self.inner.pool.acquire().await.map_err(Error::connection(op))?;
+            let result = {
+                let $conn: &mut MySqlConnection = &mut pooled;
+                $body.await
+            };
+            match result {
+                Ok(value) => break value,
+                Err(Abort::Store(e)) => return Err(e),
+                Err(Abort::Sql(e)) => {
+                    let lost = is_session_lost(&e);
+                    if lost {
+                        pooled.close_on_drop();
+                    }
+                    if !(lost && attempt == 1) {
+                        return Err(Error::mysql(op)(e).into());
+                    }
+                }
+            }
+        }
+    }};
+}
+
 /// A pooled connection inside a transaction the store began. Dropped before the
 /// transaction ended (a failed `COMMIT` or `ROLLBACK`, a lost session, or the caller's
 /// future cancelled mid-way), it closes the connection, which ends the transaction on the
@@ -416,20 +448,15 @@ impl Store for MySqlStore {
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        const OP: &str = "reading a record";
         // Two autocommit statements: a consistent read of the last committed row, then
         // `now`, which is at or after that commit.
-        let mut conn = self.inner.pool.acquire().await.map_err(Error::connection(OP))?;
-        let row = sqlx::query(&self.inner.sql.read).bind(id.as_bytes().as_slice()).fetch_optional(&mut *conn).await;
-        let row = row.map_err(|e| {
-            if is_session_lost(&e) {
-                conn.close_on_drop();
-            }
-            Error::mysql(OP)(e)
-        })?;
-        let record = row.as_ref().map(record_at).transpose()?;
-        let now = self.now(&mut conn).await.map_err(Error::mysql(OP))?;
-        Ok(record.filter(|r| !r.is_expired(now)))
+        Ok(reading!(self, "reading a record", |conn| async {
+            let row =
+                sqlx::query(&self.inner.sql.read).bind(id.as_bytes().as_slice()).fetch_optional(&mut *conn).await?;
+            let record = row.as_ref().map(record_at).transpose()?;
+            let now = self.now(conn).await?;
+            Ok::<_, Abort>(record.filter(|r| !r.is_expired(now)))
+        }))
     }
 
     async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
@@ -495,21 +522,16 @@ impl Store for MySqlStore {
     }
 
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        const OP: &str = "reading a journal entry";
-        let mut conn = self.inner.pool.acquire().await.map_err(Error::connection(OP))?;
-        let now = self.now(&mut conn).await.map_err(Error::mysql(OP))?;
-        let value = sqlx::query_scalar(&self.inner.sql.journal_get)
-            .bind(id.as_bytes().as_slice())
-            .bind(name.as_bytes())
-            .bind(now.0)
-            .fetch_optional(&mut *conn)
-            .await;
-        value.map_err(|e| {
-            if is_session_lost(&e) {
-                conn.close_on_drop();
-            }
-            Error::mysql(OP)(e).into()
-        })
+        Ok(reading!(self, "reading a journal entry", |conn| async {
+            let now = self.now(conn).await?;
+            let value = sqlx::query_scalar(&self.inner.sql.journal_get)
+                .bind(id.as_bytes().as_slice())
+                .bind(name.as_bytes())
+                .bind(now.0)
+                .fetch_optional(conn)
+                .await?;
+            Ok::<_, Abort>(value)
+        }))
     }
 
     /// One consistent read (autocommit, so one snapshot for the page): the live records
@@ -518,43 +540,38 @@ impl Store for MySqlStore {
     /// set, from fixed text) so a page reads about `limit` rows, and checked again with
     /// [`ListFilter::matches`] on the decoded records.
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
-        const OP: &str = "listing records";
-        let mut conn = self.inner.pool.acquire().await.map_err(Error::connection(OP))?;
-        let now = self.now(&mut conn).await.map_err(Error::mysql(OP))?;
-        let mut sql = format!("{} WHERE expires_at > ?", self.inner.sql.scan);
-        if filter.after.is_some() {
-            sql.push_str(" AND id > ?");
-        }
-        if filter.state.is_some() {
-            sql.push_str(" AND state = ?");
-        }
-        if filter.started_before.is_some() {
-            sql.push_str(" AND started_at <= ?");
-        }
-        if filter.principal.is_some() {
-            sql.push_str(" AND principal = ?");
-        }
-        sql.push_str(" ORDER BY id LIMIT ?");
-        let mut q = sqlx::query(&sql).bind(now.0);
-        if let Some(after) = &filter.after {
-            q = q.bind(after.as_bytes().as_slice());
-        }
-        if let Some(state) = filter.state {
-            q = q.bind(state.as_str());
-        }
-        if let Some(t) = filter.started_before {
-            q = q.bind(t.0);
-        }
-        if let Some(p) = &filter.principal {
-            q = q.bind(p.as_str().as_bytes());
-        }
-        let q = q.bind(u64::try_from(filter.limit).unwrap_or(u64::MAX).saturating_add(1));
-        let rows = q.fetch_all(&mut *conn).await.map_err(|e| {
-            if is_session_lost(&e) {
-                conn.close_on_drop();
+        let (now, rows) = reading!(self, "listing records", |conn| async {
+            let now = self.now(conn).await?;
+            let mut sql = format!("{} WHERE expires_at > ?", self.inner.sql.scan);
+            if filter.after.is_some() {
+                sql.push_str(" AND id > ?");
             }
-            Error::mysql(OP)(e)
-        })?;
+            if filter.state.is_some() {
+                sql.push_str(" AND state = ?");
+            }
+            if filter.started_before.is_some() {
+                sql.push_str(" AND started_at <= ?");
+            }
+            if filter.principal.is_some() {
+                sql.push_str(" AND principal = ?");
+            }
+            sql.push_str(" ORDER BY id LIMIT ?");
+            let mut q = sqlx::query(&sql).bind(now.0);
+            if let Some(after) = &filter.after {
+                q = q.bind(after.as_bytes().as_slice());
+            }
+            if let Some(state) = filter.state {
+                q = q.bind(state.as_str());
+            }
+            if let Some(t) = filter.started_before {
+                q = q.bind(t.0);
+            }
+            if let Some(p) = &filter.principal {
+                q = q.bind(p.as_str().as_bytes());
+            }
+            let q = q.bind(u64::try_from(filter.limit).unwrap_or(u64::MAX).saturating_add(1));
+            Ok::<_, Abort>((now, q.fetch_all(conn).await?))
+        });
         let mut page = Vec::with_capacity(rows.len());
         for row in &rows {
             let r = record_at(row)?;

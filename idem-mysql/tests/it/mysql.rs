@@ -495,6 +495,29 @@ async fn a_killed_pooled_session_is_replaced_without_an_error() {
     must_claim(&store, req("after-kill-2")).await;
 }
 
+/// Kills the one pooled session of `store` behind its back.
+async fn kill_pooled_session(store: &MySqlStore) {
+    let id: u64 = {
+        let mut conn = store.pool().acquire().await.expect("conn");
+        sqlx::query_scalar("SELECT CONNECTION_ID()").fetch_one(&mut *conn).await.expect("id")
+    };
+    let mut admin = common::raw().await;
+    common::execute(&mut admin, &format!("KILL {id}")).await;
+    let _ = admin.close().await;
+}
+
+#[tokio::test]
+async fn reads_on_a_killed_pooled_session_run_again_on_a_fresh_one() {
+    let store = common::fresh_store(Some(clock()), 1).await;
+    let r = must_claim(&store, req("read-after-kill")).await;
+    kill_pooled_session(&store.0.inner).await;
+    assert_eq!(store.get(r.id).await.expect("get"), Some(r.clone()));
+    kill_pooled_session(&store.0.inner).await;
+    assert_eq!(store.list(idem_core::ListFilter::new(10)).await.expect("list").records, vec![r.clone()]);
+    kill_pooled_session(&store.0.inner).await;
+    assert_eq!(store.journal_get(r.id, "step").await.expect("journal_get"), None);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_sweep_racing_claims_of_expired_records_never_removes_a_new_claim() {
     let clock = clock();
