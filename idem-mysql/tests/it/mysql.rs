@@ -594,3 +594,53 @@ async fn a_lock_wait_timeout_runs_the_transaction_again() {
     assert!(started.elapsed() >= Duration::from_secs(2), "it waited out at least one lock-wait timeout");
     assert_eq!(store.get(r.id).await.expect("get").expect("live").state, RecordState::Completed);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_caught_in_a_deadlock_still_claims() {
+    // The claim that replaces an expired record locks the record, then deletes its journal
+    // entries; a foreign transaction holding those entries and then asking for the record
+    // closes the cycle. The foreign one has written many rows, so InnoDB makes the claim
+    // (the smaller transaction) the victim: the store must run it again, not fail.
+    let clock = clock();
+    let store = common::fresh_store(Some(clock.clone()), 2).await;
+    let prefix = store.0.guard.name.clone();
+    let short = Duration::from_secs(1);
+    let r = must_claim(&store, claim_req("p", "deadlock", short, Duration::from_secs(2))).await;
+    store.journal_put(r.id, r.token, "step", b"v1".to_vec(), false).await.expect("journal");
+    clock.advance(Duration::from_secs(10));
+
+    let mut foreign = common::raw().await;
+    let scratch = format!("`{prefix}_scratch`");
+    common::execute(&mut foreign, &format!("CREATE TABLE {scratch} (n INT PRIMARY KEY) ENGINE = InnoDB")).await;
+    let mut tx = foreign.begin().await.expect("begin");
+    let rows = (0..300).map(|n| format!("({n})")).collect::<Vec<_>>().join(",");
+    sqlx::query(&format!("INSERT INTO {scratch} (n) VALUES {rows}")).execute(&mut *tx).await.expect("weight");
+    let lock_journal = format!("SELECT value FROM `{prefix}_journal` WHERE id = ? FOR UPDATE");
+    sqlx::query(&lock_journal).bind(r.id.as_bytes().as_slice()).fetch_all(&mut *tx).await.expect("journal lock");
+
+    let claim = {
+        let store = store.clone();
+        tokio::spawn(async move { store.claim(claim_req("p", "deadlock", short, Duration::from_secs(2))).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let lock_record = format!("SELECT token FROM `{prefix}_records` WHERE id = ? FOR UPDATE");
+    let foreign_outcome = sqlx::query(&lock_record).bind(r.id.as_bytes().as_slice()).fetch_optional(&mut *tx).await;
+    // Whichever side InnoDB chose, the foreign transaction ends here.
+    let _ = tx.rollback().await;
+    match claim.await.expect("task").expect("the claim succeeds despite the deadlock") {
+        ClaimOutcome::Claimed(new) => assert!(new.token > r.token),
+        other => panic!("expected a new generation, got {other:?}"),
+    }
+    assert_eq!(
+        store.journal_get(r.id, "step").await.expect("journal_get"),
+        None,
+        "the new generation's journal is empty"
+    );
+    // The foreign transaction got the record's lock only if the claim, blocked on the
+    // journal until then, was rolled back as the victim: then the claim above succeeded on
+    // a second run. (If the foreign one was the victim, the claim never had to retry.)
+    if let Err(e) = foreign_outcome {
+        eprintln!("the foreign transaction was the victim: {e}");
+    }
+    common::execute(&mut foreign, &format!("DROP TABLE {scratch}")).await;
+}
