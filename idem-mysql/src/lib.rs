@@ -30,6 +30,10 @@
 //! assigned, and its affected-rows count depends on the client's `CLIENT_FOUND_ROWS`
 //! flag: correct forms exist but are fragile; the locking read is plain to check.
 //!
+//! The journal of resumable handlers lives in `<prefix>_journal`, whose foreign key
+//! cascades the sweep of a record to its entries; every journal write holds the record's
+//! row lock and checks the fencing token on the locked row first.
+//!
 //! # Isolation
 //! READ COMMITTED, pinned by [`MySqlStore::connect`] on each session it opens
 //! (`SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED`, [`pin_read_committed`]);

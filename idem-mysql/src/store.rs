@@ -22,13 +22,14 @@ use crate::config::Config;
 use crate::error::{Error, code, is_session_lost, is_transient_lock, number};
 use crate::sql::{SERVER_NOW_MS, Statements, record_at, token_param, validate_prefix};
 
-/// An idempotency [`Store`] in one MySQL 8 or MariaDB 10.11 (InnoDB) table, on a
-/// `sqlx::MySqlPool`. Cheap to clone (shares the pool).
+/// An idempotency [`Store`] in MySQL 8 or MariaDB 10.11 (InnoDB): a records table and a
+/// journal table, on a `sqlx::MySqlPool`. Cheap to clone (shares the pool).
 ///
-/// Every operation is one short transaction at READ COMMITTED: a locking read of the
+/// Every write is one short transaction at READ COMMITTED: a locking read of the
 /// record's row (`SELECT ... FOR UPDATE`), the store's `now`, the pure rule of
-/// [`idem_core::transition`], and at most one write (`INSERT` of a new row, or `UPDATE` of
-/// the locked one). Why that is atomic, and what happens when two claims race for an id
+/// [`idem_core::transition`], and at most one record write (`INSERT` of a new row, or
+/// `UPDATE` of the locked one; a claim replacing an expired generation also deletes its
+/// journal entries). Reads (`get`, `list`, `journal_get`) are single consistent reads. Why that is atomic, and what happens when two claims race for an id
 /// nobody holds yet, is in the crate docs (`# Why the claim is atomic`). No transaction is
 /// held open across the handler; a call holds a pooled connection for its transaction
 /// only. A transaction rolled back by a deadlock (1213) or a lock-wait timeout (1205), or a
