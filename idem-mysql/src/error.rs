@@ -95,6 +95,14 @@ pub enum Error {
         /// What was being done.
         operation: &'static str,
     },
+    /// A journal entry name outside 1..=[`idem_core::store::MAX_JOURNAL_NAME`] bytes,
+    /// refused before anything is sent: a server outside strict SQL mode would otherwise
+    /// truncate a long name silently, and two names could meet as one entry.
+    #[error("journal entry names are 1 to 255 bytes, not {len}")]
+    InvalidJournalName {
+        /// The name's length in bytes.
+        len: usize,
+    },
     /// The pool handed to [`crate::MySqlStore::from_pool`] runs its sessions above READ
     /// COMMITTED. Under REPEATABLE READ a locking read of an absent id takes a gap lock, so
     /// claims of unrelated keys that fall in one gap block each other and deadlock; the
@@ -126,6 +134,7 @@ impl Error {
             | Error::InvalidUrl(_)
             | Error::SchemaTooNew { .. }
             | Error::NotMigrated { .. }
+            | Error::InvalidJournalName { .. }
             | Error::IsolationNotSupported { .. } => false,
         }
     }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::codec::encode_response;
+use idem_core::store::MAX_JOURNAL_NAME;
 use idem_core::transition::{self, ClaimOutcome, ClaimRequest, ReclaimOutcome, ReclaimRequest};
 use idem_core::{
     Capabilities, Clock, FencingToken, JournalWrite, ListFilter, Listing, Receipt, Record, RecordId, Store, StoreError,
@@ -495,6 +496,9 @@ impl Store for MySqlStore {
         value: Vec<u8>,
         overwrite: bool,
     ) -> Result<JournalWrite, StoreError> {
+        if name.is_empty() || name.len() > MAX_JOURNAL_NAME {
+            return Err(Error::InvalidJournalName { len: name.len() }.into());
+        }
         Ok(in_transaction!(self, "writing a journal entry", |conn| async {
             let current = self.lock(conn, id).await?;
             let now = self.now(conn).await?;

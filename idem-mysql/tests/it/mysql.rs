@@ -644,3 +644,39 @@ async fn a_claim_caught_in_a_deadlock_still_claims() {
     }
     common::execute(&mut foreign, &format!("DROP TABLE {scratch}")).await;
 }
+
+#[tokio::test]
+async fn journal_names_outside_1_to_255_bytes_are_refused_before_the_server() {
+    let store = common::fresh_store(Some(clock()), 2).await;
+    let r = must_claim(&store, req("journal-names")).await;
+    for name in [String::new(), "n".repeat(256), "é".repeat(128)] {
+        let err = store.journal_put(r.id, r.token, &name, b"v".to_vec(), false).await.expect_err("refused");
+        assert!(!err.is_retryable());
+        assert!(matches!(ours(&err), Error::InvalidJournalName { len } if *len == name.len()), "{err:?}");
+    }
+    let longest = "n".repeat(255);
+    store.journal_put(r.id, r.token, &longest, b"v".to_vec(), false).await.expect("255 bytes is allowed");
+    assert_eq!(store.journal_get(r.id, &longest).await.expect("get"), Some(b"v".to_vec()));
+    // A name that differs only past byte 255 could not have been stored: nothing is there.
+    assert_eq!(store.journal_get(r.id, &"n".repeat(256)).await.expect("get"), None);
+}
+
+#[tokio::test]
+async fn journal_entries_go_with_their_generation_and_their_swept_record() {
+    let clock = clock();
+    let store = common::fresh_store(Some(clock.clone()), 2).await;
+    let short = Duration::from_secs(1);
+    let r = must_claim(&store, claim_req("p", "journal-gen", short, Duration::from_secs(2))).await;
+    store.journal_put(r.id, r.token, "step", b"one".to_vec(), false).await.expect("put");
+    clock.advance(Duration::from_secs(10));
+    let next = must_claim(&store, claim_req("p", "journal-gen", short, Duration::from_secs(2))).await;
+    assert_eq!(store.journal_get(next.id, "step").await.expect("get"), None, "a new generation starts empty");
+    store.journal_put(next.id, next.token, "step", b"two".to_vec(), false).await.expect("put");
+    clock.advance(Duration::from_secs(10));
+    assert_eq!(store.sweep(10).await.expect("sweep").removed, 1);
+    let n: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM `{}_journal`", store.0.guard.name))
+        .fetch_one(store.0.inner.pool())
+        .await
+        .expect("count");
+    assert_eq!(n, 0, "the sweep took the record's entries with it");
+}
