@@ -680,3 +680,18 @@ async fn journal_entries_go_with_their_generation_and_their_swept_record() {
         .expect("count");
     assert_eq!(n, 0, "the sweep took the record's entries with it");
 }
+
+#[tokio::test]
+async fn keys_longer_than_the_default_limit_round_trip() {
+    // The application may raise the key limit (`IdempotencyKey::parse_with_limit`); the
+    // column has no length of its own.
+    let store = common::fresh_store(Some(clock()), 2).await;
+    let long = "k".repeat(4096);
+    let key = IdempotencyKey::parse_with_limit(long.as_bytes(), 8192).expect("key");
+    let scope = Scope::new("tenant-a", Endpoint::new("POST", "/v1/long")).expect("principal");
+    let claim =
+        ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"{}"), Duration::from_secs(30), Duration::from_secs(60));
+    let r = must_claim(&store, claim).await;
+    assert_eq!(r.key.as_str().len(), 4096);
+    assert_eq!(store.get(r.id).await.expect("get"), Some(r));
+}
