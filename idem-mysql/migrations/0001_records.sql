@@ -10,10 +10,8 @@ CREATE TABLE IF NOT EXISTS `{prefix}_records` (
     -- UTF-8 bytes; binary so that any string round-trips whatever the table's charset.
     principal        LONGBLOB       NOT NULL,
     endpoint         LONGBLOB       NOT NULL,
-    -- The idempotency key: visible ASCII, 255 bytes by default but the application sets
-    -- the limit, so no length here (a server outside strict mode would truncate). `key` is
-    -- a reserved word.
-    idem_key         LONGBLOB       NOT NULL,
+    -- The idempotency key: visible ASCII, at most 255 bytes. `key` is a reserved word.
+    idem_key         VARBINARY(255) NOT NULL,
     fingerprint      BINARY(32)     NOT NULL,
     state            VARCHAR(16)    CHARACTER SET ascii NOT NULL,
     -- Fencing token: grows by one on every claim of the record.

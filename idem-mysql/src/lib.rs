@@ -65,7 +65,8 @@
 //!   the statements, and row decoding.
 //! - `src/config.rs`: [`Config`].
 //! - `src/error.rs`: [`Error`] and which failures are retryable.
-//! - `migrations/*.sql`: the schema, one file per version (records; the journal).
+//! - `migrations/*.sql`: the schema, one file per version (records; the journal; the key
+//!   column's length).
 //! - `tests/it/`: the integration tests (feature `live-tests`), one module per area.
 
 mod config;

@@ -54,6 +54,7 @@ impl Migration {
 pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 1, name: "records", sql: include_str!("../migrations/0001_records.sql") },
     Migration { version: 2, name: "journal", sql: include_str!("../migrations/0002_journal.sql") },
+    Migration { version: 3, name: "key_length", sql: include_str!("../migrations/0003_key_length.sql") },
 ];
 
 /// The version this build's statements need: the last of [`MIGRATIONS`].
@@ -383,7 +384,7 @@ mod tests {
             assert_eq!(m.version(), i32::try_from(i + 1).unwrap());
             assert!(m.sql.contains("{prefix}"));
         }
-        assert_eq!(KNOWN_VERSION, 2);
+        assert_eq!(KNOWN_VERSION, 3);
         assert!(MIGRATIONS[1].sql_for("idem").contains("REFERENCES `idem_records` (id) ON DELETE CASCADE"));
         assert_eq!(MIGRATIONS[0].name(), "records");
         let sql = MIGRATIONS[0].sql_for("idem");

@@ -154,7 +154,7 @@ async fn without_auto_migration_fresh_tables_are_not_migrated() {
     let guard = PrefixGuard::fresh().await;
     let config = common::config(&guard.name, None, 2).with_auto_migrate(false);
     let err = MySqlStore::connect(&common::url(), config).await.expect_err("not migrated");
-    assert!(matches!(err, Error::NotMigrated { found: 0, known: 2, .. }), "{err:?}");
+    assert!(matches!(err, Error::NotMigrated { found: 0, known: 3, .. }), "{err:?}");
     assert!(!err.is_retryable());
     assert!(err.to_string().contains("MySqlStore::migrate("), "{err}");
 }
@@ -178,7 +178,7 @@ async fn tables_migrated_by_a_newer_build_are_refused() {
     for auto in [true, false] {
         let config = common::config(&guard.name, None, 2).with_auto_migrate(auto);
         let err = MySqlStore::connect(&common::url(), config).await.expect_err("too new");
-        assert!(matches!(err, Error::SchemaTooNew { found: 99, known: 2, .. }), "{err:?}");
+        assert!(matches!(err, Error::SchemaTooNew { found: 99, known: 3, .. }), "{err:?}");
     }
 }
 
@@ -693,5 +693,31 @@ async fn keys_longer_than_the_default_limit_round_trip() {
         ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"{}"), Duration::from_secs(30), Duration::from_secs(60));
     let r = must_claim(&store, claim).await;
     assert_eq!(r.key.as_str().len(), 4096);
+    assert_eq!(store.get(r.id).await.expect("get"), Some(r));
+}
+
+#[tokio::test]
+async fn tables_at_migration_1_are_upgraded_in_place() {
+    let pool = common::pool(2, true).await;
+    let guard = PrefixGuard::fresh().await;
+    let prefix = &guard.name;
+    // What a build shipping only migration 1 left behind.
+    sqlx::Executor::execute(&pool, sqlx::raw_sql(&MIGRATIONS[0].sql_for(prefix))).await.expect("v1");
+    let bookkeeping = format!(
+        "CREATE TABLE `{prefix}_schema_migrations` (version INT NOT NULL PRIMARY KEY, name VARCHAR(64) NOT NULL,
+         applied_at TIMESTAMP(3) NOT NULL DEFAULT CURRENT_TIMESTAMP(3)) ENGINE = InnoDB"
+    );
+    sqlx::query(&bookkeeping).execute(&pool).await.expect("bookkeeping");
+    let record = format!("INSERT INTO `{prefix}_schema_migrations` (version, name) VALUES (1, 'records')");
+    sqlx::query(&record).execute(&pool).await.expect("v1 row");
+    let config = common::config(prefix, Some(clock()), 2);
+    assert_eq!(MySqlStore::migrate(&pool, &config).await.expect("upgrade"), MIGRATIONS.len() - 1);
+    let store = MySqlStore::from_pool(pool, config).await.expect("store");
+    let long = "k".repeat(1000);
+    let key = IdempotencyKey::parse_with_limit(long.as_bytes(), 2048).expect("key");
+    let scope = Scope::new("tenant-a", Endpoint::new("POST", "/v1/upgraded")).expect("principal");
+    let claim =
+        ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"{}"), Duration::from_secs(30), Duration::from_secs(60));
+    let r = must_claim(&store, claim).await;
     assert_eq!(store.get(r.id).await.expect("get"), Some(r));
 }
