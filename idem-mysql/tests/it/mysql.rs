@@ -1,0 +1,499 @@
+//! MySQL-specific behaviour beyond the shared suite: the isolation level pinned and
+//! checked, migrations and their version checks, table prefixes, bad input as typed
+//! errors, a missing table, corrupt rows, races on one key and on many new keys, the
+//! server's clock, and the sweep through the shared `Sweeper`.
+//! Runs against the real server at `IDEM_MYSQL_URL`, each test on its own tables.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{
+    ClaimOutcome, ClaimRequest, Clock as _, Endpoint, Fingerprint, IdempotencyKey, ManualClock, Record, RecordState,
+    Scope, Store, StoreError, StoredResponse, SweepConfig, Sweeper, SystemClock, UnixMillis,
+};
+use idem_mysql::sqlx::{self, Connection as _};
+use idem_mysql::{Config, Error, MIGRATIONS, MySqlStore};
+
+use crate::common::{self, PrefixGuard};
+
+fn claim_req(principal: &str, key: &str, lease: Duration, retention: Duration) -> ClaimRequest {
+    let scope = Scope::new(principal, Endpoint::new("POST", "/v1/workers")).expect("principal");
+    let key = IdempotencyKey::parse(key.as_bytes()).expect("key");
+    ClaimRequest::new(scope, key, Fingerprint::of_bytes(b"{}"), lease, retention)
+}
+
+fn req(key: &str) -> ClaimRequest {
+    claim_req("tenant-a", key, Duration::from_secs(30), Duration::from_secs(3600))
+}
+
+async fn must_claim(store: &impl Store, req: ClaimRequest) -> Record {
+    match store.claim(req).await.expect("claim") {
+        ClaimOutcome::Claimed(r) => r,
+        other => panic!("expected Claimed, got {other:?}"),
+    }
+}
+
+fn response() -> StoredResponse {
+    StoredResponse::new(201, vec![("location".into(), b"/v1/workers/42".to_vec())], b"{\"id\":42}".to_vec())
+}
+
+fn clock() -> ManualClock {
+    ManualClock::new(UnixMillis(1_800_000_000_000))
+}
+
+/// The store's own error out of a `StoreError::Unavailable`.
+fn ours(e: &StoreError) -> &Error {
+    std::error::Error::source(e).and_then(|s| s.downcast_ref::<Error>()).expect("idem_mysql::Error as source")
+}
+
+async fn isolation_of(pool: &sqlx::MySqlPool) -> String {
+    let mut conn = pool.acquire().await.expect("connection");
+    match sqlx::query_scalar::<_, String>("SELECT @@session.tx_isolation").fetch_one(&mut *conn).await {
+        Ok(level) => level,
+        // MySQL 8 knows only the new name.
+        Err(_) => {
+            sqlx::query_scalar("SELECT @@session.transaction_isolation").fetch_one(&mut *conn).await.expect("level")
+        }
+    }
+}
+
+#[tokio::test]
+async fn connect_pins_read_committed_on_every_session() {
+    let store = common::fresh_store(None, 3).await;
+    let pool = store.0.inner.pool().clone();
+    // Several sessions at once, so more than the first connection is looked at.
+    let conns = futures_like_join(&pool, 3).await;
+    for mut c in conns {
+        let level: String = match sqlx::query_scalar("SELECT @@session.tx_isolation").fetch_one(&mut *c).await {
+            Ok(l) => l,
+            Err(_) => sqlx::query_scalar("SELECT @@session.transaction_isolation").fetch_one(&mut *c).await.unwrap(),
+        };
+        assert_eq!(level, "READ-COMMITTED");
+    }
+}
+
+async fn futures_like_join(pool: &sqlx::MySqlPool, n: usize) -> Vec<sqlx::pool::PoolConnection<sqlx::MySql>> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        out.push(pool.acquire().await.expect("connection"));
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_pool_at_the_default_level_is_refused_with_a_typed_error() {
+    let pool = common::pool(2, false).await;
+    let level = isolation_of(&pool).await;
+    assert_ne!(level, "READ-COMMITTED", "the test needs a server whose default is not READ COMMITTED");
+    let guard = PrefixGuard::fresh().await;
+    let err = MySqlStore::from_pool(pool, common::config(&guard.name, None, 2)).await.expect_err("refused");
+    match &err {
+        Error::IsolationNotSupported { level: got } => assert_eq!(got, &level),
+        other => panic!("expected IsolationNotSupported, got {other:?}"),
+    }
+    assert!(!err.is_retryable());
+}
+
+#[tokio::test]
+async fn a_refused_pool_creates_no_tables() {
+    let pool = common::pool(1, false).await;
+    let guard = PrefixGuard::fresh().await;
+    assert!(MySqlStore::from_pool(pool.clone(), common::config(&guard.name, None, 1)).await.is_err());
+    let n: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name LIKE ?",
+    )
+    .bind(format!("{}%", guard.name))
+    .fetch_one(&pool)
+    .await
+    .expect("count");
+    assert_eq!(n, 0);
+}
+
+#[tokio::test]
+async fn a_pool_pinned_to_read_committed_is_accepted() {
+    let pool = common::pool(2, true).await;
+    let guard = PrefixGuard::fresh().await;
+    let store = MySqlStore::from_pool(pool, common::config(&guard.name, Some(clock()), 2)).await.expect("store");
+    let r = must_claim(&store, req("from-pool")).await;
+    assert_eq!(r.state, RecordState::InFlight);
+}
+
+#[tokio::test]
+async fn migrate_applies_once_and_then_nothing() {
+    let pool = common::pool(2, true).await;
+    let guard = PrefixGuard::fresh().await;
+    let config = common::config(&guard.name, None, 2);
+    assert_eq!(MySqlStore::migrate(&pool, &config).await.expect("migrate"), MIGRATIONS.len());
+    assert_eq!(MySqlStore::migrate(&pool, &config).await.expect("again"), 0);
+}
+
+#[tokio::test]
+async fn concurrent_migrations_apply_each_version_once() {
+    let pool = common::pool(8, true).await;
+    let guard = PrefixGuard::fresh().await;
+    let config = common::config(&guard.name, None, 2);
+    let mut tasks = Vec::new();
+    for _ in 0..6 {
+        let (pool, config) = (pool.clone(), config.clone());
+        tasks.push(tokio::spawn(async move { MySqlStore::migrate(&pool, &config).await }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.expect("task").expect("migrate");
+    }
+    assert_eq!(total, MIGRATIONS.len());
+    let rows: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM `{}_schema_migrations`", guard.name))
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(rows, i64::try_from(MIGRATIONS.len()).unwrap());
+}
+
+#[tokio::test]
+async fn without_auto_migration_fresh_tables_are_not_migrated() {
+    let guard = PrefixGuard::fresh().await;
+    let config = common::config(&guard.name, None, 2).with_auto_migrate(false);
+    let err = MySqlStore::connect(&common::url(), config).await.expect_err("not migrated");
+    assert!(matches!(err, Error::NotMigrated { found: 0, known: 1, .. }), "{err:?}");
+    assert!(!err.is_retryable());
+    assert!(err.to_string().contains("MySqlStore::migrate("), "{err}");
+}
+
+#[tokio::test]
+async fn without_auto_migration_migrated_tables_are_used() {
+    let pool = common::pool(2, true).await;
+    let guard = PrefixGuard::fresh().await;
+    MySqlStore::migrate(&pool, &common::config(&guard.name, None, 2)).await.expect("migrate");
+    let config = common::config(&guard.name, Some(clock()), 2).with_auto_migrate(false);
+    let store = MySqlStore::from_pool(pool, config).await.expect("store");
+    must_claim(&store, req("deployed")).await;
+}
+
+#[tokio::test]
+async fn tables_migrated_by_a_newer_build_are_refused() {
+    let guard = PrefixGuard::fresh().await;
+    let store = common::connect(&guard.name, None, 2).await;
+    let sql = format!("INSERT INTO `{}_schema_migrations` (version, name) VALUES (99, 'future')", guard.name);
+    sqlx::query(&sql).execute(store.pool()).await.expect("insert");
+    for auto in [true, false] {
+        let config = common::config(&guard.name, None, 2).with_auto_migrate(auto);
+        let err = MySqlStore::connect(&common::url(), config).await.expect_err("too new");
+        assert!(matches!(err, Error::SchemaTooNew { found: 99, known: 1, .. }), "{err:?}");
+    }
+}
+
+#[tokio::test]
+async fn the_migration_creates_the_expiry_index() {
+    let store = common::fresh_store(None, 2).await;
+    let prefix = &store.0.guard.name;
+    let columns: Vec<String> = sqlx::query_scalar(
+        "SELECT CAST(column_name AS CHAR) FROM information_schema.statistics
+         WHERE table_schema = DATABASE() AND table_name = ? AND index_name = ?",
+    )
+    .bind(format!("{prefix}_records"))
+    .bind(format!("{prefix}_records_expires_at"))
+    .fetch_all(store.0.inner.pool())
+    .await
+    .expect("statistics");
+    assert_eq!(columns, ["expires_at"]);
+}
+
+#[tokio::test]
+async fn a_migration_can_be_run_again_after_a_crash_before_its_bookkeeping_row() {
+    let pool = common::pool(2, true).await;
+    let guard = PrefixGuard::fresh().await;
+    // The DDL ran, the process died before recording it.
+    sqlx::Executor::execute(&pool, sqlx::raw_sql(&MIGRATIONS[0].sql_for(&guard.name))).await.expect("ddl");
+    let config = common::config(&guard.name, Some(clock()), 2);
+    assert_eq!(MySqlStore::migrate(&pool, &config).await.expect("migrate"), 1);
+    let store = MySqlStore::from_pool(pool, config).await.expect("store");
+    must_claim(&store, req("after-crash")).await;
+}
+
+#[tokio::test]
+async fn bad_prefixes_are_typed_errors_before_any_connection() {
+    for bad in ["", "Idem", "1a", "a-b", "a`b", "a b", "x;drop table t", "é", &"a".repeat(41)] {
+        // Port 9 (discard) on loopback: nothing must be tried before the name is checked.
+        let config = Config::default().with_table_prefix(bad);
+        let err = MySqlStore::connect("mysql://root@127.0.0.1:9/test", config.clone()).await.expect_err(bad);
+        assert!(matches!(err, Error::InvalidPrefix { .. }), "{bad}: {err:?}");
+        let pool = sqlx::mysql::MySqlPoolOptions::new().connect_lazy("mysql://root@127.0.0.1:9/test").expect("lazy");
+        let err = MySqlStore::migrate(&pool, &config).await.expect_err(bad);
+        assert!(matches!(err, Error::InvalidPrefix { .. }), "{bad}: {err:?}");
+        let err = MySqlStore::from_pool(pool, config).await.expect_err(bad);
+        assert!(matches!(err, Error::InvalidPrefix { .. }), "{bad}: {err:?}");
+    }
+}
+
+#[tokio::test]
+async fn bad_urls_are_typed_errors() {
+    for bad in ["not a url", "mysql://root@127.0.0.1/test?ssl-mode=nonsense", "mysql://root@127.0.0.1:notaport/test"] {
+        let err = MySqlStore::connect(bad, Config::default()).await.expect_err(bad);
+        assert!(matches!(err, Error::InvalidUrl(_)), "{bad}: {err:?}");
+        assert!(!err.is_retryable());
+    }
+}
+
+#[tokio::test]
+async fn a_server_that_is_not_there_is_a_retryable_connection_error() {
+    let config = Config::default().with_acquire_timeout(Duration::from_millis(300));
+    // Port 1 on loopback: nothing listens there.
+    let err = MySqlStore::connect("mysql://root@127.0.0.1:1/test", config).await.expect_err("down");
+    assert!(matches!(err, Error::Connection { .. }), "{err:?}");
+    assert!(err.is_retryable());
+}
+
+#[tokio::test]
+async fn a_missing_table_says_to_migrate() {
+    let store = common::fresh_store(Some(clock()), 2).await;
+    let prefix = store.0.guard.name.clone();
+    sqlx::query(&format!("DROP TABLE `{prefix}_records`")).execute(store.0.inner.pool()).await.expect("drop");
+    let err = store.claim(req("gone")).await.expect_err("no table");
+    assert!(!err.is_retryable());
+    assert!(err.to_string().contains("MySqlStore::migrate"), "{err}");
+    assert!(matches!(ours(&err), Error::MySql { .. }));
+    assert!(store.get(req("gone").id()).await.is_err());
+    assert!(store.sweep(10).await.is_err());
+}
+
+async fn corrupt_with(set: &str) -> StoreError {
+    let store = common::fresh_store(Some(clock()), 2).await;
+    let r = must_claim(&store, req("corrupt")).await;
+    store.complete(r.id, r.token, response()).await.expect("complete");
+    let sql = format!("UPDATE `{}_records` SET {set} WHERE id = ?", store.0.guard.name);
+    sqlx::query(&sql).bind(r.id.as_bytes().as_slice()).execute(store.0.inner.pool()).await.expect("spoil");
+    let err = store.get(r.id).await.expect_err("corrupt");
+    // A claim of the same key meets the same row and must not replace or replay it.
+    let claimed = store.claim(req("corrupt")).await.expect_err("corrupt");
+    assert!(matches!(claimed, StoreError::Corrupt { .. }), "{claimed:?}");
+    err
+}
+
+#[tokio::test]
+async fn a_response_that_does_not_decode_is_corrupt() {
+    let err = corrupt_with("response = x'ff00'").await;
+    assert!(matches!(err, StoreError::Corrupt { .. }), "{err:?}");
+}
+
+#[tokio::test]
+async fn a_key_moved_to_another_row_is_corrupt() {
+    let err = corrupt_with("idem_key = 'another-key'").await;
+    assert!(matches!(err, StoreError::Corrupt { .. }), "{err:?}");
+    assert!(err.to_string().contains("another record") || format!("{err:?}").contains("another record"), "{err:?}");
+}
+
+#[tokio::test]
+async fn a_principal_that_is_not_utf8_is_corrupt() {
+    let err = corrupt_with("principal = x'c3'").await;
+    assert!(matches!(err, StoreError::Corrupt { .. }), "{err:?}");
+}
+
+#[tokio::test]
+async fn a_negative_token_is_corrupt() {
+    // The CHECK constraint refuses it on both servers; a table without it (an older MySQL
+    // that parses and ignores CHECK) would reach the decoder, which refuses it too.
+    let store = common::fresh_store(Some(clock()), 2).await;
+    let r = must_claim(&store, req("negative")).await;
+    let sql = format!("UPDATE `{}_records` SET token = -5 WHERE id = ?", store.0.guard.name);
+    let res = sqlx::query(&sql).bind(r.id.as_bytes().as_slice()).execute(store.0.inner.pool()).await;
+    if res.is_ok() {
+        assert!(matches!(store.get(r.id).await, Err(StoreError::Corrupt { .. })));
+    }
+}
+
+#[tokio::test]
+async fn the_state_check_constraint_holds() {
+    let store = common::fresh_store(Some(clock()), 2).await;
+    let r = must_claim(&store, req("state")).await;
+    let sql = format!("UPDATE `{}_records` SET state = 'bogus' WHERE id = ?", store.0.guard.name);
+    let res = sqlx::query(&sql).bind(r.id.as_bytes().as_slice()).execute(store.0.inner.pool()).await;
+    assert!(res.is_err(), "CHECK (state IN ...) refuses an unknown state");
+    assert_eq!(store.get(r.id).await.expect("get").expect("live").state, RecordState::InFlight);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn thirty_two_claims_of_one_new_key_make_one_owner() {
+    for round in 0..3 {
+        let store = Arc::new(common::fresh_store(Some(clock()), 8).await);
+        let mut tasks = Vec::new();
+        for _ in 0..32 {
+            let store = Arc::clone(&store);
+            tasks.push(tokio::spawn(async move { store.claim(req(&format!("race-{round}"))).await }));
+        }
+        let (mut claimed, mut existing) = (Vec::new(), Vec::new());
+        for t in tasks {
+            match t.await.expect("task").expect("claim") {
+                ClaimOutcome::Claimed(r) => claimed.push(r),
+                ClaimOutcome::Existing { record, .. } => existing.push(record),
+            }
+        }
+        assert_eq!(claimed.len(), 1, "exactly one owner");
+        assert!(existing.iter().all(|r| r.token == claimed[0].token), "everyone else sees the owner's claim");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn thirty_two_claims_of_one_expired_key_make_one_new_generation() {
+    let clock = clock();
+    let store = Arc::new(common::fresh_store(Some(clock.clone()), 8).await);
+    let first = must_claim(&*store, req("expired-race")).await;
+    clock.advance(Duration::from_secs(7200));
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move { store.claim(req("expired-race")).await }));
+    }
+    let mut winners = Vec::new();
+    for t in tasks {
+        if let ClaimOutcome::Claimed(r) = t.await.expect("task").expect("claim") {
+            winners.push(r);
+        }
+    }
+    assert_eq!(winners.len(), 1, "one new generation");
+    assert!(winners[0].token > first.token, "the new generation's token is above the old one");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_claims_of_many_new_keys_all_succeed() {
+    let store = Arc::new(common::fresh_store(Some(clock()), 8).await);
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move { store.claim(req(&format!("many-{i}"))).await }));
+    }
+    for t in tasks {
+        assert!(matches!(t.await.expect("task").expect("claim"), ClaimOutcome::Claimed(_)));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn racing_completes_with_one_token_write_once_and_the_rest_lose_nothing() {
+    let store = Arc::new(common::fresh_store(Some(clock()), 8).await);
+    let r = must_claim(&*store, req("complete-race")).await;
+    let mut tasks = Vec::new();
+    for i in 0..16u16 {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move {
+            store.complete(r.id, r.token, StoredResponse::new(200 + i, vec![], vec![])).await
+        }));
+    }
+    let mut ok = 0;
+    for t in tasks {
+        match t.await.expect("task") {
+            Ok(_) => ok += 1,
+            Err(StoreError::LeaseLost { .. }) => {}
+            Err(e) => panic!("unexpected {e:?}"),
+        }
+    }
+    assert_eq!(ok, 1, "one completion wins the compare-and-set");
+    assert_eq!(store.get(r.id).await.expect("get").expect("live").state, RecordState::Completed);
+}
+
+#[tokio::test]
+async fn the_server_clock_is_utc_milliseconds() {
+    let store = common::fresh_store(None, 2).await;
+    let before = SystemClock.now().0;
+    let r = must_claim(&store, req("server-clock")).await;
+    let after = SystemClock.now().0;
+    // The server runs on this machine (or one synchronised with it): within a few seconds.
+    assert!(r.created_at.0 > before - 5_000 && r.created_at.0 < after + 5_000, "{r:?} vs {before}..{after}");
+    assert_eq!(r.lease_expires_at.0 - r.created_at.0, 30_000);
+    assert_eq!(r.expires_at.0 - r.created_at.0, 3_600_000);
+}
+
+#[tokio::test]
+async fn the_server_clock_does_not_depend_on_the_session_time_zone() {
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                idem_mysql::pin_read_committed(conn).await?;
+                sqlx::Executor::execute(conn, sqlx::raw_sql("SET time_zone = '+09:30'")).await.map(drop)
+            })
+        })
+        .connect(&common::url())
+        .await
+        .unwrap_or_else(|e| common::unreachable(&e));
+    let guard = PrefixGuard::fresh().await;
+    let store = MySqlStore::from_pool(pool, common::config(&guard.name, None, 1)).await.expect("store");
+    let now = SystemClock.now().0;
+    let r = must_claim(&store, req("time-zone")).await;
+    assert!((r.created_at.0 - now).abs() < 5_000, "{} vs {now}", r.created_at.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shared_sweeper_removes_expired_records_only() {
+    let clock = clock();
+    let store = common::fresh_store(Some(clock.clone()), 2).await;
+    let short = Duration::from_secs(10);
+    for i in 0..5 {
+        must_claim(&store, claim_req("p", &format!("old-{i}"), short, short)).await;
+    }
+    let live = must_claim(&store, claim_req("p", "live", Duration::from_secs(5), Duration::from_secs(3_600))).await;
+    clock.advance(Duration::from_secs(11));
+    let sweeper = Sweeper::start(
+        Arc::new(store.clone()),
+        SweepConfig::default().with_period(Duration::from_millis(10)).with_batch(2),
+    );
+    let count_sql = format!("SELECT COUNT(*) FROM `{}_records`", store.0.guard.name);
+    let pool = store.0.inner.pool().clone();
+    let emptied = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let n: i64 = sqlx::query_scalar(&count_sql).fetch_one(&pool).await.expect("count");
+            if n == 1 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    sweeper.stop().await;
+    emptied.expect("the sweeper removed the five expired records");
+    assert_eq!(store.get(live.id).await.expect("get"), Some(live));
+}
+
+#[tokio::test]
+async fn sweep_reports_more_when_the_batch_is_full() {
+    let clock = clock();
+    let store = common::fresh_store(Some(clock.clone()), 2).await;
+    for i in 0..5 {
+        must_claim(&store, claim_req("t", &format!("k{i}"), Duration::from_secs(1), Duration::from_secs(2))).await;
+    }
+    clock.advance(Duration::from_secs(10));
+    let first = store.sweep(3).await.expect("sweep");
+    assert_eq!((first.removed, first.more), (3, true));
+    let second = store.sweep(3).await.expect("sweep");
+    assert_eq!((second.removed, second.more), (2, false));
+    let third = store.sweep(3).await.expect("sweep");
+    assert_eq!((third.removed, third.more), (0, false));
+}
+
+#[tokio::test]
+async fn stores_on_different_prefixes_do_not_see_each_other() {
+    let a = common::fresh_store(Some(clock()), 2).await;
+    let b = common::fresh_store(Some(clock()), 2).await;
+    let r = must_claim(&a, req("shared-key")).await;
+    assert!(b.get(r.id).await.expect("get").is_none());
+    must_claim(&b, req("shared-key")).await;
+}
+
+#[tokio::test]
+async fn a_killed_session_is_a_retryable_error_and_the_next_call_works() {
+    let store = common::fresh_store(Some(clock()), 1).await;
+    must_claim(&store, req("before-kill")).await;
+    let id: u64 = {
+        let mut conn = store.0.inner.pool().acquire().await.expect("conn");
+        sqlx::query_scalar("SELECT CONNECTION_ID()").fetch_one(&mut *conn).await.expect("id")
+    };
+    let mut admin = common::raw().await;
+    common::execute(&mut admin, &format!("KILL {id}")).await;
+    let _ = admin.close().await;
+    // The pooled session is dead: at most one retryable failure, then a fresh connection.
+    match store.claim(req("after-kill")).await {
+        Ok(_) => {}
+        Err(e) => {
+            assert!(e.is_retryable(), "{e:?}");
+            must_claim(&store, req("after-kill")).await;
+        }
+    }
+}
