@@ -40,7 +40,7 @@ struct Cli {
         global = true,
         help = "Where the records are: redb:///PATH, sqlite:///PATH, redis://HOST:PORT[/DB][?prefix=P], \
                 redis-cluster://HOST:PORT[,HOST:PORT...][?prefix=P], postgres://USER@HOST/DB[?schema=S], \
-                dynamodb://TABLE[?endpoint=URL&region=R]"
+                mysql://USER@HOST/DB[?prefix=P], dynamodb://TABLE[?endpoint=URL&region=R]"
     )]
     store: Option<String>,
     /// Print one JSON document on stdout instead of text (errors too).

@@ -37,6 +37,14 @@ pub(crate) enum StoreUrl {
         /// The schema holding the records (`idem` unless the deployment changed it).
         schema: Option<String>,
     },
+    /// `mysql://...` or `mariadb://...` with `?prefix=P` taken out (every other parameter is
+    /// the driver's).
+    MySql {
+        /// The driver's URL.
+        url: String,
+        /// The table prefix (`idem` unless the deployment changed it).
+        prefix: Option<String>,
+    },
     /// `dynamodb://TABLE[?endpoint=URL&region=R]`: credentials, and the region unless
     /// given, from the AWS environment.
     DynamoDb {
@@ -55,7 +63,8 @@ pub(crate) enum UrlError {
     /// The scheme is none of the known ones.
     #[error(
         "unknown store URL {0:?}: use redb:///PATH, sqlite:///PATH, redis://HOST:PORT[/DB], \
-         redis-cluster://HOST:PORT[,HOST:PORT...], postgres://USER@HOST/DB, or dynamodb://TABLE"
+         redis-cluster://HOST:PORT[,HOST:PORT...], postgres://USER@HOST/DB, mysql://USER@HOST/DB, \
+         or dynamodb://TABLE"
     )]
     Scheme(String),
     /// Something after the scheme is wrong.
@@ -154,6 +163,13 @@ impl std::str::FromStr for StoreUrl {
                     idem_postgres::validate_schema(schema).map_err(|e| bad(url, e.to_string()))?;
                 }
                 Ok(StoreUrl::Postgres { url: driver_url, schema })
+            }
+            "mysql" | "mariadb" => {
+                let (driver_url, prefix) = take_option(url, url, "prefix")?;
+                if let Some(prefix) = &prefix {
+                    idem_mysql::validate_prefix(prefix).map_err(|e| bad(url, e.to_string()))?;
+                }
+                Ok(StoreUrl::MySql { url: driver_url, prefix })
             }
             "dynamodb" => dynamodb(url, rest),
             _ => Err(UrlError::Scheme(url.to_owned())),
@@ -268,6 +284,15 @@ impl StoreUrl {
                     .map_err(|e| backend("postgres")(e.into()))?;
                 Ok(Arc::new(store))
             }
+            StoreUrl::MySql { url, prefix } => {
+                let mut config = idem_mysql::Config::default().with_auto_migrate(false).with_max_connections(2);
+                if let Some(prefix) = prefix {
+                    config = config.with_table_prefix(prefix);
+                }
+                let store =
+                    idem_mysql::MySqlStore::connect(url, config).await.map_err(|e| backend("mysql")(e.into()))?;
+                Ok(Arc::new(store))
+            }
             #[cfg(not(feature = "dynamodb"))]
             StoreUrl::DynamoDb { .. } => Err(OpenError::Unsupported("dynamodb")),
             #[cfg(feature = "dynamodb")]
@@ -326,6 +351,19 @@ mod tests {
         assert_eq!(parse("redis://h:1"), Ok(StoreUrl::Redis { url: "redis://h:1".into(), prefix: None }));
         assert!(matches!(parse("redis://h:1?prefix=a{b}"), Err(UrlError::Bad { .. })));
         assert!(matches!(parse("redis://"), Err(UrlError::Bad { .. })));
+    }
+
+    #[test]
+    fn mysql_prefix_is_ours_and_checked() {
+        assert_eq!(
+            parse("mysql://root@127.0.0.1:3306/test?prefix=billing&ssl-mode=disabled"),
+            Ok(StoreUrl::MySql {
+                url: "mysql://root@127.0.0.1:3306/test?ssl-mode=disabled".into(),
+                prefix: Some("billing".into())
+            })
+        );
+        assert_eq!(parse("mariadb://u@h/db"), Ok(StoreUrl::MySql { url: "mariadb://u@h/db".into(), prefix: None }));
+        assert!(matches!(parse("mysql://u@h/db?prefix=Bad-Name"), Err(UrlError::Bad { .. })));
     }
 
     #[test]

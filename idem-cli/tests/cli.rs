@@ -415,6 +415,35 @@ async fn postgres_end_to_end() {
     dropper.drop_now().await;
 }
 
+#[cfg(feature = "live-tests")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_end_to_end() {
+    let server = std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    // The MySQL suite's naming (`idem_test_<unix seconds>_...`), so a run that dies before
+    // dropping its tables is cleaned up by that suite's next run.
+    let secs = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_secs();
+    let prefix = format!("idem_test_{secs}_cli{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let url = format!("{server}?prefix={prefix}");
+    let open: Open = {
+        let (server, prefix) = (server.clone(), prefix.clone());
+        Box::new(move || {
+            let (server, prefix) = (server.clone(), prefix.clone());
+            Box::pin(async move {
+                // Creates the tables: the CLI itself never does.
+                let config = idem_mysql::Config::default().with_table_prefix(&prefix);
+                let store = idem_mysql::MySqlStore::connect(&server, config).await.expect("MariaDB on 3306");
+                Arc::new(store) as Arc<dyn Store>
+            })
+        })
+    };
+    operator_story(&url, open, false).await;
+    let store = idem_mysql::MySqlStore::connect(&server, idem_mysql::Config::default().with_table_prefix(&prefix))
+        .await
+        .expect("MariaDB on 3306");
+    let drop = format!("DROP TABLE `{prefix}_records`, `{prefix}_schema_migrations`");
+    idem_mysql::sqlx::raw_sql(&drop).execute(store.pool()).await.expect("drop tables");
+}
+
 #[cfg(all(feature = "live-tests", feature = "dynamodb"))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dynamodb_end_to_end() {

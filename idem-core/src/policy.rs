@@ -46,9 +46,10 @@ pub struct Policy {
     pub max_stored_body: usize,
     /// Bodies longer than this many bytes are stored LZ4-compressed (default 4 KiB).
     pub compress_over: usize,
-    /// Response headers never stored, besides hop-by-hop ones and those a response's
-    /// `Connection` field names (default `set-cookie`, `date`; per-exchange ids such as
-    /// `x-request-id` belong here too). Names compare case-insensitively. Push to it
+    /// Response headers never stored, besides hop-by-hop ones, those a response's
+    /// `Connection` field names, and CORS and rate-limit fields (default `set-cookie`,
+    /// `date`; per-exchange ids such as `x-request-id` belong here too). Names compare
+    /// case-insensitively. Push to it
     /// rather than replace it: a list without `set-cookie` replays one client's session
     /// cookie to whoever retries with the key.
     pub header_deny_list: Vec<String>,
@@ -82,6 +83,13 @@ pub const HOP_BY_HOP: &[&str] = &[
     "content-length",
 ];
 
+/// Prefixes of fields that answer one exchange, not the operation, never stored: CORS
+/// fields (`access-control-*`) follow the request's `Origin`, and rate-limit fields
+/// (`RateLimit`, `RateLimit-Policy`, `X-RateLimit-*`) the caller's quota at that moment.
+/// Set by a layer inside this one and replayed, they would answer another origin, or show
+/// a stale quota, to the next caller.
+const PER_EXCHANGE_PREFIXES: &[&str] = &["access-control-", "ratelimit", "x-ratelimit-"];
+
 impl Policy {
     /// The retention actually applied: never shorter than the lease.
     #[must_use]
@@ -112,7 +120,10 @@ impl Policy {
     /// (RFC 9110 §5.1), so a deny-list entry `X-Request-Id` also denies `x-request-id`.
     #[must_use]
     pub fn stores_header(&self, name: &str) -> bool {
+        let per_exchange =
+            |p: &&str| name.as_bytes().get(..p.len()).is_some_and(|h| h.eq_ignore_ascii_case(p.as_bytes()));
         !HOP_BY_HOP.iter().any(|h| h.eq_ignore_ascii_case(name))
+            && !PER_EXCHANGE_PREFIXES.iter().any(per_exchange)
             && !self.header_deny_list.iter().any(|d| d.eq_ignore_ascii_case(name))
     }
 }
@@ -161,6 +172,16 @@ mod tests {
         assert!(!p.stores_header("transfer-encoding"));
         assert!(p.stores_header("location"));
         assert!(p.stores_header("etag"));
+        for per_exchange in [
+            "Access-Control-Allow-Origin",
+            "access-control-expose-headers",
+            "RateLimit",
+            "ratelimit-policy",
+            "X-RateLimit-Remaining",
+        ] {
+            assert!(!p.stores_header(per_exchange), "{per_exchange}");
+        }
+        assert!(p.stores_header("access") && p.stores_header("rate"));
         // A deny-list entry in another case still denies (a case-sensitive compare denied
         // nothing).
         let mut q = Policy::default();

@@ -67,7 +67,8 @@ where
         // stays behind for the next one (the usual tower pattern for async middleware).
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        // RFC 9110 §9.2.1: safe methods change nothing, so there is nothing to protect.
+        // RFC 9110 §9.2.1 (and RFC 10008 for QUERY, which `http` counts as safe): safe
+        // methods change nothing, so there is nothing to protect.
         if req.method().is_safe() {
             return ResponseFuture::new(Box::pin(pass_through(inner, req)));
         }

@@ -16,6 +16,7 @@
 //! | `redis` | [`redis`]: the shared store on one Redis node (or a one-primary cluster) | `idem-redis` |
 //! | `redis-cluster` | `redis` on a Redis Cluster too (`RedisStore::connect_cluster`) | `idem-redis`, feature `cluster` |
 //! | `postgres` | [`postgres`]: the shared store in a team's database, on a `sqlx::PgPool` | `idem-postgres` |
+//! | `mysql` | [`mysql`]: the shared store in MySQL 8 or MariaDB 10.11, on a `sqlx::MySqlPool` | `idem-mysql` |
 //! | `dynamodb` | [`dynamodb`]: the shared store in one DynamoDB table, on the official AWS SDK | `idem-dynamodb` |
 //! | `client` | [`client`]: one key per operation, retries honouring `Retry-After` | `idem-client` |
 //! | `seal` | sealed stored responses: `IdempotencyLayer::with_sealing`, `Sealing`, `SealingKeys` | `idem-http/seal` |
@@ -46,7 +47,8 @@
 //! - Crate root: the core types ([`Store`], [`StoreError`], [`Policy`], [`MemoryStore`],
 //!   [`Sweeper`], keys, scopes, records) and, with `axum`, the layer and its settings.
 //! - [`core`], [`http`]: the underlying crates whole, for what the root does not name.
-//! - [`redb`], [`sqlite`], [`redis`], [`postgres`], [`dynamodb`]: one module per store.
+//! - [`redb`], [`sqlite`], [`redis`], [`postgres`], [`mysql`], [`dynamodb`]: one module per
+//!   store.
 //! - [`client`]: the client side.
 
 pub use idem_core as core;
@@ -89,6 +91,12 @@ pub mod redis {
 #[cfg(feature = "postgres")]
 pub mod postgres {
     pub use idem_postgres::*;
+}
+
+/// The shared MySQL and MariaDB store (feature `mysql`): see [`idem_mysql`].
+#[cfg(feature = "mysql")]
+pub mod mysql {
+    pub use idem_mysql::*;
 }
 
 /// The shared DynamoDB store (feature `dynamodb`): see [`idem_dynamodb`].

@@ -16,7 +16,7 @@ use crate::app::{Config, router};
 use crate::state::Infra;
 
 /// Where records go: `redb:PATH` (or a bare path ending in `.redb`), `sqlite:PATH`,
-/// `redis://…`, `postgres://…`, `dynamodb://TABLE…` or `memory`.
+/// `redis://…`, `postgres://…`, `mysql://…`, `dynamodb://TABLE…` or `memory`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StoreSpec {
     /// Records in a redb file; infra state in the `--state` redb file. The infra keeps its
@@ -41,6 +41,9 @@ pub enum StoreSpec {
     /// Records in PostgreSQL at this URL (schema `idem`, or `?schema=S`, migrated on start); infra state
     /// in the `--state` redb file.
     Postgres(String),
+    /// Records in MySQL or MariaDB at this URL (tables `idem_*`, or `?prefix=P`, migrated
+    /// on start); infra state in the `--state` redb file.
+    MySql(String),
     /// Records in the DynamoDB table `table` (created when missing), credentials from the
     /// AWS environment; `endpoint` (an emulator) and `region` override the environment's.
     /// Infra state in the `--state` redb file. Spelled `dynamodb://TABLE[?endpoint=URL&region=R]`,
@@ -70,6 +73,8 @@ impl std::str::FromStr for StoreSpec {
             Ok(StoreSpec::Redis(s.to_string()))
         } else if s.starts_with("postgres://") || s.starts_with("postgresql://") {
             Ok(StoreSpec::Postgres(s.to_string()))
+        } else if s.starts_with("mysql://") || s.starts_with("mariadb://") {
+            Ok(StoreSpec::MySql(s.to_string()))
         } else if let Some(rest) = s.strip_prefix("dynamodb://") {
             parse_dynamo(rest)
         } else if let Some(p) = s.strip_prefix("redb:") {
@@ -80,7 +85,7 @@ impl std::str::FromStr for StoreSpec {
             Err(format!(
                 "unknown store {s:?}: use redb:PATH, sqlite:PATH, redis://HOST:PORT, \
                  redis-cluster://HOST:PORT[,HOST:PORT...][?wait=N], postgres://USER@HOST/DB, \
-                 dynamodb://TABLE[?endpoint=URL&region=R] or memory"
+                 mysql://USER@HOST/DB, dynamodb://TABLE[?endpoint=URL&region=R] or memory"
             ))
         }
     }
@@ -199,6 +204,17 @@ pub async fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>
             let store = idem_postgres::PostgresStore::connect(&driver_url, config)
                 .await
                 .map_err(|e| open_err(url.clone(), e))?;
+            Ok((Arc::new(store), infra_file()?))
+        }
+        StoreSpec::MySql(url) => {
+            // Applies the missing migrations before it returns.
+            let (driver_url, prefix) = take_option(url, "prefix");
+            let mut config = idem_mysql::Config::default();
+            if let Some(prefix) = prefix {
+                config = config.with_table_prefix(prefix);
+            }
+            let store =
+                idem_mysql::MySqlStore::connect(&driver_url, config).await.map_err(|e| open_err(url.clone(), e))?;
             Ok((Arc::new(store), infra_file()?))
         }
         StoreSpec::Dynamo { table, endpoint, region } => {

@@ -3,4 +3,5 @@
 
 #[cfg(all(feature = "group-commit", feature = "test-util"))]
 mod group_commit;
+mod key;
 mod resume;

@@ -500,7 +500,7 @@ pub fn app(layer: idem_http::IdempotencyLayer, counter: &Counter, script: &Scrip
         async move { respond(&c, &s, req).await }
     };
     Router::new()
-        .route("/v1/orders", post(handler.clone()).get(handler.clone()))
+        .route("/v1/orders", post(handler.clone()).get(handler.clone()).fallback(handler.clone()))
         .route("/v1/projects", post(handler.clone()))
         .route("/v1/applications", post(handler.clone()))
         .route("/v1/workers/{id}/reboot", post(handler.clone()))

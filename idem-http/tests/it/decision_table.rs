@@ -245,6 +245,9 @@ async fn safe_methods_pass_through_untouched() {
         common::Req::new(http::Method::GET, "/v1/orders").anonymous(),
         // Even an invalid key is none of the layer's business on a safe method.
         common::Req::new(http::Method::GET, "/v1/orders").key(" "),
+        // QUERY (RFC 10008) is safe too: a keyed QUERY runs every time and is never stored.
+        common::Req::new(http::Method::QUERY, "/v1/orders").key("k1").body("{}"),
+        common::Req::new(http::Method::QUERY, "/v1/orders").key("k1").body("{}"),
     ] {
         let got = send(&app, &req).await;
         assert_eq!(got.status, 201);
@@ -252,8 +255,9 @@ async fn safe_methods_pass_through_untouched() {
         assert!(got.header("idempotency-key-expires").is_none());
         assert_eq!(got.header("set-cookie").map(str::to_owned), Some(format!("session={}", n.get())));
     }
-    assert_eq!(n.get(), 4);
+    assert_eq!(n.get(), 6);
     assert!(env.record("tok-p", "GET /v1/orders", "k1").await.is_none());
+    assert!(env.record("tok-p", "QUERY /v1/orders", "k1").await.is_none());
 }
 
 #[tokio::test]

@@ -10,6 +10,7 @@ mod canonical;
 mod common;
 mod completed_by_handler;
 mod completion_outage;
+mod cors;
 mod deadlines;
 mod decision_table;
 mod failure_catalogue;
