@@ -2,8 +2,10 @@
 --
 -- `{prefix}` is replaced by the configured table prefix before this runs. One row per
 -- (record, entry name). Entries live and die with their record generation:
--- - a sweep deletes the record, and the foreign key's ON DELETE CASCADE deletes its
---   entries in the same statement (InnoDB, on MySQL 8 and MariaDB alike);
+-- - a sweep deletes the record's entries and then the record, in one transaction, holding
+--   the record's row lock. No foreign key: it would make the records table impossible to
+--   drop without this one (tools and tests drop `<prefix>_records` on its own), and the
+--   sweep already removes entries with their record;
 -- - a claim that replaces an expired record keeps the row (an UPDATE, not a delete), so
 --   it deletes the old generation's entries itself, in its transaction, under the
 --   record's row lock.
@@ -16,6 +18,5 @@ CREATE TABLE IF NOT EXISTS `{prefix}_journal` (
     name  VARBINARY(255) NOT NULL,
     -- The entry value, byte-exact.
     value LONGBLOB       NOT NULL,
-    PRIMARY KEY (id, name),
-    CONSTRAINT `{prefix}_journal_record` FOREIGN KEY (id) REFERENCES `{prefix}_records` (id) ON DELETE CASCADE
+    PRIMARY KEY (id, name)
 ) ENGINE = InnoDB

@@ -30,8 +30,8 @@
 //! assigned, and its affected-rows count depends on the client's `CLIENT_FOUND_ROWS`
 //! flag: correct forms exist but are fragile; the locking read is plain to check.
 //!
-//! The journal of resumable handlers lives in `<prefix>_journal`, whose foreign key
-//! cascades the sweep of a record to its entries; every journal write holds the record's
+//! The journal of resumable handlers lives in `<prefix>_journal`; a sweep deletes a
+//! record's entries with it, in one transaction; every journal write holds the record's
 //! row lock and checks the fencing token on the locked row first.
 //!
 //! # Isolation
@@ -77,7 +77,7 @@ mod store;
 pub use config::Config;
 pub use error::Error;
 pub use sql::{DEFAULT_PREFIX, MIGRATIONS, Migration, validate_prefix};
-pub use store::{MySqlStore, pin_read_committed};
+pub use store::{MySqlStore, SWEEP_BATCH, pin_read_committed};
 
 /// sqlx, re-exported so callers build their `MySqlPool` and transactions with the same
 /// version.

@@ -239,8 +239,12 @@ pub(crate) struct Statements {
     pub(crate) journal_write: String,
     /// `?` id, `?` name, `?` now: the entry's value if its record is live.
     pub(crate) journal_get: String,
-    /// `?` now, `?` limit: deletes expired records, oldest expiry first.
+    /// `?` now, `?` limit: the ids of expired records, oldest expiry first, locked.
     pub(crate) sweep: String,
+    /// Followed by `(?, ...)`: deletes the journal entries of these records.
+    pub(crate) journal_of: String,
+    /// Followed by `(?, ...)`: deletes these records.
+    pub(crate) records_of: String,
     /// `?` now: whether any expired record is left.
     pub(crate) expired_left: String,
 }
@@ -270,7 +274,9 @@ impl Statements {
                  WHERE r.id = ? AND j.name = ? AND r.expires_at > ?"
             ),
             // Single-table DELETE with ORDER BY and LIMIT: the same on both servers.
-            sweep: format!("DELETE FROM {table} WHERE expires_at <= ? ORDER BY expires_at LIMIT ?"),
+            sweep: format!("SELECT id FROM {table} WHERE expires_at <= ? ORDER BY expires_at LIMIT ? FOR UPDATE"),
+            journal_of: format!("DELETE FROM {journal} WHERE id IN "),
+            records_of: format!("DELETE FROM {table} WHERE id IN "),
             expired_left: format!("SELECT EXISTS (SELECT 1 FROM {table} WHERE expires_at <= ?)"),
         }
     }
@@ -375,7 +381,8 @@ mod tests {
         assert_eq!(s.insert.matches('?').count(), COLUMNS.len());
         assert_eq!(s.update.matches('?').count(), COLUMNS.len());
         assert!(s.update.starts_with("UPDATE `idem_x_records` SET principal = ?"));
-        assert!(s.sweep.contains("ORDER BY expires_at LIMIT ?"));
+        assert!(s.sweep.contains("ORDER BY expires_at LIMIT ? FOR UPDATE"));
+        assert!(s.journal_of.starts_with("DELETE FROM `idem_x_journal`") && s.records_of.contains("`idem_x_records`"));
     }
 
     #[test]
@@ -385,7 +392,7 @@ mod tests {
             assert!(m.sql.contains("{prefix}"));
         }
         assert_eq!(KNOWN_VERSION, 3);
-        assert!(MIGRATIONS[1].sql_for("idem").contains("REFERENCES `idem_records` (id) ON DELETE CASCADE"));
+        assert!(MIGRATIONS[1].sql_for("idem").contains("CREATE TABLE IF NOT EXISTS `idem_journal`"));
         assert_eq!(MIGRATIONS[0].name(), "records");
         let sql = MIGRATIONS[0].sql_for("idem");
         assert!(sql.contains("`idem_records`") && sql.contains("KEY `idem_records_expires_at` (expires_at)"));

@@ -50,6 +50,11 @@ struct Inner {
     sql: Statements,
 }
 
+/// Most records one sweep call removes, whatever limit it is given (the contract allows
+/// fewer, reporting `more`): it bounds the locks one transaction holds and the number of
+/// ids in one statement.
+pub const SWEEP_BATCH: usize = 1000;
+
 /// How often a transaction runs in all: the first attempt and the retries after a
 /// deadlock, a lock-wait timeout, or a lost insert race.
 const ATTEMPTS: u32 = 9;
@@ -461,16 +466,33 @@ impl Store for MySqlStore {
         }))
     }
 
+    /// One transaction: lock up to `limit` (at most [`SWEEP_BATCH`]) expired records,
+    /// oldest expiry first, delete their journal entries, then them. A record being
+    /// replaced by a claim is locked: the locking read waits for it and, at READ
+    /// COMMITTED, skips it once the committed row is live again.
     async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
-        let limit = u64::try_from(limit).unwrap_or(u64::MAX);
+        let limit = limit.min(SWEEP_BATCH);
         Ok(in_transaction!(self, "sweeping expired records", |conn| async {
-            // One `now` for the delete and the check after it. A record being replaced by
-            // a claim is locked: the DELETE waits for it and, at READ COMMITTED, checks
-            // `expires_at` again on the committed row, which is live by then.
             let now = self.now(conn).await?;
-            let removed = sqlx::query(&self.inner.sql.sweep).bind(now.0).bind(limit).execute(&mut *conn).await?;
+            let ids: Vec<Vec<u8>> = sqlx::query_scalar(&self.inner.sql.sweep)
+                .bind(now.0)
+                .bind(u64::try_from(limit).unwrap_or(u64::MAX))
+                .fetch_all(&mut *conn)
+                .await?;
+            let mut removed = 0;
+            if !ids.is_empty() {
+                let marks = format!("({})", vec!["?"; ids.len()].join(", "));
+                for (prefix, count) in [(&self.inner.sql.journal_of, false), (&self.inner.sql.records_of, true)] {
+                    let sql = format!("{prefix}{marks}");
+                    let q = ids.iter().fold(sqlx::query(&sql), |q, id| q.bind(id.as_slice()));
+                    let done = q.execute(&mut *conn).await?;
+                    if count {
+                        removed = done.rows_affected();
+                    }
+                }
+            }
             let more: bool = sqlx::query_scalar(&self.inner.sql.expired_left).bind(now.0).fetch_one(conn).await?;
-            Ok::<_, Abort>(SweepOutcome { removed: removed.rows_affected(), more })
+            Ok::<_, Abort>(SweepOutcome { removed, more })
         }))
     }
 

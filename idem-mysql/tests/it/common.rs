@@ -158,7 +158,7 @@ fn drop_stale_tables() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>
         let names: Vec<String> = sqlx::query_scalar(
             "SELECT CAST(table_name AS CHAR) FROM information_schema.tables
              WHERE table_schema = DATABASE() AND table_name LIKE 'idem\\_test\\_%'
-             ORDER BY table_name", // `_journal` before `_records`, which its foreign key names
+             ORDER BY table_name",
         )
         .fetch_all(&mut conn)
         .await
