@@ -721,3 +721,15 @@ async fn tables_at_migration_1_are_upgraded_in_place() {
     let r = must_claim(&store, claim).await;
     assert_eq!(store.get(r.id).await.expect("get"), Some(r));
 }
+
+#[tokio::test]
+async fn a_sweep_with_an_unbounded_limit_removes_one_batch() {
+    let clock = clock();
+    let store = common::fresh_store(Some(clock.clone()), 2).await;
+    for i in 0..3 {
+        must_claim(&store, claim_req("t", &format!("u{i}"), Duration::from_secs(1), Duration::from_secs(2))).await;
+    }
+    clock.advance(Duration::from_secs(10));
+    let outcome = store.sweep(usize::MAX).await.expect("sweep");
+    assert_eq!((outcome.removed, outcome.more), (3, false));
+}
