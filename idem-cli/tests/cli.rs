@@ -440,7 +440,7 @@ async fn mysql_end_to_end() {
     let store = idem_mysql::MySqlStore::connect(&server, idem_mysql::Config::default().with_table_prefix(&prefix))
         .await
         .expect("MariaDB on 3306");
-    let drop = format!("DROP TABLE `{prefix}_records`, `{prefix}_schema_migrations`");
+    let drop = format!("DROP TABLE `{prefix}_records`, `{prefix}_journal`, `{prefix}_schema_migrations`");
     idem_mysql::sqlx::raw_sql(&drop).execute(store.pool()).await.expect("drop tables");
 }
 
