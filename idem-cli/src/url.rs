@@ -415,7 +415,7 @@ mod tests {
     #[test]
     fn unknown_schemes_and_memory_are_refused() {
         assert!(matches!(parse("memory:"), Err(UrlError::Scheme(_))));
-        assert!(matches!(parse("mysql://h/db"), Err(UrlError::Scheme(_))));
+        assert!(matches!(parse("mongodb://h/db"), Err(UrlError::Scheme(_))));
         assert!(matches!(parse("/tmp/x.redb"), Err(UrlError::Scheme(_))));
     }
 }
