@@ -286,7 +286,13 @@ async fn operator_story(url: &str, open: Open, native_expiry: bool) {
 
 #[test]
 fn bad_urls_and_arguments_exit_2_with_one_line() {
-    for url in ["memory:", "mysql://h/db", "redis-cluster://nohostport", "redis://h:1?prefix=a{b}", "redb://"] {
+    for url in [
+        "memory:",
+        "mysql://u@h/db?prefix=Bad-Name",
+        "redis-cluster://nohostport",
+        "redis://h:1?prefix=a{b}",
+        "redb://",
+    ] {
         let run = idem(url, &["stats"]);
         assert_eq!(run.code, 2, "{url}: {}", run.stderr);
         assert_eq!(run.stderr.lines().count(), 1, "one clear line: {}", run.stderr);
