@@ -12,19 +12,19 @@ use std::io::Write;
 
 use rand::Rng;
 
-/// The crash points of the create variant whose worker row lives in PostgreSQL
-/// ([`crate::pgworkers`]), in the order a request passes them.
-pub const PG_POINTS: [&str; 4] = [
+/// The crash points of the create variant whose worker row lives in the SQL database
+/// ([`crate::sqlworkers`]), in the order a request passes them.
+pub const TX_POINTS: [&str; 4] = [
     // Inside the handler's transaction: the worker row is inserted, nothing committed.
-    "pg_after_insert",
+    "tx_after_insert",
     // Inside the handler's transaction: the record's completion is written too (in
     // transactional mode), nothing committed.
-    "pg_before_commit",
+    "tx_before_commit",
     // Right after the handler's commit: the worker row (and, in transactional mode, the
     // stored response) is durable; the layer has not run after the handler yet.
-    "pg_after_commit",
+    "tx_after_commit",
     // The response left the handler; in separate mode the layer has just completed.
-    "pg_after_response",
+    "tx_after_response",
 ];
 
 /// Which points are armed, how often they fire, and how.
@@ -41,12 +41,12 @@ pub struct CrashPlan {
 }
 
 impl CrashPlan {
-    /// Parses `name[,name…]` of [`PG_POINTS`], e.g. `pg_after_commit`.
+    /// Parses `name[,name…]` of [`TX_POINTS`], e.g. `tx_after_commit`.
     ///
     /// # Errors
     /// An unknown point name.
     pub fn parse(points: &str, rate: f64, abort: bool) -> Result<Self, String> {
-        Self::parse_in(&PG_POINTS, points, rate, abort)
+        Self::parse_in(&TX_POINTS, points, rate, abort)
     }
 
     /// Parses `name[,name…]` of `known` (at most 16 points), or `any` for all of them.

@@ -15,18 +15,18 @@
 //! - [`state`]: the simulated pool, leases and hypervisor, in redb tables.
 //! - [`app`]: the axum router, the idempotency layer on it, the fault layer; the create
 //!   handler's side effects run as resumable steps and an intent.
-//! - [`crash`]: crash points inside the create handler and the Postgres variant, armed by
+//! - [`crash`]: crash points inside the create handler and the SQL variant, armed by
 //!   the rig's crash tests.
 //! - [`server`]: opening the store and running the server.
 //! - [`serve`]: `leasebroker serve`'s flags, shared with the rig's `serve`.
-//! - [`pgworkers`]: the create variant whose worker row lives in PostgreSQL and whose
-//!   record completes in the handler's own transaction (binary `leasebroker-pg`).
+//! - [`sqlworkers`]: the create variant whose worker row lives in PostgreSQL or MySQL and
+//!   whose record completes in the handler's own transaction (binary `leasebroker-sql`).
 
 pub mod app;
 pub mod crash;
-pub mod pgworkers;
 pub mod serve;
 pub mod server;
+pub mod sqlworkers;
 pub mod state;
 
 /// The rig's private servers (`harness/src/chaos/servers.rs`), where `tests/stalled_store.rs` imports them.

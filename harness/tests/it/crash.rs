@@ -420,9 +420,9 @@ fn crash_plans_arm_named_points_and_refuse_unknown_ones() {
     assert!(!CrashPlan::parse_in(&POINTS, "", 1.0, false).unwrap().is_armed());
     assert!(!CrashPlan::parse_in(&POINTS, "any", 0.0, false).unwrap().is_armed());
     assert!(CrashPlan::parse_in(&POINTS, "after_lunch", 1.0, false).unwrap_err().contains("after_lunch"));
-    // The Postgres variant's points (`leasebroker-pg --crash-at`).
-    let pg = CrashPlan::parse("pg_after_commit", 1.0, false).unwrap();
-    assert_eq!(pg.armed().collect::<Vec<_>>(), ["pg_after_commit"]);
+    // The SQL variant's points (`leasebroker-sql --crash-at`).
+    let tx = CrashPlan::parse("tx_after_commit", 1.0, false).unwrap();
+    assert_eq!(tx.armed().collect::<Vec<_>>(), ["tx_after_commit"]);
     assert!(CrashPlan::parse("after_lease", 1.0, false).is_err());
 }
 

@@ -2,8 +2,8 @@
 //! file); one module per area.
 
 mod e2e;
-// A PostgreSQL server, private redis-server and PostgreSQL clusters: live servers.
-#[cfg(feature = "live-tests")]
-mod pg_crash;
+// PostgreSQL and MariaDB servers, private redis-server and PostgreSQL clusters: live servers.
 #[cfg(feature = "live-tests")]
 mod stalled_store;
+#[cfg(feature = "live-tests")]
+mod tx_crash;

@@ -1,10 +1,11 @@
-//! SIGKILL inside and right after the handler's own transaction: `leasebroker-pg`
-//! runs as a child process and is killed at the Postgres crash points
-//! (`leasebroker::crash::PG_POINTS`: after the worker row's insert, before the commit, right
-//! after the commit, after the response) and restarted on the same database, while clients
-//! retry each logical operation with its one key until it gets a 201.
+//! SIGKILL inside and right after the handler's own transaction: `leasebroker-sql` runs as
+//! a child process and is killed at the transaction's crash points
+//! (`leasebroker::crash::TX_POINTS`: after the worker row's insert, before the commit,
+//! right after the commit, after the response) and restarted on the same database, while
+//! clients retry each logical operation with its one key until it gets a 201. On
+//! PostgreSQL and on MariaDB (the servers `scripts/services` starts).
 //!
-//! - Transactional completion (`PostgresStore::complete_in`): every operation ends with
+//! - Transactional completion (the store's `complete_in`): every operation ends with
 //!   exactly one worker row and one stored response, the 201's worker id is that row, and
 //!   a later replay is byte-identical.
 //! - Separate completion (the handler commits, then the layer completes): the same run,
@@ -12,8 +13,8 @@
 //!   half proves the first can fail: it is the double execution transactional completion
 //!   removes.
 //!
-//! `IDEM_PG_CRASH_KILLS` sets the kills of the transactional run (default 100); the
-//! separate run makes 10.
+//! `IDEM_TX_CRASH_KILLS` sets the kills of each transactional run (default 100); the
+//! separate runs make 10.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -23,8 +24,8 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem_postgres::sqlx;
-use leasebroker::crash::PG_POINTS;
+use leasebroker::crash::TX_POINTS;
+use leasebroker::sqlworkers;
 use rand::seq::SliceRandom;
 
 /// In-flight lease of the child, ms: a retry after a kill reclaims soon.
@@ -32,8 +33,12 @@ const LEASE_MS: &str = "300";
 /// Logical operations in flight at once.
 const CLIENTS: usize = 6;
 
-fn url() -> String {
+fn postgres_url() -> String {
     std::env::var("IDEM_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+fn mysql_url() -> String {
+    std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned())
 }
 
 fn free_addr() -> String {
@@ -55,20 +60,21 @@ impl Server {
 
 struct Launch {
     addr: String,
-    schema: String,
+    url: String,
+    namespace: String,
     completion: &'static str,
 }
 
 impl Launch {
     fn spawn(&self, crash_at: Option<&str>) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_leasebroker-pg"))
-            .args(["--addr", &self.addr, "--postgres", &url(), "--schema", &self.schema])
+        let mut child = Command::new(env!("CARGO_BIN_EXE_leasebroker-sql"))
+            .args(["--addr", &self.addr, "--database", &self.url, "--namespace", &self.namespace])
             .args(["--completion", self.completion, "--lease-ms", LEASE_MS, "--crash-at", crash_at.unwrap_or("")])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
-            .expect("spawn leasebroker-pg");
+            .expect("spawn leasebroker-sql");
         let stdout = child.stdout.take().expect("stdout");
         let (tx, lines) = channel();
         std::thread::spawn(move || {
@@ -85,9 +91,9 @@ impl Launch {
             match server.lines.recv_timeout(Duration::from_millis(100)) {
                 Ok(l) if l.starts_with("LISTENING ") => return server,
                 Err(RecvTimeoutError::Disconnected) => {
-                    panic!("leasebroker-pg exited before listening (is PostgreSQL up? scripts/services)")
+                    panic!("leasebroker-sql exited before listening (is {} up? scripts/services)", self.url)
                 }
-                _ => assert!(Instant::now() < deadline, "leasebroker-pg did not listen within 20 s"),
+                _ => assert!(Instant::now() < deadline, "leasebroker-sql did not listen within 20 s"),
             }
         }
     }
@@ -135,7 +141,7 @@ fn supervise(
                         return;
                     }
                 }
-                Err(RecvTimeoutError::Disconnected) => panic!("leasebroker-pg died on its own"),
+                Err(RecvTimeoutError::Disconnected) => panic!("leasebroker-sql died on its own"),
             }
         }
     }
@@ -146,7 +152,7 @@ async fn run_op(http: &reqwest::Client, base: &str, key: &str, deadline: Instant
     loop {
         assert!(Instant::now() < deadline, "operation {key} never got a 201");
         let sent = http
-            .post(format!("{base}/v1/pg/workers"))
+            .post(format!("{base}/v1/sql/workers"))
             .header("authorization", "Bearer crash-test")
             .header("idempotency-key", key)
             .send()
@@ -173,9 +179,29 @@ struct Outcome {
     replays: Vec<(String, u16, bool, Vec<u8>)>,
 }
 
-fn crash_run(completion: &'static str, points: &[&'static str], target: u64) -> Outcome {
-    let schema = format!("idem_test_pgcrash_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
-    let launch = Arc::new(Launch { addr: free_addr(), schema: schema.clone(), completion });
+/// The worker rows, per operation, and the run's tables dropped.
+async fn rows_then_drop(url: &str, namespace: &str) -> Vec<(String, i64)> {
+    let table = sqlworkers::table(url, namespace);
+    let select = format!("SELECT op, id FROM {table} ORDER BY id");
+    if sqlworkers::is_mysql(url) {
+        use idem_mysql::sqlx;
+        let pool = sqlx::MySqlPool::connect(url).await.expect("connect");
+        let found = sqlx::query_as(&select).fetch_all(&pool).await.expect("worker rows");
+        let tables = ["workers", "journal", "records", "schema_migrations"].map(|t| format!("`{namespace}_{t}`"));
+        sqlx::raw_sql(&format!("DROP TABLE {}", tables.join(", "))).execute(&pool).await.expect("drop tables");
+        found
+    } else {
+        use idem_postgres::sqlx;
+        let pool = sqlx::PgPool::connect(url).await.expect("connect");
+        let found = sqlx::query_as(&select).fetch_all(&pool).await.expect("worker rows");
+        sqlx::raw_sql(&format!("DROP SCHEMA \"{namespace}\" CASCADE")).execute(&pool).await.expect("drop schema");
+        found
+    }
+}
+
+fn crash_run(url: String, completion: &'static str, points: &[&'static str], target: u64) -> Outcome {
+    let namespace = format!("idem_test_txcrash_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let launch = Arc::new(Launch { addr: free_addr(), url, namespace, completion });
     let kills = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let per_point = Arc::new(Mutex::new(BTreeMap::new()));
@@ -216,7 +242,7 @@ fn crash_run(completion: &'static str, points: &[&'static str], target: u64) -> 
         let mut replays = Vec::new();
         for (key, _) in &ops {
             let res = http
-                .post(format!("{base}/v1/pg/workers"))
+                .post(format!("{base}/v1/sql/workers"))
                 .header("authorization", "Bearer crash-test")
                 .header("idempotency-key", key.as_str())
                 .send()
@@ -227,17 +253,10 @@ fn crash_run(completion: &'static str, points: &[&'static str], target: u64) -> 
             replays.push((key.clone(), status, replayed, res.bytes().await.expect("body").to_vec()));
         }
         stop.store(true, Ordering::SeqCst);
-        let pool = sqlx::PgPool::connect(&url()).await.expect("connect");
-        let found: Vec<(String, i64)> =
-            sqlx::query_as(&format!("SELECT op, id FROM {} ORDER BY id", leasebroker::pgworkers::table(&schema)))
-                .fetch_all(&pool)
-                .await
-                .expect("worker rows");
         let mut rows: BTreeMap<String, Vec<i64>> = BTreeMap::new();
-        for (op, id) in found {
+        for (op, id) in rows_then_drop(&launch.url, &launch.namespace).await {
             rows.entry(op).or_default().push(id);
         }
-        sqlx::raw_sql(&format!("DROP SCHEMA \"{schema}\" CASCADE")).execute(&pool).await.expect("drop schema");
         (ops, rows, replays)
     });
     supervisor.join().expect("supervisor");
@@ -251,14 +270,13 @@ fn id_of(body: &[u8]) -> i64 {
     v["id"].as_i64().expect("id")
 }
 
-#[test]
-fn sigkill_around_transactional_completion_leaves_one_row_and_one_response() {
-    let target = std::env::var("IDEM_PG_CRASH_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(100);
-    let out = crash_run("transactional", &PG_POINTS, target);
+fn transactional_completion_leaves_one_row_and_one_response(url: String) {
+    let target = std::env::var("IDEM_TX_CRASH_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(100);
+    let out = crash_run(url, "transactional", &TX_POINTS, target);
     let total: u64 = out.kills.values().sum();
     eprintln!("transactional: {total} kills {:?}, {} operations", out.kills, out.ops.len());
     assert!(total >= target, "only {total} kills");
-    for p in PG_POINTS {
+    for p in TX_POINTS {
         assert!(out.kills.get(p).copied().unwrap_or(0) > 0, "point {p} was never killed at: {:?}", out.kills);
     }
     for (key, body) in &out.ops {
@@ -273,9 +291,8 @@ fn sigkill_around_transactional_completion_leaves_one_row_and_one_response() {
     }
 }
 
-#[test]
-fn sigkill_after_the_commit_with_separate_completion_runs_the_handler_twice() {
-    let out = crash_run("separate", &["pg_after_commit"], 10);
+fn separate_completion_runs_the_handler_twice(url: String) {
+    let out = crash_run(url, "separate", &["tx_after_commit"], 10);
     let doubled: Vec<_> = out.rows.iter().filter(|(_, ids)| ids.len() > 1).collect();
     eprintln!(
         "separate: kills {:?}, {} operations, {} with two or more worker rows",
@@ -288,4 +305,24 @@ fn sigkill_after_the_commit_with_separate_completion_runs_the_handler_twice() {
         "a kill between the handler's commit and the layer's completion must leave the row and an in-flight record; \
          the retry then inserts a second row"
     );
+}
+
+#[test]
+fn sigkill_around_transactional_completion_leaves_one_row_and_one_response_on_postgres() {
+    transactional_completion_leaves_one_row_and_one_response(postgres_url());
+}
+
+#[test]
+fn sigkill_after_the_commit_with_separate_completion_runs_the_handler_twice_on_postgres() {
+    separate_completion_runs_the_handler_twice(postgres_url());
+}
+
+#[test]
+fn sigkill_around_transactional_completion_leaves_one_row_and_one_response_on_mysql() {
+    transactional_completion_leaves_one_row_and_one_response(mysql_url());
+}
+
+#[test]
+fn sigkill_after_the_commit_with_separate_completion_runs_the_handler_twice_on_mysql() {
+    separate_completion_runs_the_handler_twice(mysql_url());
 }
