@@ -15,7 +15,7 @@ pub struct ServeArgs {
     pub addr: String,
     /// Record store: `redb:PATH`, `sqlite:PATH`, `redis://HOST:PORT`,
     /// `redis-cluster://HOST:PORT[,HOST:PORT...][?wait=N]`, `postgres://USER@HOST/DB`,
-    /// `dynamodb://TABLE[?endpoint=URL&region=R]` (credentials and, without `region`, the
+    /// `mysql://USER@HOST/DB` (or `mariadb://`), `dynamodb://TABLE[?endpoint=URL&region=R]` (credentials and, without `region`, the
     /// region from the AWS environment) or `memory`.
     #[arg(long, default_value = "redb:leasebroker.redb")]
     pub store: StoreSpec,

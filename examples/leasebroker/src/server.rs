@@ -336,8 +336,8 @@ impl Server {
         config: &Config,
     ) -> Result<Self, ServerError> {
         let addr = listener.local_addr()?;
-        let sweep = idem::SweepConfig::default().with_period(SWEEP_PERIOD).with_batch(SWEEP_BATCH);
-        let sweeper = idem::Sweeper::start(Arc::clone(&store), sweep);
+        let sweep = idem_kit::SweepConfig::default().with_period(SWEEP_PERIOD).with_batch(SWEEP_BATCH);
+        let sweeper = idem_kit::Sweeper::start(Arc::clone(&store), sweep);
         let app = router(infra, store, config).merge(metrics_route(prometheus()));
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {

@@ -29,7 +29,7 @@
 //! ```no_run
 //! use std::sync::Arc;
 //! use axum::{Router, routing::post};
-//! use idem::{IdempotencyLayer, MemoryStore, SweepConfig, Sweeper};
+//! use idem_kit::{IdempotencyLayer, MemoryStore, SweepConfig, Sweeper};
 //!
 //! # #[tokio::main] async fn main() {
 //! let store = Arc::new(MemoryStore::new());
