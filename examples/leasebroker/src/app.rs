@@ -57,8 +57,8 @@ struct AppState {
 }
 
 /// Builds the router: `POST /v1/workers`, `GET|DELETE /v1/workers/{id}`,
-/// `POST /v1/workers/{id}/reboot`, `GET /admin/stats` (unauthenticated counters) and
-/// [`Config::routes`].
+/// `POST /v1/workers/{id}/reboot`, `GET /admin/stats` (unauthenticated counters),
+/// `GET /openapi.json` ([`crate::openapi`]) and [`Config::routes`].
 pub fn router(infra: Infra, store: Arc<dyn Store>, config: &Config) -> Router {
     let state = AppState { infra, faults: config.faults };
     // POST requires a key; DELETE takes one when sent (a retried DELETE replays its 204).
@@ -78,6 +78,7 @@ pub fn router(infra: Infra, store: Arc<dyn Store>, config: &Config) -> Router {
         .merge(mutating)
         .merge(deleting)
         .route("/admin/stats", get(stats))
+        .route("/openapi.json", get(openapi))
         .with_state(state)
         .merge(config.routes.clone())
         .layer(middleware::from_fn_with_state(config.faults, lose_responses))
@@ -262,6 +263,10 @@ async fn reboot(State(s): State<AppState>, headers: HeaderMap, Path(id): Path<St
         }
         Err(e) => state_error(e),
     }
+}
+
+async fn openapi() -> Response {
+    axum::Json(crate::openapi::document()).into_response()
 }
 
 async fn stats(State(s): State<AppState>) -> Response {

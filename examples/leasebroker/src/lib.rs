@@ -18,12 +18,14 @@
 //! - [`crash`]: crash points inside the create handler and the SQL variant, armed by
 //!   the rig's crash tests.
 //! - [`server`]: opening the store and running the server.
+//! - [`openapi`]: the OpenAPI document served at `/openapi.json`.
 //! - [`serve`]: `leasebroker serve`'s flags, shared with the rig's `serve`.
 //! - [`sqlworkers`]: the create variant whose worker row lives in PostgreSQL or MySQL and
 //!   whose record completes in the handler's own transaction (binary `leasebroker-sql`).
 
 pub mod app;
 pub mod crash;
+pub mod openapi;
 pub mod serve;
 pub mod server;
 pub mod sqlworkers;
