@@ -387,12 +387,13 @@ fn is_retryable_4xx(status: StatusCode, retry_after: Option<Duration>) -> bool {
     matches!(status.as_u16(), 408 | 425 | 429) || (status == StatusCode::CONFLICT && retry_after.is_some())
 }
 
-/// The RFC 9457 problem `type` an idem server gives a fingerprint mismatch.
-pub const MISMATCH_PROBLEM_TYPE: &str = "urn:idem:problem:mismatch";
+/// The problem `type` of a fingerprint mismatch under idem-http's default base.
+pub const MISMATCH_PROBLEM_TYPE: &str =
+    "https://docs.rs/idem-http/latest/idem_http/problem/enum.ProblemKind.html#mismatch";
 
 /// A mismatch is a fresh (not replayed) 400/409/422 answer whose RFC 9457 problem body
-/// has `type` [`MISMATCH_PROBLEM_TYPE`]. Any other 4xx problem, such as a handler's own
-/// 422 for an invalid body, is an ordinary reply.
+/// has a `type` ending in `#mismatch`, `/mismatch` or `:mismatch` (any server's base). Any
+/// other 4xx problem, such as a handler's own 422 for an invalid body, is an ordinary reply.
 fn is_mismatch(status: StatusCode, headers: &HeaderMap, retry_after: Option<Duration>, body: &[u8]) -> bool {
     let problem = headers
         .get(http::header::CONTENT_TYPE)
@@ -407,7 +408,8 @@ fn is_mismatch(status: StatusCode, headers: &HeaderMap, retry_after: Option<Dura
         #[serde(rename = "type")]
         kind: Option<String>,
     }
-    serde_json::from_slice::<ProblemType>(body).ok().and_then(|p| p.kind).is_some_and(|t| t == MISMATCH_PROBLEM_TYPE)
+    let slug = |t: String| t.rsplit(['#', '/', ':']).next() == Some("mismatch");
+    serde_json::from_slice::<ProblemType>(body).ok().and_then(|p| p.kind).is_some_and(slug)
 }
 
 #[cfg(test)]
@@ -476,7 +478,7 @@ mod tests {
         // A handler's own 422 problem was reported as "key reused with a different request".
         let mut h = HeaderMap::new();
         h.insert(http::header::CONTENT_TYPE, "application/problem+json".parse().unwrap());
-        let mismatch = br#"{"type":"urn:idem:problem:mismatch","status":409}"#;
+        let mismatch = br#"{"type":"https://docs.rs/idem-http/latest/idem_http/problem/enum.ProblemKind.html#mismatch","status":409}"#;
         let invalid = br#"{"type":"about:blank","status":422,"detail":"invalid worker spec"}"#;
         assert!(is_mismatch(StatusCode::CONFLICT, &h, None, mismatch));
         assert!(is_mismatch(StatusCode::UNPROCESSABLE_ENTITY, &h, None, mismatch));

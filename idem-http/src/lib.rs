@@ -145,7 +145,7 @@ pub use idem_core::{FingerprintMode, Policy};
 pub use layer::IdempotencyLayer;
 pub use lease::LeaseDeadline;
 pub use principal::{BearerToken, PrincipalResolver};
-pub use problem::{PROBLEM_JSON, Problem, ProblemKind};
+pub use problem::{DEFAULT_TYPE_BASE, PROBLEM_JSON, Problem, ProblemKind, set_type_base};
 pub use service::Idempotency;
 
 /// The README's example, compiled as a doctest so the registry page cannot drift from the

@@ -4,14 +4,15 @@
 //! response whose body was not retained) carries a body of this shape:
 //!
 //! ```json
-//! {"type":"urn:idem:problem:in-flight","title":"Request in flight","status":409,
+//! {"type":"https://docs.rs/idem-http/latest/idem_http/problem/enum.ProblemKind.html#in-flight",
+//!  "title":"Request in flight","status":409,
 //!  "detail":"another request with this idempotency key is still being processed; retry after 12 s"}
 //! ```
 //!
 //! `type` (RFC 9457 §3.1.1) is a URI that names the kind of problem; clients should match on
 //! it (or on [`ProblemKind::from_type_uri`]) rather than on `title` or `detail`, which are
-//! for humans. The `urn:idem:problem:` names are not dereferenceable: they identify, they do
-//! not document. Two kinds share status 409 and must be told apart by `type`: an
+//! for humans. It is `{base}{slug}`, the base [`DEFAULT_TYPE_BASE`] (this enum's docs) or
+//! the application's ([`set_type_base`]). Two kinds share status 409: an
 //! [`ProblemKind::InFlight`] request may be retried after `Retry-After`, a
 //! [`ProblemKind::Mismatch`] never (draft-ietf-httpapi-idempotency-key-header §2.7).
 
@@ -37,9 +38,8 @@ macro_rules! problem_kinds {
         impl ProblemKind {
             const ALL: &[ProblemKind] = &[$(ProblemKind::$kind),*];
 
-            /// The `type` member, `urn:idem:problem:<slug>`, spelled out: the layer writes it
-            /// into every answer it makes, so it is not built per answer.
-            pub(crate) const fn uri(self) -> &'static str {
+            /// The last part of the `type` URI (`in-flight`), after the base.
+            pub(crate) const fn slug(self) -> &'static str {
                 match self {
                     $(ProblemKind::$kind => $uri,)*
                 }
@@ -58,67 +58,96 @@ macro_rules! problem_kinds {
 
 problem_kinds! {
     /// 400: the endpoint requires an `Idempotency-Key` and the request has none.
-    MissingKey => "urn:idem:problem:missing-idempotency-key", "Idempotency-Key required";
+    MissingKey => "missing-idempotency-key", "Idempotency-Key required";
     /// 400: the `Idempotency-Key` value is empty, blank, too long, not visible ASCII, or a
     /// malformed structured-field string.
-    InvalidKey => "urn:idem:problem:invalid-idempotency-key", "Invalid Idempotency-Key";
+    InvalidKey => "invalid-idempotency-key", "Invalid Idempotency-Key";
     /// 400: the request carries more than one `Idempotency-Key` field.
-    DuplicateKey => "urn:idem:problem:duplicate-idempotency-key", "More than one Idempotency-Key";
+    DuplicateKey => "duplicate-idempotency-key", "More than one Idempotency-Key";
     /// 401: no principal could be resolved, and the layer rejects anonymous keyed requests.
-    MissingPrincipal => "urn:idem:problem:missing-principal", "Principal required";
+    MissingPrincipal => "missing-principal", "Principal required";
     /// 400: the request body could not be read.
-    UnreadableBody => "urn:idem:problem:unreadable-body", "Unreadable request body";
+    UnreadableBody => "unreadable-body", "Unreadable request body";
     /// 413: the request body is larger than the layer's `max_request_body`.
-    BodyTooLarge => "urn:idem:problem:body-too-large", "Request body too large";
+    BodyTooLarge => "body-too-large", "Request body too large";
     /// 431 (RFC 6585 §5): the request headers that enter the fingerprint are more fields
     /// or more bytes than the layer's limits (`with_max_fingerprint_headers`).
-    HeadersTooLarge => "urn:idem:problem:headers-too-large", "Request header fields too large";
+    HeadersTooLarge => "headers-too-large", "Request header fields too large";
     /// 409 + `Retry-After`: another attempt with this key holds a fresh lease.
-    InFlight => "urn:idem:problem:in-flight", "Request in flight";
+    InFlight => "in-flight", "Request in flight";
     /// 409 + `Retry-After`: the record changed under this request several times in a row
     /// (heavy contention on one key); retry.
-    Busy => "urn:idem:problem:busy", "Idempotency record busy";
+    Busy => "busy", "Idempotency record busy";
     /// 409 (or the layer's mismatch status): the key was first used with a different
     /// request. Never retry with this key.
-    Mismatch => "urn:idem:problem:mismatch", "Idempotency-Key reused with a different request";
+    Mismatch => "mismatch", "Idempotency-Key reused with a different request";
     /// 503 + `Retry-After`: the idempotency store is unavailable; the handler did not run.
-    StoreUnavailable => "urn:idem:problem:store-unavailable", "Idempotency store unavailable";
+    StoreUnavailable => "store-unavailable", "Idempotency store unavailable";
     /// 503 + `Retry-After`: the request's [`crate::LeaseDeadline`] left no time; nothing
     /// was claimed and the handler did not run.
-    DeadlinePassed => "urn:idem:problem:deadline-passed", "Request deadline passed";
+    DeadlinePassed => "deadline-passed", "Request deadline passed";
     /// The original status: the response completed but its body was larger than the
     /// policy's `max_stored_body`, so the replay cannot repeat it.
-    ResponseNotRetained => "urn:idem:problem:response-not-retained", "Response not retained";
+    ResponseNotRetained => "response-not-retained", "Response not retained";
     /// 500: the handler's response body failed while being read; the record was marked
     /// failed, so a retry runs the handler again.
-    ResponseBodyFailed => "urn:idem:problem:response-body-failed", "Response body failed";
+    ResponseBodyFailed => "response-body-failed", "Response body failed";
     /// 500: a resumable handler needs the step journal and the store has none
     /// ([`idem_core::Capabilities::journal`] false, [`idem_core::StoreError::Unsupported`]).
     /// Retrying does not help until the store is changed.
-    JournalUnsupported => "urn:idem:problem:journal-unsupported", "Step journal unsupported by the store";
+    JournalUnsupported => "journal-unsupported", "Step journal unsupported by the store";
     /// 500: an intent was found pending and its reconcile could not tell whether the earlier
     /// call happened ([`idem_core::StepError::Ambiguous`]); the handler refused to risk a
     /// second call. Needs an operator (or a later reconcile that can tell).
-    AmbiguousSideEffect => "urn:idem:problem:ambiguous-side-effect", "Side effect ambiguous";
+    AmbiguousSideEffect => "ambiguous-side-effect", "Side effect ambiguous";
     /// 500: a journalled step value no longer decodes, or a step name is invalid (a code
     /// change between attempts, or a bug).
-    ResumeFailed => "urn:idem:problem:resume-failed", "Resume failed";
+    ResumeFailed => "resume-failed", "Resume failed";
 }
 
-const PREFIX: &str = "urn:idem:problem:";
+/// The `type` URIs' base unless [`set_type_base`] chose one: [`ProblemKind`]'s docs.
+pub const DEFAULT_TYPE_BASE: &str = "https://docs.rs/idem-http/latest/idem_http/problem/enum.ProblemKind.html#";
+
+/// The types' old base, an unregistered URN namespace (RFC 8141); still read.
+const OLD_BASE: &str = "urn:idem:problem:";
+
+static TYPE_BASE: std::sync::OnceLock<Box<str>> = std::sync::OnceLock::new();
+
+/// Sets the base of every problem `type` URI (`{base}{slug}`, RFC 9457 §3.1.1): where the
+/// application documents the kinds. Once per process, before the first problem is answered.
+/// ```standalone_crate
+/// use idem_http::{ProblemKind as K, set_type_base};
+/// set_type_base("https://api.example.com/problems/").unwrap();
+/// assert_eq!(K::InFlight.type_uri(), "https://api.example.com/problems/in-flight");
+/// assert_eq!(K::from_type_uri("https://api.example.com/problems/mismatch"), Some(K::Mismatch));
+/// assert_eq!(set_type_base("https://elsewhere/"), Err("https://api.example.com/problems/"));
+/// ```
+///
+/// # Errors
+/// The base already in use (set before, or [`DEFAULT_TYPE_BASE`] once an answer used it).
+pub fn set_type_base(base: impl Into<String>) -> Result<(), &'static str> {
+    let mut base = Some(base.into().into_boxed_str());
+    let used = TYPE_BASE.get_or_init(|| base.take().unwrap_or_default());
+    if base.is_some() { Err(used) } else { Ok(()) }
+}
+
+fn type_base() -> &'static str {
+    TYPE_BASE.get_or_init(|| DEFAULT_TYPE_BASE.into())
+}
 
 impl ProblemKind {
-    /// The `type` member: `urn:idem:problem:<slug>`.
+    /// The `type` member: `{base}{slug}` ([`set_type_base`]).
     #[must_use]
     pub fn type_uri(self) -> String {
-        self.uri().to_owned()
+        format!("{}{}", type_base(), self.slug())
     }
 
-    /// The kind named by a `type` member, if it is one of ours.
+    /// The kind named by a `type` member, if it is one of ours (under this process's base,
+    /// or the old `urn:idem:problem:` one).
     #[must_use]
     pub fn from_type_uri(uri: &str) -> Option<Self> {
-        uri.strip_prefix(PREFIX)?;
-        Self::ALL.iter().copied().find(|k| k.uri() == uri)
+        let slug = uri.strip_prefix(type_base()).or_else(|| uri.strip_prefix(OLD_BASE))?;
+        Self::ALL.iter().copied().find(|k| k.slug() == slug)
     }
 }
 
@@ -138,7 +167,7 @@ struct Json<'a> {
     detail: &'a str,
     status: u16,
     title: &'static str,
-    r#type: &'static str,
+    r#type: &'a str,
 }
 
 impl Problem {
@@ -171,7 +200,7 @@ impl Problem {
             detail: &self.detail,
             status: self.status.as_u16(),
             title: self.kind.title(),
-            r#type: self.kind.uri(),
+            r#type: &self.kind.type_uri(),
         };
         // Serialising strings and an integer cannot fail.
         serde_json::to_vec(&json).unwrap_or_default()
@@ -271,13 +300,14 @@ mod tests {
             assert_eq!(ProblemKind::from_type_uri(&k.type_uri()), Some(k));
         }
         assert_eq!(ProblemKind::from_type_uri("about:blank"), None);
+        assert_eq!(ProblemKind::from_type_uri("urn:idem:problem:mismatch"), Some(ProblemKind::Mismatch));
     }
 
     #[test]
     fn body_has_the_four_members() {
         let p = Problem::new(ProblemKind::Mismatch, StatusCode::CONFLICT, "d");
         let v: serde_json::Value = serde_json::from_slice(&p.to_json()).unwrap();
-        assert_eq!(v["type"], "urn:idem:problem:mismatch");
+        assert_eq!(v["type"], format!("{DEFAULT_TYPE_BASE}mismatch"));
         assert_eq!(v["status"], 409);
         assert_eq!(v["detail"], "d");
         assert!(v["title"].is_string());
@@ -290,7 +320,7 @@ mod tests {
         let p = Problem::new(ProblemKind::UnreadableBody, StatusCode::BAD_REQUEST, "read: \"x\"\\\u{1}\n é");
         assert_eq!(
             String::from_utf8(p.to_json()).unwrap(),
-            r#"{"detail":"read: \"x\"\\\u0001\n é","status":400,"title":"Unreadable request body","type":"urn:idem:problem:unreadable-body"}"#
+            r#"{"detail":"read: \"x\"\\\u0001\n é","status":400,"title":"Unreadable request body","type":"https://docs.rs/idem-http/latest/idem_http/problem/enum.ProblemKind.html#unreadable-body"}"#
         );
     }
 }

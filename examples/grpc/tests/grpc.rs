@@ -72,7 +72,10 @@ async fn a_duplicate_of_a_running_call_is_aborted() {
     }
     let dup = client.clone().create(msg("gpu-7"), Some("k-1"), Some("ops")).await.expect_err("in flight");
     assert_eq!(dup.code(), Code::Aborted, "{dup:?}");
-    assert_eq!(dup.metadata().get("idem-problem").unwrap(), "urn:idem:problem:in-flight");
+    assert_eq!(
+        dup.metadata().get("idem-problem").unwrap().to_str().unwrap(),
+        idem_http::ProblemKind::InFlight.type_uri()
+    );
     assert_eq!(dup.metadata().get("x-should-retry").unwrap(), "true");
     gate.add_permits(1);
     first.await.expect("task").expect("first call");

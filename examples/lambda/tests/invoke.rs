@@ -206,7 +206,7 @@ async fn an_in_flight_retry_gets_409_then_the_replay() {
     let busy = invoke(&function, invocation(Gateway::Http, &key, &spec, MINUTE)).await;
     assert_eq!(busy.status, 409, "{}", busy.body);
     assert_eq!(busy.header("content-type"), Some("application/problem+json"));
-    assert_eq!(busy.body["type"], "urn:idem:problem:in-flight");
+    assert_eq!(busy.body["type"], idem_http::ProblemKind::InFlight.type_uri());
     assert!(busy.header("retry-after").is_some_and(|secs| secs.parse::<u64>().unwrap() >= 1));
     let first = first.await.unwrap();
     assert_eq!(first.status, 201);
@@ -227,6 +227,6 @@ async fn the_same_key_with_another_body_is_a_mismatch() {
     let other = invoke(&function, invocation(Gateway::Rest, &key, &serde_json::json!({ "name": "b" }), MINUTE)).await;
     assert_eq!(other.status, 409, "{}", other.body);
     assert_eq!(other.header("content-type"), Some("application/problem+json"));
-    assert_eq!(other.body["type"], "urn:idem:problem:mismatch");
+    assert_eq!(other.body["type"], idem_http::ProblemKind::Mismatch.type_uri());
     assert_eq!((workers.runs(), workers.created()), (1, 1));
 }

@@ -71,7 +71,8 @@ async fn busy_409_is_retried_after_retry_after_and_mismatch_stops() {
         .route(
             "/mismatch",
             post(|| async {
-                let body = r#"{"type":"urn:idem:problem:mismatch","status":409}"#;
+                // A server with its own problem base (idem_http::set_type_base).
+                let body = r#"{"type":"https://api.example.com/problems/mismatch","status":409}"#;
                 (StatusCode::CONFLICT, [("content-type", "application/problem+json")], body).into_response()
             }),
         );
@@ -249,7 +250,7 @@ async fn a_503_marked_should_not_retry_stops_at_once() {
             c.fetch_add(1, Ordering::SeqCst);
             let headers =
                 [("retry-after", "1"), ("x-should-retry", "false"), ("content-type", "application/problem+json")];
-            (StatusCode::SERVICE_UNAVAILABLE, headers, r#"{"type":"urn:idem:problem:store-unavailable"}"#)
+            (StatusCode::SERVICE_UNAVAILABLE, headers, r#"{"type":"https://docs.rs/idem-http/latest/idem_http/problem/enum.ProblemKind.html#store-unavailable"}"#)
                 .into_response()
         }),
     );

@@ -32,7 +32,9 @@ pub(crate) fn render<B>(refusal: &Refusal, hints: RetryHints) -> Response<Respon
     if let Ok(message) = HeaderValue::from_str(&percent_encode(problem.detail())) {
         headers.insert("grpc-message", message);
     }
-    headers.insert("idem-problem", HeaderValue::from_static(problem.kind().uri()));
+    if let Ok(kind) = HeaderValue::from_str(&problem.kind().type_uri()) {
+        headers.insert("idem-problem", kind);
+    }
     if !refusal.is_unrecoverable() {
         hints.add(headers, refusal.retries());
     }
@@ -71,7 +73,7 @@ mod tests {
         assert_eq!(res.headers()["content-type"], "application/grpc");
         assert_eq!(res.headers()["grpc-status"], "9");
         assert!(res.headers()["grpc-message"].to_str().unwrap().starts_with("this idempotency key was already used"));
-        assert_eq!(res.headers()["idem-problem"], "urn:idem:problem:mismatch");
+        assert_eq!(res.headers()["idem-problem"], crate::ProblemKind::Mismatch.type_uri());
         assert_eq!(res.headers()["idempotency-key-expires"], "Thu, 01 Jan 1970 00:00:00 GMT");
         assert_eq!(res.headers()["x-should-retry"], "false");
         assert!(http_body::Body::is_end_stream(res.body()), "no message: trailers-only");

@@ -357,7 +357,7 @@ impl Got {
         assert_eq!(self.status.as_u16(), status, "status; body: {}", self.text());
         assert_eq!(self.header("content-type"), Some("application/problem+json"), "content-type");
         let v: serde_json::Value = serde_json::from_slice(&self.body).expect("problem body is JSON");
-        assert_eq!(v["type"], format!("urn:idem:problem:{slug}"), "type; body {v}");
+        assert_eq!(v["type"], format!("{}{slug}", idem_http::DEFAULT_TYPE_BASE), "type; body {v}");
         assert_eq!(v["status"], status, "status member");
         assert!(v["title"].as_str().is_some_and(|t| !t.is_empty()), "title");
         assert!(v["detail"].as_str().is_some_and(|t| !t.is_empty()), "detail");

@@ -51,7 +51,7 @@ async fn fingerprint_headers_over_the_field_or_byte_limit_are_431_and_claim_noth
         let (status, problem) = send(&layer, &fields, &runs).await;
         if over {
             assert_eq!(status, 431, "{fields:?}");
-            assert_eq!(problem["type"], "urn:idem:problem:headers-too-large");
+            assert_eq!(problem["type"], idem_http::ProblemKind::HeadersTooLarge.type_uri());
             assert_eq!(problem["status"], 431);
             assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler ran");
             assert_eq!(store.get(record).await.unwrap(), None, "a record was claimed");

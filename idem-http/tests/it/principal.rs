@@ -57,7 +57,7 @@ async fn a_blank_principal_is_refused_in_every_mode_and_claims_nothing() {
             let runs = Arc::new(AtomicUsize::new(0));
             let (status, kind, _) = send(&layer, &runs).await;
             assert_eq!(status, 401, "{blank:?} {mode:?}");
-            assert_eq!(kind, "urn:idem:problem:missing-principal", "{blank:?} {mode:?}");
+            assert_eq!(kind, idem_http::ProblemKind::MissingPrincipal.type_uri(), "{blank:?} {mode:?}");
             assert_eq!(runs.load(Ordering::SeqCst), 0, "{blank:?} {mode:?}: the handler ran");
             let id = RecordId::derive(blank, ENDPOINT, "k1");
             assert_eq!(store.get(id).await.unwrap(), None, "{blank:?} {mode:?}: a record was claimed");

@@ -47,7 +47,7 @@ async fn create_replay_mismatch_in_flight_and_missing_key_over_a_socket() {
     assert_eq!(other.status(), 409);
     assert_eq!(other.headers()["content-type"], "application/problem+json");
     let problem: serde_json::Value = other.json().await.unwrap();
-    assert_eq!(problem["type"], "urn:idem:problem:mismatch");
+    assert_eq!(problem["type"], idem_http::ProblemKind::Mismatch.type_uri());
 
     let held = tokio::spawn(create("k2", "{}").send());
     gate.started().await;
