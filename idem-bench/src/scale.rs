@@ -22,6 +22,7 @@ pub(crate) enum ScaleBackend {
     Redb,
     Sqlite,
     Postgres,
+    Mysql,
 }
 
 /// Settings of one `scale` run.
@@ -80,6 +81,75 @@ fn template(work: &Workload) -> Record {
 }
 
 const CHUNK: u64 = 100_000;
+
+/// Rows per multi-row `INSERT` of the MySQL fill (12 parameters each, well under the
+/// protocol's 65,535 per statement).
+const MYSQL_ROWS_PER_INSERT: u64 = 1000;
+
+/// The id of row `j` of a MySQL fill of `m` rows numbered from `from`: uniform over the
+/// id space like BLAKE3 ids, and ascending in `j`. The first 8 bytes are the start of
+/// `j`'s slice of `2^64 / m` plus an offset inside it, the other 24 those of
+/// [`filler`]. InnoDB keeps rows in a B-tree on the primary key (the id): inserting a
+/// fill in id order passes through the tree once, where random order would read a leaf
+/// page per row once the table outgrows the buffer pool.
+fn mysql_fill_id(template: &Record, from: u64, m: u64, j: u64) -> RecordId {
+    let mut id = *filler(template, from + j).id.as_bytes();
+    let width = u64::MAX / m.max(1);
+    let offset = u64::from_le_bytes(id[..8].try_into().expect("8 bytes")) % width.max(1);
+    id[..8].copy_from_slice(&(j * width + offset).to_be_bytes());
+    RecordId::from_bytes(id)
+}
+
+/// Fills `<prefix>_records` with rows `from..to`: completed records in the store's own
+/// encoding (the columns and values idem-mysql writes), in id order, 1000 rows per
+/// `INSERT` and `CHUNK` rows per transaction.
+async fn fill_mysql(
+    store: &idem_mysql::MySqlStore,
+    prefix: &str,
+    template: &Record,
+    from: u64,
+    to: u64,
+) -> Result<(), BoxError> {
+    use idem_mysql::sqlx;
+    let response = idem_core::codec::encode_response(template.response.as_ref().ok_or("no response")?);
+    let table = crate::baseline::MySqlStatements::for_prefix(prefix).table;
+    let cols = crate::baseline::MYSQL_COLUMNS.join(", ");
+    let row = format!("({})", vec!["?"; crate::baseline::MYSQL_COLUMNS.len()].join(", "));
+    let token = i64::try_from(template.token.0)?;
+    let (m, mut n) = (to - from, from);
+    let mut conn = store.pool().acquire().await?;
+    while n < to {
+        let chunk_end = (n + CHUNK).min(to);
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        while n < chunk_end {
+            let end = (n + MYSQL_ROWS_PER_INSERT).min(chunk_end);
+            let sql =
+                format!("INSERT INTO {table} ({cols}) VALUES {}", vec![row.as_str(); (end - n) as usize].join(", "));
+            let mut q = sqlx::query(&sql);
+            for i in n..end {
+                let id = mysql_fill_id(template, from, m, i - from);
+                q = q
+                    .bind(id.as_bytes().to_vec())
+                    .bind(b"scale-fill".as_slice())
+                    .bind(b"POST /x".as_slice())
+                    .bind(format!("fill-{i}").into_bytes())
+                    .bind(template.fingerprint.as_bytes().as_slice())
+                    .bind("completed")
+                    .bind(token)
+                    .bind(response.as_slice())
+                    .bind(template.created_at.0)
+                    .bind(template.started_at.0)
+                    .bind(template.lease_expires_at.0)
+                    .bind(template.expires_at.0);
+            }
+            q.execute(&mut *tx).await?;
+            n = end;
+        }
+        tx.commit().await?;
+    }
+    sqlx::raw_sql(&format!("ANALYZE TABLE {table}")).execute(&mut *conn).await?;
+    Ok(())
+}
 
 fn fill_redb(db: &redb::Database, template: &Record, from: u64, to: u64) -> Result<(), BoxError> {
     let mut n = from;
@@ -180,6 +250,7 @@ pub(crate) async fn run(args: ScaleArgs) -> Result<(), BoxError> {
     let mut sizes = args.sizes.clone();
     sizes.sort_unstable();
     let schema = format!("idem_scale_{run}").replace('-', "_");
+    let mut my = None;
     let (store, redb_db, sqlite_path, pg): (Arc<dyn Store>, _, _, _) = match args.backend {
         ScaleBackend::Redb => {
             let store = idem_redb::RedbStore::open(dir.path().join("scale.redb"), idem_redb::Config::default())?;
@@ -201,6 +272,15 @@ pub(crate) async fn run(args: ScaleArgs) -> Result<(), BoxError> {
                 .with_max_connections(args.endpoints.pg_pool);
             let store = idem_postgres::PostgresStore::connect(&args.endpoints.postgres_url, config).await?;
             (Arc::new(store.clone()), None, None, Some(store))
+        }
+        ScaleBackend::Mysql => {
+            // Tables of their own (`<schema>_records`, ...), dropped after the run.
+            let config = idem_mysql::Config::default()
+                .with_table_prefix(schema.clone())
+                .with_max_connections(args.endpoints.mysql_pool);
+            let store = idem_mysql::MySqlStore::connect(&args.endpoints.mysql_url, config).await?;
+            my = Some(store.clone());
+            (Arc::new(store), None, None, None)
         }
     };
     let cycle = {
@@ -225,6 +305,7 @@ pub(crate) async fn run(args: ScaleArgs) -> Result<(), BoxError> {
         ScaleBackend::Redb => "redb",
         ScaleBackend::Sqlite => "sqlite",
         ScaleBackend::Postgres => "postgres",
+        ScaleBackend::Mysql => "mysql",
     };
     let result = async {
         for &size in &sizes {
@@ -233,6 +314,10 @@ pub(crate) async fn run(args: ScaleArgs) -> Result<(), BoxError> {
             let target = size.saturating_sub(next);
             if target > filled {
                 match (&redb_db, &sqlite_path, &pg) {
+                    _ if my.is_some() => {
+                        let store = my.as_ref().expect("checked");
+                        fill_mysql(store, &schema, &template, filled, target).await?;
+                    }
                     (Some(db), _, _) => {
                         let (db, t) = (Arc::clone(db), template.clone());
                         tokio::task::spawn_blocking(move || fill_redb(&db, &t, filled, target)).await??;
@@ -272,6 +357,10 @@ pub(crate) async fn run(args: ScaleArgs) -> Result<(), BoxError> {
     if let Some(store) = &pg {
         let drop = format!("DROP SCHEMA IF EXISTS {schema} CASCADE");
         idem_postgres::sqlx::raw_sql(&drop).execute(store.pool()).await?;
+    }
+    if let Some(store) = &my {
+        let drop = format!("DROP TABLE IF EXISTS `{schema}_journal`, `{schema}_records`, `{schema}_schema_migrations`");
+        idem_mysql::sqlx::raw_sql(&drop).execute(store.pool()).await?;
     }
     result?;
     println!("(one cycle = claim + complete of a fresh key; live = completed, unexpired records in the store)");
