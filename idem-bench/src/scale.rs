@@ -335,8 +335,18 @@ pub(crate) async fn run(args: ScaleArgs) -> Result<(), BoxError> {
             // A short warm-up on the grown table, then the measured cycles.
             drive(Arc::clone(&cycle), args.concurrency, next, 200).await?;
             next += 200;
+            let before = match &my {
+                Some(store) => Some(InnoDb::read(store.pool()).await?),
+                None => None,
+            };
             let summary = drive(Arc::clone(&cycle), args.concurrency, next, args.count).await?;
             next += args.count;
+            let innodb = match (&my, before) {
+                (Some(store), Some(before)) => {
+                    Some(InnoDb::read(store.pool()).await?.since(before, summary.cycles, store, &schema).await?)
+                }
+                _ => None,
+            };
             let p50 = summary.quantile_ms(0.5);
             let first = *first_p50.get_or_insert(p50);
             println!(
@@ -350,6 +360,9 @@ pub(crate) async fn run(args: ScaleArgs) -> Result<(), BoxError> {
                 p50 / first,
                 fill_s
             );
+            if let Some(line) = innodb {
+                println!("          {line}");
+            }
         }
         Ok::<(), BoxError>(())
     }
@@ -365,4 +378,76 @@ pub(crate) async fn run(args: ScaleArgs) -> Result<(), BoxError> {
     result?;
     println!("(one cycle = claim + complete of a fresh key; live = completed, unexpired records in the store)");
     Ok(())
+}
+
+/// InnoDB's counters (`SHOW GLOBAL STATUS`), read around the measured cycles of a MySQL
+/// size: what one cycle costs the server in page reads from disk, pages written and
+/// fsyncs. Global, so anything else the server runs meanwhile is counted too.
+#[derive(Clone, Copy, Debug, Default)]
+struct InnoDb {
+    /// `Innodb_buffer_pool_read_requests`: page reads (logical).
+    page_reads: u64,
+    /// `Innodb_buffer_pool_reads`: page reads the buffer pool missed (from disk).
+    disk_reads: u64,
+    /// `Innodb_buffer_pool_pages_flushed`: pages written back.
+    pages_flushed: u64,
+    /// `Innodb_data_fsyncs`.
+    fsyncs: u64,
+}
+
+impl InnoDb {
+    async fn read(pool: &idem_mysql::sqlx::MySqlPool) -> Result<Self, BoxError> {
+        use idem_mysql::sqlx::{self, Row as _};
+        let rows = sqlx::raw_sql(
+            "SHOW GLOBAL STATUS WHERE Variable_name IN ('Innodb_buffer_pool_read_requests', \
+             'Innodb_buffer_pool_reads', 'Innodb_buffer_pool_pages_flushed', 'Innodb_data_fsyncs')",
+        )
+        .fetch_all(pool)
+        .await?;
+        let mut out = Self::default();
+        for row in rows {
+            let (name, value): (String, String) = (row.try_get(0)?, row.try_get(1)?);
+            let value: u64 = value.parse()?;
+            match name.to_ascii_lowercase().as_str() {
+                "innodb_buffer_pool_read_requests" => out.page_reads = value,
+                "innodb_buffer_pool_reads" => out.disk_reads = value,
+                "innodb_buffer_pool_pages_flushed" => out.pages_flushed = value,
+                "innodb_data_fsyncs" => out.fsyncs = value,
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+
+    /// The counters per cycle since `before`, with the records table's size and the
+    /// buffer pool's.
+    async fn since(
+        self,
+        before: Self,
+        cycles: u64,
+        store: &idem_mysql::MySqlStore,
+        prefix: &str,
+    ) -> Result<String, BoxError> {
+        let c = cycles.max(1) as f64;
+        let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / c;
+        let table: i64 = idem_mysql::sqlx::query_scalar(
+            "SELECT CAST(COALESCE(SUM(data_length + index_length), 0) AS SIGNED) FROM information_schema.tables \
+             WHERE table_schema = DATABASE() AND table_name = ?",
+        )
+        .bind(format!("{prefix}_records"))
+        .fetch_one(store.pool())
+        .await?;
+        let pool: i64 = idem_mysql::sqlx::query_scalar("SELECT CAST(@@innodb_buffer_pool_size AS SIGNED)")
+            .fetch_one(store.pool())
+            .await?;
+        Ok(format!(
+            "per cycle: {:.1} page reads, {:.2} from disk, {:.2} pages flushed, {:.2} fsyncs; table {} MiB, buffer pool {} MiB",
+            per(self.page_reads, before.page_reads),
+            per(self.disk_reads, before.disk_reads),
+            per(self.pages_flushed, before.pages_flushed),
+            per(self.fsyncs, before.fsyncs),
+            table >> 20,
+            pool >> 20
+        ))
+    }
 }
