@@ -276,9 +276,10 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// The server's statement counters (`SHOW GLOBAL STATUS`), read around each measured slice
-/// of a MySQL run: how many statements and round trips a cycle costs on each side. Global,
-/// so anything else the server runs meanwhile is counted too.
+/// The server's statement counters (`SHOW GLOBAL STATUS`) and this process's CPU time,
+/// read around each measured slice of a MySQL run: how many statements and round trips a
+/// cycle costs on each side, and how much client CPU. The counters are global, so anything
+/// else the server runs meanwhile is counted too.
 #[derive(Clone, Copy, Debug, Default)]
 struct Statements {
     /// `Questions`: statements the clients sent (text and prepared executions).
@@ -287,6 +288,8 @@ struct Statements {
     executes: u64,
     /// `Com_stmt_prepare`: statements prepared.
     prepares: u64,
+    /// CPU time of this process (every thread): the client's side of the cycles.
+    cpu: std::time::Duration,
 }
 
 impl Statements {
@@ -294,12 +297,13 @@ impl Statements {
     async fn read(pool: Option<&idem_mysql::sqlx::MySqlPool>) -> Result<Self, BoxError> {
         use idem_mysql::sqlx::{self, Row as _};
         let Some(pool) = pool else { return Ok(Self::default()) };
+        let cpu = crate::http::process_cpu();
         let rows = sqlx::raw_sql(
             "SHOW GLOBAL STATUS WHERE Variable_name IN ('Questions', 'Com_stmt_execute', 'Com_stmt_prepare')",
         )
         .fetch_all(pool)
         .await?;
-        let mut out = Self::default();
+        let mut out = Self { cpu, ..Self::default() };
         for row in rows {
             let (name, value): (String, String) = (row.try_get(0)?, row.try_get(1)?);
             let value = value.parse()?;
@@ -318,15 +322,17 @@ impl Statements {
         self.questions += after.questions.saturating_sub(before.questions).saturating_sub(1);
         self.executes += after.executes.saturating_sub(before.executes);
         self.prepares += after.prepares.saturating_sub(before.prepares);
+        self.cpu += after.cpu.saturating_sub(before.cpu);
     }
 
     fn per_cycle(&self, cycles: u64) -> String {
         let c = cycles.max(1) as f64;
         format!(
-            "{:.2} (of which {:.2} prepared executions, {:.3} prepares)",
+            "{:.2} (of which {:.2} prepared executions, {:.3} prepares), client CPU {:.0} us",
             self.questions as f64 / c,
             self.executes as f64 / c,
-            self.prepares as f64 / c
+            self.prepares as f64 / c,
+            self.cpu.as_secs_f64() * 1e6 / c
         )
     }
 }
