@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use idem_core::{BoxError, ClaimOutcome, FencingToken, Record, RecordId, RecordState, Store, UnixMillis};
 
 use crate::Endpoints;
-use crate::workload::{Workload, drive};
+use crate::workload::{Summary, Workload, drive};
 
 /// Backends with a table to fill.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -40,6 +40,14 @@ pub(crate) struct ScaleArgs {
     /// Claim + complete cycles measured at each size.
     #[arg(long, default_value_t = 5000)]
     count: u64,
+    /// With `--backend mysql`: one store (tables of their own) per size, all filled first,
+    /// then measured in alternating slices (forward, then backward order, `--rounds`
+    /// times), so a change in the machine's load hits every size alike.
+    #[arg(long)]
+    interleave: bool,
+    /// Slices per size with `--interleave` (the count is split among them).
+    #[arg(long, default_value_t = 8)]
+    rounds: u64,
     #[command(flatten)]
     endpoints: Endpoints,
 }
@@ -243,6 +251,9 @@ async fn fill_postgres(
 
 /// Runs the sizes and prints a row per size.
 pub(crate) async fn run(args: ScaleArgs) -> Result<(), BoxError> {
+    if args.interleave {
+        return run_mysql_interleaved(args).await;
+    }
     let run = crate::run_id();
     let dir = crate::bench_dir()?;
     let work = Arc::new(Workload::new(&run, 256));
@@ -450,4 +461,93 @@ impl InnoDb {
             pool >> 20
         ))
     }
+}
+
+/// `--interleave` (MySQL only): a store per size on tables of its own, each filled to its
+/// size, then `--count` cycles per size measured in `--rounds` alternating slices; the
+/// tables are dropped at the end.
+async fn run_mysql_interleaved(args: ScaleArgs) -> Result<(), BoxError> {
+    if args.backend != ScaleBackend::Mysql {
+        return Err("--interleave goes with --backend mysql".into());
+    }
+    let run = crate::run_id();
+    let work = Arc::new(Workload::new(&run, 256));
+    let template = template(&work);
+    let mut sizes = args.sizes.clone();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let mut stores = Vec::new();
+    let result = async {
+        for (n, &size) in sizes.iter().enumerate() {
+            let prefix = format!("idem_scale_{run}_{n}");
+            let config = idem_mysql::Config::default()
+                .with_table_prefix(prefix.clone())
+                .with_max_connections(args.endpoints.mysql_pool);
+            let store = idem_mysql::MySqlStore::connect(&args.endpoints.mysql_url, config).await?;
+            stores.push((store.clone(), prefix.clone()));
+            let started = Instant::now();
+            fill_mysql(&store, &prefix, &template, 0, size).await?;
+            println!("filled {size} records into `{prefix}_records` in {:.1} s", started.elapsed().as_secs_f64());
+        }
+        let cycles: Vec<_> = stores
+            .iter()
+            .map(|(store, _)| {
+                let (store, work) = (Arc::new(store.clone()), Arc::clone(&work));
+                Arc::new(move |i: u64| {
+                    let (store, work) = (Arc::clone(&store), Arc::clone(&work));
+                    async move {
+                        let ClaimOutcome::Claimed(r) = store.claim(work.request("lib", i)).await? else {
+                            return Err::<(), BoxError>("fresh key not claimed".into());
+                        };
+                        store.complete(r.id, r.token, work.response()).await?;
+                        Ok(())
+                    }
+                })
+            })
+            .collect();
+        for cycle in &cycles {
+            drive(Arc::clone(cycle), args.concurrency, 0, 200).await?;
+        }
+        let rounds = args.rounds.max(1);
+        let slice = (args.count / rounds).max(1);
+        let mut sums: Vec<Summary> = vec![Summary::default(); cycles.len()];
+        for r in 0..rounds {
+            let first = 200 + r * slice;
+            let order: Vec<usize> =
+                if r % 2 == 0 { (0..cycles.len()).collect() } else { (0..cycles.len()).rev().collect() };
+            for k in order {
+                sums[k].merge(drive(Arc::clone(&cycles[k]), args.concurrency, first, slice).await?);
+            }
+        }
+        println!(
+            "{:<9} {:>12} {:>8} {:>10} {:>9} {:>9} {:>11}",
+            "backend", "live", "cycles", "cycles/s", "p50 ms", "p99 ms", "p50 / first"
+        );
+        let first = sums[0].quantile_ms(0.5);
+        for (size, sum) in sizes.iter().zip(&sums) {
+            let p50 = sum.quantile_ms(0.5);
+            println!(
+                "{:<9} {:>12} {:>8} {:>10.0} {:>9.3} {:>9.3} {:>10.2}x",
+                "mysql",
+                size + 200 + sum.cycles,
+                sum.cycles,
+                sum.rate(),
+                p50,
+                sum.quantile_ms(0.99),
+                p50 / first
+            );
+        }
+        Ok::<(), BoxError>(())
+    }
+    .await;
+    for (store, prefix) in &stores {
+        let drop = format!("DROP TABLE IF EXISTS `{prefix}_journal`, `{prefix}_records`, `{prefix}_schema_migrations`");
+        idem_mysql::sqlx::raw_sql(&drop).execute(store.pool()).await?;
+    }
+    result?;
+    println!(
+        "(one cycle = claim + complete of a fresh key; sizes measured in {} alternating slices each; live = at the end)",
+        args.rounds.max(1)
+    );
+    Ok(())
 }
