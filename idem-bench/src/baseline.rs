@@ -11,6 +11,10 @@
 //!   `SET key value NX GET PX` to replay, through the store's own `ConnectionManager`.
 //! - Postgres: the store's own claim and complete statements ([`idem_postgres::Statement`])
 //!   sent by hand with sqlx through the store's own pool, without decoding rows into records.
+//! - MySQL / MariaDB: the store's own transactions (`BEGIN`, `SELECT ... FOR UPDATE`, the
+//!   server-clock `SELECT`, `INSERT` or `UPDATE` of every column, `COMMIT`), with the
+//!   store's statement text, sent by hand with sqlx through the store's own pool, without
+//!   decoding rows into records.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -378,4 +382,163 @@ impl PostgresByHand {
 /// Lower-case hex.
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The record columns of idem-mysql's table, in the order its statements name them. Copied
+/// from `idem-mysql/src/sql.rs` (`COLUMNS`, private there): keep the two in step.
+pub(crate) const MYSQL_COLUMNS: [&str; 12] = [
+    "id",
+    "principal",
+    "endpoint",
+    "idem_key",
+    "fingerprint",
+    "state",
+    "token",
+    "response",
+    "created_at",
+    "started_at",
+    "lease_expires_at",
+    "expires_at",
+];
+
+/// The store's clock read, copied from `idem-mysql/src/sql.rs` (`SERVER_NOW_MS`) as
+/// `idem-mysql/src/store.rs` (`MySqlStore::now`) sends it.
+const MYSQL_NOW: &str =
+    "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED)";
+
+/// The statements a claim and a completion send, with the text idem-mysql builds in
+/// `Statements::for_prefix` (`idem-mysql/src/sql.rs`, private there): `lock`, `insert`,
+/// `update`.
+#[derive(Clone, Debug)]
+pub(crate) struct MySqlStatements {
+    /// The quoted records table, `` `<prefix>_records` ``.
+    pub(crate) table: String,
+    lock: String,
+    insert: String,
+    update: String,
+}
+
+impl MySqlStatements {
+    pub(crate) fn for_prefix(prefix: &str) -> Self {
+        let table = format!("`{prefix}_records`");
+        let cols = MYSQL_COLUMNS.join(", ");
+        let marks = vec!["?"; MYSQL_COLUMNS.len()].join(", ");
+        let sets = MYSQL_COLUMNS[1..].iter().map(|c| format!("{c} = ?")).collect::<Vec<_>>().join(", ");
+        Self {
+            lock: format!("SELECT {cols} FROM {table} WHERE id = ? FOR UPDATE"),
+            insert: format!("INSERT INTO {table} ({cols}) VALUES ({marks})"),
+            update: format!("UPDATE {table} SET {sets} WHERE id = ?"),
+            table,
+        }
+    }
+}
+
+/// MySQL or MariaDB, the store's transactions by hand through the store's pool: per
+/// operation one pooled connection, `BEGIN` and `COMMIT` as text (as the store sends
+/// them), and the locking read, the clock read and the write as prepared statements. The
+/// locked row is not decoded into a record: the completion checks its `token` and `state`
+/// columns, the replay its `state` column.
+#[derive(Clone, Debug)]
+pub(crate) struct MySqlByHand {
+    pool: idem_mysql::sqlx::MySqlPool,
+    sql: MySqlStatements,
+}
+
+impl MySqlByHand {
+    /// Sends on `pool` (the store's own) to the tables of `prefix`.
+    pub(crate) fn new(pool: idem_mysql::sqlx::MySqlPool, prefix: &str) -> Self {
+        Self { pool, sql: MySqlStatements::for_prefix(prefix) }
+    }
+
+    /// One cycle: the claim's transaction (lock finds nothing, clock, `INSERT`), the
+    /// completion's (lock, clock, `UPDATE`), and the replay's (lock, clock, nothing to
+    /// write), each committed.
+    pub(crate) async fn cycle(
+        &self,
+        req: ClaimRequest,
+        response: StoredResponse,
+        replay: bool,
+    ) -> Result<(), BoxError> {
+        use idem_mysql::sqlx::{self, Executor as _, Row as _};
+        let record_id = req.id();
+        let id = record_id.as_bytes().as_slice();
+        let (principal, endpoint) =
+            (req.scope().principal.as_str().as_bytes(), req.scope().endpoint.as_str().as_bytes());
+        let fingerprint = req.fingerprint();
+        let (key, fingerprint) = (req.key().as_str().as_bytes(), fingerprint.as_bytes().as_slice());
+
+        // Claim.
+        let mut conn = self.pool.acquire().await?;
+        conn.execute(sqlx::raw_sql("BEGIN")).await?;
+        let row = sqlx::query(&self.sql.lock).bind(id).fetch_optional(&mut *conn).await?;
+        let now: i64 = sqlx::query_scalar(MYSQL_NOW).fetch_one(&mut *conn).await?;
+        if row.is_some() {
+            conn.execute(sqlx::raw_sql("ROLLBACK")).await?;
+            return Err(fail("mysql baseline: fresh key not claimed"));
+        }
+        let token = i64::try_from(idem_core::FencingToken::first_at(idem_core::UnixMillis(now)).0)?;
+        let (lease_end, expires) = (now + req.lease_ms(), now + req.retention_ms());
+        sqlx::query(&self.sql.insert)
+            .bind(id)
+            .bind(principal)
+            .bind(endpoint)
+            .bind(key)
+            .bind(fingerprint)
+            .bind("in_flight")
+            .bind(token)
+            .bind(None::<Vec<u8>>)
+            .bind(now)
+            .bind(now)
+            .bind(lease_end)
+            .bind(expires)
+            .execute(&mut *conn)
+            .await?;
+        conn.execute(sqlx::raw_sql("COMMIT")).await?;
+        drop(conn);
+
+        // Complete.
+        let mut conn = self.pool.acquire().await?;
+        conn.execute(sqlx::raw_sql("BEGIN")).await?;
+        let row = sqlx::query(&self.sql.lock).bind(id).fetch_optional(&mut *conn).await?;
+        let _now: i64 = sqlx::query_scalar(MYSQL_NOW).fetch_one(&mut *conn).await?;
+        let owned = match &row {
+            Some(row) => row.try_get::<i64, _>(6)? == token && row.try_get::<&str, _>(5)? == "in_flight",
+            None => false,
+        };
+        if !owned {
+            conn.execute(sqlx::raw_sql("ROLLBACK")).await?;
+            return Err(fail("mysql baseline: lease lost"));
+        }
+        sqlx::query(&self.sql.update)
+            .bind(principal)
+            .bind(endpoint)
+            .bind(key)
+            .bind(fingerprint)
+            .bind("completed")
+            .bind(token)
+            .bind(Some(idem_core::codec::encode_response(&response)))
+            .bind(now)
+            .bind(now)
+            .bind(lease_end)
+            .bind(expires)
+            .bind(id)
+            .execute(&mut *conn)
+            .await?;
+        conn.execute(sqlx::raw_sql("COMMIT")).await?;
+        drop(conn);
+        if !replay {
+            return Ok(());
+        }
+
+        // Replay: the claim's transaction finds the completed row and writes nothing.
+        let mut conn = self.pool.acquire().await?;
+        conn.execute(sqlx::raw_sql("BEGIN")).await?;
+        let row = sqlx::query(&self.sql.lock).bind(id).fetch_optional(&mut *conn).await?;
+        let _now: i64 = sqlx::query_scalar(MYSQL_NOW).fetch_one(&mut *conn).await?;
+        conn.execute(sqlx::raw_sql("COMMIT")).await?;
+        match row {
+            Some(row) if row.try_get::<&str, _>(5)? == "completed" => Ok(()),
+            _ => Err(fail("mysql baseline: replay did not find the response")),
+        }
+    }
 }

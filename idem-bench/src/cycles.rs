@@ -10,7 +10,7 @@ use idem_postgres::PostgresStore;
 use idem_redb::RedbStore;
 use idem_redis::RedisStore;
 
-use crate::baseline::{NaiveRedb, NaiveSqlite, PostgresByHand, RedisByHand};
+use crate::baseline::{MySqlByHand, MySqlStatements, NaiveRedb, NaiveSqlite, PostgresByHand, RedisByHand};
 use crate::workload::{Summary, Workload, drive};
 use crate::{Backend, Endpoints};
 
@@ -55,6 +55,7 @@ enum Baseline {
     Redis(RedisByHand),
     // Boxed: it holds the store's prepared statements, several times the other variants.
     Postgres(Box<PostgresByHand>),
+    Mysql(Box<MySqlByHand>),
 }
 
 impl Baseline {
@@ -67,6 +68,7 @@ impl Baseline {
             Baseline::Sqlite(b) => b.cycle(req, response, replay).await,
             Baseline::Redis(b) => b.cycle(req, response, replay).await,
             Baseline::Postgres(b) => b.cycle(req, response, replay).await,
+            Baseline::Mysql(b) => b.cycle(req, response, replay).await,
         }
     }
 }
@@ -97,6 +99,7 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
     let work = Arc::new(Workload::new(&run, args.body_bytes));
     let mut redb_store = None;
     let mut cleanup_pg = None;
+    let mut mysql_store = None;
     let (library, baseline): (Arc<dyn Store>, Baseline) = match args.backend {
         Backend::Memory => (Arc::new(MemoryStore::new()), Baseline::None),
         Backend::Redb => {
@@ -133,6 +136,15 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
             let hand = PostgresByHand::new(&store);
             (Arc::new(store), Baseline::Postgres(Box::new(hand)))
         }
+        Backend::Mysql => {
+            let config = idem_mysql::Config::default()
+                .with_table_prefix(crate::MYSQL_PREFIX)
+                .with_max_connections(args.endpoints.mysql_pool);
+            let store = idem_mysql::MySqlStore::connect(&args.endpoints.mysql_url, config).await?;
+            mysql_store = Some(store.clone());
+            let hand = MySqlByHand::new(store.pool().clone(), crate::MYSQL_PREFIX);
+            (Arc::new(store), Baseline::Mysql(Box::new(hand)))
+        }
     };
     let baseline = Arc::new(baseline);
     let replay = !args.no_replay;
@@ -163,14 +175,22 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
     let rounds = args.rounds.max(1);
     let slice = (args.count / rounds).max(1);
     let (mut lib_sum, mut base_sum) = (Summary::default(), Summary::default());
+    let (mut lib_statements, mut base_statements) = (Statements::default(), Statements::default());
+    let pool = mysql_store.as_ref().map(|s| s.pool().clone());
     for r in 0..rounds {
         let first = warm + r * slice;
         if r % 2 == 0 && has_baseline {
+            let before = Statements::read(pool.as_ref()).await?;
             base_sum.merge(drive(Arc::clone(&base), args.concurrency, first, slice).await?);
+            base_statements.add(before, Statements::read(pool.as_ref()).await?);
         }
+        let before = Statements::read(pool.as_ref()).await?;
         lib_sum.merge(drive(Arc::clone(&lib), args.concurrency, first, slice).await?);
+        lib_statements.add(before, Statements::read(pool.as_ref()).await?);
         if r % 2 == 1 && has_baseline {
+            let before = Statements::read(pool.as_ref()).await?;
             base_sum.merge(drive(Arc::clone(&base), args.concurrency, first, slice).await?);
+            base_statements.add(before, Statements::read(pool.as_ref()).await?);
         }
     }
     let per_batch = match (redb_store.as_ref().map(RedbStore::batch_stats), stats_before) {
@@ -179,6 +199,10 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
         }
         _ => None,
     };
+    if let Some(store) = &mysql_store {
+        let sql = format!("DELETE FROM {} WHERE principal = ?", MySqlStatements::for_prefix(crate::MYSQL_PREFIX).table);
+        idem_mysql::sqlx::query(&sql).bind(work.principal.as_bytes()).execute(store.pool()).await?;
+    }
     if let Some(store) = cleanup_pg {
         let sql = format!("DELETE FROM {}.records WHERE principal = $1", crate::PG_SCHEMA);
         idem_postgres::sqlx::query(&sql).bind(work.principal.as_bytes()).execute(store.pool()).await?;
@@ -216,6 +240,13 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
         per_batch.map_or_else(|| "-".into(), |b| format!("{b:.1}")),
     );
     println!("(one cycle = {cycle}; each store call is one op, so ops/s = {} x cycles/s)", if replay { 3 } else { 2 });
+    if pool.is_some() {
+        println!(
+            "statements per cycle (server counters, whole server): library {}, by hand {}",
+            lib_statements.per_cycle(lib_sum.cycles),
+            base_statements.per_cycle(base_sum.cycles)
+        );
+    }
     if let Some(path) = args.csv {
         let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
         writeln!(
@@ -243,4 +274,65 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
         }
     }
     Ok(())
+}
+
+/// The server's statement counters (`SHOW GLOBAL STATUS`) and this process's CPU time,
+/// read around each measured slice of a MySQL run: how many statements and round trips a
+/// cycle costs on each side, and how much client CPU. The counters are global, so anything
+/// else the server runs meanwhile is counted too.
+#[derive(Clone, Copy, Debug, Default)]
+struct Statements {
+    /// `Questions`: statements the clients sent (text and prepared executions).
+    questions: u64,
+    /// `Com_stmt_execute`: prepared-statement executions.
+    executes: u64,
+    /// `Com_stmt_prepare`: statements prepared.
+    prepares: u64,
+    /// CPU time of this process (every thread): the client's side of the cycles.
+    cpu: std::time::Duration,
+}
+
+impl Statements {
+    /// The counters now; zeros without a MySQL pool.
+    async fn read(pool: Option<&idem_mysql::sqlx::MySqlPool>) -> Result<Self, BoxError> {
+        use idem_mysql::sqlx::{self, Row as _};
+        let Some(pool) = pool else { return Ok(Self::default()) };
+        let cpu = crate::http::process_cpu();
+        let rows = sqlx::raw_sql(
+            "SHOW GLOBAL STATUS WHERE Variable_name IN ('Questions', 'Com_stmt_execute', 'Com_stmt_prepare')",
+        )
+        .fetch_all(pool)
+        .await?;
+        let mut out = Self { cpu, ..Self::default() };
+        for row in rows {
+            let (name, value): (String, String) = (row.try_get(0)?, row.try_get(1)?);
+            let value = value.parse()?;
+            match name.to_ascii_lowercase().as_str() {
+                "questions" => out.questions = value,
+                "com_stmt_execute" => out.executes = value,
+                "com_stmt_prepare" => out.prepares = value,
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+
+    /// Adds the difference `after - before`, less the one statement that read `after`.
+    fn add(&mut self, before: Self, after: Self) {
+        self.questions += after.questions.saturating_sub(before.questions).saturating_sub(1);
+        self.executes += after.executes.saturating_sub(before.executes);
+        self.prepares += after.prepares.saturating_sub(before.prepares);
+        self.cpu += after.cpu.saturating_sub(before.cpu);
+    }
+
+    fn per_cycle(&self, cycles: u64) -> String {
+        let c = cycles.max(1) as f64;
+        format!(
+            "{:.2} (of which {:.2} prepared executions, {:.3} prepares), client CPU {:.0} us",
+            self.questions as f64 / c,
+            self.executes as f64 / c,
+            self.prepares as f64 / c,
+            self.cpu.as_secs_f64() * 1e6 / c
+        )
+    }
 }

@@ -250,7 +250,7 @@ struct WrkResult {
 }
 
 /// CPU time this process has run so far, every thread: the servers run in it.
-fn process_cpu() -> std::time::Duration {
+pub(crate) fn process_cpu() -> std::time::Duration {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
     std::time::Duration::new(u64::try_from(t.tv_sec).unwrap_or(0), u32::try_from(t.tv_nsec).unwrap_or(0))
 }

@@ -7,6 +7,8 @@
 //! ```text
 //! cargo build --release -p idem-bench
 //! idem-bench cycles --backend redb --concurrency 32        # library vs naive, one row
+//! idem-bench cycles --backend mysql --no-replay            # MySqlStore vs its statements by hand
+//! idem-bench scale --backend mysql --sizes 10000,1000000   # claim + complete as the table grows
 //! idem-bench http --store memory --mode first              # layer vs bare handler (needs wrk)
 //! idem-bench size --backend sqlite                         # bytes per record
 //! idem-bench sweep --backend redb --records 1000000        # peak RSS while sweeping
@@ -20,7 +22,7 @@
 //! - `workload`: the shared request/response shape and the concurrent driver (latencies
 //!   of every cycle, sorted for p50/p99).
 //! - `baseline`: the raw baselines (naive one-commit-per-write redb and SQLite, Redis
-//!   round trips by hand, the Postgres statements by hand).
+//!   round trips by hand, the Postgres statements by hand, the MySQL transactions by hand).
 //! - `cycles`: library against baseline, claim -> complete -> replay.
 //! - `http`: an axum handler with and without `idem_http::IdempotencyLayer`, loaded by `wrk`.
 //! - `seal`: sealed against unsealed stored responses behind the layer, in process.
@@ -57,6 +59,10 @@ use idem_core::BoxError;
 
 /// The Postgres schema every benchmark uses (its own, so it never touches the tests' tables).
 pub(crate) const PG_SCHEMA: &str = "idem_bench";
+
+/// The MySQL table prefix of `cycles` (its own, so it never touches the tests' tables;
+/// `scale` uses one per run and drops it).
+pub(crate) const MYSQL_PREFIX: &str = "idem_bench";
 
 #[derive(Debug, Parser)]
 #[command(
@@ -109,6 +115,8 @@ pub(crate) enum Backend {
     Redis,
     /// `idem_postgres::PostgresStore`.
     Postgres,
+    /// `idem_mysql::MySqlStore` (MySQL 8 or MariaDB 10.11).
+    Mysql,
 }
 
 impl Backend {
@@ -119,6 +127,7 @@ impl Backend {
             Backend::Sqlite => "sqlite",
             Backend::Redis => "redis",
             Backend::Postgres => "postgres",
+            Backend::Mysql => "mysql",
         }
     }
 }
@@ -135,6 +144,12 @@ pub(crate) struct Endpoints {
     /// Postgres pool size (library and baseline share the pool).
     #[arg(long, default_value_t = 16)]
     pg_pool: usize,
+    /// MySQL or MariaDB URL.
+    #[arg(long, default_value = "mysql://root@127.0.0.1:3306/test")]
+    mysql_url: String,
+    /// MySQL pool size (library and baseline share the pool; 16 is the store's default).
+    #[arg(long, default_value_t = 16)]
+    mysql_pool: usize,
 }
 
 /// A short random id for this run's keys, principals and prefixes.

@@ -303,6 +303,7 @@ pub(crate) async fn run(args: RenewArgs) -> Result<(), BoxError> {
     }
     let mut cleanup_pg = None;
     let inner: Arc<dyn Store> = match args.backend {
+        Backend::Mysql => return Err("renew is measured for memory, redb, sqlite, redis and postgres".into()),
         Backend::Memory => Arc::new(MemoryStore::new()),
         Backend::Redb => Arc::new(RedbStore::open(dir.path().join("renew.redb"), idem_redb::Config::default())?),
         Backend::Sqlite => {

@@ -100,7 +100,9 @@ pub(crate) async fn run(args: SizeArgs) -> Result<(), BoxError> {
         let work = Arc::new(Workload::new(&run, 0));
         let dir = crate::bench_dir()?;
         let (bytes, method) = match args.backend {
-            Backend::Memory => return Err("size is measured for redb, sqlite, redis and postgres".into()),
+            Backend::Memory | Backend::Mysql => {
+                return Err("size is measured for redb, sqlite, redis and postgres".into());
+            }
             Backend::Redb => {
                 let path = dir.path().join("size.redb");
                 let store = RedbStore::open(&path, idem_redb::Config::default())?;

@@ -79,7 +79,9 @@ pub(crate) async fn run(args: SweepArgs) -> Result<(), BoxError> {
             drop_schema = Some((store.clone(), schema));
             Arc::new(store)
         }
-        Backend::Memory | Backend::Redis => return Err("sweep is measured for redb, sqlite and postgres".into()),
+        Backend::Memory | Backend::Redis | Backend::Mysql => {
+            return Err("sweep is measured for redb, sqlite and postgres".into());
+        }
     };
     let work = Arc::new(Workload::new(&run, 0));
     let load_started = Instant::now();
