@@ -175,6 +175,7 @@ impl Fault {
             Fault::Stall(Backend::Redis),
             Fault::PostgresImmediateRestart,
             Fault::PostgresTerminateBackends,
+            Fault::MySqlRestart,
             Fault::AppKill(Backend::Redb),
             Fault::FullDisk(Backend::Sqlite),
             // redb latches a failed commit until its file is reopened: the row fails unless
