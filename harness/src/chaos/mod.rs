@@ -307,8 +307,14 @@ impl FaultRow {
 #[must_use]
 pub fn tables(rows: &[FaultRow]) -> String {
     let mut out = String::new();
-    let mut backends: Vec<&str> = rows.iter().map(|r| r.backend).collect();
-    backends.dedup();
+    // Each backend once, in the order of its first row: the short pass runs redb, then
+    // SQLite, then redb again, and a `dedup` of neighbours printed redb's table twice.
+    let mut backends: Vec<&str> = Vec::new();
+    for r in rows {
+        if !backends.contains(&r.backend) {
+            backends.push(r.backend);
+        }
+    }
     for b in backends {
         out.push_str(&format!("\n#### {b}\n\n"));
         out.push_str(
@@ -1009,6 +1015,16 @@ mod tests {
         let row = FaultRow { fault: "full disk (tmpfs)".into(), backend: "redb", durable: true, ..FaultRow::default() };
         assert!(!row.failed());
         assert!(FaultRow { recovery_ms: u64::MAX, ..row }.failed());
+    }
+
+    #[test]
+    fn a_backend_whose_rows_are_apart_gets_one_table() {
+        let row =
+            |fault: &str, backend| FaultRow { fault: fault.into(), backend, durable: true, ..FaultRow::default() };
+        let rows = [row("app server SIGKILL", "redb"), row("full disk", "sqlite"), row("full disk", "redb")];
+        let table = tables(&rows);
+        assert_eq!(table.matches("#### redb").count(), 1, "{table}");
+        assert!(table.find("#### redb") < table.find("#### sqlite"), "{table}");
     }
 
     #[test]
