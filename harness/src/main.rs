@@ -30,12 +30,14 @@ enum Command {
     /// (`POST /v1/workers/{id}/firmware`, `GET /admin/bmc`), faults and crash points.
     Serve(RigServeArgs),
     /// The chaos run: the retry storm against `serve` on real stores (a private
-    /// redis-server, a private PostgreSQL cluster, SQLite and redb files on a small tmpfs)
+    /// redis-server, a private PostgreSQL cluster, a private MariaDB server, a private
+    /// moto_server, SQLite and redb files on a small tmpfs)
     /// while faults hit them; prints one table per backend and exits non-zero on any
     /// phantom worker, extra VM, double flash or lost stored response of a durable
     /// configuration. Uses
     /// loopback ports BASE_PORT to BASE_PORT+3 and temp dirs only; needs redis-server,
-    /// PostgreSQL's initdb, and root for the tmpfs.
+    /// PostgreSQL's initdb, MariaDB's mariadbd and mariadb-install-db, and root for the
+    /// tmpfs.
     Chaos(ChaosArgs),
     /// Storm a running server.
     Storm {
@@ -285,7 +287,9 @@ async fn run(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sy
                 cfg.faults.retain(|f| format!("{} / {}", f.backend().name(), f.label()).contains(only.as_str()));
             }
             if !chaos::uses_private_ports(&cfg) {
-                return Err("--base-port must keep clear of the shared Redis (6379) and Postgres (5432)".into());
+                return Err(
+                    "--base-port must keep clear of the shared Redis (6379), Postgres (5432) and MariaDB (3306)".into(),
+                );
             }
             let rows = chaos::run(&cfg).await?;
             print!("{}", chaos::report(&rows, &cfg));

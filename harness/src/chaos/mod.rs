@@ -2,7 +2,8 @@
 //! hits the store or the server, one row per fault, one table per backend.
 //!
 //! For each fault the run starts its own store server (a private `redis-server`, a private
-//! PostgreSQL cluster made with `initdb`, a private `moto_server` for DynamoDB, a SQLite or
+//! PostgreSQL cluster made with `initdb`, a private MariaDB server made with
+//! `mariadb-install-db`, a private `moto_server` for DynamoDB, a SQLite or
 //! redb file on a small tmpfs) and its
 //! own `idem-harness serve` child, on the loopback ports it is given, in temp dirs; it
 //! drives the storm (every operation one key, kept across retries; a quarter of the
@@ -40,7 +41,8 @@ use idem_client::{IdempotentClient, OperationKey, RetryPolicy};
 use tokio::sync::Semaphore;
 
 use self::servers::{
-    AppServer, PrivateMoto, PrivatePostgres, PrivateRedis, RedisPersistence, ServerError, SmallDisk, signal,
+    AppServer, PrivateMariaDB, PrivateMoto, PrivatePostgres, PrivateRedis, RedisPersistence, ServerError, SmallDisk,
+    signal,
 };
 use crate::firmware::Bmc;
 use crate::storm::{Counts, counts};
@@ -52,6 +54,8 @@ pub enum Backend {
     Redis,
     /// A private PostgreSQL cluster.
     Postgres,
+    /// A private MariaDB server (the `idem-mysql` store).
+    MySql,
     /// A SQLite file.
     Sqlite,
     /// A redb file.
@@ -67,6 +71,7 @@ impl Backend {
         match self {
             Backend::Redis => "redis",
             Backend::Postgres => "postgres",
+            Backend::MySql => "mysql",
             Backend::Sqlite => "sqlite",
             Backend::Redb => "redb",
             Backend::Dynamo => "dynamodb",
@@ -83,6 +88,9 @@ pub enum Fault {
     PostgresImmediateRestart,
     /// `pg_terminate_backend` of every connection of the store's pool.
     PostgresTerminateBackends,
+    /// SIGKILL of the MariaDB server, started again on the same data dir (InnoDB crash
+    /// recovery).
+    MySqlRestart,
     /// SIGSTOP of the store's server processes for the stall time, then SIGCONT.
     Stall(Backend),
     /// SIGKILL of the server under test, restarted on the same store.
@@ -98,6 +106,7 @@ impl Fault {
         match self {
             Fault::RedisRestart(_) => Backend::Redis,
             Fault::PostgresImmediateRestart | Fault::PostgresTerminateBackends => Backend::Postgres,
+            Fault::MySqlRestart => Backend::MySql,
             Fault::Stall(b) | Fault::AppKill(b) | Fault::FullDisk(b) => b,
         }
     }
@@ -109,6 +118,7 @@ impl Fault {
             Fault::RedisRestart(p) => format!("restart, {}", p.label()),
             Fault::PostgresImmediateRestart => "immediate restart".into(),
             Fault::PostgresTerminateBackends => "pg_terminate_backend".into(),
+            Fault::MySqlRestart => "restart (SIGKILL, crash recovery)".into(),
             Fault::Stall(_) => "stall (SIGSTOP)".into(),
             Fault::AppKill(_) => "app server SIGKILL".into(),
             Fault::FullDisk(_) => "full disk (tmpfs)".into(),
@@ -146,6 +156,9 @@ impl Fault {
             Fault::PostgresTerminateBackends,
             Fault::Stall(Backend::Postgres),
             Fault::AppKill(Backend::Postgres),
+            Fault::MySqlRestart,
+            Fault::Stall(Backend::MySql),
+            Fault::AppKill(Backend::MySql),
             Fault::FullDisk(Backend::Sqlite),
             Fault::AppKill(Backend::Sqlite),
             Fault::FullDisk(Backend::Redb),
@@ -162,6 +175,7 @@ impl Fault {
             Fault::Stall(Backend::Redis),
             Fault::PostgresImmediateRestart,
             Fault::PostgresTerminateBackends,
+            Fault::MySqlRestart,
             Fault::AppKill(Backend::Redb),
             Fault::FullDisk(Backend::Sqlite),
             // redb latches a failed commit until its file is reopened: the row fails unless
@@ -293,8 +307,14 @@ impl FaultRow {
 #[must_use]
 pub fn tables(rows: &[FaultRow]) -> String {
     let mut out = String::new();
-    let mut backends: Vec<&str> = rows.iter().map(|r| r.backend).collect();
-    backends.dedup();
+    // Each backend once, in the order of its first row: the short pass runs redb, then
+    // SQLite, then redb again, and a `dedup` of neighbours printed redb's table twice.
+    let mut backends: Vec<&str> = Vec::new();
+    for r in rows {
+        if !backends.contains(&r.backend) {
+            backends.push(r.backend);
+        }
+    }
     for b in backends {
         out.push_str(&format!("\n#### {b}\n\n"));
         out.push_str(
@@ -343,6 +363,7 @@ pub enum ChaosError {
 enum StoreSide {
     Redis(PrivateRedis),
     Postgres(PrivatePostgres),
+    MySql(PrivateMariaDB),
     Dynamo(PrivateMoto),
     File { _dir: tempfile::TempDir, disk: Option<SmallDisk> },
 }
@@ -403,6 +424,11 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
             let pg = blocking(move || PrivatePostgres::start(store_port)).await?;
             let url = pg.url();
             (StoreSide::Postgres(pg), url)
+        }
+        Backend::MySql => {
+            let db = blocking(move || PrivateMariaDB::start(store_port)).await?;
+            let url = db.url();
+            (StoreSide::MySql(db), url)
         }
         Backend::Dynamo => {
             let moto = blocking(move || PrivateMoto::start(store_port)).await?;
@@ -519,6 +545,19 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
             for &p in &pids {
                 signal(p, "CONT")?;
             }
+        }
+        (Fault::MySqlRestart, StoreSide::MySql(db)) => {
+            // Down for a second, as the Redis restart: the storm and the probe meet a
+            // server that refuses connections, then one in crash recovery.
+            db.kill();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            tokio::task::block_in_place(|| db.restart())?;
+        }
+        (Fault::Stall(_), StoreSide::MySql(db)) => {
+            let pid = db.pid().unwrap_or(0);
+            signal(pid, "STOP")?;
+            tokio::time::sleep(cfg.fault_for).await;
+            signal(pid, "CONT")?;
         }
         (Fault::Stall(_), StoreSide::Dynamo(moto)) => {
             let pid = moto.pid().unwrap_or(0);
@@ -918,11 +957,12 @@ pub fn report(rows: &[FaultRow], cfg: &ChaosConfig) -> String {
     out
 }
 
-/// Whether the run's ports stay clear of the shared servers' (Redis 6379, Postgres 5432).
+/// Whether the run's ports stay clear of the shared servers' (Redis 6379, Postgres 5432,
+/// MariaDB 3306).
 #[must_use]
 pub fn uses_private_ports(cfg: &ChaosConfig) -> bool {
     let ports = cfg.base_port..=cfg.base_port + 3;
-    !ports.contains(&6379) && !ports.contains(&5432)
+    !ports.contains(&6379) && !ports.contains(&5432) && !ports.contains(&3306)
 }
 
 #[cfg(test)]
@@ -975,6 +1015,16 @@ mod tests {
         let row = FaultRow { fault: "full disk (tmpfs)".into(), backend: "redb", durable: true, ..FaultRow::default() };
         assert!(!row.failed());
         assert!(FaultRow { recovery_ms: u64::MAX, ..row }.failed());
+    }
+
+    #[test]
+    fn a_backend_whose_rows_are_apart_gets_one_table() {
+        let row =
+            |fault: &str, backend| FaultRow { fault: fault.into(), backend, durable: true, ..FaultRow::default() };
+        let rows = [row("app server SIGKILL", "redb"), row("full disk", "sqlite"), row("full disk", "redb")];
+        let table = tables(&rows);
+        assert_eq!(table.matches("#### redb").count(), 1, "{table}");
+        assert!(table.find("#### redb") < table.find("#### sqlite"), "{table}");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The processes a chaos run starts, faults and cleans up: a private `redis-server`, a
-//! private PostgreSQL cluster (made with `initdb` in a temp dir), a private `moto_server`
+//! private PostgreSQL cluster (made with `initdb` in a temp dir), a private MariaDB server
+//! (made with `mariadb-install-db` in a temp dir), a private `moto_server`
 //! (the DynamoDB emulator), a small tmpfs for the full-disk fault, and the
 //! `idem-harness serve` under test. Everything listens on loopback
 //! ports the run is given and lives in temp dirs; dropping a handle kills its processes
@@ -327,6 +328,168 @@ impl Drop for PrivatePostgres {
         if let Some(mut c) = self.child.take() {
             kill_child(&mut c);
         }
+    }
+}
+
+/// A MariaDB server of this run's own: `mariadb-install-db` into a temp dir, `mariadbd` on
+/// a private loopback port with a socket in that dir, `root` without a password, database
+/// `chaos`. Run as the `mysql` user when this process is root (`mariadbd` refuses to run as
+/// root unless told to, and drops to `--user` itself, so its process id stays the one this
+/// handle signals). InnoDB keeps its defaults where they decide durability (the redo log
+/// flushed at every commit, the doublewrite buffer on) and is only made small.
+#[derive(Debug)]
+pub struct PrivateMariaDB {
+    port: u16,
+    dir: TempDir,
+    child: Option<Child>,
+}
+
+const MARIADBD: &str = "/usr/sbin/mariadbd";
+const MARIADB_INSTALL_DB: &str = "/usr/bin/mariadb-install-db";
+
+/// The database the store's tables go in.
+const MARIADB_DATABASE: &str = "chaos";
+
+impl PrivateMariaDB {
+    /// Makes a data dir with `mariadb-install-db`, starts `mariadbd` on `127.0.0.1:port` and
+    /// creates the database.
+    ///
+    /// # Errors
+    /// [`ServerError`] when the install, the server or the `CREATE DATABASE` fail, or it
+    /// does not accept queries within 30 s.
+    pub fn start(port: u16) -> Result<Self, ServerError> {
+        let dir = tempfile::Builder::new().prefix("idem-chaos-mariadb").tempdir().map_err(|e| failed("temp dir", e))?;
+        if is_root() {
+            let status =
+                Command::new("chown").arg("mysql:mysql").arg(dir.path()).status().map_err(|e| failed("chown", e))?;
+            if !status.success() {
+                return Err(failed("chown mysql", status));
+            }
+        }
+        let mut install = Command::new(MARIADB_INSTALL_DB);
+        // `--no-defaults` first: the machine's my.cnf (the shared server's port, socket and
+        // data dir) must not leak in.
+        install.arg("--no-defaults");
+        if is_root() {
+            install.arg("--user=mysql");
+        }
+        let out = install
+            .arg(format!("--datadir={}", dir.path().join("data").display()))
+            // `root` without a password over TCP (root@127.0.0.1), as the shared server in
+            // `scripts/services` is reached; no `test` database, the run makes its own.
+            .args(["--auth-root-authentication-method=normal", "--skip-test-db"])
+            .args(Self::innodb_args())
+            .output()
+            .map_err(|e| failed(format!("{MARIADB_INSTALL_DB} (install Debian's mariadb-server package)"), e))?;
+        if !out.status.success() {
+            return Err(failed(
+                "mariadb-install-db",
+                format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+            ));
+        }
+        let mut db = Self { port, dir, child: None };
+        db.spawn()?;
+        db.sql(&format!("CREATE DATABASE IF NOT EXISTS {MARIADB_DATABASE}"))?;
+        Ok(db)
+    }
+
+    /// Small, not weakened: a 64 MiB buffer pool and a 16 MiB redo log, so a data dir
+    /// per fault stays cheap; `innodb_flush_log_at_trx_commit` and the doublewrite buffer
+    /// keep their durable defaults (a SIGKILL must lose no committed record).
+    fn innodb_args() -> [&'static str; 2] {
+        ["--innodb-buffer-pool-size=64M", "--innodb-log-file-size=16M"]
+    }
+
+    fn spawn(&mut self) -> Result<(), ServerError> {
+        let mut cmd = Command::new(MARIADBD);
+        cmd.arg("--no-defaults");
+        if is_root() {
+            cmd.arg("--user=mysql");
+        }
+        let path = self.dir.path();
+        let child = cmd
+            .arg(format!("--datadir={}", path.join("data").display()))
+            .arg(format!("--socket={}", path.join("mariadbd.sock").display()))
+            .arg(format!("--pid-file={}", path.join("mariadbd.pid").display()))
+            .arg(format!("--log-error={}", path.join("mariadbd.log").display()))
+            .args([&format!("--port={}", self.port), "--bind-address=127.0.0.1"])
+            // Connections from 127.0.0.1 match root@127.0.0.1 without a DNS lookup.
+            .arg("--skip-name-resolve")
+            .args(Self::innodb_args())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| failed(format!("{MARIADBD} (install Debian's mariadb-server package)"), e))?;
+        self.child = Some(child);
+        wait_port(self.port, Duration::from_secs(30))?;
+        // Ready means a query passes, not only an open port (the same check the start's
+        // `CREATE DATABASE` and a restart's crash recovery need).
+        let end = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < end {
+            if self.sql("SELECT 1").is_ok() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err(failed(
+            "mariadbd",
+            format!("did not accept queries within 30 s; see {}", path.join("mariadbd.log").display()),
+        ))
+    }
+
+    /// `mysql://root@127.0.0.1:PORT/chaos`.
+    #[must_use]
+    pub fn url(&self) -> String {
+        format!("mysql://root@127.0.0.1:{}/{MARIADB_DATABASE}", self.port)
+    }
+
+    /// Runs one statement with the `mariadb` client, over TCP as the store connects.
+    ///
+    /// # Errors
+    /// [`ServerError`] when the client fails.
+    pub fn sql(&self, sql: &str) -> Result<String, ServerError> {
+        let out = Command::new("mariadb")
+            .args(["--no-defaults", "--protocol=TCP", "-h", "127.0.0.1", "-P", &self.port.to_string(), "-u", "root"])
+            .args(["--batch", "--skip-column-names", "--connect-timeout=5", "-e", sql])
+            .output()
+            .map_err(|e| failed("mariadb client", e))?;
+        if !out.status.success() {
+            return Err(failed("mariadb client", String::from_utf8_lossy(&out.stderr)));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// The server's process id (one process: SIGSTOP to it stops every thread).
+    #[must_use]
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Kills the server (SIGKILL: a crash, no clean shutdown, InnoDB recovers from its
+    /// redo log on the next start).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // A stalled run may have stopped it: resume, so the kill is reaped at once.
+            let _ = signal(c.id(), "CONT");
+            kill_child(&mut c);
+        }
+    }
+
+    /// Starts the server again on the same data dir and port (crash recovery when it was
+    /// killed).
+    ///
+    /// # Errors
+    /// [`ServerError`] when it does not come back.
+    pub fn restart(&mut self) -> Result<(), ServerError> {
+        self.kill();
+        self.spawn()
+    }
+}
+
+impl Drop for PrivateMariaDB {
+    fn drop(&mut self) {
+        self.kill();
     }
 }
 

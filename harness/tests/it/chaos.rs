@@ -1,6 +1,7 @@
 //! The short chaos pass: a fault of each kind (a Redis restart with AOF always, a SIGSTOP
-//! stall of Redis, a PostgreSQL immediate restart and `pg_terminate_backend`, a SIGKILL of
-//! the server on redb, a full disk under SQLite and under redb, a SIGSTOP stall of the
+//! stall of Redis, a PostgreSQL immediate restart and `pg_terminate_backend`, a SIGKILL and
+//! restart of a private MariaDB server (InnoDB crash recovery), a SIGKILL of the server on
+//! redb, a full disk under SQLite and under redb, a SIGSTOP stall of the
 //! DynamoDB emulator, a private single-threaded `moto_server`) hit a retry storm of a few hundred
 //! operations, a quarter of them also flashing firmware; a double execution (phantom worker,
 //! extra VM, double flash, on every row, the server SIGKILL included), a lost stored
