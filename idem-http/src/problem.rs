@@ -117,6 +117,7 @@ static TYPE_BASE: std::sync::OnceLock<Box<str>> = std::sync::OnceLock::new();
 /// application documents the kinds. Once per process, before the first problem is answered.
 /// ```standalone_crate
 /// use idem_http::{ProblemKind as K, set_type_base};
+/// assert_eq!(K::from_type_uri("urn:idem:problem:busy"), Some(K::Busy)); // a read fixes nothing
 /// set_type_base("https://api.example.com/problems/").unwrap();
 /// assert_eq!(K::InFlight.type_uri(), "https://api.example.com/problems/in-flight");
 /// assert_eq!(K::from_type_uri("https://api.example.com/problems/mismatch"), Some(K::Mismatch));
@@ -146,7 +147,9 @@ impl ProblemKind {
     /// or the old `urn:idem:problem:` one).
     #[must_use]
     pub fn from_type_uri(uri: &str) -> Option<Self> {
-        let slug = uri.strip_prefix(type_base()).or_else(|| uri.strip_prefix(OLD_BASE))?;
+        // Reading a type never fixes the base: `set_type_base` may still come after.
+        let base = TYPE_BASE.get().map_or(DEFAULT_TYPE_BASE, |b| b);
+        let slug = uri.strip_prefix(base).or_else(|| uri.strip_prefix(OLD_BASE))?;
         Self::ALL.iter().copied().find(|k| k.slug() == slug)
     }
 }
