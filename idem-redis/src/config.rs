@@ -155,20 +155,49 @@ pub(crate) fn persistence_problem(appendonly: &str, appendfsync: &str, save: &st
 /// WAIT then covers the connection's earlier writes). WAIT
 /// blocks the (multiplexed) connection until the acknowledgement or the timeout, so every
 /// concurrent call on the same store waits behind it.
+///
+/// A shard known to have fewer replicas than `replicas` (read at start-up and after
+/// topology changes, or told by a `WAIT` that fell short) gets no `WAIT` it cannot meet: what
+/// it gets instead is the [`Shortfall`] choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReplicaAck {
     /// Replicas that must acknowledge.
     pub(crate) replicas: u32,
     /// How long to wait for them.
     pub(crate) timeout: Duration,
+    /// What a shard with fewer replicas than `replicas` gets.
+    pub(crate) shortfall: Shortfall,
+}
+
+/// What [`ReplicaAck`] does on a shard (or single server) known to have fewer replicas than
+/// it requires; what each loses on a further failure: `docs/contract.md#redis-and-valkey`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Shortfall {
+    /// Refuse its claims and reclaims before writing anything ([`Error::ReplicaShortfall`],
+    /// retryable: a 503 with `Retry-After`), so no handler starts on a record one more
+    /// failure could lose; the other shards keep serving. The writes of claims made before
+    /// (renewals, completions) wait for the replicas there are: refusing them would not undo
+    /// the handler's work, only make a retry run it again. The default.
+    #[default]
+    Strict,
+    /// Acknowledge every write with the replicas there are (none: no `WAIT`), warn, and
+    /// count each such write in `idem_redis_degraded_writes_total`.
+    Degrade,
 }
 
 impl ReplicaAck {
     /// Wait until `replicas` replicas acknowledged each write, for at most `timeout`
-    /// (sent to Redis in whole milliseconds).
+    /// (sent to Redis in whole milliseconds), [`Shortfall::Strict`] on a shard with fewer.
     #[must_use]
     pub const fn new(replicas: u32, timeout: Duration) -> Self {
-        Self { replicas, timeout }
+        Self { replicas, timeout, shortfall: Shortfall::Strict }
+    }
+
+    /// What a shard with fewer replicas than required gets (see [`Shortfall`]).
+    #[must_use]
+    pub const fn with_shortfall(self, shortfall: Shortfall) -> Self {
+        Self { shortfall, ..self }
     }
 
     /// The timeout as `WAIT` takes it, ms.

@@ -53,12 +53,16 @@ pub enum Error {
         /// The setting and what it loses.
         problem: &'static str,
     },
-    /// `WAIT` returned before enough replicas acknowledged the write. The write itself is
-    /// on the primary (WAIT never rolls back); after a claim or a reclaim the store has
-    /// already released it (see [`crate::ReplicaAck`]), so no claim is left that nobody
-    /// owns.
-    #[error("WAIT: {acked} of {wanted} replicas acknowledged the write within {timeout_ms} ms")]
+    /// `WAIT` returned before enough replicas acknowledged the write, or (`timeout_ms` 0) a
+    /// claim under [`crate::Shortfall::Strict`] was refused before writing because its shard
+    /// has too few replicas. A written claim has already been released (see
+    /// [`crate::ReplicaAck`]), so no claim is left that nobody owns.
+    #[error(
+        "replica shortfall on {node}: {acked} of {wanted} replicas acknowledged within {timeout_ms} ms (0: refused before writing)"
+    )]
     ReplicaShortfall {
+        /// The shard's primary (`server` on a single server).
+        node: String,
         /// Replicas that acknowledged.
         acked: u64,
         /// Replicas asked for.

@@ -38,10 +38,11 @@
 mod config;
 mod conn;
 mod error;
+mod replicas;
 mod script;
 mod store;
 
-pub use config::{Config, DEFAULT_PREFIX, EvictionCheck, PersistenceCheck, ReplicaAck};
+pub use config::{Config, DEFAULT_PREFIX, EvictionCheck, PersistenceCheck, ReplicaAck, Shortfall};
 pub use conn::Connection;
 pub use error::Error;
 pub use store::RedisStore;

@@ -127,6 +127,12 @@ impl Call {
         self
     }
 
+    /// The record key and whether the call claims (claim, reclaim), for a write that
+    /// [`ReplicaAck`] covers; `None` for any other call.
+    pub(crate) fn acked(&self) -> Option<(&str, bool)> {
+        (self.op.kind == Kind::AckedWrite).then(|| (self.key.as_str(), matches!(self.op.name, "claim" | "reclaim")))
+    }
+
     fn evalsha(&self) -> redis::Cmd {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(self.op.script.get_hash()).arg(1).arg(self.key.as_str());

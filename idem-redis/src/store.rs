@@ -23,6 +23,7 @@ use redis::cluster::ClusterClientBuilder;
 use crate::config::{CONNECTION_TIMEOUT, Config, Verdict, persistence_problem};
 use crate::conn::Connection;
 use crate::error::Error;
+use crate::replicas::Replicas;
 use crate::script::{Call, Op, Reply, SCRIPTS, encode_scope, load_all, ms_arg, ttl_arg};
 
 /// Idempotency records in Redis (or Valkey), a single node or a Redis Cluster: one hash per
@@ -33,6 +34,7 @@ use crate::script::{Call, Op, Reply, SCRIPTS, encode_scope, load_all, ms_arg, tt
 pub struct RedisStore {
     conn: Connection,
     config: Arc<Config>,
+    replicas: Arc<Replicas>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -111,10 +113,47 @@ impl RedisStore {
     /// As [`RedisStore::connect`], minus the URL.
     pub async fn from_connection(conn: impl Into<Connection>, config: Config) -> Result<Self, Error> {
         config.validate()?;
-        let store = Self { conn: conn.into(), config: Arc::new(config) };
+        let store = Self { conn: conn.into(), config: Arc::new(config), replicas: Arc::default() };
         store.check_servers().await?;
         load_all(&mut store.conn.clone()).await?;
+        if let (Some(_), Err(e)) = (store.config.replica_ack, store.replicas().await) {
+            tracing::warn!(error = %e, "idem-redis: cannot read the primaries' replicas; every write sends its WAIT");
+        }
         Ok(store)
+    }
+
+    /// Each primary (`host:port`, or `server` on a single server) and its replicas: on a
+    /// cluster those `CLUSTER NODES` shows linked and not failed, on a single
+    /// server its `connected_slaves`. Under [`crate::ReplicaAck`] the store also goes by it
+    /// from now on, warning of each primary short of the requirement and setting the
+    /// `idem_redis_replicas` gauge; it reads them itself at start-up and after topology
+    /// changes.
+    ///
+    /// # Errors
+    /// [`Error::Command`] when the server cannot be reached or refuses the command.
+    pub async fn replicas(&self) -> Result<Vec<(String, u32)>, Error> {
+        let mut conn = self.conn.clone();
+        let shards: Vec<(u16, u16, String, u32)> = if self.conn.is_cluster() {
+            let nodes: String = redis::cmd("CLUSTER")
+                .arg("NODES")
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| Error::command("CLUSTER NODES", e))?;
+            shards(&nodes)
+        } else {
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| Error::command("INFO replication", e))?;
+            let n = info.lines().find_map(|l| l.trim().strip_prefix("connected_slaves:")?.parse().ok());
+            vec![(0, 16_383, "server".to_owned(), n.unwrap_or(0))]
+        };
+        let mut primaries: Vec<(String, u32)> = shards.iter().map(|s| (s.2.clone(), s.3)).collect();
+        primaries.sort();
+        primaries.dedup();
+        self.replicas.set(shards, self.config.replica_ack);
+        Ok(primaries)
     }
 
     /// The key of record `id`: `<prefix>{<64 hex digits>}`. The braces make the id the
@@ -258,23 +297,43 @@ impl RedisStore {
         Ok(Call::new(op, self.record_key(id)).arg(clock))
     }
 
+    /// Sends `call`, with the `WAIT` its shard can meet (see [`crate::Shortfall`]); a
+    /// retryable failure may be a topology change, after which the replicas are read again.
     pub(crate) async fn send(&self, call: Call) -> Result<Reply, StoreError> {
-        call.send(self.conn.clone(), self.config.replica_ack).await
+        let (Some(ack), Some((key, claims))) = (self.config.replica_ack, call.acked()) else {
+            return call.send(self.conn.clone(), self.config.replica_ack).await;
+        };
+        if self.replicas.due(ack)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            let store = self.clone();
+            runtime.spawn(async move { store.replicas().await });
+        }
+        let planned = self.replicas.plan(key, ack, claims)?;
+        let mut reply = call.send(self.conn.clone(), Some(planned)).await.inspect_err(|e| {
+            if e.is_retryable() {
+                self.replicas.topology_changed();
+            }
+        })?;
+        if let Some(Ok(acked)) = reply.acked
+            && acked < u64::from(planned.replicas)
+        {
+            let node = self.replicas.fell_short(key, acked, ack);
+            let wanted = u64::from(planned.replicas);
+            reply.acked = Some(Err(Error::ReplicaShortfall { node, acked, wanted, timeout_ms: ack.timeout_ms() }));
+        }
+        Ok(reply)
     }
 
     fn grace_ms(&self) -> i64 {
         duration_ms(self.config.expiry_grace)
     }
 
-    /// After a write that WAIT covered: fails when too few replicas acknowledged it, or
-    /// when WAIT itself failed (the write is on the primary either way).
-    fn check_ack(&self, reply: &mut Reply) -> Result<(), StoreError> {
-        match (self.config.replica_ack, reply.acked.take()) {
-            (Some(ack), Some(Ok(acked))) if acked < u64::from(ack.replicas) => {
-                Err(Error::ReplicaShortfall { acked, wanted: u64::from(ack.replicas), timeout_ms: ack.timeout_ms() }
-                    .into())
-            }
-            (_, Some(Err(e))) => Err(e.into()),
+    /// After a write that WAIT covered: fails when too few replicas acknowledged it (`send`
+    /// made that an error), or when WAIT itself failed (the write is on the primary either way).
+    fn check_ack(reply: &mut Reply) -> Result<(), StoreError> {
+        match reply.acked.take() {
+            Some(Err(e)) => Err(e.into()),
             _ => Ok(()),
         }
     }
@@ -284,7 +343,7 @@ impl RedisStore {
     fn receipt(&self, mut reply: Reply, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
         if reply.is("ok") {
             let receipt = reply.receipt(id)?;
-            self.check_ack(&mut reply)?;
+            Self::check_ack(&mut reply)?;
             Ok(receipt)
         } else if reply.is("lost") {
             Err(reply.lease_lost(id, token))
@@ -301,7 +360,7 @@ impl RedisStore {
     /// If the release itself fails (the primary went away), the claim stays until its lease
     /// ends, as any claim of a crashed holder does.
     async fn check_claim_ack(&self, reply: &mut Reply, record: &Record) -> Result<(), StoreError> {
-        let Err(shortfall) = self.check_ack(reply) else { return Ok(()) };
+        let Err(shortfall) = Self::check_ack(reply) else { return Ok(()) };
         if let Err(e) = self.fail(record.id, record.token).await {
             tracing::warn!(
                 record = %record.id.to_hex(),
@@ -504,6 +563,26 @@ fn glob_escape(s: &str) -> String {
             out.push('\\');
         }
         out.push(c);
+    }
+    out
+}
+
+/// `CLUSTER NODES` as `(first slot, last slot, "host:port", replicas)` for each slot range
+/// of each primary; a replica marked failed (`fail`, `fail?`) or without a link is not
+/// counted.
+fn shards(nodes: &str) -> Vec<(u16, u16, String, u32)> {
+    let lines: Vec<Vec<&str>> =
+        nodes.lines().map(|l| l.split_whitespace().collect()).filter(|f: &Vec<_>| f.len() >= 8).collect();
+    let mut out = Vec::new();
+    for p in lines.iter().filter(|f| f[2].contains("master") && !f[2].contains("fail")) {
+        let addr = p[1].split('@').next().unwrap_or(p[1]);
+        let n = lines.iter().filter(|r| r[3] == p[0] && !r[2].contains("fail") && r[7] == "connected").count();
+        for range in p[8..].iter().filter(|s| !s.starts_with('[')) {
+            let (lo, hi) = range.split_once('-').unwrap_or((range, range));
+            if let (Ok(lo), Ok(hi)) = (lo.parse(), hi.parse()) {
+                out.push((lo, hi, addr.to_owned(), u32::try_from(n).unwrap_or(u32::MAX)));
+            }
+        }
     }
     out
 }

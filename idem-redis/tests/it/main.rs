@@ -9,4 +9,5 @@ mod common;
 mod conformance;
 mod connection_kill;
 mod http;
+mod replica_shortfall;
 mod store;
