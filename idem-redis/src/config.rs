@@ -118,47 +118,18 @@ pub(crate) fn persistence_problem(appendonly: &str, appendfsync: &str, save: &st
     None
 }
 
-/// Replica acknowledgement after the writes that matter: `WAIT replicas timeout` after a
-/// claim, a reclaim, a lease renewal (extend) and a complete.
+/// Replica acknowledgement after the writes that matter: `WAIT replicas timeout`, in the
+/// same pipeline as the script of a claim, reclaim, lease renewal (extend) or complete.
 ///
-/// What it guarantees: when the call returns `Ok`, at least `replicas` replicas had
-/// received the write. What it does not: Redis replication stays asynchronous, so WAIT
-/// does not roll back a write that was not acknowledged, and a failover may still promote a
-/// replica that had not received it (Sentinel and Cluster pick the most up-to-date replica
-/// they can reach, not necessarily an acknowledging one; with one replica per primary and
-/// `WAIT 1` they are the same). It narrows the window in which a failover loses a claim, a
-/// renewal or a stored response; it does not close it. A lost renewal matters as much as a
-/// lost claim: on the new primary the lease ends where the last replicated renewal left it,
-/// so a retry may reclaim the record while its holder still runs (the holder's next write
-/// is then fenced, but what it did since is done).
-///
-/// A shortfall fails the call with a retryable [`Error::ReplicaShortfall`] (a `WAIT` that
-/// fails outright, e.g. for a user whose ACL lacks `WAIT`, fails it with that error, which
-/// is not retryable, and is otherwise handled the same way):
-/// - after a **claim or reclaim**, the store first releases the claim (marks it failed
-///   under its own token), because the caller will not run the handler: left in flight it
-///   would block every retry for a lease with nobody running. The retry reclaims the
-///   failed record at once. If the release fails too (the primary is gone), the claim
-///   stays until its lease ends, like the claim of a crashed holder;
-/// - after an **extend**, the renewal stays on the primary and the renewing side retries
-///   within the lease;
-/// - after a **complete**, the stored response stays on the primary: a retry replays it
-///   unless a failover lost it.
-///
-/// On a Redis Cluster the `WAIT` goes to the record's primary and counts its replicas
-/// (what each kind of failover loses: `docs/redis.md#redis-cluster`).
-///
-/// WAIT goes in the same pipeline as the script, on the same connection, so it covers that
-/// write even if the connection is replaced right after (both then fail, retryably). It is
-/// sent with every claim, reclaim, extend and complete, and checked only when the call
-/// succeeded (an extend that found its lease already long enough writes nothing, and its
-/// WAIT then covers the connection's earlier writes). WAIT
-/// blocks the (multiplexed) connection until the acknowledgement or the timeout, so every
-/// concurrent call on the same store waits behind it.
-///
-/// A shard known to have fewer replicas than `replicas` (read at start-up and after
-/// topology changes, or told by a `WAIT` that fell short) gets no `WAIT` it cannot meet: what
-/// it gets instead is the [`Shortfall`] choice.
+/// When the call returns `Ok`, at least `replicas` replicas had received the write. Redis
+/// replication stays asynchronous: WAIT rolls nothing back, and a failover may still promote
+/// a replica that had not received the write; it narrows the window, it does not close it.
+/// A shortfall (or a `WAIT` that fails outright, e.g. refused by an ACL) fails the call with
+/// [`Error::ReplicaShortfall`] (retryable) and leaves the write on the primary; a claim or
+/// reclaim is released first (marked failed under its own token), so the retry reclaims it
+/// at once. A `WAIT` blocks the node's multiplexed connection until it returns, so a shard
+/// known to have fewer replicas than required gets no `WAIT` it cannot meet, but the
+/// [`Shortfall`] choice. The full semantics: `docs/redis.md#replica-acknowledgement-wait`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReplicaAck {
     /// Replicas that must acknowledge.
@@ -181,7 +152,7 @@ pub enum Shortfall {
     /// the handler's work, only make a retry run it again. The default.
     #[default]
     Strict,
-    /// Acknowledge every write with the replicas there are (none: no `WAIT`), warn, and
+    /// Acknowledge every write with the replicas there are (`WAIT 0` returns at once), warn, and
     /// count each such write in `idem_redis_degraded_writes_total`.
     Degrade,
 }

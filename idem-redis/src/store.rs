@@ -4,7 +4,6 @@
 //! this file picks the script, passes the arguments and turns its reply into the
 //! contract's outcome.
 
-use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,29 +22,18 @@ use redis::cluster::ClusterClientBuilder;
 use crate::config::{CONNECTION_TIMEOUT, Config, Verdict, persistence_problem};
 use crate::conn::Connection;
 use crate::error::Error;
-use crate::replicas::Replicas;
+use crate::replicas::{Replicas, Shard};
 use crate::script::{Call, Op, Reply, SCRIPTS, encode_scope, load_all, ms_arg, ttl_arg};
 
 /// Idempotency records in Redis (or Valkey), a single node or a Redis Cluster: one hash per
 /// record, claim/reclaim/complete/extend/fail as Lua compare-and-set scripts, retention as
 /// the key's native expiry, time and first fencing tokens from the server's clock. Cheap to
 /// clone; clones share one reconnecting connection.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct RedisStore {
     conn: Connection,
     config: Arc<Config>,
     replicas: Arc<Replicas>,
-}
-
-impl fmt::Debug for RedisStore {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisStore")
-            .field("connection", &self.conn)
-            .field("prefix", &self.config.prefix)
-            .field("replica_ack", &self.config.replica_ack)
-            .field("clock", &self.config.clock.is_some())
-            .finish_non_exhaustive()
-    }
 }
 
 impl RedisStore {
@@ -122,31 +110,24 @@ impl RedisStore {
         Ok(store)
     }
 
-    /// Each primary (`host:port`, or `server` on a single server) and its replicas: on a
-    /// cluster those `CLUSTER NODES` shows linked and not failed, on a single
-    /// server its `connected_slaves`. Under [`crate::ReplicaAck`] the store also goes by it
-    /// from now on, warning of each primary short of the requirement and setting the
-    /// `idem_redis_replicas` gauge; it reads them itself at start-up and after topology
-    /// changes.
+    /// Each primary (`host:port`; `server` on a single server) and its replicas (those
+    /// `CLUSTER NODES` shows linked and not failed; a single server's `connected_slaves`).
+    /// The store also goes by it from now on (it reads them itself at start-up and after
+    /// topology changes), warning of a primary short of [`crate::ReplicaAck`].
     ///
     /// # Errors
     /// [`Error::Command`] when the server cannot be reached or refuses the command.
     pub async fn replicas(&self) -> Result<Vec<(String, u32)>, Error> {
-        let mut conn = self.conn.clone();
-        let shards: Vec<(u16, u16, String, u32)> = if self.conn.is_cluster() {
-            let nodes: String = redis::cmd("CLUSTER")
-                .arg("NODES")
-                .query_async(&mut conn)
-                .await
-                .map_err(|e| Error::command("CLUSTER NODES", e))?;
-            shards(&nodes)
+        let (cmd, arg) = if self.conn.is_cluster() { ("CLUSTER", "NODES") } else { ("INFO", "replication") };
+        let text: String = redis::cmd(cmd)
+            .arg(arg)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| Error::command("read the replicas", e))?;
+        let shards = if self.conn.is_cluster() {
+            shards(&text)
         } else {
-            let info: String = redis::cmd("INFO")
-                .arg("replication")
-                .query_async(&mut conn)
-                .await
-                .map_err(|e| Error::command("INFO replication", e))?;
-            let n = info.lines().find_map(|l| l.trim().strip_prefix("connected_slaves:")?.parse().ok());
+            let n = text.lines().find_map(|l| l.trim().strip_prefix("connected_slaves:")?.parse().ok());
             vec![(0, 16_383, "server".to_owned(), n.unwrap_or(0))]
         };
         let mut primaries: Vec<(String, u32)> = shards.iter().map(|s| (s.2.clone(), s.3)).collect();
@@ -297,29 +278,24 @@ impl RedisStore {
         Ok(Call::new(op, self.record_key(id)).arg(clock))
     }
 
-    /// Sends `call`, with the `WAIT` its shard can meet (see [`crate::Shortfall`]); a
-    /// retryable failure may be a topology change, after which the replicas are read again.
+    /// Sends `call`, with the `WAIT` its shard can meet (see [`crate::Shortfall`]).
     pub(crate) async fn send(&self, call: Call) -> Result<Reply, StoreError> {
         let (Some(ack), Some((key, claims))) = (self.config.replica_ack, call.acked()) else {
             return call.send(self.conn.clone(), self.config.replica_ack).await;
         };
-        if self.replicas.due(ack)
-            && let Ok(runtime) = tokio::runtime::Handle::try_current()
-        {
+        if let (true, Ok(runtime)) = (self.replicas.due(ack), tokio::runtime::Handle::try_current()) {
             let store = self.clone();
             runtime.spawn(async move { store.replicas().await });
         }
         let planned = self.replicas.plan(key, ack, claims)?;
+        // A retryable failure may be a topology change (a failover, a redirect).
         let mut reply = call.send(self.conn.clone(), Some(planned)).await.inspect_err(|e| {
             if e.is_retryable() {
-                self.replicas.topology_changed();
+                self.replicas.fell_short(key, None, ack);
             }
         })?;
-        if let Some(Ok(acked)) = reply.acked
-            && acked < u64::from(planned.replicas)
-        {
-            let node = self.replicas.fell_short(key, acked, ack);
-            let wanted = u64::from(planned.replicas);
+        if let Some(Ok(acked)) = reply.acked.take_if(|a| matches!(a, Ok(n) if *n < u64::from(planned.replicas))) {
+            let (node, wanted) = (self.replicas.fell_short(key, Some(acked), ack), u64::from(planned.replicas));
             reply.acked = Some(Err(Error::ReplicaShortfall { node, acked, wanted, timeout_ms: ack.timeout_ms() }));
         }
         Ok(reply)
@@ -329,21 +305,14 @@ impl RedisStore {
         duration_ms(self.config.expiry_grace)
     }
 
-    /// After a write that WAIT covered: fails when too few replicas acknowledged it (`send`
-    /// made that an error), or when WAIT itself failed (the write is on the primary either way).
-    fn check_ack(reply: &mut Reply) -> Result<(), StoreError> {
-        match reply.acked.take() {
-            Some(Err(e)) => Err(e.into()),
-            _ => Ok(()),
-        }
-    }
-
     /// The reply of a fenced write (`complete`, `extend`, `fail`): its receipt once the WAIT
     /// that covered it (if any) is checked, `LeaseLost` when `token` no longer holds `id`.
     fn receipt(&self, mut reply: Reply, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
         if reply.is("ok") {
             let receipt = reply.receipt(id)?;
-            Self::check_ack(&mut reply)?;
+            if let Some(Err(e)) = reply.acked.take() {
+                return Err(e.into());
+            }
             Ok(receipt)
         } else if reply.is("lost") {
             Err(reply.lease_lost(id, token))
@@ -360,7 +329,8 @@ impl RedisStore {
     /// If the release itself fails (the primary went away), the claim stays until its lease
     /// ends, as any claim of a crashed holder does.
     async fn check_claim_ack(&self, reply: &mut Reply, record: &Record) -> Result<(), StoreError> {
-        let Err(shortfall) = Self::check_ack(reply) else { return Ok(()) };
+        // `send` turned a shortfall into an error beside the script's reply.
+        let Some(Err(shortfall)) = reply.acked.take() else { return Ok(()) };
         if let Err(e) = self.fail(record.id, record.token).await {
             tracing::warn!(
                 record = %record.id.to_hex(),
@@ -368,7 +338,7 @@ impl RedisStore {
                 "idem-redis: could not release a claim whose WAIT fell short; it blocks its key until its lease ends"
             );
         }
-        Err(shortfall)
+        Err(shortfall.into())
     }
 
     /// The record id in a key `<prefix>{<64 hex digits>}`; `None` for any other key that
@@ -570,7 +540,7 @@ fn glob_escape(s: &str) -> String {
 /// `CLUSTER NODES` as `(first slot, last slot, "host:port", replicas)` for each slot range
 /// of each primary; a replica marked failed (`fail`, `fail?`) or without a link is not
 /// counted.
-fn shards(nodes: &str) -> Vec<(u16, u16, String, u32)> {
+fn shards(nodes: &str) -> Vec<Shard> {
     let lines: Vec<Vec<&str>> =
         nodes.lines().map(|l| l.split_whitespace().collect()).filter(|f: &Vec<_>| f.len() >= 8).collect();
     let mut out = Vec::new();
