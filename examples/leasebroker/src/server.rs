@@ -29,14 +29,17 @@ pub enum StoreSpec {
     /// `--state` redb file.
     Redis(String),
     /// Records in a Redis Cluster reached through any of `nodes` (`redis://HOST:PORT`
-    /// URLs), `WAIT wait` replicas (1 s timeout) after each claim and complete when set;
-    /// infra state in the `--state` redb file. Spelled
-    /// `redis-cluster://HOST:PORT[,HOST:PORT...][?wait=N]`.
+    /// URLs), `WAIT wait` replicas (1 s timeout) after each claim and complete when set,
+    /// a shard with fewer replicas refused (`Shortfall::Strict`) or, with `degrade`, written
+    /// with the replicas it has; infra state in the `--state` redb file. Spelled
+    /// `redis-cluster://HOST:PORT[,HOST:PORT...][?wait=N[&shortfall=degrade]]`.
     RedisCluster {
         /// Seed nodes.
         nodes: Vec<String>,
         /// Replicas to wait for.
         wait: Option<u32>,
+        /// `Shortfall::Degrade` instead of the default `Strict`.
+        degrade: bool,
     },
     /// Records in PostgreSQL at this URL (schema `idem`, or `?schema=S`, migrated on start); infra state
     /// in the `--state` redb file.
@@ -84,7 +87,7 @@ impl std::str::FromStr for StoreSpec {
         } else {
             Err(format!(
                 "unknown store {s:?}: use redb:PATH, sqlite:PATH, redis://HOST:PORT, \
-                 redis-cluster://HOST:PORT[,HOST:PORT...][?wait=N], postgres://USER@HOST/DB, \
+                 redis-cluster://HOST:PORT[,HOST:PORT...][?wait=N[&shortfall=degrade]], postgres://USER@HOST/DB, \
                  mysql://USER@HOST/DB, dynamodb://TABLE[?endpoint=URL&region=R] or memory"
             ))
         }
@@ -109,14 +112,16 @@ fn parse_cluster(rest: &str) -> Result<StoreSpec, String> {
     if nodes.is_empty() {
         return Err("redis-cluster:// needs at least one HOST:PORT".into());
     }
-    let mut wait = None;
+    let (mut wait, mut degrade) = (None, false);
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         match pair.split_once('=') {
             Some(("wait", n)) => wait = Some(n.parse::<u32>().map_err(|_| format!("wait={n:?} is not a count"))?),
-            _ => return Err(format!("unknown cluster option {pair:?} (known: wait=N)")),
+            Some(("shortfall", "degrade")) => degrade = true,
+            Some(("shortfall", "strict")) => degrade = false,
+            _ => return Err(format!("unknown cluster option {pair:?} (known: wait=N, shortfall=strict|degrade)")),
         }
     }
-    Ok(StoreSpec::RedisCluster { nodes, wait })
+    Ok(StoreSpec::RedisCluster { nodes, wait, degrade })
 }
 
 /// `TABLE[?endpoint=URL&region=R]`, after `dynamodb://`.
@@ -186,8 +191,10 @@ pub async fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>
                 idem_redis::RedisStore::connect(&driver_url, config).await.map_err(|e| open_err(url.clone(), e))?;
             Ok((Arc::new(store), infra_file()?))
         }
-        StoreSpec::RedisCluster { nodes, wait } => {
-            let ack = wait.map(|n| idem_redis::ReplicaAck::new(n, std::time::Duration::from_secs(1)));
+        StoreSpec::RedisCluster { nodes, wait, degrade } => {
+            let shortfall = if *degrade { idem_redis::Shortfall::Degrade } else { idem_redis::Shortfall::Strict };
+            let ack =
+                wait.map(|n| idem_redis::ReplicaAck::new(n, std::time::Duration::from_secs(1)).with_shortfall(shortfall));
             let config = idem_redis::Config::default().with_replica_ack(ack);
             let store = idem_redis::RedisStore::connect_cluster(nodes, config)
                 .await

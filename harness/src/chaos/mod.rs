@@ -41,8 +41,8 @@ use idem_client::{IdempotentClient, OperationKey, RetryPolicy};
 use tokio::sync::Semaphore;
 
 use self::servers::{
-    AppServer, PrivateMariaDB, PrivateMoto, PrivatePostgres, PrivateRedis, RedisPersistence, ServerError, SmallDisk,
-    signal,
+    AppServer, PrivateCluster, PrivateMariaDB, PrivateMoto, PrivatePostgres, PrivateRedis, RedisPersistence, ServerError,
+    SmallDisk, signal,
 };
 use crate::firmware::Bmc;
 use crate::storm::{Counts, counts};
@@ -52,6 +52,8 @@ use crate::storm::{Counts, counts};
 pub enum Backend {
     /// A private `redis-server`.
     Redis,
+    /// A private six-node Redis Cluster.
+    RedisCluster,
     /// A private PostgreSQL cluster.
     Postgres,
     /// A private MariaDB server (the `idem-mysql` store).
@@ -70,6 +72,7 @@ impl Backend {
     pub fn name(self) -> &'static str {
         match self {
             Backend::Redis => "redis",
+            Backend::RedisCluster => "redis-cluster",
             Backend::Postgres => "postgres",
             Backend::MySql => "mysql",
             Backend::Sqlite => "sqlite",
@@ -97,6 +100,31 @@ pub enum Fault {
     AppKill(Backend),
     /// The store file's disk fills up for the stall time (a tmpfs), then frees.
     FullDisk(Backend),
+    /// SIGKILL of a Redis Cluster primary, not replaced: its replica is promoted and has
+    /// no replica of its own, under this replica acknowledgement.
+    ClusterPrimaryKill(ClusterAck),
+}
+
+/// The replica acknowledgement of a [`Fault::ClusterPrimaryKill`] run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClusterAck {
+    /// `WAIT 1`, a shard without a replica refused (`Shortfall::Strict`).
+    Strict,
+    /// `WAIT 1`, a shard without a replica written with none (`Shortfall::Degrade`).
+    Degrade,
+    /// No `WAIT`.
+    NoWait,
+}
+
+impl ClusterAck {
+    /// The store URL's options.
+    fn query(self) -> &'static str {
+        match self {
+            ClusterAck::Strict => "?wait=1",
+            ClusterAck::Degrade => "?wait=1&shortfall=degrade",
+            ClusterAck::NoWait => "",
+        }
+    }
 }
 
 impl Fault {
@@ -108,6 +136,7 @@ impl Fault {
             Fault::PostgresImmediateRestart | Fault::PostgresTerminateBackends => Backend::Postgres,
             Fault::MySqlRestart => Backend::MySql,
             Fault::Stall(b) | Fault::AppKill(b) | Fault::FullDisk(b) => b,
+            Fault::ClusterPrimaryKill(_) => Backend::RedisCluster,
         }
     }
 
@@ -122,6 +151,14 @@ impl Fault {
             Fault::Stall(_) => "stall (SIGSTOP)".into(),
             Fault::AppKill(_) => "app server SIGKILL".into(),
             Fault::FullDisk(_) => "full disk (tmpfs)".into(),
+            Fault::ClusterPrimaryKill(ack) => format!(
+                "primary killed, not replaced, {}",
+                match ack {
+                    ClusterAck::Strict => "wait=1 strict",
+                    ClusterAck::Degrade => "wait=1 degrade",
+                    ClusterAck::NoWait => "no wait",
+                }
+            ),
         }
     }
 
@@ -164,7 +201,17 @@ impl Fault {
             Fault::FullDisk(Backend::Redb),
             Fault::AppKill(Backend::Redb),
             Fault::Stall(Backend::Dynamo),
+            Fault::ClusterPrimaryKill(ClusterAck::Strict),
+            Fault::ClusterPrimaryKill(ClusterAck::Degrade),
+            Fault::ClusterPrimaryKill(ClusterAck::NoWait),
         ]
+    }
+
+    /// Whether operations may end unfinished by design: strict acknowledgement refuses the
+    /// keys of a shard without a replica for as long as it has none (503s, never a hang).
+    #[must_use]
+    pub fn refuses_by_design(self) -> bool {
+        matches!(self, Fault::ClusterPrimaryKill(ClusterAck::Strict))
     }
 
     /// One fault of each kind (the short pass `cargo test` runs).
@@ -203,7 +250,8 @@ pub struct ChaosConfig {
     pub fault_for: Duration,
     /// The server's lease TTL.
     pub lease: Duration,
-    /// First of the private loopback ports the run may use (it uses this one to +3).
+    /// First of the private loopback ports the run may use (it uses this one to +3, and a
+    /// Redis Cluster +4 to +9 with their bus ports 10000 above).
     pub base_port: u16,
     /// Every this many operations one is a firmware operation (creates its worker, then
     /// flashes it); 0 for none.
@@ -267,6 +315,14 @@ pub struct FaultRow {
     pub lost_responses: u64,
     /// Operations that did not end with a 201 even in the check pass.
     pub unfinished: u64,
+    /// Operations whose storm ended with a 201 (the check pass not counted).
+    pub completed: u64,
+    /// Attempts of the storm that ended in a connection error or the client's timeout
+    /// (the held quarter of responses included).
+    pub client_timeouts: u64,
+    /// Unfinished operations are the fault's design, not a failure
+    /// ([`Fault::refuses_by_design`]).
+    pub refuses_by_design: bool,
     /// 503 answers the storm and the probe got while the fault lasted.
     pub unavailable_503: u64,
     /// The slowest answer to the probe while the fault lasted, ms (the probe is exempt
@@ -297,7 +353,7 @@ impl FaultRow {
                 || self.extra_vms > 0
                 || self.double_flashes > 0
                 || self.lost_responses > 0
-                || self.unfinished > 0)
+                || self.unfinished > 0 && !self.refuses_by_design)
             || self.hung > 0
             || self.recovery_ms == u64::MAX
     }
@@ -317,6 +373,31 @@ pub fn tables(rows: &[FaultRow]) -> String {
     }
     for b in backends {
         out.push_str(&format!("\n#### {b}\n\n"));
+        if b == Backend::RedisCluster.name() {
+            out.push_str(
+                "| fault | operations | completed | failed | 503s | client timeouts | phantom workers | extra VMs \
+                 | attempts | unfinished after the check | slowest answer during fault | hung requests |\n",
+            );
+            out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+            for r in rows.iter().filter(|r| r.backend == b) {
+                out.push_str(&format!(
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} ms | {} |\n",
+                    r.fault,
+                    r.operations,
+                    r.completed,
+                    u64::from(r.operations).saturating_sub(r.completed),
+                    r.unavailable_503,
+                    r.client_timeouts,
+                    r.phantom_workers,
+                    r.extra_vms,
+                    r.attempts,
+                    r.unfinished,
+                    r.slowest_answer_ms,
+                    r.hung
+                ));
+            }
+            continue;
+        }
         out.push_str(
             "| fault | operations | attempts | phantom workers | extra VMs | double flashes | lost stored responses \
              | unfinished operations | 503s during fault | slowest answer during fault | hung requests | time to recover |\n",
@@ -362,6 +443,7 @@ pub enum ChaosError {
 /// The store side of one fault's run: what must live as long as the run.
 enum StoreSide {
     Redis(PrivateRedis),
+    Cluster(PrivateCluster),
     Postgres(PrivatePostgres),
     MySql(PrivateMariaDB),
     Dynamo(PrivateMoto),
@@ -419,6 +501,13 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
             let redis = blocking(move || PrivateRedis::start(store_port, persistence)).await?;
             let url = redis.url();
             (StoreSide::Redis(redis), url)
+        }
+        Backend::RedisCluster => {
+            let Fault::ClusterPrimaryKill(ack) = fault else { unreachable!("the only cluster fault") };
+            let base = cfg.base_port + 4;
+            let cluster = blocking(move || PrivateCluster::start(base)).await?;
+            let url = format!("{}{}", cluster.url(), ack.query());
+            (StoreSide::Cluster(cluster), url)
         }
         Backend::Postgres => {
             let pg = blocking(move || PrivatePostgres::start(store_port)).await?;
@@ -571,6 +660,14 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
             tokio::time::sleep(cfg.fault_for).await;
             disk.free();
         }
+        (Fault::ClusterPrimaryKill(_), StoreSide::Cluster(cluster)) => {
+            // Killed and left dead: its replica takes over after the node timeout and has
+            // no replica of its own for the rest of the run.
+            let port = cluster.first_primary();
+            cluster.kill(port);
+            note = format!("primary 127.0.0.1:{port} killed, its replica promoted with no replica of its own");
+            tokio::time::sleep(cfg.fault_for).await;
+        }
         (Fault::AppKill(_), _) => {
             app.kill();
             tokio::time::sleep(Duration::from_secs(1)).await;
@@ -628,6 +725,9 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
         bricked,
         lost_responses,
         unfinished,
+        completed: ops.results.iter().filter(|o| o.worker.is_some()).count() as u64,
+        client_timeouts: ops.transport_errors,
+        refuses_by_design: fault.refuses_by_design(),
         unavailable_503: seen.unavailable + ops.unavailable_during.load(Ordering::SeqCst),
         slowest_answer_ms: seen.slowest_ms,
         hung: seen.hung,
@@ -675,6 +775,7 @@ fn flash_number(body: &[u8]) -> Option<u64> {
 struct StormOutcome {
     results: Vec<Op>,
     attempts: u64,
+    transport_errors: u64,
     unavailable_during: Arc<AtomicU64>,
 }
 
@@ -722,15 +823,16 @@ async fn storm(
                 .json_body(body.clone())
                 .send()
                 .await;
-            let (worker, mut attempts, mut unavailable) = match reply {
+            let (worker, mut attempts, mut unavailable, transport) = match reply {
                 Ok(r) => {
                     let w = (r.status == 201).then(|| worker_id(&r.body)).flatten();
-                    (w, u64::from(r.stats.attempts), u64::from(r.stats.server_errors))
+                    let s = r.stats;
+                    (w, u64::from(s.attempts), u64::from(s.server_errors), u64::from(s.transport_errors))
                 }
-                Err(idem_client::ClientError::GaveUp { stats, .. }) => {
-                    (None, u64::from(stats.attempts), u64::from(stats.server_errors))
+                Err(idem_client::ClientError::GaveUp { stats: s, .. }) => {
+                    (None, u64::from(s.attempts), u64::from(s.server_errors), u64::from(s.transport_errors))
                 }
-                Err(_) => (None, 1, 0),
+                Err(_) => (None, 1, 0, 1),
             };
             let mut flash =
                 is_firmware(op, firmware_every).then(|| FlashOp { key: OperationKey::generate(), number: None });
@@ -742,16 +844,21 @@ async fn storm(
                 attempts += a;
                 unavailable += u;
             }
-            (Op { token, key, body, worker, flash }, attempts, unavailable)
+            (Op { token, key, body, worker, flash }, attempts, unavailable, transport)
         }));
     }
-    let mut out =
-        StormOutcome { results: Vec::new(), attempts: 0, unavailable_during: Arc::clone(&unavailable_during) };
+    let mut out = StormOutcome {
+        results: Vec::new(),
+        attempts: 0,
+        transport_errors: 0,
+        unavailable_during: Arc::clone(&unavailable_during),
+    };
     let mut unavailable = 0;
     for t in tasks {
-        if let Ok((op, attempts, u)) = t.await {
+        if let Ok((op, attempts, u, transport)) = t.await {
             out.results.push(op);
             out.attempts += attempts;
+            out.transport_errors += transport;
             unavailable += u;
         }
     }
@@ -961,7 +1068,7 @@ pub fn report(rows: &[FaultRow], cfg: &ChaosConfig) -> String {
 /// MariaDB 3306).
 #[must_use]
 pub fn uses_private_ports(cfg: &ChaosConfig) -> bool {
-    let ports = cfg.base_port..=cfg.base_port + 3;
+    let ports = cfg.base_port..=cfg.base_port + 9;
     !ports.contains(&6379) && !ports.contains(&5432) && !ports.contains(&3306)
 }
 

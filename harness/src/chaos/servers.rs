@@ -164,6 +164,105 @@ impl Drop for PrivateRedis {
     }
 }
 
+/// A six-node Redis Cluster of this run's own (three primaries, one replica each, node
+/// timeout 1 s, AOF `everysec`): `redis-server` on `base..base + 6` (bus ports 10000 above)
+/// in a temp dir, joined with `redis-cli --cluster create`.
+#[derive(Debug)]
+pub struct PrivateCluster {
+    base: u16,
+    _dir: TempDir,
+    children: Vec<Option<Child>>,
+}
+
+impl PrivateCluster {
+    /// Starts the nodes and joins them; returns once `redis-cli --cluster check` passes.
+    ///
+    /// # Errors
+    /// [`ServerError`] when a node does not start or the cluster does not form in 30 s.
+    pub fn start(base: u16) -> Result<Self, ServerError> {
+        let dir = tempfile::tempdir().map_err(|e| failed("temp dir", e))?;
+        let mut children = Vec::new();
+        for port in base..base + 6 {
+            let node_dir = dir.path().join(port.to_string());
+            std::fs::create_dir_all(&node_dir).map_err(|e| failed("node dir", e))?;
+            let child = Command::new("redis-server")
+                .args(["--bind", "127.0.0.1", "--port", &port.to_string(), "--save", ""])
+                .args(["--appendonly", "yes", "--appendfsync", "everysec", "--cluster-enabled", "yes"])
+                .args(["--cluster-node-timeout", "1000", "--dir"])
+                .arg(&node_dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| failed("redis-server (install Debian's redis-server package)", e))?;
+            children.push(Some(child));
+        }
+        let cluster = Self { base, _dir: dir, children };
+        for port in base..base + 6 {
+            wait_port(port, Duration::from_secs(10))?;
+        }
+        let addrs: Vec<String> = (base..base + 6).map(|p| format!("127.0.0.1:{p}")).collect();
+        let status = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .map_err(|e| failed("redis-cli (install Debian's redis-tools package)", e))?;
+        if !status.success() {
+            return Err(failed("redis-cli --cluster create", status));
+        }
+        let end = Instant::now() + Duration::from_secs(30);
+        while !cluster.healthy() {
+            if Instant::now() > end {
+                return Err(failed("private Redis Cluster", "not healthy within 30 s"));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Ok(cluster)
+    }
+
+    /// Every node says `cluster_state:ok` and each replica's link to its primary is up.
+    fn healthy(&self) -> bool {
+        (self.base..self.base + 6).all(|port| {
+            let cli = |args: &[&str]| {
+                Command::new("redis-cli").args(["-p", &port.to_string()]).args(args).output().map(|o| o.stdout)
+            };
+            let (Ok(info), Ok(repl)) = (cli(&["cluster", "info"]), cli(&["info", "replication"])) else { return false };
+            let (info, repl) = (String::from_utf8_lossy(&info), String::from_utf8_lossy(&repl));
+            info.contains("cluster_state:ok") && (repl.contains("role:master") || repl.contains("master_link_status:up"))
+        })
+    }
+
+    /// `redis-cluster://127.0.0.1:BASE,...` as the server under test takes it.
+    #[must_use]
+    pub fn url(&self) -> String {
+        let nodes: Vec<String> = (self.base..self.base + 6).map(|p| format!("127.0.0.1:{p}")).collect();
+        format!("redis-cluster://{}", nodes.join(","))
+    }
+
+    /// The port of a primary that has a replica (the first, in port order).
+    #[must_use]
+    pub fn first_primary(&self) -> u16 {
+        self.base
+    }
+
+    /// SIGKILLs the node on `port`, and leaves it dead.
+    pub fn kill(&mut self, port: u16) {
+        if let Some(mut c) = self.children.get_mut(usize::from(port - self.base)).and_then(Option::take) {
+            kill_child(&mut c);
+        }
+    }
+}
+
+impl Drop for PrivateCluster {
+    fn drop(&mut self) {
+        for c in self.children.iter_mut().flatten() {
+            kill_child(c);
+        }
+    }
+}
+
 /// A PostgreSQL cluster of this run's own: `initdb` in a temp dir, `postgres` on a
 /// private port, trust authentication on loopback. Run as the `postgres` user when this
 /// process is root (PostgreSQL refuses to run as root).

@@ -424,8 +424,9 @@ async fn disabled_config_command_warns_and_starts() {
 
 /// With a real replica, `WAIT 1` after claim, extend and complete succeeds and the replica
 /// has the record (also when the script must be reloaded inside the pipeline); asking for
-/// more replicas than exist fails retryably and leaves the write (a claim, a renewal) on
-/// the primary. Writing to the replica itself gives a retryable `READONLY`.
+/// more replicas than exist refuses a claim retryably before writing it (`Shortfall::Strict`,
+/// read at start-up) and writes a renewal with the replica there is. Writing to the replica
+/// itself gives a retryable `READONLY`.
 #[tokio::test]
 async fn wait_for_replicas_and_readonly() {
     let primary = common::PrivateRedis::start(&[]).await;
@@ -464,24 +465,17 @@ async fn wait_for_replicas_and_readonly() {
     )
     .await
     .expect("connect");
+    // The store read at start-up that the server has one replica of the two it wants: Strict
+    // refuses the claim before writing anything, at once, instead of a WAIT that must fail.
     let e = greedy.claim(req("p", "k2", b"b")).await.expect_err("only one replica exists");
     assert!(e.is_retryable(), "{e:?}");
     let src = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<Error>());
-    assert!(matches!(src, Some(Error::ReplicaShortfall { acked: 1, wanted: 2, .. })), "{src:?}");
-    // WAIT fell short after the claim: the claim is released (failed under its own token),
-    // so the retry claims again at once instead of meeting a claim nobody owns.
-    let k2 = greedy.get(req("p", "k2", b"b").id()).await.expect("get").expect("WAIT never rolls back the claim");
-    assert_eq!(k2.state, RecordState::Failed, "released, not left in flight for a lease");
-    let ClaimOutcome::Existing { record, .. } = store.claim(req("p", "k2", b"b")).await.expect("claim") else {
-        panic!("the record exists")
-    };
-    let reclaimed = store.reclaim(reclaim_of(&record, Duration::from_secs(60))).await.expect("reclaim");
-    let ReclaimOutcome::Reclaimed(k2) = reclaimed else { panic!("a released claim is reclaimable at once") };
-    let e = greedy.extend(k2.id, k2.token, Duration::from_secs(600)).await.expect_err("only one replica exists");
-    let src = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<Error>());
-    assert!(e.is_retryable() && matches!(src, Some(Error::ReplicaShortfall { acked: 1, wanted: 2, .. })), "{e:?}");
-    let renewed = greedy.get(k2.id).await.expect("get").expect("present");
-    assert!(renewed.lease_expires_at.0 >= k2.started_at.0 + 600_000, "a renewal is not rolled back");
+    assert!(matches!(src, Some(Error::ReplicaShortfall { acked: 1, wanted: 2, timeout_ms: 0, .. })), "{src:?}");
+    assert!(greedy.get(req("p", "k2", b"b").id()).await.expect("get").is_none(), "refused before writing");
+    // A renewal of a claim made before is written and waits for the replica there is.
+    let k2 = claim(&store, req("p", "k2", b"b")).await;
+    let e = greedy.extend(k2.id, k2.token, Duration::from_secs(600)).await.expect("written with one replica");
+    assert_eq!(lease_end(&mut radmin, &store.record_key(k2.id)).await, Some(e.lease_expires_at.0), "on the replica");
 
     let on_replica = RedisStore::connect(&replica.url, Config::default()).await.expect("connect to replica");
     let e = on_replica.claim(req("p", "k3", b"b")).await.expect_err("READONLY");
