@@ -66,7 +66,7 @@ struct ChaosArgs {
     /// The server's lease TTL, ms.
     #[arg(long, default_value_t = 3_000)]
     lease_ms: u64,
-    /// First private loopback port (the run uses it to +3).
+    /// First private loopback port (the run uses it to +3; the Redis Cluster rows to +9).
     #[arg(long, default_value_t = 7100)]
     base_port: u16,
     /// One fault of each kind instead of every fault.

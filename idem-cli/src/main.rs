@@ -23,6 +23,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use clap::{Parser, Subcommand, ValueEnum};
 use idem_core::{Endpoint, IdempotencyKey, ListFilter, Record, RecordId, RecordState, Store, StoreError, UnixMillis};
 
+mod replicas;
 mod report;
 mod url;
 
@@ -223,6 +224,7 @@ async fn run(cli: Cli, out: &Output) -> Result<(), Failure> {
     let Some(url) = cli.store.as_deref() else {
         return Err(Failure::Usage("no store given: pass --store URL or set IDEM_STORE".into()));
     };
+    let (url, wait) = replicas::take_wait(url).map_err(Failure::Usage)?;
     let url: StoreUrl = url.parse().map_err(|e: url::UrlError| Failure::Usage(e.to_string()))?;
     // Arguments are checked before connecting: a typo never costs a connection.
     let command = Checked::from(cli.command)?;
@@ -235,7 +237,10 @@ async fn run(cli: Cli, out: &Output) -> Result<(), Failure> {
         Checked::List(filter) => list(&store, filter, out).await,
         Checked::Release { id, force } => release(&store, id, force, out).await,
         Checked::Sweep { limit } => sweep(&store, limit, out).await,
-        Checked::Stats { principal } => stats(&store, principal, out).await,
+        Checked::Stats { principal } => {
+            let replicas = replicas::read(&url, wait).await.map_err(Failure::Store)?;
+            stats(&store, principal, replicas, out).await
+        }
     }
 }
 
@@ -399,7 +404,12 @@ async fn sweep(store: &Arc<dyn Store>, limit: usize, out: &Output) -> Result<(),
 }
 
 /// Pages through every live record (1 000 per call) and counts.
-async fn stats(store: &Arc<dyn Store>, principal: Option<String>, out: &Output) -> Result<(), Failure> {
+async fn stats(
+    store: &Arc<dyn Store>,
+    principal: Option<String>,
+    replicas: Option<replicas::Replicas>,
+    out: &Output,
+) -> Result<(), Failure> {
     let mut counts = report::Counts::default();
     let mut filter = ListFilter::new(1_000);
     if let Some(p) = principal {
@@ -413,6 +423,6 @@ async fn stats(store: &Arc<dyn Store>, principal: Option<String>, out: &Output) 
             _ => break,
         }
     }
-    out.stats(&counts);
+    out.stats(&counts, replicas.as_ref());
     Ok(())
 }

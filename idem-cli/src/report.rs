@@ -281,8 +281,11 @@ impl Output {
     }
 
     /// `stats`.
-    pub(crate) fn stats(&self, counts: &Counts) {
-        let json = counts.json();
+    pub(crate) fn stats(&self, counts: &Counts, replicas: Option<&crate::replicas::Replicas>) {
+        let mut json = counts.json();
+        if let Some(r) = replicas {
+            json["replicas"] = r.json();
+        }
         self.print(&json, || {
             let mut s = format!(
                 "records       {}\nin_flight     {} ({} with an expired lease)\ncompleted     {}\nfailed        {}\n",
@@ -296,6 +299,7 @@ impl Output {
                     oldest["age_ms"]
                 )),
             }
+            s.push_str(&replicas.map(crate::replicas::Replicas::text).unwrap_or_default());
             s
         });
     }
