@@ -362,6 +362,17 @@ impl RedisStore {
 #[async_trait]
 impl Store for RedisStore {
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        // A shard short of replicas under Strict refuses a new claim, but a record already
+        // there is still answered (a replay, a 409 in flight, a mismatch): only writes need them.
+        if let Some(ack) = self.config.replica_ack.filter(|a| a.shortfall == crate::Shortfall::Strict)
+            && let Err(refused) = self.replicas.plan(&self.record_key(req.id()), ack, true)
+        {
+            let found = self.send(self.call(&SCRIPTS.get, req.id())?).await?;
+            if !found.is("found") {
+                return Err(refused.into());
+            }
+            return Ok(ClaimOutcome::Existing { record: found.record(req.id())?, now: found.now });
+        }
         let call = self
             .call(&SCRIPTS.claim, req.id())?
             .arg(&ttl_arg(req.lease_ms(), req.retention_ms())[..])

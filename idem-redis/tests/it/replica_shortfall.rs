@@ -119,23 +119,31 @@ async fn a_shard_without_its_replica_answers_at_once() {
 
     // The replica dies under a running store: its primary's next WAIT falls short once, after
     // the WAIT timeout; from then on the store knows, and the shard's claims are refused at once.
-    cluster.kill(replica);
     let mut on_short = (0..).map(|i| format!("k{i}")).filter_map(|k| {
         let id = req(&k).id();
         Some((k, running.record_key(id)))
     });
     let mut short_keys = Vec::new();
-    while short_keys.len() < 2 {
+    while short_keys.len() < 3 {
         let (k, rk) = on_short.next().expect("keys");
         if cluster.primary_for(&rk).await == short {
             short_keys.push(k);
         }
     }
+    // One record on that shard completed while it still had its replica.
+    let (_, done, _) = operation(running.clone(), short_keys[2].clone()).await;
+    assert!(matches!(done, Outcome::Done), "{done:?}");
+    cluster.kill(replica);
     let (_, first, took) = operation(running.clone(), short_keys[0].clone()).await;
     assert!(matches!(first, Outcome::Shortfall { timeout_ms: 1_000 }), "{first:?} after {took:?}");
     let (_, second, took) = operation(running.clone(), short_keys[1].clone()).await;
     assert!(matches!(second, Outcome::Shortfall { timeout_ms: 0 }), "{second:?}");
     assert!(took < Duration::from_millis(100), "refused before writing, at once: {took:?}");
+    // A record already there is still answered: the completed one replays, nothing is refused.
+    match running.claim(req(&short_keys[2])).await.expect("a stored response is still answered") {
+        ClaimOutcome::Existing { record, .. } => assert!(record.response.is_some(), "{record:?}"),
+        other => panic!("the completed record: {other:?}"),
+    }
 
     // Once the cluster marks the replica failed, a store started afresh reads it at start-up.
     wait_failed(&cluster, replica).await;
@@ -169,16 +177,20 @@ async fn a_shard_without_its_replica_answers_at_once() {
     // The running store learns it from the topology change and refuses that shard at once.
     let killed = primaries[1].port;
     let promoted = cluster.replica_of(killed).await;
-    let key = loop {
+    // A fresh key per attempt: an attempt cut off by the deadline mid-failover may have left
+    // its claim in flight.
+    let mut keys = Vec::new();
+    while keys.len() < 200 {
         let (k, rk) = on_short.next().expect("keys");
         if cluster.primary_for(&rk).await == killed {
-            break k;
+            keys.push(k);
         }
-    };
+    }
+    let mut keys = keys.into_iter();
     cluster.kill(killed);
     let started = Instant::now();
     loop {
-        let (_, outcome, took) = operation(running.clone(), key.clone()).await;
+        let (_, outcome, took) = operation(running.clone(), keys.next().expect("enough keys")).await;
         if matches!(outcome, Outcome::Shortfall { timeout_ms: 0 }) && took < Duration::from_millis(100) {
             break;
         }
