@@ -130,7 +130,7 @@ impl Call {
     /// The record key and whether the call claims (claim, reclaim), for a write that
     /// [`ReplicaAck`] covers; `None` for any other call.
     pub(crate) fn acked(&self) -> Option<(&str, bool)> {
-        (self.op.kind == Kind::AckedWrite).then(|| (self.key.as_str(), matches!(self.op.name, "claim" | "reclaim")))
+        (self.op.kind == Kind::AckedWrite).then_some((self.key.as_str(), matches!(self.op.name, "claim" | "reclaim")))
     }
 
     fn evalsha(&self) -> redis::Cmd {

@@ -191,15 +191,23 @@ async fn every_store_flag_serves_create_replay_and_mismatch() {
 fn the_cluster_store_form_parses() {
     let spec: StoreSpec = "redis-cluster://127.0.0.1:7000,127.0.0.1:7001?wait=1".parse().expect("cluster form");
     match spec {
-        StoreSpec::RedisCluster { nodes, wait } => {
+        StoreSpec::RedisCluster { nodes, wait, degrade } => {
             assert_eq!(nodes, ["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]);
-            assert_eq!(wait, Some(1));
+            assert_eq!((wait, degrade), (Some(1), false));
         }
         other => panic!("{other:?}"),
     }
     let one: StoreSpec = "redis-cluster://10.0.0.5:6379".parse().expect("one node");
-    assert!(matches!(one, StoreSpec::RedisCluster { ref nodes, wait: None } if nodes.len() == 1));
-    for bad in ["redis-cluster://", "redis-cluster://host", "redis-cluster://h:1?wait=x", "redis-cluster://h:1?x=1"] {
+    assert!(matches!(one, StoreSpec::RedisCluster { ref nodes, wait: None, .. } if nodes.len() == 1));
+    let degrade: StoreSpec = "redis-cluster://h:1?wait=1&shortfall=degrade".parse().expect("degrade");
+    assert!(matches!(degrade, StoreSpec::RedisCluster { wait: Some(1), degrade: true, .. }));
+    for bad in [
+        "redis-cluster://",
+        "redis-cluster://host",
+        "redis-cluster://h:1?wait=x",
+        "redis-cluster://h:1?x=1",
+        "redis-cluster://h:1?shortfall=x",
+    ] {
         assert!(bad.parse::<StoreSpec>().is_err(), "{bad}");
     }
 }
