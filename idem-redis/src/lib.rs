@@ -20,11 +20,13 @@
 //! primaries ([`Error::Config`]): it would reach only that node's slots.
 //!
 //! # Layout
-//! - `src/config.rs`: [`Config`], [`EvictionCheck`], [`PersistenceCheck`], [`ReplicaAck`].
+//! - `src/config.rs`: [`Config`], [`EvictionCheck`], [`PersistenceCheck`], [`ReplicaAck`], [`Shortfall`].
 //! - `src/conn.rs`: [`Connection`] (single node or, with `cluster`, a cluster) and commands
 //!   sent to every primary.
 //! - `src/store.rs`: [`RedisStore`] and its [`idem_core::Store`] impl: the claim path and
 //!   every other operation, one script call each.
+//! - `src/replicas.rs`: each primary's replicas held against [`ReplicaAck`], and the
+//!   `WAIT` (or the [`Shortfall`] refusal) each write gets.
 //! - `src/script.rs`: loading and calling the scripts (and, on a cluster, following
 //!   `MOVED`/`ASK`/`NOSCRIPT`), their replies, and the record bytes
 //!   they read and write (header, scope, response).
