@@ -149,8 +149,13 @@ impl Connection {
             }
             #[cfg(feature = "cluster")]
             Connection::Cluster(c) => {
-                let primaries = self_primaries(c).await?;
-                for (host, port) in primaries {
+                // Every primary as the client knows the topology: the nodes a `PING` to all
+                // primaries answers from.
+                for (node, _) in Connection::Cluster(c.clone()).on_every_primary(redis::cmd("PING")).await? {
+                    let parsed = node.rsplit_once(':').and_then(|(h, p)| Some((h.to_owned(), p.parse::<u16>().ok()?)));
+                    let Some((host, port)) = parsed else {
+                        return Err((redis::ErrorKind::UnexpectedReturnType, "a node name is not host:port").into());
+                    };
                     let mut cursor = 0_u64;
                     loop {
                         let routing =
@@ -174,28 +179,4 @@ fn scan_cmd(cursor: u64, pattern: &str) -> Cmd {
     let mut cmd = redis::cmd("SCAN");
     cmd.arg(cursor).arg("MATCH").arg(pattern).arg("COUNT").arg(1_000);
     cmd
-}
-
-/// `(host, port)` of every primary of the cluster, as the client knows the topology: the
-/// node names a `PING` to all primaries answers from.
-#[cfg(feature = "cluster")]
-async fn self_primaries(c: &mut ClusterConnection) -> RedisResult<Vec<(String, u16)>> {
-    let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
-    let reply = c.route_command(redis::cmd("PING"), routing).await?;
-    let Value::Map(pairs) = reply else {
-        return Err((redis::ErrorKind::UnexpectedReturnType, "per-node replies are not a map").into());
-    };
-    let mut nodes = Vec::with_capacity(pairs.len());
-    for (node, _) in pairs {
-        let Value::BulkString(name) = node else {
-            return Err((redis::ErrorKind::UnexpectedReturnType, "a node name is not a string").into());
-        };
-        let name = String::from_utf8_lossy(&name).into_owned();
-        let parsed = name.rsplit_once(':').and_then(|(host, port)| Some((host.to_owned(), port.parse::<u16>().ok()?)));
-        let Some(node) = parsed else {
-            return Err((redis::ErrorKind::UnexpectedReturnType, "a node name is not host:port").into());
-        };
-        nodes.push(node);
-    }
-    Ok(nodes)
 }
