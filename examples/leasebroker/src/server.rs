@@ -193,8 +193,8 @@ pub async fn open(spec: &StoreSpec, state_path: &Path) -> Result<(Arc<dyn Store>
         }
         StoreSpec::RedisCluster { nodes, wait, degrade } => {
             let shortfall = if *degrade { idem_redis::Shortfall::Degrade } else { idem_redis::Shortfall::Strict };
-            let ack =
-                wait.map(|n| idem_redis::ReplicaAck::new(n, std::time::Duration::from_secs(1)).with_shortfall(shortfall));
+            let ack = wait
+                .map(|n| idem_redis::ReplicaAck::new(n, std::time::Duration::from_secs(1)).with_shortfall(shortfall));
             let config = idem_redis::Config::default().with_replica_ack(ack);
             let store = idem_redis::RedisStore::connect_cluster(nodes, config)
                 .await

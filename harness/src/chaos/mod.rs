@@ -41,8 +41,8 @@ use idem_client::{IdempotentClient, OperationKey, RetryPolicy};
 use tokio::sync::Semaphore;
 
 use self::servers::{
-    AppServer, PrivateCluster, PrivateMariaDB, PrivateMoto, PrivatePostgres, PrivateRedis, RedisPersistence, ServerError,
-    SmallDisk, signal,
+    AppServer, PrivateCluster, PrivateMariaDB, PrivateMoto, PrivatePostgres, PrivateRedis, RedisPersistence,
+    ServerError, SmallDisk, signal,
 };
 use crate::firmware::Bmc;
 use crate::storm::{Counts, counts};

@@ -230,7 +230,8 @@ impl PrivateCluster {
             };
             let (Ok(info), Ok(repl)) = (cli(&["cluster", "info"]), cli(&["info", "replication"])) else { return false };
             let (info, repl) = (String::from_utf8_lossy(&info), String::from_utf8_lossy(&repl));
-            info.contains("cluster_state:ok") && (repl.contains("role:master") || repl.contains("master_link_status:up"))
+            info.contains("cluster_state:ok")
+                && (repl.contains("role:master") || repl.contains("master_link_status:up"))
         })
     }
 
