@@ -145,11 +145,12 @@ pub struct ReplicaAck {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Shortfall {
-    /// Refuse its claims and reclaims before writing anything ([`Error::ReplicaShortfall`],
+    /// Refuse new claims and reclaims there before writing ([`Error::ReplicaShortfall`],
     /// retryable: a 503 with `Retry-After`), so no handler starts on a record one more
-    /// failure could lose; the other shards keep serving. The writes of claims made before
-    /// (renewals, completions) wait for the replicas there are: refusing them would not undo
-    /// the handler's work, only make a retry run it again. The default.
+    /// failure could lose; a record already there is still answered (a replay, a 409 in
+    /// flight), and the other shards keep serving. Renewals and completions of claims made
+    /// before wait for the replicas there are: refusing them would not undo the handler's
+    /// work, only make a retry run it again. The default.
     #[default]
     Strict,
     /// Acknowledge every write with the replicas there are (`WAIT 0` returns at once), warn, and
