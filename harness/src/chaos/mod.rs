@@ -1076,6 +1076,30 @@ pub fn uses_private_ports(cfg: &ChaosConfig) -> bool {
 mod tests {
     use super::*;
 
+    // Pins: the strict row refuses a shard's keys for as long as it has no replica, so its
+    // unfinished operations are the design, not a failure; a phantom worker still fails it.
+    #[test]
+    fn a_strict_cluster_row_may_leave_operations_unfinished_but_never_run_twice() {
+        let fault = Fault::ClusterPrimaryKill(ClusterAck::Strict);
+        let mut row = FaultRow {
+            fault: fault.label(),
+            backend: fault.backend().name(),
+            durable: fault.durable(),
+            operations: 10,
+            completed: 7,
+            unfinished: 3,
+            refuses_by_design: fault.refuses_by_design(),
+            ..FaultRow::default()
+        };
+        assert!(!row.failed(), "{row:?}");
+        assert!(
+            tables(std::slice::from_ref(&row)).contains("| primary killed, not replaced, wait=1 strict | 10 | 7 | 3 |")
+        );
+        row.phantom_workers = 1;
+        assert!(row.failed());
+        assert!(!Fault::ClusterPrimaryKill(ClusterAck::Degrade).refuses_by_design());
+    }
+
     // Pins: a double flash on a durable configuration must fail the row (the column once
     // could not fail: the storm flashed nothing).
     #[test]
