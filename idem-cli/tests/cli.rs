@@ -585,3 +585,31 @@ async fn a_sealed_response_is_shown_as_sealed_not_as_status_0() {
     assert!(run.stdout.contains("sealed with key 7"), "{}", run.stdout);
     assert!(!run.stdout.contains("response       0,"), "{}", run.stdout);
 }
+
+/// `stats` on a Redis Cluster shows each primary's replicas against `wait=N` from the URL
+/// (the shared cluster: one replica per primary), and a primary short of it is flagged.
+#[cfg(feature = "live-tests")]
+#[test]
+fn stats_shows_each_primarys_replicas_against_wait() {
+    let hosts: Vec<String> = match std::env::var("IDEM_REDIS_CLUSTER_URLS") {
+        Ok(v) => {
+            v.split(',').map(|s| s.trim().trim_start_matches("redis://").trim_end_matches('/').to_owned()).collect()
+        }
+        Err(_) => (7000..=7005).map(|p| format!("127.0.0.1:{p}")).collect(),
+    };
+    let prefix = format!("idem-cli-test-{}:", uuid::Uuid::new_v4().simple());
+    for (wait, short) in [(1, false), (2, true)] {
+        let url = format!("redis-cluster://{}?prefix={prefix}&wait={wait}", hosts.join(","));
+        let run = idem(&url, &["--json", "stats"]);
+        assert_eq!(run.code, 0, "{}", run.stderr);
+        let replicas = &run.json()["replicas"];
+        assert_eq!(replicas["required"], wait);
+        let primaries = replicas["primaries"].as_array().expect("primaries");
+        assert_eq!(primaries.len(), 3, "{replicas}");
+        for p in primaries {
+            assert_eq!((p["replicas"].as_u64(), p["short"].as_bool()), (Some(1), Some(short)), "{p}");
+        }
+        let text = idem(&url, &["stats"]).stdout;
+        assert_eq!(text.contains("SHORT"), short, "{text}");
+    }
+}
