@@ -61,7 +61,7 @@ pub enum Error {
         "replica shortfall on {node}: {acked} of {wanted} replicas acknowledged within {timeout_ms} ms (0: refused before writing)"
     )]
     ReplicaShortfall {
-        /// The shard's primary (`server` on a single server).
+        /// The shard's primary (`server` on a single server; `unknown` where the replicas could not be read).
         node: String,
         /// Replicas that acknowledged.
         acked: u64,

@@ -44,7 +44,9 @@ impl Replicas {
         let mut state = self.lock();
         state.2 = true;
         let Some(acked) = acked else { return String::new() };
-        let Some(shard) = state.0.iter_mut().find(|s| (s.0..=s.1).contains(&slot(key))) else { return "server".into() };
+        let Some(shard) = state.0.iter_mut().find(|s| (s.0..=s.1).contains(&slot(key))) else {
+            return "unknown".into();
+        };
         let acked = u32::try_from(acked).unwrap_or(u32::MAX);
         if acked < shard.3 {
             warn(&shard.2, acked, ack);
