@@ -29,10 +29,11 @@ pub enum FingerprintMode {
     /// versus an empty body still differ (`docs/contract.md#fingerprint`).
     ///
     /// Falls back to the raw bytes, so distinct bodies are never merged by accident, when
-    /// the body is empty, is not valid JSON, or holds an integer beyond ±2^53 (JCS
-    /// numbers are IEEE doubles, which would merge `9007199254740993` with
-    /// `9007199254740992`). Numbers that are doubles already compare as doubles: `1.0`
-    /// and `1` are one request in this mode. Duplicate member names keep the last value,
+    /// the body is empty, is not valid JSON, or holds a number beyond ±2^53, however
+    /// written (JCS numbers are IEEE doubles, which would merge `9007199254740993` with
+    /// `9007199254740992`, or `18446744073709551616` with `18446744073709552000`). Numbers
+    /// that are doubles already compare as doubles: `1.0` and `1` are one request in this
+    /// mode. Duplicate member names keep the last value,
     /// as serde_json parses them. Feature `canonical-json`.
     #[cfg(feature = "canonical-json")]
     CanonicalJson,
@@ -45,9 +46,12 @@ const MAX_EXACT_INTEGER: u64 = 1 << 53;
 #[cfg(feature = "canonical-json")]
 fn exact_in_double(v: &serde_json::Value) -> bool {
     match v {
+        // An integer past the 64-bit range parses as a double: every double past 2^53 is
+        // an integer, so a magnitude past it falls back whatever its spelling.
         serde_json::Value::Number(n) => {
             n.as_u64().is_none_or(|u| u <= MAX_EXACT_INTEGER)
                 && n.as_i64().is_none_or(|i| i.unsigned_abs() <= MAX_EXACT_INTEGER)
+                && n.as_f64().is_none_or(|f| f.abs() <= MAX_EXACT_INTEGER as f64)
         }
         serde_json::Value::Array(a) => a.iter().all(exact_in_double),
         serde_json::Value::Object(o) => o.values().all(exact_in_double),
@@ -202,6 +206,7 @@ mod tests {
         assert_ne!(canon(b"{nope"), canon(b"{nope "));
         // Integers past 2^53 are never merged by double rounding.
         assert_ne!(canon(br#"{"id":9007199254740993}"#), canon(br#"{"id":9007199254740992}"#));
+        assert_ne!(canon(br#"{"id":18446744073709551616}"#), canon(br#"{"id":18446744073709552000}"#));
         // Raw mode still tells reordered keys apart.
         assert_ne!(fp(br#"{"a":1,"b":2}"#), fp(br#"{"b":2,"a":1}"#));
     }

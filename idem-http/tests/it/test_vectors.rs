@@ -529,6 +529,14 @@ fn fingerprint_cases() -> Vec<FingerprintCase> {
         },
         FingerprintCase {
             canonical: true,
+            body: br#"{"id":18446744073709551616}"#.to_vec(),
+            ..base(
+                "canonical-beyond-64-bits-falls-back",
+                "canonical mode: an integer past the 64-bit range (read as a double) keeps the raw bytes",
+            )
+        },
+        FingerprintCase {
+            canonical: true,
             headers: vec![],
             body: vec![],
             ..base("canonical-empty-body-falls-back", "canonical mode: an empty body keeps the raw (empty) bytes")
