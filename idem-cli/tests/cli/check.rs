@@ -303,3 +303,74 @@ fn bad_check_arguments_exit_2() {
     let run = check("http://127.0.0.1:9/ops", &["--body", "{}", "--method", "GET", "--skip", "scope"]);
     assert_eq!(run.code, 2, "a safe method");
 }
+
+/// What a proxy in front of a server does wrong.
+#[derive(Clone, Copy, Debug)]
+enum ProxyFault {
+    /// Drops the `Idempotency-Key` field on the way in.
+    StripsKey,
+    /// Keeps a 409 and answers every later request with that key from it.
+    Caches409,
+}
+
+/// An answer a caching proxy kept: status, headers, body.
+type Kept = (u16, HeaderMap, Bytes);
+
+/// A reverse proxy in front of `upstream`, with one fault.
+async fn proxy(upstream: String, fault: ProxyFault) -> String {
+    let client = reqwest::Client::new();
+    let cache: Arc<Mutex<HashMap<Vec<u8>, Kept>>> = Arc::default();
+    let forward = move |method: Method, headers: HeaderMap, body: Bytes| {
+        let (client, upstream, cache) = (client.clone(), upstream.clone(), cache.clone());
+        async move {
+            let key = headers.get("idempotency-key").map(|v| v.as_bytes().to_vec());
+            if let (ProxyFault::Caches409, Some(k)) = (fault, &key)
+                && let Some((status, headers, body)) = cache.lock().expect("lock").get(k).cloned()
+            {
+                return (StatusCode::from_u16(status).expect("status"), headers, body).into_response();
+            }
+            let mut sent = headers.clone();
+            sent.remove(header::HOST);
+            if let ProxyFault::StripsKey = fault {
+                sent.remove("idempotency-key");
+            }
+            let res = client.request(method, &upstream).headers(sent).body(body).send().await.expect("upstream");
+            let status = res.status().as_u16();
+            let headers = res.headers().clone();
+            let body = res.bytes().await.expect("upstream body");
+            if let (ProxyFault::Caches409, Some(k), 409) = (fault, key, status) {
+                cache.lock().expect("lock").insert(k, (status, headers.clone(), body.clone()));
+            }
+            (StatusCode::from_u16(status).expect("status"), headers, body).into_response()
+        }
+    };
+    let app = axum::Router::new().route("/ops", axum::routing::any(forward));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}/ops", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_that_breaks_the_contract_fails_check() {
+    // The server behind keeps every rule; what fails is the proxy's doing.
+    let cases = [
+        // Every keyed request reaches the server keyless and is refused; the keyless and
+        // safe rules still pass.
+        (ProxyFault::StripsKey, set(&["key-syntax", "replay", "mismatch", "scope", "concurrent", "key-expires"])),
+        // The cached in-flight 409 answers the retry after the race, the cached mismatch
+        // answers the first body again.
+        (ProxyFault::Caches409, set(&["mismatch", "concurrent"])),
+    ];
+    for (fault, expected) in cases {
+        let (upstream, _server) = mini(Break::Nothing).await;
+        let url = proxy(upstream, fault).await;
+        let run = tokio::task::spawn_blocking(move || {
+            check(&url, &["--body", r#"{"n":1}"#, "--bearer", "a", "--bearer", "b"])
+        })
+        .await
+        .expect("join");
+        assert_eq!(failed(&run), expected, "{fault:?}: {}", run.stdout);
+        assert_eq!(run.code, 5);
+    }
+}
