@@ -29,30 +29,25 @@ pub enum FingerprintMode {
     /// versus an empty body still differ (`docs/contract.md#fingerprint`).
     ///
     /// Falls back to the raw bytes, so distinct bodies are never merged by accident, when
-    /// the body is empty, is not valid JSON, or holds a number beyond ±2^53, however
-    /// written (JCS numbers are IEEE doubles, which would merge `9007199254740993` with
-    /// `9007199254740992`, or `18446744073709551616` with `18446744073709552000`). Numbers
-    /// that are doubles already compare as doubles: `1.0` and `1` are one request in this
-    /// mode. Duplicate member names keep the last value,
-    /// as serde_json parses them. Feature `canonical-json`.
+    /// the body is empty, is not valid JSON, or holds a number of magnitude 2^53 or more,
+    /// however written (JCS numbers are IEEE doubles, which would merge `9007199254740993`
+    /// with `9007199254740992`, or `18446744073709551616` with `18446744073709552000`).
+    /// Numbers that are doubles already compare as doubles: `1.0` and `1` are one request
+    /// in this mode. Duplicate member names keep the last value, as serde_json parses
+    /// them. Feature `canonical-json`.
     #[cfg(feature = "canonical-json")]
     CanonicalJson,
 }
 
-/// Largest integer magnitude a JSON number may have and still be canonicalised (2^53).
+/// 2^53: from here on a double may stand for more than one integer.
 #[cfg(feature = "canonical-json")]
-const MAX_EXACT_INTEGER: u64 = 1 << 53;
+const MAX_EXACT_INTEGER: f64 = 9_007_199_254_740_992.0;
 
 #[cfg(feature = "canonical-json")]
 fn exact_in_double(v: &serde_json::Value) -> bool {
     match v {
-        // An integer past the 64-bit range parses as a double: every double past 2^53 is
-        // an integer, so a magnitude past it falls back whatever its spelling.
-        serde_json::Value::Number(n) => {
-            n.as_u64().is_none_or(|u| u <= MAX_EXACT_INTEGER)
-                && n.as_i64().is_none_or(|i| i.unsigned_abs() <= MAX_EXACT_INTEGER)
-                && n.as_f64().is_none_or(|f| f.abs() <= MAX_EXACT_INTEGER as f64)
-        }
+        // As a double, 2^53 + 1 reads 2^53, and an integer past 64 bits is parsed as one.
+        serde_json::Value::Number(n) => n.as_f64().is_some_and(|f| f.abs() < MAX_EXACT_INTEGER),
         serde_json::Value::Array(a) => a.iter().all(exact_in_double),
         serde_json::Value::Object(o) => o.values().all(exact_in_double),
         _ => true,
