@@ -388,6 +388,14 @@ async fn record_id_vectors() -> Vec<RecordIdVector> {
             "reboot-2027-01-15".into(),
         ),
         (
+            "long-principal",
+            "a 2,000-byte principal: longer than any buffer the hasher fills",
+            "p".repeat(2000),
+            "POST",
+            "/v1/workers",
+            "k-1".into(),
+        ),
+        (
             "non-ascii-principal",
             "a principal is any non-blank UTF-8 string; its UTF-8 bytes are hashed",
             "org:Zoë/Ωmega team".into(),
@@ -547,6 +555,10 @@ fn fingerprint_cases() -> Vec<FingerprintCase> {
             headers: vec![["content-type", "application/octet-stream"]],
             body: vec![0x00, 0xff, 0x80, b'\n', 0x7f],
             ..base("binary-body", "a body that is not UTF-8")
+        },        FingerprintCase {
+            headers: vec![],
+            body: vec![b'x'; 5000],
+            ..base("long-body", "a 5,000-byte body: longer than any buffer the hasher fills")
         },
     ]
 }
