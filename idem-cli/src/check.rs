@@ -422,10 +422,17 @@ impl Setup {
         Ok(Seen { status, headers, body })
     }
 
-    /// Sends a rule's batches, the requests of a batch at once.
+    /// Sends a rule's batches, the requests of a batch at once. After a batch with a
+    /// request that got no answer the rule has failed, so the rest is not sent: against
+    /// a host that drops packets, each rule then costs one `--timeout`, not one a batch.
     async fn run(&self, plan: &Plan) -> Vec<Result<Seen, String>> {
         let mut seen = Vec::new();
         for batch in plan {
+            if let Some(Err(e)) = seen.iter().find(|s: &&Result<Seen, String>| s.is_err()) {
+                let e = format!("not sent, an earlier request got no answer: {e}");
+                seen.extend(batch.iter().map(|_| Err(e.clone())));
+                continue;
+            }
             let answers = futures::future::join_all(batch.iter().map(|r| self.send(r))).await;
             seen.extend(answers);
         }

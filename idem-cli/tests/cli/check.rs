@@ -484,3 +484,26 @@ async fn a_proxy_that_breaks_the_contract_fails_check() {
         assert_eq!(run.code, 5);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_never_answers_costs_one_timeout_a_rule() {
+    // Each batch waited out its own --timeout: 22 of them here, minutes against a host that
+    // drops packets at the default 10 s.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}/ops", listener.local_addr().expect("addr"));
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let started = std::time::Instant::now();
+    let run =
+        tokio::task::spawn_blocking(move || check(&url, &["--body", "{}", "--skip", "scope", "--timeout", "300ms"]))
+            .await
+            .expect("join");
+    assert_eq!(run.code, 5, "{}", run.stdout);
+    assert!(run.stdout.contains("timed out"), "{}", run.stdout);
+    // 7 rules of one timeout each (2.1 s); a timeout a batch would be 6.6 s.
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+}
