@@ -46,8 +46,9 @@ pub(crate) struct CheckArgs {
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(2..=256))]
     racers: u16,
     /// The longest key the server accepts, bytes: `key-syntax` sends a key of this length
-    /// and one a byte longer.
-    #[arg(long, default_value_t = 255, value_parser = clap::value_parser!(u16).range(1..=8192))]
+    /// and one a byte longer, and every other key fits in it. At least 16, so that a key
+    /// still holds enough of the run id to be fresh.
+    #[arg(long, default_value_t = 255, value_parser = clap::value_parser!(u16).range(16..=8192))]
     max_key_len: u16,
     /// The server runs a keyless request without idempotency instead of answering 400.
     #[arg(long)]
@@ -177,6 +178,9 @@ struct Setup {
     rules: Vec<Rule>,
     /// Unique to this run, in every key, so a second run never meets the first's records.
     run: String,
+    /// `--other-body` was not given: the other body is the first plus an `idem_check`
+    /// member, which a server that drops unknown members cannot tell apart.
+    other_derived: bool,
 }
 
 fn header_arg(flag: &str, s: &str) -> Result<(HeaderName, HeaderValue), Failure> {
@@ -204,7 +208,15 @@ impl Setup {
             return Err(Failure::Usage(format!("--method {method} is safe: the layer never looks at its key")));
         }
         for url in std::iter::once(&args.url).chain(&args.safe_url) {
-            reqwest::Url::parse(url).map_err(|e| Failure::Usage(format!("{url:?} is not a URL: {e}")))?;
+            let parsed = reqwest::Url::parse(url).map_err(|e| Failure::Usage(format!("{url:?} is not a URL: {e}")))?;
+            // `localhost:8080/v1/workers` parses, as scheme `localhost`: without this every
+            // request would fail, and the report would blame eight rules for a typo.
+            if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none_or(str::is_empty) {
+                return Err(Failure::Usage(format!("{url:?} is not an http:// or https:// URL with a host")));
+            }
+        }
+        if args.timeout.is_zero() {
+            return Err(Failure::Usage("--timeout 0 leaves no time for an answer".into()));
         }
         let run = format!("{:016x}", rand::random::<u64>());
         let first = body_arg("--body", &args.body)?;
@@ -233,6 +245,10 @@ impl Setup {
         let mut headers = HeaderMap::new();
         for h in &args.headers {
             let (name, value) = header_arg("--header", h)?;
+            // A key on every request would make each rule's requests carry two fields.
+            if name == "idempotency-key" {
+                return Err(Failure::Usage(format!("--header {h:?}: the checker sends its own keys, one per rule")));
+            }
             headers.append(name, value);
         }
         if json_body.is_some() && !headers.contains_key(reqwest::header::CONTENT_TYPE) {
@@ -285,12 +301,28 @@ impl Setup {
             max_retention: args.max_retention,
             rules,
             run,
+            other_derived: args.other_body.is_none(),
         })
     }
 
     /// A fresh key for `rule`, `n` telling apart the keys of one rule.
     fn key(&self, rule: Rule, n: u8) -> Vec<u8> {
-        format!("idem-check-{}-{}-{n}", self.run, rule.name()).into_bytes()
+        self.key_within(rule, n, self.max_key_len)
+    }
+
+    /// A fresh key of at most `len` bytes: `idem-check-<run>-<rule>-<n>` when it fits, else
+    /// the run id's first digits, the rule's number and `n`. Every key must fit: against a
+    /// server whose keys are short, a longer one is refused for its length, so the rules
+    /// that need a key accepted would fail, and a malformed key would be refused for its
+    /// length rather than for the fault it carries (a pass that proves nothing).
+    fn key_within(&self, rule: Rule, n: u8, len: usize) -> Vec<u8> {
+        let long = format!("idem-check-{}-{}-{n}", self.run, rule.name());
+        if long.len() <= len {
+            return long.into_bytes();
+        }
+        let tail = format!("{}{n}", ALL.iter().position(|r| *r == rule).unwrap_or_default());
+        let head = &self.run[..len.saturating_sub(tail.len()).min(self.run.len())];
+        format!("{head}{tail}").into_bytes()
     }
 
     fn req(&self, credential: usize, keys: Vec<Vec<u8>>, body: Body) -> Req {
@@ -309,9 +341,11 @@ impl Setup {
                 longest.resize(self.max_key_len, b'k');
                 let mut too_long = longest.clone();
                 too_long.push(b'k');
-                let mut inner_space = self.key(rule, 2);
-                inner_space.splice(4..4, *b" ");
-                let mut non_ascii = self.key(rule, 3);
+                // The malformed keys are no longer than the longest valid one, so that
+                // their fault alone is what a server can refuse them for.
+                let mut inner_space = self.key_within(rule, 2, self.max_key_len - 1);
+                inner_space.insert(4, b' ');
+                let mut non_ascii = self.key_within(rule, 3, self.max_key_len - 2);
                 non_ascii.extend_from_slice("é".as_bytes());
                 let twice = self.key(rule, 4);
                 vec![
@@ -388,10 +422,17 @@ impl Setup {
         Ok(Seen { status, headers, body })
     }
 
-    /// Sends a rule's batches, the requests of a batch at once.
+    /// Sends a rule's batches, the requests of a batch at once. After a batch with a
+    /// request that got no answer the rule has failed, so the rest is not sent: against
+    /// a host that drops packets, each rule then costs one `--timeout`, not one a batch.
     async fn run(&self, plan: &Plan) -> Vec<Result<Seen, String>> {
         let mut seen = Vec::new();
         for batch in plan {
+            if let Some(Err(e)) = seen.iter().find(|s: &&Result<Seen, String>| s.is_err()) {
+                let e = format!("not sent, an earlier request got no answer: {e}");
+                seen.extend(batch.iter().map(|_| Err(e.clone())));
+                continue;
+            }
             let answers = futures::future::join_all(batch.iter().map(|r| self.send(r))).await;
             seen.extend(answers);
         }
@@ -456,7 +497,8 @@ impl Setup {
             .is_some_and(|h| seen.headers.get(h).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true")))
     }
 
-    /// `again` is `first` replayed: same status, body and `Location`, marked as a replay.
+    /// `again` is `first` replayed: same status, body, `Location`, `Content-Type` and
+    /// `ETag`, marked as a replay.
     fn is_replay_of(&self, again: &Seen, first: &Seen, what: &str) -> Result<(), String> {
         if again.status != first.status {
             return Err(format!("{what} got {}, the first answer was {}", brief(again), first.status));
@@ -469,12 +511,16 @@ impl Setup {
                 first.body.len()
             ));
         }
-        if header(again, "location") != header(first, "location") {
-            return Err(format!(
-                "{what}: Location {:?}, the first answer's {:?}",
-                header(again, "location"),
-                header(first, "location")
-            ));
+        // The same bytes under another Content-Type are another representation: a replay
+        // that loses the stored headers (or adds a generic type) decodes differently.
+        for name in ["Location", "Content-Type", "ETag"] {
+            if header(again, name) != header(first, name) {
+                return Err(format!(
+                    "{what}: {name} {:?}, the first answer's {:?}",
+                    header(again, name),
+                    header(first, name)
+                ));
+            }
         }
         if let Some(h) = &self.replayed
             && !self.replayed(again)
@@ -537,6 +583,12 @@ impl Setup {
             }
             Rule::MissingKey if self.key_optional => {
                 let (a, b) = (ok(&seen[0], "a keyless request")?, ok(&seen[1], "a second keyless request")?);
+                if a.status == 400 {
+                    return Err(format!(
+                        "a keyless request got {}: keys are required on this server, leave out --key-optional",
+                        brief(a)
+                    ));
+                }
                 self.fresh(a, "a keyless request")?;
                 self.fresh(b, "a second keyless request")?;
                 if header(a, "location").is_some() && header(a, "location") == header(b, "location") {
@@ -546,6 +598,13 @@ impl Setup {
             }
             Rule::MissingKey => {
                 let a = ok(&seen[0], "a keyless request")?;
+                if (200..300).contains(&a.status) {
+                    return Err(format!(
+                        "a keyless request ran ({}), expected 400: if keys are optional on this server, give \
+                         --key-optional",
+                        a.status
+                    ));
+                }
                 Self::refused(a, "a keyless request", &[400])?;
                 Ok(format!("a keyless request got {}", brief(a)))
             }
@@ -567,7 +626,13 @@ impl Setup {
                 let other = ok(&seen[1], "the same key with another body")?;
                 let what = "the same key with another body";
                 if self.replayed(other) || (other.status == first.status && other.body == first.body) {
-                    return Err(format!("{what} got the first request's answer replayed ({})", other.status));
+                    let hint = if self.other_derived {
+                        " (if the server drops unknown JSON members, the derived other body is the same \
+                         request to it: give --other-body)"
+                    } else {
+                        ""
+                    };
+                    return Err(format!("{what} got the first request's answer replayed ({}){hint}", other.status));
                 }
                 Self::refused(other, what, &[400, 409, 422])?;
                 if let Some(hint) = retry_hint(other, true) {
@@ -594,7 +659,11 @@ impl Setup {
                 self.fresh(first, "the first principal's request")?;
                 let second = ok(&seen[1], "the second principal's request with the same key")?;
                 let what = "the second principal's request with the same key";
-                if self.replayed(second) || (second.status == first.status && second.body == first.body) {
+                // Equal bytes tell a replay only when the server marks none: a server that
+                // marks its replays may answer every operation with one body (a 202
+                // `{"status":"accepted"}`), so its unmarked answer ran.
+                let same_bytes = second.status == first.status && second.body == first.body;
+                if self.replayed(second) || (self.replayed.is_none() && same_bytes) {
                     return Err(format!(
                         "{what} got the first principal's answer ({}): keys are not scoped by principal",
                         second.status
@@ -634,7 +703,10 @@ impl Setup {
             Rule::KeyExpires => {
                 let first = ok(&seen[0], "the first request")?;
                 self.fresh(first, "the first request")?;
+                // A server that keeps no record yet stamps the header on every answer would
+                // announce the same date twice within a second: only a replay proves a record.
                 let again = ok(&seen[1], "the retry")?;
+                self.is_replay_of(again, first, "the retry")?;
                 let Some(value) = header(first, "idempotency-key-expires") else {
                     return Err("the first answer has no Idempotency-Key-Expires".into());
                 };
@@ -740,6 +812,15 @@ impl Setup {
 
 // --- the run and its report --------------------------------------------------------------
 
+/// Writes `text` to stdout in one piece. A reader that went away (`| head`) is no
+/// failure and no panic, as `println!` would make it: the exit code still says whether
+/// the rules passed.
+fn emit(text: &str) {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+}
+
 /// `idem check`: whether every rule passed (the report is printed either way).
 pub(crate) async fn check(args: CheckArgs, json_out: bool) -> Result<bool, Failure> {
     let dry_run = args.dry_run;
@@ -765,20 +846,21 @@ pub(crate) async fn check(args: CheckArgs, json_out: bool) -> Result<bool, Failu
                 Err(saw) => json!({"rule": r.name(), "passed": false, "saw": saw}),
             })
             .collect();
-        println!(
-            "{}",
+        emit(&format!(
+            "{}\n",
             json!({"url": setup.url, "method": setup.method.as_str(), "requests": requests, "passed": failed == 0, "rules": rules})
-        );
+        ));
     } else {
-        println!("idem check {head}: {} rules, {requests} requests", rows.len());
+        let mut text = format!("idem check {head}: {} rules, {requests} requests\n", rows.len());
         for (rule, v) in &rows {
             let (mark, saw) = match v {
                 Ok(s) => ("PASS", s),
                 Err(s) => ("FAIL", s),
             };
-            println!("{mark}  {:<13} {saw}", rule.name());
+            let _ = writeln!(text, "{mark}  {:<13} {saw}", rule.name());
         }
-        println!("{} passed, {failed} failed", rows.len() - failed);
+        let _ = writeln!(text, "{} passed, {failed} failed", rows.len() - failed);
+        emit(&text);
     }
     Ok(failed == 0)
 }
@@ -831,11 +913,11 @@ impl Setup {
         }
         let operations = rows.iter().filter(|r| r["runs_operation"] == true).count();
         if json_out {
-            println!("{}", json!({"dry_run": true, "requests": rows, "operations": operations}));
+            emit(&format!("{}\n", json!({"dry_run": true, "requests": rows, "operations": operations})));
             return;
         }
-        println!(
-            "idem check {} {} --dry-run: {requests} requests; a conforming server runs the operation {operations} times",
+        let mut text = format!(
+            "idem check {} {} --dry-run: {requests} requests; a conforming server runs the operation {operations} times\n",
             self.method, self.url
         );
         for r in &rows {
@@ -848,7 +930,8 @@ impl Setup {
                     .join(", "),
             };
             let at_once = r["at_once"].as_u64().unwrap_or(1);
-            println!(
+            let _ = writeln!(
+                text,
                 "{:<13} {} {}  credential #{} ({}), {keys}, body: {}{}{}",
                 r["rule"].as_str().unwrap_or_default(),
                 r["method"].as_str().unwrap_or_default(),
@@ -860,5 +943,6 @@ impl Setup {
                 if r["runs_operation"] == true { "  [runs the operation]" } else { "" },
             );
         }
+        emit(&text);
     }
 }

@@ -81,6 +81,26 @@ enum Break {
     ReplayRenders,
     /// An in-flight 409 without `Retry-After`.
     ConflictWithoutRetryAfter,
+    /// Runs every request, yet stamps every answer with one `Idempotency-Key-Expires`, as a
+    /// gateway that adds the header without keeping a record would.
+    StampsExpires,
+    /// A replay sends the stored status, body and `Location` but not the stored
+    /// `Content-Type` (the framework's default instead).
+    ReplayDropsContentType,
+    /// Takes a key with a space inside (and keys of at most 40 bytes).
+    InnerSpaceAccepted,
+    /// Breaks nothing: answers every operation 202 with one body and no `Location`, so a
+    /// replay is told from a new operation by its marker alone.
+    ConstantBody,
+    /// Breaks nothing: a request that meets a running claim waits for its outcome and
+    /// replays it (a bounded wait), so racers get replays instead of 409s.
+    WaitsForOutcome,
+}
+
+impl Break {
+    fn keeps_records(self) -> bool {
+        !matches!(self, Break::NoIdempotency | Break::StampsExpires)
+    }
 }
 
 enum Entry {
@@ -94,6 +114,7 @@ struct Mini {
     next_id: AtomicU64,
     requests: AtomicUsize,
     expires: String,
+    max_key_len: usize,
 }
 
 fn problem(status: StatusCode, kind: &str) -> Response {
@@ -102,14 +123,29 @@ fn problem(status: StatusCode, kind: &str) -> Response {
     (status, [(header::CONTENT_TYPE, "application/problem+json")], body).into_response()
 }
 
-fn answer(id: u64) -> Vec<u8> {
+fn answer(breaks: Break, id: u64) -> Vec<u8> {
+    if breaks == Break::ConstantBody {
+        return br#"{"status":"accepted"}"#.to_vec();
+    }
     let at = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_nanos();
     format!(r#"{{"id":{id},"rendered_at":{at}}}"#).into_bytes()
 }
 
 impl Mini {
     fn created(&self, id: u64, body: Vec<u8>, replayed: bool) -> Response {
-        let mut res = (StatusCode::CREATED, [(header::LOCATION, format!("/ops/{id}"))], body).into_response();
+        let mut res = (
+            StatusCode::CREATED,
+            [(header::LOCATION, format!("/ops/{id}")), (header::CONTENT_TYPE, "application/json".to_owned())],
+            body,
+        )
+            .into_response();
+        if self.breaks == Break::ConstantBody {
+            *res.status_mut() = StatusCode::ACCEPTED;
+            res.headers_mut().remove(header::LOCATION);
+        }
+        if replayed && self.breaks == Break::ReplayDropsContentType {
+            res.headers_mut().remove(header::CONTENT_TYPE);
+        }
         if self.breaks != Break::NoIdempotency {
             res.headers_mut().insert("idempotency-key-expires", self.expires.parse().expect("date"));
         }
@@ -119,8 +155,9 @@ impl Mini {
         res
     }
 
-    /// The key as the draft spells it: a token or an sf-string, 1 to 255 visible ASCII.
-    fn key(headers: &HeaderMap) -> Option<Vec<u8>> {
+    /// The key as the draft spells it: a token or an sf-string, 1 to `max_key_len` visible
+    /// ASCII.
+    fn key(&self, headers: &HeaderMap) -> Option<Vec<u8>> {
         let mut fields = headers.get_all("idempotency-key").iter();
         let (Some(field), None) = (fields.next(), fields.next()) else {
             return None;
@@ -130,7 +167,9 @@ impl Mini {
             Some(rest) => rest.strip_suffix(b"\"")?,
             None => raw,
         };
-        let valid = !key.is_empty() && key.len() <= 255 && key.iter().all(|b| (0x21..=0x7e).contains(b));
+        let space = u8::from(self.breaks != Break::InnerSpaceAccepted);
+        let valid =
+            !key.is_empty() && key.len() <= self.max_key_len && key.iter().all(|b| (0x20 + space..=0x7e).contains(b));
         valid.then(|| key.to_vec())
     }
 
@@ -143,18 +182,25 @@ impl Mini {
         else {
             return problem(StatusCode::UNAUTHORIZED, "no-principal");
         };
-        let slot = if self.breaks == Break::NoIdempotency {
+        let slot = if !self.breaks.keeps_records() {
             None
         } else {
             if !headers.contains_key("idempotency-key") {
                 return problem(StatusCode::BAD_REQUEST, "missing-key");
             }
-            let Some(key) = Self::key(&headers) else {
+            let Some(key) = self.key(&headers) else {
                 return problem(StatusCode::BAD_REQUEST, "bad-key");
             };
             let scope = if self.breaks == Break::Unscoped { String::new() } else { principal };
-            let mut records = self.records.lock().expect("lock");
             let slot = (scope, key);
+            if self.breaks == Break::WaitsForOutcome {
+                // While the same request runs, waits; then decides on its outcome.
+                while matches!(self.records.lock().expect("lock").get(&slot), Some(Entry::Running { body: b }) if *b == body)
+                {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            let mut records = self.records.lock().expect("lock");
             match records.get(&slot) {
                 Some(Entry::Running { body: b } | Entry::Done { body: b, .. })
                     if *b != body && self.breaks != Break::MismatchReplayed =>
@@ -169,7 +215,8 @@ impl Mini {
                     return res;
                 }
                 Some(Entry::Done { id, answer: stored, .. }) => {
-                    let again = if self.breaks == Break::ReplayRenders { answer(*id) } else { stored.clone() };
+                    let again =
+                        if self.breaks == Break::ReplayRenders { answer(self.breaks, *id) } else { stored.clone() };
                     return self.created(*id, again, true);
                 }
                 None => {}
@@ -180,7 +227,7 @@ impl Mini {
         // Long enough that every racer arrives while the first one runs.
         tokio::time::sleep(Duration::from_millis(400)).await;
         let id = self.next_id.fetch_add(1, Ordering::SeqCst);
-        let stored = answer(id);
+        let stored = answer(self.breaks, id);
         if let Some(slot) = slot {
             self.records.lock().expect("lock").insert(slot, Entry::Done { body, id, answer: stored.clone() });
         }
@@ -190,7 +237,9 @@ impl Mini {
 
 /// Serves a [`Mini`] on a free port: its URL and the server, to count requests.
 async fn mini(breaks: Break) -> (String, Arc<Mini>) {
+    let max_key_len = if breaks == Break::InnerSpaceAccepted { 40 } else { 255 };
     let state = Arc::new(Mini {
+        max_key_len,
         breaks,
         records: Mutex::new(HashMap::new()),
         next_id: AtomicU64::new(1),
@@ -211,10 +260,13 @@ async fn mini(breaks: Break) -> (String, Arc<Mini>) {
 }
 
 async fn check_mini(breaks: Break) -> Run {
-    let (url, _server) = mini(breaks).await;
-    tokio::task::spawn_blocking(move || check(&url, &["--body", r#"{"n":1}"#, "--bearer", "a", "--bearer", "b"]))
-        .await
-        .expect("join")
+    let (url, server) = mini(breaks).await;
+    let max_key_len = server.max_key_len.to_string();
+    tokio::task::spawn_blocking(move || {
+        check(&url, &["--body", r#"{"n":1}"#, "--bearer", "a", "--bearer", "b", "--max-key-len", &max_key_len])
+    })
+    .await
+    .expect("join")
 }
 
 fn set(rules: &[&str]) -> BTreeSet<String> {
@@ -229,6 +281,20 @@ async fn a_server_that_keeps_every_rule_passes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn servers_that_keep_every_rule_their_own_way_pass() {
+    // A 202 with one body for every operation failed `scope` ("the first principal's
+    // answer") although the second principal's answer carried no replay marker.
+    let run = check_mini(Break::ConstantBody).await;
+    assert_eq!(failed(&run), BTreeSet::new(), "{}", run.stdout);
+    let run = check_mini(Break::WaitsForOutcome).await;
+    assert_eq!(failed(&run), BTreeSet::new(), "{}", run.stdout);
+    let report = run.json();
+    let concurrent = report["rules"].as_array().expect("rules").iter().find(|r| r["rule"] == "concurrent").cloned();
+    let saw = concurrent.expect("concurrent row")["saw"].as_str().expect("saw").to_owned();
+    assert!(saw.contains("7 got the replay"), "racers that waited: {saw}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_broken_rule_fails_check_by_name() {
     // The rules each server breaks, and only those: every other rule still passes.
     let cases = [
@@ -239,8 +305,21 @@ async fn each_broken_rule_fails_check_by_name() {
         (Break::Unscoped, set(&["scope"])),
         (Break::MismatchReplayed, set(&["mismatch"])),
         // Every rule that compares a replay with its first answer.
-        (Break::ReplayRenders, set(&["key-syntax", "replay", "mismatch", "scope", "concurrent"])),
+        (Break::ReplayRenders, set(&["key-syntax", "replay", "mismatch", "scope", "concurrent", "key-expires"])),
         (Break::ConflictWithoutRetryAfter, set(&["concurrent"])),
+        // The header alone passed key-expires: its date was the same on a retry that ran again.
+        (
+            Break::StampsExpires,
+            set(&["key-syntax", "missing-key", "replay", "mismatch", "scope", "concurrent", "key-expires"]),
+        ),
+        // Same status, body and Location passed every replay comparison.
+        (
+            Break::ReplayDropsContentType,
+            set(&["key-syntax", "replay", "mismatch", "scope", "concurrent", "key-expires"]),
+        ),
+        // With --max-key-len 40, the key with a space inside was 42 bytes: refused for its
+        // length, it passed; and every rule's 41-byte key was refused, failing them all.
+        (Break::InnerSpaceAccepted, set(&["key-syntax"])),
     ];
     for (breaks, expected) in cases {
         let run = check_mini(breaks).await;
@@ -302,6 +381,37 @@ fn bad_check_arguments_exit_2() {
     assert_eq!(run.code, 2);
     let run = check("http://127.0.0.1:9/ops", &["--body", "{}", "--method", "GET", "--skip", "scope"]);
     assert_eq!(run.code, 2, "a safe method");
+}
+
+#[test]
+fn a_url_without_an_http_scheme_or_a_zero_timeout_exits_2() {
+    // These parsed, then every request failed: exit 5 and eight rules blamed for a typo.
+    for url in ["localhost:8080/ops", "ftp://127.0.0.1/ops", "file:///tmp/ops", "http://"] {
+        let run = check(url, &["--body", "{}", "--skip", "scope"]);
+        assert_eq!(run.code, 2, "{url}: {}{}", run.stdout, run.stderr);
+        assert!(run.json()["error"]["message"].as_str().expect("message").contains("http://"), "{}", run.stdout);
+    }
+    let bad = [
+        &["--timeout", "0s"][..],
+        &["--header", "Idempotency-Key: mine"],
+        &["--body", "@/nonexistent/body.json"],
+        &["--header", "no colon"],
+        &["--credential", "Bad Name: x"],
+        &["--replayed-header", "bad name"],
+    ];
+    for args in bad {
+        let mut all = vec!["--skip", "scope"];
+        if !args.contains(&"--body") {
+            all.extend(["--body", "{}"]);
+        }
+        all.extend_from_slice(args);
+        let run = check("http://127.0.0.1:9/ops", &all);
+        assert_eq!(run.code, 2, "{args:?}: {}{}", run.stdout, run.stderr);
+        assert!(run.json()["error"]["kind"] == "usage", "{args:?}: {}", run.stdout);
+    }
+    // Too short to hold a fresh key: clap refuses it.
+    let run = check("http://127.0.0.1:9/ops", &["--body", "{}", "--skip", "scope", "--max-key-len", "8"]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
 }
 
 /// What a proxy in front of a server does wrong.
@@ -373,4 +483,27 @@ async fn a_proxy_that_breaks_the_contract_fails_check() {
         assert_eq!(failed(&run), expected, "{fault:?}: {}", run.stdout);
         assert_eq!(run.code, 5);
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_never_answers_costs_one_timeout_a_rule() {
+    // Each batch waited out its own --timeout: 22 of them here, minutes against a host that
+    // drops packets at the default 10 s.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}/ops", listener.local_addr().expect("addr"));
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let started = std::time::Instant::now();
+    let run =
+        tokio::task::spawn_blocking(move || check(&url, &["--body", "{}", "--skip", "scope", "--timeout", "300ms"]))
+            .await
+            .expect("join");
+    assert_eq!(run.code, 5, "{}", run.stdout);
+    assert!(run.stdout.contains("timed out"), "{}", run.stdout);
+    // 7 rules of one timeout each (2.1 s); a timeout a batch would be 6.6 s.
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
 }
