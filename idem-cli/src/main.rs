@@ -32,7 +32,8 @@ mod url;
 use report::Output;
 use url::StoreUrl;
 
-/// Inspect, list, release, sweep and count idempotency records.
+/// Inspect, list, release, sweep and count idempotency records; check a live server against
+/// the Idempotency-Key rules.
 #[derive(Debug, Parser)]
 #[command(name = "idem", version)]
 struct Cli {
@@ -220,7 +221,17 @@ fn local_now() -> UnixMillis {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // A usage error under `--json` is still one JSON document (`docs/operations.md`);
+        // `--help` and `--version` (not errors) print as clap prints them.
+        Err(e) if e.use_stderr() && std::env::args().any(|a| a == "--json") => {
+            let text = e.to_string();
+            let line = text.lines().next().unwrap_or_default().trim_start_matches("error: ");
+            return Output { json: true }.fail(&Failure::Usage(line.to_owned()), 2);
+        }
+        Err(e) => e.exit(),
+    };
     let out = Output { json: cli.json };
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,

@@ -507,3 +507,14 @@ async fn a_server_that_never_answers_costs_one_timeout_a_rule() {
     // 7 rules of one timeout each (2.1 s); a timeout a batch would be 6.6 s.
     assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
 }
+
+/// A usage error clap itself finds (an unknown option, a value out of range, a missing
+/// argument) printed clap's text and no JSON under `--json`.
+#[test]
+fn a_usage_error_under_json_is_one_json_document() {
+    for args in [&["--racers", "1", "--body", "{}"][..], &["--bogus"], &[]] {
+        let run = check("http://127.0.0.1:9/ops", args);
+        assert_eq!(run.code, 2, "{args:?}");
+        assert_eq!(run.json()["error"]["kind"], "usage", "{args:?}: {}", run.stdout);
+    }
+}
