@@ -42,6 +42,7 @@
 //! temporary directory): put it on the disk you want to measure, fsync on tmpfs is free.
 
 mod baseline;
+mod cache;
 mod cycles;
 mod http;
 mod memory;
@@ -97,6 +98,10 @@ enum Command {
     /// Sealed against unsealed stored responses behind the layer (first-time requests or
     /// replays), interleaved runs.
     Seal(seal::SealArgs),
+    /// Replays behind the layer on Redis or PostgreSQL, with and without the in-process
+    /// cache of completed records (idem-cache), interleaved runs; then the cache's memory
+    /// under a key-churning load.
+    Cache(cache::CacheArgs),
     /// The layer per request with a silent INFO subscriber and (built with `metrics`) a
     /// Prometheus recorder installed, or without; no sockets.
     Obs(obs::ObsArgs),
@@ -179,6 +184,7 @@ fn main() -> Result<(), BoxError> {
             Command::Memory(args) => memory::run(args).await,
             Command::Pgtx(args) => pgtx::run(args).await,
             Command::Seal(args) => seal::run(args).await,
+            Command::Cache(args) => cache::run(args).await,
             Command::Obs(args) => obs::run(args).await,
         }
     })

@@ -68,7 +68,7 @@ enum Mode {
     Replay,
 }
 
-fn router(body: Arc<Vec<u8>>, layer: IdempotencyLayer) -> Router {
+pub(crate) fn router(body: Arc<Vec<u8>>, layer: IdempotencyLayer) -> Router {
     Router::new()
         .route(
             "/v1/workers",
@@ -98,7 +98,11 @@ async fn store(args: &SealArgs, side: &str) -> Result<Arc<dyn Store>, BoxError> 
 }
 
 /// Sends `n` keyed POSTs, `concurrency` at a time; returns requests per second.
-async fn load(app: &Router, keys: impl Iterator<Item = String>, concurrency: usize) -> Result<f64, BoxError> {
+pub(crate) async fn load(
+    app: &Router,
+    keys: impl Iterator<Item = String>,
+    concurrency: usize,
+) -> Result<f64, BoxError> {
     let start = Instant::now();
     let mut sent = 0usize;
     let mut answers = futures::stream::iter(keys)
@@ -127,7 +131,7 @@ async fn load(app: &Router, keys: impl Iterator<Item = String>, concurrency: usi
     Ok(sent as f64 / start.elapsed().as_secs_f64())
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
+pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
 }

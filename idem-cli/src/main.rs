@@ -2,7 +2,8 @@
 //!
 //! The operator's tool for idempotency records: look at a record a client is stuck on,
 //! list records by state and age, release a stuck claim with a fenced `fail`, run one
-//! sweep, count records. Works on every backend through a store URL; human output by
+//! sweep, count records; and `idem check URL`, which runs the decision table against a
+//! live server from the outside. Works on every backend through a store URL; human output by
 //! default, `--json` on every command. `docs/operations.md` is the full manual (commands,
 //! URL forms, exit codes, JSON shapes, and why `release` of a live claim needs `--force`).
 //!
@@ -14,6 +15,7 @@
 //! # Layout
 //! - `url`: store URLs and opening a store without creating or migrating it.
 //! - `report`: records, listings and counts as text and as JSON.
+//! - `check`: `idem check`, its rules, the requests each sends and their judgement.
 //! - this file: arguments (clap), the commands, exit codes.
 
 use std::process::ExitCode;
@@ -23,6 +25,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use clap::{Parser, Subcommand, ValueEnum};
 use idem_core::{Endpoint, IdempotencyKey, ListFilter, Record, RecordId, RecordState, Store, StoreError, UnixMillis};
 
+mod check;
 mod replicas;
 mod report;
 mod url;
@@ -30,7 +33,8 @@ mod url;
 use report::Output;
 use url::StoreUrl;
 
-/// Inspect, list, release, sweep and count idempotency records.
+/// Inspect, list, release, sweep and count idempotency records; check a live server against
+/// the Idempotency-Key rules.
 #[derive(Debug, Parser)]
 #[command(name = "idem", version)]
 struct Cli {
@@ -53,6 +57,16 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the decision table against a live server, from the outside: one row per rule,
+    /// pass or fail with what came back; exit 5 when a rule failed. Needs no store.
+    Check(Box<check::CheckArgs>),
+    #[command(flatten)]
+    Store(StoreCommand),
+}
+
+/// The commands that read or change records in a store (`--store`).
+#[derive(Debug, Subcommand)]
+enum StoreCommand {
     /// Show one record: state, fencing token, lease, fingerprint, times, stored response.
     Inspect(Target),
     /// List live records, filtered by state, age and principal (one page).
@@ -208,26 +222,42 @@ fn local_now() -> UnixMillis {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // A usage error under `--json` is still one JSON document (`docs/operations.md`);
+        // `--help` and `--version` (not errors) print as clap prints them.
+        Err(e) if e.use_stderr() && std::env::args().any(|a| a == "--json") => {
+            let text = e.to_string();
+            let line = text.lines().next().unwrap_or_default().trim_start_matches("error: ");
+            return Output { json: true }.fail(&Failure::Usage(line.to_owned()), 2);
+        }
+        Err(e) => e.exit(),
+    };
     let out = Output { json: cli.json };
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => return out.fail(&Failure::Store(format!("cannot start the async runtime: {e}")), 3),
     };
-    match runtime.block_on(run(cli, &out)) {
-        Ok(()) => ExitCode::SUCCESS,
+    let result = match cli.command {
+        Command::Check(args) => runtime.block_on(check::check(*args, cli.json)),
+        Command::Store(command) => runtime.block_on(run(cli.store, command, &out)).map(|()| true),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        // The report said which rules failed.
+        Ok(false) => ExitCode::from(5),
         Err(f) => out.fail(&f, f.code()),
     }
 }
 
-async fn run(cli: Cli, out: &Output) -> Result<(), Failure> {
-    let Some(url) = cli.store.as_deref() else {
+async fn run(store: Option<String>, command: StoreCommand, out: &Output) -> Result<(), Failure> {
+    let Some(url) = store.as_deref() else {
         return Err(Failure::Usage("no store given: pass --store URL or set IDEM_STORE".into()));
     };
     let (url, wait) = replicas::take_wait(url).map_err(Failure::Usage)?;
     let url: StoreUrl = url.parse().map_err(|e: url::UrlError| Failure::Usage(e.to_string()))?;
     // Arguments are checked before connecting: a typo never costs a connection.
-    let command = Checked::from(cli.command)?;
+    let command = Checked::from(command)?;
     let store = url.connect().await.map_err(|e| match e {
         url::OpenError::NoFile(_) | url::OpenError::Unsupported(_) => Failure::Usage(e.to_string()),
         url::OpenError::Backend { .. } => Failure::Store(chain(&e)),
@@ -254,13 +284,13 @@ enum Checked {
 }
 
 impl Checked {
-    fn from(command: Command) -> Result<Self, Failure> {
+    fn from(command: StoreCommand) -> Result<Self, Failure> {
         Ok(match command {
-            Command::Inspect(target) => Checked::Inspect(target.record_id()?),
-            Command::Release { target, force } => Checked::Release { id: target.record_id()?, force },
-            Command::Sweep { limit } => Checked::Sweep { limit },
-            Command::Stats { principal } => Checked::Stats { principal },
-            Command::List(args) => {
+            StoreCommand::Inspect(target) => Checked::Inspect(target.record_id()?),
+            StoreCommand::Release { target, force } => Checked::Release { id: target.record_id()?, force },
+            StoreCommand::Sweep { limit } => Checked::Sweep { limit },
+            StoreCommand::Stats { principal } => Checked::Stats { principal },
+            StoreCommand::List(args) => {
                 let mut filter = ListFilter::new(args.limit);
                 if let Some(state) = args.state {
                     filter = filter.with_state(state.into());

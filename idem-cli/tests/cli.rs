@@ -20,13 +20,16 @@ use idem_core::{
 use idem_http::{BearerToken, IdempotencyLayer};
 use serde_json::Value;
 
+#[path = "cli/check.rs"]
+mod check;
+
 const ENDPOINT: &str = "POST /v1/workers/{id}/reboot";
 const LONG_LEASE: Duration = Duration::from_secs(300);
 /// Short enough that nothing stays behind on a shared Redis for long.
 const RETENTION: Duration = Duration::from_secs(600);
 
 /// What one run of the binary did.
-struct Run {
+pub(crate) struct Run {
     code: i32,
     stdout: String,
     stderr: String,
@@ -282,6 +285,9 @@ async fn operator_story(url: &str, open: Open, native_expiry: bool) {
         idem(url, &["--json", "release", "--principal", &principal, "--endpoint", ENDPOINT, "--key", "never-sent"]);
     assert_eq!(run.code, 1);
     assert_eq!(run.json()["error"]["kind"], "not_found");
+
+    // `idem check` passes against the demo server on this store.
+    check::demo_passes_check(open().await).await;
 }
 
 #[test]

@@ -38,9 +38,14 @@ pub struct Policy {
     pub lease_ttl: Duration,
     /// 4xx statuses that are not stored because the server made no decision the client
     /// should see again (default 401, 403, 408, 409, 423, 425, 429). Entries outside
-    /// 400..=499 change nothing: 2xx and 303 are always stored, 1xx, the other 3xx and
-    /// 5xx never (see [`Policy::is_cacheable`]).
+    /// 400..=499 change nothing: 2xx and 303 are always stored, 1xx and the other 3xx
+    /// never (see [`Policy::is_cacheable`]).
     pub uncacheable_4xx: Vec<u16>,
+    /// 5xx statuses stored like a 2xx, replayed to every retry until retention ends
+    /// (default none: a 5xx marks the record failed and the retry runs again). Stripe's
+    /// first API did this for a 500: only for handlers whose 5xx always means "settled,
+    /// and retrying changes nothing" (`docs/contract.md#cacheable-statuses`).
+    pub cacheable_5xx: Vec<u16>,
     /// Largest response body stored for replay, bytes (default 1 MiB). Larger responses
     /// still complete the record; the replay reports the body was not retained.
     pub max_stored_body: usize,
@@ -53,6 +58,9 @@ pub struct Policy {
     /// rather than replace it: a list without `set-cookie` replays one client's session
     /// cookie to whoever retries with the key.
     pub header_deny_list: Vec<String>,
+    /// When set, only these response headers are stored (default `None`: every header the
+    /// rules above let through). The rules above still apply to the names it lists.
+    pub header_allow_list: Option<Vec<String>>,
 }
 
 impl Default for Policy {
@@ -64,6 +72,8 @@ impl Default for Policy {
             max_stored_body: 1 << 20,
             compress_over: 4 << 10,
             header_deny_list: vec!["set-cookie".into(), "date".into()],
+            cacheable_5xx: Vec::new(),
+            header_allow_list: None,
         }
     }
 }
@@ -99,7 +109,7 @@ impl Policy {
 
     /// Whether a response with `status` is stored and replayed: 2xx, 303, and 4xx outside
     /// `uncacheable_4xx` (the server made a durable change, or decided that none will
-    /// ever happen). Never 1xx, 5xx or any other 3xx.
+    /// ever happen), and a 5xx in `cacheable_5xx`. Never 1xx or any other 3xx.
     ///
     /// The 3xx rule (RFC 9110 §15.4): 303 See Other is how a server answers a POST whose
     /// work is done and whose result lives elsewhere (post/redirect/get), so it is stored
@@ -112,6 +122,7 @@ impl Policy {
         match status {
             200..=299 | 303 => true,
             400..=499 => !self.uncacheable_4xx.contains(&status),
+            500..=599 => self.cacheable_5xx.contains(&status),
             _ => false,
         }
     }
@@ -125,6 +136,7 @@ impl Policy {
         !HOP_BY_HOP.iter().any(|h| h.eq_ignore_ascii_case(name))
             && !PER_EXCHANGE_PREFIXES.iter().any(per_exchange)
             && !self.header_deny_list.iter().any(|d| d.eq_ignore_ascii_case(name))
+            && self.header_allow_list.as_ref().is_none_or(|a| a.iter().any(|n| n.eq_ignore_ascii_case(name)))
     }
 }
 
@@ -154,7 +166,7 @@ mod tests {
         assert!(p.is_cacheable(429));
         p.uncacheable_4xx.clear();
         assert!(p.is_cacheable(401));
-        assert!(!p.is_cacheable(500), "a 5xx is never stored, whatever the list says");
+        assert!(!p.is_cacheable(500), "a 5xx is stored only when listed in cacheable_5xx");
     }
 
     #[test]

@@ -159,7 +159,12 @@ impl Refusal {
     }
 
     pub(crate) fn invalid_key(error: &KeyError) -> Self {
-        Self::new(ProblemKind::InvalidKey, StatusCode::BAD_REQUEST, error.to_string())
+        Self::key_refused(error.to_string())
+    }
+
+    /// 400: a key the application's rule refused (`with_key_rule`), with its detail.
+    pub(crate) fn key_refused(detail: String) -> Self {
+        Self::new(ProblemKind::InvalidKey, StatusCode::BAD_REQUEST, detail)
     }
 
     /// 401: no principal, under `MissingPrincipal::Reject`, or (`blank`) a blank one: a

@@ -205,6 +205,19 @@ pub(crate) const DEFAULT_MAX_FINGERPRINT_FIELDS: usize = 32;
 /// Default most bytes (names plus values) of the header fields that enter the fingerprint.
 pub(crate) const DEFAULT_MAX_FINGERPRINT_HEADER_BYTES: usize = 16 * 1024;
 
+/// `Err(detail)` refuses a key.
+type KeyCheck = dyn Fn(&str) -> Result<(), String> + Send + Sync;
+
+/// The application's own rule for keys (`IdempotencyLayer::with_key_rule`).
+#[derive(Clone)]
+pub(crate) struct KeyRule(pub(crate) Arc<KeyCheck>);
+
+impl std::fmt::Debug for KeyRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeyRule")
+    }
+}
+
 /// Everything one layer was configured with; [`crate::pipeline::Pipeline`] is made from it
 /// once per layer.
 #[derive(Clone, Debug)]
@@ -216,6 +229,7 @@ pub(crate) struct Settings {
     pub(crate) key_requirement: KeyRequirement,
     /// Longest accepted key, bytes.
     pub(crate) max_key_len: usize,
+    pub(crate) key_rule: Option<KeyRule>,
     pub(crate) missing_principal: MissingPrincipal,
     /// Largest request body buffered to fingerprint, bytes.
     pub(crate) max_request_body: usize,
@@ -254,6 +268,7 @@ impl Settings {
             resolver: Arc::new(BearerToken),
             key_requirement: KeyRequirement::default(),
             max_key_len: DEFAULT_MAX_KEY_LEN,
+            key_rule: None,
             missing_principal: MissingPrincipal::default(),
             max_request_body: 1 << 20,
             fingerprint_headers: vec!["content-type".into()],

@@ -219,9 +219,14 @@ impl IdempotencyContext {
 #[non_exhaustive]
 pub enum ResponseCaching {
     /// Store this response and replay it to every retry, whatever its status, except a
-    /// 5xx: a server error is never stored (the record is marked failed), because the
-    /// layer cannot tell a handler's deliberate 5xx from a proxy's or a framework's.
+    /// 5xx: a server error is stored only as `Policy::cacheable_5xx` or
+    /// [`ResponseCaching::StoreServerError`] says, because a 5xx usually comes from a
+    /// proxy or a framework, not a decision of the handler.
     Store,
+    /// Store this 5xx (or any response) and replay it to every retry until retention
+    /// ends: the handler says its side effects are settled and a retry changes nothing
+    /// (`docs/contract.md#cacheable-statuses`).
+    StoreServerError,
     /// Do not store this response; mark the record failed, so a retry runs the handler
     /// again.
     DoNotStore,

@@ -108,6 +108,14 @@ impl IdempotencyLayer {
         #[must_use]
         pub fn with_max_key_len(bytes: usize) => config().max_key_len = bytes;
 
+        /// Adds the API's own rule for keys (a minimum length, an alphabet), checked on
+        /// the parsed key after the built-in syntax and before the principal or any store
+        /// call: `Err(detail)` is a 400 `invalid-idempotency-key` with that detail.
+        /// `docs/contract.md#key-rules-of-your-own`.
+        #[must_use]
+        pub fn with_key_rule(rule: impl Fn(&str) -> Result<(), String> + Send + Sync + 'static) =>
+            config().key_rule = Some(crate::config::KeyRule(Arc::new(rule)));
+
         /// Replaces the principal resolver (default [`crate::BearerToken`]).
         #[must_use]
         pub fn with_principal_resolver(resolver: impl PrincipalResolver) => config().resolver = Arc::new(resolver);

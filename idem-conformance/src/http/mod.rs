@@ -256,6 +256,11 @@ macro_rules! http_tests {
                 fail_open_never_reruns_a_corrupt_completed_record
                 => shapes::fail_open_never_reruns_a_corrupt_record());
             $crate::__http_test!($backend, paused,
+                /// A 5xx was stored without an opt-in, or replayed without its record when opted in;
+                /// an allowlist stored a header it does not name.
+                server_errors_are_stored_only_on_purpose
+                => shapes::server_errors_are_stored_only_on_purpose());
+            $crate::__http_test!($backend, paused,
                 /// The endless-stream scenario cannot tell the streaming rules from luck: with them off
                 /// (no deadline, no streaming content type), the same stream must hold the head back.
                 without_the_streaming_rules_an_endless_stream_holds_the_head

@@ -375,3 +375,66 @@ async fn corrupt(b: &HttpEnv, id: RecordId, case: &'static str) -> bool {
     assert!(b.overwrite_stored(id, garbage).await, "{}: read_stored works but overwrite_stored does not", b.name);
     true
 }
+
+/// A server error is stored only on purpose (`Policy::cacheable_5xx`,
+/// `ResponseCaching::StoreServerError`) and then replayed like any stored response; an
+/// allowlist (`Policy::header_allow_list`) stores only the headers it names.
+pub async fn server_errors_are_stored_only_on_purpose(b: HttpEnv) {
+    let runs = Counter::default();
+    let route = |status: u16, marked: bool| {
+        let runs = runs.clone();
+        post(move || {
+            let runs = runs.clone();
+            async move {
+                let n = runs.bump();
+                let mut res = Response::new(Body::from(format!("{{\"run\":{n}}}")));
+                *res.status_mut() = http::StatusCode::from_u16(status).expect("status");
+                for (name, value) in [("location", "/v1/flashes/7"), ("etag", "\"v1\""), ("x-request-id", "r-1")] {
+                    res.headers_mut().insert(name, HeaderValue::from_static(value));
+                }
+                if marked {
+                    res.extensions_mut().insert(idem_http::ResponseCaching::StoreServerError);
+                }
+                res
+            }
+        })
+    };
+    let plain =
+        Router::new().route("/v1/plain", route(500, false)).route("/v1/marked", route(503, true)).layer(layer(&b));
+    let listed = Router::new().route("/v1/listed", route(504, false)).layer(
+        IdempotencyLayer::new(b.dyn_store()).with_policy(policy(|p| {
+            p.lease_ttl = LEASE;
+            p.cacheable_5xx = vec![504];
+            p.header_allow_list = Some(vec!["Location".into(), "x-request-id".into()]);
+        })),
+    );
+    let mut seen = Vec::new();
+    for (app, path) in [(&plain, "/v1/plain"), (&plain, "/v1/marked"), (&listed, "/v1/listed")] {
+        let req = post_req(path).key("k-5xx").body("{}");
+        for _ in 0..2 {
+            let attempt = start(app, &req);
+            settle(&b).await;
+            let got = answer(attempt).await;
+            seen.push((path, got.status.as_u16(), got.replayed(), got.text().to_owned(), got.header("etag").is_some()));
+        }
+    }
+    let expected = [
+        // Not opted in: failed, the retry runs again.
+        ("/v1/plain", 500, false, "{\"run\":1}", true),
+        ("/v1/plain", 500, false, "{\"run\":2}", true),
+        // Marked by the handler: stored and replayed.
+        ("/v1/marked", 503, false, "{\"run\":3}", true),
+        ("/v1/marked", 503, true, "{\"run\":3}", true),
+        // Listed in the policy: stored; the replay keeps only the allowed headers.
+        ("/v1/listed", 504, false, "{\"run\":4}", true),
+        ("/v1/listed", 504, true, "{\"run\":4}", false),
+    ];
+    let expected: Vec<_> = expected.iter().map(|(p, s, r, t, e)| (*p, *s, *r, (*t).to_owned(), *e)).collect();
+    assert_eq!(seen, expected, "{}", b.name);
+    let attempt = start(&listed, &post_req("/v1/listed").key("k-5xx").body("{}"));
+    settle(&b).await;
+    let replay = answer(attempt).await;
+    assert_eq!(replay.header("location"), Some("/v1/flashes/7"));
+    assert_eq!(replay.header("x-request-id"), Some("r-1"));
+    assert_eq!(runs.get(), 4);
+}

@@ -5,3 +5,4 @@
 mod group_commit;
 mod key;
 mod resume;
+mod seal;

@@ -53,11 +53,11 @@ where
     let caching = head.extensions.remove::<ResponseCaching>();
     let policy = &pipeline.settings.policy;
     let cacheable = match caching {
-        _ if head.status.is_server_error() => false,
         // Completed in the handler's own transaction: nothing more to store.
         Some(ResponseCaching::CompletedByHandler | ResponseCaching::DoNotStore) => false,
-        Some(ResponseCaching::Store) => true,
-        None => policy.is_cacheable(head.status.as_u16()),
+        Some(ResponseCaching::StoreServerError) => true,
+        Some(ResponseCaching::Store) if !head.status.is_server_error() => true,
+        _ => policy.is_cacheable(head.status.as_u16()),
     };
     let body = Box::pin(body);
     let read = if cacheable {

@@ -2,7 +2,8 @@
 //! first check that fails answers and nothing is claimed (`docs/decision-table.md`,
 //! "Answers before the table"):
 //!
-//! 1. the `Idempotency-Key` field: none (per [`crate::KeyRequirement`]), repeated, invalid;
+//! 1. the `Idempotency-Key` field: none (per [`crate::KeyRequirement`]), repeated, invalid,
+//!    or refused by the application's key rule;
 //! 2. the principal: none (per [`crate::MissingPrincipal`]), blank;
 //! 3. the limits: the fingerprinted header fields (431), the body (413, or 400 when it
 //!    cannot be read), buffered up to `max_request_body`;
@@ -88,6 +89,9 @@ where
         }
         (None, _) => return Intake::Refused(Refusal::missing_key()),
     };
+    if let Some(Err(why)) = settings.key_rule.as_ref().map(|rule| (rule.0)(key.as_str())) {
+        return Intake::Refused(Refusal::key_refused(why));
+    }
     // Resolved once per request: this one answer is the principal of the claim, the record
     // id, the handler's context and every later write, so a resolver that would answer
     // differently on a second call is never asked twice.

@@ -132,3 +132,34 @@ async fn keys_are_case_sensitive_and_never_trimmed_into_each_other() {
     }
     assert_eq!(n.get(), 4);
 }
+
+/// An API standard's key rule (16 to 255 characters of `[A-Za-z0-9-]`) could only be
+/// checked in the handler, after the claim: a refused key still took a record.
+#[tokio::test]
+async fn the_applications_key_rule_refuses_before_any_store_call() {
+    let env = Env::new();
+    let n = Counter::default();
+    let rule = |key: &str| {
+        if key.len() < 16 {
+            return Err(format!("an idempotency key has at least 16 characters; this one has {}", key.len()));
+        }
+        match key.bytes().find(|b| !(b.is_ascii_alphanumeric() || *b == b'-')) {
+            Some(b) => Err(format!("an idempotency key is letters, digits and '-'; {:?} is not", char::from(b))),
+            None => Ok(()),
+        }
+    };
+    let app = app(IdempotencyLayer::new(env.dyn_store()).with_key_rule(rule), &n, &Script::default());
+    // The store is down: a key that reached it would get 503, not 400.
+    env.store.fail_all.store(true, std::sync::atomic::Ordering::SeqCst);
+    for (key, detail) in [("short-key", "at least 16"), ("\"underscores_are_not_allowed\"", "'_' is not")] {
+        let got = send(&app, &post("/v1/orders").key(key).body("{}")).await;
+        let p = got.problem(400, "invalid-idempotency-key");
+        assert!(p["detail"].as_str().unwrap().contains(detail), "{key}: {p}");
+    }
+    let got = send(&app, &post("/v1/orders").key("a-valid-key-0123456789").body("{}")).await;
+    assert_eq!(got.status, 503, "a key the rule accepts goes on to the store");
+    env.store.fail_all.store(false, std::sync::atomic::Ordering::SeqCst);
+    let got = send(&app, &post("/v1/orders").key("a-valid-key-0123456789").body("{}")).await;
+    assert!(got.status.is_success(), "{}", got.status);
+    assert_eq!(n.get(), 1);
+}

@@ -25,3 +25,4 @@ mod response_edges;
 mod resumable;
 mod sealed;
 mod socket;
+mod test_vectors;

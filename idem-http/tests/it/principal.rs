@@ -1,7 +1,8 @@
 //! The principal resolver's answers the layer refuses or pins: a blank principal
 //! (empty or whitespace only) shared one bucket by every request that resolved to it, or
 //! skipped idempotency under `SkipIdempotency`; a resolver asked twice for one request
-//! could give its claim and its handler two different principals.
+//! could give its claim and its handler two different principals. And `BearerToken`'s
+//! answers (its hash is pinned by the test vectors).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -10,7 +11,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::{BodyExt, Full};
 use idem_core::{MemoryStore, RecordId, RecordState, Store};
-use idem_http::{IdempotencyContext, IdempotencyLayer, MissingPrincipal};
+use idem_http::{BearerToken, IdempotencyContext, IdempotencyLayer, MissingPrincipal, PrincipalResolver};
 use tower::{Layer, ServiceExt};
 
 const ENDPOINT: &str = "POST /v1/workers";
@@ -108,4 +109,36 @@ async fn a_resolver_is_asked_once_per_request_and_its_answer_is_used_everywhere(
     assert_eq!((first.state, first.scope.principal.as_str()), (RecordState::Completed, "p-1"));
     assert_eq!(store.get(RecordId::derive("p-2", ENDPOINT, "k1")).await.unwrap(), None, "nothing under a 2nd answer");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+fn parts(auth: &[&str]) -> http::request::Parts {
+    let mut b = Request::builder();
+    for a in auth {
+        b = b.header(http::header::AUTHORIZATION, *a);
+    }
+    b.body(()).expect("request").into_parts().0
+}
+
+#[test]
+fn bearer_tokens_are_hashed_and_scheme_is_case_insensitive() {
+    let p = BearerToken.resolve(&parts(&["Bearer abc"])).expect("a principal");
+    assert_eq!(p, BearerToken.resolve(&parts(&["bearer abc"])).expect("a principal"));
+    assert!(p.starts_with("bearer:") && p.len() == 7 + 64);
+    assert!(!p.contains("abc"));
+    assert_ne!(p, BearerToken.resolve(&parts(&["Bearer abd"])).expect("a principal"));
+}
+
+#[test]
+fn missing_or_odd_authorization_resolves_to_nobody() {
+    for a in [&[][..], &["Basic dXNlcjpwYXNz"], &["Bearer "], &["Bearer    "], &["Bearer"], &["Bearer a", "Bearer b"]] {
+        assert_eq!(BearerToken.resolve(&parts(a)), None, "{a:?}");
+    }
+}
+
+/// The layer's blank rule is core's: Unicode whitespace only is blank, padding is not.
+#[test]
+fn closures_resolve_and_blank_is_core_s_rule() {
+    let r = |_: &http::request::Parts| Some("acct-1".to_owned());
+    assert_eq!(r.resolve(&parts(&[])).as_deref(), Some("acct-1"));
+    assert!(idem_core::Principal::new(" \t\u{a0}").is_err() && idem_core::Principal::new(" a ").is_ok());
 }
