@@ -555,7 +555,8 @@ fn fingerprint_cases() -> Vec<FingerprintCase> {
             headers: vec![["content-type", "application/octet-stream"]],
             body: vec![0x00, 0xff, 0x80, b'\n', 0x7f],
             ..base("binary-body", "a body that is not UTF-8")
-        },        FingerprintCase {
+        },
+        FingerprintCase {
             headers: vec![],
             body: vec![b'x'; 5000],
             ..base("long-body", "a 5,000-byte body: longer than any buffer the hasher fills")
