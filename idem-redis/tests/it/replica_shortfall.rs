@@ -163,6 +163,7 @@ async fn a_shard_without_its_replica_answers_at_once() {
     let refused = results.iter().filter(|r| r.0 == short).count();
     assert!(refused > 0 && refused < results.len(), "keys on every shard: {refused} of {}", results.len());
     println!("strict: {refused} of {} refused (shard {short}), slowest {slowest:?}", results.len());
+    through_the_layer(&cluster, &strict, short).await;
 
     let degrade = store(&cluster, "rs-degrade:", Shortfall::Degrade).await;
     let results = storm(&cluster, &degrade, "degrade", 96).await;
@@ -202,4 +203,52 @@ async fn a_shard_without_its_replica_answers_at_once() {
     let counts = running.replicas().await.expect("replicas");
     assert!(counts.contains(&(format!("127.0.0.1:{promoted}"), 0)), "{counts:?}");
     println!("promoted {promoted} refused {:?} after the kill", started.elapsed());
+}
+
+/// What a client sees through the HTTP layer on the strict store: a key on the short shard
+/// gets 503 with `Retry-After` well within the layer's store deadline, and the handler
+/// never runs; a key on another shard gets the handler's 201.
+async fn through_the_layer(cluster: &PrivateCluster, store: &RedisStore, short: u16) {
+    use tower::{Layer, ServiceExt};
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let handler = tower::service_fn({
+        let runs = runs.clone();
+        move |_: http::Request<http_body_util::Full<bytes::Bytes>>| {
+            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut res = http::Response::new(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")));
+            *res.status_mut() = http::StatusCode::CREATED;
+            async { Ok::<_, std::convert::Infallible>(res) }
+        }
+    });
+    let service = idem_http::IdempotencyLayer::new(std::sync::Arc::new(store.clone())).layer(handler);
+    let (mut on_short, mut elsewhere) = (None, None);
+    for i in 0.. {
+        let key = format!("http-{i}");
+        // The layer's record id for this key: the bearer principal and the concrete path.
+        let scope = Scope::new(idem_http::BearerToken::principal_for(b"tok"), Endpoint::new("POST", "/v1/workers"))
+            .expect("scope");
+        let id = scope.record_id(&IdempotencyKey::parse(key.as_bytes()).expect("key"));
+        let slot =
+            if cluster.primary_for(&store.record_key(id)).await == short { &mut on_short } else { &mut elsewhere };
+        slot.get_or_insert(key);
+        if on_short.is_some() && elsewhere.is_some() {
+            break;
+        }
+    }
+    for (key, expected) in [(on_short.expect("a key"), 503), (elsewhere.expect("a key"), 201)] {
+        let req = http::Request::post("/v1/workers")
+            .header("authorization", "Bearer tok")
+            .header("idempotency-key", &key)
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+            .expect("request");
+        let started = Instant::now();
+        let res = service.clone().oneshot(req).await.expect("infallible");
+        let took = started.elapsed();
+        assert_eq!(res.status().as_u16(), expected, "{key} after {took:?}");
+        if expected == 503 {
+            assert!(res.headers().contains_key("retry-after"), "{:?}", res.headers());
+            assert!(took < Duration::from_millis(500), "answered at once, not at the deadline: {took:?}");
+        }
+    }
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1, "the handler ran for the other shard's key only");
 }
