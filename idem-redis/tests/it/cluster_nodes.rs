@@ -149,9 +149,11 @@ impl PrivateCluster {
             })
     }
 
-    /// Waits (up to 30 s) until [`PrivateCluster::healthy`].
+    /// Waits (up to 60 s) until [`PrivateCluster::healthy`]. A forced failover's old
+    /// primary resyncs as a replica; under the test command's load (every suite at once on
+    /// two cores) that once took more than 30 s.
     pub async fn wait_healthy(&self) {
-        for _ in 0..300 {
+        for _ in 0..600 {
             if self.healthy().await {
                 return;
             }
