@@ -25,8 +25,8 @@ impl Replicas {
     /// has fewer, a claim (or reclaim) under [`Shortfall::Strict`] is refused before writing,
     /// and any other write waits for the replicas there are, counted as degraded.
     pub(crate) fn plan(&self, key: &str, ack: ReplicaAck, claims: bool) -> Result<ReplicaAck, Error> {
-        let state = self.lock();
-        let Some((_, _, node, n)) = state.0.iter().find(|s| (s.0..=s.1).contains(&slot(key))) else { return Ok(ack) };
+        let (state, slot) = (self.lock(), slot(key));
+        let Some((_, _, node, n)) = state.0.iter().find(|s| (s.0..=s.1).contains(&slot)) else { return Ok(ack) };
         if *n >= ack.replicas {
             Ok(ack)
         } else if claims && ack.shortfall == Shortfall::Strict {
@@ -44,7 +44,8 @@ impl Replicas {
         let mut state = self.lock();
         state.2 = true;
         let Some(acked) = acked else { return String::new() };
-        let Some(shard) = state.0.iter_mut().find(|s| (s.0..=s.1).contains(&slot(key))) else {
+        let slot = slot(key);
+        let Some(shard) = state.0.iter_mut().find(|s| (s.0..=s.1).contains(&slot)) else {
             return "unknown".into();
         };
         let acked = u32::try_from(acked).unwrap_or(u32::MAX);
