@@ -138,13 +138,17 @@ impl Refusal {
         }
     }
 
-    pub(crate) fn missing_key() -> Self {
-        Self::new(
-            ProblemKind::MissingKey,
-            StatusCode::BAD_REQUEST,
-            "this endpoint requires an Idempotency-Key header; generate one unique value per operation and send it \
-             on every retry",
-        )
+    pub(crate) fn missing_key(source: &crate::KeySource) -> Self {
+        let detail: Cow<'static, str> = match source.describe() {
+            None => "this endpoint requires an Idempotency-Key header; generate one unique value per operation and \
+                     send it on every retry"
+                .into(),
+            Some(place) => format!(
+                "this endpoint requires {place}; generate one unique value per operation and send it on every retry"
+            )
+            .into(),
+        };
+        Self::new(ProblemKind::MissingKey, StatusCode::BAD_REQUEST, detail)
     }
 
     /// Two or more `Idempotency-Key` fields, equal or not: the field is a single sf-item

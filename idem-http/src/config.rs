@@ -218,6 +218,26 @@ impl std::fmt::Debug for KeyRule {
     }
 }
 
+/// The application's edit of replayed heads (`IdempotencyLayer::with_replay_edit`).
+#[derive(Clone)]
+pub(crate) struct ReplayEdit(pub(crate) Arc<dyn Fn(&mut http::response::Parts) + Send + Sync>);
+
+impl std::fmt::Debug for ReplayEdit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReplayEdit")
+    }
+}
+
+/// The application's event callback (`IdempotencyLayer::with_events`).
+#[derive(Clone)]
+pub(crate) struct Events(pub(crate) Arc<crate::observe::EventFn>);
+
+impl std::fmt::Debug for Events {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Events")
+    }
+}
+
 /// Everything one layer was configured with; [`crate::pipeline::Pipeline`] is made from it
 /// once per layer.
 #[derive(Clone, Debug)]
@@ -230,6 +250,13 @@ pub(crate) struct Settings {
     /// Longest accepted key, bytes.
     pub(crate) max_key_len: usize,
     pub(crate) key_rule: Option<KeyRule>,
+    pub(crate) key_source: crate::KeySource,
+    /// What of the body enters the fingerprint.
+    pub(crate) fingerprint_body: crate::FingerprintBody,
+    /// The application's event callback.
+    pub(crate) events: Option<Events>,
+    /// Edits the head of every replayed response.
+    pub(crate) replay_edit: Option<ReplayEdit>,
     pub(crate) missing_principal: MissingPrincipal,
     /// Largest request body buffered to fingerprint, bytes.
     pub(crate) max_request_body: usize,
@@ -269,6 +296,10 @@ impl Settings {
             key_requirement: KeyRequirement::default(),
             max_key_len: DEFAULT_MAX_KEY_LEN,
             key_rule: None,
+            key_source: crate::KeySource::default(),
+            fingerprint_body: crate::FingerprintBody::default(),
+            events: None,
+            replay_edit: None,
             missing_principal: MissingPrincipal::default(),
             max_request_body: 1 << 20,
             fingerprint_headers: vec!["content-type".into()],

@@ -18,8 +18,10 @@ use crate::config::{
 };
 use crate::deadline::StoreDeadlines;
 use crate::hints::RetryHints;
+use crate::observe::Event;
 use crate::pipeline::Pipeline;
 use crate::principal::PrincipalResolver;
+use crate::select::{FingerprintBody, KeySource};
 use crate::service::Idempotency;
 
 /// Tower layer that makes the wrapped service idempotent per `Idempotency-Key`.
@@ -34,12 +36,15 @@ use crate::service::Idempotency;
 /// | [`with_policy`](Self::with_policy) | [`Policy::default`] |
 /// | [`with_key_requirement`](Self::with_key_requirement) | [`KeyRequirement::Required`] |
 /// | [`with_max_key_len`](Self::with_max_key_len) | 255 bytes |
+/// | [`with_key_rule`](Self::with_key_rule) | none: the header syntax only |
+/// | [`with_key_source`](Self::with_key_source) | the `Idempotency-Key` header field |
 /// | [`with_principal_resolver`](Self::with_principal_resolver) | [`crate::BearerToken`] |
 /// | [`with_missing_principal`](Self::with_missing_principal) | [`MissingPrincipal::Reject`] |
 /// | [`with_max_request_body`](Self::with_max_request_body) | 1 MiB (1 048 576 bytes) |
 /// | [`with_fingerprint_headers`](Self::with_fingerprint_headers) | `content-type` |
 /// | [`with_max_fingerprint_headers`](Self::with_max_fingerprint_headers) | 32 fields, 16 KiB (16 384 bytes) |
 /// | [`with_fingerprint_mode`](Self::with_fingerprint_mode) | [`FingerprintMode::Raw`] |
+/// | [`with_fingerprint_body`](Self::with_fingerprint_body) | the whole body |
 /// | [`with_mismatch_status`](Self::with_mismatch_status) | [`MismatchStatus::Conflict`] (409) |
 /// | [`with_store_failure_mode`](Self::with_store_failure_mode) | [`StoreFailureMode::FailClosed`] |
 /// | [`with_handler_execution`](Self::with_handler_execution) | [`HandlerExecution::Detached`] |
@@ -50,6 +55,7 @@ use crate::service::Idempotency;
 /// | [`with_streaming_content_types`](Self::with_streaming_content_types) | `text/event-stream` |
 /// | [`with_retry_hints`](Self::with_retry_hints) | `x-should-retry` on, `Stripe-Should-Retry` off |
 /// | [`with_store_deadlines`](Self::with_store_deadlines) | 2 s per store call; completions retried while the lease lasts |
+/// | [`with_events`](Self::with_events), [`with_replay_edit`](Self::with_replay_edit) | none |
 /// | `with_sealing` (feature `seal`) | off: responses stored as they are |
 ///
 /// Cloning is cheap (two `Arc`s); clones share the prepared pipeline.
@@ -115,6 +121,33 @@ impl IdempotencyLayer {
         #[must_use]
         pub fn with_key_rule(rule: impl Fn(&str) -> Result<(), String> + Send + Sync + 'static) =>
             config().key_rule = Some(crate::config::KeyRule(Arc::new(rule)));
+
+        /// Sets where the key is read (default: the `Idempotency-Key` header field); a
+        /// body field or a function of the request: [`KeySource`],
+        /// `docs/contract.md#where-the-key-comes-from`.
+        #[must_use]
+        pub fn with_key_source(source: KeySource) => config().key_source = source;
+
+        /// Sets what of the body enters the fingerprint (default: all of it): a function of
+        /// the request, or (feature `canonical-json`) chosen JSON fields: [`FingerprintBody`].
+        #[must_use]
+        pub fn with_fingerprint_body(body: FingerprintBody) => config().fingerprint_body = body;
+
+        /// Calls `callback` with every decision and every attempt's end ([`Event`]), on the
+        /// request's task, before the answer is sent: keep it short and non-blocking (a
+        /// counter, a channel send). The same facts as the span's fields, without a tracing
+        /// subscriber. `docs/contract.md#lifecycle-events`.
+        #[must_use]
+        pub fn with_events(callback: impl Fn(&Event<'_>) + Send + Sync + 'static) =>
+            config().events = Some(crate::config::Events(Arc::new(callback)));
+
+        /// Lets the application edit the head (status, header fields) of every replayed
+        /// response before it is sent, after the layer set `Idempotent-Replayed` and
+        /// `Idempotency-Key-Expires`; the stored record and body are not changed.
+        /// `docs/contract.md#lifecycle-events`.
+        #[must_use]
+        pub fn with_replay_edit(edit: impl Fn(&mut http::response::Parts) + Send + Sync + 'static) =>
+            config().replay_edit = Some(crate::config::ReplayEdit(Arc::new(edit)));
 
         /// Replaces the principal resolver (default [`crate::BearerToken`]).
         #[must_use]

@@ -100,7 +100,9 @@ macro_rules! named_enum {
         }
 
         impl $name {
-            pub(crate) const fn as_str(self) -> &'static str {
+            /// The name it has in the `decision`/`outcome` field and metric label.
+            #[must_use]
+            $vis const fn as_str(self) -> &'static str {
                 match self {
                     $(Self::$variant => $str,)+
                 }
@@ -125,6 +127,7 @@ mod observe;
 mod pipeline;
 pub mod principal;
 pub mod problem;
+mod select;
 mod service;
 mod store;
 mod streaming;
@@ -144,8 +147,10 @@ pub use idem_core::seal::{Sealing, SealingKeys};
 pub use idem_core::{FingerprintMode, Policy};
 pub use layer::IdempotencyLayer;
 pub use lease::LeaseDeadline;
+pub use observe::{DecisionKind, Event, Outcome, Step};
 pub use principal::{BearerToken, PrincipalResolver};
 pub use problem::{DEFAULT_TYPE_BASE, PROBLEM_JSON, Problem, ProblemKind, set_type_base};
+pub use select::{FingerprintBody, KeySource};
 pub use service::Idempotency;
 
 /// The README's example, compiled as a doctest so the registry page cannot drift from the

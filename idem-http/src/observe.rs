@@ -19,7 +19,8 @@ named_enum! {
     /// What the layer decided for one request: the `decision` field and the
     /// `idem_decisions_total{decision}` label.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-    pub(crate) enum DecisionKind {
+    #[non_exhaustive]
+    pub enum DecisionKind {
         /// No live record: this request claimed it and runs the handler.
         Claimed => "claimed",
         /// An expired lease or a failed record: this request won the compare-and-set.
@@ -51,7 +52,8 @@ named_enum! {
     /// How a claimed attempt ended: the `outcome` field and the
     /// `idem_outcomes_total{outcome}` label.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-    pub(crate) enum Outcome {
+    #[non_exhaustive]
+    pub enum Outcome {
         /// The record completed with the response (or the handler completed it itself).
         Completed => "completed",
         /// The record completed, but its body was not kept (over `max_stored_body`, streamed).
@@ -94,20 +96,67 @@ pub(crate) fn request_span(endpoint: &Endpoint) -> Span {
     )
 }
 
+/// One step of one keyed request, as [`crate::IdempotencyLayer::with_events`] hands it
+/// to the application: the same facts as the span's `decision` and `outcome` fields.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct Event<'a> {
+    /// What happened.
+    pub step: Step,
+    /// The endpoint, as in the span's `endpoint` field (method and route template).
+    pub endpoint: &'a str,
+    /// The record; `None` for a request answered before its record was known.
+    pub record: Option<RecordId>,
+}
+
+/// What an [`Event`] reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Step {
+    /// What the layer decided for the request: a claim, a replay, 409 in flight, a
+    /// mismatch, a refusal before any claim.
+    Decided(DecisionKind),
+    /// How a claimed attempt ended: completed, not retained, failed, lease lost, not stored.
+    Ended(Outcome),
+}
+
+/// The application's event callback (`IdempotencyLayer::with_events`).
+pub(crate) type EventFn = dyn Fn(&Event<'_>) + Send + Sync;
+
 /// One request's observer: its span, and the endpoint label of its counters.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Observer {
     pub(crate) span: Span,
+    /// The application's callback and this request's endpoint and record, when it set one.
+    events: Option<Box<Subscribed>>,
     /// The `endpoint` label, made once per request (a reference count per metric call
     /// after that); `None` until the endpoint is known.
     #[cfg(feature = "metrics")]
     endpoint: Option<metrics::SharedString>,
 }
 
+/// What an event names besides its step.
+#[derive(Clone)]
+struct Subscribed {
+    callback: std::sync::Arc<EventFn>,
+    endpoint: Endpoint,
+    record: Option<RecordId>,
+}
+
+impl fmt::Debug for Subscribed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Subscribed")
+    }
+}
+
 impl Observer {
-    pub(crate) fn new(span: Span) -> Self {
+    pub(crate) fn new(span: Span, events: Option<&std::sync::Arc<EventFn>>, endpoint: &Endpoint) -> Self {
+        let events = events.map(|callback| {
+            Box::new(Subscribed { callback: callback.clone(), endpoint: endpoint.clone(), record: None })
+        });
         Self {
             span,
+            events,
             #[cfg(feature = "metrics")]
             endpoint: None,
         }
@@ -125,7 +174,10 @@ impl Observer {
         let _ = endpoint;
     }
 
-    pub(crate) fn record(&self, id: RecordId) {
+    pub(crate) fn record(&mut self, id: RecordId) {
+        if let Some(events) = &mut self.events {
+            events.record = Some(id);
+        }
         if !self.span.is_disabled() {
             self.span.record("record", tracing::field::display(ShortId(id)));
         }
@@ -147,12 +199,13 @@ impl Observer {
         self.count(decision);
     }
 
-    /// `decision` in the metrics: `metrics::counter!` looks the handle up in the recorder
-    /// installed now, so there is nothing to keep in step with it.
-    #[cfg_attr(not(feature = "metrics"), allow(clippy::unused_self, reason = "counts only with metrics"))]
+    /// `decision` in the metrics and to the application's callback: `metrics::counter!`
+    /// looks the handle up in the recorder installed now, so there is nothing to keep in
+    /// step with it.
     fn count(&self, decision: DecisionKind) {
-        #[cfg(not(feature = "metrics"))]
-        let _ = decision;
+        if let Some(Subscribed { callback, endpoint, record }) = self.events.as_deref() {
+            callback(&Event { step: Step::Decided(decision), endpoint: endpoint.as_str(), record: *record });
+        }
         #[cfg(feature = "metrics")]
         if let Some(endpoint) = &self.endpoint {
             metrics::counter!("idem_decisions_total", "decision" => decision.as_str(), "endpoint" => endpoint.clone())
@@ -164,6 +217,9 @@ impl Observer {
     }
 
     pub(crate) fn outcome(&self, outcome: Outcome, renewals: u64) {
+        if let Some(Subscribed { callback, endpoint, record }) = self.events.as_deref() {
+            callback(&Event { step: Step::Ended(outcome), endpoint: endpoint.as_str(), record: *record });
+        }
         // One dispatch for both fields.
         if !self.span.is_disabled() {
             tracing::record_all!(self.span, outcome = outcome.as_str(), renewals = renewals);

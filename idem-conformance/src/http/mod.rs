@@ -261,6 +261,11 @@ macro_rules! http_tests {
                 server_errors_are_stored_only_on_purpose
                 => shapes::server_errors_are_stored_only_on_purpose());
             $crate::__http_test!($backend, paused,
+                /// A key in the body was not read, a volatile field left out of the fingerprint
+                /// still made a mismatch, or the application missed a step or could not edit a replay.
+                keys_and_fingerprints_from_the_body
+                => shapes::keys_and_fingerprints_from_the_body());
+            $crate::__http_test!($backend, paused,
                 /// The endless-stream scenario cannot tell the streaming rules from luck: with them off
                 /// (no deadline, no streaming content type), the same stream must hold the head back.
                 without_the_streaming_rules_an_endless_stream_holds_the_head

@@ -438,3 +438,60 @@ pub async fn server_errors_are_stored_only_on_purpose(b: HttpEnv) {
     assert_eq!(replay.header("x-request-id"), Some("r-1"));
     assert_eq!(runs.get(), 4);
 }
+
+/// A key read from a JSON body field and a fingerprint without a volatile field: a retry
+/// that reorders the body and changes only that field replays, a changed operation is a
+/// mismatch, a body without the field gets the missing-key problem (a header key is not
+/// read), and the application hears every step (`with_events`) and may edit a replay's head.
+pub async fn keys_and_fingerprints_from_the_body(b: HttpEnv) {
+    use idem_http::{DecisionKind, FingerprintBody, KeySource, Outcome, Step};
+    let runs = Counter::default();
+    let steps = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let counted = runs.clone();
+    let handler = post(move || {
+        let runs = counted.clone();
+        async move { (http::StatusCode::CREATED, format!("{{\"run\":{}}}", runs.bump())) }
+    });
+    let seen = Arc::clone(&steps);
+    let app = Router::new().route("/v1/deploys", handler).layer(
+        layer(&b)
+            .with_key_source(KeySource::json_field("/request_id"))
+            .with_fingerprint_body(FingerprintBody::json_without(["/sent_at"]))
+            .with_events(move |event| seen.lock().unwrap().push((event.step, event.record.is_some())))
+            .with_replay_edit(|head| drop(head.headers.insert("x-replay-note", HeaderValue::from_static("edited")))),
+    );
+    let send_req = |req: Req| {
+        let attempt = start(&app, &req);
+        async {
+            settle(&b).await;
+            answer(attempt).await
+        }
+    };
+    let send = |body: &'static str| send_req(post_req("/v1/deploys").body(body));
+    let first = send(r#"{"request_id":"r-1","image":"v1","sent_at":1}"#).await;
+    assert_eq!((first.status.as_u16(), first.text()), (201, r#"{"run":1}"#), "{}", b.name);
+    let retry = send(r#"{"sent_at":2,  "image":"v1", "request_id":"r-1"}"#).await;
+    assert!(retry.replayed(), "{}: a retry that differs only in sent_at and order replays", b.name);
+    assert_eq!((retry.text(), retry.header("x-replay-note")), (r#"{"run":1}"#, Some("edited")));
+    send(r#"{"request_id":"r-1","image":"v2","sent_at":3}"#).await.problem(409, "mismatch");
+    let other = send(r#"{"request_id":42,"image":"v1"}"#).await;
+    assert_eq!((other.status.as_u16(), other.text(), other.header("x-replay-note")), (201, r#"{"run":2}"#, None));
+    let missing = send(r#"{"image":"v1"}"#).await.problem(400, "missing-idempotency-key");
+    assert!(missing["detail"].as_str().unwrap().contains("/request_id"), "{missing}");
+    let keyed = post_req("/v1/deploys").key("k-header").body(r#"{"image":"v1"}"#);
+    send_req(keyed).await.problem(400, "missing-idempotency-key");
+    assert_eq!(runs.get(), 2, "{}", b.name);
+    let (claimed, completed) = (Step::Decided(DecisionKind::Claimed), Step::Ended(Outcome::Completed));
+    let rejected = (Step::Decided(DecisionKind::Rejected), false);
+    let expected = vec![
+        (claimed, true),
+        (completed, true),
+        (Step::Decided(DecisionKind::Replayed), true),
+        (Step::Decided(DecisionKind::Mismatch), true),
+        (claimed, true),
+        (completed, true),
+        rejected,
+        rejected,
+    ];
+    assert_eq!(*steps.lock().unwrap(), expected, "{}", b.name);
+}

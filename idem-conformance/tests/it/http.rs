@@ -162,5 +162,5 @@ fn every_http_scenario_is_listed_in_the_macro() {
     assert!(unlisted.is_empty(), "HTTP scenarios written but never run: {unlisted:?}");
     let unknown: Vec<_> = listed.difference(&written).collect();
     assert!(unknown.is_empty(), "listed but not found: {unknown:?}");
-    assert_eq!(written.len(), 30, "{written:?}");
+    assert_eq!(written.len(), 31, "{written:?}");
 }

@@ -2,8 +2,9 @@
 //! first check that fails answers and nothing is claimed (`docs/decision-table.md`,
 //! "Answers before the table"):
 //!
-//! 1. the `Idempotency-Key` field: none (per [`crate::KeyRequirement`]), repeated, invalid,
-//!    or refused by the application's key rule;
+//! 1. the `Idempotency-Key` field (or the [`crate::KeySource`]'s header): none (per
+//!    [`crate::KeyRequirement`]), repeated, invalid, or refused by the application's key
+//!    rule; a key in the body is read and checked the same way after step 3;
 //! 2. the principal: none (per [`crate::MissingPrincipal`]), blank;
 //! 3. the limits: the fingerprinted header fields (431), the body (413, or 400 when it
 //!    cannot be read), buffered up to `max_request_body`;
@@ -22,8 +23,8 @@ use idem_core::{BoxError, ClaimRequest, Endpoint, Fingerprint, IdempotencyKey, P
 use super::Pipeline;
 use crate::answer::Refusal;
 use crate::config::{KeyRequirement, MissingPrincipal};
-use crate::headers::IDEMPOTENCY_KEY;
 use crate::lease::{LeaseDeadline, capped};
+use crate::select::single_field;
 
 /// What intake makes of a request.
 #[allow(
@@ -71,26 +72,26 @@ pub(super) fn endpoint_of(method: &http::Method, uri: &http::Uri, extensions: &h
 
 pub(super) async fn admit<B>(pipeline: &Pipeline, req: Request<B>, endpoint: Endpoint) -> Intake<B>
 where
-    B: Body,
+    B: Body + From<Bytes>,
     B::Error: Into<BoxError>,
 {
     let settings = &pipeline.settings;
     let (parts, body) = req.into_parts();
-    // One field: two or more are refused even when equal (`Refusal::duplicate_key`).
-    let mut fields = parts.headers.get_all(IDEMPOTENCY_KEY).iter();
-    let key = match (fields.next(), fields.next()) {
-        (Some(field), None) => match IdempotencyKey::parse_with_limit(field.as_bytes(), settings.max_key_len) {
-            Ok(key) => key,
-            Err(e) => return Intake::Refused(Refusal::invalid_key(&e)),
-        },
-        (Some(_), Some(_)) => return Intake::Refused(Refusal::duplicate_key()),
-        (None, _) if settings.key_requirement == KeyRequirement::Optional => {
-            return Intake::Skipped(Request::from_parts(parts, body));
+    // A header key is checked before anything else; a body key once the body is read.
+    let mut key = None;
+    if let Some(name) = settings.key_source.header_name() {
+        // One field: two or more are refused even when equal (`Refusal::duplicate_key`).
+        match single_field(&parts.headers, name) {
+            Ok(Some(field)) => match parse_key(settings, field) {
+                Ok(parsed) => key = Some(parsed),
+                Err(refusal) => return Intake::Refused(refusal),
+            },
+            Err(()) => return Intake::Refused(Refusal::duplicate_key()),
+            Ok(None) if settings.key_requirement == KeyRequirement::Optional => {
+                return Intake::Skipped(Request::from_parts(parts, body));
+            }
+            Ok(None) => return Intake::Refused(Refusal::missing_key(&settings.key_source)),
         }
-        (None, _) => return Intake::Refused(Refusal::missing_key()),
-    };
-    if let Some(Err(why)) = settings.key_rule.as_ref().map(|rule| (rule.0)(key.as_str())) {
-        return Intake::Refused(Refusal::key_refused(why));
     }
     // Resolved once per request: this one answer is the principal of the claim, the record
     // id, the handler's context and every later write, so a resolver that would answer
@@ -115,12 +116,26 @@ where
         Ok(body) => body,
         Err(refusal) => return Intake::Refused(refusal),
     };
+    let key = match key {
+        Some(key) => key,
+        None => match settings.key_source.from_body(&parts, &body) {
+            Some(raw) => match parse_key(settings, &raw) {
+                Ok(key) => key,
+                Err(refusal) => return Intake::Refused(refusal),
+            },
+            None if settings.key_requirement == KeyRequirement::Optional => {
+                return Intake::Skipped(Request::from_parts(parts, B::from(body)));
+            }
+            None => return Intake::Refused(Refusal::missing_key(&settings.key_source)),
+        },
+    };
+    let selected = settings.fingerprint_body.select(&parts, &body);
     let request = RequestParts {
         method: parts.method.as_str(),
         path: parts.uri.path(),
         query: parts.uri.query(),
         headers: fingerprinted.values(),
-        body: &body,
+        body: selected.as_deref().unwrap_or(&body),
     };
     let fingerprint = Fingerprint::of_mode(&request, settings.fingerprint_mode);
     let scope = Scope { principal, endpoint };
@@ -132,6 +147,15 @@ where
     let lease_ttl = capped(settings.policy.lease_ttl, deadline);
     let claim = ClaimRequest::new(scope, key, fingerprint, lease_ttl, pipeline.retention);
     Intake::Admitted(Admitted { parts, body, claim, deadline })
+}
+
+/// The key in `raw` (the header's rules, then the application's key rule), or the 400.
+fn parse_key(settings: &crate::config::Settings, raw: &[u8]) -> Result<IdempotencyKey, Refusal> {
+    let key = IdempotencyKey::parse_with_limit(raw, settings.max_key_len).map_err(|e| Refusal::invalid_key(&e))?;
+    match settings.key_rule.as_ref().map(|rule| (rule.0)(key.as_str())) {
+        Some(Err(why)) => Err(Refusal::key_refused(why)),
+        _ => Ok(key),
+    }
 }
 
 /// Reads the whole body, refusing one over `limit` bytes: a declared `Content-Length` over

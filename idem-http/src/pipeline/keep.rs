@@ -231,7 +231,7 @@ fn hold_until_status(
 ) -> crate::grpc::stream::StreamEnd {
     let Attempt { id, token, guard, lease, terms, obs, grpc_endpoint, .. } = attempt;
     // Its outcome is counted after this request's observer is gone.
-    let mut stream_obs = crate::observe::Observer::new(obs.span.clone());
+    let mut stream_obs = obs.clone();
     if let Some(endpoint) = &grpc_endpoint {
         stream_obs.endpoint(endpoint);
     }

@@ -94,7 +94,7 @@ impl Pipeline {
         let grpc = crate::headers::is_grpc(req.headers());
         let endpoint = intake::endpoint(&req);
         let span = crate::observe::request_span(&endpoint);
-        let mut obs = Observer::new(span.clone());
+        let mut obs = Observer::new(span.clone(), self.settings.events.as_ref().map(|e| &e.0), &endpoint);
         obs.endpoint(&endpoint);
         let answer = async {
             let admitted = match intake::admit(&self, req, endpoint).await {
@@ -152,7 +152,16 @@ impl Pipeline {
         }
         .instrument(span)
         .await?;
-        Ok(answer.render(grpc, self.settings.retry_hints))
+        let replayed = matches!(answer, Answer::Replay(_));
+        let res = answer.render(grpc, self.settings.retry_hints);
+        Ok(match &self.settings.replay_edit {
+            Some(edit) if replayed => {
+                let (mut head, body) = res.into_parts();
+                (edit.0)(&mut head);
+                Response::from_parts(head, body)
+            }
+            _ => res,
+        })
     }
 }
 
