@@ -2,6 +2,7 @@
 //! file); one module per area.
 
 mod codec;
+mod fingerprint;
 #[cfg(all(feature = "group-commit", feature = "test-util"))]
 mod group_commit;
 mod key;
