@@ -6,5 +6,6 @@ mod fingerprint;
 #[cfg(all(feature = "group-commit", feature = "test-util"))]
 mod group_commit;
 mod key;
+mod policy;
 mod resume;
 mod seal;
