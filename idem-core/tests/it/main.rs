@@ -8,4 +8,5 @@ mod group_commit;
 mod key;
 mod policy;
 mod resume;
+mod scope;
 mod seal;
