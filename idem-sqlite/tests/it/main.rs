@@ -4,3 +4,4 @@
 mod conformance;
 mod http;
 mod sqlite;
+mod table;
