@@ -338,32 +338,7 @@ pub(crate) fn from_row(row: &Row<'_>) -> Result<Record, StoreError> {
 
 #[cfg(test)]
 mod tests {
-    use idem_core::StoredResponse;
-    use idem_core::codec::{CodecError, RESPONSE_FORMAT_VERSION, encode_response};
-
     use super::*;
-
-    #[test]
-    fn keys_that_look_quoted_round_trip_through_the_key_column() {
-        for stored in ["abc", "\"abc", "a\\b", "\"", "\\", "x\"y\"", "~!@#$%^&*()_+"] {
-            let key = IdempotencyKey::from_stored(stored).expect(stored);
-            assert_eq!(key.as_str(), stored);
-        }
-        assert!(IdempotencyKey::from_stored("has space").is_none());
-        assert!(IdempotencyKey::from_stored("").is_none());
-    }
-
-    #[test]
-    fn responses_round_trip_through_the_response_column_and_bad_bytes_are_typed_errors() {
-        let r = StoredResponse::new(201, vec![("location".into(), b"/t/42".to_vec())], b"{}".to_vec());
-        assert_eq!(decode_response(&encode_response(&r)).expect("decode"), r);
-        assert!(matches!(decode_response(&[]), Err(CodecError::Empty)));
-        assert!(matches!(decode_response(&[9, 1, 2]), Err(CodecError::UnknownVersion(9))));
-        assert!(matches!(decode_response(&[RESPONSE_FORMAT_VERSION, 0xff]), Err(CodecError::Malformed(_))));
-        let mut long = encode_response(&r);
-        long.push(0);
-        assert!(matches!(decode_response(&long), Err(CodecError::Trailing(1))));
-    }
 
     #[test]
     fn the_sweep_finds_expired_records_by_a_range_scan_of_the_expiry_index() {

@@ -7,6 +7,7 @@ mod complete_in;
 mod complete_in_isolation;
 mod conformance;
 mod conformance_pgbouncer;
+mod error;
 mod http;
 mod inline_literals;
 mod isolation;

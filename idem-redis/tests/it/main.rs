@@ -8,6 +8,7 @@ mod cluster_script;
 mod common;
 mod conformance;
 mod connection_kill;
+mod error;
 mod http;
 mod replica_shortfall;
 mod store;
