@@ -374,6 +374,9 @@ impl Statements {
         let (tcols, rcols) = (cols("t."), cols("r."));
         let tcols_no_response = tcols.replace("t.response", "NULL::bytea AS response");
         let now = |p: &str| format!("COALESCE({p}::bigint, {SERVER_NOW_MS})");
+        // Wakes the record's waiters (`PostgresStore::settlements`), at commit, on the
+        // schema's channel; a boolean rather than `void`, which a driver may not decode.
+        let settled = format!("pg_notify('{schema}', encode(t.id, 'hex')) IS NULL AS settled");
         // now + d, saturating like the pure model (a huge retention must not overflow).
         let plus = |d: &str| format!("LEAST(n.ms::numeric + {d}::bigint, 9223372036854775807)::bigint");
         // Every column but the id and the token (which the claim computes), and the claim's txid.
@@ -426,7 +429,7 @@ RETURNING {tcols}, n.ms AS now",
 UPDATE {table} AS t SET state = 'completed', response = $3::bytea
 FROM n
 WHERE t.id = $1::bytea AND t.token = $2::bigint AND t.state = 'in_flight' AND n.ms < t.expires_at
-RETURNING {tcols_no_response}",
+RETURNING {tcols_no_response}, {settled}",
             now4 = now("$4"),
         );
         // The level is checked in the one-row `n`, and a record row reaches the UPDATE only
@@ -439,7 +442,7 @@ done AS (
     FROM n
     WHERE n.isolation IN ({levels})
       AND t.id = $1::bytea AND t.token = $2::bigint AND t.state = 'in_flight' AND n.ms < t.expires_at
-    RETURNING {tcols_no_response}
+    RETURNING {tcols_no_response}, {settled}
 )
 SELECT n.isolation, done.* FROM n LEFT JOIN done ON true",
             now4 = now("$4"),
@@ -463,7 +466,7 @@ RETURNING {tcols}",
 UPDATE {table} AS t SET state = 'failed', response = NULL, lease_expires_at = LEAST(t.lease_expires_at, n.ms)
 FROM n
 WHERE t.id = $1::bytea AND t.token = $2::bigint AND t.state = 'in_flight' AND n.ms < t.expires_at
-RETURNING {tcols}",
+RETURNING {tcols}, {settled}",
             now3 = now("$3"),
         );
         let read = format!(

@@ -2,7 +2,7 @@
 //! The statements themselves, and why each is atomic, are in `src/sql.rs`.
 
 use std::str::FromStr as _;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -11,11 +11,11 @@ use idem_core::time::duration_ms;
 use idem_core::transition::is_reclaimable;
 use idem_core::{
     Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ListFilter, Listing, Receipt,
-    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Store, StoreError, StoredResponse, SweepOutcome,
-    UnixMillis,
+    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Settlements, Store, StoreError, StoredResponse,
+    SweepOutcome, UnixMillis,
 };
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions, PgRow};
 use sqlx::{PgConnection, PgPool, Postgres};
 
 use crate::config::Config;
@@ -47,6 +47,12 @@ struct Inner {
     clock: Option<Arc<dyn Clock>>,
     sql: Statements,
     prepared: bool,
+    /// The schema, the channel completions and failures notify ([`Config::with_listen`]);
+    /// `None` when off.
+    channel: Option<String>,
+    settlements: Arc<Settlements>,
+    /// The task holding the `LISTEN` connection, once a waiter started it; ends with the store.
+    listener: OnceLock<tokio::task::JoinSet<()>>,
 }
 
 /// How often a compare-and-set runs again after losing only to a claim its snapshot could
@@ -139,7 +145,16 @@ impl PostgresStore {
             "idem-postgres: store settings"
         );
         let sql = Statements::for_schema(&config.schema);
-        let inner = Inner { pool, clock: config.clock, sql, prepared: config.prepared_statements };
+        let (prepared, channel) = (config.prepared_statements, config.listen.then_some(config.schema));
+        let inner = Inner {
+            pool,
+            clock: config.clock,
+            sql,
+            prepared,
+            channel,
+            settlements: Arc::default(),
+            listener: OnceLock::new(),
+        };
         Ok(Self { inner: Arc::new(inner) })
     }
 
@@ -335,6 +350,26 @@ impl PostgresStore {
             Ok(row) => receipt_at(&row, 0, id),
             Err((current, _)) => Err(StoreError::LeaseLost { id, presented: token, current: current.map(|r| r.token) }),
         }
+    }
+}
+
+/// Wakes `hub`'s waiters from `LISTEN channel` on one connection outside the store's pool
+/// (a waiter never holds up a statement), connecting again after a loss; a notification
+/// sent meanwhile is lost, and its waiter reads at the end of its pause.
+async fn listen(pool: PgPool, channel: String, hub: Arc<Settlements>) {
+    let options = (*pool.connect_options()).clone();
+    let own = PgPoolOptions::new().max_connections(1).idle_timeout(None).max_lifetime(None).connect_lazy_with(options);
+    loop {
+        if let Ok(mut listener) = PgListener::connect_with(&own).await
+            && listener.listen(&channel).await.is_ok()
+        {
+            while let Ok(n) = listener.recv().await {
+                if let Some(id) = RecordId::from_hex(n.payload()) {
+                    hub.settle(id);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 
@@ -540,5 +575,18 @@ impl Store for PostgresStore {
 
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
         self.journal_read(&mut None, id, name, self.pinned_now()).await
+    }
+
+    /// Settled by `NOTIFY` on the schema's channel from every process on the database, heard
+    /// by this store's `LISTEN` task, started by the first waiter (so within a Tokio
+    /// runtime); `None` with [`Config::with_listen`] off.
+    fn settlements(&self) -> Option<&Settlements> {
+        let channel = self.inner.channel.as_ref()?;
+        self.inner.listener.get_or_init(|| {
+            let mut task = tokio::task::JoinSet::new();
+            task.spawn(listen(self.inner.pool.clone(), channel.clone(), Arc::clone(&self.inner.settlements)));
+            task
+        });
+        Some(&self.inner.settlements)
     }
 }
