@@ -24,7 +24,7 @@ pub struct Config {
 
 impl Default for Config {
     /// Schema `idem`, migrations applied on start, the server's clock, prepared statements,
-    /// `LISTEN` for waiting duplicates, and for [`crate::PostgresStore::connect`]: 16
+    /// no `LISTEN`, and for [`crate::PostgresStore::connect`]: 16
     /// connections, 5 s to get one, READ COMMITTED pinned.
     fn default() -> Self {
         Self {
@@ -35,7 +35,7 @@ impl Default for Config {
             acquire_timeout: Duration::from_secs(5),
             isolation_pin: true,
             prepared_statements: true,
-            listen: true,
+            listen: false,
         }
     }
 }
@@ -96,10 +96,13 @@ impl Config {
         #[must_use]
         pub fn with_acquire_timeout(d: Duration) => acquire_timeout = d;
 
-        /// Whether a duplicate waiting for a record (`with_in_flight_wait` of idem-http) is
-        /// woken by `LISTEN` (default `true`): one connection of its own, outside the pool,
-        /// opened when the first duplicate waits. Turn it off behind PgBouncer in transaction
-        /// mode, which does not keep a session's `LISTEN`; waiters then poll.
+        /// Whether complete and fail send `NOTIFY` and a duplicate waiting for a record
+        /// (`with_in_flight_wait` of idem-http) is woken by `LISTEN` on one connection of its
+        /// own, outside the pool, opened when the first duplicate waits (default `false`:
+        /// waiters poll). Only where that connection reaches a session of its own: behind a
+        /// pooler in transaction mode (PgBouncer), the notifications reach server connections
+        /// other clients are using, whose statements then fail.
+        /// `docs/contract.md#waking-a-waiting-duplicate` has what it costs.
         #[must_use]
         pub fn with_listen(on: bool) => listen = on;
     }

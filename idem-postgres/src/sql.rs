@@ -367,7 +367,13 @@ const SERVER_NOW_MS: &str = "floor(extract(epoch FROM clock_timestamp()) * 1000)
 const FIRST_TOKEN: &str = "GREATEST(LEAST(GREATEST(n.ms, 0), 140737488355327) << 16, 1)";
 
 impl Statements {
+    #[cfg(test)]
     pub(crate) fn for_schema(schema: &str) -> Self {
+        Self::new(schema, true)
+    }
+
+    /// The statements on `schema`; with `notify`, complete and fail send `NOTIFY`.
+    pub(crate) fn new(schema: &str, notify: bool) -> Self {
         let table = format!("{}.records", quote_ident(schema));
         let journal = format!("{}.journal", quote_ident(schema));
         let cols = |prefix: &str| COLUMNS.iter().map(|c| format!("{prefix}{c}")).collect::<Vec<_>>().join(", ");
@@ -376,7 +382,11 @@ impl Statements {
         let now = |p: &str| format!("COALESCE({p}::bigint, {SERVER_NOW_MS})");
         // Wakes the record's waiters (`PostgresStore::settlements`), at commit, on the
         // schema's channel; a boolean rather than `void`, which a driver may not decode.
-        let settled = format!("pg_notify('{schema}', encode(t.id, 'hex')) IS NULL AS settled");
+        let settled = if notify {
+            format!("pg_notify('{schema}', encode(t.id, 'hex')) IS NULL AS settled")
+        } else {
+            "NULL::boolean AS settled".to_owned()
+        };
         // now + d, saturating like the pure model (a huge retention must not overflow).
         let plus = |d: &str| format!("LEAST(n.ms::numeric + {d}::bigint, 9223372036854775807)::bigint");
         // Every column but the id and the token (which the claim computes), and the claim's txid.

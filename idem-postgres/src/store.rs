@@ -144,7 +144,7 @@ impl PostgresStore {
             server_clock = config.clock.is_none(),
             "idem-postgres: store settings"
         );
-        let sql = Statements::for_schema(&config.schema);
+        let sql = Statements::new(&config.schema, config.listen);
         let (prepared, channel) = (config.prepared_statements, config.listen.then_some(config.schema));
         let inner = Inner {
             pool,

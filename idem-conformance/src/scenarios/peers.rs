@@ -110,19 +110,27 @@ pub async fn dead_owners_claim_is_freed_by_its_lease(env: Env) {
 }
 
 /// A waiter registered on one handle ([`Store::settlements`]) is woken when the peer handle
-/// completes the record, and when it fails one; for an in-process store the peer is the
-/// same handle. A store without wake-ups (its waiters poll) runs nothing here. A store that
+/// completes the record, and when it fails one. A store on a server (one that declares
+/// [`idem_core::Capabilities::server_clock`]) hears every handle's outcomes through it; an
+/// in-process store wakes the waiters of its own handle only (another handle on the same
+/// file polls), so there the same handle settles. A store without
+/// wake-ups (its waiters poll) runs nothing here. A store that
 /// hears other handles over a connection of its own (`LISTEN`, `SUBSCRIBE`) may still be
 /// opening it when the first waiter registers, so records are settled until one wakes its
 /// waiter before the two checks; the only timing is a generous bound on "woken at all".
-pub async fn settling_a_record_wakes_its_waiter_on_another_handle(env: Env) {
+pub async fn settling_a_record_wakes_its_waiter(env: Env) {
     const WOKEN_WITHIN: Duration = Duration::from_secs(5);
     let Some(hub) = env.store.settlements() else {
         env.report("no wake-ups: Store::settlements is None, waiters poll");
         return;
     };
-    env.report("wake-ups: the peer's complete and fail wake a waiter on this handle");
-    let peer = env.peer().await;
+    let peer = if env.capabilities().server_clock {
+        env.report("wake-ups: the peer's complete and fail wake a waiter on this handle");
+        env.peer().await
+    } else {
+        env.report("wake-ups: this handle's complete and fail wake its waiter (in-process store)");
+        Arc::clone(&env.store)
+    };
     let started = tokio::time::Instant::now();
     for n in 0.. {
         let (_, woken) = settle(&env, hub, peer.as_ref(), &format!("warm-up-{n}"), false).await;
