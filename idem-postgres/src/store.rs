@@ -578,13 +578,14 @@ impl Store for PostgresStore {
     }
 
     /// Settled by `NOTIFY` on the schema's channel from every process on the database, heard
-    /// by this store's `LISTEN` task, started by the first waiter (so within a Tokio
-    /// runtime); `None` with [`Config::with_listen`] off.
+    /// by this store's `LISTEN` task, started on the first waiter's Tokio runtime; `None`
+    /// with [`Config::with_listen`] off, or outside a runtime.
     fn settlements(&self) -> Option<&Settlements> {
-        let channel = self.inner.channel.as_ref()?;
+        let (channel, runtime) = (self.inner.channel.as_ref()?, tokio::runtime::Handle::try_current().ok()?);
         self.inner.listener.get_or_init(|| {
             let mut task = tokio::task::JoinSet::new();
-            task.spawn(listen(self.inner.pool.clone(), channel.clone(), Arc::clone(&self.inner.settlements)));
+            let feed = listen(self.inner.pool.clone(), channel.clone(), Arc::clone(&self.inner.settlements));
+            task.spawn_on(feed, &runtime);
             task
         });
         Some(&self.inner.settlements)

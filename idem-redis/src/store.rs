@@ -522,18 +522,18 @@ impl Store for RedisStore {
     }
 
     /// Settled by `PUBLISH` on `<prefix>settled` from the complete and fail scripts of every
-    /// process, heard by this store's subscriber task, started by the first waiter (so within a Tokio
-    /// runtime); `None` on the application's connection
+    /// process, heard by this store's subscriber task, started on the first waiter's Tokio
+    /// runtime; `None` outside a runtime, and on the application's connection
     /// ([`RedisStore::from_connection`]), where the store has no address to subscribe at.
     fn settlements(&self) -> Option<&Settlements> {
-        let wake = &*self.wake;
+        let (wake, runtime) = (&*self.wake, tokio::runtime::Handle::try_current().ok()?);
         if wake.nodes.is_empty() {
             return None;
         }
         wake.task.get_or_init(|| {
             let channel = format!("{}settled", self.config.prefix);
             let mut task = tokio::task::JoinSet::new();
-            task.spawn(subscribe(wake.nodes.clone(), channel, Arc::clone(&wake.settlements)));
+            task.spawn_on(subscribe(wake.nodes.clone(), channel, Arc::clone(&wake.settlements)), &runtime);
             task
         });
         Some(&wake.settlements)
