@@ -96,13 +96,13 @@ impl Config {
         #[must_use]
         pub fn with_acquire_timeout(d: Duration) => acquire_timeout = d;
 
-        /// Whether complete and fail send `NOTIFY` and a duplicate waiting for a record
-        /// (`with_in_flight_wait` of idem-http) is woken by `LISTEN` on one connection of its
-        /// own, outside the pool, opened when the first duplicate waits (default `false`:
-        /// waiters poll). Only where that connection reaches a session of its own: behind a
-        /// pooler in transaction mode (PgBouncer), the notifications reach server connections
-        /// other clients are using, whose statements then fail.
-        /// `docs/contract.md#waking-a-waiting-duplicate` has what it costs.
+        /// Whether complete and fail send `NOTIFY` (a statement after each) and a duplicate
+        /// waiting for a record (`with_in_flight_wait` of idem-http) is woken by `LISTEN` on
+        /// one connection of its own, outside the pool, opened when the first duplicate waits
+        /// (default `false`: waiters poll). Only where that connection reaches a session of its
+        /// own: behind a pooler in transaction mode (PgBouncer), the notifications reach server
+        /// connections other clients are using, whose statements then fail. What it costs:
+        /// `docs/contract.md#waking-a-waiting-duplicate`.
         #[must_use]
         pub fn with_listen(on: bool) => listen = on;
     }

@@ -359,6 +359,11 @@ pub(crate) const COLUMNS: [&str; 12] = [
 /// runs as READ COMMITTED.
 pub(crate) const COMPLETE_IN_LEVELS: [&str; 2] = ["read committed", "read uncommitted"];
 
+/// `NOTIFY` of `PostgresStore::settled`, committed without waiting for its WAL flush (a
+/// transaction that notifies holds a database-wide lock until its commit ends).
+pub(crate) const NOTIFY: &str =
+    "SELECT set_config('synchronous_commit', 'off', true) IS NULL, pg_notify($1::text, $2::text) IS NULL";
+
 /// The server's clock in whole milliseconds since the epoch (UTC).
 const SERVER_NOW_MS: &str = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
 
@@ -380,8 +385,9 @@ impl Statements {
         let (tcols, rcols) = (cols("t."), cols("r."));
         let tcols_no_response = tcols.replace("t.response", "NULL::bytea AS response");
         let now = |p: &str| format!("COALESCE({p}::bigint, {SERVER_NOW_MS})");
-        // Wakes the record's waiters (`PostgresStore::settlements`), at commit, on the
-        // schema's channel; a boolean rather than `void`, which a driver may not decode.
+        // In the handler's transaction (`complete_in`), wakes the record's waiters
+        // (`PostgresStore::settlements`) at its commit, on the schema's channel; a boolean
+        // rather than `void`, which a driver may not decode.
         let settled = if notify {
             format!("pg_notify('{schema}', encode(t.id, 'hex')) IS NULL AS settled")
         } else {
@@ -439,7 +445,7 @@ RETURNING {tcols}, n.ms AS now",
 UPDATE {table} AS t SET state = 'completed', response = $3::bytea
 FROM n
 WHERE t.id = $1::bytea AND t.token = $2::bigint AND t.state = 'in_flight' AND n.ms < t.expires_at
-RETURNING {tcols_no_response}, {settled}",
+RETURNING {tcols_no_response}",
             now4 = now("$4"),
         );
         // The level is checked in the one-row `n`, and a record row reaches the UPDATE only
@@ -476,7 +482,7 @@ RETURNING {tcols}",
 UPDATE {table} AS t SET state = 'failed', response = NULL, lease_expires_at = LEAST(t.lease_expires_at, n.ms)
 FROM n
 WHERE t.id = $1::bytea AND t.token = $2::bigint AND t.state = 'in_flight' AND n.ms < t.expires_at
-RETURNING {tcols}, {settled}",
+RETURNING {tcols}",
             now3 = now("$3"),
         );
         let read = format!(

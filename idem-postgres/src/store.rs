@@ -21,7 +21,7 @@ use sqlx::{PgConnection, PgPool, Postgres};
 use crate::config::Config;
 use crate::error::{Error, is_session_lost};
 use crate::sql::{
-    COLUMNS, COMPLETE_IN_LEVELS, Columns, Param, Statement, Statements, corrupt, query, receipt_at, record_at,
+    COLUMNS, COMPLETE_IN_LEVELS, Columns, NOTIFY, Param, Statement, Statements, corrupt, query, receipt_at, record_at,
     token_param, validate_schema,
 };
 
@@ -228,6 +228,18 @@ impl PostgresStore {
             _ => None,
         };
         Err(StoreError::LeaseLost { id, presented: token, current })
+    }
+
+    /// Wakes `id`'s waiters in every listening store ([`Config::with_listen`]): `NOTIFY` in a
+    /// transaction of its own after the write's, so the write's commit does not hold the
+    /// lock PostgreSQL serializes notifying commits with; a notification lost with it costs
+    /// a waiter its poll pause.
+    async fn settled(&self, id: RecordId) {
+        let Some(channel) = &self.inner.channel else { return };
+        if let Ok(mut conn) = self.inner.pool.acquire().await {
+            let params = [Param::Text(channel), Param::Text(&id.to_hex())];
+            let _ = query(&mut conn, NOTIFY, &params, self.inner.prepared).await;
+        }
     }
 
     /// The pinned time, or `None` to use the server's clock.
@@ -444,7 +456,9 @@ impl Store for PostgresStore {
     ) -> Result<Receipt, StoreError> {
         let bytes = encode_response(&response);
         let params = complete_params(&id, token, &bytes, self.pinned_now());
-        self.fenced("completing a record", id, token, Statement::Complete, &params).await
+        let receipt = self.fenced("completing a record", id, token, Statement::Complete, &params).await?;
+        self.settled(id).await;
+        Ok(receipt)
     }
 
     async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
@@ -459,7 +473,9 @@ impl Store for PostgresStore {
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
         let params = [Param::Bytes(id.as_bytes()), Param::I64(token_param(token)), Param::OptI64(self.pinned_now())];
-        self.fenced("marking a record failed", id, token, Statement::Fail, &params).await
+        let receipt = self.fenced("marking a record failed", id, token, Statement::Fail, &params).await?;
+        self.settled(id).await;
+        Ok(receipt)
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
