@@ -44,6 +44,10 @@ pub(crate) struct CyclesArgs {
     /// of `--redis-url`; the baseline's `SET NX` + `SET` go to the same cluster.
     #[arg(long, value_delimiter = ',')]
     redis_cluster: Vec<String>,
+    /// With `--backend postgres`: `Config::with_listen(true)`, so every completion sends
+    /// `NOTIFY` (what waking a waiting duplicate costs the completions).
+    #[arg(long)]
+    pg_listen: bool,
     #[command(flatten)]
     endpoints: Endpoints,
 }
@@ -130,7 +134,8 @@ pub(crate) async fn run(args: CyclesArgs) -> Result<(), BoxError> {
         Backend::Postgres => {
             let config = idem_postgres::Config::default()
                 .with_schema(crate::PG_SCHEMA)
-                .with_max_connections(args.endpoints.pg_pool);
+                .with_max_connections(args.endpoints.pg_pool)
+                .with_listen(args.pg_listen);
             let store = PostgresStore::connect(&args.endpoints.postgres_url, config).await?;
             cleanup_pg = Some(store.clone());
             let hand = PostgresByHand::new(&store);

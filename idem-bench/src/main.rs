@@ -16,6 +16,7 @@
 //! idem-bench memory --concurrency 64 --mib 100              # peak RSS of streamed responses
 //! idem-bench pgtx --via pgbouncer                          # completion in the handler's transaction
 //! idem-bench seal --store redis --mode replay --body 1024   # sealed vs unsealed responses
+//! idem-bench wake --backend postgres --waiters 8            # waiting duplicates: polling vs waking
 //! ```
 //!
 //! # Layout
@@ -36,6 +37,8 @@
 //!   against the same statements by hand, straight to PostgreSQL or through PgBouncer.
 //! - `obs`: the layer per request with a silent INFO subscriber and a Prometheus recorder
 //!   against the same without (two builds: `--features metrics` and default).
+//! - `wake`: duplicates waiting for an in-flight request (`with_in_flight_wait`): time
+//!   from the first attempt's completion to their answers, polling against waking.
 //! - `benches/pure.rs`: divan micro-benchmarks of the pure paths.
 //!
 //! Embedded files go to a temporary directory under `$IDEM_BENCH_DIR` (default the system
@@ -53,6 +56,7 @@ mod scale;
 mod seal;
 mod size;
 mod sweep;
+mod wake;
 mod workload;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -105,6 +109,7 @@ enum Command {
     /// The layer per request with a silent INFO subscriber and (built with `metrics`) a
     /// Prometheus recorder installed, or without; no sockets.
     Obs(obs::ObsArgs),
+    Wake(wake::WakeArgs),
 }
 
 /// A store backend.
@@ -186,6 +191,7 @@ fn main() -> Result<(), BoxError> {
             Command::Seal(args) => seal::run(args).await,
             Command::Cache(args) => cache::run(args).await,
             Command::Obs(args) => obs::run(args).await,
+            Command::Wake(args) => wake::run(args).await,
         }
     })
 }

@@ -263,6 +263,10 @@ impl Store for Metered {
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
         self.inner.journal_get(id, name).await
     }
+
+    fn settlements(&self) -> Option<&idem_core::Settlements> {
+        self.inner.settlements()
+    }
 }
 
 /// The long handler: holds its claim for `hold`, or stops at once if its lease is lost.

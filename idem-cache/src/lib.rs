@@ -231,4 +231,10 @@ impl<S: Store> Store for CachedStore<S> {
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
         self.inner.list(filter).await
     }
+
+    /// The inner store's: a record in flight is never cached, so a waiter's read after a
+    /// wake-up reaches the inner store.
+    fn settlements(&self) -> Option<&idem_core::Settlements> {
+        self.inner.settlements()
+    }
 }

@@ -39,7 +39,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idem_core::{
     Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ListFilter, Listing, Receipt, ReclaimOutcome,
-    ReclaimRequest, Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome,
+    ReclaimRequest, Record, RecordId, Settlements, Store, StoreError, StoredResponse, SweepOutcome,
 };
 
 /// A store wrapper's overrides; every call it does not override goes to [`Forward::inner`].
@@ -105,6 +105,10 @@ pub trait Forward: Send + Sync + fmt::Debug + 'static {
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
         self.inner().list(filter).await
     }
+    /// [`Store::settlements`].
+    fn settlements(&self) -> Option<&Settlements> {
+        self.inner().settlements()
+    }
 }
 
 /// A [`Forward`] as a [`Store`]; derefs to the wrapper, so a test reads its counters and
@@ -167,5 +171,8 @@ impl<W: Forward> Store for Forwarding<W> {
     }
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
         self.0.list(filter).await
+    }
+    fn settlements(&self) -> Option<&Settlements> {
+        self.0.settlements()
     }
 }

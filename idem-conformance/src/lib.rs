@@ -29,7 +29,7 @@
 //! | [`scenarios::scope`](mod@scenarios::scope) | 6 | principals and endpoints isolate keys |
 //! | [`scenarios::limits`] | 13 | 255-byte keys, non-ASCII and control characters in scopes, all byte values, empty and 4 MiB bodies, 200 headers, compressed and not-retained bodies |
 //! | [`scenarios::clock`] | 9 | lease and retention edges to the millisecond, 4.999 s / 5.001 s, zero lease, clock steps back |
-//! | [`scenarios::peers`] | 5 | two handles on one store: a fresh claim is never taken over, a dead owner's claim is freed by its lease, a stale owner is fenced, racing first claims have one winner |
+//! | [`scenarios::peers`] | 6 | two handles on one store: a fresh claim is never taken over, a dead owner's claim is freed by its lease, a stale owner is fenced, racing first claims have one winner, settling a record wakes its waiter (on the other handle of a server store) |
 //! | [`scenarios::capability`] | 4 | declared capabilities hold: native expiry, server clock and sharing match what the backend does; peer handles |
 //! | [`scenarios::extend`] | 13 | lease renewal is fenced like `complete`, moves the lease from `now` but never earlier, raises `expires_at` with it, keeps token, state and journal; a renewed lease refuses retries until its new end |
 //! | [`scenarios::generation`] | 5 | a key reused after retention (record swept, expired natively, or still stored) gets a token above every earlier generation's; earlier tokens are refused everywhere; sub-keys change per generation |

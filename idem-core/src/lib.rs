@@ -43,6 +43,7 @@
 //! - [`resume`]: sub-keys, steps and intents for handlers whose side effects must
 //!   converge on retry.
 //! - [`store`]: the [`Store`] contract and [`StoreError`].
+//! - [`settle`]: [`Settlements`], the waiters a store wakes when a record settles.
 //! - [`list`]: what [`Store::list`] returns to operators, and the pure page selection.
 //! - [`codec`]: the versioned postcard byte form of a record.
 //! - `seal` (feature `seal`): `Sealing`, which encrypts and authenticates stored
@@ -98,6 +99,7 @@ pub mod resume;
 pub mod scope;
 #[cfg(feature = "seal")]
 pub mod seal;
+pub mod settle;
 pub mod store;
 #[cfg(feature = "sweeper")]
 pub mod sweeper;
@@ -116,6 +118,7 @@ pub use policy::Policy;
 pub use record::{FencingToken, Record, RecordState, StoredBody, StoredResponse};
 pub use resume::{LeaseWatch, Reconciled, Resumable, StepError, SubKey};
 pub use scope::{Endpoint, Principal, RecordId, Scope, ScopeError};
+pub use settle::{Settlement, Settlements};
 pub use store::{BoxError, Capabilities, JournalWrite, Receipt, Store, StoreError, SweepOutcome};
 #[cfg(feature = "sweeper")]
 pub use sweeper::{SweepConfig, Sweeper};

@@ -14,6 +14,7 @@ use crate::list::{ListFilter, Listing};
 use crate::model::Model;
 use crate::record::{FencingToken, Record, StoredResponse};
 use crate::scope::RecordId;
+use crate::settle::Settlements;
 use crate::store::{Capabilities, JournalWrite, Receipt, Store, StoreError, SweepOutcome};
 use crate::table::RecordTable;
 use crate::time::{Clock, SystemClock, UnixMillis};
@@ -28,6 +29,7 @@ pub struct TableStore<T> {
     table: Arc<Mutex<T>>,
     clock: Arc<dyn Clock>,
     capabilities: Capabilities,
+    settlements: Arc<Settlements>,
 }
 
 /// The in-memory reference store: the [`Model`] behind a mutex.
@@ -35,7 +37,9 @@ pub type MemoryStore = TableStore<Model>;
 
 impl<T> Clone for TableStore<T> {
     fn clone(&self) -> Self {
-        Self { table: Arc::clone(&self.table), clock: Arc::clone(&self.clock), capabilities: self.capabilities }
+        let (table, clock, settlements) =
+            (Arc::clone(&self.table), Arc::clone(&self.clock), Arc::clone(&self.settlements));
+        Self { table, clock, capabilities: self.capabilities, settlements }
     }
 }
 
@@ -57,6 +61,7 @@ impl<T> TableStore<T> {
             table: Arc::new(Mutex::new(table)),
             clock,
             capabilities: Capabilities { backend: "memory", journal: true, ..Capabilities::NONE },
+            settlements: Arc::default(),
         }
     }
 
@@ -122,11 +127,11 @@ impl<T: RecordTable + Send + 'static> Store for TableStore<T> {
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Receipt, StoreError> {
-        self.run(|t, now| engine::complete(t, id, token, response, now))
+        self.run(|t, now| engine::complete(t, id, token, response, now)).inspect(|_| self.settlements.settle(id))
     }
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
-        self.run(|t, now| engine::fail(t, id, token, now))
+        self.run(|t, now| engine::fail(t, id, token, now)).inspect(|_| self.settlements.settle(id))
     }
 
     async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
@@ -164,5 +169,10 @@ impl<T: RecordTable + Send + 'static> Store for TableStore<T> {
     /// answers `Unsupported` (and its store should leave [`Capabilities::list`] unset).
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
         self.run(|t, now| t.list(&filter, now))
+    }
+
+    /// Settled by this handle and its clones, which share the table.
+    fn settlements(&self) -> Option<&Settlements> {
+        Some(&self.settlements)
     }
 }

@@ -22,6 +22,7 @@ use crate::codec::CodecError;
 use crate::list::{ListFilter, Listing};
 use crate::record::{FencingToken, Record, StoredResponse};
 use crate::scope::RecordId;
+use crate::settle::Settlements;
 use crate::time::UnixMillis;
 use crate::transition::{ClaimOutcome, ClaimRequest, LeaseLost, ReclaimOutcome, ReclaimRequest};
 
@@ -366,6 +367,14 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         let _ = filter;
         Err(StoreError::Unsupported { operation: "list" })
     }
+
+    /// Where this store announces that a record settled (completed or failed), so a
+    /// duplicate waiting for it re-reads at once instead of at its next poll; `None` (the
+    /// default): waiters poll. A store that returns one settles every record it completes
+    /// or fails; a wrapper returns its inner store's (`docs/contract.md#waking-a-waiting-duplicate`).
+    fn settlements(&self) -> Option<&Settlements> {
+        None
+    }
 }
 
 #[async_trait]
@@ -414,5 +423,8 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
         (**self).list(filter).await
+    }
+    fn settlements(&self) -> Option<&Settlements> {
+        (**self).settlements()
     }
 }

@@ -230,6 +230,9 @@ impl IdempotencyLayer {
         /// no store connection, lock or claim in between; it answers as soon as the record
         /// completed (the replay), failed or lost its lease (the duplicate reclaims it and runs
         /// the handler, as any retry would), and with the usual 409 when `limit` has passed.
+        /// A store with wake-ups ([`idem_core::Store::settlements`]: memory, redb, SQLite,
+        /// Redis, PostgreSQL with `LISTEN` on) ends a pause when the record completes or
+        /// fails, so the read comes at once (`docs/contract.md#waking-a-waiting-duplicate`).
         /// The wait holds the client's connection and one task for up to `limit`; keep it to
         /// seconds. Needs tokio's timer, like renewal.
         #[must_use]

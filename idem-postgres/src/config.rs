@@ -19,12 +19,13 @@ pub struct Config {
     pub(crate) acquire_timeout: Duration,
     pub(crate) isolation_pin: bool,
     pub(crate) prepared_statements: bool,
+    pub(crate) listen: bool,
 }
 
 impl Default for Config {
     /// Schema `idem`, migrations applied on start, the server's clock, prepared statements,
-    /// and for [`crate::PostgresStore::connect`]: 16 connections, 5 s to get one, READ
-    /// COMMITTED pinned.
+    /// no `LISTEN`, and for [`crate::PostgresStore::connect`]: 16
+    /// connections, 5 s to get one, READ COMMITTED pinned.
     fn default() -> Self {
         Self {
             schema: DEFAULT_SCHEMA.to_owned(),
@@ -34,6 +35,7 @@ impl Default for Config {
             acquire_timeout: Duration::from_secs(5),
             isolation_pin: true,
             prepared_statements: true,
+            listen: false,
         }
     }
 }
@@ -93,5 +95,15 @@ impl Config {
         /// server that is starting up is waited for.
         #[must_use]
         pub fn with_acquire_timeout(d: Duration) => acquire_timeout = d;
+
+        /// Whether complete and fail send `NOTIFY` (a statement after each) and a duplicate
+        /// waiting for a record (`with_in_flight_wait` of idem-http) is woken by `LISTEN` on
+        /// one connection of its own, outside the pool, opened when the first duplicate waits
+        /// (default `false`: waiters poll). Only where that connection reaches a session of its
+        /// own: behind a pooler in transaction mode (PgBouncer), the notifications reach server
+        /// connections other clients are using, whose statements then fail. What it costs:
+        /// `docs/contract.md#waking-a-waiting-duplicate`.
+        #[must_use]
+        pub fn with_listen(on: bool) => listen = on;
     }
 }

@@ -359,6 +359,11 @@ pub(crate) const COLUMNS: [&str; 12] = [
 /// runs as READ COMMITTED.
 pub(crate) const COMPLETE_IN_LEVELS: [&str; 2] = ["read committed", "read uncommitted"];
 
+/// `NOTIFY` of `PostgresStore::settled`, committed without waiting for its WAL flush (a
+/// transaction that notifies holds a database-wide lock until its commit ends).
+pub(crate) const NOTIFY: &str =
+    "SELECT set_config('synchronous_commit', 'off', true) IS NULL, pg_notify($1::text, $2::text) IS NULL";
+
 /// The server's clock in whole milliseconds since the epoch (UTC).
 const SERVER_NOW_MS: &str = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
 
@@ -367,13 +372,27 @@ const SERVER_NOW_MS: &str = "floor(extract(epoch FROM clock_timestamp()) * 1000)
 const FIRST_TOKEN: &str = "GREATEST(LEAST(GREATEST(n.ms, 0), 140737488355327) << 16, 1)";
 
 impl Statements {
+    #[cfg(test)]
     pub(crate) fn for_schema(schema: &str) -> Self {
+        Self::new(schema, true)
+    }
+
+    /// The statements on `schema`; with `notify`, complete and fail send `NOTIFY`.
+    pub(crate) fn new(schema: &str, notify: bool) -> Self {
         let table = format!("{}.records", quote_ident(schema));
         let journal = format!("{}.journal", quote_ident(schema));
         let cols = |prefix: &str| COLUMNS.iter().map(|c| format!("{prefix}{c}")).collect::<Vec<_>>().join(", ");
         let (tcols, rcols) = (cols("t."), cols("r."));
         let tcols_no_response = tcols.replace("t.response", "NULL::bytea AS response");
         let now = |p: &str| format!("COALESCE({p}::bigint, {SERVER_NOW_MS})");
+        // In the handler's transaction (`complete_in`), wakes the record's waiters
+        // (`PostgresStore::settlements`) at its commit, on the schema's channel; a boolean
+        // rather than `void`, which a driver may not decode.
+        let settled = if notify {
+            format!("pg_notify('{schema}', encode(t.id, 'hex')) IS NULL AS settled")
+        } else {
+            "NULL::boolean AS settled".to_owned()
+        };
         // now + d, saturating like the pure model (a huge retention must not overflow).
         let plus = |d: &str| format!("LEAST(n.ms::numeric + {d}::bigint, 9223372036854775807)::bigint");
         // Every column but the id and the token (which the claim computes), and the claim's txid.
@@ -439,7 +458,7 @@ done AS (
     FROM n
     WHERE n.isolation IN ({levels})
       AND t.id = $1::bytea AND t.token = $2::bigint AND t.state = 'in_flight' AND n.ms < t.expires_at
-    RETURNING {tcols_no_response}
+    RETURNING {tcols_no_response}, {settled}
 )
 SELECT n.isolation, done.* FROM n LEFT JOIN done ON true",
             now4 = now("$4"),

@@ -2,7 +2,7 @@
 //! The statements themselves, and why each is atomic, are in `src/sql.rs`.
 
 use std::str::FromStr as _;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -11,17 +11,17 @@ use idem_core::time::duration_ms;
 use idem_core::transition::is_reclaimable;
 use idem_core::{
     Capabilities, ClaimOutcome, ClaimRequest, Clock, FencingToken, JournalWrite, ListFilter, Listing, Receipt,
-    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Store, StoreError, StoredResponse, SweepOutcome,
-    UnixMillis,
+    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Settlements, Store, StoreError, StoredResponse,
+    SweepOutcome, UnixMillis,
 };
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions, PgRow};
 use sqlx::{PgConnection, PgPool, Postgres};
 
 use crate::config::Config;
 use crate::error::{Error, is_session_lost};
 use crate::sql::{
-    COLUMNS, COMPLETE_IN_LEVELS, Columns, Param, Statement, Statements, corrupt, query, receipt_at, record_at,
+    COLUMNS, COMPLETE_IN_LEVELS, Columns, NOTIFY, Param, Statement, Statements, corrupt, query, receipt_at, record_at,
     token_param, validate_schema,
 };
 
@@ -47,6 +47,12 @@ struct Inner {
     clock: Option<Arc<dyn Clock>>,
     sql: Statements,
     prepared: bool,
+    /// The schema, the channel completions and failures notify ([`Config::with_listen`]);
+    /// `None` when off.
+    channel: Option<String>,
+    settlements: Arc<Settlements>,
+    /// The task holding the `LISTEN` connection, once a waiter started it; ends with the store.
+    listener: OnceLock<tokio::task::JoinSet<()>>,
 }
 
 /// How often a compare-and-set runs again after losing only to a claim its snapshot could
@@ -138,8 +144,17 @@ impl PostgresStore {
             server_clock = config.clock.is_none(),
             "idem-postgres: store settings"
         );
-        let sql = Statements::for_schema(&config.schema);
-        let inner = Inner { pool, clock: config.clock, sql, prepared: config.prepared_statements };
+        let sql = Statements::new(&config.schema, config.listen);
+        let (prepared, channel) = (config.prepared_statements, config.listen.then_some(config.schema));
+        let inner = Inner {
+            pool,
+            clock: config.clock,
+            sql,
+            prepared,
+            channel,
+            settlements: Arc::default(),
+            listener: OnceLock::new(),
+        };
         Ok(Self { inner: Arc::new(inner) })
     }
 
@@ -213,6 +228,18 @@ impl PostgresStore {
             _ => None,
         };
         Err(StoreError::LeaseLost { id, presented: token, current })
+    }
+
+    /// Wakes `id`'s waiters in every listening store ([`Config::with_listen`]): `NOTIFY` in a
+    /// transaction of its own after the write's, so the write's commit does not hold the
+    /// lock PostgreSQL serializes notifying commits with; a notification lost with it costs
+    /// a waiter its poll pause.
+    async fn settled(&self, id: RecordId) {
+        let Some(channel) = &self.inner.channel else { return };
+        if let Ok(mut conn) = self.inner.pool.acquire().await {
+            let params = [Param::Text(channel), Param::Text(&id.to_hex())];
+            let _ = query(&mut conn, NOTIFY, &params, self.inner.prepared).await;
+        }
     }
 
     /// The pinned time, or `None` to use the server's clock.
@@ -338,6 +365,26 @@ impl PostgresStore {
     }
 }
 
+/// Wakes `hub`'s waiters from `LISTEN channel` on one connection outside the store's pool
+/// (a waiter never holds up a statement), connecting again after a loss; a notification
+/// sent meanwhile is lost, and its waiter reads at the end of its pause.
+async fn listen(pool: PgPool, channel: String, hub: Arc<Settlements>) {
+    let options = (*pool.connect_options()).clone();
+    let own = PgPoolOptions::new().max_connections(1).idle_timeout(None).max_lifetime(None).connect_lazy_with(options);
+    loop {
+        if let Ok(mut listener) = PgListener::connect_with(&own).await
+            && listener.listen(&channel).await.is_ok()
+        {
+            while let Ok(n) = listener.recv().await {
+                if let Some(id) = RecordId::from_hex(n.payload()) {
+                    hub.settle(id);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 fn complete_params<'a>(id: &'a RecordId, token: FencingToken, bytes: &'a [u8], now: Option<i64>) -> [Param<'a>; 4] {
     [Param::Bytes(id.as_bytes()), Param::I64(token_param(token)), Param::Bytes(bytes), Param::OptI64(now)]
 }
@@ -409,7 +456,9 @@ impl Store for PostgresStore {
     ) -> Result<Receipt, StoreError> {
         let bytes = encode_response(&response);
         let params = complete_params(&id, token, &bytes, self.pinned_now());
-        self.fenced("completing a record", id, token, Statement::Complete, &params).await
+        let receipt = self.fenced("completing a record", id, token, Statement::Complete, &params).await?;
+        self.settled(id).await;
+        Ok(receipt)
     }
 
     async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
@@ -424,7 +473,9 @@ impl Store for PostgresStore {
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
         let params = [Param::Bytes(id.as_bytes()), Param::I64(token_param(token)), Param::OptI64(self.pinned_now())];
-        self.fenced("marking a record failed", id, token, Statement::Fail, &params).await
+        let receipt = self.fenced("marking a record failed", id, token, Statement::Fail, &params).await?;
+        self.settled(id).await;
+        Ok(receipt)
     }
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
@@ -540,5 +591,19 @@ impl Store for PostgresStore {
 
     async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
         self.journal_read(&mut None, id, name, self.pinned_now()).await
+    }
+
+    /// Settled by `NOTIFY` on the schema's channel from every process on the database, heard
+    /// by this store's `LISTEN` task, started on the first waiter's Tokio runtime; `None`
+    /// with [`Config::with_listen`] off, or outside a runtime.
+    fn settlements(&self) -> Option<&Settlements> {
+        let (channel, runtime) = (self.inner.channel.as_ref()?, tokio::runtime::Handle::try_current().ok()?);
+        self.inner.listener.get_or_init(|| {
+            let mut task = tokio::task::JoinSet::new();
+            let feed = listen(self.inner.pool.clone(), channel.clone(), Arc::clone(&self.inner.settlements));
+            task.spawn_on(feed, &runtime);
+            task
+        });
+        Some(&self.inner.settlements)
     }
 }

@@ -4,15 +4,16 @@
 //! this file picks the script, passes the arguments and turns its reply into the
 //! contract's outcome.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use futures::StreamExt as _;
 use idem_core::codec::encode_response;
 use idem_core::time::duration_ms;
 use idem_core::{
     Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ListFilter, Listing, Receipt, ReclaimOutcome,
-    ReclaimRequest, Record, RecordId, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
+    ReclaimRequest, Record, RecordId, Settlements, Store, StoreError, StoredResponse, SweepOutcome, UnixMillis,
 };
 use redis::RedisError;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -34,6 +35,17 @@ pub struct RedisStore {
     conn: Connection,
     config: Arc<Config>,
     replicas: Arc<Replicas>,
+    wake: Arc<Wake>,
+}
+
+/// Where a waiting duplicate is woken from ([`Store::settlements`]).
+#[derive(Debug, Default)]
+struct Wake {
+    /// The nodes a subscriber connects to, in turn; none on the application's connection.
+    nodes: Vec<redis::Client>,
+    settlements: Arc<Settlements>,
+    /// The subscriber's task, once a waiter started it; ends with the last clone.
+    task: OnceLock<tokio::task::JoinSet<()>>,
 }
 
 impl RedisStore {
@@ -54,10 +66,11 @@ impl RedisStore {
             .set_response_timeout(Some(config.effective_response_timeout()))
             .set_connection_timeout(Some(CONNECTION_TIMEOUT))
             .set_number_of_retries(2);
-        let conn = ConnectionManager::new_with_config(client, manager_config)
+        let conn = ConnectionManager::new_with_config(client.clone(), manager_config)
             .await
             .map_err(|e| Error::command("connect", e))?;
-        Self::from_connection(conn, config).await
+        let store = Self::from_connection(conn, config).await?;
+        Ok(Self { wake: Arc::new(Wake { nodes: vec![client], ..Wake::default() }), ..store })
     }
 
     /// Connects to the Redis Cluster reachable at any of `nodes` (each a `redis://host:port`
@@ -79,13 +92,15 @@ impl RedisStore {
         if nodes.is_empty() {
             return Err(Error::Url(RedisError::from((redis::ErrorKind::InvalidClientConfig, "no cluster node given"))));
         }
+        let subscribers = nodes.iter().filter_map(|n| redis::Client::open(n.as_str()).ok()).collect();
         let client = cluster_builder(nodes)
             .connection_timeout(CONNECTION_TIMEOUT)
             .response_timeout(config.effective_response_timeout())
             .build()
             .map_err(Error::Url)?;
         let conn = client.get_async_connection().await.map_err(|e| Error::command("connect", e))?;
-        Self::from_connection(conn, config).await
+        let store = Self::from_connection(conn, config).await?;
+        Ok(Self { wake: Arc::new(Wake { nodes: subscribers, ..Wake::default() }), ..store })
     }
 
     /// Uses the application's own connection, shared with the rest of the application: a
@@ -101,7 +116,8 @@ impl RedisStore {
     /// As [`RedisStore::connect`], minus the URL.
     pub async fn from_connection(conn: impl Into<Connection>, config: Config) -> Result<Self, Error> {
         config.validate()?;
-        let store = Self { conn: conn.into(), config: Arc::new(config), replicas: Arc::default() };
+        let store =
+            Self { conn: conn.into(), config: Arc::new(config), replicas: Arc::default(), wake: Arc::default() };
         store.check_servers().await?;
         load_all(&mut store.conn.clone()).await?;
         if let (Some(_), Err(e)) = (store.config.replica_ack, store.replicas().await) {
@@ -505,6 +521,24 @@ impl Store for RedisStore {
         }
     }
 
+    /// Settled by `PUBLISH` on `<prefix>settled` from the complete and fail scripts of every
+    /// process, heard by this store's subscriber task, started on the first waiter's Tokio
+    /// runtime; `None` outside a runtime, and on the application's connection
+    /// ([`RedisStore::from_connection`]), where the store has no address to subscribe at.
+    fn settlements(&self) -> Option<&Settlements> {
+        let (wake, runtime) = (&*self.wake, tokio::runtime::Handle::try_current().ok()?);
+        if wake.nodes.is_empty() {
+            return None;
+        }
+        wake.task.get_or_init(|| {
+            let channel = format!("{}settled", self.config.prefix);
+            let mut task = tokio::task::JoinSet::new();
+            task.spawn_on(subscribe(wake.nodes.clone(), channel, Arc::clone(&wake.settlements)), &runtime);
+            task
+        });
+        Some(&wake.settlements)
+    }
+
     /// `SCAN` for `<prefix>{*}` on the server or every cluster primary, then each record
     /// read by the `get` script (so expiry, decoding and the clock are exactly `get`'s).
     /// Redis keeps no order, so every call scans the whole keyspace and reads every
@@ -533,6 +567,25 @@ impl Store for RedisStore {
             None => self.server_now().await?,
         };
         Ok(filter.select(records, now))
+    }
+}
+
+/// Wakes `hub`'s waiters from `SUBSCRIBE channel` on a connection of its own to one of
+/// `nodes` (the next after a loss; a cluster carries `PUBLISH` to every node); a message
+/// sent meanwhile is lost, and its waiter reads at the end of its pause.
+async fn subscribe(nodes: Vec<redis::Client>, channel: String, hub: Arc<Settlements>) {
+    for client in nodes.iter().cycle() {
+        if let Ok(mut pubsub) = client.get_async_pubsub().await
+            && pubsub.subscribe(&channel).await.is_ok()
+        {
+            let mut messages = pubsub.into_on_message();
+            while let Some(message) = messages.next().await {
+                if let Some(id) = std::str::from_utf8(message.get_payload_bytes()).ok().and_then(RecordId::from_hex) {
+                    hub.settle(id);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 

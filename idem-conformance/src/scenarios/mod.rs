@@ -12,7 +12,8 @@
 //! - [`scope`](mod@scope) - isolation between principals and endpoints.
 //! - [`limits`] - keys and values at their limits.
 //! - [`clock`] - clock edges: lease ends to the millisecond, zero leases, clock steps.
-//! - [`peers`] - two handles on one store: takeover, fencing, racing first claims, dead owners.
+//! - [`peers`] - two handles on one store: takeover, fencing, racing first claims, dead owners,
+//!   wake-ups.
 //! - [`capability`] - capability variants (native expiry, server clock, peer handles).
 //! - [`journal`] - the per-record journal of resumable handlers' steps and intents.
 //! - [`extend`] - lease renewal: fenced like `complete`, never earlier, never swept.
@@ -368,6 +369,7 @@ macro_rules! __for_each_scenario {
         $m!($backend, peers::two_handles_racing_a_first_claim_have_one_winner);
         $m!($backend, peers::loser_rereading_after_completion_gets_the_response);
         $m!($backend, peers::dead_owners_claim_is_freed_by_its_lease);
+        $m!($backend, peers::settling_a_record_wakes_its_waiter);
         $m!($backend, capability::declared_capabilities_hold);
         $m!($backend, capability::peer_handle_sees_the_same_records);
         $m!($backend, capability::server_clock_sets_leases_from_the_server);

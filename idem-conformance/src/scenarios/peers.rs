@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{ClaimOutcome, RecordState, Store, StoredResponse, UnixMillis};
+use idem_core::{ClaimOutcome, Record, RecordState, Settlement, Settlements, Store, StoredResponse, UnixMillis};
 
 use super::{
     assert_lease_lost, claim_req, claim_req_timed, completed, conflict, existing, get, race, reclaim_req, reclaimed,
@@ -107,4 +107,62 @@ pub async fn dead_owners_claim_is_freed_by_its_lease(env: Env) {
     assert_eq!(n.token, r.token.next());
     let done = completed(env.store.as_ref(), &n, response()).await;
     assert_eq!(get(env.store.as_ref(), r.id).await, Some(done));
+}
+
+/// A waiter registered on one handle ([`Store::settlements`]) is woken when the peer handle
+/// completes the record, and when it fails one. A store on a server (one that declares
+/// [`idem_core::Capabilities::server_clock`]) hears every handle's outcomes through it; an
+/// in-process store wakes the waiters of its own handle only (another handle on the same
+/// file polls), so there the same handle settles. A store without
+/// wake-ups (its waiters poll) runs nothing here. A store that
+/// hears other handles over a connection of its own (`LISTEN`, `SUBSCRIBE`) may still be
+/// opening it when the first waiter registers, so records are settled until one wakes its
+/// waiter before the two checks; the only timing is a generous bound on "woken at all".
+pub async fn settling_a_record_wakes_its_waiter(env: Env) {
+    const WOKEN_WITHIN: Duration = Duration::from_secs(5);
+    let Some(hub) = env.store.settlements() else {
+        env.report("no wake-ups: Store::settlements is None, waiters poll");
+        return;
+    };
+    let peer = if env.capabilities().server_clock {
+        env.report("wake-ups: the peer's complete and fail wake a waiter on this handle");
+        env.peer().await
+    } else {
+        env.report("wake-ups: this handle's complete and fail wake its waiter (in-process store)");
+        Arc::clone(&env.store)
+    };
+    let started = tokio::time::Instant::now();
+    for n in 0.. {
+        let (_, woken) = settle(&env, hub, peer.as_ref(), &format!("warm-up-{n}"), false).await;
+        if tokio::time::timeout(Duration::from_millis(100), woken).await.is_ok() {
+            break;
+        }
+        assert!(started.elapsed() < WOKEN_WITHIN, "no waiter was woken within {WOKEN_WITHIN:?} of settling");
+    }
+    for fail in [false, true] {
+        let (r, woken) = settle(&env, hub, peer.as_ref(), &format!("fail-{fail}"), fail).await;
+        assert!(
+            tokio::time::timeout(WOKEN_WITHIN, woken).await.is_ok(),
+            "fail={fail}: the waiter of {r:?} was not woken"
+        );
+    }
+}
+
+/// Claims `key` through `peer`, registers a waiter on `hub`, then completes or fails the
+/// record through `peer`.
+async fn settle<'h>(
+    env: &Env,
+    hub: &'h Settlements,
+    peer: &dyn Store,
+    key: &str,
+    fail: bool,
+) -> (Record, Settlement<'h>) {
+    let r = super::claimed(peer, claim_req(env, "P", key, b"b")).await;
+    let woken = hub.watch(r.id);
+    if fail {
+        super::failed(peer, &r).await;
+    } else {
+        completed(peer, &r, response()).await;
+    }
+    (r, woken)
 }

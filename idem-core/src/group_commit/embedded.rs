@@ -12,6 +12,7 @@ use crate::engine;
 use crate::list::{ListFilter, Listing};
 use crate::record::{FencingToken, Record, StoredResponse};
 use crate::scope::RecordId;
+use crate::settle::Settlements;
 use crate::store::{Capabilities, JournalWrite, Receipt, Store, StoreError, SweepOutcome};
 use crate::table::RecordRead;
 use crate::time::UnixMillis;
@@ -89,11 +90,13 @@ impl<E: Embedded> Store for E {
         token: FencingToken,
         response: StoredResponse,
     ) -> Result<Receipt, StoreError> {
-        self.writer().submit(Unawaited::Apply, move |t, now| engine::complete(t, id, token, response, now)).await
+        let done = self.writer().submit(Unawaited::Apply, move |t, now| engine::complete(t, id, token, response, now));
+        done.await.inspect(|_| self.writer().settlements().settle(id))
     }
 
     async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
-        self.writer().submit(Unawaited::Apply, move |t, now| engine::fail(t, id, token, now)).await
+        let done = self.writer().submit(Unawaited::Apply, move |t, now| engine::fail(t, id, token, now));
+        done.await.inspect(|_| self.writer().settlements().settle(id))
     }
 
     async fn extend(&self, id: RecordId, token: FencingToken, lease_ttl: Duration) -> Result<Receipt, StoreError> {
@@ -133,5 +136,11 @@ impl<E: Embedded> Store for E {
 
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
         read(self, move |view, now| view.list(&filter, now)).await
+    }
+
+    /// Settled after the commit, by this handle and its clones (one writer); another
+    /// handle on the same file has a writer of its own, so its waiters poll.
+    fn settlements(&self) -> Option<&Settlements> {
+        Some(self.writer().settlements())
     }
 }

@@ -58,6 +58,7 @@ use job::{Applied, Caller, Job, Op};
 use queue::{Next, Queue};
 
 use crate::record::Record;
+use crate::settle::Settlements;
 use crate::store::StoreError;
 use crate::table::{Expired, RecordRead, RecordTable};
 use crate::time::{Clock, UnixMillis};
@@ -200,6 +201,7 @@ struct Shared {
     queue: Arc<Queue<Box<dyn Job>>>,
     counters: Arc<Counters>,
     writer: Mutex<Option<JoinHandle<()>>>,
+    settlements: Settlements,
 }
 
 impl fmt::Debug for GroupCommit {
@@ -241,7 +243,10 @@ impl GroupCommit {
             queue: Arc::clone(&queue),
         };
         let handle = std::thread::Builder::new().name(format!("idem-{backend}-writer")).spawn(move || writer.run())?;
-        Ok(Self { shared: Arc::new(Shared { backend, clock, queue, counters, writer: Mutex::new(Some(handle)) }) })
+        let writer = Mutex::new(Some(handle));
+        Ok(Self {
+            shared: Arc::new(Shared { backend, clock, queue, counters, writer, settlements: Default::default() }),
+        })
     }
 
     /// Hands `apply` to the writer and waits for its outcome, which arrives only after the
@@ -281,6 +286,12 @@ impl GroupCommit {
     /// The clock every `now` of this store is read from.
     pub(crate) fn clock(&self) -> &dyn Clock {
         &*self.shared.clock
+    }
+
+    /// The waiters of this writer's records: one writer per open store, so the completions
+    /// of its handle and clones.
+    pub(crate) fn settlements(&self) -> &Settlements {
+        &self.shared.settlements
     }
 
     /// The backend's name, for errors.

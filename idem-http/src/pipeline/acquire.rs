@@ -7,13 +7,17 @@
 //! rounds. With a bounded wait (`with_in_flight_wait`), a record found in flight is read
 //! again with `get` after short pauses until it is no longer in flight with a fresh lease,
 //! or the wait is over; each read goes through the same decision as the claim's answer.
-//! Nothing is held between two reads: no connection, no lock, no claim.
+//! Nothing is held between two reads: no connection, no lock, no claim. A store with
+//! [`Store::settlements`] wakes the wait when the record settles, so the read comes at once
+//! rather than at the end of the pause; interest is registered before each read, so an
+//! outcome written between the read and the pause is not missed. A wake-up is only a
+//! hint: a lost one costs the rest of the pause, as without wake-ups.
 
 use std::time::Duration;
 
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Decision, IdempotencyKey, ReclaimOutcome, ReclaimRequest, Record, Scope, StoreError,
-    decide,
+    ClaimOutcome, ClaimRequest, Decision, IdempotencyKey, ReclaimOutcome, ReclaimRequest, Record, Scope, Store,
+    StoreError, decide,
 };
 use tokio::time::Instant;
 
@@ -87,6 +91,8 @@ pub(super) async fn acquire<B>(pipeline: &Pipeline, claim: ClaimRequest, deadlin
     let mut read_at = wait.as_ref().map(|_| Instant::now());
     // Scope and key of the last record seen, for a claim after a reclaim found none.
     let mut seen: Option<(Scope, IdempotencyKey)> = None;
+    // Interest in the record's outcome, registered before the last read of a bounded wait.
+    let mut settled = None;
     let mut rounds = 0;
     while rounds < MAX_ROUNDS {
         let next = match (decide(current.as_ref(), &fingerprint, now), current.as_ref()) {
@@ -117,7 +123,15 @@ pub(super) async fn acquire<B>(pipeline: &Pipeline, claim: ClaimRequest, deadlin
             (Decision::InFlight { retry_after_secs }, Some(record)) => {
                 if let Some(pause) = wait.as_mut().and_then(BoundedWait::next_pause) {
                     seen = Some((record.scope.clone(), record.key.clone()));
-                    Box::pin(tokio::time::sleep(pause)).await;
+                    let hub = Store::settlements(calls);
+                    match settled.take() {
+                        // Woken: the record settled since the last read.
+                        Some(woken) => drop(futures::future::select(Box::pin(tokio::time::sleep(pause)), woken).await),
+                        // The first interest comes after the claim's read: read again at once.
+                        None if hub.is_some() => {}
+                        None => Box::pin(tokio::time::sleep(pause)).await,
+                    }
+                    settled = hub.map(|h| h.watch(id));
                     match Box::pin(calls.get(id)).await {
                         Ok(found) => {
                             // The store's clock moved on by (at least) the time that passed here.

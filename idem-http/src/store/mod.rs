@@ -34,7 +34,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idem_core::{
     Capabilities, ClaimOutcome, ClaimRequest, FencingToken, JournalWrite, ListFilter, Listing, Receipt, ReclaimOutcome,
-    ReclaimRequest, Record, RecordId, RecordState, Store, StoreError, StoredResponse, SweepOutcome,
+    ReclaimRequest, Record, RecordId, RecordState, Settlements, Store, StoreError, StoredResponse, SweepOutcome,
 };
 
 use crate::config::Settings;
@@ -254,5 +254,9 @@ impl Store for LayerStore {
     /// An operator's listing: no request waits on it, so no deadline (like `sweep`).
     async fn list(&self, filter: ListFilter) -> Result<Listing, StoreError> {
         self.store().list(filter).await
+    }
+
+    fn settlements(&self) -> Option<&Settlements> {
+        self.store().settlements()
     }
 }

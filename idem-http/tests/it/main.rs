@@ -26,3 +26,4 @@ mod resumable;
 mod sealed;
 mod socket;
 mod test_vectors;
+mod wake;

@@ -130,7 +130,7 @@ fn drop_stale_schemas() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()
 
 /// The configuration tests use: `schema`, the pinned clock if any, `max_connections`.
 pub(crate) fn config(schema: &str, clock: Option<ManualClock>, max_connections: usize) -> Config {
-    let config = Config::default().with_schema(schema).with_max_connections(max_connections);
+    let config = Config::default().with_schema(schema).with_max_connections(max_connections).with_listen(true);
     match clock {
         Some(clock) => config.with_clock(Arc::new(clock)),
         None => config,
@@ -183,7 +183,8 @@ pub(crate) fn pgbouncer_url() -> String {
 pub(crate) enum Via {
     /// Straight to PostgreSQL.
     Direct,
-    /// Through PgBouncer in transaction mode: unnamed statements, no startup options.
+    /// Through PgBouncer in transaction mode: unnamed statements, no startup options, no
+    /// `LISTEN`.
     PgBouncer,
 }
 
@@ -198,7 +199,8 @@ impl Via {
     pub(crate) fn config(self, config: Config) -> Config {
         match self {
             Via::Direct => config,
-            Via::PgBouncer => config.with_prepared_statements(false).with_isolation_pin(false),
+            // Under transaction pooling a LISTEN session's notifications reach other clients.
+            Via::PgBouncer => config.with_prepared_statements(false).with_isolation_pin(false).with_listen(false),
         }
     }
 

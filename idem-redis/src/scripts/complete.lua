@@ -23,5 +23,7 @@ if string.byte(h, 2) ~= 1 or token ~= ARGV[2] then
 end
 -- All timestamps stay: the key keeps its native expiry.
 redis.call('HSET', key, 'h', string.sub(h, 1, 1) .. '\2' .. string.sub(h, 3), 'r', ARGV[3])
+-- Wakes the record's waiters (RedisStore::settlements): the id on '<prefix>settled'.
+redis.call('PUBLISH', string.sub(key, 1, -67) .. 'settled', string.sub(key, -65, -2))
 -- The caller has the response it just sent and knows the state is now completed.
 return {'ok', now, h}

@@ -28,4 +28,6 @@ if now < num_at(h, AT_LEASE) then
 end
 h = string.sub(h, 1, 1) .. '\3' .. string.sub(h, 3, AT_LEASE - 1) .. lease .. string.sub(h, AT_EXPIRES)
 redis.call('HSET', key, 'h', h)
+-- Wakes the record's waiters (RedisStore::settlements): the id on '<prefix>settled'.
+redis.call('PUBLISH', string.sub(key, 1, -67) .. 'settled', string.sub(key, -65, -2))
 return {'ok', now, h}
