@@ -205,38 +205,28 @@ pub(crate) const DEFAULT_MAX_FINGERPRINT_FIELDS: usize = 32;
 /// Default most bytes (names plus values) of the header fields that enter the fingerprint.
 pub(crate) const DEFAULT_MAX_FINGERPRINT_HEADER_BYTES: usize = 16 * 1024;
 
-/// `Err(detail)` refuses a key.
-type KeyCheck = dyn Fn(&str) -> Result<(), String> + Send + Sync;
+/// An application callback (a key rule, an event callback, a replay edit), shown as its
+/// type's name only in `Debug`.
+pub(crate) struct Callback<F: ?Sized>(pub(crate) Arc<F>);
 
-/// The application's own rule for keys (`IdempotencyLayer::with_key_rule`).
-#[derive(Clone)]
-pub(crate) struct KeyRule(pub(crate) Arc<KeyCheck>);
-
-impl std::fmt::Debug for KeyRule {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("KeyRule")
+impl<F: ?Sized> Clone for Callback<F> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
     }
 }
 
-/// The application's edit of replayed heads (`IdempotencyLayer::with_replay_edit`).
-#[derive(Clone)]
-pub(crate) struct ReplayEdit(pub(crate) Arc<dyn Fn(&mut http::response::Parts) + Send + Sync>);
-
-impl std::fmt::Debug for ReplayEdit {
+impl<F: ?Sized> std::fmt::Debug for Callback<F> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ReplayEdit")
+        f.write_str("Callback(..)")
     }
 }
 
-/// The application's event callback (`IdempotencyLayer::with_events`).
-#[derive(Clone)]
-pub(crate) struct Events(pub(crate) Arc<crate::observe::EventFn>);
-
-impl std::fmt::Debug for Events {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Events")
-    }
-}
+/// `Err(detail)` refuses a key (`IdempotencyLayer::with_key_rule`).
+pub(crate) type KeyRule = Callback<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+/// Edits replayed heads (`IdempotencyLayer::with_replay_edit`).
+pub(crate) type ReplayEdit = Callback<dyn Fn(&mut http::response::Parts) + Send + Sync>;
+/// Hears every step (`IdempotencyLayer::with_events`).
+pub(crate) type Events = Callback<crate::observe::EventFn>;
 
 /// Everything one layer was configured with; [`crate::pipeline::Pipeline`] is made from it
 /// once per layer.

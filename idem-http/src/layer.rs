@@ -120,7 +120,7 @@ impl IdempotencyLayer {
         /// `docs/contract.md#key-rules-of-your-own`.
         #[must_use]
         pub fn with_key_rule(rule: impl Fn(&str) -> Result<(), String> + Send + Sync + 'static) =>
-            config().key_rule = Some(crate::config::KeyRule(Arc::new(rule)));
+            config().key_rule = Some(crate::config::Callback(Arc::new(rule)));
 
         /// Sets where the key is read (default: the `Idempotency-Key` header field); a
         /// body field or a function of the request: [`KeySource`],
@@ -139,7 +139,7 @@ impl IdempotencyLayer {
         /// subscriber. `docs/contract.md#lifecycle-events`.
         #[must_use]
         pub fn with_events(callback: impl Fn(&Event<'_>) + Send + Sync + 'static) =>
-            config().events = Some(crate::config::Events(Arc::new(callback)));
+            config().events = Some(crate::config::Callback(Arc::new(callback)));
 
         /// Lets the application edit the head (status, header fields) of every replayed
         /// response before it is sent, after the layer set `Idempotent-Replayed` and
@@ -147,7 +147,7 @@ impl IdempotencyLayer {
         /// `docs/contract.md#lifecycle-events`.
         #[must_use]
         pub fn with_replay_edit(edit: impl Fn(&mut http::response::Parts) + Send + Sync + 'static) =>
-            config().replay_edit = Some(crate::config::ReplayEdit(Arc::new(edit)));
+            config().replay_edit = Some(crate::config::Callback(Arc::new(edit)));
 
         /// Replaces the principal resolver (default [`crate::BearerToken`]).
         #[must_use]

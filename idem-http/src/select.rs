@@ -1,13 +1,14 @@
 //! Where a request's key comes from ([`KeySource`]) and what of its body the fingerprint
 //! covers ([`FingerprintBody`]): `docs/contract.md#where-the-key-comes-from`.
 
-use std::fmt;
 use std::sync::Arc;
 
+use http::HeaderName;
 use http::request::Parts;
-use http::{HeaderMap, HeaderName};
 
 use crate::headers::IDEMPOTENCY_KEY;
+
+use crate::config::Callback;
 
 type KeyFn = dyn Fn(&Parts, &[u8]) -> Option<String> + Send + Sync;
 type BodyFn = dyn Fn(&Parts, &[u8]) -> Vec<u8> + Send + Sync;
@@ -19,29 +20,19 @@ type BodyFn = dyn Fn(&Parts, &[u8]) -> Vec<u8> + Send + Sync;
 /// visible ASCII, the layer's length limit, an sf-string unquoted) and then the layer's key
 /// rule, and no key at all is answered per [`crate::KeyRequirement`]. Only the configured
 /// source is read: under a body source an `Idempotency-Key` header is ignored.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct KeySource(Source);
 
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 enum Source {
     Header(HeaderName),
     JsonPointer(String),
-    Custom(Arc<KeyFn>),
+    Custom(Callback<KeyFn>),
 }
 
 impl Default for KeySource {
     fn default() -> Self {
         Self(Source::Header(IDEMPOTENCY_KEY))
-    }
-}
-
-impl fmt::Debug for KeySource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.0 {
-            Source::Header(name) => write!(f, "KeySource::header({name})"),
-            Source::JsonPointer(pointer) => write!(f, "KeySource::json_field({pointer:?})"),
-            Source::Custom(_) => f.write_str("KeySource::from_fn(..)"),
-        }
     }
 }
 
@@ -66,7 +57,7 @@ impl KeySource {
     /// A function of the request's head and whole body; `None` is no key.
     #[must_use]
     pub fn from_fn(f: impl Fn(&Parts, &[u8]) -> Option<String> + Send + Sync + 'static) -> Self {
-        Self(Source::Custom(Arc::new(f)))
+        Self(Source::Custom(Callback(Arc::new(f))))
     }
 
     /// The header this source reads, or `None` when it needs the body.
@@ -81,7 +72,7 @@ impl KeySource {
     pub(crate) fn from_body(&self, parts: &Parts, body: &[u8]) -> Option<Vec<u8>> {
         match &self.0 {
             Source::Header(_) => None,
-            Source::Custom(f) => f(parts, body).map(String::into_bytes),
+            Source::Custom(f) => (f.0)(parts, body).map(String::into_bytes),
             Source::JsonPointer(pointer) => {
                 let value: serde_json::Value = serde_json::from_slice(body).ok()?;
                 match value.pointer(pointer)? {
@@ -109,21 +100,15 @@ impl KeySource {
 /// [`idem_core::FingerprintMode`] says). The method, path, query and fingerprinted header
 /// fields always enter it; a retry that differs in what is left out replays the first
 /// response, so leave out only what cannot change the operation (a timestamp, a trace id).
-#[derive(Clone, Default)]
-pub struct FingerprintBody(Option<Arc<BodyFn>>);
-
-impl fmt::Debug for FingerprintBody {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(if self.0.is_some() { "FingerprintBody(selected)" } else { "FingerprintBody(whole)" })
-    }
-}
+#[derive(Clone, Debug, Default)]
+pub struct FingerprintBody(Option<Callback<BodyFn>>);
 
 impl FingerprintBody {
     /// The bytes a function of the request's head and whole body returns, in place of
     /// the body.
     #[must_use]
     pub fn from_fn(f: impl Fn(&Parts, &[u8]) -> Vec<u8> + Send + Sync + 'static) -> Self {
-        Self(Some(Arc::new(f)))
+        Self(Some(Callback(Arc::new(f))))
     }
 
     /// Only these fields of a JSON body, by JSON Pointer (RFC 6901), each with its
@@ -139,8 +124,8 @@ impl FingerprintBody {
         })
     }
 
-    /// A JSON body without these fields (JSON Pointers, RFC 6901), in canonical JSON
-    /// (RFC 8785). A body that is not JSON enters whole.
+    /// A JSON body without these object members (JSON Pointers, RFC 6901), in canonical
+    /// JSON (RFC 8785). A body that is not JSON enters whole.
     #[cfg(feature = "canonical-json")]
     #[must_use]
     pub fn json_without<I: IntoIterator<Item = S>, S: Into<String>>(pointers: I) -> Self {
@@ -149,14 +134,8 @@ impl FingerprintBody {
             for pointer in &pointers {
                 let Some((parent, last)) = pointer.rsplit_once('/') else { continue };
                 let last = last.replace("~1", "/").replace("~0", "~");
-                match value.pointer_mut(parent) {
-                    Some(serde_json::Value::Object(map)) => drop(map.remove(&last)),
-                    Some(serde_json::Value::Array(items)) => {
-                        if let Some(i) = last.parse().ok().filter(|i| *i < items.len()) {
-                            items.remove(i);
-                        }
-                    }
-                    _ => {}
+                if let Some(serde_json::Value::Object(map)) = value.pointer_mut(parent) {
+                    map.remove(&last);
                 }
             }
             value
@@ -175,16 +154,6 @@ impl FingerprintBody {
 
     /// The bytes that enter the fingerprint as the body: `None` for the body as it came.
     pub(crate) fn select(&self, parts: &Parts, body: &[u8]) -> Option<Vec<u8>> {
-        self.0.as_ref().map(|f| f(parts, body))
-    }
-}
-
-/// The one field of `name` in `headers`: `Ok(None)` for none, `Err(())` for two or more.
-pub(crate) fn single_field<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Result<Option<&'h [u8]>, ()> {
-    let mut fields = headers.get_all(name).iter();
-    match (fields.next(), fields.next()) {
-        (Some(field), None) => Ok(Some(field.as_bytes())),
-        (Some(_), Some(_)) => Err(()),
-        (None, _) => Ok(None),
+        self.0.as_ref().map(|f| (f.0)(parts, body))
     }
 }

@@ -24,7 +24,6 @@ use super::Pipeline;
 use crate::answer::Refusal;
 use crate::config::{KeyRequirement, MissingPrincipal};
 use crate::lease::{LeaseDeadline, capped};
-use crate::select::single_field;
 
 /// What intake makes of a request.
 #[allow(
@@ -81,16 +80,17 @@ where
     let mut key = None;
     if let Some(name) = settings.key_source.header_name() {
         // One field: two or more are refused even when equal (`Refusal::duplicate_key`).
-        match single_field(&parts.headers, name) {
-            Ok(Some(field)) => match parse_key(settings, field) {
+        let mut fields = parts.headers.get_all(name).iter();
+        match (fields.next(), fields.next()) {
+            (Some(field), None) => match parse_key(settings, field.as_bytes()) {
                 Ok(parsed) => key = Some(parsed),
                 Err(refusal) => return Intake::Refused(refusal),
             },
-            Err(()) => return Intake::Refused(Refusal::duplicate_key()),
-            Ok(None) if settings.key_requirement == KeyRequirement::Optional => {
+            (Some(_), Some(_)) => return Intake::Refused(Refusal::duplicate_key()),
+            (None, _) if settings.key_requirement == KeyRequirement::Optional => {
                 return Intake::Skipped(Request::from_parts(parts, body));
             }
-            Ok(None) => return Intake::Refused(Refusal::missing_key(&settings.key_source)),
+            (None, _) => return Intake::Refused(Refusal::missing_key(&settings.key_source)),
         }
     }
     // Resolved once per request: this one answer is the principal of the claim, the record

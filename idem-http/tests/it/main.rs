@@ -25,5 +25,6 @@ mod response_edges;
 mod resumable;
 mod sealed;
 mod socket;
+mod sources;
 mod test_vectors;
 mod wake;
