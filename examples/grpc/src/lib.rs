@@ -25,6 +25,7 @@
 //!
 //! # Layout
 //! - [`router`]: the axum router serving the RPC over HTTP/2 behind the layer.
+//! - [`key_from_message`]: the key taken from the request message instead of metadata.
 //! - [`WorkersClient`]: a real tonic client ([`tonic::client::Grpc`] over a
 //!   [`tonic::transport::Channel`]).
 //! - `src/main.rs`: serves on a port and makes one call with a retry.
@@ -116,6 +117,19 @@ impl UnaryService<CreateWorker> for Workers {
             Ok(Response::new(Worker { id, name: msg.name, size: msg.size }))
         })
     }
+}
+
+/// A key source for clients that cannot set metadata: the key is `create-{name}` from the
+/// `CreateWorker` message itself (one worker per name), read from the gRPC frame (a flag
+/// byte, a 4-byte big-endian length, the message). A frame that is compressed or does not
+/// decode has no key, and the call is answered `INVALID_ARGUMENT` like a missing key.
+#[must_use]
+pub fn key_from_message() -> idem_http::KeySource {
+    idem_http::KeySource::from_fn(|_, body| {
+        let (&[0, ..], Some(message)) = (body, body.get(5..)) else { return None };
+        let msg = <CreateWorker as prost::Message>::decode(message).ok()?;
+        (!msg.name.is_empty()).then(|| format!("create-{}", msg.name))
+    })
 }
 
 /// The axum router serving `Workers/Create` (HTTP/2, as gRPC needs) behind `layer`.

@@ -11,7 +11,7 @@ use idem_core::{
     Capabilities, ClaimOutcome, ClaimRequest, FencingToken, MemoryStore, ReclaimOutcome, ReclaimRequest, Record,
     RecordId, Store, StoreError, StoredResponse, SweepOutcome,
 };
-use idem_example_grpc::{CreateWorker, Workers, WorkersClient, router};
+use idem_example_grpc::{CreateWorker, Workers, WorkersClient, key_from_message, router};
 use idem_http::IdempotencyLayer;
 use tonic::Code;
 
@@ -183,4 +183,32 @@ impl Store for Down {
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
     }
+}
+
+/// A key taken from the message was not read, so a client without metadata ran the RPC per
+/// attempt; the application's event callback missed the replay.
+#[tokio::test]
+async fn a_key_from_the_message_replays_and_is_heard() {
+    use idem_http::{DecisionKind, Step};
+    let (workers, steps) = (Workers::new(), Arc::new(std::sync::Mutex::new(Vec::new())));
+    let seen = Arc::clone(&steps);
+    let layer = memory().with_key_source(key_from_message()).with_events(move |e| seen.lock().unwrap().push(e.step));
+    let mut client = serve(workers.clone(), layer).await;
+    let first = client.create(msg("gpu-9"), None, Some("ops")).await.expect("first call");
+    let retry = client.create(msg("gpu-9"), None, Some("ops")).await.expect("retry");
+    assert_eq!((retry.get_ref(), workers.executions()), (first.get_ref(), 1));
+    assert!(retry.metadata().get("idempotent-replayed").is_some());
+    let refused = client.create(msg(""), None, Some("ops")).await.expect_err("no name, no key");
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert_eq!(workers.executions(), 1);
+    let decided: Vec<_> = steps
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|s| match s {
+            Step::Decided(d) => Some(*d),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(decided, [DecisionKind::Claimed, DecisionKind::Replayed, DecisionKind::Rejected]);
 }
