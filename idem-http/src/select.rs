@@ -69,7 +69,7 @@ impl KeySource {
     }
 
     /// The key's raw value read from the body source, if any (a header source reads none).
-    pub(crate) fn from_body(&self, parts: &Parts, body: &[u8]) -> Option<Vec<u8>> {
+    pub(crate) fn read_body(&self, parts: &Parts, body: &[u8]) -> Option<Vec<u8>> {
         match &self.0 {
             Source::Header(_) => None,
             Source::Custom(f) => (f.0)(parts, body).map(String::into_bytes),

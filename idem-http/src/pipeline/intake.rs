@@ -84,7 +84,7 @@ where
         match (fields.next(), fields.next()) {
             (Some(field), None) => match parse_key(settings, field.as_bytes()) {
                 Ok(parsed) => key = Some(parsed),
-                Err(refusal) => return Intake::Refused(refusal),
+                Err(refusal) => return Intake::Refused(*refusal),
             },
             (Some(_), Some(_)) => return Intake::Refused(Refusal::duplicate_key()),
             (None, _) if settings.key_requirement == KeyRequirement::Optional => {
@@ -118,10 +118,10 @@ where
     };
     let key = match key {
         Some(key) => key,
-        None => match settings.key_source.from_body(&parts, &body) {
+        None => match settings.key_source.read_body(&parts, &body) {
             Some(raw) => match parse_key(settings, &raw) {
                 Ok(key) => key,
-                Err(refusal) => return Intake::Refused(refusal),
+                Err(refusal) => return Intake::Refused(*refusal),
             },
             None if settings.key_requirement == KeyRequirement::Optional => {
                 return Intake::Skipped(Request::from_parts(parts, B::from(body)));
@@ -150,10 +150,10 @@ where
 }
 
 /// The key in `raw` (the header's rules, then the application's key rule), or the 400.
-fn parse_key(settings: &crate::config::Settings, raw: &[u8]) -> Result<IdempotencyKey, Refusal> {
+fn parse_key(settings: &crate::config::Settings, raw: &[u8]) -> Result<IdempotencyKey, Box<Refusal>> {
     let key = IdempotencyKey::parse_with_limit(raw, settings.max_key_len).map_err(|e| Refusal::invalid_key(&e))?;
     match settings.key_rule.as_ref().map(|rule| (rule.0)(key.as_str())) {
-        Some(Err(why)) => Err(Refusal::key_refused(why)),
+        Some(Err(why)) => Err(Box::new(Refusal::key_refused(why))),
         _ => Ok(key),
     }
 }
