@@ -626,10 +626,7 @@ async fn run_fault(cfg: &ChaosConfig, fault: Fault) -> Result<FaultRow, ChaosErr
             note.push_str(&format!(", then {n} more a second later"));
         }
         (Fault::Stall(_), StoreSide::Postgres(pg)) => {
-            let pids = pg.pids();
-            for &p in &pids {
-                signal(p, "STOP")?;
-            }
+            let pids = pg.stop()?;
             tokio::time::sleep(cfg.fault_for).await;
             for &p in &pids {
                 signal(p, "CONT")?;

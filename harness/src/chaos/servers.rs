@@ -393,6 +393,22 @@ impl PrivatePostgres {
         Ok(out.trim().parse().unwrap_or(0))
     }
 
+    /// Stops the whole server with SIGSTOP and returns the ids stopped (resume each with
+    /// SIGCONT). The postmaster is stopped first and its children are read after: a backend
+    /// it forked for a connection still being opened would otherwise keep serving queries.
+    ///
+    /// # Errors
+    /// [`ServerError`] when a signal cannot be sent.
+    pub fn stop(&self) -> Result<Vec<u32>, ServerError> {
+        let Some(&postmaster) = self.pids().first() else { return Ok(Vec::new()) };
+        signal(postmaster, "STOP")?;
+        let mut stopped = vec![postmaster];
+        // A child that exited in between (an autovacuum worker) serves nothing and is
+        // left out, so resuming the returned ids cannot fail on it.
+        stopped.extend(self.pids().into_iter().skip(1).filter(|&p| signal(p, "STOP").is_ok()));
+        Ok(stopped)
+    }
+
     /// The postmaster's id and its children's (backends, checkpointer, WAL writer...).
     #[must_use]
     pub fn pids(&self) -> Vec<u32> {
