@@ -1,0 +1,228 @@
+//! JetStream: the glue in process against the real server, and the run setup the
+//! killed-consumer test uses.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, consumer, stream};
+use futures::StreamExt as _;
+use idem_consumer::nats::{JetStream, KEY_HEADER, REASON_HEADER};
+use idem_consumer::{Acked, Config, Consumer, Redeliver, Settle};
+
+use super::killed::{Broker, postgres_url, run_id};
+
+pub(crate) struct Nats {
+    js: jetstream::Context,
+}
+
+impl Nats {
+    pub(crate) async fn connect() -> Self {
+        let url = std::env::var("IDEM_NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".to_owned());
+        let client = async_nats::connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("NATS at {url}: {e} (run scripts/services, or set IDEM_NATS_URL)"));
+        Self { js: jetstream::new(client) }
+    }
+}
+
+/// A stream `<prefix>` of subject `<prefix>.jobs`, a dead-letter stream `<prefix>_DEAD` of
+/// `<prefix>.dead`, and a durable pull consumer `workers`.
+pub(crate) struct NatsRun {
+    js: jetstream::Context,
+    prefix: String,
+    key_header: String,
+}
+
+impl NatsRun {
+    pub(crate) async fn create(nats: &Nats, prefix: &str, key_header: &str) -> Self {
+        let js = nats.js.clone();
+        for (name, subject) in [(prefix.to_owned(), "jobs"), (format!("{prefix}_DEAD"), "dead")] {
+            js.create_stream(stream::Config {
+                name,
+                subjects: vec![format!("{prefix}.{subject}")],
+                ..Default::default()
+            })
+            .await
+            .expect("create stream");
+        }
+        js.get_stream(prefix)
+            .await
+            .unwrap()
+            .create_consumer(consumer::pull::Config {
+                durable_name: Some("workers".to_owned()),
+                ack_policy: consumer::AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(3),
+                max_ack_pending: 64,
+                ..Default::default()
+            })
+            .await
+            .expect("create consumer");
+        Self { js, prefix: prefix.to_owned(), key_header: key_header.to_owned() }
+    }
+
+    pub(crate) async fn publish(&self, messages: &[(String, Vec<u8>)]) {
+        for (key, payload) in messages {
+            let mut headers = HeaderMap::new();
+            headers.insert(self.key_header.as_str(), key.as_str());
+            self.js
+                .publish_with_headers(format!("{}.jobs", self.prefix), headers, payload.clone().into())
+                .await
+                .unwrap()
+                .await
+                .expect("publish acked");
+        }
+    }
+
+    pub(crate) async fn delete(&self) {
+        let _ = self.js.delete_stream(&self.prefix).await;
+        let _ = self.js.delete_stream(format!("{}_DEAD", self.prefix)).await;
+    }
+
+    fn glue(&self, consumer: Consumer) -> JetStream {
+        JetStream::new(consumer, self.js.clone(), self.prefix.clone(), format!("{}.dead", self.prefix))
+            .with_key_header(self.key_header.clone())
+    }
+
+    async fn next(&self) -> jetstream::Message {
+        let pull: consumer::PullConsumer =
+            self.js.get_stream(&self.prefix).await.unwrap().get_consumer("workers").await.unwrap();
+        let mut batch = pull.fetch().max_messages(1).expires(Duration::from_secs(5)).messages().await.unwrap();
+        batch.next().await.expect("a message within 5 s").unwrap()
+    }
+}
+
+impl Broker for NatsRun {
+    async fn publish_one(&self, key: &str, payload: &[u8]) {
+        self.publish(&[(key.to_owned(), payload.to_vec())]).await;
+    }
+
+    fn worker(&self) -> (&'static str, Vec<String>) {
+        let args = ["--stream", &self.prefix, "--consumer", "workers", "--key-header", &self.key_header]
+            .into_iter()
+            .map(str::to_owned)
+            .chain(["--dead-letter".to_owned(), format!("{}.dead", self.prefix)])
+            .collect();
+        (env!("CARGO_BIN_EXE_nats-worker"), args)
+    }
+
+    fn source(&self) -> String {
+        self.prefix.clone()
+    }
+
+    async fn drained(&self) -> bool {
+        let mut pull: consumer::PullConsumer =
+            self.js.get_stream(&self.prefix).await.unwrap().get_consumer("workers").await.unwrap();
+        let info = pull.info().await.unwrap();
+        info.num_pending == 0 && info.num_ack_pending == 0
+    }
+
+    async fn dead_letters(&self) -> Vec<(String, String)> {
+        let dead = self.js.get_stream(format!("{}_DEAD", self.prefix)).await.unwrap();
+        let mut out = Vec::new();
+        let last = dead.get_info().await.unwrap().state.last_sequence;
+        for seq in 1..=last {
+            let msg = dead.get_raw_message(seq).await.unwrap();
+            let header = |name: &str| msg.headers.get(name).map(|v| v.as_str().to_owned()).unwrap_or_default();
+            out.push((header(KEY_HEADER), header(REASON_HEADER)));
+        }
+        out
+    }
+}
+
+async fn consumer(lease: Duration) -> Consumer {
+    let store = idem_example_consumers::store(&postgres_url()).await.expect("store");
+    Consumer::new(store, Config::default().with_lease_ttl(lease).with_retry_after(Duration::from_millis(100)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivered_and_a_republished_job_run_once_and_are_acked() {
+    let nats = Nats::connect().await;
+    let prefix = run_id();
+    let run = NatsRun::create(&nats, &prefix, "Nats-Msg-Id").await;
+    let glue = run.glue(consumer(Duration::from_secs(10)).await);
+    let runs = AtomicUsize::new(0);
+    let handler = |_| async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<(), String>(())
+    };
+    run.publish(&[("job-1".to_owned(), b"{\"job\":\"a\"}".to_vec())]).await;
+    // The first delivery is not settled (its ack "lost"): nak it so it comes back at once.
+    let first = run.next().await;
+    first.ack_with(jetstream::AckKind::Nak(None)).await.unwrap();
+    let again = run.next().await;
+    assert_eq!(again.info().unwrap().delivered, 2);
+    assert_eq!(glue.handle(&again, handler).await.unwrap(), Settle::Ack(Acked::Ran));
+    assert_eq!(glue.handle(&first, handler).await.unwrap(), Settle::Ack(Acked::AlreadyDone));
+    assert!(run.drained().await);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    run.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mismatch_and_a_keyless_job_are_dead_lettered_with_their_reason() {
+    let nats = Nats::connect().await;
+    let prefix = run_id();
+    let run = NatsRun::create(&nats, &prefix, "Idem-Key").await;
+    let glue = run.glue(consumer(Duration::from_secs(10)).await);
+    let ok = |_| async { Ok::<(), String>(()) };
+    run.publish(&[("k".to_owned(), b"one".to_vec()), ("k".to_owned(), b"two".to_vec())]).await;
+    run.js.publish(format!("{prefix}.jobs"), "no key".into()).await.unwrap().await.unwrap();
+    assert_eq!(glue.handle(&run.next().await, ok).await.unwrap(), Settle::Ack(Acked::Ran));
+    for code in ["mismatch", "missing-key"] {
+        let Settle::DeadLetter(reason) = glue.handle(&run.next().await, ok).await.unwrap() else { panic!() };
+        assert_eq!(reason.code(), code);
+    }
+    assert!(run.drained().await, "the dead-lettered messages were terminated");
+    let dead = run.dead_letters().await;
+    assert_eq!(dead, vec![("k".to_owned(), "mismatch".to_owned()), (String::new(), "missing-key".to_owned())]);
+    run.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_longer_than_ack_wait_is_kept_in_progress_and_its_duplicate_waits() {
+    // Without the progress acks JetStream would redeliver the message after ack_wait (3 s)
+    // to another consumer while the first still runs.
+    let nats = Nats::connect().await;
+    let prefix = run_id();
+    let run = NatsRun::create(&nats, &prefix, "Idem-Key").await;
+    let glue = Arc::new(run.glue(consumer(Duration::from_millis(1500)).await));
+    run.publish(&[("long".to_owned(), b"p".to_vec())]).await;
+    let msg = run.next().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = Arc::clone(&runs);
+    let long = glue.handle(&msg, |_| async move {
+        r.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        Ok::<(), String>(())
+    });
+    let redelivered = async {
+        let pull: consumer::PullConsumer =
+            run.js.get_stream(&prefix).await.unwrap().get_consumer("workers").await.unwrap();
+        let mut batch = pull.fetch().max_messages(1).expires(Duration::from_secs(4)).messages().await.unwrap();
+        batch.next().await.map(|m| m.unwrap())
+    };
+    let (settle, redelivered) = tokio::join!(long, redelivered);
+    assert_eq!(settle.unwrap(), Settle::Ack(Acked::Ran));
+    assert!(redelivered.is_none(), "JetStream redelivered a message still in progress");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // A duplicate published while another delivery holds the key is naked, not run.
+    run.publish(&[("held".to_owned(), b"p".to_vec()), ("held".to_owned(), b"p".to_vec())]).await;
+    let (a, b) = (run.next().await, run.next().await);
+    let slow = glue.handle(&a, |_| async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Ok::<(), String>(())
+    });
+    let dup = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        glue.handle(&b, |_| async { Ok::<(), String>(()) }).await
+    };
+    let (slow, dup) = tokio::join!(slow, dup);
+    assert_eq!(slow.unwrap(), Settle::Ack(Acked::Ran));
+    assert!(matches!(dup.unwrap(), Settle::Redeliver { why: Redeliver::InFlight, .. }));
+    let back = run.next().await;
+    assert_eq!(glue.handle(&back, |_| async { Ok::<(), String>(()) }).await.unwrap(), Settle::Ack(Acked::AlreadyDone));
+    run.delete().await;
+}
