@@ -32,7 +32,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, Confirmation};
 
-use crate::{Consumer, Delivery, Settle};
+use crate::{Consumer, DeadLetter, Delivery, Settle};
 
 /// The dead letter's header naming why ([`crate::DeadLetter::code`]).
 pub const REASON_HEADER: &str = "x-idem-dead-letter-reason";
@@ -50,8 +50,9 @@ pub enum Error {
     /// A channel operation failed (ack, nack, declare, confirm mode).
     #[error("AMQP channel: {0}")]
     Channel(#[from] lapin::Error),
-    /// The broker refused the dead letter (`basic.nack` on the publish).
-    #[error("the broker did not confirm the dead letter to queue {0}")]
+    /// The broker refused the dead letter (`basic.nack` on the publish), or it reached no
+    /// queue (returned as unroutable).
+    #[error("the broker did not store the dead letter in queue {0}")]
     DeadLetterRefused(String),
 }
 
@@ -111,7 +112,9 @@ impl Amqp {
         E: fmt::Display,
     {
         let key = delivery.properties.message_id().as_ref().map(|id| id.as_str().as_bytes());
-        let d = Delivery::new(queue, &self.principal, key, &delivery.data).with_attempt(attempt(delivery));
+        let d = Delivery::new(queue, &self.principal, key, &delivery.data)
+            .with_subject(delivery.routing_key.as_str())
+            .with_attempt(attempt(delivery));
         // RabbitMQ has no "in progress" signal: its consumer timeout is documented instead.
         let settle = self.consumer.process(d, || async {}, handler).await;
         match &settle {
@@ -123,30 +126,43 @@ impl Amqp {
                 delivery.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await?;
             }
             Settle::DeadLetter(reason) => {
-                let mut headers = delivery.properties.headers().clone().unwrap_or_default();
-                let text = |s: &str| AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()));
-                headers.insert(ShortString::from(REASON_HEADER), text(reason.code()));
-                headers.insert(ShortString::from(DETAIL_HEADER), text(&reason.to_string()));
-                headers.insert(ShortString::from(SOURCE_HEADER), text(queue));
-                let properties = delivery.properties.clone().with_headers(headers).with_delivery_mode(2);
-                let confirm = self
-                    .channel
-                    .basic_publish(
-                        ShortString::from(""),
-                        self.dead_letter_queue.as_str().into(),
-                        BasicPublishOptions::default(),
-                        &delivery.data,
-                        properties,
-                    )
-                    .await?
-                    .await?;
-                if !matches!(confirm, Confirmation::Ack(_)) {
-                    return Err(Error::DeadLetterRefused(self.dead_letter_queue.clone()));
+                if let Err(e) = self.dead_letter(queue, delivery, reason).await {
+                    // Not left unacked on a live channel (it would hold a prefetch slot
+                    // for good): back to the queue after the usual delay.
+                    tokio::time::sleep(self.consumer.config().retry_after()).await;
+                    delivery.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await?;
+                    return Err(e);
                 }
                 delivery.ack(BasicAckOptions::default()).await?;
             }
         }
         Ok(settle)
+    }
+
+    /// Publishes the dead letter, mandatory and confirmed: only a publish the broker
+    /// stored in a queue counts (an unroutable one comes back with the confirm).
+    async fn dead_letter(&self, queue: &str, delivery: &AmqpDelivery, reason: &DeadLetter) -> Result<(), Error> {
+        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+        let text = |s: &str| AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()));
+        headers.insert(ShortString::from(REASON_HEADER), text(reason.code()));
+        headers.insert(ShortString::from(DETAIL_HEADER), text(&reason.to_string()));
+        headers.insert(ShortString::from(SOURCE_HEADER), text(queue));
+        let properties = delivery.properties.clone().with_headers(headers).with_delivery_mode(2);
+        let confirm = self
+            .channel
+            .basic_publish(
+                ShortString::from(""),
+                self.dead_letter_queue.as_str().into(),
+                BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() },
+                &delivery.data,
+                properties,
+            )
+            .await?
+            .await?;
+        match confirm {
+            Confirmation::Ack(None) => Ok(()),
+            _ => Err(Error::DeadLetterRefused(self.dead_letter_queue.clone())),
+        }
     }
 }
 

@@ -11,16 +11,21 @@ pub mod amqp;
 #[cfg(feature = "nats")]
 pub mod nats;
 
+use std::any::Any;
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use futures::FutureExt as _;
+use idem_core::key::DEFAULT_MAX_KEY_LEN;
 use idem_core::{
-    ClaimOutcome, ClaimRequest, Decision, Endpoint, Fingerprint, IdempotencyKey, KeyError, LeaseWatch, ReclaimOutcome,
-    ReclaimRequest, Record, RequestParts, Resumable, Scope, ScopeError, Store, StoreError, StoredResponse, decide,
+    ClaimOutcome, ClaimRequest, Decision, Endpoint, FencingToken, Fingerprint, IdempotencyKey, KeyError, LeaseWatch,
+    ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, RequestParts, Resumable, Scope, ScopeError, Store,
+    StoreError, StoredResponse, decide,
 };
 use tokio::time::Instant;
 
@@ -34,6 +39,7 @@ pub struct Delivery<'a> {
     source: &'a str,
     principal: &'a str,
     key: Option<&'a [u8]>,
+    subject: Option<&'a str>,
     payload: &'a [u8],
     attempt: u32,
 }
@@ -43,14 +49,27 @@ impl<'a> Delivery<'a> {
     /// by `principal` (the tenant or producer the consumer trusts it to come from), with
     /// idempotency key `key` (a header or field; `None` when the message has none) and
     /// `payload` (fingerprinted byte for byte).
+    ///
+    /// The key is taken as it is: visible ASCII (0x21-0x7E), 1 to 255 bytes. Unlike an
+    /// HTTP header value it is neither trimmed nor unquoted, so ` job-1` and `"job-1"` are
+    /// refused rather than folded into `job-1`.
     #[must_use]
     pub fn new(source: &'a str, principal: &'a str, key: Option<&'a [u8]>, payload: &'a [u8]) -> Self {
-        Self { source, principal, key, payload, attempt: 1 }
+        Self { source, principal, key, subject: None, payload, attempt: 1 }
+    }
+
+    /// The subject or routing key the message was published to, fingerprinted with the
+    /// payload: the same key on `jobs.create` and on `jobs.delete` is a mismatch, not a
+    /// replay.
+    #[must_use]
+    pub fn with_subject(mut self, subject: &'a str) -> Self {
+        self.subject = Some(subject);
+        self
     }
 
     /// The broker's count of deliveries of this message, this one included (JetStream's
-    /// `delivered`, RabbitMQ's `x-delivery-count`); 1 when unknown. A failing handler is
-    /// dead-lettered on the delivery [`Config::with_max_failures`] names.
+    /// `delivered`, RabbitMQ's `x-delivery-count`); 1 when unknown. Used to count handler
+    /// failures only on a store without a journal ([`Config::with_max_failures`]).
     #[must_use]
     pub fn with_attempt(mut self, attempt: u32) -> Self {
         self.attempt = attempt.max(1);
@@ -90,8 +109,9 @@ pub enum Redeliver {
     /// Another delivery of the same key holds a live lease (a consumer still working on
     /// it, or one that died and whose lease has not run out).
     InFlight,
-    /// The handler returned an error (the record is marked failed: the next delivery
-    /// takes it over and runs the handler again).
+    /// The handler returned an error or panicked. The record is marked failed, and the
+    /// next delivery takes it over and runs the handler again (if the store refused the
+    /// mark, after the lease runs out).
     HandlerFailed,
     /// The store did not answer; nothing ran without a claim.
     StoreUnavailable,
@@ -117,11 +137,11 @@ pub enum DeadLetter {
     /// different job under a key that is already spent.
     #[error("the key was first used with a different payload")]
     Mismatch,
-    /// The handler failed on `attempts` deliveries in a row; the last error is kept.
-    #[error("the handler failed on {attempts} deliveries; last error: {error}")]
+    /// The handler failed `failures` times for this key ([`Config::with_max_failures`]).
+    #[error("the handler failed {failures} times; last error: {error}")]
     HandlerFailed {
-        /// The delivery count when the consumer gave up.
-        attempts: u32,
+        /// The failures counted.
+        failures: u32,
         /// The last error, as displayed.
         error: String,
     },
@@ -150,6 +170,7 @@ pub struct Config {
     retry_after: Duration,
     max_in_flight_wait: Duration,
     max_failures: u32,
+    store_timeout: Duration,
 }
 
 impl Default for Config {
@@ -160,11 +181,18 @@ impl Default for Config {
             retry_after: Duration::from_secs(1),
             max_in_flight_wait: Duration::from_secs(30),
             max_failures: 5,
+            store_timeout: Duration::from_secs(5),
         }
     }
 }
 
 impl Config {
+    /// The delay before a delivery whose handler failed, or whose store was down, comes back.
+    #[must_use]
+    pub fn retry_after(&self) -> Duration {
+        self.retry_after
+    }
+
     /// How long a claim holds the key without renewal (default 30 s). The engine renews it
     /// every third of this while the handler runs, and a consumer that dies leaves the key
     /// to the next delivery after at most this long.
@@ -199,11 +227,24 @@ impl Config {
         self
     }
 
-    /// On which delivery a failing handler is dead-lettered instead of redelivered
-    /// (default 5; needs the broker's delivery count, [`Delivery::with_attempt`]).
+    /// After how many handler failures of one key its message is dead-lettered instead of
+    /// redelivered (default 5). The failures are counted in the record's journal, so
+    /// redeliveries for other reasons (a key in flight, a store outage) do not count; on a
+    /// store without a journal the broker's delivery count stands in
+    /// ([`Delivery::with_attempt`]). A later delivery of a key that reached the limit is
+    /// dead-lettered without running.
     #[must_use]
-    pub fn with_max_failures(mut self, deliveries: u32) -> Self {
-        self.max_failures = deliveries.max(1);
+    pub fn with_max_failures(mut self, failures: u32) -> Self {
+        self.max_failures = failures.max(1);
+        self
+    }
+
+    /// How long one store call may take before it counts as a store outage (default 5 s):
+    /// before the claim the message is redelivered, after the handler the completion is
+    /// retried while the lease lasts.
+    #[must_use]
+    pub fn with_store_timeout(mut self, timeout: Duration) -> Self {
+        self.store_timeout = timeout;
         self
     }
 }
@@ -229,6 +270,74 @@ impl LeaseWatch for Watch {
 /// How many times a claim is decided again after a reclaim lost a race.
 const DECIDE_ROUNDS: usize = 3;
 
+/// The journal entry counting a key's handler failures: `"{count}\n{last error}"`.
+const FAILURES: &str = "idem-consumer:failures";
+/// The longest error text kept in the journal and in a dead letter.
+const MAX_ERROR_LEN: usize = 1024;
+
+/// How the handler's part of an attempt ended.
+enum Finished {
+    Settled(Settle),
+    LeaseLost,
+}
+
+/// Parses a message's key as given: no trimming, no unquoting (see [`Delivery::new`]).
+fn message_key(raw: &[u8]) -> Result<IdempotencyKey, KeyError> {
+    if raw.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if raw.len() > DEFAULT_MAX_KEY_LEN {
+        return Err(KeyError::TooLong { len: raw.len(), max: DEFAULT_MAX_KEY_LEN });
+    }
+    if let Some(offset) = raw.iter().position(|b| !(0x21..=0x7E).contains(b)) {
+        return Err(KeyError::InvalidByte { byte: raw[offset], offset });
+    }
+    if raw[0] == b'"' {
+        return Err(KeyError::MalformedString);
+    }
+    // Visible ASCII, checked above, is valid UTF-8.
+    std::str::from_utf8(raw).ok().and_then(IdempotencyKey::from_stored).ok_or(KeyError::MalformedString)
+}
+
+/// `text` cut to at most `MAX_ERROR_LEN` bytes, on a character boundary.
+fn bounded(mut text: String) -> String {
+    if text.len() > MAX_ERROR_LEN {
+        let mut end = MAX_ERROR_LEN;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+    text
+}
+
+fn panic_message(panic: &(dyn Any + Send)) -> String {
+    let what =
+        panic.downcast_ref::<&str>().map(|s| (*s).to_owned()).or_else(|| panic.downcast_ref::<String>().cloned());
+    format!("the handler panicked: {}", what.as_deref().unwrap_or("(no message)"))
+}
+
+/// Marks the record failed if the attempt is dropped before it settled (a shutdown that
+/// stops `process` mid-handler), so the next delivery need not wait out the lease.
+struct FailOnDrop {
+    store: Arc<dyn Store>,
+    id: RecordId,
+    token: FencingToken,
+    armed: bool,
+}
+
+impl Drop for FailOnDrop {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (store, id, token) = (Arc::clone(&self.store), self.id, self.token);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { drop(store.fail(id, token).await) });
+        }
+    }
+}
+
 impl Consumer {
     /// An engine on `store`.
     #[must_use]
@@ -242,24 +351,50 @@ impl Consumer {
         &self.store
     }
 
+    /// The settings.
+    #[must_use]
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// A store call under the store timeout; a timeout is a retryable outage.
+    async fn call<T>(
+        &self,
+        what: &'static str,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.config.store_timeout, call).await {
+            Ok(result) => result,
+            Err(_) => {
+                Err(StoreError::unavailable("idem-consumer", format!("{what}: no answer in time"), true, "timed out"))
+            }
+        }
+    }
+
     /// Processes one delivery: never runs `handler` without holding the key's claim, and
     /// never for a key already completed.
     ///
     /// - A new key (or a failed one, or one whose lease ran out): claims it and runs
     ///   `handler` with a [`Resumable`] for its side effects (steps and intents keyed by
     ///   sub-keys, so a run after a crash converges instead of repeating them). While it
-    ///   runs, the lease is renewed every third of its length and `keep_alive` is called
-    ///   after each renewal (JetStream's `in_progress`, keeping the broker's ack deadline
-    ///   in step). `Ok` completes the record ([`Settle::Ack`]); `Err` marks it failed
-    ///   ([`Settle::Redeliver`], or [`DeadLetter::HandlerFailed`] on the last delivery).
+    ///   runs, and while its completion is written, the lease is renewed every third of
+    ///   its length and `keep_alive` is called after each renewal (JetStream's
+    ///   `in_progress`, keeping the broker's ack deadline in step). `Ok` completes the
+    ///   record ([`Settle::Ack`]); `Err` or a panic marks it failed
+    ///   ([`Redeliver::HandlerFailed`], or [`DeadLetter::HandlerFailed`] at the limit).
     /// - A completed key with the same payload: [`Acked::AlreadyDone`], handler not run.
-    /// - A key in flight elsewhere: [`Redeliver::InFlight`] after the time left on its lease.
-    /// - A key first used with another payload, or no valid key: [`Settle::DeadLetter`].
-    /// - A store error before the claim: [`Redeliver::StoreUnavailable`]; nothing ran.
+    /// - A key in flight elsewhere: [`Redeliver::InFlight`] after the time left on its
+    ///   lease, in whole seconds, at least 1 s and at most `max_in_flight_wait`.
+    /// - A key first used with another payload (or subject), or no valid key:
+    ///   [`Settle::DeadLetter`].
+    /// - A store error or timeout before the claim: [`Redeliver::StoreUnavailable`];
+    ///   nothing ran.
     ///
-    /// If the lease is lost while the handler runs (another delivery took the key over
-    /// after renewals failed), the handler is dropped at its next await point and the
-    /// message redelivered: the new owner's result stands.
+    /// If the lease is lost while the handler runs (a renewal refused, or no renewal got
+    /// through before the lease ran out, so another delivery may take the key over), the
+    /// handler is dropped at its next await point and the message redelivered: the new
+    /// owner's result stands. If this future is dropped mid-handler, the record is marked
+    /// failed in the background.
     pub async fn process<F, Fut, E, K, KFut>(&self, delivery: Delivery<'_>, keep_alive: K, handler: F) -> Settle
     where
         F: FnOnce(Resumable) -> Fut,
@@ -269,7 +404,7 @@ impl Consumer {
         KFut: Future<Output = ()>,
     {
         let Some(raw_key) = delivery.key else { return Settle::DeadLetter(DeadLetter::MissingKey) };
-        let key = match IdempotencyKey::parse(raw_key) {
+        let key = match message_key(raw_key) {
             Ok(key) => key,
             Err(e) => return Settle::DeadLetter(DeadLetter::InvalidKey(e)),
         };
@@ -280,7 +415,7 @@ impl Consumer {
         let fingerprint = Fingerprint::of(&RequestParts {
             method: METHOD,
             path: delivery.source,
-            query: None,
+            query: delivery.subject,
             headers: &[],
             body: delivery.payload,
         });
@@ -291,7 +426,7 @@ impl Consumer {
             tracing::warn!(record = %id, error = %e, "store unavailable; the message is redelivered");
             Settle::Redeliver { after: c.retry_after, why: Redeliver::StoreUnavailable }
         };
-        let (mut record, mut now) = match self.store.claim(req).await {
+        let (mut record, mut now) = match self.call("claim", self.store.claim(req)).await {
             Ok(ClaimOutcome::Claimed(record)) => return self.run(record, delivery.attempt, keep_alive, handler).await,
             Ok(ClaimOutcome::Existing { record, now }) => (Some(record), now),
             Err(e) => return store_down(e),
@@ -307,9 +442,15 @@ impl Consumer {
                 // The record expired between the claim and now: the next delivery claims it.
                 Decision::Claim => return Settle::Redeliver { after: Duration::ZERO, why: Redeliver::InFlight },
                 Decision::Reclaim { expected } => {
+                    if record.as_ref().is_some_and(|r| r.state == RecordState::Failed)
+                        && let Some((failures, error)) = self.failures(id).await
+                        && failures >= c.max_failures
+                    {
+                        return Settle::DeadLetter(DeadLetter::HandlerFailed { failures, error });
+                    }
                     let req =
                         ReclaimRequest { id, expected, fingerprint, lease_ttl: c.lease_ttl, retention: c.retention };
-                    match self.store.reclaim(req).await {
+                    match self.call("reclaim", self.store.reclaim(req)).await {
                         Ok(ReclaimOutcome::Reclaimed(record)) => {
                             return self.run(record, delivery.attempt, keep_alive, handler).await;
                         }
@@ -322,6 +463,14 @@ impl Consumer {
         Settle::Redeliver { after: c.retry_after, why: Redeliver::InFlight }
     }
 
+    /// The key's failure count and last error, from its journal; `None` without one.
+    async fn failures(&self, id: RecordId) -> Option<(u32, String)> {
+        let bytes = self.call("journal_get", self.store.journal_get(id, FAILURES)).await.ok()??;
+        let text = String::from_utf8_lossy(&bytes);
+        let (count, error) = text.split_once('\n').unwrap_or((&text, ""));
+        Some((count.parse().ok()?, error.to_owned()))
+    }
+
     /// Runs the handler on a claimed `record` and settles it.
     async fn run<F, Fut, E, K, KFut>(&self, record: Record, attempt: u32, keep_alive: K, handler: F) -> Settle
     where
@@ -331,54 +480,83 @@ impl Consumer {
         K: Fn() -> KFut,
         KFut: Future<Output = ()>,
     {
-        let (id, token, c) = (record.id, record.token, &self.config);
+        let (id, token) = (record.id, record.token);
+        let mut guard = FailOnDrop { store: Arc::clone(&self.store), id, token, armed: true };
         let watch = Arc::new(Watch::default());
         let resumable = Resumable::new(Arc::clone(&self.store), id, token, record.created_at)
             .with_lease_watch(Arc::clone(&watch) as Arc<dyn LeaseWatch>);
         let claimed_at = Instant::now();
-        let outcome = {
-            let mut work = pin!(handler(resumable));
-            let mut renewal = pin!(self.renew(&record, claimed_at, &watch, &keep_alive));
+        // Milliseconds from `claimed_at` to the lease's end as the last renewal left it.
+        let lease_end = AtomicU64::new(u64::try_from(self.config.lease_ttl.as_millis()).unwrap_or(u64::MAX));
+        let finished = {
+            let attempt_done = async {
+                let outcome = AssertUnwindSafe(handler(resumable)).catch_unwind().await;
+                match outcome {
+                    Ok(Ok(())) => self.complete(id, token, claimed_at, &lease_end).await,
+                    Ok(Err(error)) => self.failed(id, token, attempt, bounded(error.to_string())).await,
+                    Err(panic) => self.failed(id, token, attempt, bounded(panic_message(panic.as_ref()))).await,
+                }
+            };
+            let mut attempt_done = pin!(attempt_done);
+            let mut renewal = pin!(self.renew(id, token, claimed_at, &lease_end, &watch, &keep_alive));
             tokio::select! {
                 biased;
-                outcome = &mut work => Some(outcome),
-                () = &mut renewal => None,
+                settle = &mut attempt_done => Finished::Settled(settle),
+                () = &mut renewal => Finished::LeaseLost,
             }
         };
-        let Some(outcome) = outcome else {
-            return Settle::Redeliver { after: c.retry_after, why: Redeliver::LeaseLost };
-        };
-        match outcome {
-            Ok(()) => self.complete(&record, claimed_at).await,
-            Err(error) => {
-                tracing::info!(record = %id, token = %token, %error, attempt, "handler failed");
-                // A refused or failed `fail` leaves the record in flight: the next delivery
-                // after the lease takes it over, as after a crash.
-                if let Err(e) = self.store.fail(id, token).await {
-                    tracing::warn!(record = %id, error = %e, "marking the record failed did not apply");
-                }
-                if attempt >= c.max_failures {
-                    Settle::DeadLetter(DeadLetter::HandlerFailed { attempts: attempt, error: error.to_string() })
-                } else {
-                    Settle::Redeliver { after: c.retry_after, why: Redeliver::HandlerFailed }
-                }
-            }
+        guard.armed = false;
+        match finished {
+            Finished::Settled(settle) => settle,
+            Finished::LeaseLost => Settle::Redeliver { after: self.config.retry_after, why: Redeliver::LeaseLost },
         }
     }
 
-    /// Stores the completion, retrying a transient error while the lease lasts.
-    async fn complete(&self, record: &Record, claimed_at: Instant) -> Settle {
-        let (id, token, c) = (record.id, record.token, &self.config);
-        let lease_end = claimed_at + c.lease_ttl;
+    /// Counts the failure in the journal, marks the record failed, and says whether the
+    /// message goes back or to the dead letters.
+    async fn failed(&self, id: RecordId, token: FencingToken, attempt: u32, error: String) -> Settle {
+        let c = &self.config;
+        tracing::info!(record = %id, token = %token, %error, "handler failed");
+        let failures = match self.failures(id).await {
+            Some((n, _)) => n.saturating_add(1),
+            None if !self.store.capabilities().journal => attempt,
+            None => 1,
+        };
+        if self.store.capabilities().journal {
+            let entry = format!("{failures}\n{error}").into_bytes();
+            if let Err(e) = self.call("journal_put", self.store.journal_put(id, token, FAILURES, entry, true)).await {
+                tracing::warn!(record = %id, error = %e, "counting the failure did not apply");
+            }
+        }
+        // A refused or failed `fail` leaves the record in flight: the next delivery after
+        // the lease takes it over, as after a crash.
+        if let Err(e) = self.call("fail", self.store.fail(id, token)).await {
+            tracing::warn!(record = %id, error = %e, "marking the record failed did not apply");
+        }
+        if failures >= c.max_failures {
+            Settle::DeadLetter(DeadLetter::HandlerFailed { failures, error })
+        } else {
+            Settle::Redeliver { after: c.retry_after, why: Redeliver::HandlerFailed }
+        }
+    }
+
+    /// Stores the completion, retrying a transient error while the lease lasts (the
+    /// renewal goes on meanwhile and moves `lease_end`).
+    async fn complete(&self, id: RecordId, token: FencingToken, claimed_at: Instant, lease_end: &AtomicU64) -> Settle {
+        let c = &self.config;
         let mut pause = Duration::from_millis(20);
         loop {
-            match self.store.complete(id, token, StoredResponse::new(200, Vec::new(), Vec::new())).await {
+            let done = self.store.complete(id, token, StoredResponse::new(200, Vec::new(), Vec::new()));
+            match self.call("complete", done).await {
                 Ok(_) => return Settle::Ack(Acked::Ran),
                 Err(e) if e.is_lease_lost() => {
                     tracing::warn!(record = %id, token = %token, "lease lost before completing; redelivered");
                     return Settle::Redeliver { after: c.retry_after, why: Redeliver::LeaseLost };
                 }
-                Err(e) if Instant::now() + pause < lease_end => {
+                Err(e)
+                    if Instant::now() + pause
+                        < claimed_at + Duration::from_millis(lease_end.load(Ordering::Acquire)) =>
+                {
                     tracing::debug!(record = %id, error = %e, "complete failed; retrying");
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_secs(1));
@@ -394,34 +572,46 @@ impl Consumer {
     }
 
     /// Renews the lease every third of its length and calls `keep_alive` after each
-    /// renewal; returns only when the lease is lost (set in `watch`).
-    async fn renew<K, KFut>(&self, record: &Record, claimed_at: Instant, watch: &Watch, keep_alive: &K)
-    where
+    /// renewal; returns only when the lease is lost (set in `watch`): a renewal refused,
+    /// or the lease's end reached with no renewal through, after which another delivery
+    /// may take the key over.
+    async fn renew<K, KFut>(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        claimed_at: Instant,
+        lease_end: &AtomicU64,
+        watch: &Watch,
+        keep_alive: &K,
+    ) where
         K: Fn() -> KFut,
         KFut: Future<Output = ()>,
     {
         let ttl = self.config.lease_ttl;
         let interval = ttl / 3;
-        let mut lease_end = claimed_at + ttl;
         loop {
             tokio::time::sleep(interval).await;
             let sent = Instant::now();
-            let limit = lease_end.saturating_duration_since(sent).max(interval);
-            match tokio::time::timeout(limit, self.store.extend(record.id, record.token, ttl)).await {
+            let end = claimed_at + Duration::from_millis(lease_end.load(Ordering::Acquire));
+            if sent >= end {
+                tracing::warn!(record = %id, token = %token, "no renewal got through before the lease ran out");
+                break;
+            }
+            match tokio::time::timeout(end - sent, self.store.extend(id, token, ttl)).await {
                 Ok(Ok(_)) => {
-                    lease_end = sent + ttl;
+                    let end = (sent - claimed_at) + ttl;
+                    lease_end.store(u64::try_from(end.as_millis()).unwrap_or(u64::MAX), Ordering::Release);
                     keep_alive().await;
                 }
                 Ok(Err(e)) if e.is_lease_lost() => {
-                    tracing::warn!(record = %record.id, token = %record.token, "lease lost; stopping the handler");
-                    watch.0.store(true, Ordering::Release);
-                    return;
+                    tracing::warn!(record = %id, token = %token, "lease lost; stopping the handler");
+                    break;
                 }
-                // A blip: try again at the next interval. The store still extends a lease
-                // that ran out until someone reclaims it, and then says so.
-                Ok(Err(e)) => tracing::debug!(record = %record.id, error = %e, "lease renewal failed"),
-                Err(_) => tracing::debug!(record = %record.id, "lease renewal timed out"),
+                // A blip: the next interval tries again, until the lease's end.
+                Ok(Err(e)) => tracing::debug!(record = %id, error = %e, "lease renewal failed"),
+                Err(_) => tracing::debug!(record = %id, "lease renewal timed out"),
             }
         }
+        watch.0.store(true, Ordering::Release);
     }
 }

@@ -25,11 +25,14 @@
 use std::fmt;
 use std::future::Future;
 
+use std::time::Duration;
+
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, AckKind};
+use bytes::Bytes;
 use idem_core::Resumable;
 
-use crate::{Consumer, Delivery, Settle};
+use crate::{Consumer, DeadLetter, Delivery, Settle};
 
 /// The header a JetStream message's key is read from unless [`JetStream::with_key_header`]
 /// names another: the one JetStream's own publish deduplication uses.
@@ -41,8 +44,15 @@ pub const DETAIL_HEADER: &str = "Idem-Dead-Letter-Detail";
 /// The dead letter's header carrying the original key (never `Nats-Msg-Id`, which the
 /// dead-letter stream would deduplicate on).
 pub const KEY_HEADER: &str = "Idem-Key";
-/// The dead letter's header naming the stream the message came from.
+/// The dead letter's header naming the stream and consumer the message came from
+/// (`{stream}/{consumer}`).
 pub const SOURCE_HEADER: &str = "Idem-Source";
+/// The dead letter's header with the original's stream sequence (to fetch it from the
+/// stream when the dead letter could not carry its payload).
+pub const SEQUENCE_HEADER: &str = "Idem-Source-Sequence";
+/// The dead letter's header present when its payload was left out (over the server's
+/// `max_payload` with the headers added).
+pub const OMITTED_HEADER: &str = "Idem-Payload-Omitted";
 
 /// Why a JetStream message could not be settled; the message stays unacknowledged, so
 /// JetStream delivers it again after the consumer's `ack_wait`.
@@ -72,6 +82,7 @@ pub struct JetStream {
     principal: String,
     key_header: String,
     dead_letter_subject: String,
+    max_deliver: Option<i64>,
 }
 
 impl fmt::Debug for JetStream {
@@ -81,6 +92,7 @@ impl fmt::Debug for JetStream {
             .field("principal", &self.principal)
             .field("key_header", &self.key_header)
             .field("dead_letter_subject", &self.dead_letter_subject)
+            .field("max_deliver", &self.max_deliver)
             .finish_non_exhaustive()
     }
 }
@@ -101,7 +113,19 @@ impl JetStream {
             principal: principal.into(),
             key_header: MSG_ID.to_owned(),
             dead_letter_subject: dead_letter_subject.into(),
+            max_deliver: None,
         }
+    }
+
+    /// The JetStream consumer's `max_deliver`, when it has one (the default, -1, has
+    /// none). On the last delivery JetStream allows, a message that would be redelivered
+    /// (its key in flight elsewhere, the store down, the handler failed below the limit) is
+    /// held and processed again in place, with progress acks, instead of `NAK`ed: a `NAK`
+    /// there would make JetStream drop it.
+    #[must_use]
+    pub fn with_max_deliver(mut self, max_deliver: i64) -> Self {
+        self.max_deliver = (max_deliver > 0).then_some(max_deliver);
+        self
     }
 
     /// Reads the key from header `name` instead of `Nats-Msg-Id`.
@@ -117,45 +141,105 @@ impl JetStream {
     /// then `+TERM` for [`Settle::DeadLetter`]. While the handler runs, each lease renewal
     /// also sends `+WPI`, resetting the consumer's `ack_wait`.
     ///
+    /// The scope's source is `{stream}/{consumer}`, so two consumers of one stream (two
+    /// services fanning out) keep separate records; the subject is fingerprinted with the
+    /// payload. `handler` may be called more than once on the last delivery
+    /// ([`JetStream::with_max_deliver`]), never concurrently and never for a completed key.
+    ///
     /// # Errors
     /// [`Error`] when the message cannot be settled; it is then left unacknowledged and
     /// comes back after `ack_wait`, where the record decides again.
     pub async fn handle<F, Fut, E>(&self, msg: &jetstream::Message, handler: F) -> Result<Settle, Error>
     where
-        F: FnOnce(Resumable) -> Fut,
+        F: Fn(Resumable) -> Fut,
         Fut: Future<Output = Result<(), E>>,
         E: fmt::Display,
     {
         let info = msg.info().map_err(Error::NotJetStream)?;
+        let source = format!("{}/{}", info.stream, info.consumer);
         let key = msg.headers.as_ref().and_then(|h| h.get(self.key_header.as_str())).map(|v| v.as_str().as_bytes());
-        let delivery = Delivery::new(info.stream, &self.principal, key, &msg.payload)
+        let delivery = Delivery::new(&source, &self.principal, key, &msg.payload)
+            .with_subject(msg.subject.as_str())
             .with_attempt(u32::try_from(info.delivered).unwrap_or(u32::MAX));
-        let keep_alive = || async {
+        let progress = || async {
             // A lost progress ack only shortens the broker's deadline; the lease decides.
             let _ = msg.ack_with(AckKind::Progress).await;
         };
-        let settle = self.consumer.process(delivery, keep_alive, handler).await;
+        let last = self.max_deliver.is_some_and(|max| info.delivered >= max);
+        let settle = loop {
+            let settle = self.consumer.process(delivery, progress, &handler).await;
+            match settle {
+                Settle::Redeliver { after, why } if last => {
+                    tracing::debug!(?why, ?after, "last delivery JetStream allows: held and processed again");
+                    hold(after, &progress).await;
+                }
+                settle => break settle,
+            }
+        };
         match &settle {
             Settle::Ack(_) => msg.double_ack().await.map_err(Error::Settle)?,
             Settle::Redeliver { after, .. } => msg.ack_with(AckKind::Nak(Some(*after))).await.map_err(Error::Settle)?,
             Settle::DeadLetter(reason) => {
-                let mut headers = HeaderMap::new();
-                headers.insert(REASON_HEADER, reason.code());
-                headers.insert(DETAIL_HEADER, reason.to_string().as_str());
-                headers.insert(SOURCE_HEADER, info.stream);
-                if let Some(key) = msg.headers.as_ref().and_then(|h| h.get(self.key_header.as_str())) {
-                    headers.insert(KEY_HEADER, key.as_str());
+                if let Err(e) = self.dead_letter(msg, &info, &source, reason).await {
+                    // Back after the usual delay rather than after `ack_wait`.
+                    let _ = msg.ack_with(AckKind::Nak(Some(self.consumer.config().retry_after()))).await;
+                    return Err(e);
                 }
-                let failed = |source| Error::DeadLetter { subject: self.dead_letter_subject.clone(), source };
-                self.context
-                    .publish_with_headers(self.dead_letter_subject.clone(), headers, msg.payload.clone())
-                    .await
-                    .map_err(|e| failed(e.into()))?
-                    .await
-                    .map_err(|e| failed(e.into()))?;
                 msg.ack_with(AckKind::Term).await.map_err(Error::Settle)?;
             }
         }
         Ok(settle)
+    }
+
+    /// Publishes the dead letter, with the payload if it fits and without it otherwise.
+    /// Its `Nats-Msg-Id` names the original message, so the dead-letter stream keeps one
+    /// copy when a consumer dies between this publish and the `+TERM` and a redelivery
+    /// publishes it again (within the stream's duplicate window).
+    async fn dead_letter(
+        &self,
+        msg: &jetstream::Message,
+        info: &jetstream::message::Info<'_>,
+        source: &str,
+        reason: &DeadLetter,
+    ) -> Result<(), Error> {
+        let mut headers = HeaderMap::new();
+        headers.insert(MSG_ID, format!("idem-dead-letter:{source}:{}", info.stream_sequence).as_str());
+        headers.insert(REASON_HEADER, reason.code());
+        headers.insert(DETAIL_HEADER, reason.to_string().as_str());
+        headers.insert(SOURCE_HEADER, source);
+        headers.insert(SEQUENCE_HEADER, info.stream_sequence.to_string().as_str());
+        if let Some(key) = msg.headers.as_ref().and_then(|h| h.get(self.key_header.as_str())) {
+            headers.insert(KEY_HEADER, key.as_str());
+        }
+        let failed = |source| Error::DeadLetter { subject: self.dead_letter_subject.clone(), source };
+        let with_payload = self.publish(headers.clone(), msg.payload.clone()).await;
+        let Err(first) = with_payload else { return Ok(()) };
+        tracing::warn!(error = %first, "dead letter with its payload not stored; trying without the payload");
+        headers.insert(OMITTED_HEADER, "true");
+        self.publish(headers, Bytes::new()).await.map_err(failed)
+    }
+
+    async fn publish(&self, headers: HeaderMap, payload: Bytes) -> Result<(), async_nats::Error> {
+        let subject = self.dead_letter_subject.clone();
+        self.context.publish_with_headers(subject, headers, payload).await?.await?;
+        Ok(())
+    }
+}
+
+/// Waits `after`, sending a progress ack at least every second so JetStream keeps the
+/// message with this consumer.
+async fn hold<K, KFut>(after: Duration, progress: &K)
+where
+    K: Fn() -> KFut,
+    KFut: Future<Output = ()>,
+{
+    let until = tokio::time::Instant::now() + after.max(Duration::from_millis(50));
+    loop {
+        let now = tokio::time::Instant::now();
+        if now >= until {
+            return;
+        }
+        tokio::time::sleep((until - now).min(Duration::from_secs(1))).await;
+        progress().await;
     }
 }

@@ -99,12 +99,12 @@ async fn no_key_or_a_bad_key_or_no_principal_is_dead_lettered_without_a_run() {
 }
 
 #[tokio::test]
-async fn a_failed_handler_is_redelivered_run_again_and_dead_lettered_on_the_last_delivery() {
+async fn a_failed_handler_is_redelivered_run_again_and_dead_lettered_at_the_limit() {
     let c = Consumer::new(Arc::new(MemoryStore::new()), Config::default().with_max_failures(3));
     let runs = Arc::new(AtomicUsize::new(0));
-    let failing = |attempt: u32| {
+    let failing = || {
         let runs = Arc::clone(&runs);
-        let d = Delivery::new("jobs", "a", Some(b"k"), b"p").with_attempt(attempt);
+        let d = Delivery::new("jobs", "a", Some(b"k"), b"p");
         let c = c.clone();
         async move {
             c.process(d, nothing, |_| async move {
@@ -114,16 +114,31 @@ async fn a_failed_handler_is_redelivered_run_again_and_dead_lettered_on_the_last
             .await
         }
     };
-    for attempt in 1..=2 {
-        let s = failing(attempt).await;
+    for _ in 1..=2 {
+        let s = failing().await;
         assert!(matches!(s, Settle::Redeliver { why: Redeliver::HandlerFailed, .. }), "{s:?}");
     }
-    let Settle::DeadLetter(DeadLetter::HandlerFailed { attempts: 3, error }) = failing(3).await else { panic!() };
+    let Settle::DeadLetter(DeadLetter::HandlerFailed { failures: 3, error }) = failing().await else { panic!() };
     assert_eq!(error, "provider said 500");
     assert_eq!(runs.load(Ordering::SeqCst), 3);
-    // A later delivery that succeeds takes over the failed record.
+    // A later delivery of the key is dead-lettered without running.
     let d = Delivery::new("jobs", "a", Some(b"k"), b"p");
-    assert_eq!(run(&c, d, &runs, Duration::ZERO).await, Settle::Ack(Acked::Ran));
+    let Settle::DeadLetter(DeadLetter::HandlerFailed { failures: 3, .. }) = run(&c, d, &runs, Duration::ZERO).await
+    else {
+        panic!()
+    };
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn the_same_key_on_another_subject_is_a_mismatch() {
+    let c = consumer(Duration::from_secs(5));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let d = Delivery::new("jobs", "a", Some(b"k"), b"{\"id\":42}");
+    assert_eq!(run(&c, d.with_subject("jobs.create"), &runs, Duration::ZERO).await, Settle::Ack(Acked::Ran));
+    let other = run(&c, d.with_subject("jobs.delete"), &runs, Duration::ZERO).await;
+    assert_eq!(other, Settle::DeadLetter(DeadLetter::Mismatch));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]

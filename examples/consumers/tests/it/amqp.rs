@@ -181,3 +181,42 @@ async fn a_mismatch_and_a_keyless_job_are_dead_lettered_with_their_reason() {
     assert_eq!(dead, vec![("k".to_owned(), "mismatch".to_owned()), (String::new(), "missing-key".to_owned())]);
     run.delete().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_that_reaches_no_queue_does_not_ack_the_original() {
+    // With the dead-letter queue gone, the publish was unroutable, RabbitMQ confirmed it
+    // anyway, and the original was acked: the message existed nowhere.
+    let prefix = run_id();
+    let run = AmqpRun::create(&prefix).await;
+    let glue = run.glue(Duration::from_secs(10)).await;
+    run.channel.queue_delete(format!("{prefix}.dead").as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    run.publish_with(b"no key", BasicProperties::default()).await;
+    let m = run.next().await;
+    let r = glue.handle(&prefix, &m.delivery, |_| async { Ok::<(), String>(()) }).await;
+    let left = run.ready(&prefix).await;
+    run.delete().await;
+    assert!(r.is_err(), "{r:?}");
+    assert_eq!(left, 1, "the message went back to its queue");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_dead_letter_goes_back_to_the_queue() {
+    // A refused dead letter (the dead-letter queue full, overflow reject-publish) left the
+    // delivery unacked on a live channel: never redelivered, holding a prefetch slot.
+    let prefix = run_id();
+    let run = AmqpRun::create(&prefix).await;
+    let glue = run.glue(Duration::from_secs(10)).await;
+    let dead = format!("{prefix}.dead");
+    run.channel.queue_delete(dead.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(0));
+    args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+    run.channel.queue_declare(dead.as_str().into(), QueueDeclareOptions::durable(), args).await.unwrap();
+    run.publish_with(b"no key", BasicProperties::default()).await;
+    let m = run.next().await;
+    let r = glue.handle(&prefix, &m.delivery, |_| async { Ok::<(), String>(()) }).await;
+    let ready = run.ready(&prefix).await;
+    run.delete().await;
+    assert!(r.is_err(), "{r:?}");
+    assert_eq!(ready, 1, "the message went back to its queue");
+}

@@ -159,8 +159,11 @@ pub(crate) async fn killed_consumers(broker: &impl Broker, prefix: &str) {
     let twice: Vec<_> = per_job.iter().filter(|(_, n)| *n != 1).collect();
     assert!(twice.is_empty(), "jobs whose worker was created more than once: {twice:?}");
     assert_eq!(per_job.len(), JOBS, "every job created its worker");
+    // A dead letter is published before its original is acked, so a kill in between
+    // publishes it again on the next delivery: at least once, one key per mismatch.
     let dead = broker.dead_letters().await;
-    assert_eq!(dead.len(), MISMATCHED, "{dead:?}");
+    let keys: std::collections::BTreeSet<_> = dead.iter().map(|(key, _)| key.clone()).collect();
+    assert_eq!(keys.len(), MISMATCHED, "{dead:?}");
     assert!(dead.iter().all(|(key, reason)| reason == "mismatch" && key.starts_with("job-")), "{dead:?}");
     eprintln!(
         "killed consumers: {} messages, {JOBS} jobs, {KILLS} kills, settled in {:.1} s: {taken_over} jobs taken \

@@ -108,7 +108,7 @@ impl Broker for NatsRun {
     }
 
     fn source(&self) -> String {
-        self.prefix.clone()
+        format!("{}/workers", self.prefix)
     }
 
     async fn drained(&self) -> bool {
@@ -191,9 +191,8 @@ async fn a_job_longer_than_ack_wait_is_kept_in_progress_and_its_duplicate_waits(
     run.publish(&[("long".to_owned(), b"p".to_vec())]).await;
     let msg = run.next().await;
     let runs = Arc::new(AtomicUsize::new(0));
-    let r = Arc::clone(&runs);
-    let long = glue.handle(&msg, |_| async move {
-        r.fetch_add(1, Ordering::SeqCst);
+    let long = glue.handle(&msg, |_| async {
+        runs.fetch_add(1, Ordering::SeqCst);
         tokio::time::sleep(Duration::from_secs(5)).await;
         Ok::<(), String>(())
     });
@@ -225,4 +224,116 @@ async fn a_job_longer_than_ack_wait_is_kept_in_progress_and_its_duplicate_waits(
     let back = run.next().await;
     assert_eq!(glue.handle(&back, |_| async { Ok::<(), String>(()) }).await.unwrap(), Settle::Ack(Acked::AlreadyDone));
     run.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_consumers_of_one_stream_each_run_their_handler() {
+    // With the stream alone as the scope's source, a second service reading the same
+    // stream through its own durable consumer found the first one's completed record and
+    // acked every message without running its handler.
+    let nats = Nats::connect().await;
+    let prefix = run_id();
+    let run = NatsRun::create(&nats, &prefix, "Nats-Msg-Id").await;
+    let stream = run.js.get_stream(&prefix).await.unwrap();
+    let billing = consumer::pull::Config {
+        durable_name: Some("billing".to_owned()),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ..Default::default()
+    };
+    stream.create_consumer(billing).await.unwrap();
+    run.publish(&[("order-1".to_owned(), b"{\"order\":1}".to_vec())]).await;
+    let counted = |n: &'static AtomicUsize| {
+        move |_| async move {
+            n.fetch_add(1, Ordering::SeqCst);
+            Ok::<(), String>(())
+        }
+    };
+    static PROVISIONED: AtomicUsize = AtomicUsize::new(0);
+    static BILLED: AtomicUsize = AtomicUsize::new(0);
+    let provisioning = run.glue(consumer(Duration::from_secs(10)).await);
+    let s1 = provisioning.handle(&run.next().await, counted(&PROVISIONED)).await.unwrap();
+    let billing_pull: consumer::PullConsumer = stream.get_consumer("billing").await.unwrap();
+    let msg = billing_pull.fetch().max_messages(1).messages().await.unwrap().next().await.unwrap().unwrap();
+    let billing = run.glue(consumer(Duration::from_secs(10)).await);
+    let s2 = billing.handle(&msg, counted(&BILLED)).await.unwrap();
+    run.delete().await;
+    assert_eq!((s1, s2), (Settle::Ack(Acked::Ran), Settle::Ack(Acked::Ran)));
+    assert_eq!((PROVISIONED.load(Ordering::SeqCst), BILLED.load(Ordering::SeqCst)), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_delivery_max_deliver_allows_is_held_not_naked() {
+    // A consumer died mid-handler; the redelivery found the key in flight and was NAKed;
+    // with max_deliver reached JetStream never delivered it again: the job was lost.
+    let nats = Nats::connect().await;
+    let prefix = run_id();
+    let run = NatsRun::create(&nats, &prefix, "Nats-Msg-Id").await;
+    let stream = run.js.get_stream(&prefix).await.unwrap();
+    let capped = consumer::pull::Config {
+        durable_name: Some("capped".to_owned()),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: Duration::from_secs(1),
+        max_deliver: 2,
+        ..Default::default()
+    };
+    stream.create_consumer(capped).await.unwrap();
+    let pull: consumer::PullConsumer = stream.get_consumer("capped").await.unwrap();
+    let fetch = || async {
+        let mut batch = pull.fetch().max_messages(1).expires(Duration::from_secs(4)).messages().await.unwrap();
+        batch.next().await.map(|m| m.unwrap())
+    };
+    run.publish(&[("job-1".to_owned(), b"p".to_vec())]).await;
+    let glue = run.glue(consumer(Duration::from_secs(3)).await).with_max_deliver(2);
+    // A process killed mid-handler: nothing marks the record failed, the lease stands.
+    let first = fetch().await.expect("delivery 1");
+    let info = first.info().unwrap();
+    let scope = idem_core::Scope::new(
+        prefix.as_str(),
+        idem_core::Endpoint::new(idem_consumer::METHOD, &format!("{}/{}", info.stream, info.consumer)),
+    )
+    .unwrap();
+    let req = idem_core::ClaimRequest::new(
+        scope,
+        idem_core::IdempotencyKey::parse(b"job-1").unwrap(),
+        idem_core::Fingerprint::of(&idem_core::RequestParts {
+            method: idem_consumer::METHOD,
+            path: &format!("{}/{}", info.stream, info.consumer),
+            query: Some(first.subject.as_str()),
+            headers: &[],
+            body: b"p",
+        }),
+        Duration::from_secs(3),
+        Duration::from_secs(60),
+    );
+    let store = idem_example_consumers::store(&postgres_url()).await.unwrap();
+    assert!(matches!(store.claim(req).await.unwrap(), idem_core::ClaimOutcome::Claimed(_)));
+    // Delivery 2 after ack_wait, the last allowed: the key is still in flight.
+    let second = fetch().await.expect("delivery 2");
+    assert_eq!(second.info().unwrap().delivered, 2);
+    let s = glue.handle(&second, |_| async { Ok::<(), String>(()) }).await.unwrap();
+    run.delete().await;
+    assert_eq!(s, Settle::Ack(Acked::Ran), "held until the dead consumer's lease ran out, then run");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_too_large_for_the_server_is_stored_without_its_payload() {
+    // A payload near max_payload plus the dead-letter headers was refused by the server,
+    // and the message came back after every ack_wait, never dead-lettered.
+    let nats = Nats::connect().await;
+    let prefix = run_id();
+    let run = NatsRun::create(&nats, &prefix, "Nats-Msg-Id").await;
+    let max = run.js.client().server_info().max_payload;
+    run.js.publish(format!("{prefix}.jobs"), vec![b'x'; max - 64].into()).await.unwrap().await.unwrap();
+    let glue = run.glue(consumer(Duration::from_secs(10)).await);
+    let settle = glue.handle(&run.next().await, |_| async { Ok::<(), String>(()) }).await.unwrap();
+    let dead = run.js.get_stream(format!("{prefix}_DEAD")).await.unwrap().get_raw_message(1).await.unwrap();
+    let drained = run.drained().await;
+    run.delete().await;
+    assert!(matches!(settle, Settle::DeadLetter(_)), "{settle:?}");
+    assert!(drained);
+    assert_eq!(
+        dead.headers.get(idem_consumer::nats::OMITTED_HEADER).map(|v| v.as_str().to_owned()).as_deref(),
+        Some("true")
+    );
+    assert!(dead.payload.is_empty());
 }

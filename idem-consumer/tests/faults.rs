@@ -1,0 +1,276 @@
+//! The engine under faults: panics, store outages and hangs, long handlers, failure
+//! limits and keys that must not fold together. In-process store; no broker.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idem_consumer::{Acked, Config, Consumer, DeadLetter, Delivery, Redeliver, Settle};
+use idem_core::{
+    Capabilities, ClaimOutcome, ClaimRequest, Endpoint, FencingToken, IdempotencyKey, JournalWrite, MemoryStore,
+    Receipt, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse,
+    SweepOutcome,
+};
+
+async fn nothing() {}
+
+fn record_id(source: &str, principal: &str, key: &[u8]) -> RecordId {
+    let scope = Scope::new(principal, Endpoint::new(idem_consumer::METHOD, source)).unwrap();
+    scope.record_id(&IdempotencyKey::parse(key).unwrap())
+}
+
+fn transient(what: &str) -> StoreError {
+    StoreError::unavailable("flaky", what.to_owned(), true, std::io::Error::other(what.to_owned()))
+}
+
+/// A MemoryStore whose `complete` fails `fail_completes` times and whose `extend` fails while
+/// `extend_down` is set (transient errors, as a dropped connection gives).
+#[derive(Debug, Default)]
+struct Flaky {
+    inner: MemoryStore,
+    fail_completes: AtomicUsize,
+    extend_down: AtomicBool,
+    claim_hangs: AtomicBool,
+}
+
+#[async_trait]
+impl Store for Flaky {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        if self.claim_hangs.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        self.inner.claim(req).await
+    }
+    async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
+        self.inner.reclaim(req).await
+    }
+    async fn complete(&self, id: RecordId, token: FencingToken, r: StoredResponse) -> Result<Receipt, StoreError> {
+        if self.fail_completes.load(Ordering::SeqCst) > 0 {
+            self.fail_completes.fetch_sub(1, Ordering::SeqCst);
+            return Err(transient("complete: connection reset"));
+        }
+        self.inner.complete(id, token, r).await
+    }
+    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
+        self.inner.fail(id, token).await
+    }
+    async fn extend(&self, id: RecordId, token: FencingToken, ttl: Duration) -> Result<Receipt, StoreError> {
+        if self.extend_down.load(Ordering::SeqCst) {
+            return Err(transient("extend: connection reset"));
+        }
+        self.inner.extend(id, token, ttl).await
+    }
+    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        self.inner.get(id).await
+    }
+    async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
+        self.inner.sweep(limit).await
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    async fn journal_put(
+        &self,
+        id: RecordId,
+        token: FencingToken,
+        name: &str,
+        value: Vec<u8>,
+        overwrite: bool,
+    ) -> Result<JournalWrite, StoreError> {
+        self.inner.journal_put(id, token, name, value, overwrite).await
+    }
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.journal_get(id, name).await
+    }
+}
+
+/// A panicking handler left its record in flight for the whole lease and unwound through
+/// `process`, so the glue never settled the message (and a worker crashed on every
+/// redelivery). The panic now marks the record failed and the message is redelivered.
+#[tokio::test]
+async fn a_panicking_handler_marks_the_record_failed() {
+    let store = Arc::new(MemoryStore::new());
+    let c = Consumer::new(store.clone(), Config::default().with_lease_ttl(Duration::from_secs(30)));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let c2 = c.clone();
+    let r = Arc::clone(&runs);
+    let joined = tokio::spawn(async move {
+        let d = Delivery::new("jobs", "a", Some(b"poison"), b"p");
+        c2.process(d, nothing, |_| async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            if true {
+                panic!("handler bug");
+            }
+            Ok::<(), String>(())
+        })
+        .await
+    })
+    .await;
+    let settle = joined.expect("the panic stays inside process");
+    assert!(matches!(settle, Settle::Redeliver { why: Redeliver::HandlerFailed, .. }), "{settle:?}");
+    let rec = store.get(record_id("jobs", "a", b"poison")).await.unwrap().unwrap();
+    // The next delivery (JetStream redelivers after ack_wait) should run the handler again at
+    // once, as after an Err; instead it waits out the 30 s lease.
+    let d = Delivery::new("jobs", "a", Some(b"poison"), b"p").with_attempt(2);
+    let s = c.process(d, nothing, |_| async { Ok::<(), String>(()) }).await;
+    assert_eq!(rec.state, RecordState::Failed, "record left {:?} after a panic; next delivery: {s:?}", rec.state);
+    assert_eq!(s, Settle::Ack(Acked::Ran));
+}
+
+/// After a handler longer than one lease, one transient `complete` error was not retried
+/// (the lease was measured from the claim, not the last renewal): the message was
+/// redelivered and the handler ran a second time.
+#[tokio::test]
+async fn a_transient_complete_error_after_a_long_handler_is_retried() {
+    let store = Arc::new(Flaky::default());
+    let c = Consumer::new(
+        store.clone(),
+        Config::default().with_lease_ttl(Duration::from_millis(90)).with_retry_after(Duration::from_millis(5)),
+    );
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = |hold: u64| {
+        let runs = Arc::clone(&runs);
+        move |_| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(hold)).await;
+            Ok::<(), String>(())
+        }
+    };
+    store.fail_completes.store(1, Ordering::SeqCst);
+    let d = Delivery::new("jobs", "a", Some(b"long"), b"p");
+    let first = c.process(d, nothing, handler(300)).await;
+    // Follow the redelivery to its end.
+    let mut s = first.clone();
+    for attempt in 2..20 {
+        if matches!(s, Settle::Ack(_)) {
+            break;
+        }
+        if let Settle::Redeliver { after, .. } = s {
+            tokio::time::sleep(after.min(Duration::from_millis(200))).await;
+        }
+        s = c.process(d.with_attempt(attempt), nothing, handler(0)).await;
+    }
+    assert_eq!(
+        (first.clone(), runs.load(Ordering::SeqCst)),
+        (Settle::Ack(Acked::Ran), 1),
+        "first delivery: {first:?}; the handler ran {} times",
+        runs.load(Ordering::SeqCst)
+    );
+}
+
+/// During a store outage the renewals failed, the lease ran out, a redelivery reclaimed
+/// the key, and the first handler (stopped only on a refused renewal) ran its step after
+/// another delivery owned the record: the effect happened twice even through `step`.
+#[tokio::test]
+async fn a_handler_whose_lease_ran_out_unrenewed_is_stopped_before_its_next_step() {
+    let store = Arc::new(Flaky::default());
+    let c = Consumer::new(store.clone(), Config::default().with_lease_ttl(Duration::from_millis(90)));
+    let charges = Arc::new(AtomicUsize::new(0));
+    let handler = || {
+        let charges = Arc::clone(&charges);
+        move |r: idem_core::Resumable| async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            r.step("charge", |_| async {
+                charges.fetch_add(1, Ordering::SeqCst);
+                Ok::<u32, String>(1)
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+            Ok::<(), String>(())
+        }
+    };
+    store.extend_down.store(true, Ordering::SeqCst);
+    let d = Delivery::new("jobs", "a", Some(b"k"), b"p");
+    let first = c.process(d, nothing, handler());
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        c.process(d.with_attempt(2), nothing, handler()).await
+    };
+    let (first, second) = tokio::join!(first, second);
+    assert!(matches!(first, Settle::Redeliver { why: Redeliver::LeaseLost, .. }), "{first:?}");
+    assert!(charges.load(Ordering::SeqCst) <= 1, "the effect ran twice; first {first:?}, second {second:?}");
+    // Once the store is back, a delivery finishes the job, and the step ran once in all.
+    store.extend_down.store(false, Ordering::SeqCst);
+    let mut last = second;
+    for _ in 0..20 {
+        if matches!(last, Settle::Ack(_)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        last = c.process(d, nothing, handler()).await;
+    }
+    assert_eq!(last, Settle::Ack(Acked::Ran));
+    assert_eq!(charges.load(Ordering::SeqCst), 1);
+}
+
+/// The broker's delivery count, which also counts redeliveries for a key in flight or a
+/// store outage, dead-lettered a message on its first handler failure.
+#[tokio::test]
+async fn only_handler_failures_count_towards_max_failures() {
+    let c = Consumer::new(Arc::new(MemoryStore::new()), Config::default());
+    let d = Delivery::new("jobs", "a", Some(b"k"), b"p").with_attempt(5);
+    let s = c.process(d, nothing, |_| async { Err::<(), _>("transient 503 from the provider") }).await;
+    assert!(matches!(s, Settle::Redeliver { why: Redeliver::HandlerFailed, .. }), "first failure: {s:?}");
+}
+
+/// A delivery after the failure limit (the dead-letter publish failed, or JetStream
+/// redelivered before `+TERM`) reclaimed the failed record and ran the handler again.
+#[tokio::test]
+async fn a_message_past_max_failures_does_not_run_again() {
+    let c = Consumer::new(Arc::new(MemoryStore::new()), Config::default().with_max_failures(2));
+    let runs = Arc::new(AtomicUsize::new(0));
+    for attempt in 1..=4 {
+        let runs = Arc::clone(&runs);
+        let d = Delivery::new("jobs", "a", Some(b"k"), b"p").with_attempt(attempt);
+        let s = c
+            .process(d, nothing, |_| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Err::<(), _>("boom")
+            })
+            .await;
+        if attempt >= 2 {
+            assert!(matches!(s, Settle::DeadLetter(DeadLetter::HandlerFailed { .. })), "{s:?}");
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "the handler ran past max_failures");
+}
+
+/// Parsed as an HTTP header, AMQP message ids `job-1`, ` job-1 ` and `"job-1"` (distinct
+/// ids at the broker) shared one record: the second and third were acked without running.
+/// They are refused as invalid keys instead.
+#[tokio::test]
+async fn distinct_message_ids_never_share_a_record() {
+    let c = Consumer::new(Arc::new(MemoryStore::new()), Config::default());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut settles = Vec::new();
+    for key in [&b"job-1"[..], b" job-1\t", b"\"job-1\""] {
+        let runs = Arc::clone(&runs);
+        let d = Delivery::new("jobs", "a", Some(key), b"p");
+        settles.push(
+            c.process(d, nothing, |_| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<(), String>(())
+            })
+            .await,
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "{settles:?}");
+    assert!(
+        settles[1..].iter().all(|s| matches!(s, Settle::DeadLetter(r) if r.code() == "invalid-key")),
+        "{settles:?}"
+    );
+}
+
+/// A store that stopped answering (half-open TCP, an exhausted pool) parked every
+/// delivery on its claim forever instead of redelivering it.
+#[tokio::test]
+async fn a_hung_store_claim_redelivers_instead_of_blocking() {
+    let store = Arc::new(Flaky::default());
+    store.claim_hangs.store(true, Ordering::SeqCst);
+    let c = Consumer::new(store, Config::default().with_store_timeout(Duration::from_millis(200)));
+    let d = Delivery::new("jobs", "a", Some(b"k"), b"p");
+    let s =
+        tokio::time::timeout(Duration::from_secs(5), c.process(d, nothing, |_| async { Ok::<(), String>(()) })).await;
+    assert!(matches!(s, Ok(Settle::Redeliver { why: Redeliver::StoreUnavailable, .. })), "{s:?}");
+}
