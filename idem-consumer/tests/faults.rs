@@ -6,11 +6,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idem_conformance::{Forward, Forwarding};
 use idem_consumer::{Acked, Config, Consumer, DeadLetter, Delivery, Redeliver, Settle};
 use idem_core::{
-    Capabilities, ClaimOutcome, ClaimRequest, Endpoint, FencingToken, IdempotencyKey, JournalWrite, MemoryStore,
-    Receipt, ReclaimOutcome, ReclaimRequest, Record, RecordId, RecordState, Scope, Store, StoreError, StoredResponse,
-    SweepOutcome,
+    ClaimOutcome, ClaimRequest, Endpoint, FencingToken, IdempotencyKey, MemoryStore, Receipt, RecordId, RecordState,
+    Scope, Store, StoreError, StoredResponse,
 };
 
 async fn nothing() {}
@@ -35,15 +35,15 @@ struct Flaky {
 }
 
 #[async_trait]
-impl Store for Flaky {
+impl Forward for Flaky {
+    fn inner(&self) -> &dyn Store {
+        &self.inner
+    }
     async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         if self.claim_hangs.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
         self.inner.claim(req).await
-    }
-    async fn reclaim(&self, req: ReclaimRequest) -> Result<ReclaimOutcome, StoreError> {
-        self.inner.reclaim(req).await
     }
     async fn complete(&self, id: RecordId, token: FencingToken, r: StoredResponse) -> Result<Receipt, StoreError> {
         if self.fail_completes.load(Ordering::SeqCst) > 0 {
@@ -52,36 +52,11 @@ impl Store for Flaky {
         }
         self.inner.complete(id, token, r).await
     }
-    async fn fail(&self, id: RecordId, token: FencingToken) -> Result<Receipt, StoreError> {
-        self.inner.fail(id, token).await
-    }
     async fn extend(&self, id: RecordId, token: FencingToken, ttl: Duration) -> Result<Receipt, StoreError> {
         if self.extend_down.load(Ordering::SeqCst) {
             return Err(transient("extend: connection reset"));
         }
         self.inner.extend(id, token, ttl).await
-    }
-    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
-        self.inner.get(id).await
-    }
-    async fn sweep(&self, limit: usize) -> Result<SweepOutcome, StoreError> {
-        self.inner.sweep(limit).await
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    async fn journal_put(
-        &self,
-        id: RecordId,
-        token: FencingToken,
-        name: &str,
-        value: Vec<u8>,
-        overwrite: bool,
-    ) -> Result<JournalWrite, StoreError> {
-        self.inner.journal_put(id, token, name, value, overwrite).await
-    }
-    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        self.inner.journal_get(id, name).await
     }
 }
 
@@ -123,7 +98,7 @@ async fn a_panicking_handler_marks_the_record_failed() {
 /// redelivered and the handler ran a second time.
 #[tokio::test]
 async fn a_transient_complete_error_after_a_long_handler_is_retried() {
-    let store = Arc::new(Flaky::default());
+    let store = Arc::new(Forwarding(Flaky::default()));
     let c = Consumer::new(
         store.clone(),
         Config::default().with_lease_ttl(Duration::from_millis(90)).with_retry_after(Duration::from_millis(5)),
@@ -164,7 +139,7 @@ async fn a_transient_complete_error_after_a_long_handler_is_retried() {
 /// another delivery owned the record: the effect happened twice even through `step`.
 #[tokio::test]
 async fn a_handler_whose_lease_ran_out_unrenewed_is_stopped_before_its_next_step() {
-    let store = Arc::new(Flaky::default());
+    let store = Arc::new(Forwarding(Flaky::default()));
     let c = Consumer::new(store.clone(), Config::default().with_lease_ttl(Duration::from_millis(90)));
     let charges = Arc::new(AtomicUsize::new(0));
     let handler = || {
@@ -266,7 +241,7 @@ async fn distinct_message_ids_never_share_a_record() {
 /// delivery on its claim forever instead of redelivering it.
 #[tokio::test]
 async fn a_hung_store_claim_redelivers_instead_of_blocking() {
-    let store = Arc::new(Flaky::default());
+    let store = Arc::new(Forwarding(Flaky::default()));
     store.claim_hangs.store(true, Ordering::SeqCst);
     let c = Consumer::new(store, Config::default().with_store_timeout(Duration::from_millis(200)));
     let d = Delivery::new("jobs", "a", Some(b"k"), b"p");
