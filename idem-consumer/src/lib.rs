@@ -198,7 +198,8 @@ impl Config {
     /// to the next delivery after at most this long.
     #[must_use]
     pub fn with_lease_ttl(mut self, ttl: Duration) -> Self {
-        self.lease_ttl = ttl.max(Duration::from_millis(30));
+        // Bounded above so that instants computed from it cannot overflow.
+        self.lease_ttl = ttl.clamp(Duration::from_millis(30), Duration::from_secs(366 * 24 * 3600));
         self
     }
 
@@ -426,8 +427,12 @@ impl Consumer {
             tracing::warn!(record = %id, error = %e, "store unavailable; the message is redelivered");
             Settle::Redeliver { after: c.retry_after, why: Redeliver::StoreUnavailable }
         };
+        // The lease is counted from before the call: the store's clock started it no later.
+        let sent = Instant::now();
         let (mut record, mut now) = match self.call("claim", self.store.claim(req)).await {
-            Ok(ClaimOutcome::Claimed(record)) => return self.run(record, delivery.attempt, keep_alive, handler).await,
+            Ok(ClaimOutcome::Claimed(record)) => {
+                return self.run(record, sent, delivery.attempt, keep_alive, handler).await;
+            }
             Ok(ClaimOutcome::Existing { record, now }) => (Some(record), now),
             Err(e) => return store_down(e),
         };
@@ -442,17 +447,21 @@ impl Consumer {
                 // The record expired between the claim and now: the next delivery claims it.
                 Decision::Claim => return Settle::Redeliver { after: Duration::ZERO, why: Redeliver::InFlight },
                 Decision::Reclaim { expected } => {
-                    if record.as_ref().is_some_and(|r| r.state == RecordState::Failed)
-                        && let Some((failures, error)) = self.failures(id).await
-                        && failures >= c.max_failures
-                    {
-                        return Settle::DeadLetter(DeadLetter::HandlerFailed { failures, error });
+                    if record.as_ref().is_some_and(|r| r.state == RecordState::Failed) {
+                        match self.failures(id).await {
+                            Ok(Some((failures, error))) if failures >= c.max_failures => {
+                                return Settle::DeadLetter(DeadLetter::HandlerFailed { failures, error });
+                            }
+                            Ok(_) => {}
+                            Err(e) => return store_down(e),
+                        }
                     }
                     let req =
                         ReclaimRequest { id, expected, fingerprint, lease_ttl: c.lease_ttl, retention: c.retention };
+                    let sent = Instant::now();
                     match self.call("reclaim", self.store.reclaim(req)).await {
                         Ok(ReclaimOutcome::Reclaimed(record)) => {
-                            return self.run(record, delivery.attempt, keep_alive, handler).await;
+                            return self.run(record, sent, delivery.attempt, keep_alive, handler).await;
                         }
                         Ok(ReclaimOutcome::Conflict { current, now: at }) => (record, now) = (current, at),
                         Err(e) => return store_down(e),
@@ -463,16 +472,29 @@ impl Consumer {
         Settle::Redeliver { after: c.retry_after, why: Redeliver::InFlight }
     }
 
-    /// The key's failure count and last error, from its journal; `None` without one.
-    async fn failures(&self, id: RecordId) -> Option<(u32, String)> {
-        let bytes = self.call("journal_get", self.store.journal_get(id, FAILURES)).await.ok()??;
+    /// The key's failure count and last error from its journal; `None` when none was
+    /// counted (or the store has no journal).
+    async fn failures(&self, id: RecordId) -> Result<Option<(u32, String)>, StoreError> {
+        if !self.store.capabilities().journal {
+            return Ok(None);
+        }
+        let Some(bytes) = self.call("journal_get", self.store.journal_get(id, FAILURES)).await? else {
+            return Ok(None);
+        };
         let text = String::from_utf8_lossy(&bytes);
         let (count, error) = text.split_once('\n').unwrap_or((&text, ""));
-        Some((count.parse().ok()?, error.to_owned()))
+        Ok(count.parse().ok().map(|n| (n, error.to_owned())))
     }
 
     /// Runs the handler on a claimed `record` and settles it.
-    async fn run<F, Fut, E, K, KFut>(&self, record: Record, attempt: u32, keep_alive: K, handler: F) -> Settle
+    async fn run<F, Fut, E, K, KFut>(
+        &self,
+        record: Record,
+        claimed_at: Instant,
+        attempt: u32,
+        keep_alive: K,
+        handler: F,
+    ) -> Settle
     where
         F: FnOnce(Resumable) -> Fut,
         Fut: Future<Output = Result<(), E>>,
@@ -485,7 +507,6 @@ impl Consumer {
         let watch = Arc::new(Watch::default());
         let resumable = Resumable::new(Arc::clone(&self.store), id, token, record.created_at)
             .with_lease_watch(Arc::clone(&watch) as Arc<dyn LeaseWatch>);
-        let claimed_at = Instant::now();
         // Milliseconds from `claimed_at` to the lease's end as the last renewal left it.
         let lease_end = AtomicU64::new(u64::try_from(self.config.lease_ttl.as_millis()).unwrap_or(u64::MAX));
         let finished = {
@@ -517,21 +538,36 @@ impl Consumer {
     async fn failed(&self, id: RecordId, token: FencingToken, attempt: u32, error: String) -> Settle {
         let c = &self.config;
         tracing::info!(record = %id, token = %token, %error, "handler failed");
+        let lost = || Settle::Redeliver { after: c.retry_after, why: Redeliver::LeaseLost };
+        let journal = self.store.capabilities().journal;
+        // Without a journal, or when it cannot be read, the broker's delivery count stands in
+        // (and nothing is written over a count that could not be read).
         let failures = match self.failures(id).await {
-            Some((n, _)) => n.saturating_add(1),
-            None if !self.store.capabilities().journal => attempt,
-            None => 1,
+            Ok(Some((n, _))) => Some(n.saturating_add(1)),
+            Ok(None) if journal => Some(1),
+            Ok(None) => None,
+            Err(e) => {
+                tracing::warn!(record = %id, error = %e, "reading the failure count failed");
+                None
+            }
         };
-        if self.store.capabilities().journal {
-            let entry = format!("{failures}\n{error}").into_bytes();
-            if let Err(e) = self.call("journal_put", self.store.journal_put(id, token, FAILURES, entry, true)).await {
-                tracing::warn!(record = %id, error = %e, "counting the failure did not apply");
+        if let Some(n) = failures {
+            let entry = format!("{n}\n{error}").into_bytes();
+            match self.call("journal_put", self.store.journal_put(id, token, FAILURES, entry, true)).await {
+                // Another delivery owns the key: this failure is not the handler's verdict on
+                // it (a step refused for the lost lease ends the handler with an error too).
+                Err(e) if e.is_lease_lost() => return lost(),
+                Err(e) => tracing::warn!(record = %id, error = %e, "counting the failure did not apply"),
+                Ok(_) => {}
             }
         }
-        // A refused or failed `fail` leaves the record in flight: the next delivery after
-        // the lease takes it over, as after a crash.
-        if let Err(e) = self.call("fail", self.store.fail(id, token)).await {
-            tracing::warn!(record = %id, error = %e, "marking the record failed did not apply");
+        let failures = failures.unwrap_or(attempt);
+        // A failed `fail` leaves the record in flight: the next delivery after the lease
+        // takes it over, as after a crash.
+        match self.call("fail", self.store.fail(id, token)).await {
+            Err(e) if e.is_lease_lost() => return lost(),
+            Err(e) => tracing::warn!(record = %id, error = %e, "marking the record failed did not apply"),
+            Ok(_) => {}
         }
         if failures >= c.max_failures {
             Settle::DeadLetter(DeadLetter::HandlerFailed { failures, error })
@@ -601,7 +637,8 @@ impl Consumer {
                 Ok(Ok(_)) => {
                     let end = (sent - claimed_at) + ttl;
                     lease_end.store(u64::try_from(end.as_millis()).unwrap_or(u64::MAX), Ordering::Release);
-                    keep_alive().await;
+                    // A stalled broker must not hold up the next renewal or the lease check.
+                    let _ = tokio::time::timeout(interval, keep_alive()).await;
                 }
                 Ok(Err(e)) if e.is_lease_lost() => {
                     tracing::warn!(record = %id, token = %token, "lease lost; stopping the handler");

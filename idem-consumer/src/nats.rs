@@ -158,15 +158,18 @@ impl JetStream {
         let info = msg.info().map_err(Error::NotJetStream)?;
         let source = format!("{}/{}", info.stream, info.consumer);
         let key = msg.headers.as_ref().and_then(|h| h.get(self.key_header.as_str())).map(|v| v.as_str().as_bytes());
-        let delivery = Delivery::new(&source, &self.principal, key, &msg.payload)
-            .with_subject(msg.subject.as_str())
-            .with_attempt(u32::try_from(info.delivered).unwrap_or(u32::MAX));
+        let delivered = u32::try_from(info.delivered).unwrap_or(u32::MAX);
+        let delivery = Delivery::new(&source, &self.principal, key, &msg.payload).with_subject(msg.subject.as_str());
         let progress = || async {
             // A lost progress ack only shortens the broker's deadline; the lease decides.
             let _ = msg.ack_with(AckKind::Progress).await;
         };
         let last = self.max_deliver.is_some_and(|max| info.delivered >= max);
+        let mut round = 0;
         let settle = loop {
+            // Each round in place counts as one more delivery (for a store without a journal).
+            let delivery = delivery.with_attempt(delivered.saturating_add(round));
+            round += 1;
             let settle = self.consumer.process(delivery, progress, &handler).await;
             match settle {
                 Settle::Redeliver { after, why } if last => {
@@ -179,14 +182,21 @@ impl JetStream {
         match &settle {
             Settle::Ack(_) => msg.double_ack().await.map_err(Error::Settle)?,
             Settle::Redeliver { after, .. } => msg.ack_with(AckKind::Nak(Some(*after))).await.map_err(Error::Settle)?,
-            Settle::DeadLetter(reason) => {
-                if let Err(e) = self.dead_letter(msg, &info, &source, reason).await {
+            Settle::DeadLetter(reason) => loop {
+                match self.dead_letter(msg, &info, &source, reason).await {
+                    Ok(()) => break msg.ack_with(AckKind::Term).await.map_err(Error::Settle)?,
+                    // A `NAK` on the last delivery would make JetStream drop the message.
+                    Err(e) if last => {
+                        tracing::warn!(error = %e, "dead letter not stored on the last delivery; held and tried again");
+                        hold(self.consumer.config().retry_after(), &progress).await;
+                    }
                     // Back after the usual delay rather than after `ack_wait`.
-                    let _ = msg.ack_with(AckKind::Nak(Some(self.consumer.config().retry_after()))).await;
-                    return Err(e);
+                    Err(e) => {
+                        let _ = msg.ack_with(AckKind::Nak(Some(self.consumer.config().retry_after()))).await;
+                        return Err(e);
+                    }
                 }
-                msg.ack_with(AckKind::Term).await.map_err(Error::Settle)?;
-            }
+            },
         }
         Ok(settle)
     }
@@ -233,7 +243,7 @@ where
     K: Fn() -> KFut,
     KFut: Future<Output = ()>,
 {
-    let until = tokio::time::Instant::now() + after.max(Duration::from_millis(50));
+    let until = tokio::time::Instant::now() + after.clamp(Duration::from_millis(50), Duration::from_secs(3600));
     loop {
         let now = tokio::time::Instant::now();
         if now >= until {

@@ -249,3 +249,106 @@ async fn a_hung_store_claim_redelivers_instead_of_blocking() {
         tokio::time::timeout(Duration::from_secs(5), c.process(d, nothing, |_| async { Ok::<(), String>(()) })).await;
     assert!(matches!(s, Ok(Settle::Redeliver { why: Redeliver::StoreUnavailable, .. })), "{s:?}");
 }
+
+/// journal_get fails once, on the `fail_on`-th call.
+#[derive(Debug, Default)]
+struct BlipJournal {
+    inner: MemoryStore,
+    calls: AtomicUsize,
+    fail_on: usize,
+}
+
+#[async_trait]
+impl Forward for BlipJournal {
+    fn inner(&self) -> &dyn Store {
+        &self.inner
+    }
+    async fn journal_get(&self, id: RecordId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == self.fail_on {
+            return Err(StoreError::unavailable("blip", "journal_get: reset", true, std::io::Error::other("reset")));
+        }
+        self.inner.journal_get(id, name).await
+    }
+}
+
+/// One transient journal_get error while counting a failure rewrote the count as 1: the
+/// third failure (max_failures 3) was redelivered instead of dead-lettered. Now the
+/// broker's count stands in for that one decision and nothing overwrites the count.
+#[tokio::test]
+async fn a_journal_read_blip_does_not_reset_the_failure_count() {
+    // journal_get calls: d1 failed()=#1; d2 pre-check=#2, failed()=#3; d3 pre-check=#4, failed()=#5.
+    let store = Arc::new(Forwarding(BlipJournal { fail_on: 5, ..Default::default() }));
+    let c = Consumer::new(store, Config::default().with_max_failures(3).with_retry_after(Duration::ZERO));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut settles = Vec::new();
+    for attempt in 1..=6 {
+        let runs = Arc::clone(&runs);
+        let d = Delivery::new("jobs", "a", Some(b"k"), b"p").with_attempt(attempt);
+        settles.push(
+            c.process(d, nothing, |_| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Err::<(), _>("boom")
+            })
+            .await,
+        );
+    }
+    assert!(matches!(settles[2], Settle::DeadLetter(DeadLetter::HandlerFailed { failures: 3, .. })), "{settles:#?}");
+    // The count that could not be read stayed at 2, so one later delivery ran once more
+    // (a dead-lettered message is not delivered again; a re-publish would be).
+    assert_eq!(runs.load(Ordering::SeqCst), 4, "{settles:#?}");
+    assert!(settles[4..].iter().all(|s| matches!(s, Settle::DeadLetter(_))), "{settles:#?}");
+}
+
+/// claim answers 100 ms late; extend is down.
+#[derive(Debug, Default)]
+struct SlowClaim {
+    inner: MemoryStore,
+    slow: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait]
+impl Forward for SlowClaim {
+    fn inner(&self) -> &dyn Store {
+        &self.inner
+    }
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let out = self.inner.claim(req).await;
+        if self.slow.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        out
+    }
+    async fn extend(&self, _: RecordId, _: FencingToken, _: Duration) -> Result<Receipt, StoreError> {
+        Err(StoreError::unavailable("slow", "extend: reset", true, std::io::Error::other("reset")))
+    }
+}
+
+/// With the lease measured from when the claim returned, the first handler ran on for the
+/// claim's latency after the store's lease ended and a redelivery took the key over; its
+/// step was refused, and that error was counted as a handler failure: at the limit one
+/// message both ran (the new owner) and was dead-lettered.
+#[tokio::test]
+async fn a_handler_stopped_by_a_lost_lease_is_not_counted_as_a_failure() {
+    let store = Arc::new(Forwarding(SlowClaim::default()));
+    store.slow.store(true, Ordering::SeqCst);
+    let c =
+        Consumer::new(store.clone(), Config::default().with_lease_ttl(Duration::from_millis(300)).with_max_failures(1));
+    let d = Delivery::new("jobs", "a", Some(b"k"), b"p");
+    let first = c.process(d, nothing, |r: idem_core::Resumable| async move {
+        // claim returned at T0+100; step at T0+360 (store lease ended at T0+300).
+        tokio::time::sleep(Duration::from_millis(260)).await;
+        r.step("effect", |_| async { Ok::<u32, String>(1) }).await.map_err(|e| e.to_string())?;
+        Ok::<(), String>(())
+    });
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(330)).await;
+        store.slow.store(false, Ordering::SeqCst);
+        c.process(d.with_attempt(2), nothing, |_| async { Ok::<(), String>(()) }).await
+    };
+    let (first, second) = tokio::join!(first, second);
+    assert!(
+        !matches!(first, Settle::DeadLetter(_)),
+        "first: {first:?} (dead-lettered), second: {second:?}: the one message both ran and was dead-lettered"
+    );
+}

@@ -337,3 +337,48 @@ async fn a_dead_letter_too_large_for_the_server_is_stored_without_its_payload() 
     );
     assert!(dead.payload.is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_that_fails_on_the_last_delivery_is_held_and_tried_again() {
+    // On the last delivery max_deliver allows, a failed dead-letter publish NAKed the
+    // message and JetStream never delivered it again: neither acked nor dead-lettered.
+    let nats = Nats::connect().await;
+    let prefix = run_id();
+    let run = NatsRun::create(&nats, &prefix, "Nats-Msg-Id").await;
+    let stream = run.js.get_stream(&prefix).await.unwrap();
+    let capped = consumer::pull::Config {
+        durable_name: Some("capped".to_owned()),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: Duration::from_secs(2),
+        max_deliver: 1,
+        ..Default::default()
+    };
+    stream.create_consumer(capped).await.unwrap();
+    let pull: consumer::PullConsumer = stream.get_consumer("capped").await.unwrap();
+    let mut batch = pull.fetch().max_messages(1).expires(Duration::from_secs(4)).messages().await.unwrap();
+    // Keyless, so dead-lettered; no stream captures the dead-letter subject yet.
+    run.js.publish(format!("{prefix}.jobs"), "no key".into()).await.unwrap().await.unwrap();
+    let msg = batch.next().await.unwrap().unwrap();
+    let later = format!("{prefix}.later");
+    let glue = JetStream::new(consumer(Duration::from_secs(3)).await, run.js.clone(), prefix.clone(), later.clone())
+        .with_max_deliver(1);
+    let settle = glue.handle(&msg, |_| async { Ok::<(), String>(()) });
+    let comes_back = async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let config =
+            stream::Config { name: format!("{prefix}_LATER"), subjects: vec![later.clone()], ..Default::default() };
+        run.js.create_stream(config).await.unwrap();
+    };
+    let (settle, ()) = tokio::join!(settle, comes_back);
+    let stored = run.js.get_stream(format!("{prefix}_LATER")).await.unwrap().get_info().await.unwrap().state.messages;
+    let drained = {
+        let mut pull: consumer::PullConsumer = stream.get_consumer("capped").await.unwrap();
+        let info = pull.info().await.unwrap();
+        info.num_pending == 0 && info.num_ack_pending == 0
+    };
+    let _ = run.js.delete_stream(format!("{prefix}_LATER")).await;
+    run.delete().await;
+    assert!(matches!(settle, Ok(Settle::DeadLetter(_))), "{settle:?}");
+    assert_eq!(stored, 1);
+    assert!(drained, "the original was terminated");
+}
