@@ -17,6 +17,7 @@
 //! idem-bench pgtx --via pgbouncer                          # completion in the handler's transaction
 //! idem-bench seal --store redis --mode replay --body 1024   # sealed vs unsealed responses
 //! idem-bench wake --backend postgres --waiters 8            # waiting duplicates: polling vs waking
+//! idem-bench consumer --broker nats --store redis           # messages/s with and without idem-consumer
 //! ```
 //!
 //! # Layout
@@ -39,6 +40,8 @@
 //!   against the same without (two builds: `--features metrics` and default).
 //! - `wake`: duplicates waiting for an in-flight request (`with_in_flight_wait`): time
 //!   from the first attempt's completion to their answers, polling against waking.
+//! - `consumer`: messages per second through `idem-consumer`'s JetStream or RabbitMQ glue
+//!   against the same consumer acking them bare.
 //! - `benches/pure.rs`: divan micro-benchmarks of the pure paths.
 //!
 //! Embedded files go to a temporary directory under `$IDEM_BENCH_DIR` (default the system
@@ -46,6 +49,7 @@
 
 mod baseline;
 mod cache;
+mod consumer;
 mod cycles;
 mod http;
 mod memory;
@@ -110,6 +114,9 @@ enum Command {
     /// Prometheus recorder installed, or without; no sockets.
     Obs(obs::ObsArgs),
     Wake(wake::WakeArgs),
+    /// Messages per second through idem-consumer's glue (NATS JetStream or RabbitMQ)
+    /// against the same consumer without it, interleaved runs.
+    Consumer(consumer::ConsumerArgs),
 }
 
 /// A store backend.
@@ -192,6 +199,7 @@ fn main() -> Result<(), BoxError> {
             Command::Cache(args) => cache::run(args).await,
             Command::Obs(args) => obs::run(args).await,
             Command::Wake(args) => wake::run(args).await,
+            Command::Consumer(args) => consumer::run(args).await,
         }
     })
 }
