@@ -85,6 +85,25 @@ impl NatsRun {
             .with_key_header(self.key_header.clone())
     }
 
+    /// A second durable pull consumer, `capped`, with this `ack_wait` and `max_deliver`.
+    async fn capped(
+        &self,
+        ack_wait: Duration,
+        max_deliver: i64,
+    ) -> (jetstream::stream::Stream, consumer::PullConsumer) {
+        let stream = self.js.get_stream(&self.prefix).await.unwrap();
+        let config = consumer::pull::Config {
+            durable_name: Some("capped".to_owned()),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ack_wait,
+            max_deliver,
+            ..Default::default()
+        };
+        stream.create_consumer(config).await.unwrap();
+        let pull = stream.get_consumer("capped").await.unwrap();
+        (stream, pull)
+    }
+
     async fn next(&self) -> jetstream::Message {
         let pull: consumer::PullConsumer =
             self.js.get_stream(&self.prefix).await.unwrap().get_consumer("workers").await.unwrap();
@@ -268,16 +287,7 @@ async fn the_last_delivery_max_deliver_allows_is_held_not_naked() {
     let nats = Nats::connect().await;
     let prefix = run_id();
     let run = NatsRun::create(&nats, &prefix, "Nats-Msg-Id").await;
-    let stream = run.js.get_stream(&prefix).await.unwrap();
-    let capped = consumer::pull::Config {
-        durable_name: Some("capped".to_owned()),
-        ack_policy: consumer::AckPolicy::Explicit,
-        ack_wait: Duration::from_secs(1),
-        max_deliver: 2,
-        ..Default::default()
-    };
-    stream.create_consumer(capped).await.unwrap();
-    let pull: consumer::PullConsumer = stream.get_consumer("capped").await.unwrap();
+    let (_, pull) = run.capped(Duration::from_secs(1), 2).await;
     let fetch = || async {
         let mut batch = pull.fetch().max_messages(1).expires(Duration::from_secs(4)).messages().await.unwrap();
         batch.next().await.map(|m| m.unwrap())
@@ -345,16 +355,7 @@ async fn a_dead_letter_that_fails_on_the_last_delivery_is_held_and_tried_again()
     let nats = Nats::connect().await;
     let prefix = run_id();
     let run = NatsRun::create(&nats, &prefix, "Nats-Msg-Id").await;
-    let stream = run.js.get_stream(&prefix).await.unwrap();
-    let capped = consumer::pull::Config {
-        durable_name: Some("capped".to_owned()),
-        ack_policy: consumer::AckPolicy::Explicit,
-        ack_wait: Duration::from_secs(2),
-        max_deliver: 1,
-        ..Default::default()
-    };
-    stream.create_consumer(capped).await.unwrap();
-    let pull: consumer::PullConsumer = stream.get_consumer("capped").await.unwrap();
+    let (stream, pull) = run.capped(Duration::from_secs(2), 1).await;
     let mut batch = pull.fetch().max_messages(1).expires(Duration::from_secs(4)).messages().await.unwrap();
     // Keyless, so dead-lettered; no stream captures the dead-letter subject yet.
     run.js.publish(format!("{prefix}.jobs"), "no key".into()).await.unwrap().await.unwrap();
