@@ -276,12 +276,6 @@ const FAILURES: &str = "idem-consumer:failures";
 /// The longest error text kept in the journal and in a dead letter.
 const MAX_ERROR_LEN: usize = 1024;
 
-/// How the handler's part of an attempt ended.
-enum Finished {
-    Settled(Settle),
-    LeaseLost,
-}
-
 /// Parses a message's key as given: no trimming, no unquoting (see [`Delivery::new`]).
 fn message_key(raw: &[u8]) -> Result<IdempotencyKey, KeyError> {
     if raw.is_empty() {
@@ -344,12 +338,6 @@ impl Consumer {
     #[must_use]
     pub fn new(store: Arc<dyn Store>, config: Config) -> Self {
         Self { store, config }
-    }
-
-    /// The store.
-    #[must_use]
-    pub fn store(&self) -> &Arc<dyn Store> {
-        &self.store
     }
 
     /// The settings.
@@ -509,7 +497,7 @@ impl Consumer {
             .with_lease_watch(Arc::clone(&watch) as Arc<dyn LeaseWatch>);
         // Milliseconds from `claimed_at` to the lease's end as the last renewal left it.
         let lease_end = AtomicU64::new(u64::try_from(self.config.lease_ttl.as_millis()).unwrap_or(u64::MAX));
-        let finished = {
+        let settle = {
             let attempt_done = async {
                 let outcome = AssertUnwindSafe(handler(resumable)).catch_unwind().await;
                 match outcome {
@@ -522,15 +510,12 @@ impl Consumer {
             let mut renewal = pin!(self.renew(id, token, claimed_at, &lease_end, &watch, &keep_alive));
             tokio::select! {
                 biased;
-                settle = &mut attempt_done => Finished::Settled(settle),
-                () = &mut renewal => Finished::LeaseLost,
+                settle = &mut attempt_done => settle,
+                () = &mut renewal => Settle::Redeliver { after: self.config.retry_after, why: Redeliver::LeaseLost },
             }
         };
         guard.armed = false;
-        match finished {
-            Finished::Settled(settle) => settle,
-            Finished::LeaseLost => Settle::Redeliver { after: self.config.retry_after, why: Redeliver::LeaseLost },
-        }
+        settle
     }
 
     /// Counts the failure in the journal, marks the record failed, and says whether the

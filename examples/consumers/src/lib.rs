@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use idem_consumer::{Config, Consumer};
 use idem_core::{Reconciled, Resumable, StepError, Store};
 use rand::Rng as _;
 use sqlx::PgPool;
@@ -33,6 +34,19 @@ pub struct Common {
     /// Run the handler without idem (no claim, ack after the create call).
     #[arg(long)]
     pub no_idem: bool,
+}
+
+impl Common {
+    /// The cloud and the engine every worker binary builds: idem records in PostgreSQL
+    /// under the `--lease-ms` lease.
+    ///
+    /// # Errors
+    /// The database's or the store's.
+    pub async fn connect(&self) -> Result<(Cloud, Consumer), Box<dyn std::error::Error>> {
+        let cloud = Cloud::connect(&self.postgres).await?;
+        let config = Config::default().with_lease_ttl(Duration::from_millis(self.lease_ms));
+        Ok((cloud, Consumer::new(store(&self.postgres).await?, config)))
+    }
 }
 
 /// The cloud: a table of workers, each tagged with the job that asked for it and the tag

@@ -2,13 +2,10 @@
 //!
 //! `amqp-worker --queue jobs --dead-letter jobs.dead`
 
-use std::time::Duration;
-
 use clap::Parser;
 use futures::StreamExt as _;
 use idem_consumer::amqp::Amqp;
-use idem_consumer::{Config, Consumer};
-use idem_example_consumers::{Cloud, Common, init_tracing, provision, provision_bare};
+use idem_example_consumers::{Common, init_tracing, provision, provision_bare};
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 
@@ -32,16 +29,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     init_tracing();
     let args = Args::parse();
     let c = &args.common;
-    let cloud = Cloud::connect(&c.postgres).await?;
+    let (cloud, consumer) = c.connect().await?;
     let conn = lapin::Connection::connect(&args.amqp, lapin::ConnectionProperties::default()).await?;
     let channel = conn.create_channel().await?;
     channel.queue_declare(args.queue.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default()).await?;
     // Prefetch bounds what one worker holds, including deliveries waiting out a redelivery delay.
     channel.basic_qos(u16::try_from(c.concurrency).unwrap_or(u16::MAX), BasicQosOptions::default()).await?;
-    let store = idem_example_consumers::store(&c.postgres).await?;
-    let config = Config::default().with_lease_ttl(Duration::from_millis(c.lease_ms));
-    let glue =
-        Amqp::new(Consumer::new(store, config), channel.clone(), c.principal.clone(), args.dead_letter.clone()).await?;
+    let glue = Amqp::new(consumer, channel.clone(), c.principal.clone(), args.dead_letter.clone()).await?;
     let deliveries = channel
         .basic_consume(args.queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
         .await?;

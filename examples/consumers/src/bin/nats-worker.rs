@@ -2,13 +2,10 @@
 //!
 //! `nats-worker --stream JOBS --consumer workers --dead-letter JOBS.dead`
 
-use std::time::Duration;
-
 use clap::Parser;
 use futures::StreamExt as _;
 use idem_consumer::nats::JetStream;
-use idem_consumer::{Config, Consumer};
-use idem_example_consumers::{Cloud, Common, init_tracing, provision, provision_bare};
+use idem_example_consumers::{Common, init_tracing, provision, provision_bare};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -36,13 +33,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     init_tracing();
     let args = Args::parse();
     let c = &args.common;
-    let cloud = Cloud::connect(&c.postgres).await?;
+    let (cloud, consumer) = c.connect().await?;
     let js = async_nats::jetstream::new(async_nats::connect(&args.nats).await?);
     let pull: async_nats::jetstream::consumer::PullConsumer =
         js.get_stream(&args.stream).await?.get_consumer(&args.consumer).await.map_err(|e| e.to_string())?;
-    let store = idem_example_consumers::store(&c.postgres).await?;
-    let config = Config::default().with_lease_ttl(Duration::from_millis(c.lease_ms));
-    let glue = JetStream::new(Consumer::new(store, config), js.clone(), c.principal.clone(), args.dead_letter.clone())
+    let glue = JetStream::new(consumer, js.clone(), c.principal.clone(), args.dead_letter.clone())
         .with_key_header(args.key_header.clone());
     let (glue, cloud) = (&glue, &cloud);
     eprintln!("nats-worker: consuming {} / {}", args.stream, args.consumer);

@@ -86,11 +86,7 @@ impl NatsRun {
     }
 
     /// A second durable pull consumer, `capped`, with this `ack_wait` and `max_deliver`.
-    async fn capped(
-        &self,
-        ack_wait: Duration,
-        max_deliver: i64,
-    ) -> (jetstream::stream::Stream, consumer::PullConsumer) {
+    async fn capped(&self, ack_wait: Duration, max_deliver: i64) -> consumer::PullConsumer {
         let stream = self.js.get_stream(&self.prefix).await.unwrap();
         let config = consumer::pull::Config {
             durable_name: Some("capped".to_owned()),
@@ -100,16 +96,29 @@ impl NatsRun {
             ..Default::default()
         };
         stream.create_consumer(config).await.unwrap();
-        let pull = stream.get_consumer("capped").await.unwrap();
-        (stream, pull)
+        self.pull("capped").await
+    }
+
+    /// Consumer `name` of the run's stream.
+    async fn pull(&self, name: &str) -> consumer::PullConsumer {
+        self.js.get_stream(&self.prefix).await.unwrap().get_consumer(name).await.unwrap()
     }
 
     async fn next(&self) -> jetstream::Message {
-        let pull: consumer::PullConsumer =
-            self.js.get_stream(&self.prefix).await.unwrap().get_consumer("workers").await.unwrap();
-        let mut batch = pull.fetch().max_messages(1).expires(Duration::from_secs(5)).messages().await.unwrap();
-        batch.next().await.expect("a message within 5 s").unwrap()
+        fetch_one(&self.pull("workers").await, Duration::from_secs(5)).await.expect("a message within 5 s")
     }
+
+    /// Whether consumer `name` holds nothing undelivered or unacknowledged.
+    async fn settled(&self, name: &str) -> bool {
+        let info = self.pull(name).await.info().await.unwrap().clone();
+        info.num_pending == 0 && info.num_ack_pending == 0
+    }
+}
+
+/// The next message `pull` delivers within `within`, if any.
+async fn fetch_one(pull: &consumer::PullConsumer, within: Duration) -> Option<jetstream::Message> {
+    let mut batch = pull.fetch().max_messages(1).expires(within).messages().await.unwrap();
+    batch.next().await.map(Result::unwrap)
 }
 
 impl Broker for NatsRun {
@@ -131,10 +140,7 @@ impl Broker for NatsRun {
     }
 
     async fn drained(&self) -> bool {
-        let mut pull: consumer::PullConsumer =
-            self.js.get_stream(&self.prefix).await.unwrap().get_consumer("workers").await.unwrap();
-        let info = pull.info().await.unwrap();
-        info.num_pending == 0 && info.num_ack_pending == 0
+        self.settled("workers").await
     }
 
     async fn dead_letters(&self) -> Vec<(String, String)> {
@@ -215,12 +221,7 @@ async fn a_job_longer_than_ack_wait_is_kept_in_progress_and_its_duplicate_waits(
         tokio::time::sleep(Duration::from_secs(5)).await;
         Ok::<(), String>(())
     });
-    let redelivered = async {
-        let pull: consumer::PullConsumer =
-            run.js.get_stream(&prefix).await.unwrap().get_consumer("workers").await.unwrap();
-        let mut batch = pull.fetch().max_messages(1).expires(Duration::from_secs(4)).messages().await.unwrap();
-        batch.next().await.map(|m| m.unwrap())
-    };
+    let redelivered = async { fetch_one(&run.pull("workers").await, Duration::from_secs(4)).await };
     let (settle, redelivered) = tokio::join!(long, redelivered);
     assert_eq!(settle.unwrap(), Settle::Ack(Acked::Ran));
     assert!(redelivered.is_none(), "JetStream redelivered a message still in progress");
@@ -271,8 +272,7 @@ async fn two_consumers_of_one_stream_each_run_their_handler() {
     static BILLED: AtomicUsize = AtomicUsize::new(0);
     let provisioning = run.glue(consumer(Duration::from_secs(10)).await);
     let s1 = provisioning.handle(&run.next().await, counted(&PROVISIONED)).await.unwrap();
-    let billing_pull: consumer::PullConsumer = stream.get_consumer("billing").await.unwrap();
-    let msg = billing_pull.fetch().max_messages(1).messages().await.unwrap().next().await.unwrap().unwrap();
+    let msg = fetch_one(&run.pull("billing").await, Duration::from_secs(5)).await.unwrap();
     let billing = run.glue(consumer(Duration::from_secs(10)).await);
     let s2 = billing.handle(&msg, counted(&BILLED)).await.unwrap();
     run.delete().await;
@@ -287,11 +287,8 @@ async fn the_last_delivery_max_deliver_allows_is_held_not_naked() {
     let nats = Nats::connect().await;
     let prefix = run_id();
     let run = NatsRun::create(&nats, &prefix, "Nats-Msg-Id").await;
-    let (_, pull) = run.capped(Duration::from_secs(1), 2).await;
-    let fetch = || async {
-        let mut batch = pull.fetch().max_messages(1).expires(Duration::from_secs(4)).messages().await.unwrap();
-        batch.next().await.map(|m| m.unwrap())
-    };
+    let pull = run.capped(Duration::from_secs(1), 2).await;
+    let fetch = || fetch_one(&pull, Duration::from_secs(4));
     run.publish(&[("job-1".to_owned(), b"p".to_vec())]).await;
     let glue = run.glue(consumer(Duration::from_secs(3)).await).with_max_deliver(2);
     // A process killed mid-handler: nothing marks the record failed, the lease stands.
@@ -355,11 +352,10 @@ async fn a_dead_letter_that_fails_on_the_last_delivery_is_held_and_tried_again()
     let nats = Nats::connect().await;
     let prefix = run_id();
     let run = NatsRun::create(&nats, &prefix, "Nats-Msg-Id").await;
-    let (stream, pull) = run.capped(Duration::from_secs(2), 1).await;
-    let mut batch = pull.fetch().max_messages(1).expires(Duration::from_secs(4)).messages().await.unwrap();
+    let pull = run.capped(Duration::from_secs(2), 1).await;
     // Keyless, so dead-lettered; no stream captures the dead-letter subject yet.
     run.js.publish(format!("{prefix}.jobs"), "no key".into()).await.unwrap().await.unwrap();
-    let msg = batch.next().await.unwrap().unwrap();
+    let msg = fetch_one(&pull, Duration::from_secs(4)).await.unwrap();
     let later = format!("{prefix}.later");
     let glue = JetStream::new(consumer(Duration::from_secs(3)).await, run.js.clone(), prefix.clone(), later.clone())
         .with_max_deliver(1);
@@ -372,11 +368,7 @@ async fn a_dead_letter_that_fails_on_the_last_delivery_is_held_and_tried_again()
     };
     let (settle, ()) = tokio::join!(settle, comes_back);
     let stored = run.js.get_stream(format!("{prefix}_LATER")).await.unwrap().get_info().await.unwrap().state.messages;
-    let drained = {
-        let mut pull: consumer::PullConsumer = stream.get_consumer("capped").await.unwrap();
-        let info = pull.info().await.unwrap();
-        info.num_pending == 0 && info.num_ack_pending == 0
-    };
+    let drained = run.settled("capped").await;
     let _ = run.js.delete_stream(format!("{prefix}_LATER")).await;
     run.delete().await;
     assert!(matches!(settle, Ok(Settle::DeadLetter(_))), "{settle:?}");
