@@ -71,6 +71,20 @@ impl AmqpRun {
         self.channel.queue_declare(queue.into(), passive, FieldTable::default()).await.unwrap().message_count()
     }
 
+    /// The ready count once it reaches `expected`, or as it stands after 3 s: a requeue
+    /// (`basic.nack`) reaches the queue after the channel's next answer may have been sent.
+    async fn ready_reaching(&self, queue: &str, expected: u32) -> u32 {
+        let mut ready = self.ready(queue).await;
+        for _ in 0..30 {
+            if ready == expected {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            ready = self.ready(queue).await;
+        }
+        ready
+    }
+
     async fn next(&self) -> lapin::message::BasicGetMessage {
         for _ in 0..50 {
             if let Some(m) =
@@ -193,7 +207,7 @@ async fn a_dead_letter_that_reaches_no_queue_does_not_ack_the_original() {
     run.publish_with(b"no key", BasicProperties::default()).await;
     let m = run.next().await;
     let r = glue.handle(&prefix, &m.delivery, |_| async { Ok::<(), String>(()) }).await;
-    let left = run.ready(&prefix).await;
+    let left = run.ready_reaching(&prefix, 1).await;
     run.delete().await;
     assert!(r.is_err(), "{r:?}");
     assert_eq!(left, 1, "the message went back to its queue");
@@ -215,7 +229,7 @@ async fn a_refused_dead_letter_goes_back_to_the_queue() {
     run.publish_with(b"no key", BasicProperties::default()).await;
     let m = run.next().await;
     let r = glue.handle(&prefix, &m.delivery, |_| async { Ok::<(), String>(()) }).await;
-    let ready = run.ready(&prefix).await;
+    let ready = run.ready_reaching(&prefix, 1).await;
     run.delete().await;
     assert!(r.is_err(), "{r:?}");
     assert_eq!(ready, 1, "the message went back to its queue");
